@@ -1,0 +1,23 @@
+"""The pack's ComfyUI extension: which nodes it registers and what it sets up when loaded."""
+
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+from .cache_info import CacheInfo
+from .paths import register_cache_folder
+
+__all__ = ["NODES", "StreamCacheExtension"]
+
+NODES: tuple[type[io.ComfyNode], ...] = (CacheInfo,)
+"""Every node of the pack; ids start with ``StreamCache_`` and the category is ``StreamCache``."""
+
+
+class StreamCacheExtension(ComfyExtension):
+    """Registers the ``streamcache`` model folder on load and lists :data:`NODES`."""
+
+    async def on_load(self) -> None:
+        register_cache_folder()
+
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)

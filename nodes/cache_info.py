@@ -1,0 +1,110 @@
+"""Node "Cache Info": tells the user what a cache holds (format, entries, shards, size, datasets)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from comfy_api.latest import io, ui
+
+from ..dataset_cache.errors import CacheNotFoundError
+from .paths import resolve_cache
+
+__all__ = ["CacheInfo", "describe_cache"]
+
+_READER = "dataset_cache.format.reader"
+
+
+def _open_cache_function() -> Any | None:
+    """``open_cache`` of the library's reader, or None while this install has no reader module."""
+    package = __package__.rsplit(".", 1)[0]  # the pack's package, whatever folder name ComfyUI loaded it under
+    try:
+        module = importlib.import_module(f"{package}.{_READER}")
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.endswith(_READER):
+            return None
+        raise
+    return module.open_cache
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit} ({n} bytes)"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _format(value: Any, key: str = "", indent: int = 0) -> list[str]:
+    pad = "  " * indent
+    label = f"{pad}{key}: " if key else pad
+    if isinstance(value, dict):
+        if not value:
+            return [f"{label}(none)"]
+        lines = [f"{pad}{key}:"] if key else []
+        for k, v in value.items():
+            lines += _format(v, str(k), indent + (1 if key else 0))
+        return lines
+    if isinstance(value, int) and not isinstance(value, bool) and "bytes" in key:
+        return [label + _human_bytes(value)]
+    return [label + str(value)]
+
+
+def describe_cache(path: Path) -> str:
+    """A human-readable report of the cache at ``path``, or ``"no cache at <path>"``."""
+    open_cache = _open_cache_function() if path.is_dir() else None
+    if open_cache is None:
+        return f"no cache at {path}"
+    try:
+        reader = open_cache(path)
+    except CacheNotFoundError:
+        return f"no cache at {path}"
+    try:
+        stats = reader.stats()
+    finally:
+        reader.close()
+    return "\n".join([f"StreamCache cache at {path}", *_format(stats, indent=1)])
+
+
+class CacheInfo(io.ComfyNode):
+    """Reports a cache's contents as text; reads headers only, so it is instant even for large caches."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="StreamCache_CacheInfo",
+            display_name="Cache Info",
+            category="StreamCache",
+            description="Shows what a StreamCache cache holds: format version, entries, shards, bytes and datasets.",
+            inputs=[
+                io.String.Input(
+                    "cache",
+                    default="my_dataset",
+                    tooltip="Cache name: a folder inside models/streamcache (or another folder registered as "
+                    "`streamcache` in extra_model_paths.yaml), or an absolute path inside one of them.",
+                ),
+            ],
+            outputs=[io.String.Output(display_name="report", tooltip="The same report as shown on the node.")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def validate_inputs(cls, cache: str | None) -> bool | str:
+        if cache is None:  # linked input: the value is only known at run time
+            return True
+        try:
+            resolve_cache(cache)
+        except ValueError as exc:
+            return str(exc)
+        return True
+
+    @classmethod
+    def fingerprint_inputs(cls, cache: str | None) -> float:
+        return float("nan")  # the cache's files can change under the same name: always re-read
+
+    @classmethod
+    def execute(cls, cache: str) -> io.NodeOutput:
+        report = describe_cache(resolve_cache(cache))
+        return io.NodeOutput(report, ui=ui.PreviewText(report))

@@ -1,0 +1,62 @@
+"""Node "Cache Info" called directly: reports a cache, or says there is none, and refuses escapes."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from support.paths import PACK_ROOT
+
+
+@pytest.fixture
+def node(pack: ModuleType) -> type:
+    return pack.nodes.cache_info.CacheInfo
+
+
+def test_missing_cache_is_reported_not_raised(node: type, cache_root: Path) -> None:
+    out = node.execute(cache="nothing_here")
+    expected = f"no cache at {cache_root / 'nothing_here'}"
+    assert out.result == (expected,)
+    assert out.ui.as_dict() == {"text": (expected,)}
+
+
+def test_escape_is_refused_at_validation_and_execution(node: type, cache_root: Path) -> None:
+    message = node.validate_inputs(cache="../../etc")
+    assert isinstance(message, str) and "must not contain '..'" in message
+    assert node.validate_inputs(cache="fine") is True
+    assert node.validate_inputs(cache=None) is True  # linked input: known only at run time
+    with pytest.raises(ValueError, match="outside the StreamCache folders"):
+        node.execute(cache="/etc")
+
+
+def test_always_rereads(node: type) -> None:
+    value = node.fingerprint_inputs(cache="x")
+    assert value != value  # NaN: never equal, so ComfyUI never serves a stale report
+
+
+_HAS_FORMAT = all((PACK_ROOT / "dataset_cache" / "format" / f).is_file() for f in ("reader.py", "writer.py"))
+
+
+@pytest.mark.skipif(not _HAS_FORMAT, reason="dataset_cache/format/{reader,writer}.py not written yet")
+def test_real_cache_is_described(node: type, pack: ModuleType, cache_root: Path) -> None:
+    from importlib import import_module
+
+    writer_mod = import_module(f"{pack.__name__}.dataset_cache.format.writer")
+    path = cache_root / "info_test"
+    with writer_mod.CacheWriter(path) as writer:
+        for i in range(3):
+            key = hashlib.md5(str(i).encode()).hexdigest()
+            writer.add(key, {"samples": torch.full((1, 4, 8, 8), float(i))}, kind="latent")
+    (report,) = node.execute(cache="info_test").result
+    assert report.startswith(f"StreamCache cache at {path}")
+    assert "entries: 3" in report
+
+
+def test_folder_without_manifest_is_not_a_cache(node: type, cache_root: Path) -> None:
+    (cache_root / "just_images").mkdir()
+    (cache_root / "just_images" / "a.png").write_bytes(b"")
+    (report,) = node.execute(cache="just_images").result
+    assert report == f"no cache at {cache_root / 'just_images'}"

@@ -1,0 +1,152 @@
+"""A small client for ComfyUI's HTTP + websocket API (`POST /prompt`, `GET /history`, `/ws` events).
+
+HTTP uses the standard library only. Progress and execution events come from the websocket (``/ws``), via the
+``websocket-client`` package; without it, :meth:`ComfyClient.run` falls back to polling ``/history``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ComfyClient", "PromptError", "PromptResult"]
+
+
+class PromptError(RuntimeError):
+    """ComfyUI refused a prompt (validation) or the prompt failed while executing."""
+
+    def __init__(self, message: str, details: Any = None) -> None:
+        self.details = details
+        super().__init__(message + (f"\n{json.dumps(details, indent=2, default=str)}" if details else ""))
+
+
+@dataclass
+class PromptResult:
+    """What one finished prompt produced."""
+
+    prompt_id: str
+    history: dict[str, Any]
+    """``/history/<prompt_id>[prompt_id]``: ``outputs`` (node id → ui dict), ``status``, ``meta``."""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """Websocket JSON messages received for this prompt, in order (empty when polling)."""
+
+    @property
+    def outputs(self) -> dict[str, Any]:
+        return self.history.get("outputs", {})
+
+    @property
+    def status(self) -> str:
+        return self.history.get("status", {}).get("status_str", "")
+
+    def events_of(self, kind: str) -> list[dict[str, Any]]:
+        return [e["data"] for e in self.events if e.get("type") == kind]
+
+
+class ComfyClient:
+    """Talks to one ComfyUI server at ``base_url`` (``http://127.0.0.1:8188``)."""
+
+    def __init__(self, base_url: str, *, timeout: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.client_id = uuid.uuid4().hex
+
+    # --- plain HTTP -------------------------------------------------------------------------------------
+    def get(self, route: str) -> Any:
+        with urllib.request.urlopen(self.base_url + route, timeout=self.timeout) as resp:
+            return json.loads(resp.read())
+
+    def post(self, route: str, body: Any) -> Any:
+        req = urllib.request.Request(
+            self.base_url + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw else None
+
+    def object_info(self) -> dict[str, Any]:
+        return self.get("/object_info")
+
+    def queue_prompt(self, prompt: dict[str, Any]) -> str:
+        """POST ``/prompt``; returns the prompt id or raises :class:`PromptError` with ComfyUI's node errors."""
+        try:
+            reply = self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})
+        except urllib.error.HTTPError as exc:
+            body = exc.read().decode(errors="replace")
+            try:
+                details = json.loads(body)
+            except ValueError:
+                details = body
+            raise PromptError(f"ComfyUI refused the prompt (HTTP {exc.code})", details) from exc
+        if reply.get("node_errors"):
+            raise PromptError("ComfyUI reported node errors", reply["node_errors"])
+        return reply["prompt_id"]
+
+    def history(self, prompt_id: str) -> dict[str, Any] | None:
+        return self.get(f"/history/{prompt_id}").get(prompt_id)
+
+    # --- running ----------------------------------------------------------------------------------------
+    def run(self, prompt: dict[str, Any], *, timeout: float = 300.0, check: bool = True) -> PromptResult:
+        """Queue ``prompt``, wait until it finished, return its history (and websocket events).
+
+        Raises:
+            PromptError: refused at validation, or (``check=True``) finished with an error status.
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        try:
+            import websocket  # websocket-client
+        except ImportError:
+            websocket = None
+        events: list[dict[str, Any]] = []
+        ws = None
+        if websocket is not None:
+            ws = websocket.WebSocket()
+            ws.connect(self.base_url.replace("http", "ws", 1) + f"/ws?clientId={self.client_id}", timeout=timeout)
+        try:
+            prompt_id = self.queue_prompt(prompt)
+            deadline = time.monotonic() + timeout
+            if ws is not None:
+                self._wait_ws(ws, prompt_id, deadline, events)
+            entry = self._wait_history(prompt_id, deadline)
+        finally:
+            if ws is not None:
+                ws.close()
+        result = PromptResult(prompt_id, entry, events)
+        if check and result.status != "success":
+            errors = [m for m in entry.get("status", {}).get("messages", []) if m[0] == "execution_error"]
+            raise PromptError(f"prompt {prompt_id} finished with status {result.status!r}", errors or entry)
+        return result
+
+    @staticmethod
+    def _wait_ws(ws: Any, prompt_id: str, deadline: float, events: list[dict[str, Any]]) -> None:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"prompt {prompt_id} did not finish in time")
+            ws.settimeout(remaining)
+            message = ws.recv()
+            if not isinstance(message, str):
+                continue  # binary previews
+            event = json.loads(message)
+            data = event.get("data") or {}
+            if data.get("prompt_id") not in (None, prompt_id):
+                continue
+            events.append(event)
+            if event.get("type") == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
+                return
+            if event.get("type") in ("execution_error", "execution_interrupted"):
+                return
+
+    def _wait_history(self, prompt_id: str, deadline: float) -> dict[str, Any]:
+        """``/history`` holds a prompt only once it finished (success, error or interrupt)."""
+        while True:
+            entry = self.history(prompt_id)
+            if entry:
+                return entry
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prompt {prompt_id} did not appear in /history in time")
+            time.sleep(0.05)

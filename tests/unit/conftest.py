@@ -1,0 +1,28 @@
+"""Unit suite: the ``dataset_cache`` library alone, under the project venv (no ComfyUI).
+
+``tests/`` goes on ``sys.path`` (for ``import support``), and ``dataset_cache`` is registered as a top-level
+package loaded from the pack, so ``import dataset_cache`` works without the pack root on ``sys.path`` (its
+``nodes/`` would shadow ComfyUI's ``nodes`` when the suites share a process) and without importing the pack
+root's ``__init__.py`` (it needs ComfyUI).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS = str(Path(__file__).resolve().parents[1])
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+from support.collection import skip_cuda_tests_without_device, skip_pack_root_setup  # noqa: E402
+from support.pack import import_library  # noqa: E402
+
+import_library()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    skip_pack_root_setup(items)
+    skip_cuda_tests_without_device(items)
