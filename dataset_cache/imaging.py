@@ -1,0 +1,173 @@
+"""Image decoding for the encoder path: header-only sizes, and decode → orient → RGB → resize → crop → tensor.
+
+Two rules keep scanning and decoding consistent, which matters because the bucket (and so the key) is chosen from
+the size the scanner reports while the pixels come from the decoder:
+
+* Orientation comes from the EXIF orientation tag only, read by :func:`exif_orientation` from the header before
+  any pixel is decoded (PNG eXIf chunks after the image data and XMP orientation are ignored by both paths).
+  Orientations 5–8 swap width and height in :func:`read_image_size` and are applied by :func:`load_image`.
+* Only the formats a dataset folder may hold are opened (PNG, JPEG, WebP, BMP, TIFF), whatever the file is
+  named, so a renamed EPS or PDF can never reach an external decoder.
+
+Alpha is dropped (``convert("RGB")``, as kohya and ComfyUI's image loaders do); 16-bit grayscale is scaled to
+8 bits rather than clipped. :func:`load_image` is safe to run on several threads (Pillow releases the GIL while
+decoding and resampling).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .errors import SourceError
+
+if TYPE_CHECKING:
+    from .buckets import CropPlan
+
+__all__ = [
+    "OPEN_FORMATS",
+    "RESIZE_METHODS",
+    "exif_orientation",
+    "read_image_size",
+    "decode_image",
+    "apply_plan",
+    "load_image",
+]
+
+OPEN_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "DIB", "TIFF")
+"""Pillow format names :func:`Image.open` may pick (camera JPEGs that Pillow reports as MPO open through JPEG)."""
+
+RESIZE_METHODS: Mapping[str, Image.Resampling] = {
+    "lanczos": Image.Resampling.LANCZOS,
+    "bicubic": Image.Resampling.BICUBIC,
+    "bilinear": Image.Resampling.BILINEAR,
+    "box": Image.Resampling.BOX,
+    "hamming": Image.Resampling.HAMMING,
+    "nearest": Image.Resampling.NEAREST,
+}
+"""Names accepted as a resize method; the name (not the enum value) goes into latent keys."""
+
+_ORIENTATION_TAG = 0x0112
+_TRANSPOSE: Mapping[int, Image.Transpose] = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def exif_orientation(img: Image.Image) -> int:
+    """Return the EXIF orientation (1–8) of an opened, not yet decoded image; 1 when absent or invalid.
+
+    Reads only what the header already holds: for PNG the eXIf chunk seen before the image data (Pillow's own
+    ``PngImageFile.getexif`` would decode every pixel to look for a later chunk).
+    """
+    try:
+        if img.format == "PNG":
+            raw = img.info.get("exif")
+            if not raw:
+                return 1
+            exif = Image.Exif()
+            exif.load(raw)
+        else:
+            exif = img.getexif()
+        value = exif.get(_ORIENTATION_TAG, 1)
+    except Exception:  # a malformed EXIF block must not make an otherwise good image unreadable
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def _open(path: str | os.PathLike[str]) -> Image.Image:
+    try:
+        return Image.open(path, formats=OPEN_FORMATS)
+    except Exception as exc:  # Pillow raises many types for hostile input; all mean "not a usable image"
+        raise SourceError(str(path), f"not a readable image ({type(exc).__name__}: {exc})") from exc
+
+
+def read_image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """Return ``(width, height)`` as :func:`load_image` will see it, reading the header only.
+
+    Raises:
+        SourceError: the file is not a readable PNG/JPEG/WebP/BMP/TIFF or claims a zero size.
+    """
+    with _open(path) as img:
+        width, height = img.size
+        if exif_orientation(img) >= 5:
+            width, height = height, width
+    if width <= 0 or height <= 0:
+        raise SourceError(str(path), f"image header claims an empty size {width}x{height}")
+    return width, height
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        # 16-bit grayscale: scale to 8 bits; a plain convert would clip everything above 255 to white.
+        arr = np.asarray(img, dtype=np.float32)
+        peak = 65535.0 if img.mode.startswith("I;16") or arr.max(initial=0) > 255 else 255.0
+        gray = np.clip(np.rint(arr * (255.0 / peak)), 0, 255).astype(np.uint8)
+        return Image.fromarray(gray, mode="L").convert("RGB")
+    return img.convert("RGB")
+
+
+def decode_image(path: str | os.PathLike[str]) -> Image.Image:
+    """Decode an image fully: EXIF orientation applied, converted to RGB.
+
+    Raises:
+        SourceError: the file is unreadable, truncated or corrupt (names the file).
+    """
+    with _open(path) as img:
+        orientation = exif_orientation(img)
+        try:
+            img.load()
+        except Exception as exc:
+            raise SourceError(str(path), f"image data is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
+        out = _to_rgb(img.transpose(_TRANSPOSE[orientation]) if orientation in _TRANSPOSE else img)
+        return img.copy() if out is img else out  # closing the file must not close the returned image
+
+
+def apply_plan(img: Image.Image, plan: CropPlan, *, path: str = "<image>") -> Image.Image:
+    """Resize ``img`` to ``plan.resize``, crop ``plan.crop`` and flip when ``plan.flip``.
+
+    Raises:
+        SourceError: the decoded size differs from the size the plan was made for (the file changed after the
+            scan, or it was scanned by another version).
+    """
+    if img.size != tuple(plan.source):
+        raise SourceError(
+            path,
+            f"decoded size {img.size[0]}x{img.size[1]} differs from the scanned size "
+            f"{plan.source[0]}x{plan.source[1]}; the file changed since the scan — scan the folder again",
+        )
+    method = RESIZE_METHODS[plan.method]
+    if img.size != tuple(plan.resize):
+        img = img.resize(tuple(plan.resize), resample=method)
+    if tuple(plan.crop) != (0, 0, *plan.resize):
+        img = img.crop(tuple(plan.crop))
+    if plan.flip:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return img
+
+
+def load_image(path: str | os.PathLike[str], plan: CropPlan) -> torch.Tensor:
+    """Return the pixels the VAE should encode: float32 ``[H, W, 3]`` in 0..1 (one row of ComfyUI ``IMAGE``).
+
+    Args:
+        path: the image file.
+        plan: the crop plan from :meth:`BucketConfig.plan` for this image's scanned size.
+
+    Raises:
+        SourceError: the file is unreadable, corrupt, or no longer matches the plan.
+    """
+    img = apply_plan(decode_image(path), plan, path=str(path))
+    arr = np.array(img, dtype=np.uint8)  # a writable copy torch can own
+    return torch.from_numpy(arr).to(torch.float32).div_(255.0)

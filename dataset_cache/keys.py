@@ -1,0 +1,217 @@
+"""Content keys of latent and conditioning entries, and file-content hashing.
+
+A key names an entry by *what produced it*, never by where its source lives: a latent key is the hash of the
+source image's bytes, every setting that changes the pixels the VAE sees, and the VAE's identity; a conditioning
+key is the hash of the final caption text, the text encoder's identity and its encode settings. Identical images
+at different paths therefore share one latent, identical caption lines share one conditioning, and moving or
+renaming files costs no encode, while any change to content, settings or model yields a new key (never a stale hit).
+
+Keys are xxh3-128 digests (32 lowercase hex chars) of a canonical encoding: compact JSON, keys sorted, of
+``[KEY_SCHEMA, kind, fields]``. JSON quotes and escapes every string, so no two different field tuples encode to
+the same bytes (``("ab", "c")`` and ``("a", "bc")`` cannot collide), and ``KEY_SCHEMA`` lets a later release change
+what goes into a key without ever matching keys made by this one.
+
+Encoder fingerprints:
+    A fingerprint is an opaque string (use :func:`fingerprint`) that must change whenever the encoder would map the
+    same input to different output. It must cover:
+
+    * the weights: a content hash of the checkpoint file(s), or of the state dict, not a file name;
+    * everything applied on top of them: patches and LoRAs with their strengths (and their order when it matters),
+      hooks, model-sampling or tokenizer overrides, clip-skip / layer selection;
+    * dtype-affecting settings: the compute/storage dtype, quantization (fp8 / nf4 / gguf type), attention
+      backend or upcasting options that change results beyond bitwise noise;
+    * for a VAE, its tiling settings when tiled encodes are used.
+
+    Things that do not change output (device index, batch size when the encoder is batch-invariant, file paths)
+    should be left out so they do not invalidate a cache for nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+__all__ = [
+    "KEY_SCHEMA",
+    "HASH_CHUNK_BYTES",
+    "canonical_bytes",
+    "content_key",
+    "latent_key",
+    "conditioning_key",
+    "fingerprint",
+    "hash_bytes",
+    "hash_file",
+    "is_key",
+]
+
+KEY_SCHEMA = 1
+"""Version of the key derivation. Bump it when the fields or their encoding change: old keys then never match."""
+
+HASH_CHUNK_BYTES = 1 << 20
+"""1 MiB reads: large enough that syscall overhead is negligible, small enough not to hold big images in memory."""
+
+_HEX = frozenset("0123456789abcdef")
+_local = threading.local()  # per-thread read buffer of hash_file
+_readv = getattr(os, "readv", None)
+
+
+def _normalize(value: Any, where: str) -> Any:
+    """Return ``value`` as plain JSON types, refusing values whose JSON form is not canonical or one-to-one."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: non-finite float {value!r} cannot be part of a key; use a string instead")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_normalize(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, Mapping):
+        out = {}
+        for k, item in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: dict key {k!r} is {type(k).__name__}; key fields need str dict keys")
+            out[k] = _normalize(item, f"{where}[{k!r}]")
+        return out
+    raise TypeError(
+        f"{where}: {type(value).__name__} cannot be part of a key; pass None, bool, int, finite float, str, "
+        "list/tuple or dict with str keys"
+    )
+
+
+def canonical_bytes(kind: str, fields: Mapping[str, Any]) -> bytes:
+    """Return the canonical, versioned encoding of ``fields`` hashed into a key of ``kind``.
+
+    Tuples encode like lists; dict keys are sorted; floats use Python's shortest round-trip repr.
+
+    Raises:
+        TypeError: a field holds a value with no canonical JSON form.
+        ValueError: a field holds NaN or infinity.
+    """
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"key kind must be a non-empty str, got {kind!r}")
+    if not isinstance(fields, Mapping):
+        raise TypeError(f"key fields must be a mapping of str to values, got {type(fields).__name__}")
+    doc = [KEY_SCHEMA, kind, _normalize(fields, kind)]
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return text.encode("ascii")
+
+
+def content_key(kind: str, fields: Mapping[str, Any]) -> str:
+    """Return the 32-hex-char xxh3-128 key of ``fields`` under ``kind`` (see :func:`canonical_bytes`)."""
+    return xxhash.xxh3_128_hexdigest(canonical_bytes(kind, fields))
+
+
+def is_key(value: object) -> bool:
+    """Return True when ``value`` looks like a content key (32 lowercase hex chars)."""
+    return isinstance(value, str) and len(value) == 32 and _HEX.issuperset(value)
+
+
+def _require_key(value: str, name: str) -> None:
+    if not is_key(value):
+        raise ValueError(f"{name} must be a 32-char lowercase hex xxh3-128 digest (see hash_file), got {value!r}")
+
+
+def _require_fingerprint(value: str, name: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty str describing the encoder (see keys.fingerprint)")
+
+
+def latent_key(
+    source_hash: str, pixels: Mapping[str, Any], vae_fingerprint: str, *, extra: Mapping[str, Any] | None = None
+) -> str:
+    """Return the key of the latent encoded from one source image.
+
+    Args:
+        source_hash: :func:`hash_file` of the image file's bytes (not its path: moved files keep their key).
+        pixels: every setting that changes the pixels fed to the VAE, e.g. ``CropPlan.key_fields()`` from
+            :mod:`.buckets` (bucket size, resize size and method, crop box, flip, decode rules).
+        vae_fingerprint: identity of the VAE and its settings (see the module docstring).
+        extra: anything else the caller stores in the entry that changes its value (e.g. an alpha-mask mode).
+    """
+    _require_key(source_hash, "source_hash")
+    _require_fingerprint(vae_fingerprint, "vae_fingerprint")
+    fields = {"source": source_hash, "pixels": dict(pixels), "vae": vae_fingerprint, "extra": dict(extra or {})}
+    return content_key("latent", fields)
+
+
+def conditioning_key(
+    text: str, encoder_fingerprint: str, *, settings: Mapping[str, Any] | None = None
+) -> str:
+    """Return the key of the conditioning encoded from one caption.
+
+    Args:
+        text: the final prompt string exactly as given to the text encoder (after every caption transform),
+            so identical lines share one entry wherever they appear.
+        encoder_fingerprint: identity of the text encoder and its patches (see the module docstring).
+        settings: encode settings that change the output (e.g. padding/trimming, max length, mean-pooling).
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"caption text must be str, got {type(text).__name__}")
+    _require_fingerprint(encoder_fingerprint, "encoder_fingerprint")
+    fields = {"text": text, "encoder": encoder_fingerprint, "settings": dict(settings or {})}
+    return content_key("conditioning", fields)
+
+
+def fingerprint(
+    weights: str,
+    *,
+    patches: Sequence[tuple[str, float]] = (),
+    dtype: str | None = None,
+    settings: Mapping[str, Any] | None = None,
+) -> str:
+    """Return a stable fingerprint of an encoder from its parts (a content key of kind ``"encoder"``).
+
+    Args:
+        weights: a content hash of the encoder's weights (file or state-dict hash), not a path.
+        patches: ``(patch content hash, strength)`` per applied patch or LoRA, in application order.
+        dtype: the dtype (or quantization) the encoder computes in, e.g. ``"bf16"``.
+        settings: other output-changing settings (clip-skip, tiling, attention upcast...).
+    """
+    if not isinstance(weights, str) or not weights:
+        raise ValueError("fingerprint: weights must be a non-empty content hash of the encoder weights")
+    fields = {
+        "weights": weights,
+        "patches": [[str(name), float(strength)] for name, strength in patches],
+        "dtype": dtype,
+        "settings": dict(settings or {}),
+    }
+    return content_key("encoder", fields)
+
+
+def hash_bytes(data: bytes | bytearray | memoryview) -> str:
+    """Return the xxh3-128 hex digest of ``data``."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def hash_file(path: str | os.PathLike[str], *, chunk_bytes: int = HASH_CHUNK_BYTES) -> str:
+    """Return the xxh3-128 hex digest of a file's content, read in ``chunk_bytes`` pieces.
+
+    Streaming keeps memory flat for large images. Reads go into one reused buffer per thread with plain
+    ``os.open``/``os.readv`` where available (no file object, no allocation per file): hashing 100k small captions is dominated
+    by the open/read/close syscalls, not by Python. Safe to call from several threads.
+
+    Raises:
+        OSError: the file cannot be opened or read (the caller reports it as a source failure).
+    """
+    buf = getattr(_local, "buffer", None)
+    if buf is None or len(buf) != chunk_bytes:
+        buf = _local.buffer = memoryview(bytearray(chunk_bytes))
+    h = xxhash.xxh3_128()
+    if _readv is None:  # Windows: no os.readv
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(buf[:n])
+        return h.hexdigest()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while n := _readv(fd, [buf]):
+            h.update(buf[:n])
+    finally:
+        os.close(fd)
+    return h.hexdigest()

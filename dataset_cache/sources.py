@@ -1,0 +1,403 @@
+"""The stat/hash record of a dataset folder's source files, and exact, fast validation against it.
+
+The record maps each source file (images and their caption files, by path relative to the folder) to its size,
+``mtime_ns``, xxh3-128 content hash and, for images, the scanned width and height. Validation checks every file
+of the folder, none sampled:
+
+* same ``(size, mtime_ns)`` as recorded → trusted without reading the file;
+* different stat (or a new file) → the file is re-hashed; an unchanged hash only refreshes the stored stat, so a
+  ``touch``, a copy that keeps contents or a ``git checkout`` costs no encode;
+* recorded files no longer present → removed.
+
+Trust rule and its one blind spot: an edit that keeps both the size and the ``mtime_ns`` is trusted (documented,
+tested). Tools that restore mtimes after editing (``touch -r``, some sync tools) must be followed by a rebuild of the
+record. To close the usual way this happens by accident — a file edited within the filesystem's timestamp
+granularity of the previous scan ("racy clean", as git calls it) — files whose mtime is within
+:data:`RACY_WINDOW_NS` of the previous scan's start are always re-hashed (files dated in the future, e.g. copied
+from a machine whose clock runs ahead, are therefore re-hashed on every run until that time has passed: slower,
+never wrong).
+
+Cost when nothing changed: one ``os.scandir`` per folder, one ``DirEntry.stat()`` per file and a dict lookup; no
+file is opened. Changed files are hashed on a small thread pool.
+
+Storage: JSON with one list per field (columnar: compact, fast to load), written atomically (temp file, fsync,
+``os.replace``, directory fsync) at a path the caller chooses (the cache keeps them under ``<cache>/sources/``).
+A record that fails validation on load raises :class:`SourcesRecordError`; callers that prefer to carry on can
+catch it and validate against an empty record, which re-hashes every file but re-encodes nothing (keys are
+content addressed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .errors import CacheError
+from .keys import hash_file, is_key
+from .scan import FolderListing, SourceFailure, SourceImage, list_folder
+from .threads import resolve_threads
+
+__all__ = [
+    "RECORD_FORMAT",
+    "RECORD_VERSION",
+    "RACY_WINDOW_NS",
+    "SourcesRecordError",
+    "SourceEntry",
+    "SourcesRecord",
+    "Validation",
+    "validate_sources",
+    "build_record",
+    "save_record",
+    "load_record",
+]
+
+RECORD_FORMAT = "streamcache-sources"
+"""Value of the ``format`` field of every record file."""
+
+RECORD_VERSION = 1
+"""Version of the record file layout; records of other versions are refused with an explicit message."""
+
+RACY_WINDOW_NS = 2_000_000_000
+"""Files modified less than 2 s before the previous scan began are re-hashed even when their stat matches: 2 s
+covers the coarsest common timestamp granularity (FAT/exFAT), so an edit in the same tick as the scan is caught."""
+
+_COLUMNS = ("paths", "size", "mtime_ns", "hash", "width", "height")
+
+
+class SourcesRecordError(CacheError, ValueError):
+    """A sources record file is unreadable, of an unknown version, or inconsistent.
+
+    Attributes:
+        path: the record file.
+        reason: what is wrong.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(
+            f"{self.path}: {reason}. Delete this file to rebuild it: every source is then re-hashed once, "
+            "nothing is re-encoded."
+        )
+
+
+class SourceEntry(NamedTuple):
+    """The recorded state of one source file (``width``/``height`` only for images whose size was scanned)."""
+
+    size: int
+    mtime_ns: int
+    hash: str
+    width: int | None = None
+    height: int | None = None
+
+
+@dataclass
+class SourcesRecord:
+    """Stat and content hash of every source file of one folder.
+
+    Attributes:
+        entries: ``relpath -> SourceEntry``.
+        scanned_ns: wall-clock time (``time.time_ns()``) when the listing this record reflects began
+            (``FolderListing.started_ns``; 0 when unknown, which makes every file re-hashed next time).
+        root: the folder the record was made from (informational; paths are relative, so a moved folder matches).
+    """
+
+    entries: dict[str, SourceEntry] = field(default_factory=dict)
+    scanned_ns: int = 0
+    root: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, relpath: object) -> bool:
+        return relpath in self.entries
+
+    def get(self, relpath: str) -> SourceEntry | None:
+        """Return the entry of ``relpath``, or ``None``."""
+        return self.entries.get(relpath)
+
+    def image_sizes(self) -> dict[str, tuple[int, int, int, int]]:
+        """Return ``relpath -> (size, mtime_ns, width, height)`` for :func:`.scan.scan_folder`'s ``known_sizes``."""
+        return {
+            p: (e.size, e.mtime_ns, e.width, e.height)
+            for p, e in self.entries.items()
+            if e.width is not None and e.height is not None
+        }
+
+    def with_image_sizes(self, images: Iterable[SourceImage]) -> SourcesRecord:
+        """Return a copy with the scanned sizes of ``images`` stored (entries whose stat matches only)."""
+        entries = dict(self.entries)
+        for img in images:
+            e = entries.get(img.relpath)
+            if e is not None and e.size == img.size and e.mtime_ns == img.mtime_ns:
+                entries[img.relpath] = e._replace(width=img.width, height=img.height)
+        return SourcesRecord(entries, self.scanned_ns, self.root)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The outcome of :func:`validate_sources`. Path lists are sorted relative paths.
+
+    Attributes:
+        new: files not in the previous record.
+        changed: files whose content hash differs from the record.
+        unchanged: files whose content is as recorded (trusted by stat, or re-hashed to the same hash).
+        removed: recorded files no longer in the folder (including captions whose image went away).
+        refreshed: the subset of ``unchanged`` whose stat differed (touched, copied, checked out): stored anew.
+        hashed: how many files were read and hashed.
+        failures: files that could not be listed or hashed (left out of the record, so retried next time).
+        record: the updated record, ready for :func:`save_record`.
+        listing: the folder listing the validation used (reusable by :func:`.scan.scan_folder`).
+    """
+
+    new: tuple[str, ...]
+    changed: tuple[str, ...]
+    unchanged: tuple[str, ...]
+    removed: tuple[str, ...]
+    refreshed: tuple[str, ...]
+    hashed: int
+    failures: tuple[SourceFailure, ...]
+    record: SourcesRecord
+    listing: FolderListing
+
+    @property
+    def clean(self) -> bool:
+        """True when nothing was added, changed or removed."""
+        return not (self.new or self.changed or self.removed)
+
+    def counts(self) -> dict[str, int]:
+        """Return the number of files in each category (for logs and reports)."""
+        return {
+            "new": len(self.new), "changed": len(self.changed), "unchanged": len(self.unchanged),
+            "removed": len(self.removed), "refreshed": len(self.refreshed), "hashed": self.hashed,
+            "failures": len(self.failures),
+        }
+
+
+def _hash_chunk(root: str, relpaths: list[str]) -> list[str | OSError]:
+    out: list[str | OSError] = []
+    for relpath in relpaths:
+        try:
+            out.append(hash_file(os.path.join(root, *relpath.split("/"))))
+        except OSError as exc:
+            out.append(exc)
+    return out
+
+
+def _hash_all(root: str, relpaths: list[str], threads: int | None) -> list[str | OSError]:
+    """Hash files on a small pool; files go in chunks so per-task overhead stays small next to tiny captions."""
+    n = min(len(relpaths), resolve_threads(threads, purpose="source hashing threads", per_cpu=2.0, maximum=16))
+    if n <= 1 or len(relpaths) < 16:
+        return _hash_chunk(root, relpaths)
+    size = max(1, min(256, len(relpaths) // (4 * n)))
+    chunks = [relpaths[i:i + size] for i in range(0, len(relpaths), size)]
+    with ThreadPoolExecutor(n, thread_name_prefix="source-hash") as pool:
+        return [h for part in pool.map(lambda c: _hash_chunk(root, c), chunks) for h in part]
+
+
+def validate_sources(
+    source: str | os.PathLike[str] | FolderListing,
+    previous: SourcesRecord | None,
+    *,
+    threads: int | None = None,
+    list_threads: int | None = 1,
+    racy_window_ns: int = RACY_WINDOW_NS,
+) -> Validation:
+    """Compare a folder with the record of a previous run (``None``: everything is new).
+
+    Args:
+        source: the dataset folder, or a listing of it made by :func:`.scan.list_folder` just before.
+        previous: the record saved by the previous run.
+        threads: hashing threads; ``None`` chooses from the CPUs this process may use.
+        list_threads: folders listed concurrently (see :func:`.scan.list_folder`: 1 suits local disks).
+        racy_window_ns: see :data:`RACY_WINDOW_NS`.
+
+    Raises:
+        DatasetFolderError: the folder is missing, not a folder, or holds no image.
+    """
+    listing = source if isinstance(source, FolderListing) else list_folder(source, threads=list_threads)
+    prev = previous.entries if previous is not None else {}
+    trust_before = previous.scanned_ns - racy_window_ns if previous is not None else 0
+    entries: dict[str, SourceEntry] = {}
+    pending: dict[str, tuple[int, int, SourceEntry | None]] = {}
+    get = prev.get
+    # hot loop (every file of the folder): a dict lookup and two int compares per file
+    for relpath, size, mtime_ns, _, cap, cap_size, cap_mtime in listing.images:
+        old = get(relpath)
+        if old is not None and old[0] == size and old[1] == mtime_ns and mtime_ns < trust_before:
+            entries[relpath] = old
+        else:
+            pending[relpath] = (size, mtime_ns, old)
+        if cap is None or cap in entries or cap in pending:  # no caption, or one shared with a.jpg / a.png
+            continue
+        old = get(cap)
+        if old is not None and old[0] == cap_size and old[1] == cap_mtime and cap_mtime < trust_before:
+            entries[cap] = old
+        else:
+            pending[cap] = (cap_size, cap_mtime, old)
+    new, changed, refreshed, failures = [], [], [], list(listing.failures)
+    hashes = _hash_all(listing.root, list(pending), threads)
+    for (relpath, (size, mtime_ns, old)), digest in zip(pending.items(), hashes):
+        if isinstance(digest, OSError):
+            failures.append(SourceFailure(relpath, listing.abspath(relpath),
+                                          f"cannot read to hash: {digest.strerror or digest}"))
+        elif old is None:
+            new.append(relpath)
+            entries[relpath] = SourceEntry(size, mtime_ns, digest)
+        elif old.hash != digest:
+            changed.append(relpath)
+            entries[relpath] = SourceEntry(size, mtime_ns, digest)
+        else:
+            if (old.size, old.mtime_ns) != (size, mtime_ns):
+                refreshed.append(relpath)
+            entries[relpath] = old._replace(size=size, mtime_ns=mtime_ns)
+    removed = sorted(prev.keys() - entries.keys() - {f.relpath for f in failures})  # set algebra runs in C
+    unchanged = sorted(entries.keys() - set(new) - set(changed) if new or changed else entries)
+    record = SourcesRecord(entries, listing.started_ns, listing.root)
+    return Validation(
+        new=tuple(sorted(new)), changed=tuple(sorted(changed)), unchanged=tuple(unchanged),
+        removed=tuple(removed), refreshed=tuple(sorted(refreshed)), hashed=len(pending),
+        failures=tuple(sorted(failures, key=lambda f: f.relpath)), record=record, listing=listing,
+    )
+
+
+def build_record(source: str | os.PathLike[str] | FolderListing, *, threads: int | None = None) -> SourcesRecord:
+    """Hash every source file of a folder and return a fresh record."""
+    return validate_sources(source, None, threads=threads).record
+
+
+def save_record(record: SourcesRecord, path: str | os.PathLike[str]) -> None:
+    """Write ``record`` to ``path`` atomically (temp file in the same folder, fsync, ``os.replace``)."""
+    path = os.fspath(path)
+    paths = sorted(record.entries)
+    rows = [record.entries[p] for p in paths]
+    doc = {
+        "format": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "root": record.root,
+        "scanned_ns": record.scanned_ns,
+        "paths": paths,
+        "size": [r.size for r in rows],
+        "mtime_ns": [r.mtime_ns for r in rows],
+        "hash": [r.hash for r in rows],
+        "width": [r.width for r in rows],
+        "height": [r.height for r in rows],
+    }
+    data = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # not supported (Windows): the replace is still atomic, only its durability is weaker
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _is_count(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _is_side(v: Any) -> bool:
+    return v is None or (type(v) is int and v > 0)
+
+
+_HEX_RUN = re.compile(r"[0-9a-f]*")
+
+
+def _column_ok(name: str, col: list[Any]) -> bool:
+    """Check a whole column with C-speed primitives (a 100k-row record loads in tens of ms)."""
+    types = set(map(type, col))
+    if name == "paths":
+        return types <= {str} and "" not in col
+    if name == "hash":
+        return types <= {str} and set(map(len, col)) <= {32} and _HEX_RUN.fullmatch("".join(col)) is not None
+    if name in ("width", "height"):
+        ints = [v for v in col if v is not None]
+        return types <= {int, type(None)} and (not ints or min(ints) > 0)
+    return types <= {int} and (not col or min(col) >= 0)
+
+
+def _check_doc(doc: Any, path: str) -> int:
+    """Validate a parsed record document; return its row count."""
+    if not isinstance(doc, Mapping) or doc.get("format") != RECORD_FORMAT:
+        raise SourcesRecordError(path, f"not a sources record (expected \"format\": \"{RECORD_FORMAT}\")")
+    if doc.get("version") != RECORD_VERSION:
+        raise SourcesRecordError(
+            path, f"sources record version {doc.get('version')!r} is not supported (expected {RECORD_VERSION})"
+        )
+    if not _is_count(doc.get("scanned_ns")) or not (doc.get("root") is None or isinstance(doc.get("root"), str)):
+        raise SourcesRecordError(path, "field scanned_ns must be an int >= 0 and root a str or null")
+    cols = [doc.get(c) for c in _COLUMNS]
+    bad = [c for c, v in zip(_COLUMNS, cols) if not isinstance(v, list)]
+    if bad:
+        raise SourcesRecordError(path, f"column(s) {', '.join(bad)} missing or not lists")
+    n = len(cols[0])
+    if any(len(v) != n for v in cols):
+        lengths = ", ".join(f"{c}={len(v)}" for c, v in zip(_COLUMNS, cols))
+        raise SourcesRecordError(path, f"columns differ in length ({lengths})")
+    checks = (("paths", lambda v: isinstance(v, str) and v != ""), ("size", _is_count), ("mtime_ns", _is_count),
+              ("hash", is_key), ("width", _is_side), ("height", _is_side))
+    for (name, ok), col in zip(checks, cols):
+        if not _column_ok(name, col):  # fast whole-column check; find the bad row only on failure
+            i, v = next((i, v) for i, v in enumerate(col) if not ok(v))
+            raise SourcesRecordError(path, f"row {i} of column {name} holds an invalid value {v!r}")
+    if len(set(cols[0])) != n:
+        raise SourcesRecordError(path, "column paths lists a file twice")
+    return n
+
+
+def load_record(path: str | os.PathLike[str], *, missing_ok: bool = False) -> SourcesRecord:
+    """Read a record written by :func:`save_record`.
+
+    Args:
+        path: the record file.
+        missing_ok: return an empty record (everything will count as new) when the file does not exist.
+
+    Raises:
+        FileNotFoundError: the file does not exist and ``missing_ok`` is false.
+        SourcesRecordError: the file is not valid JSON, not a record, of another version, or inconsistent.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        if missing_ok:
+            return SourcesRecord()
+        raise
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SourcesRecordError(path, f"not valid JSON ({exc})") from exc
+    _check_doc(doc, path)
+    cols = [doc[c] for c in _COLUMNS]
+    entries = dict(zip(cols[0], map(SourceEntry._make, zip(*cols[1:]))))
+    return SourcesRecord(entries, doc["scanned_ns"], doc["root"])
