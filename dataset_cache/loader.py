@@ -1,0 +1,576 @@
+"""The prefetching loader: batch N+1..N+k are read while the consumer trains on batch N.
+
+Intent: hide cache reads behind the training step without multiprocessing. Reads are mostly coalesced ``preadv``
+calls, which release the GIL, so a thread or two keep up with a GPU step; no dataset is pickled, nothing is
+re-imported per epoch, and it works the same on Windows and on a one-CPU container.
+
+How it works:
+
+* The consumer's thread alone walks the sampler (:meth:`BucketSampler.plans`) and submits up to
+  ``prefetch_batches`` read jobs ahead of the batch it is waiting for; worker threads run the jobs. Each job owns
+  its result slot, so batches come out in sampler order whatever the number of threads.
+* Host memory held by the loader is bounded by ``(prefetch_batches + 1) × batch bytes``, whatever the dataset
+  size. CPU target: at most ``prefetch_batches + 1`` jobs are in flight or waiting, and each batch is read into a
+  buffer of its own that its tensors are views of (only the latent rows are copied, to stack them), so a batch you
+  keep never changes under you and nothing is copied twice (measured faster than reusing a buffer and copying
+  out). CUDA target: the batches live on the device; the host holds one reused pinned buffer per worker thread
+  (``threads <= prefetch_batches``; pinning is expensive, so it is done once).
+* CUDA target: host-to-device copies run on ONE side stream created with the loader (a fresh stream per epoch
+  strands the caching allocator's blocks, timm PR #2784). Before copying, the side stream waits on an event of the
+  consumer's stream taken when the job was submitted; before a pinned buffer is refilled, the worker waits for the
+  previous copy out of it; on delivery the consumer's current stream waits on the copy and every device tensor is
+  ``record_stream``-ed on it, so the allocator does not hand its memory back to the side stream too early.
+* A worker's exception reaches the consumer at the batch that failed, as :class:`LoaderWorkerError` chained to the
+  original (whose traceback shows the worker's frames).
+* Threads are started on first iteration and stopped and joined by :meth:`PrefetchLoader.close`, by ``with``, when
+  the loader is garbage collected, and whenever an iteration is abandoned (``break`` or an exception in the
+  consumer's loop); an iteration that runs to its end keeps them for the next epoch.
+
+Non-goals: worker processes, decoding or augmenting images (the cache holds encoded latents), and ComfyUI progress or
+interrupt calls from worker threads. Those belong to the consumer's thread (ComfyUI's execution context does not
+propagate into threads); pass ``on_wait`` to run such a check while the consumer waits for data.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .constants import DEFAULT_PREFETCH_BATCHES
+from .errors import CacheError
+from .sampler import BatchPlan, BucketSampler
+from .threads import resolve_threads
+
+__all__ = ["Batch", "LoaderStats", "LoaderWorkerError", "PrefetchLoader"]
+
+log = logging.getLogger("dataset_cache.loader")
+
+_WAIT_POLL_S = 0.05
+"""How often ``on_wait`` runs while the consumer waits: ComfyUI interrupts feel immediate below ~100 ms."""
+
+_RECENT = 1024
+"""Per-batch timings kept for :attr:`PrefetchLoader.stats` (bounded, so memory stays flat on long runs)."""
+
+
+@dataclass
+class Batch:
+    """One batch, on the loader's device.
+
+    Attributes:
+        plan: which samples and entries it holds.
+        latents: the stacked ``"samples"`` of every row, ``[B, C, H, W]``.
+        conditioning: per row, its conditioning structure with real tensors (rows sharing a caption entry share the
+            same objects; do not modify them in place).
+        latent_extras: per row, the latent dict's other keys (e.g. ``"noise_mask"``), or ``None`` if no row has any.
+        copy_events: CUDA only: timing events recorded on the loader's side stream before and after this batch's
+            host-to-device copies (for profiling: ``start.elapsed_time(end)``); ``None`` on CPU.
+    """
+
+    plan: BatchPlan
+    latents: torch.Tensor
+    conditioning: list[Any]
+    latent_extras: list[dict[str, Any]] | None = None
+    copy_events: tuple[Any, Any] | None = None
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """Timings of the batches delivered so far (a snapshot).
+
+    Attributes:
+        batches: batches delivered.
+        read_s: seconds the workers spent reading and assembling those batches.
+        wait_s: seconds the consumer spent blocked waiting for them.
+        elapsed_s: seconds from each iteration's first request to its last delivery, summed.
+        recent_read_s: per-batch read seconds of the last batches (at most 1024).
+        recent_wait_s: per-batch wait seconds of the last batches (at most 1024).
+    """
+
+    batches: int = 0
+    read_s: float = 0.0
+    wait_s: float = 0.0
+    elapsed_s: float = 0.0
+    recent_read_s: tuple[float, ...] = ()
+    recent_wait_s: tuple[float, ...] = ()
+
+    @property
+    def mean_read_s(self) -> float:
+        """Mean read time of a batch."""
+        return self.read_s / self.batches if self.batches else 0.0
+
+    @property
+    def wait_fraction(self) -> float:
+        """Share of the consumer's time spent waiting for data (0 = reads fully hidden)."""
+        return self.wait_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class LoaderWorkerError(CacheError, RuntimeError):
+    """A loader thread failed to read or assemble a batch; the original exception is ``__cause__``.
+
+    Attributes:
+        plan: the batch that failed.
+    """
+
+    def __init__(self, message: str, plan: BatchPlan) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+@dataclass(eq=False)
+class _Job:
+    plan: BatchPlan
+    consumer_event: Any = None  # torch.cuda.Event on the consumer's stream at submission (CUDA only)
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+    result: Batch | None = None
+    device_tensors: list[torch.Tensor] = field(default_factory=list)
+    copy_done: Any = None  # torch.cuda.Event recorded on the side stream after the copies
+    error: BaseException | None = None
+    read_s: float = 0.0
+
+
+class _Slot:
+    """A worker's reusable read buffer and the copy that last read from it."""
+
+    def __init__(self) -> None:
+        self.buffer: Any = None
+        self.copy_done: Any = None
+
+
+@dataclass
+class _Context:
+    """What workers need; deliberately holds no reference to the loader, so an unclosed loader can be collected."""
+
+    reader: Any
+    device: torch.device
+    pin: bool
+    side_stream: Any
+    slots: list[_Slot]
+
+
+def _new_buffer(pin: bool) -> Any:
+    from .format.reader import ReadBuffer  # late: the loader module stays importable on its own
+
+    return ReadBuffer(pin_memory=pin)
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst`` (contiguous CPU tensors of equal size) with numpy: one thread, GIL released.
+
+    ``torch``'s own copy would fan out to the intra-op thread pool, which the consumer's thread uses too; on a
+    busy machine waking that pool cost 30-70 ms a batch in ``bench/bench_loader.py``, against 0.3 ms here.
+    """
+    np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+
+
+def _rows(plan: BatchPlan, values: dict[str, Any]) -> list[torch.Tensor]:
+    rows = []
+    for key in plan.latent_keys:
+        v = values[key]
+        if not isinstance(v, dict) or not isinstance(v.get("samples"), torch.Tensor):
+            raise ValueError(f"latent entry {key} is not a latent dict with a 'samples' tensor")
+        rows.append(v["samples"])
+    kinds = {(tuple(r.shape[1:]), str(r.dtype)) for r in rows}
+    if len(kinds) != 1:
+        raise ValueError(
+            f"batch {plan.index} of epoch {plan.epoch} mixes latent shapes/dtypes {sorted(kinds)}: the sampler's "
+            "buckets do not match the latents; build buckets with buckets_from_reader()"
+        )
+    return rows
+
+
+def _stack(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Stack latent rows into a new ``[B, C, H, W]`` tensor on ``device`` (async from pinned memory on CUDA)."""
+    out = torch.empty((sum(r.shape[0] for r in rows), *rows[0].shape[1:]), dtype=rows[0].dtype, device=device)
+    at = 0
+    for r in rows:
+        dst = out[at : at + r.shape[0]]
+        if device.type == "cuda":
+            dst.copy_(r, non_blocking=True)
+        else:
+            _copy_bytes(dst, r.contiguous())
+        at += r.shape[0]
+    return out
+
+
+def _assemble(job: _Job, ctx: _Context, values: dict[str, Any]) -> Batch:
+    """Build the batch on the target device from the values of one batch read."""
+    plan = job.plan
+    latents = _stack(_rows(plan, values), ctx.device)
+    if ctx.device.type == "cuda":
+        job.device_tensors.append(latents)
+        move = _cuda_mover(job, ctx.device)
+    else:
+        move = _keep  # CPU: the batch owns its read buffer; its tensors stay views of it
+    conds = {k: _map_tensors(values[k], move) for k in dict.fromkeys(plan.caption_keys)}
+    extras = [{k: v for k, v in values[key].items() if k != "samples"} for key in plan.latent_keys]
+    extras_out = [_map_tensors(e, move) for e in extras] if any(extras) else None
+    return Batch(plan, latents, [conds[k] for k in plan.caption_keys], extras_out)
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _cuda_mover(job: _Job, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    def move(t: torch.Tensor) -> torch.Tensor:
+        d = t.to(device, non_blocking=True)
+        job.device_tensors.append(d)
+        return d
+
+    return move
+
+
+def _run_job(job: _Job, ctx: _Context, slot: _Slot) -> None:
+    """Read and assemble ``job`` into its result (or its error); runs in a worker, or inline without workers."""
+    t0 = time.perf_counter()
+    try:
+        plan = job.plan
+        keys = list(dict.fromkeys(plan.latent_keys + plan.caption_keys))
+        if slot.copy_done is not None:  # the previous batch's copy may still read this pinned buffer
+            slot.copy_done.synchronize()
+            slot.copy_done = None
+        if slot.buffer is None and ctx.device.type == "cuda":
+            slot.buffer = _new_buffer(ctx.pin)
+        values = dict(zip(keys, ctx.reader.read(keys, pin_memory=ctx.pin, out=slot.buffer)))
+        if ctx.device.type == "cuda":
+            with torch.cuda.device(ctx.device), torch.cuda.stream(ctx.side_stream):
+                if job.consumer_event is not None:  # never overwrite memory the consumer's queued work still uses
+                    ctx.side_stream.wait_event(job.consumer_event)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(ctx.side_stream)
+                job.result = _assemble(job, ctx, values)
+                job.copy_done = torch.cuda.Event(enable_timing=True)
+                job.copy_done.record(ctx.side_stream)
+                job.result.copy_events = (start, job.copy_done)
+            slot.copy_done = job.copy_done
+        else:
+            job.result = _assemble(job, ctx, values)
+    except BaseException as exc:  # handed to the consumer, re-raised there
+        job.error = exc
+    finally:
+        job.read_s = time.perf_counter() - t0
+        job.done.set()
+
+
+class _Workers:
+    """The worker threads; restartable, and holding no reference to the loader."""
+
+    def __init__(self, count: int, ctx: _Context) -> None:
+        self.count = count
+        self.ctx = ctx
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.stop_event = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def submit(self, job: _Job) -> None:
+        with self.lock:
+            if not self.threads:
+                self._start()
+            self.jobs.put(job)
+
+    def _start(self) -> None:
+        self.stop_event = threading.Event()
+        self.jobs = queue.SimpleQueue()
+        for i in range(self.count):
+            t = threading.Thread(
+                target=_worker_main,
+                args=(self.jobs, self.stop_event, self.ctx, self.ctx.slots[i]),
+                name=f"dataset_cache-loader-{i}",
+                daemon=True,  # never keeps the interpreter alive; close() joins them anyway
+            )
+            t.start()
+            self.threads.append(t)
+
+    def stop(self) -> None:
+        """Cancel queued jobs and join every thread (a read in progress finishes first: no reads after this)."""
+        with self.lock:
+            threads, self.threads = self.threads, []
+            self.stop_event.set()
+            for _ in threads:
+                self.jobs.put(None)
+        me = threading.current_thread()
+        for t in threads:
+            if t is not me:
+                t.join()
+        while True:  # release anyone waiting on a job that will never run
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancelled = True
+                job.done.set()
+
+
+def _worker_main(jobs: queue.SimpleQueue, stop: threading.Event, ctx: _Context, slot: _Slot) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        if stop.is_set() or job.cancelled:
+            job.cancelled = True
+            job.done.set()
+            if stop.is_set():
+                return
+            continue
+        _run_job(job, ctx, slot)
+
+
+class PrefetchLoader:
+    """Iterate batches of a :class:`~dataset_cache.sampler.BucketSampler`, reading ahead in background threads.
+
+    Iterating yields the sampler's remaining batches of ``epochs`` epochs, in order, and moves the sampler's
+    position as each batch is delivered, so ``loader.state_dict()`` (the sampler's) always resumes on the batch
+    after the one being trained. Use it as a context manager or call :meth:`close`.
+
+    Args:
+        reader: an open cache reader (``read(keys, pin_memory=..., out=...)``).
+        sampler: the batch order.
+        prefetch_batches: batches read ahead of the one being consumed (0: read in the consumer's thread).
+        threads: worker threads (default 1: one sequential batch read already streams at disk speed); clamped to
+            ``prefetch_batches`` and to the CPUs this process may use.
+        device: target device of the batches (default CPU).
+        pin_memory: read into pinned host buffers; default: when ``device`` is CUDA. Needs a CUDA device.
+        epochs: epochs one iteration spans (``None``: endless; stop with ``break``).
+        on_wait: called in the consumer's thread every ~50 ms while it waits for data (e.g. ComfyUI's interrupt
+            check); an exception it raises ends the iteration.
+
+    Raises:
+        ValueError: bad arguments, or a CUDA device without CUDA.
+    """
+
+    def __init__(
+        self,
+        reader: Any,
+        sampler: BucketSampler,
+        *,
+        prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
+        threads: int | None = None,
+        device: str | torch.device | None = None,
+        pin_memory: bool | None = None,
+        epochs: int | None = 1,
+        on_wait: Callable[[], None] | None = None,
+    ) -> None:
+        if prefetch_batches < 0:
+            raise ValueError(f"prefetch_batches must be >= 0, got {prefetch_batches}")
+        if epochs is not None and epochs < 1:
+            raise ValueError(f"epochs must be >= 1 or None (endless), got {epochs}")
+        dev = torch.device(device if device is not None else "cpu")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {dev} requested but CUDA is not available; use device='cpu'")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        pin = dev.type == "cuda" if pin_memory is None else bool(pin_memory)
+        if pin and dev.type != "cuda":
+            raise ValueError(f"pin_memory=True needs a CUDA device (got device {dev}); leave pin_memory unset")
+        self.reader = reader
+        self.sampler = sampler
+        self.epochs = epochs
+        self.device = dev
+        self.pin_memory = pin
+        self.on_wait = on_wait
+        self._depth = int(prefetch_batches)
+        n_threads = 0
+        if self._depth:
+            wanted = 1 if threads is None else max(1, threads)
+            if wanted > self._depth:
+                log.warning("loader threads: %d requested but only %d batch(es) are read ahead; using %d",
+                            wanted, self._depth, self._depth)
+                wanted = self._depth
+            n_threads = resolve_threads(wanted, purpose="loader threads", maximum=self._depth)
+        side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # ONE side stream for the loader's life
+        self._ctx = _Context(reader, dev, pin, side, [_Slot() for _ in range(max(1, n_threads))])
+        self._workers = _Workers(n_threads, self._ctx) if n_threads else None
+        self._finalizer = weakref.finalize(self, _Workers.stop, self._workers) if self._workers else None
+        self._pending: deque[_Job] = deque()
+        self._generation = 0
+        self._closed = False
+        self._stats = LoaderStats()
+        self._recent_read: deque[float] = deque(maxlen=_RECENT)
+        self._recent_wait: deque[float] = deque(maxlen=_RECENT)
+
+    @property
+    def threads(self) -> int:
+        """Worker threads in use (0 when ``prefetch_batches`` is 0)."""
+        return self._workers.count if self._workers else 0
+
+    @property
+    def stats(self) -> LoaderStats:
+        """Timings so far: per-batch read time, consumer wait time and the data-wait fraction."""
+        s = self._stats
+        return LoaderStats(s.batches, s.read_s, s.wait_s, s.elapsed_s, tuple(self._recent_read),
+                           tuple(self._recent_wait))
+
+    def held_bytes(self) -> int:
+        """Host bytes the loader holds now: pinned read buffers (CUDA) or finished, undelivered batches (CPU).
+
+        At most ``(prefetch_batches + 1) × batch bytes`` (plus a read buffer's growth headroom).
+        """
+        total = sum(slot.buffer.tensor.numel() for slot in self._ctx.slots if slot.buffer is not None)
+        for job in list(self._pending):
+            if job.done.is_set() and job.result is not None and self.device.type == "cpu":
+                total += _host_bytes(job.result)
+        return total
+
+    def reset_stats(self) -> None:
+        """Forget the timings so far (e.g. after a warm-up)."""
+        self._stats = LoaderStats()
+        self._recent_read.clear()
+        self._recent_wait.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's resume state at the batch after the last one delivered."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the sampler (see :meth:`BucketSampler.load_state_dict`) from the next iteration on; an unfinished
+        iteration is superseded (it raises if resumed)."""
+        self.sampler.load_state_dict(state)
+        self._cancel_pending()
+        self._generation += 1
+
+    def __len__(self) -> int:
+        """Batches one full iteration yields from an epoch's start (needs finite ``epochs``)."""
+        if self.epochs is None:
+            raise TypeError("an endless loader (epochs=None) has no length")
+        return len(self.sampler) * self.epochs
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._closed:
+            raise RuntimeError("PrefetchLoader is closed; create a new one to iterate again")
+        self._cancel_pending()  # a new iteration takes over from an unfinished one
+        self._generation += 1
+        return self._iterate(self._generation)
+
+    def _iterate(self, generation: int) -> Iterator[Batch]:
+        plans = self.sampler.plans(epochs=self.epochs)
+        finished = False
+        t_mark = time.perf_counter()
+        try:
+            while True:
+                if generation != self._generation or self._closed:
+                    raise RuntimeError("this iteration was superseded by a newer iteration or by close()")
+                self._fill(plans, self._depth + 1)
+                if not self._pending:
+                    finished = True
+                    return
+                job = self._pending.popleft()
+                batch = self._deliver(job)
+                self.sampler.seek(job.plan.epoch, job.plan.index + 1)
+                now = time.perf_counter()  # elapsed spans the consumer's step as well as the wait
+                self._stats = _add_elapsed(self._stats, now - t_mark)
+                t_mark = now
+                yield batch
+        finally:
+            if generation == self._generation:
+                self._cancel_pending()
+                if not finished and self._workers is not None:
+                    self._workers.stop()  # abandoned (break / exception): no threads left behind
+
+    def _fill(self, plans: Iterator[BatchPlan], depth: int) -> None:
+        while len(self._pending) < depth:
+            plan = next(plans, None)
+            if plan is None:
+                return
+            job = _Job(plan)
+            if self.device.type == "cuda":
+                job.consumer_event = torch.cuda.Event()
+                job.consumer_event.record(torch.cuda.current_stream(self.device))
+            self._pending.append(job)
+            if self._workers is not None:
+                self._workers.submit(job)
+
+    def _deliver(self, job: _Job) -> Batch:
+        t0 = time.perf_counter()
+        if self._workers is None:
+            _run_job(job, self._ctx, self._ctx.slots[0])
+        elif not job.done.is_set():
+            while True:
+                if self.on_wait is not None:
+                    self.on_wait()
+                if job.done.wait(_WAIT_POLL_S):
+                    break
+        waited = time.perf_counter() - t0 if self._workers is not None else 0.0
+        if job.cancelled:
+            raise RuntimeError("the loader was closed while waiting for a batch")
+        if job.error is not None:
+            plan, exc = job.plan, job.error
+            raise LoaderWorkerError(
+                f"loader thread failed on batch {plan.index} of epoch {plan.epoch} (latent entries "
+                f"{', '.join(plan.latent_keys[:3])}{', ...' if len(plan.latent_keys) > 3 else ''}): "
+                f"{type(exc).__name__}: {exc}",
+                plan,
+            ) from exc
+        if job.copy_done is not None:  # CUDA: the consumer's stream waits for the copy, then owns the tensors
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(job.copy_done)
+            for t in job.device_tensors:
+                t.record_stream(stream)
+        self._record(job.read_s, waited)
+        return job.result  # type: ignore[return-value]  # set whenever error is None
+
+    def _record(self, read_s: float, wait_s: float) -> None:
+        s = self._stats
+        self._stats = LoaderStats(s.batches + 1, s.read_s + read_s, s.wait_s + wait_s, s.elapsed_s)
+        self._recent_read.append(read_s)
+        self._recent_wait.append(wait_s)
+
+    def _cancel_pending(self) -> None:
+        for job in self._pending:
+            job.cancelled = True
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Stop and join every worker thread; idempotent. The reader is not closed (the loader does not own it)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._cancel_pending()
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> PrefetchLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _host_bytes(batch: Batch) -> int:
+    seen: dict[int, int] = {}
+
+    def visit(t: torch.Tensor) -> torch.Tensor:
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    _map_tensors([batch.latents, batch.conditioning, batch.latent_extras], visit)
+    return sum(seen.values())
+
+
+def _add_elapsed(s: LoaderStats, seconds: float) -> LoaderStats:
+    return LoaderStats(s.batches, s.read_s, s.wait_s, s.elapsed_s + seconds)

@@ -1,0 +1,405 @@
+"""Deterministic, bucketed batch order with exact mid-epoch resume and rank sharding.
+
+Why a sampler of our own: ComfyUI's built-in trainer draws batch indices inside each step with the global RNG, so a
+prefetcher cannot know the next batch and a run is not reproducible once anything else consumes random numbers.
+:class:`BucketSampler` decides a whole epoch up front from ``(seed, epoch)`` alone, with private
+:class:`torch.Generator` objects, so the loader can read ahead, every rank can compute every other rank's share
+without communicating, and a run resumed from :meth:`BucketSampler.state_dict` continues on exactly the batch that
+came next.
+
+An epoch, for a given ``(seed, epoch)``:
+
+1. every sample appears ``repeats`` times (its *occurrences*) and uses ONE caption variant for the whole epoch,
+   drawn with the epoch's generator;
+2. the occurrences of each bucket (same latent shape, so they stack) are permuted and cut into batches of
+   ``batch_size``; every batch holds occurrences of one bucket only;
+3. the tail of each bucket follows ``tail``: ``"drop"`` drops the last incomplete batch (the dropped occurrences
+   differ from epoch to epoch because the permutation does), ``"wrap"`` completes it with the bucket's first
+   occurrences of the same epoch (cyclically, so a bucket smaller than a batch still trains, with repeats);
+4. the batches of all buckets are shuffled together (``shuffle=False`` keeps buckets in order of first appearance
+   and each bucket's samples in dataset order);
+5. with ``world_size`` ranks, every rank gets the same number of batches: rank ``r`` takes batches
+   ``r, r + world_size, ...``. Under ``"drop"`` the last ``total % world_size`` batches of the shuffled order are
+   dropped, so shares are disjoint; under ``"wrap"`` the order is padded with its own first batches, so the few
+   padding batches are seen twice. Either way the union over ranks is the epoch up to that documented tail.
+
+Non-goals: weighting buckets, curriculum orders, changing ``batch_size`` or ``world_size`` mid-run (a state saved
+under one configuration is refused by another, because "the next batch" would mean something else).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .dataset import Sample
+
+__all__ = ["BatchPlan", "BucketSampler", "buckets_from_reader"]
+
+log = logging.getLogger("dataset_cache.sampler")
+
+_STATE_VERSION = 1
+_TAILS = ("drop", "wrap")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What one batch will contain; no tensors, so plans are cheap to compute ahead and to log.
+
+    Attributes:
+        epoch: the epoch the batch belongs to.
+        index: position of the batch in this rank's share of the epoch (0-based).
+        sample_indices: indices into the sampler's ``samples``, one per row of the batch.
+        latent_keys: latent entry key of each row.
+        caption_keys: conditioning entry key of each row (the epoch's caption variant of that sample).
+        bucket: the bucket id shared by every row.
+    """
+
+    epoch: int
+    index: int
+    sample_indices: tuple[int, ...]
+    latent_keys: tuple[str, ...]
+    caption_keys: tuple[str, ...]
+    bucket: Hashable = None
+
+
+@dataclass(frozen=True)
+class _Epoch:
+    """One epoch of this rank: rows of sample indices (one row per batch) and each sample's caption variant."""
+
+    epoch: int
+    rows: list[list[int]]  # [batches][batch_size] sample indices
+    row_bucket: list[int]  # bucket number of each batch
+    variants: list[int]  # caption variant of each sample
+
+
+def buckets_from_reader(reader: Any, samples: Sequence[Sample]) -> list[tuple[int, ...]]:
+    """Return each sample's bucket: the ``(C, H, W)`` of its latent, read from headers only (no tensor I/O).
+
+    Args:
+        reader: an open :class:`~dataset_cache.format.reader.CacheReader`: its ``tensor_shapes(key)`` (or else
+            ``get(key)``, lazy) gives the latent dict's ``"samples"`` shape from the shard header.
+        samples: the dataset's samples.
+
+    Raises:
+        KeyError: a sample's latent entry is not in the cache.
+        ValueError: a latent is not a ``[1, C, H, W]`` ``"samples"`` tensor (the loader stacks rows).
+    """
+    out: list[tuple[int, ...]] = []
+    shapes: dict[str, tuple[int, ...]] = {}
+    header = getattr(reader, "tensor_shapes", None) or reader.get  # shapes only; get() gives lazy tensors
+    for i, s in enumerate(samples):
+        shape = shapes.get(s.latent)
+        if shape is None:
+            value = header(s.latent)
+            if not isinstance(value, dict) or "samples" not in value:
+                raise ValueError(
+                    f"sample {i} ({s.source or s.latent}): latent entry {s.latent} is not a latent dict with a "
+                    f"'samples' tensor (got {type(value).__name__}); re-encode the dataset"
+                )
+            leaf = value["samples"]
+            shape = tuple(int(d) for d in (leaf if isinstance(leaf, torch.Size) else leaf.shape))
+            if len(shape) != 4 or shape[0] != 1:
+                raise ValueError(
+                    f"sample {i} ({s.source or s.latent}): latent entry {s.latent} has samples shape {list(shape)}, "
+                    "expected [1, C, H, W]; store one image per latent entry"
+                )
+            shapes[s.latent] = shape
+        out.append(shape[1:])
+    return out
+
+
+def _derive_seed(*parts: object) -> int:
+    """Mix ``parts`` into a 63-bit seed; stable across processes and Python versions (unlike ``hash()``)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _generator(*parts: object) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(_derive_seed(*parts))
+    return g
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class BucketSampler:
+    """Deterministic bucketed batch plans, one epoch at a time (see the module docstring for the rules).
+
+    Iterating yields the rest of the current epoch as :class:`BatchPlan` objects and moves the position as each plan
+    is yielded, so :meth:`state_dict` taken while training on a batch resumes on the batch after it. After the last
+    batch of an epoch the position is the start of the next epoch, so ``for epoch in ...: for plan in sampler:``
+    walks successive epochs.
+
+    Args:
+        samples: the dataset's samples (entry keys only).
+        bucket_of: the bucket of each sample: a callable ``bucket_of(sample) -> hashable`` or a sequence with one
+            hashable id per sample (e.g. :func:`buckets_from_reader`). Samples of one batch always share a bucket.
+        batch_size: rows per batch (>= 1).
+        seed: the run's seed; an epoch's order depends on ``(seed, epoch)`` only.
+        tail: ``"drop"`` or ``"wrap"`` (see the module docstring).
+        rank: this process's rank; default: ``torch.distributed``'s when initialised, else 0.
+        world_size: number of ranks; default: ``torch.distributed``'s when initialised, else 1.
+        shuffle: shuffle samples within buckets and batches across buckets (``False`` keeps dataset order).
+
+    Raises:
+        ValueError: bad arguments, or no rank would get a single batch.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        bucket_of: Callable[[Sample], Hashable] | Sequence[Hashable],
+        batch_size: int,
+        seed: int = 0,
+        *,
+        tail: str = "drop",
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if tail not in _TAILS:
+            raise ValueError(f"tail must be one of {_TAILS}, got {tail!r}")
+        if not samples:
+            raise ValueError("the dataset has no samples; nothing to sample")
+        self._rank, self._world = self._resolve_ranks(rank, world_size)
+        self.samples: Sequence[Sample] = samples
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.tail = tail
+        self.shuffle = bool(shuffle)
+        self._bucket_ids, self._bucket_members = self._group(samples, bucket_of)
+        self._repeats = torch.tensor([s.repeats for s in samples], dtype=torch.int64)
+        self._n_captions = torch.tensor([len(s.captions) for s in samples], dtype=torch.int64)
+        self._occurrences = [self._repeats[m].sum().item() for m in self._bucket_members]
+        self._per_bucket = [self._batches_in(n) for n in self._occurrences]
+        total = sum(self._per_bucket)
+        self._per_rank = total // self._world if tail == "drop" else math.ceil(total / self._world)
+        if self._per_rank == 0:
+            raise ValueError(
+                f"no batch of {self.batch_size} for each of {self._world} rank(s): buckets hold "
+                f"{sorted(self._occurrences, reverse=True)[:8]} occurrences; use tail='wrap', a smaller batch_size "
+                "or more samples"
+            )
+        self._warn_unused()
+        self.fingerprint = self._fingerprint()
+        self._epoch = 0
+        self._index = 0
+        self._cache: dict[int, _Epoch] = {}
+
+    # ----------------------------------------------------------------------------------------------- construction
+    @staticmethod
+    def _resolve_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
+        d_rank, d_world = _dist_rank_world()
+        world = d_world if world_size is None else int(world_size)
+        r = d_rank if rank is None else int(rank)
+        if world < 1 or not 0 <= r < world:
+            raise ValueError(f"rank must be in [0, world_size); got rank={r}, world_size={world}")
+        return r, world
+
+    @staticmethod
+    def _group(
+        samples: Sequence[Sample], bucket_of: Callable[[Sample], Hashable] | Sequence[Hashable]
+    ) -> tuple[list[Hashable], list[torch.Tensor]]:
+        if callable(bucket_of):
+            ids = [bucket_of(s) for s in samples]
+        else:
+            ids = list(bucket_of)
+            if len(ids) != len(samples):
+                raise ValueError(f"bucket_of has {len(ids)} ids for {len(samples)} samples; give one per sample")
+        order: dict[Hashable, list[int]] = {}
+        for i, b in enumerate(ids):
+            order.setdefault(b, []).append(i)
+        return list(order), [torch.tensor(m, dtype=torch.int64) for m in order.values()]
+
+    def _batches_in(self, occurrences: int) -> int:
+        if self.tail == "drop":
+            return occurrences // self.batch_size
+        return math.ceil(occurrences / self.batch_size)
+
+    def _warn_unused(self) -> None:
+        if self.tail != "drop":
+            return
+        small = [b for b, n in zip(self._bucket_ids, self._occurrences) if n < self.batch_size]
+        if small:
+            log.warning(
+                "%d bucket(s) hold fewer than batch_size=%d occurrences and never train with tail='drop' "
+                "(e.g. %r); use tail='wrap' to train them",
+                len(small),
+                self.batch_size,
+                small[0],
+            )
+
+    def _fingerprint(self) -> str:
+        """Hash of everything that decides what "batch i of epoch e" is, except the seed and the rank."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr((_STATE_VERSION, self.batch_size, self.tail, self.shuffle, self._world)).encode())
+        for b, members in zip(self._bucket_ids, self._bucket_members):
+            h.update(repr(b).encode())
+            h.update(members.numpy().tobytes())
+        for s in self.samples:
+            h.update(f"{s.latent}|{','.join(s.captions)}|{s.repeats}\n".encode())
+        return h.hexdigest()
+
+    # --------------------------------------------------------------------------------------------- epoch contents
+    def _epoch_of(self, epoch: int) -> _Epoch:
+        cached = self._cache.get(epoch)
+        if cached is None:
+            cached = self._build(epoch)
+            self._cache = {epoch: cached}  # one epoch at a time: memory stays O(dataset), not O(epochs)
+        return cached
+
+    def _build(self, epoch: int) -> _Epoch:
+        g = _generator(self.seed, epoch, "captions")
+        variants = (torch.rand(len(self.samples), generator=g, dtype=torch.float64) * self._n_captions).long()
+        rows: list[torch.Tensor] = []
+        row_bucket: list[int] = []
+        for b, members in enumerate(self._bucket_members):
+            occ = torch.repeat_interleave(members, self._repeats[members])
+            if self.shuffle:
+                occ = occ[torch.randperm(len(occ), generator=_generator(self.seed, epoch, "bucket", b))]
+            n_batches = self._per_bucket[b]
+            need = n_batches * self.batch_size
+            if need > len(occ):  # "wrap": complete the last batch with this epoch's first occurrences
+                occ = occ.repeat(math.ceil(need / len(occ)))
+            rows.append(occ[:need].view(n_batches, self.batch_size))
+            row_bucket += [b] * n_batches
+        all_rows = torch.cat(rows)
+        buckets = torch.tensor(row_bucket, dtype=torch.int64)
+        if self.shuffle:
+            perm = torch.randperm(len(all_rows), generator=_generator(self.seed, epoch, "order"))
+            all_rows, buckets = all_rows[perm], buckets[perm]
+        take = torch.arange(self._per_rank, dtype=torch.int64) * self._world + self._rank
+        take = take % len(all_rows)  # "wrap" pads the order with its own first batches
+        return _Epoch(epoch, all_rows[take].tolist(), buckets[take].tolist(), variants.tolist())
+
+    def plan(self, epoch: int, index: int) -> BatchPlan:
+        """Return batch ``index`` of ``epoch`` on this rank (pure: does not move the position)."""
+        if not 0 <= index < self._per_rank:
+            raise IndexError(f"batch index {index} out of range: an epoch has {self._per_rank} batches per rank")
+        ep = self._epoch_of(epoch)
+        idx = tuple(ep.rows[index])
+        variants = ep.variants
+        return BatchPlan(
+            epoch=epoch,
+            index=index,
+            sample_indices=idx,
+            latent_keys=tuple(self.samples[i].latent for i in idx),
+            caption_keys=tuple(self.samples[i].captions[variants[i]] for i in idx),
+            bucket=self._bucket_ids[ep.row_bucket[index]],
+        )
+
+    def epoch_plans(self, epoch: int) -> list[BatchPlan]:
+        """Return every batch of ``epoch`` on this rank, in order (pure)."""
+        return [self.plan(epoch, i) for i in range(self._per_rank)]
+
+    def plans(self, *, epochs: int | None = 1) -> Iterator[BatchPlan]:
+        """Yield plans from the current position without moving it: the rest of this epoch and ``epochs - 1`` more
+        (``None``: endless). The loader reads ahead with this and moves the position as batches are consumed."""
+        epoch, index = self._epoch, self._index
+        stop = None if epochs is None else epoch + epochs
+        while stop is None or epoch < stop:
+            while index < self._per_rank:
+                yield self.plan(epoch, index)
+                index += 1
+            epoch, index = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[BatchPlan]:
+        epoch = self._epoch
+        while self._epoch == epoch and self._index < self._per_rank:
+            plan = self.plan(self._epoch, self._index)
+            self.seek(plan.epoch, plan.index + 1)
+            yield plan
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (the same on every rank)."""
+        return self._per_rank
+
+    # --------------------------------------------------------------------------------------------------- position
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next batch."""
+        return self._epoch
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(epoch, index)`` of the next batch."""
+        return self._epoch, self._index
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (its share of every epoch)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks the epoch is shared among."""
+        return self._world
+
+    @property
+    def buckets(self) -> dict[Hashable, int]:
+        """Bucket id -> occurrences per epoch (samples × repeats), in order of first appearance."""
+        return dict(zip(self._bucket_ids, self._occurrences))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch (like ``DistributedSampler.set_epoch``)."""
+        self.seek(epoch, 0)
+
+    def seek(self, epoch: int, index: int) -> None:
+        """Make batch ``index`` of ``epoch`` the next one; ``index == len(self)`` means the next epoch's start."""
+        if epoch < 0 or not 0 <= index <= self._per_rank:
+            raise ValueError(f"position ({epoch}, {index}) out of range: epochs >= 0, index in [0, {self._per_rank}]")
+        if index == self._per_rank:
+            epoch, index = epoch + 1, 0
+        self._epoch, self._index = int(epoch), int(index)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return a JSON-serialisable resume state: ``{"version", "epoch", "batch", "seed", "fingerprint"}``."""
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "batch": self._index,
+            "seed": self.seed,
+            "fingerprint": self.fingerprint,
+            "batches_per_epoch": self._per_rank,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the batch after the one trained when ``state`` was taken.
+
+        Raises:
+            ValueError: the state is malformed or was saved for another dataset, batch size, tail policy, shuffle
+                setting, world size or seed.
+        """
+        try:
+            version, epoch, batch = state["version"], int(state["epoch"]), int(state["batch"])
+            seed, fingerprint = int(state["seed"]), str(state["fingerprint"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"sampler state is malformed ({exc!r}); expected the dict of state_dict()") from exc
+        if version != _STATE_VERSION:
+            raise ValueError(f"sampler state version {version} is not supported; expected {_STATE_VERSION}")
+        if fingerprint != self.fingerprint:
+            raise ValueError(
+                "sampler state was saved for a different dataset or configuration (samples, buckets, batch_size, "
+                f"tail, shuffle or world_size differ: fingerprint {fingerprint} != {self.fingerprint}); resume with "
+                "the same dataset and settings, or start a new run without the state"
+            )
+        if seed != self.seed:
+            raise ValueError(
+                f"sampler state was saved with seed={seed} but this sampler has seed={self.seed}; create the sampler "
+                f"with seed={seed} to resume the same order"
+            )
+        self.seek(epoch, batch)

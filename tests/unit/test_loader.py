@@ -1,0 +1,474 @@
+"""PrefetchLoader on CPU: order, values, errors, thread hygiene, resume, bounded read-ahead, one CPU.
+
+A small in-test reader with the CacheReader interface (``get``, ``read(keys, pin_memory=, out=)``) keeps these
+tests independent of the on-disk format; ``test_with_the_real_reader`` runs the same loop over a real cache when
+``dataset_cache.format`` provides one.
+"""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from dataset_cache.dataset import Sample
+from dataset_cache.errors import CacheCorruptError
+from dataset_cache.format.reader import ReadBuffer
+from dataset_cache.loader import Batch, LoaderWorkerError, PrefetchLoader
+from dataset_cache.sampler import BucketSampler, buckets_from_reader
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _rebuild(value: Any, it) -> Any:
+    if isinstance(value, torch.Tensor):
+        return next(it)
+    if isinstance(value, list):
+        return [_rebuild(v, it) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_rebuild(v, it) for v in value)
+    if isinstance(value, dict):
+        return {k: _rebuild(v, it) for k, v in value.items()}
+    return value
+
+
+def _raise_corrupt(key: str) -> None:
+    raise CacheCorruptError("shards/00.safetensors", "checksum mismatch", entry=key)
+
+
+class FakeReader:
+    """Entries in memory; ``read`` sleeps ``delay`` seconds, writes into ``out`` and returns views into it."""
+
+    def __init__(self, entries: dict[str, Any], delay: float = 0.0, fail_on: set[str] | None = None) -> None:
+        self.entries = entries
+        self.delay = delay
+        self.fail_on = fail_on or set()
+        self.lock = threading.Lock()
+        self.reads: list[tuple[str, ...]] = []
+        self.active = 0
+        self.max_active = 0
+        self.buffers: dict[int, ReadBuffer] = {}  # every buffer a read was asked to reuse
+        self.allocations = 0  # buffer (re)allocations
+
+    def get(self, key: str) -> Any:
+        lazy = (SimpleNamespace(shape=t.shape, dtype=t.dtype) for t in _tensors(self.entries[key]))
+        return _rebuild(self.entries[key], lazy)
+
+    def read(self, keys, *, pin_memory: bool = False, out: ReadBuffer | None = None) -> list[Any]:
+        with self.lock:
+            self.reads.append(tuple(keys))
+            if out is not None:
+                self.buffers[id(out)] = out
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        try:
+            if self.delay:
+                time.sleep(self.delay)
+            for k in keys:
+                if k in self.fail_on:
+                    _raise_corrupt(k)
+            values = [self.entries[k] for k in keys]
+            tensors = _tensors(values)
+            sizes = [(t.numel() * t.element_size() + 63) // 64 * 64 for t in tensors]
+            if out is None:
+                return _rebuild(values, (t.clone() for t in tensors))
+            before = out.tensor.data_ptr()
+            data = out.ensure(sum(sizes))
+            self.allocations += out.tensor.data_ptr() != before
+            views, at = [], 0
+            for t, n in zip(tensors, sizes):
+                v = data[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                v.copy_(t)
+                views.append(v)
+                at += n
+            return _rebuild(values, iter(views))
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+def make_dataset(n: int = 20, shapes=((4, 8, 8), (4, 16, 8))):
+    entries: dict[str, Any] = {}
+    samples = []
+    g = torch.Generator().manual_seed(0)
+    for i in range(n):
+        shape = shapes[i % len(shapes)]
+        lat = f"{i:032x}"
+        entries[lat] = {"samples": torch.randn((1, *shape), generator=g)}
+        if i % 4 == 0:
+            entries[lat]["noise_mask"] = torch.ones(1, 1, *shape[1:])
+        caps = tuple(f"{i:030x}c{j}" for j in range(2))
+        for c in caps:
+            entries[c] = [[torch.randn(1, 7, 16, generator=g), {"pooled_output": torch.randn(1, 16, generator=g)}]]
+        samples.append(Sample(lat, caps, repeats=1 + i % 2))
+    return samples, entries
+
+
+def make(n: int = 20, batch_size: int = 3, delay: float = 0.0, fail_on=None, seed: int = 1):
+    samples, entries = make_dataset(n)
+    reader = FakeReader(entries, delay=delay, fail_on=fail_on)
+    sampler = BucketSampler(samples, buckets_from_reader(reader, samples), batch_size, seed, tail="wrap")
+    return samples, entries, reader, sampler
+
+
+def expected_batch(entries, plan) -> tuple[torch.Tensor, list[Any]]:
+    lat = torch.cat([entries[k]["samples"] for k in plan.latent_keys])
+    return lat, [entries[k] for k in plan.caption_keys]
+
+
+def assert_batch_matches(batch: Batch, entries) -> None:
+    lat, cond = expected_batch(entries, batch.plan)
+    assert torch.equal(batch.latents, lat)
+    assert len(batch.conditioning) == len(cond)
+    for got, want in zip(batch.conditioning, cond):
+        assert torch.equal(got[0][0], want[0][0])
+        assert torch.equal(got[0][1]["pooled_output"], want[0][1]["pooled_output"])
+
+
+def live_threads() -> set[threading.Thread]:
+    return set(threading.enumerate())
+
+
+# ---------------------------------------------------------------------------------------------- order and values
+@pytest.mark.parametrize("prefetch,threads", [(0, None), (1, 1), (2, None), (3, 2), (4, 3)])
+def test_batches_come_in_sampler_order_with_exact_values(prefetch, threads):
+    _, entries, reader, sampler = make()
+    ref = sampler.epoch_plans(0)
+    with PrefetchLoader(reader, sampler, prefetch_batches=prefetch, threads=threads) as loader:
+        got = list(loader)
+    assert [b.plan for b in got] == ref
+    for b in got:
+        assert_batch_matches(b, entries)
+        assert b.latents.shape[0] == 3
+
+
+def test_out_of_order_completion_is_delivered_in_order():
+    _, entries, reader, sampler = make(n=30)
+    slow_first = reader.read
+
+    def jittery(keys, **kw):  # early batches slower than later ones: completion order differs from plan order
+        time.sleep(0.02 * (len(reader.reads) % 3 == 0))
+        return slow_first(keys, **kw)
+
+    reader.read = jittery
+    with PrefetchLoader(reader, sampler, prefetch_batches=4, threads=4) as loader:
+        assert [b.plan for b in loader] == sampler.epoch_plans(0)
+
+
+def test_latent_extras_and_conditioning_are_materialized():
+    _, entries, reader, sampler = make()
+    with PrefetchLoader(reader, sampler) as loader:
+        for b in loader:
+            for i, key in enumerate(b.plan.latent_keys):
+                has_mask = "noise_mask" in entries[key]
+                if b.latent_extras is None:
+                    assert not has_mask
+                else:
+                    assert ("noise_mask" in b.latent_extras[i]) == has_mask
+            assert all(isinstance(c[0][0], torch.Tensor) for c in b.conditioning)
+
+
+def test_kept_cpu_batches_never_change():
+    _, entries, reader, sampler = make(n=40)
+    with PrefetchLoader(reader, sampler, prefetch_batches=2) as loader:
+        batches = list(loader)  # keep them all while later batches are read
+    assert not reader.buffers  # CPU target: every batch owns its read buffer; nothing is reused under it
+    for b in batches:
+        assert_batch_matches(b, entries)
+
+
+def test_several_epochs_and_endless_iteration():
+    _, _, reader, sampler = make()
+    ref = sampler.epoch_plans(0) + sampler.epoch_plans(1) + sampler.epoch_plans(2)
+    with PrefetchLoader(reader, sampler, epochs=2) as loader:
+        assert len(loader) == 2 * len(sampler)
+        assert [b.plan for b in loader] == ref[: 2 * len(sampler)]
+    sampler.set_epoch(0)
+    with PrefetchLoader(reader, sampler, epochs=None) as loader:
+        got = []
+        for b in loader:
+            got.append(b.plan)
+            if len(got) == len(ref):
+                break
+        assert got == ref
+
+
+# ---------------------------------------------------------------------------------------------------- resume
+@pytest.mark.parametrize("stop_after", [0, 1, 4, 7])
+def test_state_dict_resumes_on_the_batch_after_the_last_delivered(stop_after):
+    _, _, reader, sampler = make()
+    ref = sampler.epoch_plans(0)
+    with PrefetchLoader(reader, sampler, prefetch_batches=3) as loader:
+        it = iter(loader)
+        for _ in range(stop_after):
+            next(it)
+        state = loader.state_dict()  # the loader has read ahead; the state must not
+        del it
+    _, _, reader2, sampler2 = make()
+    sampler2.load_state_dict(state)
+    with PrefetchLoader(reader2, sampler2) as loader2:
+        assert [b.plan for b in loader2] == ref[stop_after:]
+
+
+def test_break_then_iterate_again_continues_where_the_consumer_stopped():
+    _, _, reader, sampler = make()
+    ref = sampler.epoch_plans(0)
+    with PrefetchLoader(reader, sampler, prefetch_batches=3) as loader:
+        first = []
+        for b in loader:
+            first.append(b.plan)
+            if len(first) == 2:
+                break
+        assert [b.plan for b in loader] == ref[2:]
+        assert first == ref[:2]
+
+
+def test_a_new_iteration_supersedes_an_unfinished_one():
+    _, _, reader, sampler = make()
+    with PrefetchLoader(reader, sampler) as loader:
+        old = iter(loader)
+        next(old)
+        new = iter(loader)
+        assert next(new).plan.index == 1
+        with pytest.raises(RuntimeError, match="superseded"):
+            next(old)
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+def test_worker_exception_reaches_consumer_at_the_failing_batch_with_its_traceback():
+    samples, entries, reader, sampler = make()
+    plans = sampler.epoch_plans(0)
+    bad = plans[3].latent_keys[0]
+    first_bad = next(i for i, p in enumerate(plans) if bad in p.latent_keys)
+    reader.fail_on = {bad}
+    before = live_threads()
+    loader = PrefetchLoader(reader, sampler, prefetch_batches=2, threads=2)
+    delivered = []
+    with pytest.raises(LoaderWorkerError, match=f"batch {first_bad} of epoch 0") as info:
+        for b in loader:
+            delivered.append(b.plan)
+    assert delivered == plans[:first_bad]
+    cause = info.value.__cause__
+    assert isinstance(cause, CacheCorruptError) and cause.entry == bad
+    assert info.value.plan == plans[first_bad]
+    tb = "".join(traceback.format_exception(cause))
+    assert "_raise_corrupt" in tb and "_run_job" in tb  # the worker's own frames survive
+    assert "checksum mismatch" in str(info.value)
+    assert live_threads() == before  # the failed iteration stopped its threads
+    assert sampler.position == (0, first_bad)  # a retry starts at the failed batch
+    loader.close()
+
+
+def test_wrong_buckets_are_reported_not_stacked():
+    samples, entries, reader, _ = make()
+    sampler = BucketSampler(samples, [0] * len(samples), 4, seed=0)  # ignores the two latent shapes
+    with PrefetchLoader(reader, sampler) as loader, pytest.raises(LoaderWorkerError, match="mixes latent shapes"):
+        list(loader)
+
+
+# ----------------------------------------------------------------------------------------------- thread hygiene
+def test_close_joins_every_thread_and_no_read_happens_after():
+    _, _, reader, sampler = make(delay=0.01)
+    before = live_threads()
+    loader = PrefetchLoader(reader, sampler, prefetch_batches=4, threads=2)
+    it = iter(loader)
+    next(it)
+    assert len(live_threads() - before) == loader.threads >= 1
+    loader.close()
+    assert live_threads() == before
+    reads = len(reader.reads)
+    assert reader.active == 0
+    time.sleep(0.05)
+    assert len(reader.reads) == reads
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader)
+    with pytest.raises(RuntimeError, match="superseded|closed"):
+        next(it)
+    loader.close()  # idempotent
+
+
+def test_threads_survive_a_finished_epoch_and_stop_at_close():
+    _, _, reader, sampler = make()
+    before = live_threads()
+    with PrefetchLoader(reader, sampler, threads=2) as loader:
+        list(loader)
+        kept = live_threads() - before
+        list(loader)
+        assert live_threads() - before == kept and len(kept) == loader.threads  # persistent workers, reused
+    assert live_threads() == before
+
+
+def test_exception_in_the_consumer_loop_stops_the_threads():
+    _, _, reader, sampler = make(delay=0.005)
+    before = live_threads()
+    loader = PrefetchLoader(reader, sampler, prefetch_batches=3, threads=2)
+    with pytest.raises(ZeroDivisionError):
+        for i, _ in enumerate(loader):
+            if i == 2:
+                1 / 0
+    assert live_threads() == before
+    reads = len(reader.reads)
+    time.sleep(0.03)
+    assert len(reader.reads) == reads
+    assert [b.plan.index for b in loader][0] == 3  # still usable; resumes after the last delivered batch
+    loader.close()
+
+
+def test_garbage_collected_unclosed_loader_leaves_no_threads():
+    _, _, reader, sampler = make(delay=0.005)
+    before = live_threads()
+
+    def abandon() -> None:
+        loader = PrefetchLoader(reader, sampler, prefetch_batches=3, threads=2)
+        it = iter(loader)
+        next(it)
+        assert live_threads() != before
+
+    abandon()
+    gc.collect()
+    assert live_threads() == before
+
+    loader = PrefetchLoader(reader, sampler, prefetch_batches=3, threads=2)
+    list(loader)  # finished epoch: threads kept for the next one
+    del loader
+    gc.collect()
+    assert live_threads() == before
+
+
+# ----------------------------------------------------------------------------------------------- waiting, memory
+def test_on_wait_runs_in_the_consumer_thread_and_can_interrupt():
+    _, _, reader, sampler = make(delay=0.15)
+    calls: list[threading.Thread] = []
+    before = live_threads()
+
+    class Interrupted(BaseException):  # ComfyUI's InterruptProcessingException is a BaseException too
+        pass
+
+    def on_wait() -> None:
+        calls.append(threading.current_thread())
+        if len(calls) >= 3:
+            raise Interrupted
+
+    loader = PrefetchLoader(reader, sampler, on_wait=on_wait)
+    with pytest.raises(Interrupted):
+        list(loader)
+    assert set(calls) == {threading.current_thread()}
+    assert live_threads() == before
+    loader.close()
+
+
+def test_read_ahead_is_bounded_by_prefetch_depth():
+    _, _, reader, sampler = make(n=40)
+    depth = 2
+    batch_bytes = 3 * (4 * 16 * 8 + 2 * 4 * 8 * 8) * 4 + 3 * (7 * 16 + 16) * 4  # biggest bucket, with masks
+    with PrefetchLoader(reader, sampler, prefetch_batches=depth, threads=2) as loader:
+        for i, batch in enumerate(loader):
+            del batch
+            time.sleep(0.01)  # a slow consumer: the loader must not run ahead
+            assert len(reader.reads) <= i + 1 + depth
+            assert loader.held_bytes() <= depth * batch_bytes
+    assert reader.max_active <= 2
+    assert len(reader.buffers) <= 2  # one reusable buffer per worker
+
+
+def test_stats_report_read_and_wait_times():
+    _, _, reader, sampler = make(delay=0.01)
+    with PrefetchLoader(reader, sampler, prefetch_batches=2) as loader:
+        for _ in loader:
+            time.sleep(0.03)  # a step slower than a read: reads are hidden after the first batch
+        s = loader.stats
+    assert s.batches == len(sampler) == len(s.recent_read_s) == len(s.recent_wait_s)
+    assert s.mean_read_s >= 0.01
+    assert s.elapsed_s >= 0.03 * (s.batches - 1)
+    assert s.wait_fraction < 0.25
+    assert 0.005 < s.recent_wait_s[0]  # the first batch is always waited for
+
+
+def test_bad_arguments_are_refused():
+    _, _, reader, sampler = make()
+    with pytest.raises(ValueError, match="pin_memory=True needs a CUDA device"):
+        PrefetchLoader(reader, sampler, pin_memory=True)
+    with pytest.raises(ValueError, match="prefetch_batches must be >= 0"):
+        PrefetchLoader(reader, sampler, prefetch_batches=-1)
+    with pytest.raises(ValueError, match="epochs must be"):
+        PrefetchLoader(reader, sampler, epochs=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            PrefetchLoader(reader, sampler, device="cuda")
+
+
+def test_threads_are_clamped_to_depth_and_cpus(caplog):
+    _, _, reader, sampler = make()
+    with caplog.at_level("WARNING"):
+        assert PrefetchLoader(reader, sampler, prefetch_batches=2, threads=8).threads <= 2
+    assert "loader threads: 8 requested" in caplog.text
+    assert PrefetchLoader(reader, sampler, prefetch_batches=0, threads=8).threads == 0
+    assert PrefetchLoader(reader, sampler).threads == 1
+
+
+def test_works_on_one_cpu(tmp_path):
+    script = tmp_path / "one_cpu.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, sys, threading
+            sys.path[:0] = [{str(ROOT)!r}, {str(Path(__file__).parent)!r}]
+            os.sched_setaffinity(0, {{0}})
+            import test_loader as t
+            from dataset_cache.loader import PrefetchLoader
+            _, entries, reader, sampler = t.make(delay=0.001)
+            before = set(threading.enumerate())
+            with PrefetchLoader(reader, sampler, prefetch_batches=4, threads=4) as loader:
+                assert loader.threads == 1, loader.threads
+                got = list(loader)
+            assert [b.plan for b in got] == sampler.epoch_plans(0)
+            for b in got:
+                t.assert_batch_matches(b, entries)
+            assert set(threading.enumerate()) == before
+            print("ok", len(os.sched_getaffinity(0)))
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok", "1"]
+
+
+# ------------------------------------------------------------------------------------------------ real reader
+def test_with_the_real_reader(tmp_path):
+    reader_mod = pytest.importorskip("dataset_cache.format.reader", reason="format reader not written yet")
+    writer_mod = pytest.importorskip("dataset_cache.format.writer", reason="format writer not written yet")
+    samples, entries = make_dataset(12)
+    with writer_mod.CacheWriter(tmp_path / "cache") as w:
+        for key, value in entries.items():
+            w.add(key, value, kind="latent" if isinstance(value, dict) else "conditioning")
+    reader = reader_mod.open_cache(tmp_path / "cache")
+    sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 2, seed=3, tail="wrap")
+    before = live_threads()
+    with PrefetchLoader(reader, sampler, prefetch_batches=2, threads=2) as loader:
+        batches = list(loader)
+    assert live_threads() == before
+    assert [b.plan for b in batches] == sampler.epoch_plans(0)
+    for b in batches:
+        assert_batch_matches(b, entries)
+    reader.close()
