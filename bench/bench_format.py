@@ -1,0 +1,309 @@
+"""Benchmark of the cache format against the "lazy-branch" design it replaces, side by side in one run.
+
+Entries are SD1.5-sized: a latent ``{"samples": 1x4x64x64 fp16}`` and a conditioning
+``[[1x77x768 fp16, {"pooled_output": 1x768 fp16}]]`` per sample (~150 KB a sample, ~15 GB at 100k).
+
+Measured:
+* open: time and RSS growth to open the cache (ours: manifest + journal + shard headers; baseline: pickled
+  skeleton per shard + safetensors header per shard, as in KohakuBlueleaf/ComfyUI@streamabledataset), each in a
+  fresh subprocess, with the files in the page cache (warm) and evicted first (cold, ``posix_fadvise``).
+* random batches of 4 samples (latent + conditioning each): ours ``CacheReader.read`` (checksums verified, and
+  not), per-tensor ``safe_open().get_tensor()`` on the baseline files, and raw ``preadv`` of exactly the same
+  byte ranges of our shard files (no parsing, no checksums: the limit), warm and cold.
+
+Usage: ``python bench/bench_format.py --quick`` (N=2000) or ``python bench/bench_format.py --n 100000``
+(needs ~2 x 15 GB free under --dir). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pickle
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dataset_cache.dataset import Sample  # noqa: E402
+from dataset_cache.format import CacheWriter, ReadBuffer, open_cache  # noqa: E402
+from dataset_cache.hashing import content_key, tensor_checksum  # noqa: E402
+
+LAT = (1, 4, 64, 64)
+COND = (1, 77, 768)
+POOL = (1, 768)
+SAMPLE_BYTES = 2 * (4 * 64 * 64 + 77 * 768 + 768)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def keys_of(i: int) -> tuple[str, str]:
+    return content_key("latent", str(i)), content_key("cond", str(i))
+
+
+class Entries:
+    """Distinct SD1.5-sized entries without generating 7.5 G random numbers: a pool, stamped with the index."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.lat = [torch.randn(LAT, generator=g).half() for _ in range(8)]
+        self.cond = [torch.randn(COND, generator=g).half() for _ in range(8)]
+        self.pool = [torch.randn(POOL, generator=g).half() for _ in range(8)]
+
+    def get(self, i: int) -> tuple[dict, list]:
+        lat = self.lat[i % 8].clone()
+        lat.view(-1)[:4] = torch.tensor([i & 0xFFFF, i >> 16, 1, 2], dtype=torch.float16)
+        cond = self.cond[i % 8].clone()
+        cond.view(-1)[:2] = torch.tensor([i & 0xFFFF, i >> 16], dtype=torch.float16)
+        return {"samples": lat}, [[cond, {"pooled_output": self.pool[i % 8]}]]
+
+
+# ------------------------------------------------------------------------------------------------ writers
+def write_ours(root: Path, n: int, entries: Entries) -> float:
+    t = time.perf_counter()
+    with CacheWriter(root) as w:
+        samples = []
+        for i in range(n):
+            lk, ck = keys_of(i)
+            lat, cond = entries.get(i)
+            w.add(lk, lat, kind="latent", name="latent")
+            w.add(ck, cond, kind="conditioning", name="conditioning")
+            samples.append(Sample(lk, (ck,)))
+        w.set_dataset("bench", samples)
+    return time.perf_counter() - t
+
+
+def write_baseline(root: Path, n: int, entries: Entries, shard_size: int = 1000) -> float:
+    """The lazy-branch design: shard_XXXX.safetensors (one tensor per sample tensor) + pickled skeletons."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    for s in range(0, n, shard_size):
+        tensors, skels = {}, []
+        for j, i in enumerate(range(s, min(n, s + shard_size))):
+            lat, cond = entries.get(i)
+            tensors[f"s{j}_lat_0"] = lat["samples"]
+            tensors[f"s{j}_cond_0"] = cond[0][0]
+            tensors[f"s{j}_cond_1"] = cond[0][1]["pooled_output"].clone()
+            skels.append(({"samples": {"__tref__": f"s{j}_lat_0"}},
+                          [[{"__tref__": f"s{j}_cond_0"}, {"pooled_output": {"__tref__": f"s{j}_cond_1"}}]]))
+        idx = s // shard_size
+        save_file(tensors, str(root / f"shard_{idx:04d}.safetensors"))
+        with open(root / f"shard_{idx:04d}.skeleton.pkl", "wb") as f:
+            pickle.dump(skels, f)
+    (root / "metadata.json").write_text(json.dumps({"format_version": 2, "num_samples": n,
+                                                    "shard_size": shard_size}))
+    return time.perf_counter() - t
+
+
+class BaselineReader:
+    """Opens like ``_ShardReader``: skeleton pickle + own header parse; realizes with safe_open per tensor."""
+
+    def __init__(self, root: Path) -> None:
+        meta = json.loads((root / "metadata.json").read_text())
+        self.shard_size = meta["shard_size"]
+        self.shards = []
+        for idx in range((meta["num_samples"] + self.shard_size - 1) // self.shard_size):
+            path = root / f"shard_{idx:04d}.safetensors"
+            with open(root / f"shard_{idx:04d}.skeleton.pkl", "rb") as f:
+                skels = pickle.load(f)
+            with open(path, "rb") as f:
+                (hn,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(hn))
+            self.shards.append((str(path), skels, header))
+
+    def realize(self, i: int, hashed: bool):
+        """``get_tensor`` may return a lazily mapped tensor; hashing (= our verification work) or cloning it
+        makes sure the bytes are really read."""
+        from safetensors import safe_open
+
+        path, skels, _ = self.shards[i // self.shard_size]
+
+        def walk(v):
+            if isinstance(v, dict) and "__tref__" in v:
+                with safe_open(path, "pt") as f:
+                    t = f.get_tensor(v["__tref__"])
+                if hashed:
+                    tensor_checksum(t)
+                    return t
+                return t.clone()
+            if isinstance(v, dict):
+                return {k: walk(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)):
+                return type(v)(walk(x) for x in v)
+            return v
+
+        return walk(skels[i % self.shard_size])
+
+
+# ------------------------------------------------------------------------------------------------ measures
+def evict(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def measure_open_child(kind: str, root: str) -> None:
+    gc.collect()
+    r0 = rss_bytes()
+    t = time.perf_counter()
+    obj = open_cache(root) if kind == "ours" else BaselineReader(Path(root))
+    dt = time.perf_counter() - t
+    gc.collect()
+    extra = {}
+    if kind == "ours":
+        t2 = time.perf_counter()
+        n = sum(1 for k in obj.keys() if obj.kind(k) == "latent" and obj.get(k)["samples"].shape)
+        extra = {"shapes_s": time.perf_counter() - t2, "latents": n}
+    print(json.dumps({"open_s": dt, "rss_mb": (rss_bytes() - r0) / 2**20, **extra}))
+
+
+def measure_open(kind: str, root: Path, cold: bool) -> dict:
+    if cold:
+        evict(root)
+    out = subprocess.run([sys.executable, __file__, "--_open", kind, str(root)], check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def batches(n: int, count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [rng.sample(range(n), 4) for _ in range(count)]
+
+
+def time_ours(root: Path, plan: list[list[int]], verify: bool) -> float:
+    r = open_cache(root, verify=verify)
+    buf = ReadBuffer()
+    t = time.perf_counter()
+    for b in plan:
+        r.read([k for i in b for k in keys_of(i)], out=buf)
+    return time.perf_counter() - t
+
+
+def time_baseline(root: Path, plan: list[list[int]], hashed: bool) -> float:
+    r = BaselineReader(root)
+    t = time.perf_counter()
+    for b in plan:
+        for i in b:
+            r.realize(i, hashed)
+    return time.perf_counter() - t
+
+
+def time_raw(root: Path, plan: list[list[int]]) -> float:
+    """preadv of exactly the rows' byte ranges (per-row, sorted) into one buffer: no parsing, no checksums."""
+    r = open_cache(root)
+    ranges = []
+    for b in plan:
+        per: dict[str, list] = {}
+        for i in b:
+            for k in keys_of(i):
+                s, e = r._index[k]
+                sh = r._shards[s]
+                sh.skeleton(e, lambda c, row, sh=sh: per.setdefault(str(sh.path), []).append(
+                    sh.columns[c].row_range(row)))
+        ranges.append({p: sorted(v) for p, v in per.items()})
+    buf = bytearray(SAMPLE_BYTES * 4 + 4096)
+    mv = memoryview(buf)
+    t = time.perf_counter()
+    for batch in ranges:
+        pos = 0
+        for path, rr in batch.items():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for a, z in rr:
+                    os.preadv(fd, [mv[pos:pos + z - a]], a)
+                    pos += z - a
+            finally:
+                os.close(fd)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="N=2000, 200 batches")
+    ap.add_argument("--n", type=int, default=None, help="samples (default 5000; --quick 2000)")
+    ap.add_argument("--batches", type=int, default=None, help="random batches of 4 per method")
+    ap.add_argument("--dir", default="/tmp/streamcache-bench", help="scratch folder (deleted unless --keep)")
+    ap.add_argument("--keep", action="store_true", help="keep (and reuse) the written caches")
+    ap.add_argument("--_open", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._open:
+        return measure_open_child(*a._open)
+    n = a.n or (2000 if a.quick else 5000)
+    nb = a.batches or (200 if a.quick else 1000)
+    base = Path(a.dir) / f"n{n}"
+    ours, lazy = base / "ours", base / "baseline"
+    need = 2 * n * SAMPLE_BYTES * 1.05
+    free = shutil.disk_usage(Path(a.dir).parent if not Path(a.dir).exists() else a.dir).free
+    if not (ours / "manifest.json").exists() and need > free:
+        sys.exit(f"need {need / 2**30:.1f} GiB free under {a.dir}, have {free / 2**30:.1f}; use --n to scale")
+    entries = Entries()
+    torch.set_num_threads(1)
+    rows = []
+    if not (ours / "manifest.json").exists():
+        shutil.rmtree(base, ignore_errors=True)
+        w_ours = write_ours(ours, n, entries)
+        w_base = write_baseline(lazy, n, entries)
+        gb = n * SAMPLE_BYTES / 1e9
+        rows.append(("write", f"{gb / w_ours:.2f} GB/s ({w_ours:.1f} s)",
+                     f"{gb / w_base:.2f} GB/s ({w_base:.1f} s)", ""))
+    for cold in (False, True):
+        o, b = measure_open("ours", ours, cold), measure_open("baseline", lazy, cold)
+        tag = "cold" if cold else "warm"
+        rows.append((f"open ({tag})", f"{o['open_s'] * 1000:.0f} ms, +{o['rss_mb']:.0f} MB RSS",
+                     f"{b['open_s'] * 1000:.0f} ms, +{b['rss_mb']:.0f} MB RSS", ""))
+        if not cold:
+            rows.append(("shapes of all latents (get().shape)", f"{o['shapes_s'] * 1000:.0f} ms", "", ""))
+    plan = batches(n, nb)
+    plan_b = plan[: max(1, min(nb, 50))]  # the baseline parses a big header per tensor: ~50 ms a batch
+    payload = nb * 4 * SAMPLE_BYTES / 1e9
+    payload_b = len(plan_b) * 4 * SAMPLE_BYTES / 1e9
+    for cold in (False, True):
+        tag = "cold" if cold else "warm"
+        res = {}
+        for name, fn, root in (("ours", lambda: time_ours(ours, plan, True), ours),
+                               ("ours_noverify", lambda: time_ours(ours, plan, False), ours),
+                               ("baseline", lambda: time_baseline(lazy, plan_b, True), lazy),
+                               ("baseline_clone", lambda: time_baseline(lazy, plan_b, False), lazy),
+                               ("raw", lambda: time_raw(ours, plan), ours)):
+            if cold:
+                evict(root)
+            else:
+                fn()  # warm-up pass: pages in cache
+            res[name] = fn()
+        rows.append((f"random batches of 4 ({tag}), GB/s [batches/s]",
+                     f"{payload / res['ours']:.2f} [{nb / res['ours']:.0f}] verified; "
+                     f"{payload / res['ours_noverify']:.2f} unverified",
+                     f"{payload_b / res['baseline']:.3f} [{len(plan_b) / res['baseline']:.0f}] hashed; "
+                     f"{payload_b / res['baseline_clone']:.3f} copied",
+                     f"{payload / res['raw']:.2f} [{nb / res['raw']:.0f}]"))
+    print(f"\nN = {n} samples ({n * SAMPLE_BYTES / 1e9:.1f} GB of tensors per cache), {nb} random batches of 4, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs\n")
+    print("| measure | ours (streamcache v1) | lazy-branch baseline (per-tensor safe_open) "
+          "| raw preadv of our rows (limit) |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    if not a.keep:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

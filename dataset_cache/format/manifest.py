@@ -1,0 +1,382 @@
+"""``manifest.json`` + the append-only journal: which shards and datasets make up the cache.
+
+The manifest is rewritten only by compaction (temp + fsync + rename: the atomic switch); every ordinary commit
+appends one checksummed line to the live journal, so committing a batch costs one small append + fsync however
+large the cache is (a single monolithic index becomes the bottleneck at ~100k entries). A reader's state is the
+manifest followed by the journal's valid lines; a torn last line (a crash mid-append) is ignored, while a bad
+line followed by good ones means damage and is reported. Layout and rules: docs/FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+from ..constants import FORMAT_NAME, FORMAT_VERSION
+from ..dataset import DatasetInfo, Sample
+from ..errors import CacheCorruptError, CacheFormatError, CacheNotFoundError
+from ..hashing import checksum64
+from .safetensors_io import read_regular
+
+__all__ = [
+    "MANIFEST",
+    "ShardRecord",
+    "CacheState",
+    "read_state",
+    "append_journal",
+    "write_manifest",
+    "journal_name",
+    "atomic_write",
+    "fsync_dir",
+    "new_id",
+    "write_dataset",
+    "load_dataset",
+]
+
+MANIFEST = "manifest.json"
+SHARD_FILE_RE = re.compile(r"shards/[A-Za-z0-9_-]{1,64}\.safetensors")
+DATASET_FILE_RE = re.compile(r"datasets/[A-Za-z0-9_-][A-Za-z0-9._-]{0,200}\.json")
+JOURNAL_RE = re.compile(r"journal-[0-9]{6,18}\.jsonl")
+_LINE_HEAD = b'{"xxh3_64":"'
+_LINE_MID = b'","record":'
+_LINE_TAIL = b"}\n"
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """The manifest's record of one shard: relative file name, size, entry count, header checksum."""
+
+    file: str
+    bytes: int
+    entries: int
+    header_xxh3: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"file": self.file, "bytes": self.bytes, "entries": self.entries}
+        if self.header_xxh3:
+            d["header_xxh3"] = self.header_xxh3
+        return d
+
+    @classmethod
+    def from_json(cls, where: str, obj: Any) -> ShardRecord:
+        """Check and convert one shard record (``where`` names the file in errors)."""
+        if type(obj) is not dict:
+            raise CacheCorruptError(where, "a shard record is not an object")
+        f, b, n, h = obj.get("file"), obj.get("bytes"), obj.get("entries"), obj.get("header_xxh3")
+        if type(f) is not str or not SHARD_FILE_RE.fullmatch(f):
+            raise CacheCorruptError(where, f"bad shard file name {f!r:.80}")
+        if type(b) is not int or b < 8 or type(n) is not int or n < 0:
+            raise CacheCorruptError(where, f"shard {f}: bytes and entries must be non-negative ints")
+        if h is not None and (type(h) is not str or len(h) != 16):
+            raise CacheCorruptError(where, f"shard {f}: header_xxh3 must be 16 hex digits")
+        return cls(f, b, n, h)
+
+
+@dataclass
+class CacheState:
+    """The committed state of a cache: the manifest plus the journal's valid lines.
+
+    Attributes:
+        root: cache directory.
+        generation: manifest generation (incremented by each compaction).
+        journal: file name of the live journal.
+        shards: committed shards in commit order.
+        datasets: name -> dataset record.
+        journal_bytes: length of the journal's valid prefix (a writer truncates anything after it).
+        journal_commits: number of valid journal lines.
+        journal_torn: whether an invalid last line was ignored.
+    """
+
+    root: Path
+    generation: int
+    journal: str
+    shards: list[ShardRecord] = field(default_factory=list)
+    datasets: dict[str, DatasetInfo] = field(default_factory=dict)
+    journal_bytes: int = 0
+    journal_commits: int = 0
+    journal_torn: bool = False
+
+
+def journal_name(generation: int) -> str:
+    """File name of the journal of a manifest generation."""
+    return f"journal-{generation:06d}.jsonl"
+
+
+def new_id() -> str:
+    """A random 16-hex-digit file id (unique without coordination; never reused)."""
+    return secrets.token_hex(8)
+
+
+def read_state(root: str | os.PathLike) -> CacheState:
+    """Read the manifest and replay the journal of the cache at ``root``.
+
+    Raises:
+        CacheNotFoundError: no ``manifest.json`` at ``root``.
+        CacheFormatError: not a streamcache manifest, or a version this library does not read.
+        CacheCorruptError: damaged manifest or journal.
+    """
+    root = Path(root)
+    mpath = root / MANIFEST
+    try:
+        raw = read_regular(mpath)
+    except FileNotFoundError:
+        raise CacheNotFoundError(
+            f"{root}: no cache here ({MANIFEST} is missing); create one by encoding a dataset into this folder"
+        ) from None
+    except OSError as exc:
+        raise CacheCorruptError(str(mpath), f"cannot read the manifest ({exc})") from None
+    m = _loads(str(mpath), raw)
+    if m.get("format") != FORMAT_NAME:
+        raise CacheFormatError(f"{mpath}: format {m.get('format')!r:.40}, expected {FORMAT_NAME!r}")
+    if m.get("version") != FORMAT_VERSION:
+        raise CacheFormatError(
+            f"{mpath}: cache format version {m.get('version')!r:.20}, this library reads version {FORMAT_VERSION}; "
+            "upgrade ComfyUI-StreamCache or rebuild the cache"
+        )
+    gen, journal, shards = m.get("generation"), m.get("journal"), m.get("shards")
+    if type(gen) is not int or gen < 0 or type(journal) is not str or not JOURNAL_RE.fullmatch(journal):
+        raise CacheCorruptError(str(mpath), "bad generation or journal name")
+    if type(shards) is not list:
+        raise CacheCorruptError(str(mpath), "'shards' is not a list")
+    state = CacheState(root, gen, journal, [ShardRecord.from_json(str(mpath), s) for s in shards])
+    _apply_datasets(str(mpath), state, m.get("datasets", {}), allow_delete=False)
+    _replay_journal(state)
+    return state
+
+
+def _loads(where: str, raw: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise CacheCorruptError(where, "JSON nested too deeply") from None
+    except (ValueError, TypeError) as exc:
+        raise CacheCorruptError(where, f"not valid JSON ({exc})") from None
+    if type(obj) is not dict:
+        raise CacheCorruptError(where, "not a JSON object")
+    return obj
+
+
+def _apply_datasets(where: str, state: CacheState, ds: Any, *, allow_delete: bool) -> None:
+    if type(ds) is not dict:
+        raise CacheCorruptError(where, "'datasets' is not an object")
+    for name, rec in ds.items():
+        if rec is None and allow_delete:
+            state.datasets.pop(name, None)
+            continue
+        if type(rec) is not dict:
+            raise CacheCorruptError(where, f"dataset {name!r:.80}: record is not an object")
+        f, n, info = rec.get("file"), rec.get("samples"), rec.get("info", {})
+        if type(f) is not str or not DATASET_FILE_RE.fullmatch(f) or type(n) is not int or n < 0:
+            raise CacheCorruptError(where, f"dataset {name!r:.80}: bad file name or sample count")
+        if type(info) is not dict:
+            raise CacheCorruptError(where, f"dataset {name!r:.80}: info is not an object")
+        state.datasets[name] = DatasetInfo(name, f, n, info)
+
+
+def _replay_journal(state: CacheState) -> None:
+    jpath = state.root / state.journal
+    try:
+        data = read_regular(jpath)
+    except FileNotFoundError:
+        raise CacheCorruptError(str(jpath), "the journal named by the manifest is missing") from None
+    except OSError as exc:
+        raise CacheCorruptError(str(jpath), f"cannot read the journal ({exc})") from None
+    pos = 0
+    known = {s.file for s in state.shards}
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        line = data[pos:] if nl < 0 else data[pos:nl + 1]
+        rec = _parse_line(line)
+        if rec is None:
+            if nl < 0 or nl + 1 == len(data):  # torn or zero-filled last line: a crash mid-append
+                state.journal_torn = True
+                break
+            raise CacheCorruptError(str(jpath), f"invalid journal line at byte {pos} followed by more lines")
+        _apply_record(str(jpath), state, rec, known)
+        pos += len(line)
+        state.journal_bytes = pos
+        state.journal_commits += 1
+
+
+def _parse_line(line: bytes) -> dict[str, Any] | None:
+    n = len(_LINE_HEAD) + 16 + len(_LINE_MID)
+    if len(line) < n + len(_LINE_TAIL) or not line.endswith(_LINE_TAIL) or not line.startswith(_LINE_HEAD):
+        return None
+    if line[len(_LINE_HEAD) + 16:n] != _LINE_MID:
+        return None
+    body = line[n:-len(_LINE_TAIL)]
+    if checksum64(body).encode("ascii") != line[len(_LINE_HEAD):len(_LINE_HEAD) + 16]:
+        return None
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    return obj if type(obj) is dict else None
+
+
+def _apply_record(where: str, state: CacheState, rec: dict[str, Any], known: set[str]) -> None:
+    shards = rec.get("shards", [])
+    if type(shards) is not list:
+        raise CacheCorruptError(where, "journal record: 'shards' is not a list")
+    for s in shards:
+        r = ShardRecord.from_json(where, s)
+        if r.file not in known:
+            known.add(r.file)
+            state.shards.append(r)
+    _apply_datasets(where, state, rec.get("datasets", {}), allow_delete=True)
+
+
+def encode_line(record: Mapping[str, Any]) -> bytes:
+    """One journal line: ``{"xxh3_64":"<hex of R>","record":R}\\n`` where R is the record's JSON bytes."""
+    body = json.dumps(record, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    return _LINE_HEAD + checksum64(body).encode("ascii") + _LINE_MID + body + _LINE_TAIL
+
+
+def append_journal(state: CacheState, record: Mapping[str, Any]) -> None:
+    """Durably append one record to the live journal (truncating an ignored torn tail first) and apply it."""
+    jpath = state.root / state.journal
+    line = encode_line(record)
+    fd = os.open(str(jpath), os.O_RDWR | getattr(os, "O_BINARY", 0))
+    try:
+        if os.fstat(fd).st_size != state.journal_bytes:
+            os.ftruncate(fd, state.journal_bytes)
+        os.lseek(fd, state.journal_bytes, os.SEEK_SET)
+        view = memoryview(line)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _apply_record(str(jpath), state, json.loads(line[len(_LINE_HEAD) + 16 + len(_LINE_MID):-2]),
+                  {s.file for s in state.shards})
+    state.journal_bytes += len(line)
+    state.journal_commits += 1
+    state.journal_torn = False
+
+
+def write_manifest(root: Path, generation: int, shards: list[ShardRecord],
+                   datasets: Mapping[str, DatasetInfo]) -> CacheState:
+    """Create an empty journal for ``generation``, then atomically publish a manifest naming it.
+
+    The manifest rename is the switch: before it readers see the old state, after it the new one.
+    """
+    journal = journal_name(generation)
+    jpath = root / journal
+    with open(jpath, "wb") as f:
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(root)
+    m = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "generation": generation,
+        "journal": journal,
+        "shards": [s.to_json() for s in shards],
+        "datasets": {d.name: {"file": d.file, "samples": d.samples, "info": d.info} for d in datasets.values()},
+    }
+    raw = json.dumps(m, indent=1, ensure_ascii=True, allow_nan=False).encode("ascii") + b"\n"
+    atomic_write(root / MANIFEST, lambda f: f.write(raw))
+    return CacheState(root, generation, journal, list(shards), dict(datasets))
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], _T]) -> _T:
+    """Write ``path`` via a temp file in the same folder: write, fsync, rename over ``path``, fsync the folder.
+
+    A crash at any point leaves either no file (or the old one) or the complete new one; an interrupted temp
+    file (``.<name>.<id>.tmp``) is an orphan that readers ignore and compaction deletes.
+    """
+    tmp = path.parent / f".{path.name}.{new_id()}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+    return result
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename or create in it is durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:  # Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _slug(name: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:64]
+    return slug or "dataset"
+
+
+def write_dataset(root: Path, name: str, samples: Sequence[Sample], info: Mapping[str, Any] | None) -> DatasetInfo:
+    """Write ``datasets/<name>-<id>.json`` atomically (columnar JSON) and return its manifest record.
+
+    The file is immutable; publishing it is the caller's job (a journal line naming it).
+    """
+    if type(name) is not str or not name or len(name) > 200 or any(ord(ch) < 32 for ch in name):
+        raise ValueError(f"dataset name {name!r:.80}: use 1-200 printable characters")
+    info = dict(info or {})
+    doc = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "name": name,
+        "latent": [s.latent for s in samples],
+        "captions": [list(s.captions) for s in samples],
+        "repeats": [s.repeats for s in samples],
+        "source": [s.source for s in samples],
+    }
+    try:
+        raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+        json.dumps(info, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"dataset {name!r:.80}: samples and info must be JSON-serializable ({exc})") from None
+    file = f"datasets/{_slug(name)}-{new_id()}.json"
+    (root / "datasets").mkdir(exist_ok=True)
+    atomic_write(root / file, lambda f: f.write(raw))
+    return DatasetInfo(name, file, len(samples), info)
+
+
+def load_dataset(root: Path, info: DatasetInfo) -> list[Sample]:
+    """Read and check a dataset file; every problem raises ``CacheCorruptError`` naming the file."""
+    path = root / info.file
+    p = str(path)
+    try:
+        raw = read_regular(path)
+    except FileNotFoundError:
+        raise CacheCorruptError(p, f"the file of dataset {info.name!r} is missing; re-encode the dataset") from None
+    except OSError as exc:
+        raise CacheCorruptError(p, f"cannot read the dataset file ({exc})") from None
+    d = _loads(p, raw)
+    if d.get("format") != FORMAT_NAME or d.get("version") != FORMAT_VERSION:
+        raise CacheFormatError(f"{p}: dataset file of format {d.get('format')!r:.40} version "
+                               f"{d.get('version')!r:.20}; this library reads {FORMAT_NAME} {FORMAT_VERSION}")
+    lat, caps, reps, srcs = (d.get(k) for k in ("latent", "captions", "repeats", "source"))
+    if not all(type(c) is list and len(c) == info.samples for c in (lat, caps, reps, srcs)):
+        raise CacheCorruptError(p, f"latent, captions, repeats and source must be lists of {info.samples} items")
+    out: list[Sample] = []
+    for i, (la, ca, re_, so) in enumerate(zip(lat, caps, reps, srcs)):
+        if (type(la) is not str or type(ca) is not list or not ca or any(type(c) is not str for c in ca)
+                or type(re_) is not int or re_ < 1 or (so is not None and type(so) is not str)):
+            raise CacheCorruptError(p, f"sample {i} is malformed")
+        out.append(Sample(la, tuple(ca), re_, so))
+    return out

@@ -1,0 +1,337 @@
+"""``CacheWriter``: streams entries into shards, commits durably, compacts.
+
+At most one shard's tensors are held in memory: ``add()`` validates and clones a value (a row view of a batch
+would otherwise drag the whole batch storage along), and once the pending bytes reach ``shard_bytes`` they are
+written as an immutable shard. Nothing is visible to readers until :meth:`CacheWriter.commit` appends a journal
+line naming the new shards — data file first (temp + fsync + rename + folder fsync), journal line second
+(append + fsync) — so a crash at any instant leaves the previous or the new state, both readable. Entries are
+content-addressed: adding a key the cache already has is a no-op. One writer per cache at a time (the
+inter-process lock lives in ``lock.py``); all writer state is in this one object.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ..constants import DEFAULT_SHARD_BYTES
+from ..dataset import DatasetInfo, Sample
+from ..errors import CacheCorruptError, CacheNotFoundError
+from .manifest import (
+    JOURNAL_RE,
+    MANIFEST,
+    CacheState,
+    ShardRecord,
+    append_journal,
+    new_id,
+    read_state,
+    write_dataset,
+    write_manifest,
+)
+from .reader import CacheReader, open_cache
+from .shard import ShardBuilder
+
+__all__ = ["CacheWriter", "CompactReport"]
+
+log = logging.getLogger("dataset_cache.format.writer")
+_MAX_KEY = 256
+
+
+@dataclass(frozen=True)
+class CompactReport:
+    """What :meth:`CacheWriter.compact` did.
+
+    Attributes:
+        shards_before / shards_after: committed shard files before and after.
+        shards_rewritten: shards whose live entries were copied into new shards.
+        entries_kept / entries_dropped: live entries after; entries removed (not kept, or duplicates).
+        bytes_before / bytes_after: total shard bytes before and after.
+        files_deleted: files removed (replaced shards, old journal, unreferenced dataset files, orphans).
+        damaged: problems that made entries unreadable; those entries (or whole shards) were dropped, so the next
+            encode re-creates them.
+    """
+
+    shards_before: int
+    shards_after: int
+    shards_rewritten: int
+    entries_kept: int
+    entries_dropped: int
+    bytes_before: int
+    bytes_after: int
+    files_deleted: int
+    damaged: tuple[str, ...] = ()
+
+
+class CacheWriter:
+    """Adds entries and datasets to the cache at ``root``.
+
+    Args:
+        root: cache directory (created with ``create=True`` when it holds no cache yet).
+        shard_bytes: pending tensor bytes at which a shard is written.
+        create: create an empty cache when ``root`` has none; otherwise raise ``CacheNotFoundError``.
+
+    Use as a context manager: leaving the block normally commits; leaving it by an exception discards the
+    entries added since the last commit (committed ones stay). :meth:`close` commits.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, shard_bytes: int = DEFAULT_SHARD_BYTES, create: bool = True) -> None:
+        self.root = Path(root)
+        if shard_bytes < 1:
+            raise ValueError(f"shard_bytes must be >= 1, got {shard_bytes}")
+        self.shard_bytes = int(shard_bytes)
+        if not (self.root / MANIFEST).exists():
+            if not create:
+                raise CacheNotFoundError(f"{self.root}: no cache here ({MANIFEST} is missing); pass create=True")
+            _init_cache(self.root)
+        self._state: CacheState = read_state(self.root)
+        reader = open_cache(self.root, strict=False)
+        for problem in reader.problems:  # their entries count as absent: the next encode re-creates them
+            log.warning("damaged shard (compact() drops it): %s", problem)
+        self._committed: set[str] = set(reader.keys())
+        self._builder = ShardBuilder()
+        self._written: list[ShardRecord] = []
+        self._written_keys: set[str] = set()
+        self._closed = False
+
+    # ----------------------------------------------------------------------------------------- entries
+    def has(self, key: str) -> bool:
+        """Whether ``key`` is committed, or added in this writer and not yet committed."""
+        return key in self._committed or key in self._written_keys or key in self._builder
+
+    def add(self, key: str, value: Any, *, kind: str = "value", name: str = "value") -> None:
+        """Add one entry (ignored when the key exists: same key, same content).
+
+        The value is validated and its tensors cloned now, so the caller may reuse or free them at once.
+
+        Raises:
+            UnstorableValueError: ``value`` holds something not storable; the message names its path, e.g.
+                ``conditioning[0][1]['hooks']: HookGroup is not storable``.
+            ValueError: bad key or kind, or the writer is closed.
+        """
+        self._check_open()
+        if type(key) is not str or not key or len(key) > _MAX_KEY or not key.isprintable():
+            raise ValueError(f"entry key {key!r:.80}: use 1-{_MAX_KEY} printable characters (a content hash)")
+        if type(kind) is not str or not kind or len(kind) > 64:
+            raise ValueError(f"entry {key}: kind must be a short non-empty str, got {kind!r:.40}")
+        if self.has(key):
+            return
+        self._builder.add(key, kind, value, name)
+        if self._builder.nbytes >= self.shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not len(self._builder):
+            return
+        rec = self._builder.write(self.root / "shards", new_id())
+        self._written.append(rec)
+        self._written_keys.update(self._builder.keys)
+        self._builder = ShardBuilder()
+
+    def commit(self) -> None:
+        """Write pending entries as a shard and durably publish every shard written since the last commit."""
+        self._check_open()
+        self._commit({})
+
+    def _commit(self, datasets: dict[str, Any]) -> None:
+        self._flush()
+        if not self._written and not datasets:
+            return
+        append_journal(self._state, {"shards": [r.to_json() for r in self._written], "datasets": datasets})
+        self._committed |= self._written_keys
+        self._written, self._written_keys = [], set()
+
+    def abort(self) -> None:
+        """Discard entries added since the last commit (their shard files are deleted)."""
+        self._builder = ShardBuilder()
+        for rec in self._written:
+            _unlink(self.root / rec.file)
+        self._written, self._written_keys = [], set()
+
+    # ----------------------------------------------------------------------------------------- datasets
+    def set_dataset(self, name: str, samples: Sequence[Sample], *, info: dict | None = None) -> None:
+        """Write the dataset's sample list (immutable file) and commit it, with any pending entries.
+
+        A dataset of the same name is replaced (its old file is deleted by the next compaction).
+
+        Raises:
+            ValueError: a sample names an entry the cache does not have, or the name/info is unusable.
+        """
+        self._check_open()
+        missing = [k for s in samples for k in (s.latent, *s.captions) if not self.has(k)]
+        if missing:
+            raise ValueError(f"dataset {name!r:.80}: {len(missing)} sample entries are not in the cache "
+                             f"(first: {missing[0]}); add them before set_dataset()")
+        rec = write_dataset(self.root, name, samples, info)
+        self._commit({name: {"file": rec.file, "samples": rec.samples, "info": rec.info}})
+
+    def remove_dataset(self, name: str) -> None:
+        """Remove a dataset from the cache (its entries stay until a compaction drops unreferenced ones)."""
+        self._check_open()
+        if name not in self._state.datasets:
+            raise KeyError(f"no dataset {name!r} in the cache at {self.root}")
+        self._commit({name: None})
+
+    def datasets(self) -> dict[str, DatasetInfo]:
+        """The committed datasets (name -> record)."""
+        return dict(self._state.datasets)
+
+    # ----------------------------------------------------------------------------------------- compaction
+    def compact(self, *, keep: set[str] | None = None, min_fill: float = 0.5, repair: bool = False) -> CompactReport:
+        """Rewrite underfull shards (and shards with dropped entries) into full ones; publish a new manifest.
+
+        Args:
+            keep: entries to keep (``None``: all). Entries referenced by a dataset are always kept.
+            min_fill: shards smaller than ``min_fill * shard_bytes`` are rewritten.
+            repair: verify every shard first and rewrite those with bad rows, dropping the bad entries. Shards that
+                cannot be opened at all (missing, truncated, bad header) are always dropped.
+
+        Rewritten entries are written in dataset order (then the rest) so training reads them sequentially.
+        The new manifest (naming a fresh empty journal) is the atomic switch; replaced files are deleted after
+        it. A reader opened before the switch must be reopened.
+        """
+        self._check_open()
+        self._commit({})
+        reader = open_cache(self.root, strict=False)
+        damaged = [str(p) for p in reader.problems]
+        bad_paths = {p.path for p in reader.verify()} if repair else set()
+        order = _dataset_order(reader)
+        live = set(reader.keys()) if keep is None else (set(keep) & set(reader.keys())) | set(order)
+        state = self._state
+        kept, rewrite = self._choose(reader, live, bad_paths, min_fill)
+        if rewrite or damaged or state.journal_commits:
+            kept_keys = {k for _, sh in kept for k in sh.keys}
+            new = self._rewrite(reader, [k for k in [*order, *(k for _, sh in rewrite for k in sh.keys)]
+                                         if k in live and k not in kept_keys], damaged)
+            self._state = write_manifest(self.root, state.generation + 1, [rec for rec, _ in kept] + new,
+                                         state.datasets)
+        deleted = self._delete_unreferenced()
+        self._committed = set(open_cache(self.root, strict=False).keys())
+        shards = self._state.shards
+        return CompactReport(
+            shards_before=len(state.shards), shards_after=len(shards), shards_rewritten=len(rewrite),
+            entries_kept=len(self._committed), entries_dropped=sum(r.entries for r in state.shards)
+            - len(self._committed), bytes_before=sum(r.bytes for r in state.shards),
+            bytes_after=sum(r.bytes for r in shards), files_deleted=deleted, damaged=tuple(damaged),
+        )
+
+    def _choose(self, reader: CacheReader, live: set[str], bad_paths: set[str], min_fill: float) -> tuple[list, list]:
+        """Split the openable shards into (kept, to rewrite) pairs of (record, ShardIndex)."""
+        by_file = {sh.file: sh for sh in reader._shards}
+        rewrite, kept, seen = [], [], set()
+        for rec in self._state.shards:
+            sh = by_file.get(rec.file)
+            if sh is None:  # could not be opened: dropped
+                continue
+            dropped = any(k in seen or k not in live for k in sh.keys) or str(sh.path) in bad_paths
+            seen.update(sh.keys)
+            (rewrite if dropped or rec.bytes < min_fill * self.shard_bytes else kept).append((rec, sh))
+        if (len(rewrite) == 1 and all(k in live for k in rewrite[0][1].keys)
+                and str(rewrite[0][1].path) not in bad_paths):  # rewriting it alone gains nothing
+            kept, rewrite = kept + rewrite, []
+        return kept, rewrite
+
+    def _rewrite(self, reader: CacheReader, keys: list[str], damaged: list[str]) -> list[ShardRecord]:
+        pending = list(dict.fromkeys(keys))
+        builder, records = ShardBuilder(), []
+        for batch in _batches(pending, 64):
+            for k, v in _read_or_skip(reader, batch, damaged):
+                builder.add(k, reader.kind(k), v, "value")
+                if builder.nbytes >= self.shard_bytes:
+                    records.append(builder.write(self.root / "shards", new_id()))
+                    builder = ShardBuilder()
+        if len(builder):
+            records.append(builder.write(self.root / "shards", new_id()))
+        return records
+
+    def _delete_unreferenced(self) -> int:
+        refs = {r.file for r in self._state.shards} | {d.file for d in self._state.datasets.values()}
+        refs.add(self._state.journal)
+        refs.add(MANIFEST)
+        n = 0
+        for sub in ("shards", "datasets"):
+            d = self.root / sub
+            for p in d.iterdir() if d.is_dir() else ():
+                if f"{sub}/{p.name}" not in refs and p.is_file():
+                    n += _unlink(p)
+        for p in self.root.iterdir():
+            if p.is_file() and p.name not in refs and (JOURNAL_RE.fullmatch(p.name) or p.name.endswith(".tmp")):
+                n += _unlink(p)
+        return n
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"the CacheWriter of {self.root} is closed")
+
+    def close(self) -> None:
+        """Commit pending entries and close the writer (idempotent)."""
+        if not self._closed:
+            self._commit({})
+            self._closed = True
+
+    def __enter__(self) -> CacheWriter:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if et is None:
+            self.close()
+        else:
+            self.abort()
+            self._closed = True
+
+    def __repr__(self) -> str:
+        return f"CacheWriter({str(self.root)!r}, committed={len(self._committed)}, pending={len(self._builder)})"
+
+
+def _init_cache(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "shards").mkdir(exist_ok=True)
+    (root / "datasets").mkdir(exist_ok=True)
+    write_manifest(root, 1, [], {})
+
+
+def _dataset_order(reader: CacheReader) -> list[str]:
+    order: dict[str, None] = {}
+    for name in reader.datasets():
+        for s in reader.dataset(name):
+            order.setdefault(s.latent, None)
+            for c in s.captions:
+                order.setdefault(c, None)
+    return list(order)
+
+
+def _read_or_skip(reader: CacheReader, keys: Sequence[str], damaged: list[str]) -> list[tuple[str, Any]]:
+    """Read ``keys``; when the batch fails, read one by one and drop (recording) the unreadable entries."""
+    try:
+        return list(zip(keys, reader.read(keys)))
+    except CacheCorruptError:
+        pass
+    out = []
+    for k in keys:
+        try:
+            out.append((k, reader.read([k])[0]))
+        except CacheCorruptError as exc:
+            log.warning("dropping unreadable entry: %s", exc)
+            damaged.append(str(exc))
+    return out
+
+
+def _batches(items: Sequence[str], n: int) -> Iterable[Sequence[str]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+def _unlink(p: Path) -> int:
+    try:
+        p.unlink()
+        return 1
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:  # e.g. Windows: a file still open elsewhere; the next compaction retries
+        log.warning("could not delete %s (%s); it is unreferenced and will be retried", p, exc)
+        return 0

@@ -1,0 +1,270 @@
+"""Writer -> reader round trips: exact values, dtypes and shapes; safetensors compatibility; writer semantics."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from dataset_cache.dataset import Sample
+from dataset_cache.errors import CacheNotFoundError, UnstorableValueError
+from dataset_cache.format import CacheWriter, ReadBuffer, open_cache
+from dataset_cache.refs import LazyTensor, is_lazy
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
+SHAPES = [(), (0,), (3,), (2, 0, 4), (1, 4, 5, 3), (1, 77, 8)]
+
+
+def rand(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g, dtype=torch.float32) * 3).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def values():
+    out = {}
+    for i, dt in enumerate(DTYPES):
+        for j, sh in enumerate(SHAPES):
+            out[f"t{i}_{j}"] = rand(sh, dt, seed=i * 10 + j)
+    special = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 1.0])
+    out["special"] = {"f32": special, "f16": special.half(), "bf16": special.bfloat16(), "py": [math.nan, -0.0]}
+    cond = torch.randn(1, 77, 32).half()
+    out["cond"] = [[cond, {"pooled_output": torch.randn(1, 32).half(), "guidance": 3.5, "area": (64, 64, 0, 0),
+                           "strength": 1.0, "set_area_to_bounds": False}]]
+    out["latent"] = {"samples": torch.randn(1, 4, 8, 8), "noise_mask": torch.rand(1, 1, 8, 8),
+                     "batch_index": [0], "type": "audio"}
+    out["nested"] = {"$tensor": (1, [2.0, {"$tuple": None, "ok": "x"}]), "list": [1, 2], "tuple": (1, 2),
+                     "one": 1, "one_f": 1.0, "big": 2**62, "empty": {}, "": ""}
+    out["shared"] = [cond, cond]  # the same tensor twice is stored twice and read back equal
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    vals = values()
+    with CacheWriter(root, shard_bytes=20_000) as w:
+        for k, v in vals.items():
+            w.add(k, v, kind="test", name=k)
+    return root, vals
+
+
+def test_every_value_round_trips_exactly(cache, same):
+    root, vals = cache
+    r = open_cache(root)
+    assert len(r) == len(vals) and set(r.keys()) == set(vals)
+    keys = list(vals)
+    for k, got in zip(keys, r.read(keys)):
+        same(vals[k], got, k)
+    assert r.verify() == []
+
+
+def test_single_reads_and_lazy_materialize_match(cache, same):
+    root, vals = cache
+    r = open_cache(root)
+    for k in ("cond", "latent", "t3_0", "t0_1"):
+        same(vals[k], r.read([k])[0], k)
+        lazy = r.get(k)
+        assert is_lazy(lazy) or not is_lazy(vals[k])
+        same(vals[k], r.materialize(lazy), k)
+
+
+def test_get_exposes_shapes_and_dtypes_without_io(cache):
+    root, vals = cache
+    r = open_cache(root)
+    lat = r.get("latent")
+    assert isinstance(lat["samples"], LazyTensor)
+    assert lat["samples"].shape == torch.Size([1, 4, 8, 8]) and lat["samples"].dtype == torch.float32
+    assert lat["samples"].nbytes == 4 * 64 * 4
+    assert lat["batch_index"] == [0] and lat["type"] == "audio"
+    assert r.tensor_shapes("cond")[0][1]["pooled_output"] == torch.Size([1, 32])
+    assert r.kind("cond") == "test"
+
+
+def test_every_shard_is_valid_safetensors_with_our_columns(cache):
+    root, vals = cache
+    r = open_cache(root)
+    n = 0
+    for sh in r._shards:
+        loaded = load_file(str(sh.path))
+        with safe_open(str(sh.path), "pt") as f:
+            assert set(f.keys()) == {c.tensor for c in sh.columns}
+            assert "streamcache" in f.metadata()
+            for c, col in enumerate(sh.columns):
+                t = f.get_tensor(col.tensor)
+                assert torch.equal(t.view(torch.uint8), loaded[col.tensor].view(torch.uint8))
+                assert t.dtype == col.dtype and tuple(t.shape) == (col.rows, *col.row_shape)
+                ours = r._read_rows([_row(r, sh, c, i) for i in range(col.rows)], False, None)
+                for i, v in enumerate(ours.values()):
+                    assert torch.equal(v.reshape(-1).view(torch.uint8), t[i].reshape(-1).view(torch.uint8))
+                n += 1
+    assert n >= len(DTYPES)
+
+
+def _row(reader, sh, c, i):
+    from dataset_cache.format.reader import _Row
+
+    return _Row(reader._shards.index(sh), c, i, "x")
+
+
+def test_row_view_of_a_batch_stores_only_its_row(tmp_path):
+    batch = torch.randn(16, 4, 32, 32)
+    with CacheWriter(tmp_path) as w:
+        w.add("row3", {"samples": batch[3:4]})
+        w.add("row5", {"samples": batch[5]})
+        w.add("col", {"samples": batch[:, 0]})  # non-contiguous view
+    shard = next((tmp_path / "shards").iterdir())
+    row_bytes = 4 * 32 * 32 * 4
+    assert shard.stat().st_size < 2 * row_bytes + 16 * 32 * 32 * 4 + 4096
+    r = open_cache(tmp_path)
+    assert torch.equal(r.read(["row3"])[0]["samples"], batch[3:4])
+    assert torch.equal(r.read(["col"])[0]["samples"], batch[:, 0])
+
+
+def test_add_clones_so_later_mutation_does_not_leak(tmp_path):
+    t = torch.zeros(4)
+    with CacheWriter(tmp_path) as w:
+        w.add("k", [t])
+        t += 1
+    assert torch.equal(open_cache(tmp_path).read(["k"])[0][0], torch.zeros(4))
+
+
+def test_unstorable_value_names_path_and_leaves_writer_usable(tmp_path):
+    class HookGroup:
+        pass
+
+    with CacheWriter(tmp_path) as w:
+        with pytest.raises(UnstorableValueError, match=r"conditioning\[3\]\[1\]\['hooks'\]: HookGroup is not storable"):
+            w.add("bad", [0, 1, 2, [torch.ones(1), {"hooks": HookGroup()}]], name="conditioning")
+        assert not w.has("bad")
+        w.add("good", [torch.ones(1)])
+    r = open_cache(tmp_path)
+    assert "good" in r and "bad" not in r
+
+
+def test_duplicate_key_is_a_no_op(tmp_path):
+    with CacheWriter(tmp_path) as w:
+        w.add("k", [torch.ones(1)])
+        w.add("k", [torch.zeros(1)])
+    with CacheWriter(tmp_path) as w:
+        assert w.has("k")
+        w.add("k", [torch.zeros(1)])
+    r = open_cache(tmp_path)
+    assert len(r) == 1 and r.state.journal_commits == 1
+    assert torch.equal(r.read(["k"])[0][0], torch.ones(1))
+
+
+def test_exception_in_block_discards_uncommitted_entries(tmp_path):
+    with CacheWriter(tmp_path, shard_bytes=64) as w:
+        w.add("a", [torch.ones(32)])
+        w.commit()
+    with pytest.raises(RuntimeError):
+        with CacheWriter(tmp_path, shard_bytes=64) as w:
+            w.add("b", [torch.ones(32)])  # flushed to a shard file (>= shard_bytes) but not committed
+            w.add("c", [torch.ones(1)])
+            raise RuntimeError("boom")
+    r = open_cache(tmp_path)
+    assert set(r.keys()) == {"a"}
+    assert len(list((tmp_path / "shards").iterdir())) == 1
+
+
+def test_shards_are_split_at_shard_bytes_and_rows_keep_insertion_order(tmp_path):
+    with CacheWriter(tmp_path, shard_bytes=4 * 100 * 10) as w:
+        for i in range(35):
+            w.add(f"k{i:02d}", {"samples": torch.full((100,), float(i))})
+    r = open_cache(tmp_path)
+    assert len(r._shards) == 4
+    for sh in r._shards:
+        assert len(sh.columns) == 1
+        got = r.read(sh.keys)
+        assert [int(v["samples"][0]) for v in got] == [int(k[1:]) for k in sh.keys]
+        assert sh.keys == sorted(sh.keys)
+
+
+def test_read_into_a_reused_buffer(tmp_path):
+    with CacheWriter(tmp_path) as w:
+        for i in range(8):
+            w.add(f"k{i}", {"samples": torch.full((1, 4, 8, 8), float(i), dtype=torch.float16)})
+    r = open_cache(tmp_path)
+    buf = ReadBuffer(pin_memory=True)  # pinned only when CUDA is available
+    first = r.read(["k1", "k7", "k3"], out=buf)
+    assert [float(v["samples"].flatten()[0]) for v in first] == [1.0, 7.0, 3.0]
+    storage = buf.tensor.data_ptr()
+    second = r.read(["k2", "k0"], out=buf)
+    assert buf.tensor.data_ptr() == storage  # no reallocation
+    assert [float(v["samples"].flatten()[0]) for v in second] == [2.0, 0.0]
+    assert r.read([]) == []
+
+
+def test_datasets_round_trip_and_are_replaced(tmp_path):
+    with CacheWriter(tmp_path) as w:
+        w.add("l1", {"samples": torch.ones(1)}, kind="latent")
+        w.add("c1", [[torch.ones(1), {}]], kind="conditioning")
+        w.add("c2", [[torch.zeros(1), {}]], kind="conditioning")
+        samples = [Sample("l1", ("c1", "c2"), 3, "a/b.png"), Sample("l1", ("c1",))]
+        w.set_dataset("my set/ü", samples, info={"vae": "abc"})
+        with pytest.raises(ValueError, match="not in the cache"):
+            w.set_dataset("bad", [Sample("nope", ("c1",))])
+    r = open_cache(tmp_path)
+    assert r.dataset("my set/ü") == samples
+    info = r.datasets()["my set/ü"]
+    assert info.samples == 2 and info.info == {"vae": "abc"} and info.file.startswith("datasets/my_set_")
+    with pytest.raises(KeyError, match="no dataset 'x'"):
+        r.dataset("x")
+    with CacheWriter(tmp_path) as w:
+        w.set_dataset("my set/ü", samples[:1])
+    assert open_cache(tmp_path).dataset("my set/ü") == samples[:1]
+    with CacheWriter(tmp_path) as w:
+        w.remove_dataset("my set/ü")
+    assert open_cache(tmp_path).datasets() == {}
+
+
+def test_stats_and_errors_for_missing_things(tmp_path):
+    with pytest.raises(CacheNotFoundError, match="no cache here"):
+        open_cache(tmp_path / "none")
+    with pytest.raises(CacheNotFoundError):
+        CacheWriter(tmp_path / "none", create=False)
+    with CacheWriter(tmp_path) as w:
+        w.add("a", {"samples": torch.ones(2)}, kind="latent")
+    r = open_cache(tmp_path)
+    s = r.stats()
+    assert s["entries"] == 1 and s["kinds"] == {"latent": 1} and s["shards"] == 1 and s["version"] == 1
+    with pytest.raises(KeyError, match="not in the cache"):
+        r.read(["zz"])
+    with pytest.raises(ValueError, match="closed"):
+        w.add("b", 1)
+
+
+def test_bad_keys_are_refused(tmp_path):
+    with CacheWriter(tmp_path) as w:
+        for bad in ("", "a\nb", 5, "x" * 300):
+            with pytest.raises(ValueError, match="entry key"):
+                w.add(bad, 1)
+
+
+def test_windows_friendly_no_open_handles_after_read(tmp_path):
+    with CacheWriter(tmp_path) as w:
+        w.add("a", [torch.ones(3)])
+    r = open_cache(tmp_path)
+    r.read(["a"])
+    fds = os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []
+    shard = str(r._shards[0].path)
+    assert all(os.path.realpath(f"/proc/self/fd/{fd}") != shard for fd in fds)
+
+
+def test_public_shard_view_and_entry_nbytes(cache):
+    root, vals = cache
+    r = open_cache(root)
+    assert sum(len(sh.keys) for sh in r.shards) == len(vals)
+    assert r.entry_nbytes("latent") == 4 * 64 * 4 + 64 * 4  # samples + noise_mask, float32
+    assert r.entry_nbytes("cond") == 77 * 32 * 2 + 32 * 2
+    assert all(sh.file.startswith("shards/") and sh.size > 8 for sh in r.shards)
