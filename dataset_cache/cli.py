@@ -1,0 +1,213 @@
+"""``python -m dataset_cache``: inspect, verify and convert caches from the command line.
+
+Subcommands:
+
+* ``info PATH`` — JSON summary of a cache (format version, entries, shards, bytes, datasets), or of a ComfyUI
+  ``SaveTrainingDataset`` folder (which layout it is, how many samples and shards).
+* ``verify PATH`` — reads every stored tensor and checks every checksum; exit 1 naming each bad entry and its
+  shard file, exit 0 with a one-line summary when the cache is healthy.
+* ``convert SRC DST [--name N]`` — converts a ComfyUI dataset folder into a cache (see :mod:`.interop`).
+* ``clean PATH [--dry-run]`` — removes entries no dataset references, compacts underfull shards and deletes
+  orphan files (:mod:`.clean`); refuses (exit 2) while another process encodes into or reads the cache.
+  ``--dry-run`` only prints what would be removed.
+* ``bench`` is reserved for later (read and loader throughput). It is not registered yet, so argparse rejects it
+  like any unknown command.
+
+Exit codes: 0 success; 1 ``verify`` found damage; 2 bad usage or input (missing path, not a cache, damaged
+source). Expected errors print one ``error: ...`` line on stderr, never a traceback; anything else is a bug
+and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .constants import DEFAULT_SHARD_BYTES
+from .errors import CacheCorruptError, CacheError, CacheNotFoundError
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("dataset_cache.cli")
+
+EXIT_OK = 0
+EXIT_VERIFY_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (tests and callers may swap it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser (separate so docs and tests can render ``--help``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dataset_cache",
+        description="Inspect, verify and convert ComfyUI-StreamCache dataset caches.",
+        epilog="Planned, not yet available: 'bench' (read throughput).",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("info", help="print a JSON summary of a cache or a ComfyUI dataset folder")
+    p.add_argument("path", type=Path, help="cache directory or ComfyUI SaveTrainingDataset folder")
+    p.set_defaults(run=_cmd_info)
+
+    p = sub.add_parser("verify", help="read every entry and check every checksum (exit 1 on damage)")
+    p.add_argument("path", type=Path, help="cache directory")
+    p.set_defaults(run=_cmd_verify)
+
+    p = sub.add_parser("convert", help="convert a ComfyUI SaveTrainingDataset folder into a cache")
+    p.add_argument("src", type=Path, help="ComfyUI dataset folder (shard_*.pkl or shard_*.safetensors)")
+    p.add_argument("dst", type=Path, help="cache directory (created if missing; existing entries are reused)")
+    p.add_argument("--name", default="default", help="name of the dataset written into the cache (default: %(default)s)")
+    p.add_argument("--shard-mb", type=int, default=DEFAULT_SHARD_BYTES >> 20, metavar="MB",
+                   help="target size of new cache shards in MiB (default: %(default)s)")
+    p.set_defaults(run=_cmd_convert)
+
+    p = sub.add_parser("clean", help="remove entries no dataset references and orphan files; compact shards")
+    p.add_argument("path", type=Path, help="cache directory")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+    p.set_defaults(run=_cmd_clean)
+    return parser
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .interop import detect_comfy_dataset, inspect_comfy_dataset
+
+    if detect_comfy_dataset(args.path):
+        info = inspect_comfy_dataset(args.path)
+        _print_json({
+            "type": info.layout,
+            "description": "ComfyUI SaveTrainingDataset folder (not a StreamCache cache); convert it with "
+                           f"`python -m dataset_cache convert {args.path} <cache>`",
+            "samples": info.num_samples,
+            "shards": len(info.shards),
+            "bytes": info.bytes,
+            "metadata": info.metadata,
+        })
+        return EXIT_OK
+    from .format.reader import open_cache
+
+    try:
+        reader = open_cache(args.path, verify=False)
+    except CacheNotFoundError as exc:
+        raise CacheNotFoundError(f"{exc} (nor is it a ComfyUI SaveTrainingDataset folder)") from None
+    with reader:
+        _print_json({"type": "streamcache", **reader.stats()})
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .format.reader import open_cache
+    from .interop import detect_comfy_dataset
+
+    layout = detect_comfy_dataset(args.path)
+    if layout:
+        raise CacheError(f"{args.path}: a ComfyUI dataset folder ({layout}) has no checksums to verify; "
+                         f"convert it with `python -m dataset_cache convert {args.path} <cache>`")
+    start = time.perf_counter()
+    try:
+        reader = open_cache(args.path, verify=True, strict=False)
+    except CacheCorruptError as exc:  # the manifest or journal itself: a verify finding, not a usage error
+        _report_bad([exc])
+        return EXIT_VERIFY_FAILED
+    with reader:
+        problems = reader.verify()
+        stats = reader.stats()
+    if problems:
+        _report_bad(problems)
+        return EXIT_VERIFY_FAILED
+    sys.stdout.write(
+        f"OK: {stats['entries']} entries in {stats['shards']} shards ({_size(stats['bytes'])}), "
+        f"{len(stats['datasets'])} dataset(s), every checksum matches ({time.perf_counter() - start:.2f}s)\n"
+    )
+    return EXIT_OK
+
+
+def _report_bad(problems: Sequence[CacheCorruptError]) -> None:
+    for exc in problems:
+        entry = f"entry {exc.entry}" if exc.entry else "(no entry)"
+        sys.stdout.write(f"BAD {entry} in {exc.path}: {exc.reason}\n")
+    entries = {exc.entry for exc in problems if exc.entry}
+    sys.stderr.write(f"verify failed: {len(problems)} problem(s), {len(entries)} bad entr"
+                     f"{'y' if len(entries) == 1 else 'ies'}; re-encode them or rebuild the cache\n")
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .interop import convert_comfy_dataset
+
+    if args.shard_mb < 1:
+        raise CacheError(f"--shard-mb must be at least 1, got {args.shard_mb}")
+    rep = convert_comfy_dataset(args.src, args.dst, name=args.name, shard_bytes=args.shard_mb << 20)
+    sys.stdout.write(
+        f"converted {rep.source_samples} {rep.layout} sample(s) from {rep.source} into dataset {rep.dataset!r} "
+        f"of {rep.dest}: {rep.samples} sample(s), {rep.new_entries} new entries, {rep.reused_entries} reused "
+        f"({rep.seconds:.2f}s)\n"
+    )
+    return EXIT_OK
+
+
+def _cmd_clean(args: argparse.Namespace) -> int:
+    from .clean import clean
+
+    report = clean(args.path, dry_run=args.dry_run)
+    sys.stdout.write(report.summary() + "\n")
+    return EXIT_OK
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line and return the exit code (never raises for expected errors).
+
+    Args:
+        argv: arguments without the program name; ``None`` reads ``sys.argv[1:]``.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed usage (code 2) or help (code 0)
+        return int(exc.code or 0)
+    handler = _CurrentStderr()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("dataset_cache")
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if args.verbose else logging.WARNING)
+    try:
+        return args.run(args)
+    except (CacheError, OSError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return EXIT_INTERRUPTED
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
