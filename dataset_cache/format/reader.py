@@ -24,6 +24,7 @@ from ..dataset import DatasetInfo, Sample
 from ..errors import CacheCorruptError, CacheError
 from ..hashing import checksum64
 from ..refs import LazyTensor
+from . import skeleton
 from .manifest import MANIFEST, CacheState, load_dataset, read_state
 from .safetensors_io import open_regular
 from .shard import Column, ShardIndex, open_shard
@@ -186,20 +187,25 @@ class CacheReader:
             KeyError: a key is not in the cache.
             CacheCorruptError: a shard is missing or truncated, or a checksum does not match (nothing is returned).
         """
-        plans: list[Any] = []
-        rows: list[_Row] = []
+        templates: list[Any] = []
+        rows: list[tuple[int, int, int]] = []
+        owners: list[str] = []
+        index, shards = self._index, self._shards
         for key in keys:
-            sh, i = self._loc(key)
-            s = self._index[key][0]
-
-            def on_ref(c: int, row: int, s: int = s, key: str = key) -> _Row:
-                r = _Row(s, c, row, key)
-                rows.append(r)
-                return r
-
-            plans.append(sh.skeleton(i, on_ref))
-        tensors = self._read_rows(rows, pin_memory, out)
-        return [_fill(p, tensors, 0) for p in plans]
+            try:
+                s, i = index[key]
+            except KeyError:
+                raise KeyError(f"entry {key!r} is not in the cache at {self.root}") from None
+            template, refs = shards[s].parse(i)
+            templates.append((template, len(refs)))
+            rows.extend((s, c, r) for c, r in refs)
+            owners.extend(repeat(key, len(refs)))
+        tensors = self._read_rows(rows, owners, pin_memory, out)
+        values, at = [], 0
+        for template, n in templates:
+            values.append(skeleton.fill(template, tensors[at:at + n]))
+            at += n
+        return values
 
     def materialize(self, value: Any) -> Any:
         """Replace the LazyTensor leaves of ``value`` (one batch read); see :func:`dataset_cache.refs.materialize`."""
@@ -208,42 +214,41 @@ class CacheReader:
         return materialize(value)
 
     def _read_lazy(self, lazies: Sequence[LazyTensor]) -> list[torch.Tensor]:
-        rows = [lz._loc for lz in lazies]
-        got = self._read_rows(rows, False, None)
-        return [got[r] for r in rows]
+        locs = [lz._loc for lz in lazies]
+        return self._read_rows([(r.shard, r.column, r.row) for r in locs], [r.entry for r in locs], False, None)
 
-    def _read_rows(self, rows: Sequence[_Row], pin_memory: bool, out: ReadBuffer | None) -> dict[_Row, torch.Tensor]:
-        unique: dict[tuple[int, int, int], str] = {}
-        for r in rows:
-            unique.setdefault((r.shard, r.column, r.row), r.entry)
-        plan, total = _plan(self._shards, sorted(unique))
+    def _read_rows(self, rows: Sequence[tuple[int, int, int]], owners: Sequence[str], pin_memory: bool,
+                   out: ReadBuffer | None) -> list[torch.Tensor]:
+        """Read ``rows`` (``(shard, column, row)``, duplicates allowed) and return one tensor view per row."""
+        unique = sorted(set(rows))
+        plan, total = _plan(self._shards, unique)
         buf = (out or ReadBuffer(pin_memory=pin_memory)).ensure(total)
         mv = memoryview(buf.numpy()) if total else memoryview(bytearray(0))
         for s, ranges in plan.items():
             _read_ranges(self._shards[s], ranges, mv)
         where: dict[tuple[int, int, int], int] = {}
-        bad: list[CacheCorruptError] = []
+        bad: list[tuple[int, int, int]] = []
         verify = self._verify
         for s, ranges in plan.items():
-            sh = self._shards[s]
+            cols = self._shards[s].columns
             for begin, _end, pos, members in ranges:
                 for c, row in members:
-                    col = sh.columns[c]
+                    col = cols[c]
                     a = pos + col.offset + row * col.row_nbytes - begin
                     if verify and checksum64(mv[a:a + col.row_nbytes]) != col.checksum(row):
-                        bad.append(CacheCorruptError(str(sh.path), f"checksum mismatch in {col.tensor} row {row}",
-                                                     entry=unique[(s, c, row)]))
+                        bad.append((s, c, row))
                     where[(s, c, row)] = a
         if bad:
-            if len(bad) > 1:
-                log.error("%d corrupt rows in one read; first: %s", len(bad), bad[0])
-            raise bad[0]
+            owner = dict(zip(rows, owners))
+            errors = [CacheCorruptError(str(self._shards[s].path),
+                                        f"checksum mismatch in {self._shards[s].columns[c].tensor} row {row}",
+                                        entry=owner[(s, c, row)]) for s, c, row in bad]
+            if len(errors) > 1:
+                log.error("%d corrupt rows in one read; first: %s", len(errors), errors[0])
+            raise errors[0]
         typed: dict[torch.dtype, torch.Tensor] = {}
-        out: dict[_Row, torch.Tensor] = {}
-        for r in rows:
-            col = self._shards[r.shard].columns[r.column]
-            out[r] = _as_tensor(buf, typed, where[(r.shard, r.column, r.row)], col)
-        return out
+        shards = self._shards
+        return [_as_tensor(buf, typed, where[key], shards[key[0]].columns[key[1]]) for key in rows]
 
     # ----------------------------------------------------------------------------------------- datasets
     def datasets(self) -> dict[str, DatasetInfo]:
@@ -403,19 +408,6 @@ def _as_tensor(buf: torch.Tensor, typed: dict[torch.dtype, torch.Tensor], a: int
     if whole is None:  # one dtype view of the whole buffer per batch; rows are item-aligned in it (see _plan)
         whole = typed[col.dtype] = buf[: buf.numel() - buf.numel() % size].view(col.dtype)
     return whole.as_strided(col.row_shape, col.strides, a // size)
-
-
-def _fill(v: Any, tensors: dict[_Row, torch.Tensor], depth: int) -> Any:
-    t = type(v)
-    if t is _Row:
-        return tensors[v]
-    if t is list:
-        return [_fill(x, tensors, depth + 1) for x in v]
-    if t is tuple:
-        return tuple(_fill(x, tensors, depth + 1) for x in v)
-    if t is dict:
-        return {k: _fill(x, tensors, depth + 1) for k, x in v.items()}
-    return v
 
 
 def _verify_shard(sh: ShardIndex) -> list[CacheCorruptError]:

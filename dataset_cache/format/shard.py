@@ -83,17 +83,25 @@ class ShardIndex:
         Raises:
             CacheCorruptError: malformed skeleton or a reference outside the shard's columns.
         """
-        cols = self.columns
+        template, refs = self.parse(i)
+        return skeleton.fill(template, [on_ref(c, r) for c, r in refs])
 
-        def ref(c: int, r: int) -> Any:
-            if not (0 <= c < len(cols) and 0 <= r < cols[c].rows):
-                raise skeleton.SkeletonError(f"tensor reference [{c}, {r}] outside the shard's columns")
-            return on_ref(c, r)
+    def parse(self, i: int) -> tuple[Any, list[tuple[int, int]]]:
+        """Entry ``i``'s skeleton as a shared template plus its checked ``(column, row)`` references.
 
+        Raises:
+            CacheCorruptError: malformed skeleton or a reference outside the shard's columns.
+        """
         try:
-            return skeleton.decode(skeleton.loads(self.skeletons[i]), ref)
+            template, refs = skeleton.split(self.skeletons[i])
         except skeleton.SkeletonError as exc:
             raise CacheCorruptError(str(self.path), f"bad skeleton: {exc}", entry=self.keys[i]) from None
+        cols = self.columns
+        for c, r in refs:
+            if not (0 <= c < len(cols) and 0 <= r < cols[c].rows):
+                raise CacheCorruptError(str(self.path), f"bad skeleton: tensor reference [{c}, {r}] outside "
+                                        "the shard's columns", entry=self.keys[i])
+        return template, refs
 
 
 def open_shard(path: Path, file: str, record: ShardRecord | None = None) -> ShardIndex:

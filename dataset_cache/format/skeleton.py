@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from ..constants import MAX_SKELETON_DEPTH
 from ..errors import UnstorableValueError
 from .safetensors_io import DTYPE_TO_ST
 
-__all__ = ["SkeletonError", "encode", "decode", "dumps", "loads", "format_path"]
+__all__ = ["SkeletonError", "encode", "decode", "decode_text", "split", "fill", "dumps", "loads", "format_path"]
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -161,3 +161,89 @@ def _refuse_constant(name: str) -> Any:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+# --------------------------------------------------------------------------------------------- fast decoding
+# Entries of one kind share a skeleton *shape* and differ only in their tensor references (every latent is
+# ``{"samples":{"$tensor":[c,r]}}``). Parsing JSON per entry dominated batch reads, so a skeleton is split into
+# a template (the text with its references replaced by numbered slots), parsed once and shared, plus its list of
+# references, found with one regex pass. Inside JSON strings a quote is always escaped, so the pattern below can
+# only match real ``$tensor`` markers; texts holding a ``$dict`` (whose user keys may spell "$tensor") take the
+# exact slow path instead.
+
+import re as _re  # noqa: E402
+
+_REF_RE = _re.compile(r'\{\s*"\$tensor"\s*:\s*\[\s*(\d{1,18})\s*,\s*(\d{1,18})\s*\]\s*\}')
+_TEMPLATE_CACHE_LIMIT = 4096
+
+
+class _Slot:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+_SLOT_COLUMN = 1 << 62  # no real column index can be this large (a shard has a handful of columns)
+_SLOT_TEXT = '{"$tensor":[%d,0]}' % _SLOT_COLUMN
+_templates: dict[str, Any] = {}
+
+
+def _compile(obj: Any, canonical: bool) -> tuple[Any, list[tuple[int, int]]]:
+    """Decode a parsed skeleton into a template whose tensor positions are numbered slots (document order)."""
+    refs: list[tuple[int, int]] = []
+
+    def slot(c: int, r: int) -> _Slot:
+        if canonical and c != _SLOT_COLUMN:
+            raise SkeletonError("tensor reference not in canonical form")
+        refs.append((c, r))
+        return _Slot(len(refs) - 1)
+
+    return _decode(obj, slot, 0), refs
+
+
+def split(text: str) -> tuple[Any, list[tuple[int, int]]]:
+    """Split skeleton JSON text into a shared parsed template and its tensor references ``(column, row)``.
+
+    Templates are cached by shape, so entries of one kind cost one regex pass each instead of a JSON parse.
+    Fill a template with :func:`fill`.
+
+    Raises:
+        SkeletonError: malformed skeleton.
+    """
+    if "$dict" not in text:
+        shape_text = _REF_RE.sub(_SLOT_TEXT, text)
+        template = _templates.get(shape_text)
+        if template is None:
+            try:
+                template, _ = _compile(loads(shape_text), True)
+            except SkeletonError as exc:
+                if "canonical form" not in str(exc):
+                    raise
+                template = None  # an unusual spelling of a reference: decode exactly below
+            else:
+                if len(_templates) < _TEMPLATE_CACHE_LIMIT:
+                    _templates[shape_text] = template
+        if template is not None:
+            return template, [(int(c), int(r)) for c, r in _REF_RE.findall(text)]
+    return _compile(loads(text), False)
+
+
+def fill(template: Any, values: Sequence[Any]) -> Any:
+    """Build a fresh value from a template, putting ``values[i]`` at slot ``i``."""
+    k = type(template)
+    if k is _Slot:
+        return values[template.index]
+    if k is list:
+        return [fill(x, values) for x in template]
+    if k is dict:
+        return {key: fill(x, values) for key, x in template.items()}
+    if k is tuple:
+        return tuple(fill(x, values) for x in template)
+    return template
+
+
+def decode_text(text: str, on_ref: Callable[[int, int], Any]) -> Any:
+    """Like ``decode(loads(text), on_ref)`` (``on_ref`` called in document order), via the template cache."""
+    template, refs = split(text)
+    return fill(template, [on_ref(c, r) for c, r in refs])
