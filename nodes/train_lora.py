@@ -1,0 +1,179 @@
+"""Node "Train LoRA (Stream Cache)": trains a LoRA on a cached dataset, reading batches ahead in the background.
+
+The outputs are the built-in trainer's (``LORA_MODEL``, ``LOSS_MAP``, steps), so ComfyUI's "Save LoRA Weights",
+"Plot Loss Graph" and "Load LoRA Model" take them unchanged. The training itself lives in
+:mod:`.lora_training`; this file is the ComfyUI face of it: inputs, progress events and the node's UI output.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from comfy.weight_adapter import adapter_maps
+from comfy_api.latest import io
+
+import folder_paths
+
+from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
+from .handles import StreamDatasetHandle
+from .lora_training import LOSS_FUNCTIONS, OPTIMIZERS, StepReport, TrainSettings, train_lora
+
+__all__ = ["EVENT", "TrainLoRA"]
+
+log = logging.getLogger("streamcache.train")
+
+EVENT = "streamcache.train"
+"""Websocket event type of the live training report: ``{"node", "prompt_id", "step", "total", "loss",
+"loss_smooth", "samples_per_s", "data_wait_pct"}``."""
+_EVENT_INTERVAL_S = 0.5
+"""At most two events a second (plus the last step): enough for a live chart, light on the socket."""
+
+StreamDataset = io.Custom("STREAM_DATASET")
+LoraModel = io.Custom("LORA_MODEL")
+LossMap = io.Custom("LOSS_MAP")
+
+
+def _lora_choices() -> list[str]:
+    try:
+        return folder_paths.get_filename_list("loras") + ["[None]"]
+    except Exception:  # a ComfyUI without a loras folder entry
+        return ["[None]"]
+
+
+class _Events:
+    """Sends the throttled ``streamcache.train`` event from the execution thread, when a server exists."""
+
+    def __init__(self, node_id: str | None) -> None:
+        self.node_id = node_id
+        self._last = 0.0
+
+    def __call__(self, report: StepReport) -> None:
+        now = time.monotonic()
+        if report.step < report.total and now - self._last < _EVENT_INTERVAL_S:
+            return
+        self._last = now
+        server_module = sys.modules.get("server")  # never imported by us: no server, no event
+        instance = getattr(getattr(server_module, "PromptServer", None), "instance", None)
+        if instance is None:
+            return
+        data = {"node": self.node_id, "prompt_id": getattr(instance, "last_prompt_id", None),
+                "step": report.step, "total": report.total, "loss": report.loss,
+                "loss_smooth": report.loss_smooth, "samples_per_s": round(report.samples_per_s, 3),
+                "data_wait_pct": round(report.data_wait_pct, 2)}
+        try:
+            instance.send_sync(EVENT, data, getattr(instance, "client_id", None))
+        except Exception:  # a progress event must never fail the training
+            log.debug("could not send %s", EVENT, exc_info=True)
+
+
+class TrainLoRA(io.ComfyNode):
+    """Trains a LoRA (or LoHa, LoKr, OFT) from a StreamCache dataset on ComfyUI's training machinery."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        algorithms = list(adapter_maps)
+        return io.Schema(
+            node_id="StreamCache_TrainLoRA",
+            display_name="Train LoRA (Stream Cache)",
+            category="StreamCache",
+            description=(
+                "Trains a LoRA on a cached dataset. Batches are read ahead in background threads while the model "
+                "trains, each image is paired with its own caption, and device memory holds one batch whatever the "
+                "dataset's size. Outputs work with Save LoRA Weights, Plot Loss Graph and Load LoRA Model."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The model to train the LoRA on."),
+                StreamDataset.Input("dataset", tooltip="The cached dataset to train on."),
+                io.Int.Input("batch_size", default=1, min=1, max=10000,
+                             tooltip="Images per batch. A batch holds images of one resolution bucket."),
+                io.Int.Input("grad_accumulation_steps", default=1, min=1, max=1024,
+                             tooltip="Batches whose gradients are summed before each optimizer step."),
+                io.Int.Input("steps", default=16, min=1, max=100000, tooltip="Optimizer steps to train."),
+                io.Float.Input("learning_rate", default=0.0005, min=0.0000001, max=1.0, step=0.0000001,
+                               tooltip="The optimizer's learning rate."),
+                io.Int.Input("rank", default=8, min=1, max=128, tooltip="Rank of the LoRA layers."),
+                io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
+                               tooltip="The optimizer that updates the LoRA weights."),
+                io.Combo.Input("loss_function", options=list(LOSS_FUNCTIONS), default="MSE",
+                               tooltip="How the denoised prediction is compared with the clean latent."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF,
+                             tooltip="Decides the batch order, caption variants, noise, timesteps and the LoRA's "
+                             "initial weights: the same seed and inputs train the same LoRA."),
+                io.Combo.Input("training_dtype", options=["bf16", "fp32", "none"], default="bf16",
+                               tooltip="Compute dtype. 'none' keeps the model's own (fp16 models get a GradScaler)."),
+                io.Combo.Input("lora_dtype", options=["bf16", "fp32"], default="bf16",
+                               tooltip="dtype of the LoRA weights."),
+                io.Combo.Input("algorithm", options=algorithms, default=algorithms[0],
+                               tooltip="The adapter type to train."),
+                io.Boolean.Input("gradient_checkpointing", default=True,
+                                 tooltip="Recompute activations in the backward pass: less memory, slower."),
+                io.Int.Input("checkpoint_depth", default=1, min=1, max=5,
+                             tooltip="Depth of the blocks that gradient checkpointing wraps."),
+                io.Boolean.Input("offloading", default=False,
+                                 tooltip="Keep model weights in CPU memory and stream them in (saves VRAM)."),
+                io.Combo.Input("existing_lora", options=_lora_choices(), default="[None]",
+                               tooltip="A LoRA to continue training, or [None] for a new one."),
+                io.Int.Input("prefetch_batches", default=DEFAULT_PREFETCH_BATCHES, min=0, max=64,
+                             tooltip="Batches read ahead while the model trains (0: read in the training loop)."),
+                io.Int.Input("loader_threads", default=0, min=0, max=32,
+                             tooltip="Threads reading batches (0: automatic)."),
+            ],
+            outputs=[
+                LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
+                LossMap.Output(display_name="loss_map", tooltip="The loss of every step."),
+                io.Int.Output(display_name="steps", tooltip="Total training steps (with the existing LoRA's)."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(
+        cls,
+        model: Any,
+        dataset: StreamDatasetHandle,
+        batch_size: int,
+        grad_accumulation_steps: int,
+        steps: int,
+        learning_rate: float,
+        rank: int,
+        optimizer: str,
+        loss_function: str,
+        seed: int,
+        training_dtype: str,
+        lora_dtype: str,
+        algorithm: str,
+        gradient_checkpointing: bool,
+        checkpoint_depth: int,
+        offloading: bool,
+        existing_lora: str,
+        prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
+        loader_threads: int = 0,
+    ) -> io.NodeOutput:
+        settings = TrainSettings(
+            steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
+            learning_rate=learning_rate, rank=rank, optimizer=optimizer, loss_function=loss_function, seed=seed,
+            training_dtype=training_dtype, lora_dtype=lora_dtype, algorithm=algorithm,
+            gradient_checkpointing=gradient_checkpointing, checkpoint_depth=checkpoint_depth, offloading=offloading,
+            existing_lora=existing_lora, prefetch_batches=prefetch_batches, loader_threads=loader_threads,
+        )
+        settings.validate()  # before opening anything: a typo fails fast
+        if not callable(getattr(dataset, "open", None)):
+            raise ValueError(
+                f"dataset: expected a STREAM_DATASET from a StreamCache node, got {type(dataset).__name__}")
+        node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
+        reader, samples = dataset.open()
+        try:
+            if not samples:
+                raise ValueError(
+                    f"dataset {getattr(dataset, 'name', '?')!r} in the cache at {getattr(dataset, 'cache_root', '?')} "
+                    "is empty (0 samples): there is nothing to train on; encode a folder that holds images")
+            result = train_lora(model, reader, samples, settings, on_step=_Events(node_id))
+        finally:
+            reader.close()
+        summary = f"dataset {getattr(dataset, 'name', '?')!r} ({len(samples)} samples): {result.summary()}"
+        log.info("Train LoRA (Stream Cache): %s", summary)
+        return io.NodeOutput(result.lora, {"loss": result.losses}, result.steps,
+                             ui={"loss": result.losses, "text": [summary]})

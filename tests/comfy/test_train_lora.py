@@ -1,0 +1,347 @@
+"""Node "Train LoRA (Stream Cache)" on the real ComfyUI, CPU, with the tiny SD1.5-shaped models.
+
+The dataset is encoded with ComfyUI's own VAEEncode (TAESD) and CLIPTextEncode (CLIP-L) and written with the
+library's CacheWriter: four 64×64 images and two 96×64 ones, so batches come from two resolution buckets.
+Training runs in fp32 where speed matters (bf16 convolutions are emulated on CPUs without AVX512-BF16, ~4× slower);
+one short run covers the node's defaults (bf16, gradient checkpointing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from support.tiny_models import TinyModels
+
+STEPS = 20
+FAST = {  # the options every run shares unless a test says otherwise
+    "batch_size": 2, "grad_accumulation_steps": 1, "steps": 6, "learning_rate": 3e-3, "rank": 4,
+    "optimizer": "AdamW", "loss_function": "MSE", "seed": 7, "training_dtype": "fp32", "lora_dtype": "fp32",
+    "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
+    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0,
+}
+SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
+
+
+def _module(pack: ModuleType, name: str) -> ModuleType:
+    return importlib.import_module(f"{pack.__name__}.{name}")
+
+
+@pytest.fixture(scope="module")
+def node(pack: ModuleType) -> type:
+    return _module(pack, "nodes.train_lora").TrainLoRA
+
+
+@pytest.fixture(scope="module")
+def handles(pack: ModuleType) -> ModuleType:
+    return _module(pack, "nodes.handles")
+
+
+@pytest.fixture(scope="module")
+def models(comfy_nodes: ModuleType, tiny_models: TinyModels) -> tuple[Any, Any, Any]:
+    (model,) = comfy_nodes.UNETLoader().load_unet(tiny_models.name("unet"), "default")
+    (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny_models.name("clip"), "stable_diffusion")
+    (vae,) = comfy_nodes.VAELoader().load_vae(tiny_models.name("vae"))
+    return model, clip, vae
+
+
+def _key(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
+            tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A cache with dataset "train" (6 samples, 2 buckets) and an empty dataset "empty"; returns its handle."""
+    writer_mod = _module(pack, "dataset_cache.format.writer")
+    sample_cls = _module(pack, "dataset_cache.dataset").Sample
+    _, clip, vae = models
+    root = tmp_path_factory.mktemp("train_lora") / "cache"
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    with torch.inference_mode(), writer_mod.CacheWriter(root) as writer:  # as ComfyUI runs nodes
+        for i, (h, w) in enumerate(SIZES):
+            image = torch.rand(1, h, w, 3, generator=gen)
+            (latent,) = comfy_nodes.VAEEncode().encode(vae, image)
+            (cond,) = comfy_nodes.CLIPTextEncode().encode(clip, f"a photo of test pattern number {i}")
+            writer.add(_key(f"latent{i}"), latent, kind="latent")
+            writer.add(_key(f"caption{i}"), cond, kind="conditioning")
+            samples.append(sample_cls(_key(f"latent{i}"), (_key(f"caption{i}"),), source=f"img{i}.png"))
+        writer.set_dataset("train", samples)
+        writer.set_dataset("empty", [])
+    return handles.StreamDatasetHandle(str(root), "train")
+
+
+def _train(node: type, model: Any, dataset: Any, **options: Any) -> Any:
+    with torch.inference_mode():  # ComfyUI executes every node under inference mode
+        return node.execute(model, dataset, **{**FAST, **options})
+
+
+def _loader_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("dataset_cache-loader")]
+
+
+def _eval_loss(model: Any, latents: list[torch.Tensor], conds: list[Any]) -> float:
+    """Denoising loss of ``model`` at fixed sigmas and noise, over every sample (x0 prediction vs. latent)."""
+    import comfy.model_management
+    import comfy.sampler_helpers
+    import comfy.samplers
+
+    comfy.model_management.load_models_gpu([model])
+    base = model.model
+    gen = torch.Generator().manual_seed(123)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for latent, cond in zip(latents, conds):
+            x0 = base.process_latent_in(latent.float())
+            for percent in (0.2, 0.5, 0.8):
+                sigma = torch.tensor([base.model_sampling.percent_to_sigma(percent)])
+                noise = torch.randn(x0.shape, generator=gen)
+                xt = base.model_sampling.noise_scaling(sigma, noise, x0)
+                encoded = comfy.samplers.encode_model_conds(
+                    base.extra_conds, comfy.sampler_helpers.convert_cond(cond), noise, torch.device("cpu"), "positive")
+                kwargs = {k: v.process_cond(batch_size=1, area=None).cond
+                          for k, v in encoded[0]["model_conds"].items()}
+                pred = base.apply_model(xt, sigma, **kwargs)
+                total += torch.nn.functional.mse_loss(pred.float(), x0).item()
+                count += 1
+    return total / count
+
+
+# ------------------------------------------------------------------------------------------------------ schema
+def test_schema_matches_the_builtin_options(node: type) -> None:
+    from comfy.weight_adapter import adapter_maps
+
+    schema = node.GET_SCHEMA()
+    info = node.GET_NODE_INFO_V1()  # what ComfyUI's /object_info serves: the schema finalizes
+    assert info["output"] == ["LORA_MODEL", "LOSS_MAP", "INT"]
+    assert all(i.tooltip for i in schema.inputs)
+    assert schema.node_id == "StreamCache_TrainLoRA"
+    assert schema.display_name == "Train LoRA (Stream Cache)"
+    assert schema.category == "StreamCache"
+    assert not schema.is_input_list
+    inputs = {i.id: i for i in schema.inputs}
+    assert list(inputs) == ["model", "dataset", *FAST]
+    assert inputs["dataset"].get_io_type() == "STREAM_DATASET"
+    assert inputs["algorithm"].options == list(adapter_maps)
+    assert "[None]" in inputs["existing_lora"].options
+    assert [o.get_io_type() for o in schema.outputs] == ["LORA_MODEL", "LOSS_MAP", "INT"]
+
+
+# ----------------------------------------------------------------------------------------------------- training
+@pytest.fixture(scope="module")
+def trained(node: type, models: tuple, dataset: Any) -> Any:
+    """One real run: 20 steps, two buckets, seed 7 (the loss curve and the LoRA are checked by several tests)."""
+    return _train(node, models[0], dataset, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def untrained(node: type, models: tuple, dataset: Any) -> list[float]:
+    """The same run at the smallest learning rate: the same batches, sigmas and noise, on (nearly) the base model."""
+    return _train(node, models[0], dataset, steps=STEPS, learning_rate=1e-7).result[1]["loss"]
+
+
+def test_loss_falls(trained: Any, untrained: list[float]) -> None:
+    """Raw losses swing by 100× with the random sigma of each step, so each step's loss is divided by the loss the
+    untrained model has on the very same batch, sigma and noise: that ratio starts at 1 and must fall."""
+    lora, loss_map, steps = trained.result
+    losses = loss_map["loss"]
+    assert steps == STEPS and len(losses) == STEPS
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[0] == pytest.approx(untrained[0], rel=1e-4)  # step 1 runs before any update: same model
+    ratio = [a / b for a, b in zip(losses, untrained)]
+    first, last = sum(ratio[:5]) / 5, sum(ratio[-5:]) / 5
+    assert last < 0.8 * first, ratio
+
+
+def test_trained_lora_lowers_a_fixed_evaluation_loss(trained: Any, models: tuple, dataset: Any,
+                                                      comfy_nodes: ModuleType, pack: ModuleType) -> None:
+    """Independent of the training curve's noise: the same sigmas and noise before and after, via LoraModelLoader."""
+    train_module = _module(pack, "nodes.lora_training").nodes_train_module()
+    reader, samples = dataset.open()
+    try:
+        values = reader.read([s.latent for s in samples] + [s.captions[0] for s in samples])
+    finally:
+        reader.close()
+    latents = [v["samples"] for v in values[: len(samples)]]
+    conds = values[len(samples):]
+    model = models[0]
+    with torch.inference_mode():
+        (with_lora,) = train_module.LoraModelLoader.execute(model, trained.result[0], 1.0).result
+        before = _eval_loss(model, latents, conds)
+        after = _eval_loss(with_lora, latents, conds)
+    assert after < 0.9 * before, (before, after)
+
+
+def test_outputs_work_with_the_builtin_lora_nodes(trained: Any, models: tuple, pack: ModuleType,
+                                                   comfy_folders: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import comfy.lora
+    import comfy.utils
+    import folder_paths
+
+    lora, loss_map, steps = trained.result
+    assert lora and all(t.device.type == "cpu" and not t.requires_grad for t in lora.values())
+    assert {k.rsplit(".", 2)[-2] if k.endswith(".weight") else k.rsplit(".", 1)[-1] for k in lora} == {
+        "lora_up", "lora_down", "alpha", "diff", "diff_b"}
+    model = models[0]
+    with caplog.at_level(logging.WARNING):
+        patches = comfy.lora.load_lora(lora, comfy.lora.model_lora_keys_unet(model.model, {}))
+    assert "lora key not loaded" not in caplog.text
+    assert len(patches) > 0
+    train_module = _module(pack, "nodes.lora_training").nodes_train_module()
+    train_module.SaveLoRA.execute(lora, "loras/streamcache_test", steps)
+    saved = sorted(Path(folder_paths.get_output_directory(), "loras").glob(f"streamcache_test_{steps}_steps_*"))
+    assert saved, "SaveLoRA wrote no file"
+    reloaded = comfy.utils.load_torch_file(str(saved[-1]))
+    assert set(reloaded) == set(lora)
+    assert all(torch.equal(reloaded[k], lora[k]) for k in lora)
+    train_module.LossGraphNode.execute(loss_map, "streamcache_loss")  # draws the chart without error
+
+
+def test_ui_carries_the_curve_and_a_summary(trained: Any) -> None:
+    ui = trained.ui
+    assert ui["loss"] == trained.result[1]["loss"]
+    (text,) = ui["text"]
+    assert text.startswith("dataset 'train' (6 samples): trained 20 steps")
+    assert "samples/s" in text and "[4, 8, 8]" in text and "[4, 8, 12]" in text
+
+
+def test_same_seed_same_run(node: type, models: tuple, dataset: Any) -> None:
+    a = _train(node, models[0], dataset, steps=3)
+    b = _train(node, models[0], dataset, steps=3)
+    c = _train(node, models[0], dataset, steps=1, seed=8)
+    assert a.result[1]["loss"] == b.result[1]["loss"]
+    assert all(torch.equal(a.result[0][k], b.result[0][k]) for k in a.result[0])
+    assert a.result[1]["loss"][:1] != c.result[1]["loss"]
+
+
+def test_defaults_bf16_checkpointing_and_accumulation(node: type, models: tuple, dataset: Any) -> None:
+    """The node's default dtypes (bf16 autocast, bf16 LoRA) and gradient checkpointing, two batches per step."""
+    out = _train(node, models[0], dataset, steps=1, grad_accumulation_steps=2, training_dtype="bf16",
+                 lora_dtype="bf16", gradient_checkpointing=True, prefetch_batches=0)
+    lora, loss_map, steps = out.result
+    assert steps == 1 and len(loss_map["loss"]) == 1
+    assert all(torch.isfinite(torch.tensor(loss_map["loss"])))
+    assert {t.dtype for t in lora.values()} == {torch.bfloat16}
+    assert any(t.abs().sum() > 0 for k, t in lora.items() if k.endswith("lora_up.weight"))  # it did train
+
+
+def test_existing_lora_is_continued(node: type, models: tuple, dataset: Any, trained: Any, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LoRA saved by SaveLoRA is loaded as the starting point; its step count (from the file name) is added."""
+    import folder_paths
+    from safetensors.torch import save_file
+
+    lora = trained.result[0]
+    save_file(lora, str(tmp_path / f"streamcache_{STEPS}_steps_00001_.safetensors"))
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
+                        ([str(tmp_path)], set(folder_paths.supported_pt_extensions)))
+    out = _train(node, models[0], dataset, steps=1, learning_rate=1e-7,
+                 existing_lora=f"streamcache_{STEPS}_steps_00001_.safetensors")
+    continued, _, steps = out.result
+    assert steps == STEPS + 1
+    assert set(continued) == set(lora)
+    # every tensor, including the norm/bias deltas and alpha that ComfyUI's own setup would reset
+    assert all(torch.allclose(continued[k], lora[k], atol=1e-5) for k in lora)
+    with pytest.raises(ValueError, match="existing_lora 'missing.safetensors' is not in the loras folder"):
+        _train(node, models[0], dataset, existing_lora="missing.safetensors")
+
+
+def test_every_row_is_paired_with_its_own_caption(pack: ModuleType, models: tuple) -> None:
+    """The built-in trainer averages every caption over the whole batch; here row i sees caption i only."""
+    training = _module(pack, "nodes.lora_training")
+    model = models[0]
+    short = torch.randn(1, 77, 768)
+    long = torch.randn(1, 154, 768)
+    conds = [[[short, {"pooled_output": torch.randn(1, 768)}]], [[long, {"pooled_output": torch.randn(1, 768)}]]]
+    noise = torch.zeros(2, 4, 8, 8)
+    kwargs = training._Conditioner(model.model, torch.device("cpu"))(conds, noise, noise, seed=0)
+    context = kwargs["c_crossattn"]
+    assert context.shape == (2, 154, 768)
+    assert torch.equal(context[0], short[0].repeat(2, 1))  # padded by repetition, as ComfyUI's cond_cat does
+    assert torch.equal(context[1], long[0])
+
+
+def test_progress_events_reach_the_server_throttled(pack: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``streamcache.train`` events go to the prompting client, at most every 0.5 s plus the last step; without a
+    server (this in-process suite) nothing is sent and nothing fails."""
+    import types
+
+    node_module = _module(pack, "nodes.train_lora")
+    report = _module(pack, "nodes.lora_training").StepReport
+    events = node_module._Events("12")
+    monkeypatch.delitem(sys.modules, "server", raising=False)
+    events(report(1, 3, 0.5, 0.5, 2.0, 1.0, 0))  # no server: a no-op
+    sent: list[tuple] = []
+    instance = types.SimpleNamespace(client_id="client-1", last_prompt_id="p1",
+                                     send_sync=lambda *a: sent.append(a))
+    monkeypatch.setitem(sys.modules, "server", types.SimpleNamespace(PromptServer=types.SimpleNamespace(
+        instance=instance)))
+    events = node_module._Events("12")
+    for step in (1, 2, 3):
+        events(report(step, 3, 1.0 / step, 0.9, 2.0, 1.5, 0))
+    assert [a[2] for a in sent] == ["client-1", "client-1"]  # step 2 throttled, the last step always sent
+    event, data, _ = sent[-1]
+    assert event == "streamcache.train"
+    assert data == {"node": "12", "prompt_id": "p1", "step": 3, "total": 3, "loss": 1.0 / 3, "loss_smooth": 0.9,
+                    "samples_per_s": 2.0, "data_wait_pct": 1.5}
+
+
+# -------------------------------------------------------------------------------------------------- interrupts
+def test_interrupt_stops_within_a_step_and_leaves_no_threads(node: type, models: tuple, dataset: Any) -> None:
+    import comfy.model_management
+    import comfy.utils
+
+    updates: list[int] = []
+    fired: list[int] = []
+
+    def hook(value: int, total: int, preview: Any, node_id: str | None = None) -> None:
+        updates.append(value)
+        if value >= 3 and not fired:  # what POST /interrupt does, from any thread
+            fired.append(value)
+            comfy.model_management.interrupt_current_processing(True)
+
+    saved = comfy.utils.PROGRESS_BAR_HOOK
+    comfy.utils.set_progress_bar_global_hook(hook)
+    try:
+        with pytest.raises(comfy.model_management.InterruptProcessingException):
+            _train(node, models[0], dataset, steps=20)
+    finally:
+        comfy.utils.set_progress_bar_global_hook(saved)
+        comfy.model_management.interrupt_current_processing(False)
+    assert fired and updates[-1] == fired[0]  # no step finished after the interrupt
+    assert _loader_threads() == []
+    assert comfy.model_management.in_training is False
+
+
+# ------------------------------------------------------------------------------------------------- bad inputs
+def test_missing_cache_is_a_clear_error(node: type, models: tuple, handles: ModuleType, tmp_path: Path) -> None:
+    handle = handles.StreamDatasetHandle(str(tmp_path / "nothing"), "train")
+    with pytest.raises(ValueError, match="no StreamCache cache at .*nothing"):
+        _train(node, models[0], handle)
+
+
+def test_unknown_dataset_names_the_ones_there(node: type, models: tuple, dataset: Any, handles: ModuleType) -> None:
+    handle = handles.StreamDatasetHandle(dataset.cache_root, "nope")
+    with pytest.raises(ValueError, match=r"dataset 'nope' is not in the cache .*\['empty', 'train'\]"):
+        _train(node, models[0], handle)
+
+
+def test_empty_dataset_is_a_clear_error(node: type, models: tuple, dataset: Any, handles: ModuleType) -> None:
+    handle = handles.StreamDatasetHandle(dataset.cache_root, "empty")
+    with pytest.raises(ValueError, match="dataset 'empty' .* is empty"):
+        _train(node, models[0], handle)
+    assert _loader_threads() == []
+
+
+def test_unknown_algorithm_is_a_clear_error(node: type, models: tuple, dataset: Any) -> None:
+    with pytest.raises(ValueError, match="unknown algorithm 'DoRA'; use one of LoRA"):
+        _train(node, models[0], dataset, algorithm="DoRA")
