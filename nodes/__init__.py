@@ -5,11 +5,16 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from .cache_info import CacheInfo
+from .clean_cache import CleanCache
+from .encode_dataset import EncodeDataset
+from .load_cache import LoadLazyCache
+from .save_cache import SaveCache
+from .train_lora import TrainLoRA
 from .paths import register_cache_folder
 
 __all__ = ["NODES", "StreamCacheExtension"]
 
-NODES: tuple[type[io.ComfyNode], ...] = (CacheInfo,)
+NODES: tuple[type[io.ComfyNode], ...] = (EncodeDataset, SaveCache, LoadLazyCache, TrainLoRA, CleanCache, CacheInfo)
 """Every node of the pack; ids start with ``StreamCache_`` and the category is ``StreamCache``."""
 
 

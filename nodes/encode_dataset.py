@@ -1,0 +1,438 @@
+"""Node "Encode Dataset": an image + caption folder → entries in a cache, encoding only what is missing.
+
+The work is the library's (:func:`dataset_cache.encode_plan.plan_encode`, :func:`dataset_cache.incremental.
+run_encode`); this node resolves the folder and cache names, wraps ComfyUI's VAE and CLIP as encoder callables,
+reports progress, honours Cancel and turns the result into a ``STREAM_DATASET`` handle plus a report.
+
+**Warm re-runs load no model.** ``vae`` and ``clip`` are lazy inputs: in ``check_lazy_status`` the node plans the
+encode against the cache *before* any loader runs and asks ComfyUI for ``vae`` only when a latent is missing and
+for ``clip`` only when a conditioning is. But entry keys contain the encoders' fingerprints, which need the
+loaded objects. The way out: after every run that did load an encoder, the dataset's info records
+``{upstream identity: fingerprint}`` per encoder, where the *upstream identity*
+(:func:`.fingerprints.upstream_identity`) describes how the input is produced — the linked node's class and
+constant inputs, recursively, plus size and mtime of every model file they name. When the identity of the
+current graph is recorded, its fingerprint is assumed and the input is requested only if that fingerprint's
+keys are missing; an unknown identity (new graph, another model file, a changed LoRA strength) requests the
+input. When a real object arrives, its real fingerprint is used to compute the keys, so a wrong assumption can
+never store an entry under the wrong key.
+
+Trade-off: an assumption is only as good as the identity. Editing a model file in place keeps its name but
+changes size or mtime, so it is noticed; an upstream node whose output changes without any input or named file
+changing (e.g. a loader that reads a fixed path) is not, and the old entries are reused until its identity
+changes. Identities use file sizes and mtimes, so a cache copied to another machine loads the encoders once
+there, then records that machine's identity too (:data:`RECORD_LIMIT` identities per encoder are kept). Set
+``STREAMCACHE_TRUST_UPSTREAM=0`` to always load the encoders (every run then checks the real fingerprints, at the
+cost of loading the models). The price of deciding before loading is planning twice or three times per run
+(``check_lazy_status`` is asked again after each input it requested arrives); planning trusts unchanged files
+by their stat, so that is a few directory listings.
+
+**ComfyUI's node cache.** ``fingerprint_inputs`` digests the folder listing (stat only) and the cache's committed
+state. The node's own encode changes that state, so the identity right after a run is remembered (per process)
+as equivalent to the one before it: re-queuing an unchanged graph hits ComfyUI's cache, and so does everything
+downstream (training), while a file edit, a clean or another process writing the cache re-runs it.
+
+Folders are resolved inside ComfyUI's input directory; absolute folders elsewhere need
+``STREAMCACHE_ALLOW_ABSOLUTE_FOLDERS=1`` in ComfyUI's environment (workflows are shared files: a node must not
+read arbitrary paths by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import comfy.model_management
+import comfy.utils
+import folder_paths
+import torch
+from comfy_api.latest import io
+
+from ..dataset_cache.buckets import CROP_MODES, BucketConfig
+from ..dataset_cache.encode_plan import FAILURE_POLICIES, EncodePlan, EncodeSettings, plan_encode
+from ..dataset_cache.errors import CacheError, CacheNotFoundError
+from ..dataset_cache.format.manifest import read_state
+from ..dataset_cache.format.reader import open_cache
+from ..dataset_cache.format.writer import CacheWriter
+from ..dataset_cache.incremental import EncodeReport, run_encode
+from ..dataset_cache.lock import WRITE_LOCK, CacheLock
+from .fingerprints import (
+    OwnWrites,
+    cache_identity,
+    clip_fingerprint,
+    folder_digest,
+    upstream_identity,
+    vae_fingerprint,
+)
+from .handles import StreamDatasetHandle
+from .paths import resolve_cache
+from .ui_output import EventSender, TextWithData
+
+__all__ = ["ALLOW_ABSOLUTE_ENV", "EVENT", "TRUST_UPSTREAM_ENV", "RECORD_KEY", "EncodeDataset", "report_fields",
+           "resolve_folder"]
+
+log = logging.getLogger("streamcache.encode_dataset")
+
+ALLOW_ABSOLUTE_ENV = "STREAMCACHE_ALLOW_ABSOLUTE_FOLDERS"
+"""Set to ``1`` to allow absolute dataset folders outside ComfyUI's input directory."""
+TRUST_UPSTREAM_ENV = "STREAMCACHE_TRUST_UPSTREAM"
+"""Set to ``0`` to always load the encoders instead of assuming recorded fingerprints."""
+RECORD_KEY = "upstream_encoders"
+"""Dataset-info key of the ``{"vae"|"clip": {upstream identity: fingerprint}}`` record."""
+RECORD_LIMIT = 8
+"""Identities remembered per encoder: switching between a few VAEs or text encoders stays load-free."""
+EVENT = "streamcache.encode"
+"""Websocket event of the live encode report (at most two a second, plus the first and the last): ``{"node",
+"phase": "encoding", "done", "total", "samples", "new", "changed", "unchanged", "removed", "failed"}``."""
+_UNRESOLVED = "unresolved:{}"  # a fingerprint no entry was ever keyed with: every key it yields is missing
+StreamDataset = io.Custom("STREAM_DATASET")
+
+_OWN_WRITES = OwnWrites()
+# (cache root, dataset) -> source changes seen by check_lazy_status's plans since the last execute: each plan saves
+# the sources record, so the plan made by execute itself sees those files as unchanged
+_PENDING_CHANGES: dict[tuple[str, str], Counter[str]] = {}
+_CHANGE_FIELDS = ("new", "changed", "removed")
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value not in ("0", "false", "no", "off")
+
+
+def resolve_folder(folder: str) -> Path:
+    """Resolve a dataset folder typed into the node: relative to ComfyUI's input directory, never escaping it.
+
+    Raises:
+        ValueError: empty, contains ``..``, or absolute outside the input directory while
+            ``STREAMCACHE_ALLOW_ABSOLUTE_FOLDERS`` is not set; the message says what is allowed.
+    """
+    folder = (folder or "").strip()
+    base = os.path.normpath(os.path.abspath(folder_paths.get_input_directory()))
+    how = (f"Give a folder inside ComfyUI's input directory ({base}), e.g. `my_dataset` or `people/alice`; "
+           f"absolute folders elsewhere need {ALLOW_ABSOLUTE_ENV}=1 in ComfyUI's environment.")
+    if not folder:
+        raise ValueError(f"dataset folder is empty. {how}")
+    if "\x00" in folder:
+        raise ValueError(f"dataset folder {folder!r} contains a NUL character. {how}")
+    if ".." in re.split(r"[\\/]+", folder):
+        raise ValueError(f"dataset folder {folder!r} must not contain '..'. {how}")
+    if os.path.isabs(folder):
+        path = os.path.normpath(folder)
+        inside = os.path.commonpath([path, base]) == base
+        if not inside and not _flag(ALLOW_ABSOLUTE_ENV, False):
+            raise ValueError(f"dataset folder {folder!r} is outside ComfyUI's input directory. {how}")
+        return Path(path)
+    return Path(os.path.normpath(os.path.join(base, folder)))
+
+
+def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str, caption_suffix: str,
+              batch_size: int, on_failure: str) -> EncodeSettings:
+    min_side = max(bucket_step, resolution // 2 // bucket_step * bucket_step)  # kohya: 256 for 512
+    bucket = BucketConfig(resolution=resolution, step=bucket_step, min_side=min_side, crop=crop)
+    return EncodeSettings(bucket=bucket, caption_prefix=caption_prefix, caption_suffix=caption_suffix,
+                          batch_size=batch_size, failure_policy=on_failure)
+
+
+# ------------------------------------------------------------------------------------------------ encoders
+
+
+@dataclass
+class _Encoders:
+    """The fingerprints a plan uses, where they came from, and the upstream identities of the inputs."""
+
+    vae_fp: str
+    text_fp: str
+    vae_identity: str | None
+    clip_identity: str | None
+    vae_loaded: bool
+    clip_loaded: bool
+    record: dict[str, dict[str, str]]
+
+
+def _recorded(root: Path, dataset: str) -> dict[str, dict[str, str]]:
+    """The ``{encoder: {identity: fingerprint}}`` record of the dataset (empty when there is none)."""
+    try:
+        current = read_state(root).datasets.get(dataset)
+    except CacheNotFoundError:
+        return {}
+    except CacheError as exc:
+        log.warning("%s: cannot read the encoder record (%s); encoders will be loaded", root, exc)
+        return {}
+    record = current.info.get(RECORD_KEY) if current is not None else None
+    return record if isinstance(record, dict) else {}
+
+
+def _hidden(cls: type, name: str) -> Any:
+    hidden = getattr(cls, "hidden", None)
+    return getattr(hidden, name, None) if hidden is not None else None
+
+
+def _encoders(cls: type, root: Path, dataset: str, vae: Any, clip: Any) -> _Encoders:
+    dynprompt, node_id = _hidden(cls, "dynprompt"), _hidden(cls, "unique_id")
+    ids = {name: upstream_identity(dynprompt, node_id, name) for name in ("vae", "clip")}
+    record = _recorded(root, dataset)
+    trusted = record if _flag(TRUST_UPSTREAM_ENV, True) else {}
+
+    def pick(name: str, obj: Any, compute: Callable[[Any], str]) -> str:
+        if obj is not None:
+            return compute(obj)
+        assumed = (trusted.get(name) or {}).get(ids[name]) if ids[name] else None
+        return assumed if isinstance(assumed, str) and assumed else _UNRESOLVED.format(name)
+
+    return _Encoders(pick("vae", vae, vae_fingerprint), pick("clip", clip, clip_fingerprint), ids["vae"],
+                     ids["clip"], vae is not None, clip is not None, record)
+
+
+def _image_encoder(vae: Any) -> Callable[[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    def encode(images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        latents = vae.encode(images[:, :, :, :3])
+        return [{"samples": latents[i:i + 1]} for i in range(latents.shape[0])]
+    return encode
+
+
+def _text_encoder(clip: Any) -> Callable[[Sequence[str]], list[Any]]:
+    def encode(texts: Sequence[str]) -> list[Any]:
+        return [clip.encode_from_tokens_scheduled(clip.tokenize(text)) for text in texts]
+    return encode
+
+
+def _release(*encoders: Any) -> None:
+    """Unload the encoders this node used (ComfyUI's model management), so training gets the device memory.
+
+    Models whose load device is the CPU are left alone: unloading frees no memory there (the offload device is
+    the same RAM) and would only make the next encode load them again.
+    """
+    unloaded = False
+    for enc in encoders:
+        patcher = getattr(enc, "patcher", None)
+        device = getattr(patcher, "load_device", None)
+        if patcher is not None and getattr(device, "type", "cpu") != "cpu":
+            comfy.model_management.unload_model_and_clones(patcher)
+            unloaded = True
+    if unloaded:
+        comfy.model_management.soft_empty_cache()
+
+
+def _store_record(root: Path, dataset: str, enc: _Encoders) -> None:
+    """Record ``identity -> real fingerprint`` of the encoders this run loaded, in the dataset's info.
+
+    The record read before the run is the base: storing a changed dataset rewrites its info, and the identities
+    of encoders this run did not need must survive that.
+    """
+    loaded = [(name, ident, fp) for name, ident, fp, was_loaded in (
+        ("vae", enc.vae_identity, enc.vae_fp, enc.vae_loaded),
+        ("clip", enc.clip_identity, enc.text_fp, enc.clip_loaded)) if was_loaded and ident]
+    record = {k: dict(v) for k, v in enc.record.items() if isinstance(v, dict)}
+    for name, ident, fp in loaded:
+        entries = {ident: fp, **{i: f for i, f in record.get(name, {}).items() if i != ident}}
+        record[name] = dict(list(entries.items())[:RECORD_LIMIT])
+    if not record:
+        return
+    with CacheLock(root, WRITE_LOCK, purpose="record encoder identities"):
+        writer = CacheWriter(root, create=False)
+        try:
+            current = writer.datasets().get(dataset)
+            if current is None or current.info.get(RECORD_KEY) == record:
+                return
+            samples = open_cache(root, verify=False).dataset(dataset)
+            writer.set_dataset(dataset, samples, info={**current.info, RECORD_KEY: record})
+        finally:
+            writer.close()
+
+
+def _format(report: EncodeReport, enc: _Encoders) -> str:
+    def state(label: str, loaded: bool, fp: str) -> str:
+        return f"{label} loaded (fingerprint {fp[:12]})" if loaded else f"{label} not loaded (nothing to encode)"
+
+    encoders = f"{state('VAE', enc.vae_loaded, enc.vae_fp)}; {state('text encoder', enc.clip_loaded, enc.text_fp)}"
+    return f"{report.summary()}\n{encoders}"
+
+
+def _add_earlier_changes(report: EncodeReport, earlier: Counter[str]) -> None:
+    """Count the changes that this run's earlier plans (in ``check_lazy_status``) consumed, in the report."""
+    if report.sourceless:
+        return
+    for name in _CHANGE_FIELDS:
+        setattr(report, name, getattr(report, name) + earlier[name])
+    report.unchanged = max(0, report.unchanged - earlier["new"] - earlier["changed"])
+
+
+def _source_state(src: Path) -> str:
+    """The folder part of the node's fingerprint: its path and stat-only listing (``missing`` when gone)."""
+    return f"{src}\0{folder_digest(src) if src.exists() else 'missing'}"
+
+
+def _run(plan: EncodePlan, vae: Any, clip: Any, node_id: str | None = None,
+         earlier: Counter[str] | None = None) -> EncodeReport:
+    """Run the encode with ComfyUI's progress bar, the live ``streamcache.encode`` event and Cancel; release the
+    encoders; record an interrupt."""
+    pbar: list[comfy.utils.ProgressBar] = []
+    events = EventSender(EVENT, node_id)
+    earlier = earlier if earlier is not None else Counter()
+    counts = {"samples": len(plan.samples), "new": plan.new + earlier["new"],
+              "changed": plan.changed + earlier["changed"],
+              "unchanged": max(0, plan.unchanged - earlier["new"] - earlier["changed"]),
+              "removed": plan.removed + earlier["removed"], "failed": len(plan.failures)}
+
+    def progress(done: int, total: int) -> None:  # called on this (the execution) thread only
+        if not pbar:
+            pbar.append(comfy.utils.ProgressBar(max(total, 1)))
+        pbar[0].update_absolute(done, max(total, 1))
+        events({"phase": "encoding", "done": done, "total": total, **counts}, force=done in (0, total))
+
+    try:
+        report = run_encode(plan, encode_images=_image_encoder(vae) if vae is not None else None,
+                            encode_texts=_text_encoder(clip) if clip is not None else None,
+                            progress=progress, should_stop=comfy.model_management.processing_interrupted)
+    finally:
+        _release(*(e for e in (vae, clip) if e is not None))
+    if report.stopped:  # every finished batch is committed; let ComfyUI record the interrupt
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        raise comfy.model_management.InterruptProcessingException()
+    return report
+
+
+def report_fields(report: EncodeReport, enc: _Encoders | None = None) -> dict[str, Any]:
+    """The report as JSON-able fields: the node's ``streamcache_report`` UI output (drawn by the web extension)."""
+    fields: dict[str, Any] = {
+        "dataset": report.dataset, "samples": report.samples, "new": report.new, "changed": report.changed,
+        "unchanged": report.unchanged, "removed": report.removed, "encoded": report.encoded,
+        "encoded_latents": report.encoded_latents, "encoded_conditionings": report.encoded_conditionings,
+        "reused": report.reused, "failed": report.failed, "skipped": report.skipped,
+        "bytes_written": report.bytes_written, "seconds": round(report.seconds, 3), "stopped": report.stopped,
+        "sourceless": report.sourceless,
+        "failures": [f"{f.relpath}: {f.reason}" for f in report.failures[:5]],
+    }
+    if enc is not None:
+        fields.update(vae_loaded=enc.vae_loaded, clip_loaded=enc.clip_loaded, vae_fingerprint=enc.vae_fp,
+                      text_fingerprint=enc.text_fp)
+    return fields
+
+
+def _key(root: Path, dataset: str) -> tuple[str, str]:
+    return str(root), dataset
+
+
+# ------------------------------------------------------------------------------------------------ the node
+
+
+class EncodeDataset(io.ComfyNode):
+    """Encodes an image + caption folder into a cache; unchanged images and captions cost nothing."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="StreamCache_EncodeDataset",
+            display_name="Encode Dataset",
+            category="StreamCache",
+            description="Encodes an image folder (kohya layout, .txt captions) into a StreamCache cache: VAE "
+                        "latents per aspect bucket and one text-encoder conditioning per distinct caption line. "
+                        "Only new or changed files are encoded; when nothing changed, the VAE and CLIP loaders "
+                        "do not even run.",
+            inputs=[
+                io.String.Input("folder", default="my_dataset",
+                                tooltip="The image folder, relative to ComfyUI's input directory (kohya "
+                                "`<repeats>_<name>` subfolders allowed; captions in same-name .txt files, one "
+                                f"variant per line). Absolute paths elsewhere need {ALLOW_ABSOLUTE_ENV}=1."),
+                io.String.Input("cache", default="my_dataset",
+                                tooltip="Cache name: a folder inside models/streamcache (created if missing)."),
+                io.String.Input("dataset", default="default",
+                                tooltip="Name of the dataset inside the cache (a cache can hold several)."),
+                io.Vae.Input("vae", lazy=True, tooltip="VAE for the latents; only loaded when a latent is missing."),
+                io.Clip.Input("clip", lazy=True,
+                              tooltip="Text encoder for the captions; only loaded when a caption is missing."),
+                io.Int.Input("resolution", default=512, min=64, max=8192, step=8,
+                             tooltip="Training resolution: bucket areas are at most resolution²."),
+                io.Int.Input("bucket_step", default=64, min=8, max=512, step=8,
+                             tooltip="Bucket sides are multiples of this (64 as in kohya; at least the VAE's "
+                             "downscale factor)."),
+                io.Combo.Input("crop", options=list(CROP_MODES), default="center",
+                               tooltip="How a resized image is cut to its bucket: center, or a random crop "
+                               "fixed per image (seeded by its content)."),
+                io.String.Input("caption_prefix", default="",
+                                tooltip="Put before every caption line, e.g. a trigger word `ohwx, `."),
+                io.String.Input("caption_suffix", default="", tooltip="Put after every caption line."),
+                io.Int.Input("batch_size", default=4, min=1, max=256,
+                             tooltip="Images or captions per encoder call; each batch is saved when done, so "
+                             "Cancel keeps everything finished."),
+                io.Combo.Input("on_failure", options=list(FAILURE_POLICIES), default="skip",
+                               tooltip="An unreadable image or caption: skip it (listed in the report) or "
+                               "stop with an error naming the file."),
+            ],
+            outputs=[
+                StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),
+                io.String.Output(display_name="report",
+                                 tooltip="New/changed/unchanged/removed files, entries encoded, failures."),
+            ],
+            hidden=[io.Hidden.unique_id, io.Hidden.dynprompt],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def validate_inputs(cls, folder: str | None = None, cache: str | None = None,
+                        dataset: str | None = None) -> bool | str:
+        try:
+            if folder is not None:
+                resolve_folder(folder)
+            if cache is not None:
+                resolve_cache(cache)
+        except ValueError as exc:
+            return str(exc)
+        if dataset is not None and not dataset.strip():
+            return "dataset name is empty; use e.g. `default`"
+        return True
+
+    @classmethod
+    def fingerprint_inputs(cls, folder: str, cache: str, dataset: str, **_: Any) -> str:
+        root, src = resolve_cache(cache), resolve_folder(folder)
+        return _OWN_WRITES.fingerprint(_key(root, dataset), _source_state(src), cache_identity(root, dataset))
+
+    @classmethod
+    def _plan(cls, folder: str, cache: str, dataset: str, vae: Any, clip: Any,
+              options: dict[str, Any]) -> tuple[EncodePlan, _Encoders, Path]:
+        root, src = resolve_cache(cache), resolve_folder(folder)
+        enc = _encoders(cls, root, dataset, vae, clip)
+        plan = plan_encode(src, root, dataset=dataset, settings=_settings(**options),
+                           vae_fingerprint=enc.vae_fp, text_fingerprint=enc.text_fp)
+        return plan, enc, root
+
+    @classmethod
+    def check_lazy_status(cls, folder: str, cache: str, dataset: str, vae: Any = None, clip: Any = None,
+                          **options: Any) -> list[str]:
+        plan, _, root = cls._plan(folder, cache, dataset, vae, clip, options)
+        _PENDING_CHANGES.setdefault(_key(root, dataset), Counter()).update(
+            {f: getattr(plan, f) for f in _CHANGE_FIELDS})
+        if plan.failures and plan.settings.failure_policy == "stop":
+            return []  # execute raises the failure; no model needs loading for that
+        needed = []
+        if vae is None and plan.needs_vae:
+            needed.append("vae")
+        if clip is None and plan.needs_text_encoder:
+            needed.append("clip")
+        return needed
+
+    @classmethod
+    def execute(cls, folder: str, cache: str, dataset: str, vae: Any = None, clip: Any = None,
+                **options: Any) -> io.NodeOutput:
+        plan, enc, root = cls._plan(folder, cache, dataset, vae, clip, options)
+        earlier = _PENDING_CHANGES.pop(_key(root, dataset), Counter())
+        if plan.failures and plan.settings.failure_policy == "stop":
+            raise plan.failures[0].error()
+        for name, missing in (("VAE", plan.needs_vae and vae is None),
+                              ("CLIP", plan.needs_text_encoder and clip is None)):
+            if missing:
+                raise ValueError(f"{plan.folder}: files changed after ComfyUI decided the {name} was not needed; "
+                                 "queue the prompt again")
+        report = _run(plan, vae, clip, _hidden(cls, "unique_id"), earlier)
+        _add_earlier_changes(report, earlier)
+        if not report.sourceless:
+            _store_record(root, dataset, enc)
+        _OWN_WRITES.remember(_key(root, dataset), _source_state(Path(plan.folder)), cache_identity(root, dataset))
+        text = _format(report, enc)
+        return io.NodeOutput(StreamDatasetHandle(str(root), dataset), text,
+                             ui=TextWithData(text, streamcache_report=report_fields(report, enc)))

@@ -1,0 +1,230 @@
+"""Node "Save Streamable Cache": a dataset, or ComfyUI's own latent + conditioning lists, as a compacted cache.
+
+Two sources, one of them connected:
+
+* ``dataset`` (``STREAM_DATASET``): the dataset's entries are copied into the named cache — latents grouped by
+  bucket (latent shape), each followed by its captions — so the new cache is self-contained (it no longer needs
+  the source cache) and its shards hold each bucket's rows next to each other;
+* ``latents`` + ``conditioning`` lists, as ``MakeTrainingDataset`` (or ``LoadTrainingDataset``) gives them: each
+  value is stored under its content key (:func:`dataset_cache.interop.value_key`), so identical captions are
+  stored once and saving twice adds nothing; a latent batch of ``B`` rows becomes ``B`` samples, paired with its
+  conditioning the way ComfyUI's trainer pairs them.
+
+The dataset is stored last, then the cache is compacted (underfull shards rewritten in dataset order) unless a
+training run is reading it at that moment. The cache's write lock keeps a concurrent encode out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from comfy_api.latest import io, ui
+
+from ..dataset_cache.dataset import Sample
+from ..dataset_cache.errors import CacheLockedError
+from ..dataset_cache.format.reader import open_cache
+from ..dataset_cache.format.writer import CacheWriter, CompactReport
+from ..dataset_cache.interop import _split_batch, value_key  # _split_batch: see the lead's note in the report
+from ..dataset_cache.lock import READ_LOCK, WRITE_LOCK, CacheLock
+from .fingerprints import OwnWrites, cache_identity
+from .handles import StreamDatasetHandle
+from .paths import resolve_cache
+
+__all__ = ["SaveCache", "save_dataset", "save_lists"]
+
+log = logging.getLogger("streamcache.save_cache")
+
+COPY_BATCH = 64
+"""Entries read per batch when copying a dataset: one coalesced read each, bounded memory."""
+LOCK_TIMEOUT_S = 60.0
+"""How long to wait for another writer of the same cache before failing with a clear error."""
+StreamDataset = io.Custom("STREAM_DATASET")
+_OWN_WRITES = OwnWrites()
+
+
+def _set_dataset(writer: CacheWriter, root: Path, name: str, samples: list[Sample], info: dict[str, Any]) -> None:
+    """Store the dataset unless the cache already holds exactly it (saving again then leaves the cache as is)."""
+    current = writer.datasets().get(name)
+    if current is not None and current.info == info:
+        with open_cache(root, verify=False) as reader:
+            if reader.dataset(name) == samples:
+                return
+    writer.set_dataset(name, samples, info=info)
+
+
+def _batches(items: Sequence[str], n: int) -> Iterator[Sequence[str]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+def _compact(writer: CacheWriter, root: Path) -> CompactReport | None:
+    try:
+        with CacheLock(root, READ_LOCK, exclusive=True, timeout=0, purpose="compaction after save"):
+            return writer.compact()
+    except CacheLockedError:
+        log.info("%s: a reader holds the cache; compaction skipped (run Clean Cache later)", root)
+        return None
+
+
+def save_dataset(handle: StreamDatasetHandle, root: Path, name: str) -> tuple[int, int, CompactReport | None]:
+    """Copy ``handle``'s dataset into the cache at ``root`` as dataset ``name``, bucket by bucket.
+
+    Returns ``(samples, entries copied, compaction report)``. Raises what the library raises: ``ValueError`` for
+    a missing cache or dataset, ``CacheCorruptError`` naming a damaged shard of the source.
+    """
+    reader, samples = handle.open()
+    try:
+        def bucket(s: Sample) -> str:
+            shapes = reader.tensor_shapes(s.latent)
+            shape = shapes.get("samples") if isinstance(shapes, dict) else None
+            return "x".join(map(str, shape)) if shape is not None else ""
+
+        order = dict.fromkeys(k for s in sorted(samples, key=bucket) for k in (s.latent, *s.captions))
+        info = dict(reader.datasets()[handle.name].info)
+        with CacheLock(root, WRITE_LOCK, timeout=LOCK_TIMEOUT_S, purpose="save"), CacheWriter(root) as writer:
+            todo = [k for k in order if not writer.has(k)]
+            for batch in _batches(todo, COPY_BATCH):
+                for key, value in zip(batch, reader.read(batch)):
+                    writer.add(key, value, kind=reader.kind(key), name=f"entry {key}")
+                writer.commit()
+            info["copied_from"] = {"cache": handle.cache_root, "dataset": handle.name}
+            _set_dataset(writer, root, name, samples, info)
+            compaction = _compact(writer, root)
+    finally:
+        reader.close()
+    return len(samples), len(todo), compaction
+
+
+def _pairs(latents: Sequence[Any], conditioning: Sequence[Any]) -> list[tuple[Any, Any]]:
+    if len(conditioning) == 1 and len(latents) > 1:
+        conditioning = list(conditioning) * len(latents)
+    if len(latents) != len(conditioning):
+        raise ValueError(f"{len(latents)} latents but {len(conditioning)} conditionings; connect lists of equal "
+                         "length (as Make Training Dataset gives) or a single conditioning for all latents")
+    if not latents:
+        raise ValueError("the latents list is empty: nothing to save")
+    return list(zip(latents, conditioning))
+
+
+def save_lists(latents: Sequence[Any], conditioning: Sequence[Any], root: Path, name: str
+               ) -> tuple[int, int, CompactReport | None]:
+    """Store ComfyUI latent dicts and conditioning lists as dataset ``name`` of the cache at ``root``.
+
+    Returns ``(samples, new entries, compaction report)``.
+
+    Raises:
+        ValueError: the lists do not pair up, or a latent is not a dict with a ``samples`` tensor.
+        UnstorableValueError: a value holds something the cache cannot store (e.g. hooks); the message names the
+            list index and the path inside the value.
+    """
+    pairs = _pairs(latents, conditioning)
+    samples: list[Sample] = []
+    added = 0
+    with CacheLock(root, WRITE_LOCK, timeout=LOCK_TIMEOUT_S, purpose="save"), CacheWriter(root) as writer:
+        for i, (latent, cond) in enumerate(pairs):
+            rows = _split_batch(latent, cond, f"latents[{i}]")
+            for r, (lat, con) in enumerate(rows):
+                where = f"[{i}]" + (f" row {r}" if len(rows) > 1 else "")
+                keys = []
+                for value, kind, label in ((lat, "latent", "latents"), (con, "conditioning", "conditioning")):
+                    key = value_key(value, name=f"{label}{where}")
+                    if not writer.has(key):
+                        writer.add(key, value, kind=kind, name=f"{label}{where}")
+                        added += 1
+                    keys.append(key)
+                samples.append(Sample(keys[0], (keys[1],), source=f"latents{where}"))
+        _set_dataset(writer, root, name, samples, {"source": "ComfyUI latent + conditioning lists",
+                                                   "source_samples": len(pairs)})
+        compaction = _compact(writer, root)
+    return len(samples), added, compaction
+
+
+def _one(value: Any, name: str) -> Any:
+    """Unwrap a widget value that an ``is_input_list`` node receives as a one-item list."""
+    if isinstance(value, (list, tuple)):
+        distinct = {repr(v) for v in value}
+        if len(distinct) > 1:
+            raise ValueError(f"{name}: got {len(value)} different values ({', '.join(sorted(distinct)[:3])}); "
+                             "connect a single value")
+        return value[0] if value else None
+    return value
+
+
+def _connected(value: Any) -> list[Any]:
+    """The items of an optional list input, or [] when it is not connected (``None`` / ``[None]``)."""
+    if value is None:
+        return []
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    return [v for v in items if v is not None]
+
+
+class SaveCache(io.ComfyNode):
+    """Saves a dataset (or ComfyUI latents + conditioning) as a self-contained, compacted StreamCache cache."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="StreamCache_SaveCache",
+            display_name="Save Streamable Cache",
+            category="StreamCache",
+            description="Writes a dataset into a cache of its own, packed bucket by bucket for sequential reads. "
+                        "Connect either a StreamCache dataset, or the latents and conditioning lists of ComfyUI's "
+                        "Make Training Dataset.",
+            is_input_list=True,
+            is_output_node=True,
+            inputs=[
+                StreamDataset.Input("dataset", optional=True, tooltip="A StreamCache dataset to copy."),
+                io.Latent.Input("latents", optional=True,
+                                tooltip="ComfyUI latents (list), e.g. from Make Training Dataset."),
+                io.Conditioning.Input("conditioning", optional=True,
+                                      tooltip="ComfyUI conditionings (list), one per latent or one for all."),
+                io.String.Input("name", default="my_dataset",
+                                tooltip="Cache name: a folder inside models/streamcache (created if missing)."),
+                io.String.Input("dataset_name", default="default",
+                                tooltip="Name of the dataset inside the cache (replaced if it exists)."),
+            ],
+            outputs=[StreamDataset.Output(display_name="dataset", tooltip="The saved dataset.")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, name: Any = None, dataset_name: Any = None) -> bool | str:
+        try:
+            name, dataset_name = _one(name, "name"), _one(dataset_name, "dataset_name")
+            if name is not None:
+                resolve_cache(name)
+        except ValueError as exc:
+            return str(exc)
+        if dataset_name is not None and not str(dataset_name).strip():
+            return "dataset_name is empty; use e.g. `default`"
+        return True
+
+    @classmethod
+    def fingerprint_inputs(cls, name: Any, dataset_name: Any, **_: Any) -> str:
+        root, ds_name = resolve_cache(_one(name, "name")), str(_one(dataset_name, "dataset_name")).strip()
+        return _OWN_WRITES.fingerprint((str(root), ds_name), "", cache_identity(root, ds_name))
+
+    @classmethod
+    def execute(cls, name: Any, dataset_name: Any, dataset: Any = None, latents: Any = None,
+                conditioning: Any = None) -> io.NodeOutput:
+        root, ds_name = resolve_cache(_one(name, "name")), str(_one(dataset_name, "dataset_name")).strip()
+        handles, lats, conds = _connected(dataset), _connected(latents), _connected(conditioning)
+        if handles and (lats or conds):
+            raise ValueError("connect either `dataset` or `latents` + `conditioning`, not both")
+        if handles:
+            handle = _one(handles, "dataset")
+            n, written, compaction = save_dataset(handle, root, ds_name)
+            what = f"copied {written} entries from {handle.cache_root} (dataset {handle.name!r})"
+        elif lats and conds:
+            n, written, compaction = save_lists(lats, conds, root, ds_name)
+            what = f"stored {written} new entries from {len(lats)} latents"
+        else:
+            raise ValueError("nothing to save: connect a StreamCache `dataset`, or both `latents` and "
+                             "`conditioning` (e.g. from Make Training Dataset)")
+        packed = (f"compacted: {compaction.shards_before} → {compaction.shards_after} shards"
+                  if compaction else "not compacted (a training run is reading the cache; run Clean Cache later)")
+        _OWN_WRITES.remember((str(root), ds_name), "", cache_identity(root, ds_name))
+        text = f"saved dataset {ds_name!r} ({n} samples) into {root}\n{what}\n{packed}"
+        return io.NodeOutput(StreamDatasetHandle(str(root), ds_name), ui=ui.PreviewText(text))

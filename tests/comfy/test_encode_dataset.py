@@ -1,0 +1,301 @@
+"""Node "Encode Dataset" in-process with the real tiny TAESD + CLIP-L from ComfyUI's own loaders.
+
+``check_lazy_status`` and ``execute`` are called on the class clone ComfyUI itself makes for a run
+(``PREPARE_CLASS_CLONE`` with the hidden ``dynprompt`` / ``unique_id``), over a prompt in API format whose VAE and
+CLIP come from ``VAELoader`` / ``CLIPLoader`` nodes, so the upstream-identity scheme sees what it sees in a server.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from support.datasets import make_kohya_folder
+from support.tiny_models import TinyModels
+
+NODE_ID = "10"
+SETTINGS = {"resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
+            "batch_size": 2, "on_failure": "skip"}
+
+
+@pytest.fixture(scope="module")
+def mod(pack: ModuleType) -> ModuleType:
+    return importlib.import_module(f"{pack.__name__}.nodes.encode_dataset")
+
+
+@pytest.fixture(scope="module")
+def encoders(comfy_nodes: ModuleType, tiny_models: TinyModels) -> tuple[Any, Any]:
+    (vae,) = comfy_nodes.VAELoader().load_vae(tiny_models.name("vae"))
+    (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny_models.name("clip"), "stable_diffusion")
+    return vae, clip
+
+
+@pytest.fixture
+def input_dir(comfy_folders: Path) -> Path:
+    import folder_paths
+
+    return Path(folder_paths.get_input_directory())
+
+
+@pytest.fixture
+def names(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """A folder name and a cache name unique to the test."""
+    base = re.sub(r"\W+", "_", request.node.name)[:60]
+    return f"ds_{base}", f"cache_{base}"
+
+
+def _prompt(folder: str, cache: str, vae_name: str, clip_name: str, **settings: Any) -> dict[str, Any]:
+    inputs = {"folder": folder, "cache": cache, "dataset": "default", **SETTINGS, **settings,
+              "vae": ["1", 0], "clip": ["2", 0]}
+    return {
+        "1": {"class_type": "VAELoader", "inputs": {"vae_name": vae_name}},
+        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": clip_name, "type": "stable_diffusion",
+                                                     "device": "default"}},
+        NODE_ID: {"class_type": "StreamCache_EncodeDataset", "inputs": inputs},
+    }
+
+
+class Run:
+    """One queued run of the node: the class clone ComfyUI makes, and its constant inputs."""
+
+    def __init__(self, mod: ModuleType, prompt: dict[str, Any]) -> None:
+        from comfy_api.latest import io
+        from comfy_execution.graph import DynamicPrompt
+
+        self.node = mod.EncodeDataset.PREPARE_CLASS_CLONE(
+            {"hidden_inputs": {io.Hidden.dynprompt: DynamicPrompt(prompt), io.Hidden.unique_id: NODE_ID}})
+        self.inputs = {k: v for k, v in prompt[NODE_ID]["inputs"].items() if k not in ("vae", "clip")}
+
+    def lazy(self, vae: Any = None, clip: Any = None) -> list[str]:
+        return sorted(self.node.check_lazy_status(vae=vae, clip=clip, **self.inputs))
+
+    def execute(self, vae: Any = None, clip: Any = None) -> tuple[Any, str]:
+        out = self.node.execute(vae=vae, clip=clip, **self.inputs)
+        handle, report = out.result
+        assert out.ui.as_dict()["text"] == (report,)
+        (fields,) = out.ui.as_dict()["streamcache_report"]
+        assert f"dataset {fields['dataset']!r}: {fields['samples']} samples" in report or fields["sourceless"]
+        return handle, report
+
+    def fingerprint(self) -> Any:
+        return self.node.fingerprint_inputs(**self.inputs)
+
+    def queue(self, vae: Any, clip: Any) -> tuple[Any, str, list[str]]:
+        """What ComfyUI does: ask check_lazy_status until satisfied, 'load' what it asks for, execute."""
+        got: dict[str, Any] = {}
+        asked: list[str] = []
+        while wanted := [w for w in self.lazy(**got) if w not in got]:
+            asked += wanted
+            got.update({w: {"vae": vae, "clip": clip}[w] for w in wanted})
+        handle, report = self.execute(**got)
+        return handle, report, asked
+
+
+def _encoded(report: str) -> tuple[int, int]:
+    m = re.search(r"encoded (\d+) latents and (\d+) conditionings", report)
+    assert m, report
+    return int(m.group(1)), int(m.group(2))
+
+
+@pytest.fixture
+def kohya(input_dir: Path, names: tuple[str, str]) -> Iterator[Any]:
+    folder = make_kohya_folder(input_dir / names[0])
+    yield folder
+    shutil.rmtree(folder.root, ignore_errors=True)
+
+
+def test_encode_then_warm_rerun_loads_nothing(mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels,
+                                              names: tuple[str, str], cache_root: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    vae, clip = encoders
+    prompt = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"))
+    run = Run(mod, prompt)
+    assert run.lazy() == ["clip", "vae"]  # nothing recorded yet: both are needed
+    handle, report, asked = run.queue(vae, clip)
+    assert sorted(asked) == ["clip", "vae"]
+    # 5 images; captions: one shared by two images, two variants of one caption, two unique lines
+    assert _encoded(report) == (5, 5)
+    assert "sources: 10 new, 0 changed, 0 unchanged" in report  # 5 images + 5 captions, counted once
+    assert handle.cache_root == str(cache_root / names[1]) and handle.name == "default"
+    reader, samples = handle.open()
+    try:
+        assert len(samples) == 5
+        assert sum(len(s.captions) for s in samples) == 6
+        latent = reader.read([samples[0].latent])[0]
+        assert latent["samples"].shape[:2] == (1, 4)
+        cond = reader.read([samples[0].captions[0]])[0]
+        assert cond[0][0].shape == (1, 77, 768) and cond[0][1]["pooled_output"].shape == (1, 768)
+    finally:
+        reader.close()
+
+    again = Run(mod, prompt)  # a new queue of the same graph
+    assert again.lazy() == []  # the recorded fingerprints are assumed: no loader has to run
+    handle2, report2, asked2 = again.queue(vae, clip)
+    assert asked2 == [] and handle2 == handle
+    assert _encoded(report2) == (0, 0)
+    assert "VAE not loaded" in report2 and "text encoder not loaded" in report2
+    monkeypatch.setenv(mod.TRUST_UPSTREAM_ENV, "0")  # the escape hatch: always look at the real encoders
+    assert Run(mod, prompt).lazy() == ["clip", "vae"]
+
+
+def test_changed_caption_line_and_new_image_encode_only_those(
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    vae, clip = encoders
+    prompt = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"))
+    Run(mod, prompt).queue(vae, clip)
+    multi = next(img for img in kohya.images if "\n" in img.caption)
+    first, _second = multi.caption.split("\n")
+    multi.path.with_suffix(".txt").write_text(f"{first}\nan edited second line", encoding="utf-8")
+    new = kohya.images[0].path.with_name("img_009.png")
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), (12, 200, 99)).save(new)
+    new.with_suffix(".txt").write_text("a brand new caption", encoding="utf-8")
+
+    import comfy.utils
+
+    updates: list[tuple[int, int]] = []
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda value, total, preview, node_id=None:
+                        updates.append((value, total)))
+    run = Run(mod, prompt)
+    assert run.lazy() == ["clip", "vae"]
+    _handle, report, _asked = run.queue(vae, clip)
+    assert _encoded(report) == (1, 2)  # the new image; the edited line and the new caption
+    assert (0, 3) in updates and (3, 3) in updates  # ComfyUI's progress bar, counted in entries
+    assert "2 new, 1 changed" in report, report  # source files: the image and its caption; the edited caption
+    assert Run(mod, prompt).lazy() == []
+
+
+def test_caption_only_change_loads_only_the_text_encoder(
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str]) -> None:
+    vae, clip = encoders
+    prompt = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"))
+    Run(mod, prompt).queue(vae, clip)
+    kohya.images[-1].path.with_suffix(".txt").write_text("a rewritten caption", encoding="utf-8")
+    _handle, report, asked = Run(mod, prompt).queue(vae, clip)
+    assert asked == ["clip"]
+    assert _encoded(report) == (0, 1)
+    prefixed = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"),
+                       caption_prefix="ohwx, ")
+    _handle, report, asked = Run(mod, prefixed).queue(vae, clip)
+    assert asked == ["clip"] and _encoded(report) == (0, 5)  # every distinct caption text is new
+
+
+def test_other_vae_file_is_requested_then_recorded(
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str],
+        comfy_nodes: ModuleType, tmp_path: Path) -> None:
+    import folder_paths
+
+    vae, clip = encoders
+    Run(mod, _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"))).queue(vae, clip)
+    extra = tmp_path / "vae"
+    extra.mkdir()
+    shutil.copy(tiny_models.vae, extra / "same_weights_other_name.safetensors")
+    folder_paths.add_model_folder_path("vae", str(extra))
+    prompt = _prompt(names[0], names[1], "same_weights_other_name.safetensors", tiny_models.name("clip"))
+    run = Run(mod, prompt)
+    assert run.lazy() == ["vae"]  # unknown upstream identity: the VAE must be looked at; the CLIP is known
+    (vae2,) = comfy_nodes.VAELoader().load_vae("same_weights_other_name.safetensors")
+    _handle, report, asked = run.queue(vae2, clip)
+    assert asked == ["vae"] and _encoded(report) == (0, 0)  # same weights, same fingerprint: all latents reused
+    assert Run(mod, prompt).lazy() == []  # now recorded
+    os.utime(extra / "same_weights_other_name.safetensors", ns=(1, 1))  # edited in place: identity changes
+    assert Run(mod, prompt).lazy() == ["vae"]
+
+
+def test_fingerprint_inputs_follows_the_folder_not_our_own_writes(
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str]) -> None:
+    vae, clip = encoders
+    run = Run(mod, _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip")))
+    before = run.fingerprint()
+    run.queue(vae, clip)
+    assert run.fingerprint() == before  # the encode itself changed the cache, which must not count
+    assert run.fingerprint() == before
+    kohya.images[0].path.with_suffix(".txt").write_text("changed", encoding="utf-8")
+    changed = run.fingerprint()
+    assert changed != before
+    run.queue(vae, clip)
+    assert run.fingerprint() == changed
+
+
+def test_interrupt_keeps_finished_batches(mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels,
+                                          names: tuple[str, str]) -> None:
+    import comfy.model_management as mm
+
+    vae, clip = encoders
+    prompt = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), batch_size=1)
+    calls = []
+    real_encode = vae.encode
+
+    class InterruptingVAE:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(vae, name)
+
+        def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+            calls.append(pixels.shape[0])
+            latents = real_encode(pixels)
+            mm.interrupt_current_processing(True)  # Cancel pressed as the first latent batch finishes
+            return latents
+
+    run = Run(mod, prompt)
+    with pytest.raises(mm.InterruptProcessingException):
+        run.queue(InterruptingVAE(), clip)
+    assert not mm.processing_interrupted()  # ComfyUI's flag was consumed: the interrupt is recorded once
+    assert calls == [1]
+    _handle, report, _asked = Run(mod, prompt).queue(vae, clip)
+    assert _encoded(report) == (4, 0)  # the finished latent and every conditioning were kept
+
+
+def test_failures_skip_or_stop(mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels,
+                               names: tuple[str, str]) -> None:
+    from comfyui_streamcache.dataset_cache.errors import SourceError
+
+    vae, clip = encoders
+    bad_png = kohya.images[0].path.with_name("broken.png")
+    bad_png.write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    bad_caption = kohya.images[1].path.with_suffix(".txt")
+    bad_caption.write_bytes(b"caf\xe9 latin-1 caption")
+    stop = Run(mod, _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"),
+                            on_failure="stop"))
+    assert stop.lazy() == []  # nothing is loaded for a run that is going to stop
+    with pytest.raises(SourceError, match=r"broken\.png"):
+        stop.execute()
+    skip = Run(mod, _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip")))
+    _handle, report, _asked = skip.queue(vae, clip)
+    assert "2 failed" in report and "skipped" in report
+    assert _encoded(report)[0] == 4  # 5 images, one left out for its caption; broken.png failed
+
+
+def test_bad_folders_are_named(mod: ModuleType, input_dir: Path, names: tuple[str, str], tiny_models: TinyModels,
+                               monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    node = mod.EncodeDataset
+    assert "must not contain '..'" in node.validate_inputs(folder="../secrets", cache="c", dataset="default")
+    assert "must not contain '..'" in node.validate_inputs(folder="a", cache="../c", dataset="default")
+    assert "outside ComfyUI's input directory" in node.validate_inputs(folder=str(tmp_path), cache="c")
+    assert node.validate_inputs(folder=str(input_dir / "x"), cache="c", dataset="default") is True
+    assert node.validate_inputs(folder=None, cache=None, dataset=None) is True
+    assert "dataset name is empty" in node.validate_inputs(folder="a", cache="c", dataset=" ")
+    base = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"))
+    with pytest.raises(ValueError, match="must not contain '..'"):
+        Run(mod, base).node.execute(**{**Run(mod, base).inputs, "folder": "a/../../b"})
+    with pytest.raises(ValueError, match="does not exist"):
+        Run(mod, base).lazy()
+    (input_dir / names[0]).mkdir()
+    (input_dir / names[0] / "notes.txt").write_text("no images here")
+    with pytest.raises(ValueError, match="no images found"):
+        Run(mod, base).lazy()
+    monkeypatch.setenv(mod.ALLOW_ABSOLUTE_ENV, "1")
+    outside = make_kohya_folder(tmp_path / "outside")
+    assert node.validate_inputs(folder=str(outside.root), cache="c", dataset="default") is True
+    assert Run(mod, _prompt(str(outside.root), names[1], tiny_models.name("vae"),
+                            tiny_models.name("clip"))).lazy() == ["clip", "vae"]
+    shutil.rmtree(input_dir / names[0])
