@@ -1,1 +1,74 @@
+"""dataset_cache: a content-addressed, streamable training cache for LoRA training.
 
+The library behind ComfyUI-StreamCache, usable without ComfyUI:
+
+* :func:`open_cache` / :class:`CacheWriter` — the on-disk format (docs/FORMAT.md): immutable safetensors shards,
+  a manifest and an append-only journal; entries come back as lazy structures (:class:`LazyTensor`) and are
+  read in batches with few large reads and checksums verified.
+* :func:`plan_encode` / :func:`run_encode` — encode an image+caption folder incrementally: only entries whose
+  content key is missing are encoded, each batch committed durably.
+* :class:`BucketSampler` / :class:`PrefetchLoader` — deterministic bucketed batch order with resume and rank
+  sharding, read ahead on background threads (pinned buffers and side-stream copies on CUDA).
+* :func:`preview_clean` / :func:`clean` — reclaim entries no dataset references.
+
+It never imports ComfyUI; ``python -m dataset_cache`` is its command line.
+"""
+
+from __future__ import annotations
+
+from .clean import CleanPreview, CleanReport, clean, preview_clean
+from .dataset import DatasetInfo, Sample
+from .errors import (
+    CacheCorruptError,
+    CacheError,
+    CacheFormatError,
+    CacheLockedError,
+    CacheNotFoundError,
+    MaterializeRequired,
+    SourceError,
+    UnstorableValueError,
+)
+from .format import CacheReader, CacheWriter, CompactReport, ReadBuffer, open_cache
+from .incremental import EncodePlan, EncodeReport, EncodeSettings, plan_encode, run_encode
+from .loader import Batch, LoaderStats, LoaderWorkerError, PrefetchLoader
+from .refs import LazyTensor, is_lazy, materialize
+from .sampler import BatchPlan, BucketSampler, buckets_from_reader
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "BatchPlan",
+    "BucketSampler",
+    "CacheCorruptError",
+    "CacheError",
+    "CacheFormatError",
+    "CacheLockedError",
+    "CacheNotFoundError",
+    "CacheReader",
+    "CacheWriter",
+    "CleanPreview",
+    "CleanReport",
+    "CompactReport",
+    "DatasetInfo",
+    "EncodePlan",
+    "EncodeReport",
+    "EncodeSettings",
+    "LazyTensor",
+    "LoaderStats",
+    "LoaderWorkerError",
+    "MaterializeRequired",
+    "PrefetchLoader",
+    "ReadBuffer",
+    "Sample",
+    "SourceError",
+    "UnstorableValueError",
+    "buckets_from_reader",
+    "clean",
+    "is_lazy",
+    "materialize",
+    "open_cache",
+    "plan_encode",
+    "preview_clean",
+    "run_encode",
+]
