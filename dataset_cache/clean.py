@@ -1,0 +1,343 @@
+"""Preview and removal of what no dataset references: unreferenced entries, underfull shards, orphan files.
+
+Encodes never delete entries: a source removed from a folder (or a whole folder, for sourceless training)
+leaves its entries in the cache, and a dataset rebuilt with other settings leaves the old entries behind. This
+module is the one place that reclaims that space, under two rules:
+
+* **Never remove what a dataset references.** The referenced set is read from every dataset file; if one cannot
+  be read, nothing is deleted. Compaction itself also always keeps dataset-referenced entries, and the result is
+  checked afterwards.
+* **Never run under another process.** :func:`clean` takes the write lock (no encode running) and the read lock
+  exclusively (no training reading), both without waiting, and raises :class:`.errors.CacheLockedError` when
+  either is held.
+
+Orphan files are files the cache's state does not name: shard and dataset files written by a run that was killed
+before it committed, replaced dataset files, old journals, temp files (``*.tmp``) of interrupted writes, and
+sources records (``sources/``) of datasets the cache no longer has (deleting one costs a re-hash, never a
+re-encode). Lock files are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .encode_plan import SOURCES_DIR, sources_record_path
+from .errors import CacheCorruptError, CacheError
+from .format.manifest import JOURNAL_RE, MANIFEST
+from .format.reader import CacheReader, open_cache
+from .format.writer import CacheWriter, CompactReport
+from .lock import READ_LOCK, WRITE_LOCK, CacheLock
+
+__all__ = ["LOW_FILL", "ShardFill", "CleanPreview", "CleanReport", "preview_clean", "clean"]
+
+log = logging.getLogger("dataset_cache.clean")
+
+LOW_FILL = 0.5
+"""Shards whose live bytes are below this fraction of their data are listed as worth compacting (the same
+threshold compaction uses for shard size: rewriting a half-dead shard at most doubles its I/O once)."""
+
+_KEEP_NAMES = frozenset({MANIFEST, WRITE_LOCK, READ_LOCK})
+
+
+@dataclass(frozen=True)
+class ShardFill:
+    """How much of one shard is still referenced.
+
+    Attributes:
+        file: path relative to the cache root.
+        bytes: file size.
+        entries: entries stored in it.
+        live_entries: entries a dataset references (first copy of a key only).
+        live_bytes: tensor bytes of those entries.
+        data_bytes: tensor bytes of all its entries.
+    """
+
+    file: str
+    bytes: int
+    entries: int
+    live_entries: int
+    live_bytes: int
+    data_bytes: int
+
+    @property
+    def live_fraction(self) -> float:
+        """Live share of the shard's tensor bytes (of its entries when it holds no tensor bytes)."""
+        if self.data_bytes:
+            return self.live_bytes / self.data_bytes
+        return self.live_entries / self.entries if self.entries else 0.0
+
+
+@dataclass(frozen=True)
+class CleanPreview:
+    """What :func:`clean` would remove (nothing is changed by computing it).
+
+    Attributes:
+        root: the cache directory.
+        datasets: names of the datasets whose entries are kept.
+        entries: distinct entries in the cache.
+        referenced: distinct entries some dataset references.
+        unreferenced: keys of the entries no dataset references.
+        unreferenced_bytes: their tensor bytes (plus duplicate copies of keys).
+        low_fill_shards: shards whose live fraction is below :data:`LOW_FILL`.
+        shards: shard count.
+        shard_bytes: total size of the shard files.
+        orphan_files: files the cache does not name (relative paths).
+        orphan_bytes: their total size.
+        damaged: shards that cannot be opened (compaction drops them; ``verify`` tells more).
+    """
+
+    root: str
+    datasets: tuple[str, ...]
+    entries: int
+    referenced: int
+    unreferenced: tuple[str, ...]
+    unreferenced_bytes: int
+    low_fill_shards: tuple[ShardFill, ...]
+    shards: int
+    shard_bytes: int
+    orphan_files: tuple[str, ...]
+    orphan_bytes: int
+    damaged: tuple[str, ...] = ()
+
+    @property
+    def reclaimable_bytes(self) -> int:
+        """Bytes a clean frees (approximately: shard headers shrink too)."""
+        return self.unreferenced_bytes + self.orphan_bytes
+
+    def summary(self) -> str:
+        """A few lines for the command line and the UI."""
+        lines = [
+            f"{self.root}: {self.entries} entries in {self.shards} shards ({_size(self.shard_bytes)}), "
+            f"{len(self.datasets)} dataset(s)",
+            f"unreferenced: {len(self.unreferenced)} entries ({_size(self.unreferenced_bytes)}); "
+            f"{len(self.low_fill_shards)} shard(s) less than {LOW_FILL:.0%} live; "
+            f"{len(self.orphan_files)} orphan file(s) ({_size(self.orphan_bytes)})",
+        ]
+        if self.damaged:
+            lines.append(f"{len(self.damaged)} damaged shard(s) will be dropped; first: {self.damaged[0]}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CleanReport:
+    """What :func:`clean` did.
+
+    Attributes:
+        preview: the state before cleaning.
+        dry_run: nothing was changed.
+        entries_removed: entries dropped.
+        files_deleted: files removed (replaced shards, orphans, old journals, stale records).
+        bytes_freed: decrease of the cache folder's size.
+        compaction: the compaction report (``None`` on a dry run).
+        seconds: wall time.
+    """
+
+    preview: CleanPreview
+    dry_run: bool
+    entries_removed: int = 0
+    files_deleted: int = 0
+    bytes_freed: int = 0
+    compaction: CompactReport | None = None
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        """The preview plus what was done."""
+        if self.dry_run:
+            return self.preview.summary() + "\ndry run: nothing was changed"
+        return (self.preview.summary() + f"\nremoved {self.entries_removed} entries and {self.files_deleted} "
+                f"file(s), freed {_size(self.bytes_freed)} ({self.seconds:.2f}s)")
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+class _Bytes(int):
+    """A tensor's byte count inside a decoded skeleton (told apart from ints stored in the value)."""
+
+
+def _sum_bytes(value: Any) -> int:
+    if isinstance(value, _Bytes):
+        return int(value)
+    if isinstance(value, (list, tuple)):
+        return sum(_sum_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_sum_bytes(v) for v in value.values())
+    return 0
+
+
+def _referenced(reader: CacheReader) -> set[str]:
+    """Every key a dataset names; an unreadable dataset file stops the clean (its references are unknown)."""
+    keys: set[str] = set()
+    for name in reader.datasets():
+        try:
+            samples = reader.dataset(name)
+        except CacheError as exc:
+            raise CacheCorruptError(str(reader.root), f"dataset {name!r} cannot be read ({exc}), so what it "
+                                    "references is unknown; nothing was cleaned. Re-encode or remove that dataset "
+                                    "first") from exc
+        for s in samples:
+            keys.add(s.latent)
+            keys.update(s.captions)
+    return keys
+
+
+def _shard_fills(reader: CacheReader, live: set[str]) -> tuple[list[ShardFill], dict[str, int]]:
+    """Per shard: live and total tensor bytes; per key: its bytes. A key's later copies count as dead."""
+    fills: list[ShardFill] = []
+    entry_bytes: dict[str, int] = {}
+    seen: set[str] = set()
+    for sh in reader._shards:  # noqa: SLF001 - the reader has no public per-shard view yet
+        cols = sh.columns
+        data = live_bytes = live_n = 0
+        for i, key in enumerate(sh.keys):
+            n = _sum_bytes(sh.skeleton(i, lambda c, r: _Bytes(cols[c].row_nbytes)))
+            data += n
+            first = key not in seen
+            seen.add(key)
+            if first:
+                entry_bytes[key] = n
+            if first and key in live:
+                live_bytes += n
+                live_n += 1
+        fills.append(ShardFill(sh.file, sh.size, len(sh.keys), live_n, live_bytes, data))
+    return fills, entry_bytes
+
+
+def _orphans(root: Path, reader: CacheReader) -> list[Path]:
+    state = reader.state
+    named = {r.file for r in state.shards} | {d.file for d in state.datasets.values()} | {state.journal}
+    records = {f"{SOURCES_DIR}/{sources_record_path(root, name).name}" for name in state.datasets}
+    out: list[Path] = []
+    for p in _files(root):
+        rel = p.relative_to(root).as_posix()
+        top = rel.split("/", 1)[0]
+        if rel in _KEEP_NAMES or rel in named:
+            continue
+        if p.name.endswith(".tmp"):
+            out.append(p)
+        elif top in ("shards", "datasets"):
+            out.append(p)
+        elif top == SOURCES_DIR:
+            if rel not in records:
+                out.append(p)
+        elif JOURNAL_RE.fullmatch(rel):
+            out.append(p)
+    return out
+
+
+def _files(root: Path) -> Iterable[Path]:
+    for top in (root, root / "shards", root / "datasets", root / SOURCES_DIR):
+        try:
+            with os.scandir(top) as it:
+                for e in it:
+                    if e.is_file(follow_symlinks=False):
+                        yield Path(e.path)
+        except FileNotFoundError:
+            continue
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for p in _files(root):
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def preview_clean(cache_root: str | os.PathLike[str]) -> CleanPreview:
+    """Return what :func:`clean` would remove. Takes no lock and changes nothing.
+
+    Raises:
+        CacheNotFoundError: no cache at ``cache_root``.
+        CacheCorruptError: the manifest, journal or a dataset file is damaged (references unknown).
+    """
+    root = Path(os.path.abspath(os.fspath(cache_root)))
+    with open_cache(root, verify=False, strict=False) as reader:
+        live = _referenced(reader)
+        fills, entry_bytes = _shard_fills(reader, live)
+        unref = sorted(k for k in reader.keys() if k not in live)
+        dup_bytes = sum(f.data_bytes for f in fills) - sum(entry_bytes.values())
+        orphans = _orphans(root, reader)
+        orphan_bytes = 0
+        for p in orphans:
+            try:
+                orphan_bytes += p.stat().st_size
+            except FileNotFoundError:
+                pass
+        return CleanPreview(
+            root=str(root), datasets=tuple(sorted(reader.datasets())), entries=len(reader),
+            referenced=sum(1 for k in live if k in reader), unreferenced=tuple(unref),
+            unreferenced_bytes=sum(entry_bytes[k] for k in unref) + dup_bytes,
+            low_fill_shards=tuple(f for f in fills if f.live_fraction < LOW_FILL), shards=len(fills),
+            shard_bytes=sum(f.bytes for f in fills),
+            orphan_files=tuple(p.relative_to(root).as_posix() for p in orphans), orphan_bytes=orphan_bytes,
+            damaged=tuple(str(p) for p in reader.problems),
+        )
+
+
+def clean(cache_root: str | os.PathLike[str], *, dry_run: bool = True) -> CleanReport:
+    """Remove unreferenced entries, compact underfull shards and delete orphan files.
+
+    Args:
+        cache_root: the cache directory.
+        dry_run: only compute the preview (the default, so a bare call never deletes anything).
+
+    Raises:
+        CacheLockedError: another process encodes into or reads the cache; nothing was changed.
+        CacheNotFoundError: no cache at ``cache_root``.
+        CacheCorruptError: a dataset file cannot be read (nothing is deleted), or, after cleaning, a referenced
+            entry is missing (a bug: report it).
+    """
+    start = time.perf_counter()
+    root = Path(os.path.abspath(os.fspath(cache_root)))
+    if dry_run:
+        preview = preview_clean(root)
+        return CleanReport(preview, True, seconds=time.perf_counter() - start)
+    open_cache(root, verify=False, strict=False).close()  # CacheNotFoundError before any lock file is created
+    with CacheLock(root, WRITE_LOCK, exclusive=True, timeout=0, purpose="clean"), \
+            CacheLock(root, READ_LOCK, exclusive=True, timeout=0, purpose="clean"):
+        preview = preview_clean(root)
+        before = _tree_bytes(root)
+        with open_cache(root, verify=False, strict=False) as reader:
+            live = _referenced(reader)
+            present = {k for k in live if k in reader}  # entries of unopenable shards were lost already
+            entries_before = len(reader)
+        writer = CacheWriter(root, create=False)
+        try:
+            compaction = writer.compact(keep=live)
+        finally:
+            writer.close()
+        deleted = compaction.files_deleted
+        with open_cache(root, verify=False, strict=False) as reader:
+            lost = [k for k in present if k not in reader]
+            entries_after = len(reader)
+            for p in _orphans(root, reader):  # sources records and temp files compaction does not look at
+                try:
+                    p.unlink()
+                    deleted += 1
+                except FileNotFoundError:
+                    pass
+        if lost:
+            raise CacheCorruptError(str(root), f"{len(lost)} entries referenced by a dataset are missing after "
+                                    "clean; this is a bug, please report it", entry=lost[0])
+        report = CleanReport(
+            preview, False, entries_removed=entries_before - entries_after, files_deleted=deleted,
+            bytes_freed=max(0, before - _tree_bytes(root)), compaction=compaction,
+            seconds=time.perf_counter() - start,
+        )
+    log.info("%s", report.summary())
+    return report

@@ -1,0 +1,467 @@
+"""Planning an incremental encode: what a dataset folder needs that the cache does not have yet.
+
+:func:`plan_encode` needs no encoder. The ComfyUI node calls it first to decide whether to load the VAE and the
+text encoder at all: when nothing is missing neither is loaded. Steps:
+
+1. validate the folder against the sources record of the dataset (``<cache>/sources/<id>.json``): unchanged files
+   are trusted by stat, changed ones re-hashed (see :mod:`.sources`);
+2. scan image sizes from headers and caption variants (:mod:`.scan`), then save the updated record at once, so
+   a crash during the encode that follows never costs a re-hash;
+3. bucket every image (:class:`.buckets.BucketConfig`) and compute its latent key from the source content hash,
+   the crop plan and the VAE fingerprint, and one conditioning key per caption variant from the final caption
+   text (prefix + line + suffix) and the text encoder fingerprint (:mod:`.keys`);
+4. look the keys up in the cache: what is absent is what :func:`.incremental.run_encode` encodes.
+
+Keys are content addressed, so a caption line shared by 100 images is one conditioning to encode, renamed or
+touched files cost nothing, and a new VAE fingerprint re-encodes latents but no conditioning.
+
+Sourceless datasets: when the folder no longer exists but the cache holds the dataset, the plan reports every
+recorded source as removed, needs no encoder, and keeps the dataset as it is (training reads the cache alone).
+Entries stay in the cache until ``clean`` removes what no dataset references.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from .buckets import BucketConfig, CropPlan
+from .constants import DEFAULT_SHARD_BYTES
+from .dataset import Sample
+from .errors import CacheError, CacheNotFoundError
+from .format.reader import open_cache
+from .keys import canonical_bytes, conditioning_key, latent_key
+from .scan import DatasetFolderError, SourceFailure, scan_folder
+from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
+
+__all__ = [
+    "FAILURE_POLICIES",
+    "SOURCES_DIR",
+    "EncodeSettings",
+    "LatentJob",
+    "EncodePlan",
+    "plan_encode",
+    "sources_record_path",
+    "samples_digest",
+]
+
+log = logging.getLogger("dataset_cache.encode")
+
+FAILURE_POLICIES = ("skip", "stop")
+"""``skip``: leave a sample whose image or caption cannot be read out of the dataset (counted and listed);
+``stop``: raise :class:`.errors.SourceError` naming the file. A zero tensor never stands in for data."""
+
+SOURCES_DIR = "sources"
+"""Folder of the cache that holds one sources record per dataset name."""
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    """How a folder becomes cache entries. Fields that change stored values reach the entry keys.
+
+    Attributes:
+        bucket: aspect-ratio bucketing and crop settings (their crop plan is part of every latent key).
+        caption_prefix: text put before every caption line, e.g. a trigger word ``"ohwx, "``. Prefix, line and
+            suffix are joined verbatim (include your own separator), then stripped of surrounding whitespace;
+            the result is the exact text encoded and keyed, so changing it encodes each distinct line once.
+        caption_suffix: text put after every caption line, e.g. ``", ohwx"``.
+        batch_size: images (of one bucket) or captions per encoder call; each finished batch is committed, so an
+            interruption loses at most one batch.
+        failure_policy: ``"skip"`` or ``"stop"`` (see :data:`FAILURE_POLICIES`).
+        encode_threads: image decode threads working ahead of the encoder; ``None`` chooses from the CPUs this
+            process may use.
+        shard_bytes: target size of the cache's shard files.
+    """
+
+    bucket: BucketConfig = field(default_factory=BucketConfig)
+    caption_prefix: str = ""
+    caption_suffix: str = ""
+    batch_size: int = 8
+    failure_policy: str = "skip"
+    encode_threads: int | None = None
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bucket, BucketConfig):
+            raise TypeError(f"EncodeSettings.bucket must be a BucketConfig, got {type(self.bucket).__name__}")
+        for name in ("caption_prefix", "caption_suffix"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"EncodeSettings.{name} must be a str, got {type(getattr(self, name)).__name__}")
+        if self.failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"EncodeSettings.failure_policy must be one of {FAILURE_POLICIES}, "
+                             f"got {self.failure_policy!r}")
+        for name in ("batch_size", "shard_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"EncodeSettings.{name} must be an int >= 1, got {value!r}")
+        if self.encode_threads is not None and (type(self.encode_threads) is not int or self.encode_threads < 0):
+            raise ValueError(f"EncodeSettings.encode_threads must be None or an int >= 0, got {self.encode_threads!r}")
+
+    def caption_text(self, line: str) -> str:
+        """Return the text encoded for one caption line: ``(prefix + line + suffix).strip()``."""
+        return (self.caption_prefix + line + self.caption_suffix).strip()
+
+    def describe(self) -> dict[str, Any]:
+        """Return the settings as plain JSON (stored in the dataset's info)."""
+        return {
+            "bucket": self.bucket.describe(), "caption_prefix": self.caption_prefix,
+            "caption_suffix": self.caption_suffix, "batch_size": self.batch_size,
+            "failure_policy": self.failure_policy, "shard_bytes": self.shard_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class LatentJob:
+    """One latent to encode: the image, the hash its key was made from, and its crop plan.
+
+    Attributes:
+        key: the latent entry key.
+        path: absolute image path.
+        relpath: path relative to the dataset folder (reports).
+        source_hash: xxh3-128 of the image bytes the key was computed from; the encoder re-checks it, so a file
+            edited after planning can never be stored under the old content's key.
+        plan: how the image becomes the bucket's pixels.
+    """
+
+    key: str
+    path: str
+    relpath: str
+    source_hash: str
+    plan: CropPlan
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        """``(width, height)`` of the bucket."""
+        return self.plan.bucket
+
+
+@dataclass(frozen=True, eq=False)
+class EncodePlan:
+    """What :func:`plan_encode` found. Source counts are files (images and caption files).
+
+    Attributes:
+        cache_root: the cache directory.
+        dataset: the dataset's name in the cache.
+        folder: the source folder (absolute).
+        settings: the settings the keys were computed with.
+        vae_fingerprint: identity of the VAE the latent keys name.
+        text_fingerprint: identity of the text encoder the conditioning keys name.
+        new / changed / unchanged / removed: source files added, edited, as before, gone since the last plan.
+        failures: unusable files (file + reason), sorted by path; their samples are not in ``samples``.
+        skipped: listed images left out of ``samples`` because of a failure.
+        samples: the dataset as it will be once encoded (scan order).
+        missing_latents: bucket -> latents to encode (one job per distinct key, sorted by path).
+        missing_conditionings: key -> final caption text to encode (each distinct text once).
+        reused: distinct entries the samples need that the cache already has.
+        dataset_current: the cache already holds this dataset with exactly these samples (by the
+            ``samples_digest`` its info records, so the dataset file is not loaded).
+        sourceless: the folder is gone and the dataset is served from the cache as it was.
+        validation: the sources validation (``None`` when sourceless).
+    """
+
+    cache_root: str
+    dataset: str
+    folder: str
+    settings: EncodeSettings
+    vae_fingerprint: str
+    text_fingerprint: str
+    new: int
+    changed: int
+    unchanged: int
+    removed: int
+    failures: tuple[SourceFailure, ...]
+    samples: tuple[Sample, ...]
+    missing_latents: Mapping[tuple[int, int], tuple[LatentJob, ...]]
+    missing_conditionings: Mapping[str, str]
+    reused: int
+    dataset_current: bool
+    skipped: int = 0
+    sourceless: bool = False
+    validation: Validation | None = None
+
+    @property
+    def needs_vae(self) -> bool:
+        """Whether any latent must be encoded (load the VAE only then)."""
+        return any(self.missing_latents.values())
+
+    @property
+    def needs_text_encoder(self) -> bool:
+        """Whether any conditioning must be encoded (load the text encoder only then)."""
+        return bool(self.missing_conditionings)
+
+    @property
+    def latent_count(self) -> int:
+        """Number of latents to encode."""
+        return sum(len(jobs) for jobs in self.missing_latents.values())
+
+    @property
+    def up_to_date(self) -> bool:
+        """True when there is nothing to encode and the dataset is already stored as planned."""
+        return not self.needs_vae and not self.needs_text_encoder and self.dataset_current
+
+    def counts(self) -> dict[str, int]:
+        """Source file counts and work to do, for logs and the dataset's info."""
+        return {
+            "new": self.new, "changed": self.changed, "unchanged": self.unchanged, "removed": self.removed,
+            "failed": len(self.failures), "skipped": self.skipped, "samples": len(self.samples),
+            "latents_to_encode": self.latent_count,
+            "conditionings_to_encode": len(self.missing_conditionings), "reused": self.reused,
+        }
+
+    def summary(self) -> str:
+        """A one-line description for logs and UI."""
+        if self.sourceless:
+            return (f"dataset {self.dataset!r}: source folder {self.folder} is gone; {len(self.samples)} samples "
+                    f"are served from the cache ({self.removed} source files removed, nothing to encode)")
+        return (f"dataset {self.dataset!r}: {len(self.samples)} samples; to encode {self.latent_count} latents "
+                f"and {len(self.missing_conditionings)} conditionings, {self.reused} entries reused; sources "
+                f"{self.new} new, {self.changed} changed, {self.unchanged} unchanged, {self.removed} removed"
+                + (f"; {len(self.failures)} failed" if self.failures else ""))
+
+
+def sources_record_path(cache_root: str | os.PathLike[str], dataset: str) -> Path:
+    """Return ``<cache>/sources/<slug>-<hash>.json``, the sources record of dataset ``dataset``.
+
+    The id is a readable slug of the name plus an xxh3-64 of the exact name, so two names that slug alike
+    (``"a b"`` and ``"a_b"``) never share a record.
+    """
+    if not isinstance(dataset, str) or not dataset:
+        raise ValueError(f"dataset name must be a non-empty str, got {dataset!r}")
+    slug = "".join(ch if ch.isascii() and (ch.isalnum() or ch in "._-") else "_" for ch in dataset)
+    slug = slug.lstrip(".")[:48] or "dataset"
+    return Path(cache_root) / SOURCES_DIR / f"{slug}-{xxhash.xxh3_64_hexdigest(dataset.encode('utf-8'))}.json"
+
+
+class _Keys:
+    """Computes latent and conditioning keys exactly as :mod:`.keys` does, ~10x faster on big folders.
+
+    Only the source hash (latent) or the text (conditioning) varies between the keys of one plan, so the canonical
+    bytes are built once per crop plan / fingerprint around a sentinel and the varying part is spliced in. The first
+    key made from each template is compared with :func:`.keys.latent_key` / :func:`.keys.conditioning_key`; on any
+    difference (a future change of the key derivation) the slow path is used for good.
+    """
+
+    _HASH = "0f" * 16
+    _TEXT = "\x00streamcache-sentinel\x00"
+
+    def __init__(self, vae_fingerprint: str, text_fingerprint: str) -> None:
+        self.vae, self.text = vae_fingerprint, text_fingerprint
+        self._latent: dict[CropPlan, tuple[bytes, bytes] | None] = {}
+        self._cond: tuple[bytes, bytes] | None = None
+        self._cond_checked = False
+        self._texts: dict[str, str] = {}
+
+    @staticmethod
+    def _split(doc: bytes, sentinel: bytes) -> tuple[bytes, bytes] | None:
+        parts = doc.split(sentinel)
+        return (parts[0], parts[1]) if len(parts) == 2 else None
+
+    def latent(self, source_hash: str, plan: CropPlan) -> str:
+        if plan not in self._latent:
+            fields = {"source": self._HASH, "pixels": plan.key_fields(), "vae": self.vae, "extra": {}}
+            tpl = self._split(canonical_bytes("latent", fields), self._HASH.encode())
+            key = latent_key(source_hash, plan.key_fields(), self.vae)
+            if tpl is None or xxhash.xxh3_128_hexdigest(tpl[0] + source_hash.encode() + tpl[1]) != key:
+                tpl = None
+            self._latent[plan] = tpl
+            return key
+        tpl = self._latent[plan]
+        if tpl is None or len(source_hash) != 32:
+            return latent_key(source_hash, plan.key_fields(), self.vae)
+        return xxhash.xxh3_128_hexdigest(tpl[0] + source_hash.encode("ascii") + tpl[1])
+
+    def conditioning(self, text: str) -> str:
+        key = self._texts.get(text)
+        if key is not None:
+            return key
+        if not self._cond_checked:
+            fields = {"text": self._TEXT, "encoder": self.text, "settings": {}}
+            self._cond = self._split(canonical_bytes("conditioning", fields), json.dumps(self._TEXT).encode())
+            key = conditioning_key(text, self.text)
+            if self._cond is None or self._fast_text(text) != key:
+                self._cond = None
+            self._cond_checked = True
+        elif self._cond is None:
+            key = conditioning_key(text, self.text)
+        else:
+            key = self._fast_text(text)
+        self._texts[text] = key
+        return key
+
+    def _fast_text(self, text: str) -> str:
+        assert self._cond is not None
+        if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+            quoted = f'"{text}"'  # what json.dumps gives for printable ASCII without quotes or backslashes
+        else:
+            quoted = json.dumps(text)
+        return xxhash.xxh3_128_hexdigest(self._cond[0] + quoted.encode("ascii") + self._cond[1])
+
+
+def _load_record(path: Path) -> SourcesRecord:
+    try:
+        return load_record(path, missing_ok=True)
+    except SourcesRecordError as exc:  # costs one re-hash of every file, never a re-encode
+        log.warning("%s; validating against an empty record instead", exc)
+        return SourcesRecord()
+
+
+def _cache_view(cache_root: str | os.PathLike[str], dataset: str, *, load: bool
+                ) -> tuple[set[str], list[Sample] | None, dict[str, Any] | None]:
+    """Return the cache's entry keys, the stored samples of ``dataset`` (only with ``load``) and its info
+    (``None`` when the cache or the dataset does not exist)."""
+    try:
+        reader = open_cache(cache_root, verify=False, strict=False)  # damaged shards count as absent
+    except CacheNotFoundError:
+        return set(), None, None
+    with reader:
+        keys = set(reader.keys())
+        stored: list[Sample] | None = None
+        found = reader.datasets().get(dataset)
+        if found is not None and load:
+            try:
+                stored = reader.dataset(dataset)
+            except CacheError as exc:  # a damaged dataset file is rewritten by the encode
+                log.warning("dataset %r cannot be read (%s); it will be rewritten", dataset, exc)
+    return keys, stored, (found.info if found is not None else None)
+
+
+def samples_digest(samples: Sequence[Sample]) -> str:
+    """Return an xxh3-128 digest of a sample list (stored in the dataset's info as ``samples_digest``).
+
+    Lets a plan tell whether the stored dataset already matches without loading its file (a 100k-sample dataset
+    file takes about a second to load and check).
+    """
+    h = xxhash.xxh3_128()
+    for s in samples:
+        h.update(f"{s.latent}|{','.join(s.captions)}|{s.repeats}|{s.source or ''}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def _output_settings(described: Mapping[str, Any]) -> dict[str, Any]:
+    """The described settings that change stored values (not batch size, threads, shard size or policy)."""
+    return {k: described.get(k) for k in ("bucket", "caption_prefix", "caption_suffix")}
+
+
+def _sourceless_plan(cache_root: str, dataset: str, folder: str, settings: EncodeSettings, vae_fp: str,
+                     text_fp: str, record_path: Path) -> EncodePlan:
+    _keys, stored, info = _cache_view(cache_root, dataset, load=True)
+    info = info or {}
+    if stored is None:
+        raise DatasetFolderError(folder, "dataset folder does not exist and the cache at "
+                                         f"{cache_root} holds no dataset {dataset!r} to train from; check the path")
+    want = {"vae_fingerprint": vae_fp, "text_fingerprint": text_fp, **_output_settings(settings.describe())}
+    have = {"vae_fingerprint": info.get("vae_fingerprint"), "text_fingerprint": info.get("text_fingerprint"),
+            **_output_settings(info.get("settings") or {})}
+    differ = sorted(k for k in want if want[k] != have.get(k))
+    if differ:  # the stored entries were made by other encoders or settings: training on them would be wrong
+        raise DatasetFolderError(folder, f"dataset folder does not exist, and dataset {dataset!r} in the cache was "
+                                         f"encoded with other {', '.join(differ)} than requested, so it cannot be "
+                                         "re-encoded; restore the folder or use the settings it was built with")
+    record = _load_record(record_path)
+    log.info("%s: source folder is gone; dataset %r (%d samples) is served from the cache", folder, dataset,
+             len(stored))
+    return EncodePlan(
+        cache_root=cache_root, dataset=dataset, folder=folder, settings=settings, vae_fingerprint=vae_fp,
+        text_fingerprint=text_fp, new=0, changed=0, unchanged=0, removed=len(record), failures=(),
+        samples=tuple(stored), missing_latents={}, missing_conditionings={}, reused=0, dataset_current=True,
+        sourceless=True,
+    )
+
+
+def plan_encode(
+    folder: str | os.PathLike[str],
+    cache_root: str | os.PathLike[str],
+    *,
+    dataset: str,
+    settings: EncodeSettings,
+    vae_fingerprint: str,
+    text_fingerprint: str,
+    threads: int | None = None,
+) -> EncodePlan:
+    """Validate and scan ``folder``, key every sample, and list what the cache lacks. Loads no encoder.
+
+    Saves the updated sources record of ``dataset`` before returning (creating ``<cache>/sources/``).
+
+    Args:
+        folder: the image + caption folder (kohya layout allowed, see :mod:`.scan`).
+        cache_root: the cache directory (it need not exist yet).
+        dataset: the dataset's name in the cache; the sources record is kept per name.
+        settings: bucketing, caption and batching settings.
+        vae_fingerprint: identity of the VAE (see :mod:`.keys`); part of every latent key.
+        text_fingerprint: identity of the text encoder; part of every conditioning key.
+        threads: hashing and header-reading threads; ``None`` chooses from the CPUs this process may use.
+
+    Raises:
+        DatasetFolderError: the folder is missing (and the cache has no such dataset), is not a folder, or holds
+            no usable image.
+        ValueError: an empty fingerprint or dataset name.
+    """
+    for name, fp in (("vae_fingerprint", vae_fingerprint), ("text_fingerprint", text_fingerprint)):
+        if not isinstance(fp, str) or not fp:
+            raise ValueError(f"{name} must be a non-empty str identifying the encoder (see keys.fingerprint)")
+    root = os.path.abspath(os.fspath(cache_root))
+    src = os.path.abspath(os.fspath(folder))
+    record_path = sources_record_path(root, dataset)
+    if not os.path.exists(src):
+        return _sourceless_plan(root, dataset, src, settings, vae_fingerprint, text_fingerprint, record_path)
+
+    validation = validate_sources(src, _load_record(record_path), threads=threads)
+    record = validation.record
+    scan = scan_folder(validation.listing, known_sizes=record.image_sizes(), threads=threads)
+    if validation.hashed or not validation.clean:  # else every file was trusted by stat: the record is current
+        save_record(record.with_image_sizes(scan.images), record_path)  # before any encode: never re-hash
+
+    samples: list[Sample] = []
+    latents: dict[str, LatentJob] = {}
+    texts: dict[str, str] = {}
+    keys = _Keys(vae_fingerprint, text_fingerprint)
+    bucket = settings.bucket
+    center: dict[tuple[int, int], CropPlan] = {}  # a center crop depends on the size alone
+    for img in scan.images:
+        entry = record.get(img.relpath)
+        if entry is None:  # could not be hashed: already listed among the validation failures
+            continue
+        if bucket.crop == "center":
+            plan = center.get((img.width, img.height))
+            if plan is None:
+                plan = center[(img.width, img.height)] = bucket.plan(img.width, img.height)
+        else:
+            plan = bucket.plan(img.width, img.height, token=entry.hash)
+        lkey = keys.latent(entry.hash, plan)
+        if lkey not in latents:
+            latents[lkey] = LatentJob(lkey, img.path, img.relpath, entry.hash, plan)
+        ckeys = []
+        for line in img.captions:
+            text = settings.caption_text(line)
+            ckey = keys.conditioning(text)
+            texts.setdefault(ckey, text)
+            ckeys.append(ckey)
+        samples.append(Sample(lkey, tuple(ckeys), img.repeats, img.relpath))
+
+    have, _stored, info = _cache_view(root, dataset, load=False)
+    digest = samples_digest(samples)
+    by_bucket: dict[tuple[int, int], list[LatentJob]] = {}
+    for job in latents.values():
+        if job.key not in have:
+            by_bucket.setdefault(job.bucket, []).append(job)
+    missing_texts = {k: t for k, t in texts.items() if k not in have}
+    unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures)}
+    counts = validation.counts()
+    return EncodePlan(
+        cache_root=root, dataset=dataset, folder=src, settings=settings, vae_fingerprint=vae_fingerprint,
+        text_fingerprint=text_fingerprint, new=counts["new"], changed=counts["changed"],
+        unchanged=counts["unchanged"], removed=counts["removed"],
+        failures=tuple(unique[k] for k in sorted(unique)), samples=tuple(samples),
+        missing_latents={b: tuple(sorted(jobs, key=lambda j: j.relpath)) for b, jobs in sorted(by_bucket.items())},
+        missing_conditionings=missing_texts,
+        reused=sum(k in have for k in latents) + sum(k in have for k in texts),
+        dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
+        skipped=len(validation.listing.images) - len(samples),
+    )

@@ -1,0 +1,461 @@
+"""Encoding only what is missing, in bucket batches, committing each batch durably.
+
+:func:`.encode_plan.plan_encode` says what a folder needs; :func:`run_encode` encodes exactly that:
+
+* conditionings first (each distinct caption text once), then latents bucket by bucket, ``batch_size`` per
+  encoder call, so each model is needed in one stretch;
+* images are decoded, resized and cropped on a small thread pool up to :data:`LOOKAHEAD_BATCHES` batches ahead
+  of the encoder, so the GPU does not wait on Pillow. Each image's bytes are re-hashed against the hash its key
+  was planned from: a file edited after planning is reported, never stored under the old content's key;
+* every finished batch is added and committed (:meth:`.format.writer.CacheWriter.commit`), so an exception, a
+  stop request or a ``kill -9`` loses at most the batch in flight and the next run encodes exactly the rest
+  (``min_commit_seconds`` trades that bound for fewer fsyncs on slow file systems);
+* the cache's write lock serialises writers: a second process encoding into the same cache waits (saying so),
+  then reuses whatever the first one stored;
+* at the end the dataset's sample list is stored and the shards written by per-batch commits are compacted
+  (skipped, with a log line, while a reader holds the cache's read lock).
+
+Callbacks (``progress``, ``should_stop``) are only ever called from the calling thread: ComfyUI's progress bar
+and interrupt check do not work from other threads. Unreadable images follow ``settings.failure_policy``:
+``"skip"`` leaves the sample out (counted and listed in the report), ``"stop"`` raises :class:`.SourceError`
+naming the file. A zero tensor never stands in for data.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .dataset import Sample
+from .encode_plan import (
+    FAILURE_POLICIES,
+    EncodePlan,
+    EncodeSettings,
+    LatentJob,
+    plan_encode,
+    samples_digest,
+    sources_record_path,
+)
+from .errors import CacheLockedError, SourceError
+from .format.writer import CacheWriter, CompactReport
+from .imaging import load_image
+from .keys import hash_bytes
+from .lock import READ_LOCK, WRITE_LOCK, CacheLock
+from .scan import DatasetFolderError, SourceFailure
+from .threads import resolve_threads
+
+__all__ = [
+    "FAILURE_POLICIES",
+    "LOOKAHEAD_BATCHES",
+    "EncodeSettings",
+    "EncodePlan",
+    "LatentJob",
+    "EncodeReport",
+    "plan_encode",
+    "run_encode",
+    "sources_record_path",
+]
+
+log = logging.getLogger("dataset_cache.encode")
+
+LOOKAHEAD_BATCHES = 2
+"""Image batches decoded ahead of the one being encoded: one ready while one decodes hides decode jitter, and host
+memory stays bounded at ``(LOOKAHEAD_BATCHES + 1) * batch_size`` decoded images."""
+
+_LOCK_POLL_S = 0.2
+
+ImageEncoder = Callable[[torch.Tensor], Sequence[Any]]
+TextEncoder = Callable[[list[str]], Sequence[Any]]
+
+
+@dataclass
+class EncodeReport:
+    """What :func:`run_encode` did. Source counts are files; entry counts are distinct entries.
+
+    Attributes:
+        dataset: the dataset's name.
+        samples: samples in the stored dataset.
+        new / changed / unchanged / removed: source file counts from the plan.
+        encoded_latents / encoded_conditionings: entries this run encoded and committed.
+        reused: distinct entries the dataset needed that were already in the cache.
+        failed: unusable source files (plan time and encode time).
+        skipped: samples left out of the dataset because of a failure.
+        failures: each failure (file + reason).
+        bytes_written: bytes of the shards committed by this run (before compaction).
+        seconds: wall time of :func:`run_encode`.
+        stopped: ``should_stop()`` ended the run early; run again to encode the rest.
+        sourceless: the source folder is gone; the dataset was kept as stored.
+        compaction: what the final compaction did, when it ran.
+        timings: seconds spent in ``encoder`` calls, blocked on ``decode`` (``decode_wait``), decoding across the
+            worker threads (``decode_cpu``), adding and committing (``commit``), storing the dataset and
+            compacting (``finish``), and waiting for the write lock (``lock_wait``).
+    """
+
+    dataset: str
+    samples: int = 0
+    new: int = 0
+    changed: int = 0
+    unchanged: int = 0
+    removed: int = 0
+    encoded_latents: int = 0
+    encoded_conditionings: int = 0
+    reused: int = 0
+    failed: int = 0
+    skipped: int = 0
+    failures: list[SourceFailure] = field(default_factory=list)
+    bytes_written: int = 0
+    seconds: float = 0.0
+    stopped: bool = False
+    sourceless: bool = False
+    compaction: CompactReport | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def encoded(self) -> int:
+        """Entries encoded by this run (latents + conditionings)."""
+        return self.encoded_latents + self.encoded_conditionings
+
+    def summary(self) -> str:
+        """A short human-readable account (a few lines) for logs and the UI."""
+        if self.sourceless:
+            head = (f"dataset {self.dataset!r}: source folder is gone ({self.removed} source files removed); "
+                    f"{self.samples} samples are served from the cache as stored")
+            return head
+        lines = [
+            f"dataset {self.dataset!r}: {self.samples} samples" + (" (STOPPED: run again to encode the rest)"
+                                                                    if self.stopped else ""),
+            f"encoded {self.encoded_latents} latents and {self.encoded_conditionings} conditionings, "
+            f"reused {self.reused} cached entries, wrote {_size(self.bytes_written)} in {self.seconds:.1f}s",
+            f"sources: {self.new} new, {self.changed} changed, {self.unchanged} unchanged, {self.removed} removed",
+        ]
+        if self.failures:
+            lines.append(f"{self.failed} failed, {self.skipped} samples skipped; first: "
+                         f"{self.failures[0].relpath}: {self.failures[0].reason}")
+        return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _decode(job: LatentJob) -> tuple[torch.Tensor | SourceError, float]:
+    """Read, re-hash and decode one image (worker thread). Returns the pixels or the error, and CPU seconds."""
+    start = time.perf_counter()
+    try:
+        try:
+            with open(job.path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise SourceError(job.path, f"cannot read image: {exc.strerror or exc}") from exc
+        if hash_bytes(data) != job.source_hash:
+            raise SourceError(job.path, "the file changed after the folder was scanned; run the encode again")
+        try:
+            pixels = load_image(io.BytesIO(data), job.plan)  # type: ignore[arg-type]  # Pillow opens file objects
+        except SourceError as exc:  # the message named the BytesIO; name the file
+            raise SourceError(job.path, exc.reason) from exc
+        return pixels, time.perf_counter() - start
+    except SourceError as exc:
+        return exc, time.perf_counter() - start
+
+
+def _batches(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+def _shard_sizes(root: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with os.scandir(os.path.join(root, "shards")) as it:
+            for e in it:
+                if e.name.endswith(".safetensors") and not e.name.startswith("."):
+                    out[e.name] = e.stat().st_size
+    except FileNotFoundError:
+        pass
+    return out
+
+
+class _Stopped(Exception):
+    """Internal: should_stop() asked to end the run."""
+
+
+class _Run:
+    """The state of one :func:`run_encode` call (all methods run on the calling thread)."""
+
+    def __init__(self, plan: EncodePlan, writer: CacheWriter, report: EncodeReport,
+                 progress: Callable[[int, int], None] | None, should_stop: Callable[[], bool] | None) -> None:
+        self.plan, self.writer, self.report = plan, writer, report
+        self.progress, self.should_stop = progress, should_stop
+        self.done = 0
+        self.total = 0
+        self.bad_latents: set[str] = set()
+        self.t = report.timings
+        self.min_commit_seconds = 0.0
+        self.last_commit = float("-inf")
+
+    def tick(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+    def check_stop(self) -> None:
+        if self.should_stop is not None and self.should_stop():
+            raise _Stopped
+
+    def commit(self, keys: Sequence[str], values: Sequence[Any], kind: str) -> None:
+        start = time.perf_counter()
+        for key, value in zip(keys, values):
+            self.writer.add(key, value, kind=kind, name=kind)
+        if start - self.last_commit >= self.min_commit_seconds:
+            self.writer.commit()
+            self.last_commit = time.perf_counter()
+        self.t["commit"] += time.perf_counter() - start
+
+    def encode_texts(self, encode: TextEncoder, todo: list[tuple[str, str]]) -> None:
+        for batch in _batches(todo, self.plan.settings.batch_size):
+            self.check_stop()
+            texts = [text for _, text in batch]
+            start = time.perf_counter()
+            out = list(encode(texts))
+            self.t["encoder"] += time.perf_counter() - start
+            if len(out) != len(batch):
+                raise ValueError(f"encode_texts returned {len(out)} values for {len(batch)} texts; "
+                                 "it must return one conditioning per text")
+            self.commit([k for k, _ in batch], out, "conditioning")
+            self.report.encoded_conditionings += len(batch)
+            self.tick(len(batch))
+
+    def encode_images(self, encode: ImageEncoder, batches: list[Sequence[LatentJob]], threads: int) -> None:
+        pending: deque[tuple[Sequence[LatentJob], list[Future]]] = deque()
+        source = iter(batches)
+        with ThreadPoolExecutor(threads, thread_name_prefix="encode-decode") as pool:
+            def submit_next() -> None:
+                batch = next(source, None)
+                if batch is not None:
+                    pending.append((batch, [pool.submit(_decode, job) for job in batch]))
+
+            try:
+                for _ in range(LOOKAHEAD_BATCHES + 1):
+                    submit_next()
+                while pending:
+                    self.check_stop()
+                    batch, futures = pending.popleft()
+                    start = time.perf_counter()
+                    results = [f.result() for f in futures]
+                    self.t["decode_wait"] += time.perf_counter() - start
+                    submit_next()
+                    self.t["decode_cpu"] += sum(sec for _, sec in results)
+                    self.encode_batch(encode, batch, [r for r, _ in results])
+            finally:
+                for _, futures in pending:  # an exception or a stop: drop the look-ahead, keep what is committed
+                    for f in futures:
+                        f.cancel()
+
+    def encode_batch(self, encode: ImageEncoder, batch: Sequence[LatentJob],
+                     pixels: list[torch.Tensor | SourceError]) -> None:
+        good: list[tuple[LatentJob, torch.Tensor]] = []
+        for job, px in zip(batch, pixels):
+            if isinstance(px, SourceError):
+                if self.plan.settings.failure_policy == "stop":
+                    raise px
+                log.warning("skipping %s: %s", job.relpath, px.reason)
+                self.report.failures.append(SourceFailure(job.relpath, job.path, px.reason))
+                self.bad_latents.add(job.key)
+            else:
+                good.append((job, px))
+        if good:
+            images = torch.stack([px for _, px in good])
+            start = time.perf_counter()
+            out = list(encode(images))
+            self.t["encoder"] += time.perf_counter() - start
+            del images
+            if len(out) != len(good):
+                raise ValueError(f"encode_images returned {len(out)} values for a batch of {len(good)} images; "
+                                 "it must return one latent per image")
+            self.commit([job.key for job, _ in good], out, "latent")
+            self.report.encoded_latents += len(good)
+        self.tick(len(batch))
+
+
+def _acquire(lock: CacheLock, root: str, should_stop: Callable[[], bool] | None) -> bool:
+    """Take the write lock, polling ``should_stop`` while another process holds it. False when stopped."""
+    told = False
+    while True:
+        try:
+            lock.acquire()
+            return True
+        except CacheLockedError:
+            if not told:
+                log.warning("%s: another process is encoding into this cache; waiting for it to finish "
+                            "(whatever it stores is reused, not encoded again)", root)
+                told = True
+            if should_stop is not None and should_stop():
+                return False
+            time.sleep(_LOCK_POLL_S)
+
+
+def _compact(writer: CacheWriter, root: str) -> CompactReport | None:
+    """Compact unless a reader holds the cache (compaction deletes replaced shards under its feet)."""
+    try:
+        with CacheLock(root, READ_LOCK, exclusive=True, timeout=0, purpose="compaction after encode"):
+            return writer.compact()
+    except CacheLockedError:
+        log.info("%s: a reader holds the cache; compaction skipped (the next encode or `clean` does it)", root)
+        return None
+
+
+def _finish(run: _Run, plan: EncodePlan) -> tuple[Sample, ...]:
+    """Return the dataset's samples after encode-time failures, checking failures against the policy."""
+    samples = tuple(s for s in plan.samples if s.latent not in run.bad_latents)
+    run.report.skipped += len(plan.samples) - len(samples)
+    if not samples:
+        first = run.report.failures[0] if run.report.failures else None
+        raise DatasetFolderError(plan.folder, "no image could be encoded" + (
+            f"; first problem: {first.relpath}: {first.reason}" if first else ""))
+    return samples
+
+
+def run_encode(
+    plan: EncodePlan,
+    *,
+    encode_images: ImageEncoder | None,
+    encode_texts: TextEncoder | None,
+    progress: Callable[[int, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    min_commit_seconds: float = 0.0,
+) -> EncodeReport:
+    """Encode what ``plan`` lists as missing, commit it batch by batch, store the dataset and compact.
+
+    Args:
+        plan: from :func:`plan_encode`.
+        encode_images: takes a float32 ``[B, H, W, 3]`` batch (0..1, one bucket) and returns ``B`` latent values
+            (ComfyUI latent dicts ``{"samples": Tensor[1, C, h, w]}``); may be ``None`` when
+            ``plan.needs_vae`` is false.
+        encode_texts: takes a list of texts and returns one conditioning per text (ComfyUI
+            ``[[Tensor[1, T, D], {"pooled_output": ...}]]``); may be ``None`` when ``plan.needs_text_encoder`` is
+            false.
+        progress: ``progress(done, total)`` after each committed batch (entries, not batches).
+        should_stop: polled before each batch (and while waiting for another writer); returning True ends the
+            run with ``report.stopped`` set after committing everything already encoded.
+        min_commit_seconds: ``0`` (default) commits after every batch, so an exception or ``kill -9`` loses at
+            most the batch in flight. A positive value commits a finished batch only when this long has passed
+            since the last commit, bounding the commit cost (three fsyncs, ~8 ms on a local SSD, far more on some
+            network or Windows file systems) at the price of losing up to that much finished work on a ``kill -9``
+            or power loss; a stop request or an exception still commits everything finished.
+
+    Raises:
+        SourceError: with ``failure_policy="stop"``, the first unusable source file (nothing after it is encoded;
+            batches already committed stay).
+        ValueError: an encoder is needed but missing, or returned the wrong number of values.
+        UnstorableValueError: an encoder returned a value the cache cannot store (the message names its path).
+        CacheError: the cache cannot be written.
+    """
+    start = time.perf_counter()
+    settings = plan.settings
+    report = EncodeReport(plan.dataset, new=plan.new, changed=plan.changed, unchanged=plan.unchanged,
+                          removed=plan.removed, failures=list(plan.failures), sourceless=plan.sourceless)
+    report.timings.update(encoder=0.0, decode_wait=0.0, decode_cpu=0.0, commit=0.0, finish=0.0, lock_wait=0.0)
+    if plan.failures and settings.failure_policy == "stop":
+        raise plan.failures[0].error()
+    report.skipped = plan.skipped
+    if plan.sourceless or plan.up_to_date:
+        report.samples, report.reused = len(plan.samples), plan.reused
+        report.skipped = 0 if plan.sourceless else plan.skipped
+        report.failed = len(report.failures)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    lock = CacheLock(plan.cache_root, WRITE_LOCK, timeout=0, purpose="encode")  # polled: see _acquire
+    t_lock = time.perf_counter()
+    if not _acquire(lock, plan.cache_root, should_stop):
+        report.stopped = True
+        report.seconds = time.perf_counter() - start
+        return report
+    report.timings["lock_wait"] = time.perf_counter() - t_lock
+    try:
+        before = _shard_sizes(plan.cache_root)
+        writer = CacheWriter(plan.cache_root, shard_bytes=settings.shard_bytes)
+        try:
+            # another process may have stored some of it since the plan was made: encode only what is still absent
+            needed = {k for s in plan.samples for k in (s.latent, *s.captions)}
+            report.reused = sum(1 for k in needed if writer.has(k))
+            texts = [(k, t) for k, t in plan.missing_conditionings.items() if not writer.has(k)]
+            batches = [b for jobs in plan.missing_latents.values()
+                       for b in _batches([j for j in jobs if not writer.has(j.key)], settings.batch_size)]
+            if batches and encode_images is None:
+                raise ValueError(f"dataset {plan.dataset!r}: {sum(map(len, batches))} latents must be encoded but "
+                                 "encode_images is None (connect a VAE)")
+            if texts and encode_texts is None:
+                raise ValueError(f"dataset {plan.dataset!r}: {len(texts)} conditionings must be encoded but "
+                                 "encode_texts is None (connect a text encoder)")
+            run = _Run(plan, writer, report, progress, should_stop)
+            run.min_commit_seconds = max(0.0, float(min_commit_seconds))
+            run.total = len(texts) + sum(map(len, batches))
+            if progress is not None:
+                progress(0, run.total)
+            try:
+                if texts:
+                    run.encode_texts(encode_texts, texts)  # type: ignore[arg-type]
+                if batches:
+                    threads = resolve_threads(settings.encode_threads, purpose="encode threads", maximum=16)
+                    run.encode_images(encode_images, batches, threads)  # type: ignore[arg-type]
+            except _Stopped:
+                report.stopped = True
+            t_commit = time.perf_counter()
+            writer.commit()  # what min_commit_seconds held back
+            report.timings["commit"] += time.perf_counter() - t_commit
+            written = _shard_sizes(plan.cache_root)
+            report.bytes_written = sum(size for name, size in written.items() if name not in before)
+            if not report.stopped:
+                t_finish = time.perf_counter()
+                samples = _finish(run, plan)
+                if not (plan.dataset_current and samples == plan.samples):
+                    writer.set_dataset(plan.dataset, samples, info=_info(plan, report, samples))
+                if report.encoded:  # per-batch commits left small shards
+                    report.compaction = _compact(writer, plan.cache_root)
+                report.samples = len(samples)
+                report.timings["finish"] = time.perf_counter() - t_finish
+        except BaseException:
+            # Entries already added are finished encodes (the failing batch never reached add), so keep them.
+            try:
+                writer.commit()
+            except Exception as exc:  # noqa: BLE001 - the original error matters more
+                log.warning("%s: could not commit finished entries after an error (%s)", plan.cache_root, exc)
+                writer.abort()
+            raise
+        finally:
+            writer.close()
+    finally:
+        lock.release()
+    report.failed = len(report.failures)
+    report.seconds = time.perf_counter() - start
+    log.info("%s", report.summary())
+    return report
+
+
+def _info(plan: EncodePlan, report: EncodeReport, samples: Sequence[Sample]) -> dict[str, Any]:
+    return {
+        "samples_digest": samples_digest(samples),
+        "vae_fingerprint": plan.vae_fingerprint,
+        "text_fingerprint": plan.text_fingerprint,
+        "settings": plan.settings.describe(),
+        "folder": plan.folder,
+        "counts": {
+            "samples": len(samples), "new": plan.new, "changed": plan.changed, "unchanged": plan.unchanged,
+            "removed": plan.removed, "failed": len(report.failures), "skipped": report.skipped,
+        },
+    }

@@ -1,0 +1,498 @@
+"""Tests of dataset_cache.encode_plan and dataset_cache.incremental: encode only what is missing, resumably.
+
+Every test counts encoder calls with a pure-torch fake encoder (latent = 8x downsampled image plus its channel
+mean, ``{"samples": Tensor[1, 4, h/8, w/8]}``; conditioning = a tensor seeded by a hash of the text) on folders
+generated with Pillow (``support.datasets``: two kohya subsets, three bucket shapes, a caption shared across
+folders and a multi-line caption). The default folder has 5 images and 5 distinct caption lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import xxhash
+from PIL import Image
+
+from dataset_cache.buckets import BucketConfig
+from dataset_cache.errors import SourceError
+from dataset_cache.format.reader import open_cache
+from dataset_cache.incremental import EncodeSettings, plan_encode, run_encode, sources_record_path
+from dataset_cache.lock import WRITE_LOCK, CacheLock
+from dataset_cache.scan import DatasetFolderError
+from support.datasets import make_kohya_folder
+from support.paths import TESTS_DIR
+
+OLD_NS = 1_600_000_000 * 10**9  # files dated long before any scan are trusted by stat (never "racy")
+SETTINGS = EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32), batch_size=2)
+N_IMAGES, N_TEXTS = 5, 5  # of make_kohya_folder's default layout
+
+
+class FakeEncoders:
+    """Counting, deterministic pure-torch stand-ins for a VAE and a text encoder."""
+
+    def __init__(self, *, delay: float = 0.0, fail_after: int | None = None) -> None:
+        self.delay = delay
+        self.fail_after = fail_after
+        self.calls = 0
+        self.images = 0
+        self.texts: list[str] = []
+        self.threads: set[int] = set()
+
+    def _call(self) -> None:
+        self.threads.add(threading.get_ident())
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise RuntimeError("fake encoder failure")
+        self.calls += 1
+        if self.delay:
+            time.sleep(self.delay)
+
+    def encode_images(self, batch: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        assert batch.dtype == torch.float32 and batch.ndim == 4 and batch.shape[-1] == 3
+        self._call()
+        self.images += batch.shape[0]
+        x = F.avg_pool2d(batch.permute(0, 3, 1, 2), 8)
+        lat = torch.cat([x, x.mean(1, keepdim=True)], 1)
+        return [{"samples": lat[i:i + 1]} for i in range(batch.shape[0])]
+
+    def encode_texts(self, texts: list[str]) -> list[Any]:
+        self._call()
+        self.texts += texts
+        out = []
+        for t in texts:
+            g = torch.Generator().manual_seed(xxhash.xxh3_64_intdigest(t.encode()) >> 1)
+            cond = torch.randn(1, 77, 768, generator=g)
+            out.append([[cond, {"pooled_output": cond[:, 0].clone()}]])
+        return out
+
+    def kw(self) -> dict[str, Any]:
+        return {"encode_images": self.encode_images, "encode_texts": self.encode_texts}
+
+
+def _age(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            os.utime(p, ns=(OLD_NS, OLD_NS))
+
+
+@pytest.fixture()
+def folder(tmp_path: Path) -> Path:
+    make_kohya_folder(tmp_path / "data")
+    _age(tmp_path / "data")
+    return tmp_path / "data"
+
+
+@pytest.fixture()
+def cache(tmp_path: Path) -> Path:
+    return tmp_path / "cache"
+
+
+def _plan(folder: Path, cache: Path, *, dataset: str = "ds", settings: EncodeSettings = SETTINGS,
+          vae: str = "vae-1", text: str = "te-1") -> Any:
+    return plan_encode(folder, cache, dataset=dataset, settings=settings, vae_fingerprint=vae,
+                       text_fingerprint=text)
+
+
+def _build(folder: Path, cache: Path, enc: FakeEncoders | None = None, **kw: Any) -> Any:
+    enc = enc or FakeEncoders()
+    return run_encode(_plan(folder, cache, **kw), **enc.kw())
+
+
+def _assert_complete(cache: Path, dataset: str = "ds", samples: int = N_IMAGES) -> None:
+    reader = open_cache(cache)
+    assert reader.verify() == []
+    got = reader.dataset(dataset)
+    assert len(got) == samples
+    values = reader.read([k for s in got for k in (s.latent, *s.captions)])
+    assert all(v is not None for v in values)
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+def test_first_build_encodes_everything_and_stores_the_dataset(folder: Path, cache: Path) -> None:
+    plan = _plan(folder, cache)
+    assert plan.needs_vae and plan.needs_text_encoder
+    assert (plan.new, plan.changed, plan.unchanged, plan.removed) == (10, 0, 0, 0)
+    assert plan.latent_count == N_IMAGES and len(plan.missing_conditionings) == N_TEXTS
+    assert set(plan.missing_latents) == {(48, 80), (64, 64), (80, 48)}  # grouped by bucket
+    enc = FakeEncoders()
+    report = run_encode(plan, **enc.kw())
+    assert (report.encoded_latents, report.encoded_conditionings, report.reused) == (N_IMAGES, N_TEXTS, 0)
+    assert enc.images == N_IMAGES and len(enc.texts) == N_TEXTS
+    assert not report.stopped and report.bytes_written > 0 and report.samples == N_IMAGES
+    _assert_complete(cache)
+    reader = open_cache(cache)
+    samples = {s.source: s for s in reader.dataset("ds")}
+    assert samples["10_red/img_000.png"].repeats == 10 and samples["2_blue/img_000.jpg"].repeats == 2
+    assert samples["10_red/img_000.png"].captions == samples["2_blue/img_000.jpg"].captions  # shared caption
+    assert len(samples["10_red/img_001.png"].captions) == 2  # multi-line caption: two variants
+    latent = reader.get(samples["10_red/img_001.png"].latent)
+    assert latent["samples"].shape == (1, 4, 6, 10)  # a 96x64 image: the 80x48 bucket
+    info = reader.datasets()["ds"].info
+    assert info["vae_fingerprint"] == "vae-1" and info["settings"]["bucket"]["resolution"] == 64
+    assert reader.stats()["shards"] == 1  # per-batch shards were compacted
+    assert "5 samples" in report.summary() and "encoded 5 latents" in report.summary()
+
+
+def test_plan_saves_the_sources_record_before_encoding(folder: Path, cache: Path) -> None:
+    plan = _plan(folder, cache)
+    assert sources_record_path(cache, "ds").is_file()
+    with pytest.raises(RuntimeError, match="fake encoder failure"):
+        run_encode(plan, **FakeEncoders(fail_after=0).kw())
+    again = _plan(folder, cache)
+    assert again.validation is not None and again.validation.hashed == 0  # nothing re-hashed after the crash
+    assert again.latent_count == N_IMAGES
+
+
+def test_unchanged_folder_encodes_nothing_and_needs_no_encoder(folder: Path, cache: Path) -> None:
+    _build(folder, cache)
+    plan = _plan(folder, cache)
+    assert not plan.needs_vae and not plan.needs_text_encoder and plan.up_to_date
+    assert (plan.new, plan.changed, plan.unchanged, plan.removed) == (0, 0, 10, 0)
+    report = run_encode(plan, encode_images=None, encode_texts=None)
+    assert report.encoded == 0 and report.reused == N_IMAGES + N_TEXTS
+    _assert_complete(cache)
+
+
+def test_editing_one_caption_line_encodes_one_conditioning(folder: Path, cache: Path) -> None:
+    _build(folder, cache)
+    (folder / "10_red" / "img_001.txt").write_text("first caption variant, a square\nan edited second line")
+    plan = _plan(folder, cache)
+    assert not plan.needs_vae and plan.needs_text_encoder and plan.changed == 1
+    enc = FakeEncoders()
+    report = run_encode(plan, **enc.kw())
+    assert enc.texts == ["an edited second line"] and enc.images == 0
+    assert report.encoded_conditionings == 1 and report.encoded_latents == 0
+    _assert_complete(cache)
+
+
+def test_adding_one_image_encodes_its_latent_and_only_its_new_captions(folder: Path, cache: Path) -> None:
+    _build(folder, cache)
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(folder / "10_red" / "new.png")
+    (folder / "10_red" / "new.txt").write_text("a photo of a tiny test pattern\na brand new line\n")
+    enc = FakeEncoders()
+    report = _build(folder, cache, enc)
+    assert enc.images == 1 and enc.texts == ["a brand new line"]
+    assert report.new == 2 and report.encoded == 2
+    _assert_complete(cache, samples=N_IMAGES + 1)
+
+
+def test_touching_every_file_encodes_nothing(folder: Path, cache: Path) -> None:
+    _build(folder, cache)
+    for p in folder.rglob("*"):
+        if p.is_file():
+            os.utime(p)  # now: re-hashed, same content
+    plan = _plan(folder, cache)
+    assert plan.validation is not None and len(plan.validation.refreshed) == 10
+    enc = FakeEncoders()
+    assert run_encode(plan, **enc.kw()).encoded == 0 and enc.calls == 0
+
+
+def test_new_vae_fingerprint_re_encodes_every_latent_and_no_conditioning(folder: Path, cache: Path) -> None:
+    _build(folder, cache)
+    plan = _plan(folder, cache, vae="vae-2")
+    assert plan.needs_vae and not plan.needs_text_encoder
+    enc = FakeEncoders()
+    report = run_encode(plan, **enc.kw())
+    assert (enc.images, len(enc.texts)) == (N_IMAGES, 0) and report.encoded_latents == N_IMAGES
+
+
+def test_moved_image_reuses_its_latent(folder: Path, cache: Path) -> None:
+    _build(folder, cache)
+    (folder / "3_copy").mkdir()
+    for name in ("img_000.png", "img_000.txt"):
+        shutil.copy2(folder / "10_red" / name, folder / "3_copy" / name)
+    enc = FakeEncoders()
+    report = _build(folder, cache, enc)
+    assert enc.calls == 0 and report.samples == N_IMAGES + 1
+
+
+def test_caption_shared_by_100_images_is_encoded_once(tmp_path: Path, cache: Path) -> None:
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(100):
+        Image.new("RGB", (64, 64), (i, 2 * i, 255 - i)).save(folder / f"{i:03d}.png")
+        (folder / f"{i:03d}.txt").write_text("one caption for all")
+    enc = FakeEncoders()
+    report = _build(folder, cache, enc, settings=EncodeSettings(bucket=SETTINGS.bucket, batch_size=16))
+    assert enc.texts == ["one caption for all"] and enc.images == 100
+    assert report.encoded_latents == 100 and report.encoded_conditionings == 1
+    _assert_complete(cache, samples=100)
+
+
+def test_trigger_word_suffix_encodes_each_distinct_line_once(folder: Path, cache: Path) -> None:
+    _build(folder, cache)
+    enc = FakeEncoders()
+    settings = EncodeSettings(bucket=SETTINGS.bucket, batch_size=2, caption_suffix=", ohwx")
+    report = _build(folder, cache, enc, settings=settings)
+    assert enc.images == 0 and len(enc.texts) == N_TEXTS and all(t.endswith(", ohwx") for t in enc.texts)
+    assert report.encoded_conditionings == N_TEXTS
+    assert settings.caption_text("a cat") == "a cat, ohwx"
+    assert EncodeSettings(caption_prefix="ohwx, ").caption_text("") == "ohwx,"
+
+
+# ------------------------------------------------------------------------------------------ interruption
+
+def test_should_stop_after_k_batches_then_rerun_encodes_exactly_the_rest(folder: Path, cache: Path) -> None:
+    enc = FakeEncoders()
+    calls: list[int] = []
+    progress: list[tuple[int, int]] = []
+    main = threading.get_ident()
+
+    def should_stop() -> bool:
+        calls.append(threading.get_ident())
+        return enc.calls >= 4
+
+    first = run_encode(_plan(folder, cache), **enc.kw(), should_stop=should_stop,
+                       progress=lambda d, t: progress.append((d, t, threading.get_ident())))  # type: ignore[arg-type]
+    assert first.stopped and 0 < first.encoded < N_IMAGES + N_TEXTS
+    assert "STOPPED" in first.summary()
+    assert set(calls) == {main} and {p[2] for p in progress} == {main}  # callbacks on the calling thread only
+    assert progress[0][:2] == (0, N_IMAGES + N_TEXTS) and progress[-1][0] == first.encoded
+    assert "ds" not in open_cache(cache).datasets()
+    assert open_cache(cache).verify() == []
+    enc2 = FakeEncoders()
+    second = run_encode(_plan(folder, cache), **enc2.kw())
+    assert second.encoded == N_IMAGES + N_TEXTS - first.encoded
+    assert not set(enc.texts) & set(enc2.texts)
+    _assert_complete(cache)
+
+
+def test_encoder_exception_after_k_batches_then_rerun_encodes_exactly_the_rest(folder: Path, cache: Path) -> None:
+    enc = FakeEncoders(fail_after=5)
+    with pytest.raises(RuntimeError, match="fake encoder failure"):
+        run_encode(_plan(folder, cache), **enc.kw())
+    committed = len(open_cache(cache))
+    assert committed == N_TEXTS + 3  # 3 text batches + 2 image batches (1 + 2 images) were committed
+    assert open_cache(cache).verify() == []
+    enc2 = FakeEncoders()
+    report = run_encode(_plan(folder, cache), **enc2.kw())
+    assert report.encoded == N_IMAGES + N_TEXTS - committed and enc2.images == N_IMAGES - 3
+    _assert_complete(cache)
+
+
+_WORKER = r"""
+import json, logging, sys, time
+sys.path.insert(0, {tests!r})
+from support.pack import import_library
+import_library()
+import importlib.util
+spec = importlib.util.spec_from_file_location("ti", {module!r})
+ti = importlib.util.module_from_spec(spec); spec.loader.exec_module(ti)
+from dataset_cache.incremental import plan_encode, run_encode
+logging.basicConfig(level=logging.WARNING)
+folder, cache, dataset, delay, marker = sys.argv[1:6]
+enc = ti.FakeEncoders(delay=float(delay))
+plan = plan_encode(folder, cache, dataset=dataset, settings=ti.SETTINGS, vae_fingerprint="vae-1",
+                   text_fingerprint="te-1")
+def progress(done, total):
+    with open(marker, "a") as f:
+        f.write(f"{{done}}\n")
+r = run_encode(plan, **enc.kw(), progress=progress)
+print(json.dumps({{"encoded": r.encoded, "samples": r.samples, "calls": enc.calls}}))
+"""
+
+
+def _worker(folder: Path, cache: Path, dataset: str, delay: float, marker: Path) -> subprocess.Popen[str]:
+    code = _WORKER.format(tests=str(TESTS_DIR), module=__file__)
+    return subprocess.Popen([sys.executable, "-c", code, str(folder), str(cache), dataset, str(delay), str(marker)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(marker: Path, lines: int, proc: subprocess.Popen[str], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if marker.exists() and len(marker.read_text().split()) >= lines:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"worker exited early: {proc.communicate()}")
+        time.sleep(0.02)
+    pytest.fail("worker made no progress")
+
+
+def test_kill_9_mid_encode_then_rerun_encodes_exactly_the_rest(folder: Path, cache: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "progress.txt"
+    proc = _worker(folder, cache, "ds", 0.3, marker)
+    try:
+        _wait_for(marker, 4, proc)  # the (0, total) call + 3 committed batches
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    reader = open_cache(cache)
+    committed = len(reader)
+    assert N_TEXTS <= committed < N_IMAGES + N_TEXTS and reader.verify() == []
+    enc = FakeEncoders()
+    report = run_encode(_plan(folder, cache), **enc.kw())
+    assert report.encoded == N_IMAGES + N_TEXTS - committed
+    _assert_complete(cache)
+    assert not [p for p in (cache / "shards").iterdir() if p.name.endswith(".tmp")]  # compaction removed orphans
+
+
+def test_two_processes_encoding_one_cache_take_turns(folder: Path, cache: Path, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    marker = tmp_path / "a.txt"
+    proc = _worker(folder, cache, "a", 0.3, marker)  # the other process: slow, holds the write lock ~2 s
+    try:
+        _wait_for(marker, 1, proc)  # progress(0, total) is called once it holds the lock
+        enc = FakeEncoders()
+        with caplog.at_level(logging.WARNING, "dataset_cache.encode"):
+            mine = run_encode(_plan(folder, cache, dataset="b"), **enc.kw())
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    theirs = json.loads(out.strip().splitlines()[-1])
+    assert "another process is encoding into this cache" in caplog.text  # this one waited, saying so
+    assert theirs["encoded"] == N_IMAGES + N_TEXTS and mine.encoded == 0 and enc.calls == 0  # nothing twice
+    assert theirs["samples"] == mine.samples == N_IMAGES
+    _assert_complete(cache, "a")
+    _assert_complete(cache, "b")
+
+
+def test_waiting_for_the_write_lock_logs_and_honours_should_stop(folder: Path, cache: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    plan = _plan(folder, cache)
+    polls: list[int] = []
+    with CacheLock(cache, WRITE_LOCK, purpose="test"), caplog.at_level(logging.WARNING, "dataset_cache.encode"):
+        report = run_encode(plan, **FakeEncoders().kw(), should_stop=lambda: bool(polls.append(1)) or len(polls) > 1)
+    assert report.stopped and report.encoded == 0
+    assert "another process is encoding into this cache" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------ failures
+
+def _corrupt(path: Path) -> None:
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20)
+
+
+def _truncate(path: Path) -> None:
+    """A valid header but cut pixel data: readable size, undecodable image."""
+    torch.manual_seed(0)
+    noise = (torch.rand(64, 64, 3) * 255).to(torch.uint8).numpy()
+    Image.fromarray(noise).save(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("damage", [_corrupt, _truncate])
+def test_unreadable_image_is_skipped_and_counted(folder: Path, cache: Path, damage: Any) -> None:
+    bad = folder / "10_red" / "img_002.png"
+    damage(bad)
+    enc = FakeEncoders()
+    report = _build(folder, cache, enc)
+    assert report.failed == 1 and report.skipped == 1 and report.samples == N_IMAGES - 1
+    assert report.failures[0].relpath == "10_red/img_002.png" and "1 failed" in report.summary()
+    assert enc.images == N_IMAGES - 1
+    _assert_complete(cache, samples=N_IMAGES - 1)
+
+
+@pytest.mark.parametrize("damage", [_corrupt, _truncate])
+def test_unreadable_image_with_stop_policy_raises_naming_it(folder: Path, cache: Path, damage: Any) -> None:
+    damage(folder / "10_red" / "img_002.png")
+    settings = EncodeSettings(bucket=SETTINGS.bucket, batch_size=2, failure_policy="stop")
+    with pytest.raises(SourceError, match=r"img_002\.png"):
+        _build(folder, cache, settings=settings)
+
+
+def test_non_utf8_caption_is_reported(folder: Path, cache: Path) -> None:
+    (folder / "2_blue" / "img_001.txt").write_bytes(b"caf\xe9 au lait")
+    report = _build(folder, cache)
+    assert [f.relpath for f in report.failures] == ["2_blue/img_001.txt"]
+    assert "not valid UTF-8" in report.failures[0].reason and report.skipped == 1
+    settings = EncodeSettings(bucket=SETTINGS.bucket, failure_policy="stop")
+    with pytest.raises(SourceError, match=r"img_001\.txt.*UTF-8"):
+        _build(folder, cache, settings=settings)
+
+
+def test_image_edited_after_planning_is_never_stored_under_the_old_key(folder: Path, cache: Path) -> None:
+    plan = _plan(folder, cache)
+    Image.new("RGB", (64, 64), (9, 9, 9)).save(folder / "10_red" / "img_000.png")
+    report = run_encode(plan, **FakeEncoders().kw())
+    assert report.failed == 1 and "changed after the folder was scanned" in report.failures[0].reason
+    report = _build(folder, cache)  # the next run picks the new content up under its own key
+    assert report.failed == 0 and report.encoded_latents == 1
+
+
+def test_missing_encoder_and_wrong_result_count_are_errors(folder: Path, cache: Path) -> None:
+    plan = _plan(folder, cache)
+    with pytest.raises(ValueError, match="encode_images is None"):
+        run_encode(plan, encode_images=None, encode_texts=FakeEncoders().encode_texts)
+    with pytest.raises(ValueError, match="one conditioning per text"):
+        run_encode(plan, encode_images=FakeEncoders().encode_images, encode_texts=lambda texts: [])
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="failure_policy"):
+        EncodeSettings(failure_policy="ignore")
+    with pytest.raises(ValueError, match="batch_size"):
+        EncodeSettings(batch_size=0)
+    with pytest.raises(TypeError, match="caption_prefix"):
+        EncodeSettings(caption_prefix=None)  # type: ignore[arg-type]
+    assert sources_record_path("/c", "a b").name != sources_record_path("/c", "a_b").name
+
+
+# ------------------------------------------------------------------------------------------ sourceless
+
+def test_deleting_the_source_folder_keeps_the_dataset_readable(folder: Path, cache: Path) -> None:
+    _build(folder, cache)
+    before = open_cache(cache).dataset("ds")
+    shutil.rmtree(folder)
+    _assert_complete(cache)
+    plan = _plan(folder, cache)
+    assert plan.sourceless and plan.removed == 10 and not plan.needs_vae and not plan.needs_text_encoder
+    report = run_encode(plan, encode_images=None, encode_texts=None)
+    assert report.sourceless and report.samples == N_IMAGES and "gone" in report.summary()
+    assert open_cache(cache).dataset("ds") == before
+    with pytest.raises(DatasetFolderError, match="holds no dataset 'other'"):
+        _plan(folder, cache, dataset="other")
+    with pytest.raises(DatasetFolderError, match="encoded with other vae_fingerprint than requested"):
+        _plan(folder, cache, vae="vae-2")  # cached latents of another VAE must not be trained on
+
+
+def test_min_commit_seconds_commits_less_often_and_still_keeps_finished_work(folder: Path, cache: Path) -> None:
+    with pytest.raises(RuntimeError, match="fake encoder failure"):
+        run_encode(_plan(folder, cache), **FakeEncoders(fail_after=5).kw(), min_commit_seconds=3600)
+    reader = open_cache(cache)
+    assert len(reader) == N_TEXTS + 3  # an exception still commits every finished batch...
+    assert reader.stats()["shards"] == 2  # ...in one commit after the first (instead of 5 per-batch commits)
+    report = run_encode(_plan(folder, cache), **FakeEncoders().kw(), min_commit_seconds=3600)
+    assert report.encoded == N_IMAGES - 3
+    _assert_complete(cache)
+
+
+def test_plan_keys_equal_the_keys_module(folder: Path, cache: Path) -> None:
+    """The plan splices hashes and texts into cached canonical bytes; the keys must be exactly keys.py's."""
+    from dataset_cache.keys import conditioning_key, hash_file, latent_key
+
+    (folder / "10_red" / "img_002.txt").write_text('quotes " and \\ backslash\ncafé ünïcode\n\ttab\x7f')
+    settings = EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32, crop="random", seed=3))
+    plan = _plan(folder, cache, settings=settings)
+    jobs = {j.relpath: j for js in plan.missing_latents.values() for j in js}
+    for sample in plan.samples:
+        assert sample.source is not None
+        path = folder / sample.source
+        job = jobs[sample.source]
+        assert job.source_hash == hash_file(path)
+        assert sample.latent == latent_key(job.source_hash, job.plan.key_fields(), "vae-1")
+        assert sample.latent == latent_key(job.source_hash, settings.bucket.plan(*job.plan.source,
+                                                                                 token=job.source_hash).key_fields(),
+                                           "vae-1")
+    texts = plan.missing_conditionings
+    assert 'quotes " and \\ backslash' in texts.values() and "café ünïcode" in texts.values()
+    for key, text in texts.items():
+        assert key == conditioning_key(text, "te-1")
