@@ -540,12 +540,15 @@ def convert_comfy_dataset(
             the sample and the path inside it.
     """
     from .format.writer import CacheWriter
+    from .lock import WRITE_LOCK, CacheLock
 
     start = time.perf_counter()
     info = inspect_comfy_dataset(src)
     samples: list[Sample] = []
     source_samples = 0
-    with CacheWriter(dst, shard_bytes=shard_bytes) as writer:
+    # Writers take the cache's write lock: a compaction by another writer deletes shard files its state does not
+    # name yet, which would include ours before they are committed.
+    with CacheLock(dst, WRITE_LOCK, purpose="convert"), CacheWriter(dst, shard_bytes=shard_bytes) as writer:
         sink = _EntrySink(writer)
         for shard, shard_samples in _iter_shards(info):
             for i, (latent, cond) in enumerate(shard_samples):

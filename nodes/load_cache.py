@@ -26,7 +26,6 @@ from ..dataset_cache.errors import CacheNotFoundError
 from ..dataset_cache.format.manifest import MANIFEST, read_state
 from ..dataset_cache.format.reader import CacheReader
 from ..dataset_cache.interop import convert_comfy_dataset, detect_comfy_dataset, inspect_comfy_dataset
-from ..dataset_cache.lock import WRITE_LOCK, CacheLock
 from .fingerprints import cache_identity
 from .handles import StreamDatasetHandle
 from .paths import cache_roots, resolve_cache
@@ -130,8 +129,7 @@ def _ensure_converted(root: Path, src: Path, dataset: str) -> bool:
     if (current is not None and current.info.get("source") == str(src.resolve())
             and (root / current.file).stat().st_mtime_ns > newest):
         return False
-    with CacheLock(root, WRITE_LOCK, purpose="convert a ComfyUI dataset", timeout=60):
-        report = convert_comfy_dataset(src, root, name=dataset)
+    report = convert_comfy_dataset(src, root, name=dataset)  # takes the cache's write lock itself
     log.info("converted %s into %s: %d samples, %d new entries", src, root, report.samples, report.new_entries)
     return True
 
@@ -211,6 +209,7 @@ class LoadLazyCache(io.ComfyNode):
                 StreamDataset.Output(display_name="dataset", tooltip="The dataset, for training nodes."),
                 io.String.Output(display_name="info", tooltip="Samples, latent shapes, encoders, cache size."),
             ],
+            has_intermediate_output=True,  # a cached run re-sends the info to the node's panel
         )
 
     @classmethod

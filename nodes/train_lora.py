@@ -18,6 +18,7 @@ from comfy_api.latest import io
 import folder_paths
 
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
+from ..dataset_cache.lock import READ_LOCK, CacheLock
 from .handles import StreamDatasetHandle
 from .lora_training import LOSS_FUNCTIONS, OPTIMIZERS, StepReport, TrainSettings, train_lora
 
@@ -164,6 +165,17 @@ class TrainLoRA(io.ComfyNode):
             raise ValueError(
                 f"dataset: expected a STREAM_DATASET from a StreamCache node, got {type(dataset).__name__}")
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
+        # A shared read lock for the whole run: Clean Cache (and compaction after an encode) refuse to delete shard
+        # files while anybody trains from them.
+        with CacheLock(dataset.cache_root, READ_LOCK, exclusive=False, purpose="training"):
+            result, samples = cls._train(model, dataset, settings, node_id)
+        summary = f"dataset {getattr(dataset, 'name', '?')!r} ({len(samples)} samples): {result.summary()}"
+        log.info("Train LoRA (Stream Cache): %s", summary)
+        return io.NodeOutput(result.lora, {"loss": result.losses}, result.steps,
+                             ui={"loss": result.losses, "text": [summary]})
+
+    @classmethod
+    def _train(cls, model: Any, dataset: Any, settings: TrainSettings, node_id: str | None) -> tuple[Any, list]:
         reader, samples = dataset.open()
         try:
             if not samples:
@@ -173,7 +185,4 @@ class TrainLoRA(io.ComfyNode):
             result = train_lora(model, reader, samples, settings, on_step=_Events(node_id))
         finally:
             reader.close()
-        summary = f"dataset {getattr(dataset, 'name', '?')!r} ({len(samples)} samples): {result.summary()}"
-        log.info("Train LoRA (Stream Cache): %s", summary)
-        return io.NodeOutput(result.lora, {"loss": result.losses}, result.steps,
-                             ui={"loss": result.losses, "text": [summary]})
+        return result, samples
