@@ -1,10 +1,17 @@
 """Run one example workflow end to end on a headless ComfyUI and report what it did (``scripts/run-example``).
 
 By default it starts a private ComfyUI server (CPU, temporary folders, this pack symlinked in as a custom
-node) with tiny generated models, converts the saved UI workflow to an API prompt, queues it, follows the
-websocket, prints every node's UI output, and stops the server. ``--models-dir`` uses real models instead
-(a folder laid out like ComfyUI's ``models/``); ``--server`` uses a ComfyUI that is already running with the
-pack installed.
+node) with tiny generated models, writes a small kohya-style image folder (``input/streamcache_example``: four
+captioned images in three aspect buckets) and runs the main job, ``example_workflows/api/
+train_lora_from_folder.json``: Encode Dataset → Train LoRA (Stream Cache) → Save LoRA Weights + Plot Loss Graph,
+then Load LoRA with the saved file → KSampler → VAE Decode → Save Image. Like a user in the UI, it queues the
+workflow, and queues it again for the sampling branch, which needs the LoRA file the first queue wrote. It prints
+the encode report, the loss, the LoRA file, the sample image and the seconds, then stops the server.
+
+Any other workflow file (UI format, or API format) may be given instead. ``--models-dir`` uses real models (a
+folder laid out like ComfyUI's ``models/``; the workflow's loader names must then be edited to match);
+``--server`` uses a ComfyUI that is already running with the pack installed (the image folder must then exist
+in its input directory, and its output/loras folder must be a LoRA folder for the sampling branch).
 """
 
 from __future__ import annotations
@@ -22,18 +29,19 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support.client import ComfyClient, PromptError  # noqa: E402
 from support.comfy_env import find_comfyui, skip_reason  # noqa: E402
+from support.examples import EXAMPLE_FOLDER, make_example_folder, run_example  # noqa: E402
 from support.server import ComfyServer, ServerStartError  # noqa: E402
 from support.tiny_models import ensure_tiny_models  # noqa: E402
 from support.workflow import WorkflowError, ui_to_api  # noqa: E402
 
-DEFAULT_WORKFLOW = ROOT / "example_workflows" / "cache_info.json"
+DEFAULT_WORKFLOW = ROOT / "example_workflows" / "api" / "train_lora_from_folder.json"
 
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/run-example", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workflow", nargs="?", type=Path, default=DEFAULT_WORKFLOW,
-                   help="UI workflow file (default: %(default)s)")
+                   help="workflow file, UI or API format (default: %(default)s)")
     p.add_argument("--models-dir", type=Path, help="real models (a ComfyUI models/ layout) instead of tiny ones")
     p.add_argument("--server", help="URL of a running ComfyUI with the pack installed (no server is started)")
     p.add_argument("--workdir", type=Path, help="keep the server's folders and log here (default: temporary)")
@@ -41,27 +49,55 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _run(client: ComfyClient, workflow: Path, timeout: float) -> int:
-    prompt = ui_to_api(json.loads(workflow.read_text(encoding="utf-8")), client.object_info())
+def _load_prompt(client: ComfyClient, workflow: Path) -> dict:
+    data = json.loads(workflow.read_text(encoding="utf-8"))
+    if isinstance(data.get("nodes"), list):  # UI format (what the frontend saves)
+        return ui_to_api(data, client.object_info())
+    return data  # API format
+
+
+def _run(client: ComfyClient, workflow: Path, timeout: float, output_dir: Path | None = None) -> int:
+    prompt = _load_prompt(client, workflow)
     print(f"workflow: {workflow.name}: " + ", ".join(f"{k}:{v['class_type']}" for k, v in prompt.items()))
     t0 = time.monotonic()
-    result = client.run(prompt, timeout=timeout, check=False)
-    print(f"status: {result.status} in {time.monotonic() - t0:.1f} s (prompt {result.prompt_id})")
-    for event in result.events_of("execution_cached"):
-        if event.get("nodes"):
-            print(f"cached nodes: {', '.join(event['nodes'])}")
-    for node_id, output in result.outputs.items():
-        title = prompt.get(node_id, {}).get("class_type", node_id)
-        for key, values in output.items():
-            for value in values:
-                text = value if isinstance(value, str) else json.dumps(value)
-                print(f"[{node_id} {title}] {key}:\n  " + text.replace("\n", "\n  "))
-    if result.status != "success":
-        for kind, data in result.history.get("status", {}).get("messages", []):
-            if kind == "execution_error":
-                print(f"error in node {data.get('node_id')} ({data.get('node_type')}): "
-                      f"{data.get('exception_type')}: {data.get('exception_message')}")
+    try:
+        run = run_example(client, prompt, timeout=timeout)
+        failed = None
+    except PromptError as exc:
+        run, failed = None, exc
+    seconds = time.monotonic() - t0
+    if run is None:
+        print(f"FAILED after {seconds:.1f} s: {failed}")
         return 1
+    for i, result in enumerate(run.results, 1):
+        cached = [n for e in result.events_of("execution_cached") for n in e.get("nodes", [])]
+        print(f"queue {i}: {result.status}, prompt {result.prompt_id}"
+              + (f", cached nodes {', '.join(cached)}" if cached else "")
+              + (f" (the outputs {', '.join(run.deferred)} waited for files written by queue 1)" if i == 2 else ""))
+    outputs = run.outputs()
+    for node_id, output in outputs.items():
+        kind = run.prompt.get(node_id, {}).get("class_type", node_id)
+        title = f"[{node_id} {kind}]"
+        if kind == "StreamCache_TrainLoRA" and output.get("loss"):
+            losses = output["loss"]
+            k = max(1, min(5, len(losses) // 2))
+            print(f"{title} loss: {len(losses)} steps, mean of the first {k} {sum(losses[:k]) / k:.4f}, "
+                  f"of the last {k} {sum(losses[-k:]) / k:.4f} (sigma is random per step: raw losses are noisy)")
+        for text in output.get("text", []):
+            print(f"{title} " + str(text).replace("\n", "\n    "))
+        for image in output.get("images", []):
+            where = Path(image.get("subfolder", "")) / image["filename"]
+            base = output_dir if image.get("type") == "output" else None
+            print(f"{title} image ({image.get('type')}): {base / where if base else where}")
+    for node_id, node in run.prompt.items():
+        if node["class_type"] in ("LoraLoader", "LoraLoaderModelOnly"):
+            name = node["inputs"]["lora_name"]
+            path = output_dir / "loras" / name if output_dir and (output_dir / "loras" / name).is_file() else name
+            print(f"[{node_id} {node['class_type']}] sampled with the LoRA {path}")
+    if run.new_loras:
+        print("LoRA files written: " + ", ".join(
+            str(output_dir / "loras" / n) if output_dir else n for n in run.new_loras))
+    print(f"done in {seconds:.1f} s")
     return 0
 
 
@@ -69,6 +105,7 @@ def main() -> int:
     args = _parse()
     if args.server:
         print(f"server: {args.server} (already running)")
+        print(f"(the workflow's image folder must exist in that server's input directory: {EXAMPLE_FOLDER}/)")
         return _run(ComfyClient(args.server), args.workflow, args.timeout)
     install = find_comfyui()
     if install is None:
@@ -89,7 +126,9 @@ def main() -> int:
             print(f"server: {server.url} ready in {server.startup_seconds:.1f} s; caches in "
                   f"{server.streamcache_dir}; log {server.log_path}"
                   + ("" if args.workdir else " (removed at exit; --workdir keeps it)"))
-            return _run(server.client(), args.workflow, args.timeout)
+            folder = make_example_folder(server.input_dir)
+            print(f"dataset: {len(folder.images)} captioned images in {folder.root} (kohya layout)")
+            return _run(server.client(), args.workflow, args.timeout, server.output_dir)
     except (ServerStartError, WorkflowError, PromptError, TimeoutError) as exc:
         print(f"run-example failed: {exc}", file=sys.stderr)
         return 1

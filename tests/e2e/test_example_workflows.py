@@ -1,29 +1,75 @@
-"""Every shipped example workflow converts to an API prompt and runs on the session's server."""
+"""The shipped example workflows: offered as templates, each UI template equal to its API twin, and run.
+
+``example_workflows/*.json`` are UI workflows (the template browser lists exactly those: ComfyUI globs the top
+level only); ``example_workflows/api/<same name>.json`` is the same workflow in API format (``POST /prompt``).
+The training workflows are run from their API twins by test_train_flow.py (the twin equals the template's
+conversion, so that runs the template); the others run here, queued like a user queues them in the UI.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.client import ComfyClient
+from support.examples import run_example
 from support.paths import PACK_ROOT
 from support.server import PACK_LINK_NAME
-from support.workflow import ui_to_api
+from support.workflow import _widget_inputs, ui_to_api
 
 EXAMPLES = sorted((PACK_ROOT / "example_workflows").glob("*.json"))
+API_DIR = PACK_ROOT / "example_workflows" / "api"
+RUN_BY_TEST_TRAIN_FLOW = {"train_lora_from_folder", "encode_save_then_train"}
+
+
+def _bare(prompt: dict[str, Any]) -> dict[str, Any]:
+    return {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in prompt.items()}
 
 
 def test_examples_are_offered_as_templates(client: ComfyClient) -> None:
     assert EXAMPLES, "example_workflows/ is empty"
     templates = client.get("/workflow_templates")
-    assert sorted(templates.get(PACK_LINK_NAME, [])) == sorted(p.stem for p in EXAMPLES)
+    assert sorted(templates.get(PACK_LINK_NAME, [])) == sorted(p.stem for p in EXAMPLES)  # api/ is not listed
+    for path in EXAMPLES:  # and each is served to the template browser
+        served = client.get(f"/api/workflow_templates/{PACK_LINK_NAME}/{path.name}")
+        assert served["nodes"] == json.loads(path.read_text(encoding="utf-8"))["nodes"]
+
+
+def test_every_template_has_an_equal_api_twin(client: ComfyClient) -> None:
+    info = client.object_info()
+    assert sorted(p.stem for p in API_DIR.glob("*.json")) == sorted(p.stem for p in EXAMPLES)
+    for path in EXAMPLES:
+        converted = ui_to_api(json.loads(path.read_text(encoding="utf-8")), info)
+        twin = json.loads((API_DIR / path.name).read_text(encoding="utf-8"))
+        assert _bare(converted) == _bare(twin), path.name
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_template_links_and_widgets_are_consistent(path: Path, client: ComfyClient) -> None:
+    """What the frontend needs to load a template as saved: every link joins existing slots of matching types, and
+    each node has exactly one widget value per widget (a seed has a second one: its fixed/randomize selector)."""
+    workflow = json.loads(path.read_text(encoding="utf-8"))
+    nodes = {n["id"]: n for n in workflow["nodes"]}
+    info = client.object_info()
+    for node in workflow["nodes"]:
+        if node["type"] in info:
+            widgets = _widget_inputs(info[node["type"]])
+            assert len(node["widgets_values"]) == len(widgets) + sum(c for _, c in widgets), node["type"]
+    assert workflow["last_node_id"] >= max(nodes)
+    assert workflow["last_link_id"] >= max((link[0] for link in workflow["links"]), default=0)
+    for link_id, src, src_slot, dst, dst_slot, kind in workflow["links"]:
+        assert link_id in (nodes[src]["outputs"][src_slot]["links"] or [])
+        assert nodes[src]["outputs"][src_slot]["type"] == kind
+        assert nodes[dst]["inputs"][dst_slot]["link"] == link_id
+        assert nodes[dst]["inputs"][dst_slot]["type"] in (kind, "COMBO", "*") or kind == "*"
+
+
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.stem not in RUN_BY_TEST_TRAIN_FLOW], ids=lambda p: p.stem)
 def test_example_workflow_runs(path: Path, client: ComfyClient) -> None:
     prompt = ui_to_api(json.loads(path.read_text(encoding="utf-8")), client.object_info())
     assert prompt, f"{path.name} has no executable node"
-    result = client.run(prompt)
-    assert result.status == "success"
-    assert result.outputs, f"{path.name} produced no output"
+    run = run_example(client, prompt)
+    assert all(r.status == "success" for r in run.results)
+    assert run.outputs(), f"{path.name} produced no output"

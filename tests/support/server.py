@@ -5,8 +5,9 @@ Used by the e2e suite's session fixture and by ``scripts/run-example``. The serv
 * ``--cpu --listen 127.0.0.1 --port <free port>``, ``--database-url sqlite:///:memory:``, ``--disable-api-nodes``;
 * ``--base-directory`` plus input/output/temp/user folders under a private work folder, so nothing is written
   into the ComfyUI install (the pack's default cache folder becomes ``<work>/base/models/streamcache``);
-* an ``--extra-model-paths-config`` file naming a model folder (tiny generated models, or real ones) and a
-  ``custom_nodes`` folder that holds only a symlink to this pack.
+* an ``--extra-model-paths-config`` file naming a model folder (tiny generated models, or real ones), the output
+  folder's ``loras/`` as a LoRA folder (where Save LoRA Weights writes) and a ``custom_nodes`` folder that holds
+  only a symlink to this pack.
 
 :meth:`ComfyServer.start` waits until the HTTP API answers and fails if the log says the pack did not import.
 """
@@ -68,7 +69,7 @@ class ComfyServer:
     # --- setup --------------------------------------------------------------------------------------------
     def _write_layout(self) -> Path:
         for d in (self.base, self.base / "custom_nodes", self.input_dir, self.output_dir, self.temp_dir,
-                  self.user_dir, self.custom_nodes, self.streamcache_dir):
+                  self.user_dir, self.custom_nodes, self.streamcache_dir, self.output_dir / "loras"):
             d.mkdir(parents=True, exist_ok=True)
         link = self.custom_nodes / PACK_LINK_NAME
         if not link.is_symlink():
@@ -77,6 +78,8 @@ class ComfyServer:
         if self.models_dir is not None:
             lines += ["streamcache_models:", f"  base_path: {json.dumps(str(self.models_dir))}"]
             lines += [f"  {name}: {name}" for name in MODEL_FOLDERS]
+        # Save LoRA Weights writes output/loras/; listing it lets Load LoRA sample with a LoRA trained just now
+        lines += ["streamcache_outputs:", f"  base_path: {json.dumps(str(self.output_dir))}", "  loras: loras"]
         config = self.workdir / "extra_model_paths.yaml"
         config.write_text("\n".join(lines) + "\n")
         return config

@@ -4,8 +4,9 @@ the API prompt that ``POST /prompt`` takes.
 The UI format stores widget values positionally (``widgets_values``) and links as a table; the API format
 names every input. The mapping needs the node definitions from ``/object_info``: widget inputs in
 ``input_order``, and one extra value after inputs that have ``control_after_generate`` (the frontend's
-"fixed/increment/randomize" selector). Covered: plain nodes, links, muted nodes, notes. Not covered (refused
-with a clear error): bypassed nodes, reroutes, primitive nodes and subgraphs.
+"fixed/increment/randomize" selector, which the frontend also gives to INT inputs named ``seed``/``noise_seed``).
+Covered: plain nodes, links, muted nodes, notes. Not covered (refused with a clear error): bypassed nodes,
+reroutes, primitive nodes and subgraphs.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def _widget_inputs(info: dict[str, Any]) -> list[tuple[str, bool]]:
             if spec is None or not _is_widget(spec):
                 continue
             options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
-            out.append((name, bool(options.get("control_after_generate"))))
+            # the frontend also adds the selector to INT inputs named seed/noise_seed that do not set the option
+            implicit = spec[0] == "INT" and name in ("seed", "noise_seed") and "control_after_generate" not in options
+            out.append((name, bool(options.get("control_after_generate")) or implicit))
     return out
 
 

@@ -1,0 +1,181 @@
+"""Cancel (``POST /interrupt``) during encoding and during training, on the session's real server.
+
+After each cancel the server keeps serving; a re-queued encode finishes without redoing the entries that were
+committed before the cancel (read from the node's report), ``python -m dataset_cache verify`` passes on the
+cache, and after a training cancel no loader thread is left in the server and a new training completes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.client import ComfyClient, PromptResult
+from support.datasets import Subset, make_kohya_folder
+from support.examples import drop_node_cache
+from support.paths import PACK_ROOT
+from support.server import ComfyServer
+from support.tiny_models import TinyModels
+
+websocket = pytest.importorskip("websocket", reason="websocket-client is needed to cancel at the right moment")
+
+BIG = (Subset(2, "many", tuple((64, 64) for _ in range(8)), "png"),)
+"""8 images with 9 distinct caption lines, encoded one per batch: 17 commits, several seconds of CPU work."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_node_cache_afterwards(comfy_server: ComfyServer) -> Iterator[None]:
+    """Leave no cached loader outputs to the modules after this one (they check which nodes executed)."""
+    yield
+    drop_node_cache(comfy_server.client())
+
+
+def _encode_prompt(tiny_models: TinyModels, folder: str, cache: str, batch_size: int = 1) -> dict[str, Any]:
+    return {
+        "1": {"class_type": "VAELoader", "inputs": {"vae_name": tiny_models.name("vae")}},
+        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": tiny_models.name("clip"),
+                                                     "type": "stable_diffusion", "device": "default"}},
+        "3": {"class_type": "StreamCache_EncodeDataset", "inputs": {
+            "folder": folder, "cache": cache, "dataset": "default", "vae": ["1", 0], "clip": ["2", 0],
+            "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
+            "batch_size": batch_size, "on_failure": "skip"}},
+    }
+
+
+def _run_and_interrupt(client: ComfyClient, prompt: dict[str, Any], when: Callable[[dict[str, Any]], bool],
+                       timeout: float = 600.0) -> PromptResult:
+    """Queue ``prompt``, POST /interrupt as soon as a websocket event satisfies ``when``, wait until it ended."""
+    ws = websocket.WebSocket()
+    ws.connect(client.base_url.replace("http", "ws", 1) + f"/ws?clientId={client.client_id}", timeout=timeout)
+    events: list[dict[str, Any]] = []
+    try:
+        prompt_id = client.queue_prompt(prompt)
+        deadline = time.monotonic() + timeout
+        interrupted = False
+        while True:
+            ws.settimeout(max(0.1, deadline - time.monotonic()))
+            message = ws.recv()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prompt {prompt_id} did not end in time")
+            if not isinstance(message, str):
+                continue
+            event = json.loads(message)
+            data = event.get("data") or {}
+            if data.get("prompt_id") not in (None, prompt_id):
+                continue
+            events.append(event)
+            if not interrupted and when(event):
+                client.post("/interrupt", {})
+                interrupted = True
+            if event["type"] in ("execution_interrupted", "execution_error", "execution_success"):
+                break
+        entry = client._wait_history(prompt_id, deadline)
+    finally:
+        ws.close()
+    return PromptResult(prompt_id, entry, events)
+
+
+def _interrupted_in(result: PromptResult) -> str:
+    assert result.status == "error", result.history.get("status")
+    messages = result.history["status"]["messages"]
+    (data,) = [d for kind, d in messages if kind == "execution_interrupted"]
+    return data["node_id"]
+
+
+def _verify(cache: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dataset_cache", "verify", str(cache)], cwd=PACK_ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _threads(server: ComfyServer) -> int:
+    """How many threads the server process has (``/proc``; -1 where that cannot be read).
+
+    Python < 3.14 gives threads no OS names, so the loader's threads cannot be told apart by name: the check
+    is that training plus a cancel leaves the server with no more threads than a finished training does.
+    """
+    pid = server._proc.pid if server._proc is not None else None
+    tasks = Path(f"/proc/{pid}/task")
+    return len(list(tasks.iterdir())) if pid is not None and tasks.is_dir() else -1
+
+
+def _settled_threads(server: ComfyServer, at_most: int, wait: float = 10.0) -> int:
+    deadline = time.monotonic() + wait
+    count = _threads(server)
+    while count > at_most and time.monotonic() < deadline:
+        time.sleep(0.1)
+        count = _threads(server)
+    return count
+
+
+def _alive(client: ComfyClient) -> None:
+    result = client.run({"9": {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": "still_alive"}}})
+    assert result.status == "success"
+
+
+def test_cancel_encoding_then_requeue_finishes_without_redoing(comfy_server: ComfyServer, client: ComfyClient,
+                                                               tiny_models: TinyModels) -> None:
+    make_kohya_folder(comfy_server.input_dir / "e2e_cancel_big", BIG)
+    prompt = _encode_prompt(tiny_models, "e2e_cancel_big", "e2e_cancel")
+
+    def mid_encode(event: dict[str, Any]) -> bool:  # a few batches are committed, most are not
+        data = event.get("data") or {}
+        return event["type"] == "progress" and data.get("node") == "3" and 3 <= data["value"] < data["max"]
+
+    cancelled = _run_and_interrupt(client, prompt, mid_encode)
+    assert _interrupted_in(cancelled) == "3"
+    _alive(client)
+
+    cache = comfy_server.streamcache_dir / "e2e_cancel"
+    check = _verify(cache)
+    assert check.returncode == 0, check.stdout + check.stderr  # a cancelled encode leaves a healthy cache
+
+    again = client.run(prompt)
+    (report,) = again.outputs["3"]["streamcache_report"]
+    total = 8 + 9  # 8 latents; captions: one shared, one with two variants, 6 unique lines
+    assert report["samples"] == 8
+    assert report["reused"] > 0, report  # what was committed before the cancel is not encoded again
+    assert report["encoded"] + report["reused"] == total and report["encoded"] < total, report
+    check = _verify(cache)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_cancel_training_then_a_new_training_completes(comfy_server: ComfyServer, client: ComfyClient,
+                                                       tiny_models: TinyModels) -> None:
+    make_kohya_folder(comfy_server.input_dir / "e2e_cancel_train", (Subset(1, "x", ((64, 64), (64, 64)), "png"),))
+    prompt = _encode_prompt(tiny_models, "e2e_cancel_train", "e2e_cancel_train", batch_size=4)
+    prompt["4"] = {"class_type": "UNETLoader", "inputs": {"unet_name": tiny_models.name("unet"),
+                                                          "weight_dtype": "default"}}
+    train = {"model": ["4", 0], "dataset": ["3", 0], "batch_size": 1, "grad_accumulation_steps": 1,
+             "steps": 5000, "learning_rate": 1e-3, "rank": 4, "optimizer": "AdamW", "loss_function": "MSE",
+             "seed": 3, "training_dtype": "fp32", "lora_dtype": "fp32", "algorithm": "LoRA",
+             "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
+             "existing_lora": "[None]", "prefetch_batches": 4, "loader_threads": 2}
+    prompt["5"] = {"class_type": "StreamCache_TrainLoRA", "inputs": train}
+    prompt["6"] = {"class_type": "LossGraphNode", "inputs": {"loss": ["5", 1], "filename_prefix": "e2e_cancel"}}
+
+    train["steps"] = 3  # first a short training that completes: thread pools exist, the thread count is known
+    assert len(client.run(prompt).outputs["5"]["loss"]) == 3
+    threads = _threads(comfy_server)
+    train["steps"] = 5000
+
+    def training(event: dict[str, Any]) -> bool:
+        data = event.get("data") or {}
+        return event["type"] == "streamcache.train" and data.get("step", 0) >= 2
+
+    t0 = time.monotonic()
+    cancelled = _run_and_interrupt(client, prompt, training)
+    assert _interrupted_in(cancelled) == "5"
+    assert time.monotonic() - t0 < 300, "the interrupt did not stop the 5000-step training"
+    _alive(client)
+    assert _settled_threads(comfy_server, threads) <= threads  # the loader's threads were joined
+
+    train["steps"] = 4  # a new training on the same cache completes
+    done = client.run(prompt)
+    assert len(done.outputs["5"]["loss"]) == 4
+    assert _settled_threads(comfy_server, threads) <= threads
