@@ -6,12 +6,13 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from comfy_api.latest import io, ui
+from comfy_api.latest import io
 
 from ..dataset_cache.errors import CacheNotFoundError
 from .paths import resolve_cache
+from .ui_output import TextWithData
 
-__all__ = ["CacheInfo", "describe_cache"]
+__all__ = ["CacheInfo", "VERIFY_LIMIT_BYTES", "describe_cache", "inspect_cache"]
 
 _READER = "dataset_cache.format.reader"
 
@@ -52,20 +53,43 @@ def _format(value: Any, key: str = "", indent: int = 0) -> list[str]:
     return [label + str(value)]
 
 
-def describe_cache(path: Path) -> str:
-    """A human-readable report of the cache at ``path``, or ``"no cache at <path>"``."""
+VERIFY_LIMIT_BYTES = 256 * 1024 * 1024
+"""Caches up to this size get a full check (every row's checksum, every dataset's entries) on each run; larger
+ones get the header check only, so the node stays instant."""
+
+
+def inspect_cache(path: Path) -> tuple[str, dict[str, Any]]:
+    """A human-readable report of the cache at ``path`` (or ``"no cache at <path>"``) and the same facts as
+    JSON-able fields (the node's ``streamcache_info`` UI output, with ``problems`` found by the check)."""
     open_cache = _open_cache_function() if path.is_dir() else None
+    missing = (f"no cache at {path}", {"kind": "cache", "root": str(path), "exists": False, "problems": []})
     if open_cache is None:
-        return f"no cache at {path}"
+        return missing
     try:
-        reader = open_cache(path)
+        reader = open_cache(path, strict=False)  # a damaged shard is reported, not raised
     except CacheNotFoundError:
-        return f"no cache at {path}"
+        return missing
     try:
         stats = reader.stats()
+        full = stats["bytes"] <= VERIFY_LIMIT_BYTES
+        problems = [str(p) for p in (reader.verify() if full else reader.problems)]
     finally:
         reader.close()
-    return "\n".join([f"StreamCache cache at {path}", *_format(stats, indent=1)])
+    verified = "full" if full else "headers"
+    fields = {"kind": "cache", "root": str(path), "exists": True, "entries": stats["entries"],
+              "shards": stats["shards"], "bytes": stats["bytes"], "datasets": stats["datasets"],
+              "samples": sum(stats["datasets"].values()), "kinds": stats["kinds"], "version": stats["version"],
+              "verified": verified, "problems": problems}
+    lines = [f"StreamCache cache at {path}", *_format(stats, indent=1)]
+    check = "every row and dataset checked" if full else f"headers checked (over {_human_bytes(VERIFY_LIMIT_BYTES)})"
+    lines.append(f"  verify: {len(problems)} problem(s), {check}" if problems else f"  verify: ok, {check}")
+    lines += [f"  PROBLEM: {p}" for p in problems]
+    return "\n".join(lines), fields
+
+
+def describe_cache(path: Path) -> str:
+    """A human-readable report of the cache at ``path``, or ``"no cache at <path>"``."""
+    return inspect_cache(path)[0]
 
 
 class CacheInfo(io.ComfyNode):
@@ -106,5 +130,5 @@ class CacheInfo(io.ComfyNode):
 
     @classmethod
     def execute(cls, cache: str) -> io.NodeOutput:
-        report = describe_cache(resolve_cache(cache))
-        return io.NodeOutput(report, ui=ui.PreviewText(report))
+        report, fields = inspect_cache(resolve_cache(cache))
+        return io.NodeOutput(report, ui=TextWithData(report, streamcache_info=fields))

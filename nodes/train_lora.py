@@ -80,6 +80,7 @@ class TrainLoRA(io.ComfyNode):
             node_id="StreamCache_TrainLoRA",
             display_name="Train LoRA (Stream Cache)",
             category="StreamCache",
+            has_intermediate_output=True,  # a cached re-queue re-sends the loss curve to the node and /history
             description=(
                 "Trains a LoRA on a cached dataset. Batches are read ahead in background threads while the model "
                 "trains, each image is paired with its own caption, and device memory holds one batch whatever the "

@@ -20,7 +20,9 @@ def test_missing_cache_is_reported_not_raised(node: type, cache_root: Path) -> N
     out = node.execute(cache="nothing_here")
     expected = f"no cache at {cache_root / 'nothing_here'}"
     assert out.result == (expected,)
-    assert out.ui.as_dict() == {"text": (expected,)}
+    assert out.ui.as_dict()["text"] == (expected,)
+    assert out.ui.as_dict()["streamcache_info"] == [{"kind": "cache", "root": str(cache_root / "nothing_here"),
+                                                     "exists": False, "problems": []}]
 
 
 def test_escape_is_refused_at_validation_and_execution(node: type, cache_root: Path) -> None:

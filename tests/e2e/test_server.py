@@ -44,8 +44,11 @@ def test_cache_info_runs_and_lands_in_history(comfy_server: ComfyServer, client:
     assert result.outputs["7"]["text"] == [expected]
     assert client.history(result.prompt_id)["outputs"]["7"]["text"] == [expected]
     if result.events:  # websocket-client installed: the node's UI output was pushed live too
-        assert {"node": "7", "output": {"text": [expected]}}.items() <= next(
-            e for e in result.events_of("executed") if e["node"] == "7").items()
+        executed = next(e for e in result.events_of("executed") if e["node"] == "7")
+        assert executed["output"]["text"] == [expected]
+        root = str(comfy_server.streamcache_dir / "not_encoded_yet")
+        assert executed["output"]["streamcache_info"] == [{"kind": "cache", "root": root, "exists": False,
+                                                           "problems": []}]
 
 
 def test_escaping_name_is_refused_when_queued(client: ComfyClient) -> None:

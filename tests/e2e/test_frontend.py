@@ -1,0 +1,304 @@
+"""The pack's front-end extension in the real ComfyUI front end, driven in headless Chromium.
+
+The session's server serves ComfyUI's real front end (the ``comfyui-frontend-package`` that ComfyUI's
+requirements pin; no ``--front-end-root``). ``frontend/drive.mjs`` (Node + ``playwright-core`` + Debian's
+``/usr/bin/chromium``) opens it, loads a small UI workflow with ``app.loadGraphData`` — tiny UNET/CLIP/VAE loaders
+→ Encode Dataset → Train LoRA (Stream Cache) → Save LoRA Weights, plus Cache Info on a damaged cache — queues it
+with ``app.queuePrompt`` and samples the Train LoRA panel while training runs. Checked:
+
+* the extension registers and adds a panel to the pack's nodes, and the panels change neither the workflow's
+  widget values nor the API prompt the page builds;
+* the live loss curve appears and updates during the run (several distinct steps and losses seen), then shows the
+  full curve from the node's UI output; a second, cached queue brings the curve back;
+* the encode report shows the counts; Cache Info shows the warning badge for the damaged cache;
+* every figure is also plain node output in ``/history``;
+* no console error or page error mentions streamcache.
+
+Screenshots go to ``tests/e2e/frontend/artifacts/`` (git-ignored; ``STREAMCACHE_ARTIFACTS`` overrides); their
+paths are printed.
+Skipped with one line when Chromium, Node or ``playwright-core`` is missing (``scripts/bootstrap`` installs
+``playwright-core`` under ``tests/e2e/frontend``; ``apt-get install chromium`` provides the browser).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.client import ComfyClient
+from support.datasets import Subset, make_kohya_folder
+from support.paths import PACK_ROOT
+from support.server import ComfyServer
+from support.tiny_models import TinyModels
+from support.workflow import _widget_inputs, ui_to_api
+
+FRONTEND = Path(__file__).resolve().parent / "frontend"
+DRIVER = FRONTEND / "drive.mjs"
+ARTIFACTS = Path(os.environ.get("STREAMCACHE_ARTIFACTS", FRONTEND / "artifacts"))
+STEPS = 12
+"""Training steps: several live events (at most two a second) even on a fast machine; a step of the tiny model
+takes ~0.5-5 s on a 2-core CPU, depending on what else runs."""
+
+# node ids of the UI workflow
+UNET, CLIP, VAE, ENCODE, TRAIN, SAVE, INFO = 1, 2, 3, 4, 5, 6, 7
+
+
+def _chromium() -> str | None:
+    for candidate in (os.environ.get("STREAMCACHE_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
+                      shutil.which("chromium-browser")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def _missing_tools() -> str | None:
+    missing = []
+    if shutil.which("node") is None:
+        missing.append("node")
+    if not (FRONTEND / "node_modules" / "playwright-core" / "package.json").is_file():
+        missing.append(f"playwright-core (cd {FRONTEND.relative_to(PACK_ROOT)} && npm ci)")
+    if _chromium() is None:
+        missing.append("chromium (apt-get install chromium)")
+    return ", ".join(missing) or None
+
+
+@pytest.fixture(scope="module")
+def browser_tools() -> str:
+    missing = _missing_tools()
+    if missing:
+        pytest.skip(f"front-end test skipped: missing {missing}")
+    return _chromium() or ""
+
+
+# ------------------------------------------------------------------------------------------------ the workflow
+
+
+def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> dict[str, Any]:
+    """The API prompt the UI workflow must produce (node ids as strings)."""
+    return {
+        str(UNET): {"class_type": "UNETLoader", "inputs": {"unet_name": tiny_models.name("unet"),
+                                                           "weight_dtype": "default"}},
+        str(CLIP): {"class_type": "CLIPLoader", "inputs": {"clip_name": tiny_models.name("clip"),
+                                                           "type": "stable_diffusion", "device": "default"}},
+        str(VAE): {"class_type": "VAELoader", "inputs": {"vae_name": tiny_models.name("vae")}},
+        str(ENCODE): {"class_type": "StreamCache_EncodeDataset", "inputs": {
+            "folder": folder, "cache": cache, "dataset": "default", "vae": [str(VAE), 0], "clip": [str(CLIP), 0],
+            "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
+            "batch_size": 2, "on_failure": "skip"}},
+        str(TRAIN): {"class_type": "StreamCache_TrainLoRA", "inputs": {
+            "model": [str(UNET), 0], "dataset": [str(ENCODE), 0], "batch_size": 1, "grad_accumulation_steps": 1,
+            "steps": STEPS, "learning_rate": 0.0005, "rank": 4, "optimizer": "AdamW", "loss_function": "MSE",
+            "seed": 0, "training_dtype": "fp32", "lora_dtype": "fp32", "algorithm": "LoRA",
+            "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
+            "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0}},
+        str(SAVE): {"class_type": "SaveLoRA", "inputs": {"lora": [str(TRAIN), 0], "prefix": "loras/streamcache_fe",
+                                                         "steps": [str(TRAIN), 2]}},
+        str(INFO): {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": damaged}},
+    }
+
+
+LAYOUT = {UNET: (20, 470, 330, 90), CLIP: (20, 170, 330, 110), VAE: (20, 40, 330, 60),
+          ENCODE: (380, 40, 360, 450), TRAIN: (770, 40, 420, 760), SAVE: (1220, 40, 330, 90),
+          INFO: (1220, 200, 340, 190)}
+
+
+def _input_spec(info: dict[str, Any], name: str) -> list[Any]:
+    for section in ("required", "optional"):
+        if name in info.get("input", {}).get(section, {}):
+            return info["input"][section][name]
+    raise KeyError(name)
+
+
+def _frontend_adds_control(info: dict[str, Any], name: str) -> bool:
+    """The front end also gives INT inputs named ``seed``/``noise_seed`` a control_after_generate widget (whose
+    value follows the seed in ``widgets_values``) unless the node sets the option explicitly."""
+    spec = _input_spec(info, name)
+    options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    return spec[0] == "INT" and name in ("seed", "noise_seed") and "control_after_generate" not in options
+
+
+def api_to_ui(prompt: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:
+    """A UI workflow (what the front end saves) for an API prompt: positional widget values, a link table."""
+    links: list[list[Any]] = []
+    nodes: dict[int, dict[str, Any]] = {}
+    for node_id, entry in prompt.items():
+        info = object_info[entry["class_type"]]
+        x, y, w, h = LAYOUT[int(node_id)]
+        values: list[Any] = []
+        for name, has_control in _widget_inputs(info):
+            values.append(entry["inputs"][name])
+            if has_control or _frontend_adds_control(info, name):
+                values.append("fixed")
+        widget_names = {name for name, _ in _widget_inputs(info)}
+        inputs = []
+        for section in ("required", "optional"):
+            for name in info.get("input_order", {}).get(section, []):
+                kind = _input_spec(info, name)[0]
+                slot: dict[str, Any] = {"name": name, "type": "COMBO" if isinstance(kind, list) else kind,
+                                        "link": None}
+                if name in widget_names:
+                    slot["widget"] = {"name": name}
+                elif name not in entry["inputs"] and section == "optional":
+                    continue
+                inputs.append(slot)
+        outputs = [{"name": out_name, "type": out_type, "links": [], "slot_index": i}
+                   for i, (out_name, out_type) in enumerate(zip(info["output_name"], info["output"]))]
+        nodes[int(node_id)] = {"id": int(node_id), "type": entry["class_type"], "pos": [x, y], "size": [w, h],
+                               "flags": {}, "order": 0, "mode": 0, "inputs": inputs, "outputs": outputs,
+                               "properties": {"Node name for S&R": entry["class_type"]},
+                               "widgets_values": values}
+    for node_id, entry in prompt.items():
+        for name, value in entry["inputs"].items():
+            if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)):
+                continue
+            src, slot = int(value[0]), value[1]
+            dst = nodes[int(node_id)]
+            dst_slot = next(i for i, s in enumerate(dst["inputs"]) if s["name"] == name)
+            link_id = len(links) + 1
+            kind = nodes[src]["outputs"][slot]["type"]
+            links.append([link_id, src, slot, int(node_id), dst_slot, kind])
+            dst["inputs"][dst_slot]["link"] = link_id
+            dst["inputs"][dst_slot]["type"] = kind
+            nodes[src]["outputs"][slot]["links"].append(link_id)
+    return {"last_node_id": max(nodes), "last_link_id": len(links), "nodes": list(nodes.values()),
+            "links": links, "groups": [], "config": {}, "extra": {"ds": {"scale": 0.9, "offset": [70, 40]}},
+            "version": 0.4}
+
+
+def _damaged_cache(root: Path) -> Path:
+    """A one-entry cache whose tensor bytes no longer match their checksum (headers intact)."""
+    from support.pack import import_library
+
+    import_library()
+    import torch
+    from dataset_cache.format.writer import CacheWriter
+
+    with CacheWriter(root) as writer:
+        writer.add(hashlib.sha256(b"fe").hexdigest(), {"samples": torch.ones(1, 4, 8, 8)}, kind="latent")
+    (shard,) = (root / "shards").glob("*.safetensors")
+    data = bytearray(shard.read_bytes())
+    at = data.rfind(b"\x00\x00\x80\x3f" * 16)  # inside the 1.0 run
+    assert at > 0, "tensor bytes not found in the shard"
+    data[at + 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return root
+
+
+# ------------------------------------------------------------------------------------------------ the test
+
+
+def _console_problems(result: dict[str, Any]) -> list[str]:
+    bad = [f"{m['type']}: {m['text']} ({m.get('url', '')})" for m in result["console"]
+           if m["type"] in ("error", "assert") and "streamcache" in (m["text"] + m.get("url", "")).lower()]
+    bad += [e for e in result["pageErrors"] if "streamcache" in e.lower()]
+    return bad
+
+
+def test_live_loss_curve_and_panels_in_the_real_front_end(browser_tools: str, comfy_server: ComfyServer,
+                                                          client: ComfyClient, tiny_models: TinyModels) -> None:
+    with urllib.request.urlopen(comfy_server.url + "/", timeout=30) as resp:
+        page = resp.read().decode(errors="replace")
+    if "<title>ComfyUI" not in page:
+        pytest.skip("front-end test skipped: the server serves no ComfyUI front end (comfyui-frontend-package)")
+    make_kohya_folder(comfy_server.input_dir / "fe_kohya",
+                      (Subset(2, "red", ((64, 64), (96, 64), (64, 64)), "png"), Subset(1, "blue", ((64, 64),), "jpg")))
+    _damaged_cache(comfy_server.streamcache_dir / "fe_damaged")
+    prompt = _prompt(tiny_models, "fe_kohya", "fe_cache", "fe_damaged")
+    object_info = client.object_info()
+    workflow = api_to_ui(prompt, object_info)
+    assert {k: v["inputs"] for k, v in ui_to_api(workflow, object_info).items()} == \
+        {k: v["inputs"] for k, v in prompt.items()}  # the converter reads what the front end reads (below)
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "frontend-workflow.json").write_text(json.dumps(workflow, indent=1))
+    # ComfyUI re-sends a cached node's UI only for output / intermediate-output nodes
+    expect_cached_ui = bool(object_info["StreamCache_TrainLoRA"].get("has_intermediate_output"))
+    config = {"url": comfy_server.url, "workflow": workflow, "out": str(ARTIFACTS), "chromium": browser_tools,
+              "timeout_ms": 480_000, "train_node": TRAIN, "encode_node": ENCODE, "info_node": INFO,
+              "cached_wait_ms": 60_000 if expect_cached_ui else 3_000}
+    t0 = time.monotonic()
+    proc = subprocess.run(["node", str(DRIVER), json.dumps(config)], cwd=FRONTEND, capture_output=True, text=True,
+                          timeout=600)
+    seconds = time.monotonic() - t0
+    assert proc.returncode == 0, f"drive.mjs failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not result.get("error"), f"drive.mjs: {result['error']}\nconsole: {result['console'][-20:]}"
+    sys.stderr.write(f"\n[frontend] browser run {seconds:.1f} s, steps {result['steps']}; screenshots: "
+                     f"{ARTIFACTS / 'frontend.png'}, {ARTIFACTS / 'frontend-loss-curve.png'}, "
+                     f"{ARTIFACTS / 'frontend-live.png'}\n")
+
+    # the extension added its panels; the page's API prompt is the one intended (panels are not serialized)
+    panels = {p["id"]: p for p in result["panels"]}
+    assert all(panels[n]["panel"] for n in (ENCODE, TRAIN, INFO)), panels
+    assert not any(panels[n]["panel"] for n in (UNET, CLIP, VAE, SAVE))
+    page_prompt = {k: v["inputs"] for k, v in result["prompt"].items()}
+    assert page_prompt == {k: v["inputs"] for k, v in prompt.items()}
+
+    # the curve appeared and updated while training ran (checked right after each event, and by polling), then
+    # showed the whole run
+    seen = result["seen"]
+    steps = [int(s["event"]["step"]) for s in seen]
+    assert len(set(steps)) >= 2 and len({s["event"]["loss"] for s in seen}) >= 2, f"too few live events: {seen}"
+    assert all(s["event"]["node"] == str(TRAIN) and int(s["event"]["total"]) == STEPS for s in seen)
+    assert [int(s["panel"]["step"]) for s in seen] == steps, "the panel did not follow the events"
+    points = [int(s["panel"]["points"]) for s in seen]
+    assert points == list(range(1, len(seen) + 1)), points
+    live = [s["train"] for s in result["samples"] if s["train"] and s["train"].get("final") == "false"
+            and s["train"].get("step")]
+    assert live, "the page never showed the live curve"
+    final = result["final"]["train"]
+    assert final["final"] == "true" and int(final["points"]) == STEPS and final["visible"], final
+    assert int(final["step"]) == STEPS and float(final["loss"]) > 0
+    if expect_cached_ui:
+        assert result["cached"]["final"] == "true" and int(result["cached"]["points"]) == STEPS, result["cached"]
+
+    # the encode report went live then final; Cache Info flags the damaged cache
+    encode = result["final"]["encode"]
+    assert encode["phase"] == "done" and int(encode["new"]) == 8 and int(encode["failed"]) == 0, encode
+    assert int(encode["encoded"]) == 4 + 4 and int(encode["bytes_written"]) > 0  # 4 latents, 4 distinct caption texts
+    assert any((s["encode"] or {}).get("phase") == "encoding" for s in result["samples"]), "no live encode report"
+    info = result["final"]["info"]
+    assert int(info["problems"]) >= 1 and "problem" in info["text"], info
+
+    # every figure is plain node output in /history too
+    (entry,) = [h for h in result["history"].values() if str(TRAIN) in h.get("outputs", {})
+                and len(h["outputs"][str(TRAIN)].get("loss", [])) == STEPS][:1]
+    outputs = entry["outputs"]
+    assert outputs[str(TRAIN)]["text"][0].startswith("dataset 'default'")
+    assert outputs[str(ENCODE)]["streamcache_report"][0]["new"] == 8  # images + caption files
+    assert outputs[str(INFO)]["streamcache_info"][0]["problems"]
+
+    assert not _console_problems(result), _console_problems(result)
+    assert (ARTIFACTS / "frontend.png").stat().st_size > 10_000
+
+
+def test_panel_data_reaches_the_websocket_and_history_without_a_browser(client: ComfyClient,
+                                                                       comfy_server: ComfyServer,
+                                                                       tiny_models: TinyModels) -> None:
+    """What the panels draw is plain websocket events and node output: checked with no browser at all."""
+    make_kohya_folder(comfy_server.input_dir / "fe_ws_kohya", (Subset(1, "x", ((64, 64), (64, 64)), "png"),))
+    prompt = {k: v for k, v in _prompt(tiny_models, "fe_ws_kohya", "fe_ws_cache", "fe_ws_cache").items()
+              if k in (str(CLIP), str(VAE), str(ENCODE))}
+    result = client.run(prompt)
+    (report,) = result.outputs[str(ENCODE)]["streamcache_report"]
+    assert report["new"] == 4 and not report["failed"] and report["bytes_written"] > 0  # 2 images + 2 captions
+    assert report["encoded_latents"] == 2 and report["encoded_conditionings"] == 3  # one two-line caption
+    assert result.outputs[str(ENCODE)]["text"][0].startswith("dataset 'default': 2 samples")
+    if result.events:  # websocket-client present
+        live = result.events_of("streamcache.encode")
+        assert live and all(e["node"] == str(ENCODE) and e["phase"] == "encoding" for e in live)
+        assert live[-1]["done"] == live[-1]["total"] == 5 and live[-1]["samples"] == 2
+
+    info = client.run({"9": {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": "fe_ws_cache"}}})
+    (fields,) = info.outputs["9"]["streamcache_info"]
+    assert fields["samples"] == 2 and fields["entries"] == 5 and fields["problems"] == []
+    assert fields["verified"] == "full"
