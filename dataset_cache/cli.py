@@ -10,8 +10,10 @@ Subcommands:
 * ``clean PATH [--dry-run]`` — removes entries no dataset references, compacts underfull shards and deletes
   orphan files (:mod:`.clean`); refuses (exit 2) while another process encodes into or reads the cache.
   ``--dry-run`` only prints what would be removed.
-* ``bench`` is reserved for later (read and loader throughput). It is not registered yet, so argparse rejects it
-  like any unknown command.
+* ``bench [--quick|--smoke] [--sd15 N,N] [--flux N,N] [--runs R] [--no-doc]`` — library benchmarks on synthetic
+  SD1.5- and Flux-sized caches (open vs the lazy-branch design, batch reads vs safe_open and raw reads, prefetch
+  overlap, incremental encode, validation, scaling); prints markdown tables and rewrites the library section of
+  ``docs/BENCHMARKS.md`` (:mod:`.bench`). Figures that need ComfyUI come from ``scripts/bench-comfy``.
 
 Exit codes: 0 success; 1 ``verify`` found damage; 2 bad usage or input (missing path, not a cache, damaged
 source). Expected errors print one ``error: ...`` line on stderr, never a traceback; anything else is a bug
@@ -59,7 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dataset_cache",
         description="Inspect, verify and convert ComfyUI-StreamCache dataset caches.",
-        epilog="Planned, not yet available: 'bench' (read throughput).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", type=Path, help="cache directory")
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     p.set_defaults(run=_cmd_clean)
+
+    from .bench import add_arguments as _bench_arguments
+
+    p = sub.add_parser("bench", help="run the library benchmarks and update docs/BENCHMARKS.md")
+    _bench_arguments(p)
+    p.set_defaults(run=_cmd_bench)
     return parser
 
 
@@ -173,6 +180,12 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     report = clean(args.path, dry_run=args.dry_run)
     sys.stdout.write(report.summary() + "\n")
     return EXIT_OK
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run
+
+    return run(args)
 
 
 def _size(n: int) -> str:
