@@ -62,6 +62,7 @@ __all__ = [
     "EncodeReport",
     "plan_encode",
     "run_encode",
+    "compact_if_unread",
     "sources_record_path",
 ]
 
@@ -308,10 +309,15 @@ def _acquire(lock: CacheLock, root: str, should_stop: Callable[[], bool] | None)
             time.sleep(_LOCK_POLL_S)
 
 
-def _compact(writer: CacheWriter, root: str) -> CompactReport | None:
-    """Compact unless a reader holds the cache (compaction deletes replaced shards under its feet)."""
+def compact_if_unread(writer: CacheWriter, root: str | os.PathLike[str], *,
+                      purpose: str = "compaction after encode") -> CompactReport | None:
+    """Compact unless a reader holds the cache (compaction deletes replaced shards under its feet).
+
+    Returns None, with a log line, when a reader (a training) holds the read lock: the next encode, save or
+    ``clean`` compacts instead.
+    """
     try:
-        with CacheLock(root, READ_LOCK, exclusive=True, timeout=0, purpose="compaction after encode"):
+        with CacheLock(root, READ_LOCK, exclusive=True, timeout=0, purpose=purpose):
             return writer.compact()
     except CacheLockedError:
         log.info("%s: a reader holds the cache; compaction skipped (the next encode or `clean` does it)", root)
@@ -426,7 +432,7 @@ def run_encode(
                 if not (plan.dataset_current and samples == plan.samples):
                     writer.set_dataset(plan.dataset, samples, info=_info(plan, report, samples))
                 if report.encoded:  # per-batch commits left small shards
-                    report.compaction = _compact(writer, plan.cache_root)
+                    report.compaction = compact_if_unread(writer, plan.cache_root)
                 report.samples = len(samples)
                 report.timings["finish"] = time.perf_counter() - t_finish
         except BaseException:

@@ -47,6 +47,7 @@ __all__ = [
     "ConvertReport",
     "detect_comfy_dataset",
     "inspect_comfy_dataset",
+    "split_batch",
     "iter_comfy_dataset",
     "convert_comfy_dataset",
     "load_skeleton_pickle",
@@ -466,7 +467,7 @@ def value_key(value: Any, *, name: str = "value") -> str:
 # ----------------------------------------------------------------------------------------------- conversion
 
 
-def _split_batch(latent: Any, cond: Any, where: str) -> list[tuple[Any, Any]]:
+def split_batch(latent: Any, cond: Any, where: str) -> list[tuple[Any, Any]]:
     """Split a latent dict holding ``B > 1`` rows into ``B`` single-row samples, as ComfyUI's trainer does.
 
     Conditioning pairs the way the trainer's flattening pairs it: ``B`` entries give row ``i`` entry ``i``; a single
@@ -553,7 +554,7 @@ def convert_comfy_dataset(
         for shard, shard_samples in _iter_shards(info):
             for i, (latent, cond) in enumerate(shard_samples):
                 source_samples += 1
-                rows = _split_batch(latent, cond, f"{shard} sample {i}")
+                rows = split_batch(latent, cond, f"{shard} sample {i}")
                 for r, (lat, con) in enumerate(rows):
                     where, src_name = f"{shard} sample {i}", f"{shard.name}#{i}"
                     if len(rows) > 1:

@@ -32,13 +32,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from .errors import CacheError
+from .format.manifest import atomic_write
 from .keys import hash_file, is_key
 from .scan import FolderListing, SourceFailure, SourceImage, list_folder
 from .threads import resolve_threads
@@ -290,35 +291,9 @@ def save_record(record: SourcesRecord, path: str | os.PathLike[str]) -> None:
         "height": [r.height for r in rows],
     }
     data = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # not supported (Windows): the replace is still atomic, only its durability is weaker
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    target = Path(os.path.abspath(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(target, lambda f: f.write(data))
 
 
 def _is_count(v: Any) -> bool:

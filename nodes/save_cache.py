@@ -24,11 +24,11 @@ from typing import Any
 from comfy_api.latest import io, ui
 
 from ..dataset_cache.dataset import Sample
-from ..dataset_cache.errors import CacheLockedError
 from ..dataset_cache.format.reader import open_cache
 from ..dataset_cache.format.writer import CacheWriter, CompactReport
-from ..dataset_cache.interop import _split_batch, value_key  # _split_batch: see the lead's note in the report
-from ..dataset_cache.lock import READ_LOCK, WRITE_LOCK, CacheLock
+from ..dataset_cache.interop import split_batch, value_key
+from ..dataset_cache.incremental import compact_if_unread
+from ..dataset_cache.lock import WRITE_LOCK, CacheLock
 from .fingerprints import OwnWrites, cache_identity
 from .handles import StreamDatasetHandle
 from .paths import resolve_cache
@@ -60,15 +60,6 @@ def _batches(items: Sequence[str], n: int) -> Iterator[Sequence[str]]:
         yield items[i:i + n]
 
 
-def _compact(writer: CacheWriter, root: Path) -> CompactReport | None:
-    try:
-        with CacheLock(root, READ_LOCK, exclusive=True, timeout=0, purpose="compaction after save"):
-            return writer.compact()
-    except CacheLockedError:
-        log.info("%s: a reader holds the cache; compaction skipped (run Clean Cache later)", root)
-        return None
-
-
 def save_dataset(handle: StreamDatasetHandle, root: Path, name: str) -> tuple[int, int, CompactReport | None]:
     """Copy ``handle``'s dataset into the cache at ``root`` as dataset ``name``, bucket by bucket.
 
@@ -92,7 +83,7 @@ def save_dataset(handle: StreamDatasetHandle, root: Path, name: str) -> tuple[in
                 writer.commit()
             info["copied_from"] = {"cache": handle.cache_root, "dataset": handle.name}
             _set_dataset(writer, root, name, samples, info)
-            compaction = _compact(writer, root)
+            compaction = compact_if_unread(writer, root, purpose="compaction after save")
     finally:
         reader.close()
     return len(samples), len(todo), compaction
@@ -125,7 +116,7 @@ def save_lists(latents: Sequence[Any], conditioning: Sequence[Any], root: Path, 
     added = 0
     with CacheLock(root, WRITE_LOCK, timeout=LOCK_TIMEOUT_S, purpose="save"), CacheWriter(root) as writer:
         for i, (latent, cond) in enumerate(pairs):
-            rows = _split_batch(latent, cond, f"latents[{i}]")
+            rows = split_batch(latent, cond, f"latents[{i}]")
             for r, (lat, con) in enumerate(rows):
                 where = f"[{i}]" + (f" row {r}" if len(rows) > 1 else "")
                 keys = []
@@ -138,7 +129,7 @@ def save_lists(latents: Sequence[Any], conditioning: Sequence[Any], root: Path, 
                 samples.append(Sample(keys[0], (keys[1],), source=f"latents{where}"))
         _set_dataset(writer, root, name, samples, {"source": "ComfyUI latent + conditioning lists",
                                                    "source_samples": len(pairs)})
-        compaction = _compact(writer, root)
+        compaction = compact_if_unread(writer, root, purpose="compaction after save")
     return len(samples), added, compaction
 
 
