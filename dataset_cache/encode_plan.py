@@ -5,8 +5,9 @@ text encoder at all: when nothing is missing neither is loaded. Steps:
 
 1. validate the folder against the sources record of the dataset (``<cache>/sources/<id>.json``): unchanged files
    are trusted by stat, changed ones re-hashed (see :mod:`.sources`);
-2. scan image sizes from headers and caption variants (:mod:`.scan`), then save the updated record at once, so
-   a crash during the encode that follows never costs a re-hash;
+2. scan image sizes from headers and caption variants (:mod:`.scan`; both are kept in the record, so files
+   trusted by stat are not opened), then save the updated record at once, so a crash during the encode that
+   follows never costs a re-hash;
 3. bucket every image (:class:`.buckets.BucketConfig`) and compute its latent key from the source content hash,
    the crop plan and the VAE fingerprint, and one conditioning key per caption variant from the final caption
    text (prefix + line + suffix) and the text encoder fingerprint (:mod:`.keys`);
@@ -22,10 +23,12 @@ Entries stay in the cache until ``clean`` removes what no dataset references.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -406,6 +409,26 @@ def plan_encode(
     for name, fp in (("vae_fingerprint", vae_fingerprint), ("text_fingerprint", text_fingerprint)):
         if not isinstance(fp, str) or not fp:
             raise ValueError(f"{name} must be a non-empty str identifying the encoder (see keys.fingerprint)")
+    with _gc_paused():
+        return _plan_encode(folder, cache_root, dataset, settings, vae_fingerprint, text_fingerprint, threads)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: a plan allocates a few objects per file and no reference cycles, and
+    on a 100k-image folder the collections it triggers cost about a third of an unchanged folder's plan."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[str], dataset: str,
+                 settings: EncodeSettings, vae_fingerprint: str, text_fingerprint: str, threads: int | None
+                 ) -> EncodePlan:
     root = os.path.abspath(os.fspath(cache_root))
     src = os.path.abspath(os.fspath(folder))
     record_path = sources_record_path(root, dataset)
@@ -414,8 +437,9 @@ def plan_encode(
 
     validation = validate_sources(src, _load_record(record_path), threads=threads)
     record = validation.record
-    scan = scan_folder(validation.listing, known_sizes=record.image_sizes(), threads=threads)
-    if validation.hashed or not validation.clean:  # else every file was trusted by stat: the record is current
+    scan = scan_folder(validation.listing, known_sizes=record.image_sizes(), known_captions=record.caption_lines(),
+                       threads=threads)
+    if validation.hashed or validation.captions_added or not validation.clean:  # else the record is current
         save_record(record.with_image_sizes(scan.images), record_path)  # before any encode: never re-hash
 
     samples: list[Sample] = []

@@ -5,8 +5,8 @@ Two steps, so that "did anything change?" never pays for more than a directory l
 * :func:`list_folder` walks the folder with one ``os.scandir`` per directory and takes every size and mtime from
   ``DirEntry.stat()``; it pairs images with same-stem ``.txt`` captions and reads kohya repeat counts from folder
   names. It opens no file. :mod:`.sources` validates this listing against the previous run's record.
-* :func:`scan_folder` adds what needs file contents: image sizes from headers (no pixel decoding; sizes the
-  caller already knows for unchanged files are reused) and caption variants.
+* :func:`scan_folder` adds what needs file contents: image sizes from headers (no pixel decoding) and caption
+  variants; sizes and variants the caller already knows for unchanged files are reused.
 
 Layout rules:
 
@@ -50,6 +50,7 @@ __all__ = [
     "list_folder",
     "scan_folder",
     "read_captions",
+    "decode_captions",
 ]
 
 log = logging.getLogger("dataset_cache.scan")
@@ -339,6 +340,15 @@ def read_captions(path: str) -> tuple[str, ...]:
             raw = f.read()
     except OSError as exc:
         raise SourceError(path, f"cannot read caption: {exc.strerror or exc}") from exc
+    return decode_captions(raw, path)
+
+
+def decode_captions(raw: bytes, path: str) -> tuple[str, ...]:
+    """Return the caption variants held in ``raw``, the bytes of caption file ``path`` (named in errors).
+
+    Raises:
+        SourceError: ``raw`` is not UTF-8.
+    """
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -353,17 +363,27 @@ def read_captions(path: str) -> tuple[str, ...]:
     return variants or ("",)
 
 
-def _scan_one(root: str, item: ListedImage, known: Mapping[str, tuple[int, int, int, int]] | None
-              ) -> SourceImage | SourceFailure:
-    abspath = os.path.join(root, *item.relpath.split("/"))
+def _join(root: str, relpath: str) -> str:
+    """``os.path.join(root, *relpath.split("/"))``, without its cost per call where ``/`` is the separator."""
+    if os.sep != "/":
+        return os.path.join(root, *relpath.split("/"))
+    return root + relpath if root.endswith("/") else root + "/" + relpath
+
+
+def _scan_one(root: str, item: ListedImage, known: Mapping[str, tuple[int, int, int, int]] | None,
+              known_captions: Mapping[str, tuple[int, int, tuple[str, ...]]] | None) -> SourceImage | SourceFailure:
+    abspath = _join(root, item.relpath)
     try:
         hit = known.get(item.relpath) if known else None
         if hit is not None and hit[0] == item.size and hit[1] == item.mtime_ns:
             width, height = hit[2], hit[3]
         else:
             width, height = read_image_size(abspath)
+        cap = known_captions.get(item.caption_relpath) if known_captions and item.caption_relpath else None
         if item.caption_relpath is None:
             captions: tuple[str, ...] = ("",)
+        elif cap is not None and cap[0] == item.caption_size and cap[1] == item.caption_mtime_ns:
+            captions = cap[2]
         else:
             try:
                 captions = read_captions(os.path.join(root, *item.caption_relpath.split("/")))
@@ -375,10 +395,23 @@ def _scan_one(root: str, item: ListedImage, known: Mapping[str, tuple[int, int, 
                        item.caption_relpath, captions)
 
 
+def _is_known(item: ListedImage, sizes: Mapping[str, tuple[int, int, int, int]],
+              caps: Mapping[str, tuple[int, int, tuple[str, ...]]]) -> bool:
+    """Whether :func:`_scan_one` can do without opening any file of ``item``."""
+    hit = sizes.get(item.relpath)
+    if hit is None or hit[0] != item.size or hit[1] != item.mtime_ns:
+        return False
+    if item.caption_relpath is None:
+        return True
+    cap = caps.get(item.caption_relpath)
+    return cap is not None and cap[0] == item.caption_size and cap[1] == item.caption_mtime_ns
+
+
 def scan_folder(
     root: str | os.PathLike[str] | FolderListing,
     *,
     known_sizes: Mapping[str, tuple[int, int, int, int]] | None = None,
+    known_captions: Mapping[str, tuple[int, int, tuple[str, ...]]] | None = None,
     threads: int | None = None,
 ) -> ScanResult:
     """Scan a dataset folder: list it, read image sizes from headers and caption variants.
@@ -387,6 +420,8 @@ def scan_folder(
         root: the folder, or a :class:`FolderListing` already made by :func:`list_folder`.
         known_sizes: ``relpath -> (size, mtime_ns, width, height)`` from a previous run (e.g.
             ``SourcesRecord.image_sizes()``); images whose size and mtime match are not opened.
+        known_captions: ``caption relpath -> (size, mtime_ns, variants)`` from a previous run (e.g.
+            ``SourcesRecord.caption_lines()``); caption files whose size and mtime match are not opened.
         threads: header/caption reader threads; ``None`` chooses from the CPUs this process may use. (Pass a
             listing made with :func:`list_folder` to choose listing threads.)
 
@@ -400,14 +435,20 @@ def scan_folder(
     n = resolve_threads(threads, purpose="scan threads", per_cpu=2.0, maximum=16)
     items = listing.images
     def scan_chunk(chunk: tuple[ListedImage, ...]) -> list[SourceImage | SourceFailure]:
-        return [_scan_one(listing.root, item, known_sizes) for item in chunk]
+        return [_scan_one(listing.root, item, known_sizes, known_captions) for item in chunk]
 
-    if n <= 1 or len(items) < 64:
+    # items whose size and captions are all known open no file: threads would only contend for the GIL
+    sizes, caps = known_sizes or {}, known_captions or {}
+    slow = [item for item in items if not _is_known(item, sizes, caps)] if n > 1 and len(items) >= 64 else []
+    if len(slow) < 64:
         results = scan_chunk(items)
     else:  # chunks keep the per-task overhead small next to a header read
-        chunks = [items[i:i + 64] for i in range(0, len(items), 64)]
+        chunks = [slow[i:i + 64] for i in range(0, len(slow), 64)]
         with ThreadPoolExecutor(n, thread_name_prefix="scan") as pool:
-            results = [r for part in pool.map(scan_chunk, chunks) for r in part]
+            read = {r_item.relpath: r for part, chunk in zip(pool.map(scan_chunk, chunks), chunks)
+                    for r_item, r in zip(chunk, part)}
+        results = [read[item.relpath] if item.relpath in read else _scan_one(listing.root, item, sizes, caps)
+                   for item in items]
     images = tuple(r for r in results if isinstance(r, SourceImage))
     # a caption shared by a.png and a.jpg fails once, not twice
     found = (*listing.failures, *(r for r in results if isinstance(r, SourceFailure)))

@@ -1,8 +1,9 @@
 """The stat/hash record of a dataset folder's source files, and exact, fast validation against it.
 
 The record maps each source file (images and their caption files, by path relative to the folder) to its size,
-``mtime_ns``, xxh3-128 content hash and, for images, the scanned width and height. Validation checks every file
-of the folder, none sampled:
+``mtime_ns``, xxh3-128 content hash and, for images, the scanned width and height, for caption files their caption
+variants (:func:`.scan.decode_captions`, parsed from the very bytes that were hashed), so that planning an
+unchanged folder opens no file at all. Validation checks every file of the folder, none sampled:
 
 * same ``(size, mtime_ns)`` as recorded → trusted without reading the file;
 * different stat (or a new file) → the file is re-hashed; an unchanged hash only refreshes the stored stat, so a
@@ -18,10 +19,14 @@ from a machine whose clock runs ahead, are therefore re-hashed on every run unti
 never wrong).
 
 Cost when nothing changed: one ``os.scandir`` per folder, one ``DirEntry.stat()`` per file and a dict lookup; no
-file is opened. Changed files are hashed on a small thread pool.
+file is opened. Changed files are hashed on a small thread pool (caption files are read whole, hashed and parsed
+in one go). Trusted caption files recorded without variants (a version-1 record, or a caption that is not UTF-8)
+are read once more to store them when their content still has the recorded hash.
 
-Storage: JSON with one list per field (columnar: compact, fast to load), written atomically (temp file, fsync,
-``os.replace``, directory fsync) at a path the caller chooses (the cache keeps them under ``<cache>/sources/``).
+Storage: JSON with one list per field (columnar: compact, fast to load; ``captions`` holds a list of variants
+for caption files and ``null`` otherwise; version-1 records, which lack it, still load), written atomically (temp
+file, fsync, ``os.replace``, directory fsync) at a path the caller chooses (the cache keeps them under
+``<cache>/sources/``).
 A record that fails validation on load raises :class:`SourcesRecordError`; callers that prefer to carry on can
 catch it and validate against an empty record, which re-hashes every file but re-encodes nothing (keys are
 content addressed).
@@ -29,6 +34,7 @@ content addressed).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -38,10 +44,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .errors import CacheError
+import xxhash
+
+from .errors import CacheError, SourceError
 from .format.manifest import atomic_write
 from .keys import hash_file, is_key
-from .scan import FolderListing, SourceFailure, SourceImage, list_folder
+from .scan import FolderListing, SourceFailure, SourceImage, decode_captions, list_folder
 from .threads import resolve_threads
 
 __all__ = [
@@ -61,14 +69,18 @@ __all__ = [
 RECORD_FORMAT = "streamcache-sources"
 """Value of the ``format`` field of every record file."""
 
-RECORD_VERSION = 1
-"""Version of the record file layout; records of other versions are refused with an explicit message."""
+RECORD_VERSION = 2
+"""Version of the record file layout written; version 1 (no ``captions`` column) is still read, others are refused
+with an explicit message."""
+
+_READABLE_VERSIONS = (1, 2)
 
 RACY_WINDOW_NS = 2_000_000_000
 """Files modified less than 2 s before the previous scan began are re-hashed even when their stat matches: 2 s
 covers the coarsest common timestamp granularity (FAT/exFAT), so an edit in the same tick as the scan is caught."""
 
 _COLUMNS = ("paths", "size", "mtime_ns", "hash", "width", "height")
+_CAPTIONS = "captions"  # version 2 on
 
 
 class SourcesRecordError(CacheError, ValueError):
@@ -89,13 +101,15 @@ class SourcesRecordError(CacheError, ValueError):
 
 
 class SourceEntry(NamedTuple):
-    """The recorded state of one source file (``width``/``height`` only for images whose size was scanned)."""
+    """The recorded state of one source file (``width``/``height`` only for images whose size was scanned,
+    ``captions`` only for caption files: their variants, parsed from the content that has ``hash``)."""
 
     size: int
     mtime_ns: int
     hash: str
     width: int | None = None
     height: int | None = None
+    captions: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -131,6 +145,10 @@ class SourcesRecord:
             if e.width is not None and e.height is not None
         }
 
+    def caption_lines(self) -> dict[str, tuple[int, int, tuple[str, ...]]]:
+        """Return ``relpath -> (size, mtime_ns, variants)`` for :func:`.scan.scan_folder`'s ``known_captions``."""
+        return {p: (e.size, e.mtime_ns, e.captions) for p, e in self.entries.items() if e.captions is not None}
+
     def with_image_sizes(self, images: Iterable[SourceImage]) -> SourcesRecord:
         """Return a copy with the scanned sizes of ``images`` stored (entries whose stat matches only)."""
         entries = dict(self.entries)
@@ -155,6 +173,8 @@ class Validation:
         failures: files that could not be listed or hashed (left out of the record, so retried next time).
         record: the updated record, ready for :func:`save_record`.
         listing: the folder listing the validation used (reusable by :func:`.scan.scan_folder`).
+        captions_added: trusted caption files whose variants were missing from the previous record (version 1)
+            and were read and stored (the record then differs from the previous one and is worth saving).
     """
 
     new: tuple[str, ...]
@@ -166,6 +186,7 @@ class Validation:
     failures: tuple[SourceFailure, ...]
     record: SourcesRecord
     listing: FolderListing
+    captions_added: int = 0
 
     @property
     def clean(self) -> bool:
@@ -181,23 +202,45 @@ class Validation:
         }
 
 
-def _hash_chunk(root: str, relpaths: list[str]) -> list[str | OSError]:
-    out: list[str | OSError] = []
-    for relpath in relpaths:
+_Read = Any  # (hash, caption variants or None), or the OSError that stopped the read
+
+
+def _read_caption(path: str) -> tuple[str, tuple[str, ...] | None]:
+    """Read a caption file whole; return its hash and its variants (``None`` when not UTF-8)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        parts = []
+        while part := os.read(fd, 1 << 20):
+            parts.append(part)
+    finally:
+        os.close(fd)
+    raw = b"".join(parts)
+    try:
+        captions: tuple[str, ...] | None = decode_captions(raw, path)
+    except SourceError:  # reported by the scan, which reads it again
+        captions = None
+    return xxhash.xxh3_128_hexdigest(raw), captions
+
+
+def _hash_chunk(root: str, items: list[tuple[str, bool]]) -> list[_Read]:
+    out: list[_Read] = []
+    for relpath, caption in items:
+        path = os.path.join(root, *relpath.split("/"))
         try:
-            out.append(hash_file(os.path.join(root, *relpath.split("/"))))
+            out.append(_read_caption(path) if caption else (hash_file(path), None))
         except OSError as exc:
             out.append(exc)
     return out
 
 
-def _hash_all(root: str, relpaths: list[str], threads: int | None) -> list[str | OSError]:
-    """Hash files on a small pool; files go in chunks so per-task overhead stays small next to tiny captions."""
-    n = min(len(relpaths), resolve_threads(threads, purpose="source hashing threads", per_cpu=2.0, maximum=16))
-    if n <= 1 or len(relpaths) < 16:
-        return _hash_chunk(root, relpaths)
-    size = max(1, min(256, len(relpaths) // (4 * n)))
-    chunks = [relpaths[i:i + size] for i in range(0, len(relpaths), size)]
+def _hash_all(root: str, items: list[tuple[str, bool]], threads: int | None) -> list[_Read]:
+    """Hash files (``(relpath, is_caption)``) on a small pool; files go in chunks so per-task overhead stays small
+    next to tiny captions."""
+    n = min(len(items), resolve_threads(threads, purpose="source hashing threads", per_cpu=2.0, maximum=16))
+    if n <= 1 or len(items) < 16:
+        return _hash_chunk(root, items)
+    size = max(1, min(256, len(items) // (4 * n)))
+    chunks = [items[i:i + size] for i in range(0, len(items), size)]
     with ThreadPoolExecutor(n, thread_name_prefix="source-hash") as pool:
         return [h for part in pool.map(lambda c: _hash_chunk(root, c), chunks) for h in part]
 
@@ -227,6 +270,8 @@ def validate_sources(
     trust_before = previous.scanned_ns - racy_window_ns if previous is not None else 0
     entries: dict[str, SourceEntry] = {}
     pending: dict[str, tuple[int, int, SourceEntry | None]] = {}
+    captions: set[str] = set()  # pending caption files
+    fill: list[str] = []  # trusted caption files recorded without their variants
     get = prev.get
     # hot loop (every file of the folder): a dict lookup and two int compares per file
     for relpath, size, mtime_ns, _, cap, cap_size, cap_mtime in listing.images:
@@ -240,24 +285,38 @@ def validate_sources(
         old = get(cap)
         if old is not None and old[0] == cap_size and old[1] == cap_mtime and cap_mtime < trust_before:
             entries[cap] = old
+            if old.captions is None:
+                fill.append(cap)
         else:
             pending[cap] = (cap_size, cap_mtime, old)
+            captions.add(cap)
     new, changed, refreshed, failures = [], [], [], list(listing.failures)
-    hashes = _hash_all(listing.root, list(pending), threads)
-    for (relpath, (size, mtime_ns, old)), digest in zip(pending.items(), hashes):
+    hashes = _hash_all(listing.root, [(p, p in captions) for p in pending] + [(p, True) for p in fill], threads)
+    added = 0
+    for relpath, read in zip(fill, hashes[len(pending):]):
+        # stored only when the content still has the recorded hash (else the stat-trusted file was edited in a
+        # way the trust rule ignores: keep the entry as it was, the scan reads the caption as before)
+        if not isinstance(read, OSError) and read[1] is not None and read[0] == entries[relpath].hash:
+            entries[relpath] = entries[relpath]._replace(captions=read[1])
+            added += 1
+    for (relpath, (size, mtime_ns, old)), read in zip(pending.items(), hashes):
+        if isinstance(read, OSError):
+            digest: str | OSError = read
+        else:
+            digest, lines = read
         if isinstance(digest, OSError):
             failures.append(SourceFailure(relpath, listing.abspath(relpath),
                                           f"cannot read to hash: {digest.strerror or digest}"))
         elif old is None:
             new.append(relpath)
-            entries[relpath] = SourceEntry(size, mtime_ns, digest)
+            entries[relpath] = SourceEntry(size, mtime_ns, digest, captions=lines)
         elif old.hash != digest:
             changed.append(relpath)
-            entries[relpath] = SourceEntry(size, mtime_ns, digest)
+            entries[relpath] = SourceEntry(size, mtime_ns, digest, captions=lines)
         else:
             if (old.size, old.mtime_ns) != (size, mtime_ns):
                 refreshed.append(relpath)
-            entries[relpath] = old._replace(size=size, mtime_ns=mtime_ns)
+            entries[relpath] = old._replace(size=size, mtime_ns=mtime_ns, captions=lines)
     removed = sorted(prev.keys() - entries.keys() - {f.relpath for f in failures})  # set algebra runs in C
     unchanged = sorted(entries.keys() - set(new) - set(changed) if new or changed else entries)
     record = SourcesRecord(entries, listing.started_ns, listing.root)
@@ -265,6 +324,7 @@ def validate_sources(
         new=tuple(sorted(new)), changed=tuple(sorted(changed)), unchanged=tuple(unchanged),
         removed=tuple(removed), refreshed=tuple(sorted(refreshed)), hashed=len(pending),
         failures=tuple(sorted(failures, key=lambda f: f.relpath)), record=record, listing=listing,
+        captions_added=added,
     )
 
 
@@ -289,6 +349,7 @@ def save_record(record: SourcesRecord, path: str | os.PathLike[str]) -> None:
         "hash": [r.hash for r in rows],
         "width": [r.width for r in rows],
         "height": [r.height for r in rows],
+        _CAPTIONS: [r.captions for r in rows],
     }
     data = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     target = Path(os.path.abspath(path))
@@ -314,6 +375,10 @@ def _column_ok(name: str, col: list[Any]) -> bool:
         return types <= {str} and "" not in col
     if name == "hash":
         return types <= {str} and set(map(len, col)) <= {32} and _HEX_RUN.fullmatch("".join(col)) is not None
+    if name == _CAPTIONS:
+        lists = [v for v in col if v is not None]
+        return (types <= {list, type(None)} and all(lists)
+                and set(map(type, (line for v in lists for line in v))) <= {str})
     if name in ("width", "height"):
         ints = [v for v in col if v is not None]
         return types <= {int, type(None)} and (not ints or min(ints) > 0)
@@ -324,22 +389,26 @@ def _check_doc(doc: Any, path: str) -> int:
     """Validate a parsed record document; return its row count."""
     if not isinstance(doc, Mapping) or doc.get("format") != RECORD_FORMAT:
         raise SourcesRecordError(path, f"not a sources record (expected \"format\": \"{RECORD_FORMAT}\")")
-    if doc.get("version") != RECORD_VERSION:
+    if doc.get("version") not in _READABLE_VERSIONS or type(doc.get("version")) is not int:
         raise SourcesRecordError(
-            path, f"sources record version {doc.get('version')!r} is not supported (expected {RECORD_VERSION})"
+            path, f"sources record version {doc.get('version')!r} is not supported (expected "
+                  f"{' or '.join(map(str, _READABLE_VERSIONS))})"
         )
     if not _is_count(doc.get("scanned_ns")) or not (doc.get("root") is None or isinstance(doc.get("root"), str)):
         raise SourcesRecordError(path, "field scanned_ns must be an int >= 0 and root a str or null")
-    cols = [doc.get(c) for c in _COLUMNS]
-    bad = [c for c, v in zip(_COLUMNS, cols) if not isinstance(v, list)]
+    names = _COLUMNS + ((_CAPTIONS,) if doc["version"] >= 2 else ())
+    cols = [doc.get(c) for c in names]
+    bad = [c for c, v in zip(names, cols) if not isinstance(v, list)]
     if bad:
         raise SourcesRecordError(path, f"column(s) {', '.join(bad)} missing or not lists")
     n = len(cols[0])
     if any(len(v) != n for v in cols):
-        lengths = ", ".join(f"{c}={len(v)}" for c, v in zip(_COLUMNS, cols))
+        lengths = ", ".join(f"{c}={len(v)}" for c, v in zip(names, cols))
         raise SourcesRecordError(path, f"columns differ in length ({lengths})")
     checks = (("paths", lambda v: isinstance(v, str) and v != ""), ("size", _is_count), ("mtime_ns", _is_count),
-              ("hash", is_key), ("width", _is_side), ("height", _is_side))
+              ("hash", is_key), ("width", _is_side), ("height", _is_side),
+              (_CAPTIONS, lambda v: v is None or (isinstance(v, list) and bool(v)
+                                                   and all(isinstance(x, str) for x in v))))
     for (name, ok), col in zip(checks, cols):
         if not _column_ok(name, col):  # fast whole-column check; find the bad row only on failure
             i, v = next((i, v) for i, v in enumerate(col) if not ok(v))
@@ -374,5 +443,9 @@ def load_record(path: str | os.PathLike[str], *, missing_ok: bool = False) -> So
         raise SourcesRecordError(path, f"not valid JSON ({exc})") from exc
     _check_doc(doc, path)
     cols = [doc[c] for c in _COLUMNS]
-    entries = dict(zip(cols[0], map(SourceEntry._make, zip(*cols[1:]))))
+    # version 1 has no variants: its trusted captions are read (once) by the next validation
+    cols.append([None if v is None else tuple(v) for v in doc[_CAPTIONS]] if doc["version"] >= 2
+                else [None] * len(cols[0]))
+    make = functools.partial(tuple.__new__, SourceEntry)  # SourceEntry._make without its per-row length check
+    entries = dict(zip(cols[0], map(make, zip(*cols[1:]))))
     return SourcesRecord(entries, doc["scanned_ns"], doc["root"])

@@ -166,6 +166,63 @@ def test_unchanged_folder_encodes_nothing_and_needs_no_encoder(folder: Path, cac
     _assert_complete(cache)
 
 
+def _count_caption_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every ``.txt`` file opened through ``open`` or ``os.open`` from now on."""
+    import builtins
+
+    opened: list[str] = []
+    real_open, real_os_open = builtins.open, os.open
+
+    def counting_open(file: Any, *args: Any, **kw: Any) -> Any:
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file).lower().endswith(".txt"):
+            opened.append(os.fspath(file))
+        return real_open(file, *args, **kw)
+
+    def counting_os_open(path: Any, *args: Any, **kw: Any) -> int:
+        if os.fspath(path).lower().endswith(".txt"):
+            opened.append(os.fspath(path))
+        return real_os_open(path, *args, **kw)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(os, "open", counting_os_open)
+    return opened
+
+
+def test_unchanged_folder_plan_opens_no_caption_and_an_edited_one_is_read(folder: Path, cache: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    _build(folder, cache)
+    first = _plan(folder, cache)
+    opened = _count_caption_opens(monkeypatch)
+    plan = _plan(folder, cache)
+    assert opened == [] and plan.up_to_date
+    assert plan.samples == first.samples  # captions from the record: the same samples as when read
+    cap = folder / "10_red" / "img_001.txt"
+    cap.write_text("first caption variant, a square\nan edited second line")
+    os.utime(cap, ns=(OLD_NS + 10**9, OLD_NS + 10**9))  # dated in the past: not re-hashed as "racy" next time
+    edited = _plan(folder, cache)
+    assert opened == [str(cap)]  # read once: hashed and parsed from the same bytes
+    assert list(edited.missing_conditionings.values()) == ["an edited second line"] and edited.changed == 1
+    opened.clear()
+    again = _plan(folder, cache)
+    assert opened == [] and again.missing_conditionings == edited.missing_conditionings
+
+
+def test_version_1_sources_record_reads_captions_once_then_never(folder: Path, cache: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _build(folder, cache)
+    path = sources_record_path(cache, "ds")
+    doc = json.loads(path.read_text())
+    del doc["captions"]
+    doc["version"] = 1
+    path.write_text(json.dumps(doc))
+    opened = _count_caption_opens(monkeypatch)
+    plan = _plan(folder, cache)
+    assert plan.up_to_date and sorted(opened) == sorted(map(str, folder.rglob("*.txt")))  # each once, stored
+    assert json.loads(path.read_text())["version"] == 2  # and the upgraded record was saved
+    opened.clear()
+    assert _plan(folder, cache).up_to_date and opened == []
+
+
 def test_editing_one_caption_line_encodes_one_conditioning(folder: Path, cache: Path) -> None:
     _build(folder, cache)
     (folder / "10_red" / "img_001.txt").write_text("first caption variant, a square\nan edited second line")

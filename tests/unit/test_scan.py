@@ -138,6 +138,20 @@ def test_known_sizes_skip_header_reads_only_when_stat_matches(dataset: Path, mon
     assert (imgs[a.relpath].width, imgs[a.relpath].height) == (64, 48)
 
 
+def test_known_captions_skip_caption_reads_only_when_stat_matches(dataset: Path, monkeypatch) -> None:
+    listing = list_folder(dataset)
+    a = next(i for i in listing.images if i.caption_relpath is not None)
+    monkeypatch.setattr(scan_mod, "read_captions", lambda p: pytest.fail(f"read {p}"))
+    known = {i.caption_relpath: (i.caption_size, i.caption_mtime_ns, ("known",))
+             for i in listing.images if i.caption_relpath is not None}
+    imgs = {i.relpath: i for i in scan_folder(listing, known_captions=known, threads=1).images}
+    assert imgs[a.relpath].captions == ("known",)
+    monkeypatch.undo()
+    known[a.caption_relpath] = (a.caption_size + 1, a.caption_mtime_ns, ("stale",))
+    imgs = {i.relpath: i for i in scan_folder(listing, known_captions=known, threads=1).images}
+    assert imgs[a.relpath].captions == read_captions(str(dataset / a.caption_relpath))
+
+
 def test_read_captions_rules(tmp_path: Path) -> None:
     p = tmp_path / "c.txt"
     p.write_bytes(b"  one  \r\n\r\n two\rthree\n\n")
@@ -241,3 +255,17 @@ def test_folders_without_inode_numbers_are_still_walked(tmp_path: Path, monkeypa
 
     monkeypatch.setattr(scan_mod.os, "stat", no_inode)
     assert [i.relpath for i in list_folder(tmp_path).images] == ["1_a/b/c.png"]
+
+
+def test_threaded_scan_with_partly_known_items_matches_serial(tmp_path: Path) -> None:
+    for i in range(150):
+        Image.new("RGB", (1 + i % 7, 3)).save(tmp_path / f"{i:03d}.png")
+        (tmp_path / f"{i:03d}.txt").write_text(f"caption {i}\n")
+    listing = list_folder(tmp_path)
+    sizes = {i.relpath: (i.size, i.mtime_ns, 99, 99) for i in listing.images[::2]}
+    caps = {i.caption_relpath: (i.caption_size, i.caption_mtime_ns, ("known",)) for i in listing.images[::3]}
+    serial = scan_folder(listing, known_sizes=sizes, known_captions=caps, threads=1)
+    pooled = scan_folder(listing, known_sizes=sizes, known_captions=caps, threads=4)
+    assert serial == pooled
+    assert serial.images[0].width == 99 and serial.images[0].captions == ("known",)
+    assert serial.images[1].width == 2 and serial.images[1].captions == ("caption 1",)

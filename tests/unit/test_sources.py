@@ -176,7 +176,7 @@ def test_save_load_round_trip(tmp_path: Path, record: SourcesRecord) -> None:
     assert loaded == rec
     assert os.listdir(path.parent) == ["rec.json"]  # no temp file left behind
     doc = json.loads(path.read_text())
-    assert doc["format"] == "streamcache-sources" and doc["version"] == 1
+    assert doc["format"] == "streamcache-sources" and doc["version"] == 2
     assert doc["paths"] == sorted(doc["paths"])
 
 
@@ -195,7 +195,7 @@ def _valid_doc() -> dict:
     "mutate,match",
     [
         (lambda d: d.update(format="other"), "not a sources record"),
-        (lambda d: d.update(version=2), "version 2 is not supported \\(expected 1\\)"),
+        (lambda d: d.update(version=3), "version 3 is not supported \\(expected 1 or 2\\)"),
         (lambda d: d.pop("hash"), "column\\(s\\) hash missing"),
         (lambda d: d.update(size=[1, 2]), "columns differ in length"),
         (lambda d: d.update(hash=["xyz"]), "row 0 of column hash"),
@@ -268,3 +268,45 @@ def test_caption_shared_by_two_images_is_one_source(folder: Path, record: Source
     (folder / "img0.txt").write_text("edited shared caption")
     v2 = validate_sources(folder, v.record)
     assert v2.changed == ("img0.txt",) and v2.hashed == 1  # the caption once, though two images name it
+
+
+def test_caption_variants_are_recorded_from_the_hashed_bytes(folder: Path, record: SourcesRecord) -> None:
+    assert record.get("img0.txt").captions == ("caption 0", "shared")
+    assert record.get("img0.png").captions is None
+    (folder / "img0.txt").write_bytes(b"caf\xe9")  # not UTF-8: no variants stored, the scan reports it
+    v = validate_sources(folder, record)
+    assert v.changed == ("img0.txt",) and v.record.get("img0.txt").captions is None
+    assert v.record.get("img0.txt").hash == hash_file(str(folder / "img0.txt"))
+    assert v.record.caption_lines()["2_sub/img1.txt"][2] == ("caption 1", "shared")
+
+
+def test_version_1_record_loads_and_gets_its_captions_once(tmp_path: Path, folder: Path,
+                                                           record: SourcesRecord) -> None:
+    path = tmp_path / "rec.json"
+    save_record(record, path)
+    doc = json.loads(path.read_text())
+    del doc["captions"]
+    doc["version"] = 1
+    path.write_text(json.dumps(doc))
+    old = load_record(path)
+    assert all(e.captions is None for e in old.entries.values())
+    v = validate_sources(folder, old)
+    assert v.clean and v.hashed == 0 and v.captions_added == 6
+    assert v.record.entries == record.entries
+    (folder / "img0.txt").write_text("same size edit!!!")  # trusted by stat, content differs: not stored
+    _set_mtime(folder / "img0.txt", OLD_NS)
+    v = validate_sources(folder, old)
+    assert v.captions_added == 5 and v.record.get("img0.txt").captions is None
+
+
+def test_captions_column_is_checked(tmp_path: Path) -> None:
+    doc = _valid_doc()
+    doc.update(version=2, captions=[["a", 1]])
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SourcesRecordError, match="row 0 of column captions"):
+        load_record(path)
+    doc.update(captions=[])
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SourcesRecordError, match="columns differ in length"):
+        load_record(path)
