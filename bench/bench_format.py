@@ -21,10 +21,8 @@ import argparse
 import gc
 import json
 import os
-import pickle
 import random
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -34,13 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dataset_cache.dataset import Sample  # noqa: E402
-from dataset_cache.format import CacheWriter, ReadBuffer, open_cache  # noqa: E402
-from dataset_cache.hashing import content_key, tensor_checksum  # noqa: E402
+from dataset_cache.bench import PROFILES, LazyReader, evict, keys_of, write_ours  # noqa: E402
+from dataset_cache.bench import Entries as _ProfileEntries  # noqa: E402
+from dataset_cache.bench import write_lazy as write_baseline  # noqa: E402
+from dataset_cache.format import ReadBuffer, open_cache  # noqa: E402
+from dataset_cache.hashing import tensor_checksum  # noqa: E402
 
-LAT = (1, 4, 64, 64)
-COND = (1, 77, 768)
-POOL = (1, 768)
 SAMPLE_BYTES = 2 * (4 * 64 * 64 + 77 * 768 + 768)
 
 
@@ -49,83 +46,11 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def keys_of(i: int) -> tuple[str, str]:
-    return content_key("latent", str(i)), content_key("cond", str(i))
+class BaselineReader(LazyReader):
+    """Opens like ``_ShardReader`` (skeleton pickle + own header parse); realizes as the lazy branch did, with a
+    fresh ``safe_open`` per tensor (``dataset_cache.bench.LazyReader`` keeps one handle per shard instead)."""
 
-
-class Entries:
-    """Distinct SD1.5-sized entries without generating 7.5 G random numbers: a pool, stamped with the index."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.lat = [torch.randn(LAT, generator=g).half() for _ in range(8)]
-        self.cond = [torch.randn(COND, generator=g).half() for _ in range(8)]
-        self.pool = [torch.randn(POOL, generator=g).half() for _ in range(8)]
-
-    def get(self, i: int) -> tuple[dict, list]:
-        lat = self.lat[i % 8].clone()
-        lat.view(-1)[:4] = torch.tensor([i & 0xFFFF, i >> 16, 1, 2], dtype=torch.float16)
-        cond = self.cond[i % 8].clone()
-        cond.view(-1)[:2] = torch.tensor([i & 0xFFFF, i >> 16], dtype=torch.float16)
-        return {"samples": lat}, [[cond, {"pooled_output": self.pool[i % 8]}]]
-
-
-# ------------------------------------------------------------------------------------------------ writers
-def write_ours(root: Path, n: int, entries: Entries) -> float:
-    t = time.perf_counter()
-    with CacheWriter(root) as w:
-        samples = []
-        for i in range(n):
-            lk, ck = keys_of(i)
-            lat, cond = entries.get(i)
-            w.add(lk, lat, kind="latent", name="latent")
-            w.add(ck, cond, kind="conditioning", name="conditioning")
-            samples.append(Sample(lk, (ck,)))
-        w.set_dataset("bench", samples)
-    return time.perf_counter() - t
-
-
-def write_baseline(root: Path, n: int, entries: Entries, shard_size: int = 1000) -> float:
-    """The lazy-branch design: shard_XXXX.safetensors (one tensor per sample tensor) + pickled skeletons."""
-    from safetensors.torch import save_file
-
-    root.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
-    for s in range(0, n, shard_size):
-        tensors, skels = {}, []
-        for j, i in enumerate(range(s, min(n, s + shard_size))):
-            lat, cond = entries.get(i)
-            tensors[f"s{j}_lat_0"] = lat["samples"]
-            tensors[f"s{j}_cond_0"] = cond[0][0]
-            tensors[f"s{j}_cond_1"] = cond[0][1]["pooled_output"].clone()
-            skels.append(({"samples": {"__tref__": f"s{j}_lat_0"}},
-                          [[{"__tref__": f"s{j}_cond_0"}, {"pooled_output": {"__tref__": f"s{j}_cond_1"}}]]))
-        idx = s // shard_size
-        save_file(tensors, str(root / f"shard_{idx:04d}.safetensors"))
-        with open(root / f"shard_{idx:04d}.skeleton.pkl", "wb") as f:
-            pickle.dump(skels, f)
-    (root / "metadata.json").write_text(json.dumps({"format_version": 2, "num_samples": n,
-                                                    "shard_size": shard_size}))
-    return time.perf_counter() - t
-
-
-class BaselineReader:
-    """Opens like ``_ShardReader``: skeleton pickle + own header parse; realizes with safe_open per tensor."""
-
-    def __init__(self, root: Path) -> None:
-        meta = json.loads((root / "metadata.json").read_text())
-        self.shard_size = meta["shard_size"]
-        self.shards = []
-        for idx in range((meta["num_samples"] + self.shard_size - 1) // self.shard_size):
-            path = root / f"shard_{idx:04d}.safetensors"
-            with open(root / f"shard_{idx:04d}.skeleton.pkl", "rb") as f:
-                skels = pickle.load(f)
-            with open(path, "rb") as f:
-                (hn,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(hn))
-            self.shards.append((str(path), skels, header))
-
-    def realize(self, i: int, hashed: bool):
+    def realize_per_tensor(self, i: int, hashed: bool):
         """``get_tensor`` may return a lazily mapped tensor; hashing (= our verification work) or cloning it
         makes sure the bytes are really read."""
         from safetensors import safe_open
@@ -150,16 +75,6 @@ class BaselineReader:
 
 
 # ------------------------------------------------------------------------------------------------ measures
-def evict(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def measure_open_child(kind: str, root: str) -> None:
     gc.collect()
     r0 = rss_bytes()
@@ -202,7 +117,7 @@ def time_baseline(root: Path, plan: list[list[int]], hashed: bool) -> float:
     t = time.perf_counter()
     for b in plan:
         for i in b:
-            r.realize(i, hashed)
+            r.realize_per_tensor(i, hashed)
     return time.perf_counter() - t
 
 
@@ -254,7 +169,7 @@ def main() -> None:
     free = shutil.disk_usage(Path(a.dir).parent if not Path(a.dir).exists() else a.dir).free
     if not (ours / "manifest.json").exists() and need > free:
         sys.exit(f"need {need / 2**30:.1f} GiB free under {a.dir}, have {free / 2**30:.1f}; use --n to scale")
-    entries = Entries()
+    entries = _ProfileEntries(PROFILES["sd15"])
     torch.set_num_threads(1)
     rows = []
     if not (ours / "manifest.json").exists():

@@ -33,6 +33,7 @@ from .format.manifest import JOURNAL_RE, MANIFEST
 from .format.reader import CacheReader, open_cache
 from .format.writer import CacheWriter, CompactReport
 from .lock import READ_LOCK, WRITE_LOCK, CacheLock
+from .units import format_bytes
 
 __all__ = ["LOW_FILL", "ShardFill", "CleanPreview", "CleanReport", "preview_clean", "clean"]
 
@@ -113,11 +114,11 @@ class CleanPreview:
     def summary(self) -> str:
         """A few lines for the command line and the UI."""
         lines = [
-            f"{self.root}: {self.entries} entries in {self.shards} shards ({_size(self.shard_bytes)}), "
+            f"{self.root}: {self.entries} entries in {self.shards} shards ({format_bytes(self.shard_bytes)}), "
             f"{len(self.datasets)} dataset(s)",
-            f"unreferenced: {len(self.unreferenced)} entries ({_size(self.unreferenced_bytes)}); "
+            f"unreferenced: {len(self.unreferenced)} entries ({format_bytes(self.unreferenced_bytes)}); "
             f"{len(self.low_fill_shards)} shard(s) less than {LOW_FILL:.0%} live; "
-            f"{len(self.orphan_files)} orphan file(s) ({_size(self.orphan_bytes)})",
+            f"{len(self.orphan_files)} orphan file(s) ({format_bytes(self.orphan_bytes)})",
         ]
         if self.damaged:
             lines.append(f"{len(self.damaged)} damaged shard(s) will be dropped; first: {self.damaged[0]}")
@@ -151,16 +152,7 @@ class CleanReport:
         if self.dry_run:
             return self.preview.summary() + "\ndry run: nothing was changed"
         return (self.preview.summary() + f"\nremoved {self.entries_removed} entries and {self.files_deleted} "
-                f"file(s), freed {_size(self.bytes_freed)} ({self.seconds:.2f}s)")
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
+                f"file(s), freed {format_bytes(self.bytes_freed)} ({self.seconds:.2f}s)")
 
 
 class _Bytes(int):

@@ -33,6 +33,7 @@ from typing import Any
 
 from .constants import DEFAULT_SHARD_BYTES
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError
+from .units import format_bytes
 
 __all__ = ["main", "build_parser"]
 
@@ -145,7 +146,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         _report_bad(problems)
         return EXIT_VERIFY_FAILED
     sys.stdout.write(
-        f"OK: {stats['entries']} entries in {stats['shards']} shards ({_size(stats['bytes'])}), "
+        f"OK: {stats['entries']} entries in {stats['shards']} shards ({format_bytes(stats['bytes'])}), "
         f"{len(stats['datasets'])} dataset(s), every checksum matches ({time.perf_counter() - start:.2f}s)\n"
     )
     return EXIT_OK
@@ -186,14 +187,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run
 
     return run(args)
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,6 +52,7 @@ from .keys import hash_bytes
 from .lock import READ_LOCK, WRITE_LOCK, CacheLock
 from .scan import DatasetFolderError, SourceFailure
 from .threads import resolve_threads
+from .units import format_bytes
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -135,22 +136,13 @@ class EncodeReport:
             f"dataset {self.dataset!r}: {self.samples} samples" + (" (STOPPED: run again to encode the rest)"
                                                                     if self.stopped else ""),
             f"encoded {self.encoded_latents} latents and {self.encoded_conditionings} conditionings, "
-            f"reused {self.reused} cached entries, wrote {_size(self.bytes_written)} in {self.seconds:.1f}s",
+            f"reused {self.reused} cached entries, wrote {format_bytes(self.bytes_written)} in {self.seconds:.1f}s",
             f"sources: {self.new} new, {self.changed} changed, {self.unchanged} unchanged, {self.removed} removed",
         ]
         if self.failures:
             lines.append(f"{self.failed} failed, {self.skipped} samples skipped; first: "
                          f"{self.failures[0].relpath}: {self.failures[0].reason}")
         return "\n".join(lines)
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _decode(job: LatentJob) -> tuple[torch.Tensor | SourceError, float]:

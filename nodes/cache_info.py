@@ -9,6 +9,7 @@ from typing import Any
 from comfy_api.latest import io
 
 from ..dataset_cache.errors import CacheNotFoundError
+from ..dataset_cache.units import format_bytes
 from .paths import resolve_cache
 from .ui_output import TextWithData
 
@@ -30,12 +31,7 @@ def _open_cache_function() -> Any | None:
 
 
 def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{size:.1f} {unit} ({n} bytes)"
-        size /= 1024
-    raise AssertionError("unreachable")
+    return f"{n} B" if n < 1024 else f"{format_bytes(n)} ({n} bytes)"
 
 
 def _format(value: Any, key: str = "", indent: int = 0) -> list[str]:

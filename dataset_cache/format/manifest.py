@@ -22,7 +22,7 @@ from ..constants import FORMAT_NAME, FORMAT_VERSION
 from ..dataset import DatasetInfo, Sample
 from ..errors import CacheCorruptError, CacheFormatError, CacheNotFoundError
 from ..hashing import checksum64
-from .safetensors_io import read_regular
+from .safetensors_io import load_json_object, read_regular
 
 __all__ = [
     "MANIFEST",
@@ -152,15 +152,7 @@ def read_state(root: str | os.PathLike) -> CacheState:
 
 
 def _loads(where: str, raw: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except RecursionError:
-        raise CacheCorruptError(where, "JSON nested too deeply") from None
-    except (ValueError, TypeError) as exc:
-        raise CacheCorruptError(where, f"not valid JSON ({exc})") from None
-    if type(obj) is not dict:
-        raise CacheCorruptError(where, "not a JSON object")
-    return obj
+    return load_json_object(where, raw)
 
 
 def _apply_datasets(where: str, state: CacheState, ds: Any, *, allow_delete: bool) -> None:

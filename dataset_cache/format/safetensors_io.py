@@ -148,19 +148,26 @@ def _pread_exact(fd: int, n: int, offset: int, path: Any, *, short_ok: bool = Fa
     return b"".join(chunks)
 
 
+def load_json_object(where: str, raw: bytes, what: str = "") -> dict[str, Any]:
+    """Parse UTF-8 JSON that must be an object; anything else (bad bytes, deep nesting, another JSON type) is a
+    ``CacheCorruptError`` naming ``where`` — never a bare ``ValueError`` or ``RecursionError``."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise CacheCorruptError(where, f"{what}JSON nested too deeply") from None
+    except (ValueError, TypeError) as exc:
+        raise CacheCorruptError(where, f"{what}not valid JSON ({exc})") from None
+    if type(obj) is not dict:
+        raise CacheCorruptError(where, f"{what}JSON is not an object")
+    return obj
+
+
 def parse_header(path: str | os.PathLike, raw: bytes, data_len: int) -> SafetensorsHeader:
     """Check the header bytes ``raw`` against a data region of ``data_len`` bytes; return the parsed header."""
     p = str(path)
     if not raw.startswith(b"{"):
         raise CacheCorruptError(p, "header does not begin with '{' (not a safetensors file)")
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except RecursionError:
-        raise CacheCorruptError(p, "header JSON nested too deeply") from None
-    except (ValueError, TypeError) as exc:
-        raise CacheCorruptError(p, f"header is not valid UTF-8 JSON ({exc})") from None
-    if type(obj) is not dict:
-        raise CacheCorruptError(p, "header JSON is not an object")
+    obj = load_json_object(p, raw, "header ")
     meta = obj.pop("__metadata__", {})
     if type(meta) is not dict or any(type(k) is not str or type(v) is not str for k, v in meta.items()):
         raise CacheCorruptError(p, "__metadata__ must be an object of strings")
