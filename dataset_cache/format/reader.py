@@ -4,14 +4,17 @@ Opening a cache reads the manifest, the journal and each shard's header — neve
 entry's skeleton as unparsed JSON text until the entry is used, so opening 100k entries takes well under a
 second and little memory. A batch read sorts the byte ranges of all requested rows, merges ranges closer than
 ``COALESCE_GAP_BYTES``, reads them with positional reads into one preallocated ``uint8`` buffer (pinned on
-request) and returns tensors that are views into it. No memory map or file handle outlives a call: on Windows
-a mapped file cannot be replaced, which would block compaction by another process.
+request) and returns tensors that are views into it. No memory map is ever held (on Windows a mapped file
+cannot be replaced, which would block compaction by another process); on POSIX the shard files stay open
+between reads until :meth:`CacheReader.close` (see ``_ShardFiles``), on Windows each read opens its own.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import weakref
 from itertools import count, repeat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,6 +37,9 @@ __all__ = ["open_cache", "CacheReader", "ReadBuffer"]
 log = logging.getLogger("dataset_cache.format.reader")
 _VERIFY_CHUNK = 64 << 20
 _OPEN_RETRIES = 5
+_HAVE_PREADV = hasattr(os, "preadv")
+_KEEP_FILES_OPEN = os.name == "posix" and _HAVE_PREADV
+_MAX_KEPT_FILES = 512  # beyond this many shards, the rest are opened per read (stays far below ulimit -n)
 
 
 class ReadBuffer:
@@ -132,6 +138,8 @@ class CacheReader:
         self._shards = shards
         self._verify = verify
         self._problems = list(problems or [])
+        self._files = _ShardFiles(shards)
+        self._finalizer = weakref.finalize(self, self._files.close)  # a reader dropped without close()
         self._index: dict[str, tuple[int, int]] = {}
         for s, sh in enumerate(shards):
             self._index.update(zip(sh.keys, zip(repeat(s), count())))
@@ -187,25 +195,31 @@ class CacheReader:
             KeyError: a key is not in the cache.
             CacheCorruptError: a shard is missing or truncated, or a checksum does not match (nothing is returned).
         """
-        templates: list[Any] = []
+        templates: list[tuple[Any, int]] = []
         rows: list[tuple[int, int, int]] = []
-        owners: list[str] = []
-        index, shards = self._index, self._shards
-        for key in keys:
-            try:
+        index, shards, split = self._index, self._shards, skeleton.split
+        try:  # the loader's inner loop: references are range-checked where rows are planned (_read_rows)
+            for key in keys:
                 s, i = index[key]
-            except KeyError:
-                raise KeyError(f"entry {key!r} is not in the cache at {self.root}") from None
-            template, refs = shards[s].parse(i)
-            templates.append((template, len(refs)))
-            rows.extend((s, c, r) for c, r in refs)
-            owners.extend(repeat(key, len(refs)))
-        tensors = self._read_rows(rows, owners, pin_memory, out)
+                template, refs = split(shards[s].skeletons[i])
+                templates.append((template, len(refs)))
+                rows += [(s, c, r) for c, r in refs]
+        except (KeyError, skeleton.SkeletonError):
+            self._explain(keys)
+            raise
+        tensors = self._read_rows(rows, None, pin_memory, out, keys)
         values, at = [], 0
+        fill = skeleton.fill
         for template, n in templates:
-            values.append(skeleton.fill(template, tensors[at:at + n]))
+            values.append(fill(template, tensors[at:at + n]))
             at += n
         return values
+
+    def _explain(self, keys: Sequence[str]) -> None:
+        """Raise the precise error (unknown key, or which entry's skeleton is bad) for a read that failed."""
+        for key in keys:
+            sh, i = self._loc(key)
+            sh.parse(i)
 
     def materialize(self, value: Any) -> Any:
         """Replace the LazyTensor leaves of ``value`` (one batch read); see :func:`dataset_cache.refs.materialize`."""
@@ -217,38 +231,75 @@ class CacheReader:
         locs = [lz._loc for lz in lazies]
         return self._read_rows([(r.shard, r.column, r.row) for r in locs], [r.entry for r in locs], False, None)
 
-    def _read_rows(self, rows: Sequence[tuple[int, int, int]], owners: Sequence[str], pin_memory: bool,
-                   out: ReadBuffer | None) -> list[torch.Tensor]:
-        """Read ``rows`` (``(shard, column, row)``, duplicates allowed) and return one tensor view per row."""
-        unique = sorted(set(rows))
-        plan, total = _plan(self._shards, unique)
+    def _read_rows(self, rows: Sequence[tuple[int, int, int]], owners: Sequence[str] | None, pin_memory: bool,
+                   out: ReadBuffer | None, keys: Sequence[str] = ()) -> list[torch.Tensor]:
+        """Read ``rows`` (``(shard, column, row)``, duplicates allowed) and return one tensor view per row.
+
+        ``owners`` names the entry of each row for error messages; when ``None``, they are looked up among
+        ``keys`` only if a checksum fails (building the list costs more than the check on the fast path).
+
+        One pass over the sorted unique rows plans everything: rows of a shard that lie within
+        ``COALESCE_GAP_BYTES`` of each other share one positional read, and each row's place in the buffer is
+        fixed then. This path is the loader's inner loop, so it keeps Python work per row to a few operations.
+        """
+        shards = self._shards
+        unique = sorted(set(rows))  # (shard, column, row): file order within a shard (columns are stored in order)
+        ranges: list[tuple[int, int, int, int]] = []  # (shard, file begin, file end, buffer position)
+        placed: list[tuple[int, int, Column]] = []  # (buffer position, row, column) per unique row
+        total, s_cur, begin, end, pos = 0, -1, 0, 0, 0
+        cols: list[Column] = []
+        for s, c, r in unique:
+            if s != s_cur:
+                cols = shards[s].columns
+            if not 0 <= c < len(cols) or not 0 <= r < cols[c].rows:
+                self._explain(keys)  # a skeleton points outside its shard's columns: name the entry
+                raise CacheCorruptError(str(shards[s].path), f"tensor reference [{c}, {r}] outside the columns")
+            col = cols[c]
+            n = col.row_nbytes
+            b = col.offset + r * n
+            if s != s_cur or not 0 <= b - end <= COALESCE_GAP_BYTES:
+                if s_cur >= 0:
+                    ranges.append((s_cur, begin, end, pos))
+                    total = pos + end - begin
+                s_cur, begin = s, b
+                pos = total + (b - total) % 8  # the row keeps its file alignment modulo 8: viewable as its dtype
+            end = b + n
+            placed.append((pos + b - begin, r, col))
+        if s_cur >= 0:
+            ranges.append((s_cur, begin, end, pos))
+            total = pos + end - begin
         buf = (out or ReadBuffer(pin_memory=pin_memory)).ensure(total)
         mv = memoryview(buf.numpy()) if total else memoryview(bytearray(0))
-        for s, ranges in plan.items():
-            _read_ranges(self._shards[s], ranges, mv)
-        where: dict[tuple[int, int, int], int] = {}
-        bad: list[tuple[int, int, int]] = []
-        verify = self._verify
-        for s, ranges in plan.items():
-            cols = self._shards[s].columns
-            for begin, _end, pos, members in ranges:
-                for c, row in members:
-                    col = cols[c]
-                    a = pos + col.offset + row * col.row_nbytes - begin
-                    if verify and checksum64(mv[a:a + col.row_nbytes]) != col.checksum(row):
-                        bad.append((s, c, row))
-                    where[(s, c, row)] = a
-        if bad:
-            owner = dict(zip(rows, owners))
-            errors = [CacheCorruptError(str(self._shards[s].path),
-                                        f"checksum mismatch in {self._shards[s].columns[c].tensor} row {row}",
-                                        entry=owner[(s, c, row)]) for s, c, row in bad]
-            if len(errors) > 1:
-                log.error("%d corrupt rows in one read; first: %s", len(errors), errors[0])
-            raise errors[0]
+        self._files.read(ranges, mv)
+        if self._verify:
+            bad = [i for i, (a, r, col) in enumerate(placed)
+                   if checksum64(mv[a:a + col.row_nbytes]) != col.checksums[16 * r:16 * r + 16]]
+            if bad:
+                self._raise_corrupt([unique[i] for i in bad], rows, owners, keys)
+        where = dict(zip(unique, placed))
         typed: dict[torch.dtype, torch.Tensor] = {}
-        shards = self._shards
-        return [_as_tensor(buf, typed, where[key], shards[key[0]].columns[key[1]]) for key in rows]
+        result = []
+        for key in rows:
+            a, _r, col = where[key]
+            whole = typed.get(col.dtype)
+            if whole is None:  # one dtype view of the whole buffer per batch; rows are item-aligned in it
+                size = col.dtype.itemsize
+                whole = typed[col.dtype] = buf[: buf.numel() - buf.numel() % size].view(col.dtype)
+            result.append(whole.as_strided(col.row_shape, col.strides, a // col.dtype.itemsize)
+                          if col.row_nbytes else torch.empty(col.row_shape, dtype=col.dtype))
+        return result
+
+    def _raise_corrupt(self, bad: Sequence[tuple[int, int, int]], rows: Sequence[tuple[int, int, int]],
+                       owners: Sequence[str] | None, keys: Sequence[str]) -> None:
+        if owners is None:
+            owners = [k for k in keys for _ in self._shards[self._index[k][0]].parse(self._index[k][1])[1]]
+        owner = dict(zip(rows, owners))
+        errors = [CacheCorruptError(str(self._shards[s].path),
+                                    f"checksum mismatch in {self._shards[s].columns[c].tensor} row {row}",
+                                    entry=owner[(s, c, row)]) for s, c, row in bad]
+        if len(errors) > 1:
+            log.error("%d corrupt rows in one read; first: %s", len(errors), errors[0])
+        raise errors[0]
 
     # ----------------------------------------------------------------------------------------- datasets
     def datasets(self) -> dict[str, DatasetInfo]:
@@ -326,7 +377,11 @@ class CacheReader:
         return list(self._problems)
 
     def close(self) -> None:
-        """Nothing to release (no handles or maps are held between reads); kept for symmetry."""
+        """Close the shard files kept open for reads (idempotent).
+
+        The reader stays usable: later reads open and close their files each time.
+        """
+        self._finalizer()
 
     def __enter__(self) -> CacheReader:
         return self
@@ -338,76 +393,119 @@ class CacheReader:
         return f"CacheReader({str(self.root)!r}, entries={len(self)}, shards={len(self._shards)})"
 
 
-def _plan(shards: list[ShardIndex], rows: list[tuple[int, int, int]]) -> tuple[dict[int, list], int]:
-    """Group unique rows per shard into coalesced ranges ``(begin, end, buffer_pos, [(col, row), ...])``.
+class _ShardFiles:
+    """Positional reads from a reader's shard files, each file opened once and kept open until the reader closes.
 
-    Each range is placed in the buffer at a position congruent to its file offset modulo 8, so every row keeps
-    the alignment it has in the file (columns are item-aligned there) and can be viewed as its dtype.
+    Opening, checking and closing a shard file for every batch cost more than reading a random batch of small
+    rows. A kept descriptor also pins the snapshot: a compaction by another process that deletes a shard we
+    opened cannot change or remove the bytes we read (POSIX keeps an unlinked file alive while it is open).
+    Windows cannot delete or replace a file that is open, and a cleaner there must not be blocked by an idle
+    reader, so there (and after :meth:`close`, and beyond ``_MAX_KEPT_FILES``) each read opens and closes its
+    files as before. Thread-safe: ``preadv`` is positional, and descriptors are closed only when no read is in
+    flight.
     """
-    per: dict[int, list[tuple[int, int, int, int]]] = {}
-    for s, c, r in rows:
-        b, e = shards[s].columns[c].row_range(r)
-        per.setdefault(s, []).append((b, e, c, r))
-    plan: dict[int, list] = {}
-    total = 0
-    for s, items in per.items():
-        items.sort()
-        ranges: list[list] = []
-        for b, e, c, r in items:
-            if ranges and b - ranges[-1][1] <= COALESCE_GAP_BYTES:
-                ranges[-1][1] = max(ranges[-1][1], e)
-                ranges[-1][3].append((c, r))
-            else:
-                ranges.append([b, e, 0, [(c, r)]])
-        for rg in ranges:
-            rg[2] = total + (rg[0] - total) % 8
-            total = rg[2] + rg[1] - rg[0]
-        plan[s] = [tuple(rg) for rg in ranges]
-    return plan, total
+
+    def __init__(self, shards: list[ShardIndex]) -> None:
+        self._shards = shards
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._keep = _KEEP_FILES_OPEN
+        self._active = 0
+
+    def read(self, ranges: Sequence[tuple[int, int, int, int]], mv: memoryview) -> None:
+        """Fill ``mv[pos:pos + end - begin]`` from shard ``s``'s bytes ``[begin, end)`` for each range."""
+        if not self._keep:
+            self._read_transient(ranges, mv)
+            return
+        with self._lock:
+            self._active += 1
+        try:
+            fds = self._fds
+            for s, begin, end, pos in ranges:
+                fd = fds.get(s)
+                if fd is None:
+                    fd = self._open_kept(s)
+                    if fd is None:  # over the limit of kept files, or closed meanwhile
+                        self._read_transient([(s, begin, end, pos)], mv)
+                        continue
+                view = mv[pos:pos + end - begin]
+                if os.preadv(fd, [view], begin) != len(view):
+                    _read_exact(fd, view, begin, str(self._shards[s].path))  # short read: finish or raise
+        finally:
+            with self._lock:
+                self._active -= 1
+                if not self._keep and not self._active:
+                    self._close_all()
+
+    def _open_kept(self, s: int) -> int | None:
+        with self._lock:
+            if not self._keep or len(self._fds) >= _MAX_KEPT_FILES:
+                return None
+            fd = self._fds.get(s)
+            if fd is None:
+                fd = self._fds[s] = _open_checked(self._shards[s])
+            return fd
+
+    def _read_transient(self, ranges: Sequence[tuple[int, int, int, int]], mv: memoryview) -> None:
+        i = 0
+        while i < len(ranges):
+            s = ranges[i][0]
+            sh = self._shards[s]
+            fd = _open_checked(sh)
+            try:
+                while i < len(ranges) and ranges[i][0] == s:
+                    _, begin, end, pos = ranges[i]
+                    _read_exact(fd, mv[pos:pos + end - begin], begin, str(sh.path))
+                    i += 1
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        """Stop keeping files open; descriptors close now, or when the last read in flight ends."""
+        with self._lock:
+            self._keep = False
+            if not self._active:
+                self._close_all()
+
+    def _close_all(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
 
-def _read_ranges(sh: ShardIndex, ranges: list, mv: memoryview) -> None:
+def _open_checked(sh: ShardIndex) -> int:
+    """Open a shard file for reading and check it still has the size it had when the cache was opened."""
     p = str(sh.path)
     try:
-        f = os.fdopen(open_regular(p), "rb", buffering=0)
+        fd = open_regular(p)
     except FileNotFoundError:
         raise CacheCorruptError(p, "shard file is missing (deleted, or the cache was compacted since it was "
                                    "opened); reopen the cache, and run verify if it persists") from None
     except OSError as exc:
         raise CacheCorruptError(p, f"cannot open shard ({exc.strerror})") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size != sh.size:
-            raise CacheCorruptError(p, f"shard is now {size} bytes, {sh.size} when opened (truncated or replaced); "
-                                       "reopen the cache, and run verify if it persists")
-        fd = f.fileno()
-        for begin, end, pos, _members in ranges:
-            _read_exact(f, fd, mv[pos:pos + end - begin], begin, p)
+    size = os.fstat(fd).st_size
+    if size != sh.size:
+        os.close(fd)
+        raise CacheCorruptError(p, f"shard is now {size} bytes, {sh.size} when opened (truncated or replaced); "
+                                   "reopen the cache, and run verify if it persists")
+    return fd
 
 
-def _read_exact(f: Any, fd: int, view: memoryview, offset: int, path: str) -> None:
+def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` from ``fd`` at ``offset``; a file that ends first is a truncated shard."""
     got = 0
     n = len(view)
     while got < n:
-        if hasattr(os, "preadv"):
+        if _HAVE_PREADV:
             k = os.preadv(fd, [view[got:]], offset + got)
-        else:  # Windows, macOS < 11
-            f.seek(offset + got)
-            k = f.readinto(view[got:])
+        else:  # Windows, macOS < 11: the descriptor is private to this call, so seek + read is safe
+            os.lseek(fd, offset + got, os.SEEK_SET)
+            chunk = os.read(fd, min(n - got, 16 << 20))
+            k = len(chunk)
+            view[got:got + k] = chunk
         if not k:
             raise CacheCorruptError(path, f"file ends before byte {offset + n} (truncated)")
         got += k
-
-
-def _as_tensor(buf: torch.Tensor, typed: dict[torch.dtype, torch.Tensor], a: int, col: Column) -> torch.Tensor:
-    """A view of ``col.row_nbytes`` bytes at ``a`` in ``buf`` as the column's dtype and row shape."""
-    if col.row_nbytes == 0:
-        return torch.empty(col.row_shape, dtype=col.dtype)
-    size = col.dtype.itemsize
-    whole = typed.get(col.dtype)
-    if whole is None:  # one dtype view of the whole buffer per batch; rows are item-aligned in it (see _plan)
-        whole = typed[col.dtype] = buf[: buf.numel() - buf.numel() % size].view(col.dtype)
-    return whole.as_strided(col.row_shape, col.strides, a // size)
 
 
 def _verify_shard(sh: ShardIndex) -> list[CacheCorruptError]:
@@ -433,7 +531,7 @@ def _verify_shard(sh: ShardIndex) -> list[CacheCorruptError]:
                 buf = bytearray(n * col.row_nbytes)
                 mv = memoryview(buf)
                 try:
-                    _read_exact(f, f.fileno(), mv, col.row_range(start)[0], p)
+                    _read_exact(f.fileno(), mv, col.row_range(start)[0], p)
                 except CacheCorruptError as exc:
                     problems.append(exc)
                     break

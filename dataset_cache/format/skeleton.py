@@ -186,7 +186,7 @@ class _Slot:
 
 _SLOT_COLUMN = 1 << 62  # no real column index can be this large (a shard has a handful of columns)
 _SLOT_TEXT = '{"$tensor":[%d,0]}' % _SLOT_COLUMN
-_templates: dict[str, Any] = {}
+_templates: dict[tuple[str, ...], Any] = {}  # keyed by the text around the references
 
 
 def _compile(obj: Any, canonical: bool) -> tuple[Any, list[tuple[int, int]]]:
@@ -212,20 +212,21 @@ def split(text: str) -> tuple[Any, list[tuple[int, int]]]:
         SkeletonError: malformed skeleton.
     """
     if "$dict" not in text:
-        shape_text = _REF_RE.sub(_SLOT_TEXT, text)
-        template = _templates.get(shape_text)
+        parts = _REF_RE.split(text)  # [literal, column, row, literal, column, row, ..., literal]: one regex pass
+        literals = tuple(parts[0::3])
+        template = _templates.get(literals)
         if template is None:
             try:
-                template, _ = _compile(loads(shape_text), True)
+                template, _ = _compile(loads(_SLOT_TEXT.join(literals)), True)
             except SkeletonError as exc:
                 if "canonical form" not in str(exc):
                     raise
                 template = None  # an unusual spelling of a reference: decode exactly below
             else:
                 if len(_templates) < _TEMPLATE_CACHE_LIMIT:
-                    _templates[shape_text] = template
+                    _templates[literals] = template
         if template is not None:
-            return template, [(int(c), int(r)) for c, r in _REF_RE.findall(text)]
+            return template, list(zip(map(int, parts[1::3]), map(int, parts[2::3])))
     return _compile(loads(text), False)
 
 

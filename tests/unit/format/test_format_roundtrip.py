@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import gc
 import os
 
 import pytest
@@ -246,14 +247,102 @@ def test_bad_keys_are_refused(tmp_path):
                 w.add(bad, 1)
 
 
-def test_windows_friendly_no_open_handles_after_read(tmp_path):
+def _open_paths() -> list[str]:
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
+def test_shard_files_stay_open_until_close_and_reads_still_work_after(tmp_path):
     with CacheWriter(tmp_path) as w:
         w.add("a", [torch.ones(3)])
     r = open_cache(tmp_path)
-    r.read(["a"])
-    fds = os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []
     shard = str(r._shards[0].path)
-    assert all(os.path.realpath(f"/proc/self/fd/{fd}") != shard for fd in fds)
+    assert shard not in _open_paths()  # opening reads headers only and keeps nothing open
+    assert torch.equal(r.read(["a"])[0][0], torch.ones(3))
+    assert _open_paths().count(shard) == 1  # kept for the next batch
+    r.read(["a"])
+    assert _open_paths().count(shard) == 1  # reused, not reopened
+    r.close()
+    assert shard not in _open_paths()
+    assert torch.equal(r.read(["a"])[0][0], torch.ones(3))  # still usable: opens per read now
+    assert shard not in _open_paths()
+    r.close()  # idempotent
+
+
+def test_reader_dropped_without_close_releases_its_files(tmp_path):
+    with CacheWriter(tmp_path) as w:
+        w.add("a", [torch.ones(3)])
+    r = open_cache(tmp_path)
+    shard = str(r._shards[0].path)
+    r.read(["a"])
+    del r
+    gc.collect()
+    assert shard not in _open_paths()
+
+
+def test_windows_friendly_no_open_handles_after_read(tmp_path, monkeypatch):
+    """Where a kept handle would block replacing the file (Windows), every read opens and closes its files."""
+    from dataset_cache.format import reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "_KEEP_FILES_OPEN", False)
+    with CacheWriter(tmp_path) as w:
+        w.add("a", [torch.ones(3)])
+    r = open_cache(tmp_path)
+    assert torch.equal(r.read(["a"])[0][0], torch.ones(3))
+    assert str(r._shards[0].path) not in _open_paths()
+
+
+def test_kept_file_reads_the_opened_snapshot_after_a_compaction_deletes_it(tmp_path):
+    """A compaction by another process swaps shards; a reader that already read keeps its consistent snapshot."""
+    with CacheWriter(tmp_path) as w:
+        w.add("a", [torch.arange(4.0)])
+    with CacheWriter(tmp_path) as w:
+        w.add("b", [torch.ones(2)])
+    r = open_cache(tmp_path)
+    r.read(["a", "b"])  # both shard files now kept open
+    old = [sh.path for sh in r.shards]
+    with CacheWriter(tmp_path) as w:
+        w.compact()
+    assert not any(p.exists() for p in old)
+    a, b = r.read(["a", "b"])
+    assert torch.equal(a[0], torch.arange(4.0)) and torch.equal(b[0], torch.ones(2))
+    r.close()
+
+
+def test_kept_files_are_shared_safely_by_threads(tmp_path):
+    import threading
+
+    with CacheWriter(tmp_path, shard_bytes=4096) as w:
+        for i in range(64):
+            w.add(f"k{i}", {"x": torch.full((100,), float(i))})
+    r = open_cache(tmp_path)
+    assert len(r.shards) > 4
+    errors = []
+
+    def work(seed: int) -> None:
+        try:
+            for j in range(200):
+                i = (seed * 31 + j * 7) % 64
+                (v,) = r.read([f"k{i}"])
+                assert torch.equal(v["x"], torch.full((100,), float(i)))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    r.close()  # closing while reads are in flight: they finish (files close after the last one)
+    for t in threads:
+        t.join()
+    assert not errors
+    assert not any(str(sh.path) in _open_paths() for sh in r.shards)
 
 
 def test_public_shard_view_and_entry_nbytes(cache):
