@@ -423,7 +423,18 @@ def test_threads_are_clamped_to_depth_and_cpus(caplog):
         assert PrefetchLoader(reader, sampler, prefetch_batches=2, threads=8).threads <= 2
     assert "loader threads: 8 requested" in caplog.text
     assert PrefetchLoader(reader, sampler, prefetch_batches=0, threads=8).threads == 0
-    assert PrefetchLoader(reader, sampler).threads == 1
+    from dataset_cache.loader import default_loader_threads
+
+    default = PrefetchLoader(reader, sampler)
+    assert default.threads == default_loader_threads(default._depth) >= 1
+
+
+@pytest.mark.parametrize("cpus,depth,expected", [(1, 2, 1), (2, 2, 1), (3, 2, 2), (16, 2, 2), (16, 1, 1), (16, 8, 2)])
+def test_default_threads_leave_a_cpu_to_the_training_thread(monkeypatch, cpus, depth, expected):
+    import dataset_cache.loader as loader_mod
+
+    monkeypatch.setattr(loader_mod, "available_cpus", lambda: cpus)
+    assert loader_mod.default_loader_threads(depth) == expected
 
 
 def test_works_on_one_cpu(tmp_path):
