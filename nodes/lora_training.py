@@ -394,6 +394,9 @@ def train_lora(
         model_options = comfy.model_patcher.create_model_options_clone(mp.model_options)
         sampler = BucketSampler(samples, buckets, settings.batch_size, settings.seed, tail="wrap",
                                 rank=0, world_size=1)
+        first_batch = existing_steps * settings.grad_accumulation_steps  # continuing: where the last run stopped
+        if first_batch and len(sampler):
+            sampler.seek(first_batch // len(sampler), first_batch % len(sampler))
         loader_device = device if device.type in ("cpu", "cuda") else torch.device("cpu")
         loader = PrefetchLoader(
             reader, sampler, prefetch_batches=settings.prefetch_batches,
@@ -412,7 +415,7 @@ def train_lora(
             mp.pre_run()
             comfy.model_management.in_training = True
             loop = _Loop(mp, settings, dtype, loss_fn, optimizer, scaler, _Forward(mp, model_options),
-                         _Conditioner(mp.model, device), device)
+                         _Conditioner(mp.model, device), device, first_batch=first_batch)
             losses, seconds, rows, waited = loop.run(iter(loader), on_step)
         finally:
             comfy.model_management.in_training = False
@@ -432,10 +435,16 @@ def train_lora(
 
 
 class _Loop:
-    """The step loop: ``steps`` optimizer steps of ``grad_accumulation_steps`` batches each."""
+    """The step loop: ``steps`` optimizer steps of ``grad_accumulation_steps`` batches each.
+
+    ``first_batch`` is the global number of the first batch: a run continuing an existing LoRA starts where the
+    earlier run stopped, so its batch order, noise and timesteps are those an uninterrupted run would have had.
+    """
 
     def __init__(self, mp: Any, settings: TrainSettings, dtype: torch.dtype, loss_fn: Any, optimizer: Any,
-                 scaler: Any, forward: _Forward, conditioner: _Conditioner, device: torch.device) -> None:
+                 scaler: Any, forward: _Forward, conditioner: _Conditioner, device: torch.device, *,
+                 first_batch: int = 0) -> None:
+        self.first_batch = first_batch
         self.mp = mp
         self.settings = settings
         self.dtype = dtype
@@ -466,7 +475,7 @@ class _Loop:
                 t_wait = time.perf_counter()
                 batch: Batch = next(batches)
                 wait += time.perf_counter() - t_wait
-                index = step * s.grad_accumulation_steps + micro
+                index = self.first_batch + step * s.grad_accumulation_steps + micro
                 total += self._fwd_bwd(batch, index)
                 rows += batch.latents.shape[0]
             self._optimizer_step()

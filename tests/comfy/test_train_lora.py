@@ -255,6 +255,29 @@ def test_existing_lora_is_continued(node: type, models: tuple, dataset: Any, tra
         _train(node, models[0], dataset, existing_lora="missing.safetensors")
 
 
+def test_continuing_a_lora_reproduces_an_uninterrupted_run(node: type, models: tuple, dataset: Any, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """3 steps, save, 3 more from the saved LoRA == 6 steps at once: the continued run picks up the batch order,
+    noise and timesteps where the first stopped (SGD keeps no optimizer state, so nothing else differs)."""
+    import folder_paths
+    from safetensors.torch import save_file
+
+    opts = {"optimizer": "SGD", "learning_rate": 0.05, "grad_accumulation_steps": 2, "batch_size": 1}
+    whole = _train(node, models[0], dataset, steps=6, **opts).result
+    first = _train(node, models[0], dataset, steps=3, **opts).result
+    save_file(first[0], str(tmp_path / "half_3_steps_00001_.safetensors"))
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
+                        ([str(tmp_path)], set(folder_paths.supported_pt_extensions)))
+    rest = _train(node, models[0], dataset, steps=3, existing_lora="half_3_steps_00001_.safetensors", **opts).result
+    assert rest[2] == 6
+    assert first[1]["loss"] == pytest.approx(whole[1]["loss"][:3], rel=1e-5)
+    assert rest[1]["loss"] == pytest.approx(whole[1]["loss"][3:], rel=1e-4)
+    assert all(torch.allclose(rest[0][k], whole[0][k], atol=1e-5) for k in whole[0])
+    # and a fresh run from step 0 sees other batches than the continued one
+    fresh = _train(node, models[0], dataset, steps=3, **opts).result
+    assert fresh[1]["loss"] != pytest.approx(rest[1]["loss"], rel=1e-4)
+
+
 def test_every_row_is_paired_with_its_own_caption(pack: ModuleType, models: tuple) -> None:
     """The built-in trainer averages every caption over the whole batch; here row i sees caption i only."""
     training = _module(pack, "nodes.lora_training")
