@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from itertools import count, repeat
 from collections.abc import Iterator, Sequence
@@ -39,6 +40,8 @@ _VERIFY_CHUNK = 64 << 20
 _OPEN_RETRIES = 5
 _HAVE_PREADV = hasattr(os, "preadv")
 _KEEP_FILES_OPEN = os.name == "posix" and _HAVE_PREADV
+_CAN_ADVISE = _KEEP_FILES_OPEN and hasattr(os, "posix_fadvise")
+_COLD_BYTES_PER_S = 2e9  # a batch slower than this came (partly) from the disk: announce the next one's ranges
 _MAX_KEPT_FILES = 512  # beyond this many shards, the rest are opened per read (stays far below ulimit -n)
 
 
@@ -403,6 +406,12 @@ class _ShardFiles:
     reader, so there (and after :meth:`close`, and beyond ``_MAX_KEPT_FILES``) each read opens and closes its
     files as before. Thread-safe: ``preadv`` is positional, and descriptors are closed only when no read is in
     flight.
+
+    When the previous batch came slower than ``_COLD_BYTES_PER_S`` (its rows were not in the page cache: a dataset
+    larger than RAM, or a first epoch), every range of the next batch is announced with
+    ``posix_fadvise(WILLNEED)`` before it is read, so the kernel fetches them concurrently instead of one disk
+    round trip per row: a cold batch of 32 SD1.5 samples took 12 ms instead of 23-28 ms here. From the page cache
+    the hints would only add syscalls, so fast batches switch them off again.
     """
 
     def __init__(self, shards: list[ShardIndex]) -> None:
@@ -411,6 +420,7 @@ class _ShardFiles:
         self._lock = threading.Lock()
         self._keep = _KEEP_FILES_OPEN
         self._active = 0
+        self._advise = _CAN_ADVISE  # start as if cold; the first fast batch turns the hints off
 
     def read(self, ranges: Sequence[tuple[int, int, int, int]], mv: memoryview) -> None:
         """Fill ``mv[pos:pos + end - begin]`` from shard ``s``'s bytes ``[begin, end)`` for each range."""
@@ -421,6 +431,10 @@ class _ShardFiles:
             self._active += 1
         try:
             fds = self._fds
+            advise = self._advise and len(ranges) > 1
+            if advise:
+                self._announce(ranges)
+            t0 = time.perf_counter()
             for s, begin, end, pos in ranges:
                 fd = fds.get(s)
                 if fd is None:
@@ -431,11 +445,27 @@ class _ShardFiles:
                 view = mv[pos:pos + end - begin]
                 if os.preadv(fd, [view], begin) != len(view):
                     _read_exact(fd, view, begin, str(self._shards[s].path))  # short read: finish or raise
+            if _CAN_ADVISE and len(ranges) > 1:
+                seconds = time.perf_counter() - t0
+                self._advise = sum(e - b for _, b, e, _ in ranges) < _COLD_BYTES_PER_S * seconds
         finally:
             with self._lock:
                 self._active -= 1
                 if not self._keep and not self._active:
                     self._close_all()
+
+    def _announce(self, ranges: Sequence[tuple[int, int, int, int]]) -> None:
+        """Ask the kernel to start reading every range now (asynchronously; a hint, never an error)."""
+        fds = self._fds
+        for s, begin, end, _pos in ranges:
+            fd = fds.get(s)
+            if fd is None:
+                fd = self._open_kept(s)
+            if fd is not None:
+                try:
+                    os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    return
 
     def _open_kept(self, s: int) -> int | None:
         with self._lock:

@@ -352,3 +352,53 @@ def test_public_shard_view_and_entry_nbytes(cache):
     assert r.entry_nbytes("latent") == 4 * 64 * 4 + 64 * 4  # samples + noise_mask, float32
     assert r.entry_nbytes("cond") == 77 * 32 * 2 + 32 * 2
     assert all(sh.file.startswith("shards/") and sh.size > 8 for sh in r.shards)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
+def test_ranges_are_announced_to_the_kernel_only_while_batches_come_slowly(tmp_path, monkeypatch):
+    from dataset_cache.format import reader as reader_mod
+
+    with CacheWriter(tmp_path) as w:
+        for i in range(8):
+            w.add(f"k{i}", [torch.full((20000,), float(i)), torch.zeros(20001)])  # rows > 64 KiB apart
+        w.add("one", torch.ones(5))
+    calls = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(reader_mod.os, "posix_fadvise",
+                        lambda fd, off, n, advice: (calls.append((off, n, advice)), real(fd, off, n, advice)))
+    r = open_cache(tmp_path)
+    keys = ["k1", "k5"]
+    monkeypatch.setattr(reader_mod, "_COLD_BYTES_PER_S", 1e18)  # every batch counts as slow (from the disk)
+    r.read(keys)  # a new reader starts as if cold
+    assert len(calls) == 4 and {a for *_, a in calls} == {os.POSIX_FADV_WILLNEED}  # 2 entries x 2 rows
+    calls.clear()
+    (v,) = r.read(["one"])  # a single range: nothing to overlap, no hint
+    assert calls == [] and torch.equal(v, torch.ones(5))
+    monkeypatch.setattr(reader_mod, "_COLD_BYTES_PER_S", 0.0)  # from now on batches count as fast (page cache)
+    r.read(keys)  # announced (the previous multi-range batch was slow), measured fast
+    assert len(calls) == 4
+    calls.clear()
+    a, b = r.read(keys)
+    assert calls == []  # hints are off after a fast batch
+    assert torch.equal(a[0], torch.full((20000,), 1.0)) and torch.equal(b[0], torch.full((20000,), 5.0))
+    r.close()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX readahead hints")
+def test_a_refused_hint_does_not_fail_the_read(tmp_path, monkeypatch):
+    from dataset_cache.format import reader as reader_mod
+
+    with CacheWriter(tmp_path) as w:
+        for i in range(4):
+            w.add(f"k{i}", [torch.full((100,), float(i))])
+
+    def refuse(*_args):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(reader_mod.os, "posix_fadvise", refuse, raising=False)
+    monkeypatch.setattr(reader_mod, "_CAN_ADVISE", True)
+    r = open_cache(tmp_path)
+    r._files._advise = True
+    values = r.read(["k0", "k2"])
+    assert [float(v[0][0]) for v in values] == [0.0, 2.0]
+    r.close()
