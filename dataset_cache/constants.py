@@ -23,5 +23,3 @@ DEFAULT_PREFETCH_BATCHES = 2
 """Batches read ahead by the loader: one in flight while one waits, enough to hide read jitter; host memory
 held is bounded by (depth + 1) × batch bytes."""
 
-COALESCE_GAP_BYTES = 64 << 10
-"""Byte ranges closer than this are read with one request: reading a small gap is cheaper than another syscall."""

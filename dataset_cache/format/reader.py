@@ -1,10 +1,10 @@
-"""``CacheReader``: opens headers only, batch reads with coalesced ``preadv``, checksum verification.
+"""``CacheReader``: opens headers only, batch reads with positional reads into one buffer, checksum verification.
 
 Opening a cache reads the manifest, the journal and each shard's header — never tensor data — and keeps each
 entry's skeleton as unparsed JSON text until the entry is used, so opening 100k entries takes well under a
-second and little memory. A batch read sorts the byte ranges of all requested rows, merges ranges closer than
-``COALESCE_GAP_BYTES``, reads them with positional reads into one preallocated ``uint8`` buffer (pinned on
-request) and returns tensors that are views into it. No memory map is ever held (on Windows a mapped file
+second and little memory. A batch read places all requested rows in one preallocated ``uint8`` buffer (pinned on
+request; rows of one dtype and shape side by side, in the order asked), fills it with positional reads (rows
+adjacent in the file and in the buffer share one) and returns tensors that are views into it. No memory map is ever held (on Windows a mapped file
 cannot be replaced, which would block compaction by another process); on POSIX the shard files stay open
 between reads until :meth:`CacheReader.close` (see ``_ShardFiles``), on Windows each read opens its own.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..constants import COALESCE_GAP_BYTES, FORMAT_NAME, FORMAT_VERSION
+from ..constants import FORMAT_NAME, FORMAT_VERSION
 from ..dataset import DatasetInfo, Sample
 from ..errors import CacheCorruptError, CacheError
 from ..hashing import checksum64
@@ -198,10 +198,39 @@ class CacheReader:
             KeyError: a key is not in the cache.
             CacheCorruptError: a shard is missing or truncated, or a checksum does not match (nothing is returned).
         """
+        templates, rows = self._rows_of(keys)
+        tensors = self._read_rows(rows, None, pin_memory, out, keys)
+        values, at = [], 0
+        fill = skeleton.fill
+        for template, n in templates:
+            values.append(fill(template, tensors[at:at + n]))
+            at += n
+        return values
+
+    def prefetch(self, keys: Sequence[str]) -> bool:
+        """Ask the OS to start reading these entries' rows now, for a :meth:`read` of them soon after.
+
+        Only while batches come from the disk (see ``_ShardFiles``) and on POSIX; otherwise, and for keys a read
+        would refuse (the read reports those), nothing is done. Returns whether hints were given. The loader
+        calls this for the batch after the one it is reading, so one reading thread keeps two batches' worth
+        of disk requests in flight.
+        """
+        if not self._files.advising:
+            return False
+        try:
+            _, rows = self._rows_of(keys)
+            ranges = self._plan(rows, keys)[3]
+        except (KeyError, CacheError, skeleton.SkeletonError):
+            return False
+        self._files.announce(ranges)
+        return True
+
+    def _rows_of(self, keys: Sequence[str]) -> tuple[list[tuple[Any, int]], list[tuple[int, int, int]]]:
+        """Each entry's template and reference count, and all their ``(shard, column, row)`` in key order."""
         templates: list[tuple[Any, int]] = []
         rows: list[tuple[int, int, int]] = []
         index, shards, split = self._index, self._shards, skeleton.split
-        try:  # the loader's inner loop: references are range-checked where rows are planned (_read_rows)
+        try:  # the loader's inner loop: references are range-checked where rows are planned (_plan)
             for key in keys:
                 s, i = index[key]
                 template, refs = split(shards[s].skeletons[i])
@@ -210,13 +239,7 @@ class CacheReader:
         except (KeyError, skeleton.SkeletonError):
             self._explain(keys)
             raise
-        tensors = self._read_rows(rows, None, pin_memory, out, keys)
-        values, at = [], 0
-        fill = skeleton.fill
-        for template, n in templates:
-            values.append(fill(template, tensors[at:at + n]))
-            at += n
-        return values
+        return templates, rows
 
     def _explain(self, keys: Sequence[str]) -> None:
         """Raise the precise error (unknown key, or which entry's skeleton is bad) for a read that failed."""
@@ -241,36 +264,12 @@ class CacheReader:
         ``owners`` names the entry of each row for error messages; when ``None``, they are looked up among
         ``keys`` only if a checksum fails (building the list costs more than the check on the fast path).
 
-        One pass over the sorted unique rows plans everything: rows of a shard that lie within
-        ``COALESCE_GAP_BYTES`` of each other share one positional read, and each row's place in the buffer is
-        fixed then. This path is the loader's inner loop, so it keeps Python work per row to a few operations.
+        Rows of the same dtype and shape are placed side by side in the buffer in the order asked for (see
+        :meth:`_plan`), so the latents of a batch come out as consecutive views of one ``[B, ...]`` block that
+        a loader can use without stacking them again. This path is the loader's inner loop, so it keeps Python
+        work per row to a few operations.
         """
-        shards = self._shards
-        unique = sorted(set(rows))  # (shard, column, row): file order within a shard (columns are stored in order)
-        ranges: list[tuple[int, int, int, int]] = []  # (shard, file begin, file end, buffer position)
-        placed: list[tuple[int, int, Column]] = []  # (buffer position, row, column) per unique row
-        total, s_cur, begin, end, pos = 0, -1, 0, 0, 0
-        cols: list[Column] = []
-        for s, c, r in unique:
-            if s != s_cur:
-                cols = shards[s].columns
-            if not 0 <= c < len(cols) or not 0 <= r < cols[c].rows:
-                self._explain(keys)  # a skeleton points outside its shard's columns: name the entry
-                raise CacheCorruptError(str(shards[s].path), f"tensor reference [{c}, {r}] outside the columns")
-            col = cols[c]
-            n = col.row_nbytes
-            b = col.offset + r * n
-            if s != s_cur or not 0 <= b - end <= COALESCE_GAP_BYTES:
-                if s_cur >= 0:
-                    ranges.append((s_cur, begin, end, pos))
-                    total = pos + end - begin
-                s_cur, begin = s, b
-                pos = total + (b - total) % 8  # the row keeps its file alignment modulo 8: viewable as its dtype
-            end = b + n
-            placed.append((pos + b - begin, r, col))
-        if s_cur >= 0:
-            ranges.append((s_cur, begin, end, pos))
-            total = pos + end - begin
+        order, placed, groups, ranges, total = self._plan(rows, keys)
         buf = (out or ReadBuffer(pin_memory=pin_memory)).ensure(total)
         mv = memoryview(buf.numpy()) if total else memoryview(bytearray(0))
         self._files.read(ranges, mv)
@@ -278,19 +277,72 @@ class CacheReader:
             bad = [i for i, (a, r, col) in enumerate(placed)
                    if checksum64(mv[a:a + col.row_nbytes]) != col.checksums[16 * r:16 * r + 16]]
             if bad:
-                self._raise_corrupt([unique[i] for i in bad], rows, owners, keys)
-        where = dict(zip(unique, placed))
-        typed: dict[torch.dtype, torch.Tensor] = {}
-        result = []
+                self._raise_corrupt([order[i] for i in bad], rows, owners, keys)
+        views: dict[tuple[int, int, int], torch.Tensor] = {}
+        for start, col, members in groups:
+            stacked = buf[start:start + len(members) * col.row_nbytes].view(col.dtype)
+            views.update(zip(members, stacked.view(len(members), *col.row_shape).unbind(0)))
+        return [views[key] for key in rows]
+
+    def _plan(self, rows: Sequence[tuple[int, int, int]], keys: Sequence[str]) -> tuple[
+            list[tuple[int, int, int]], list[tuple[int, int, Column]],
+            list[tuple[int, Column, list[tuple[int, int, int]]]], list[list[int]], int]:
+        """Where each unique row goes in the buffer and which positional reads fill it.
+
+        Returns ``(order, placed, groups, ranges, total)``: the unique rows in buffer order, each one's ``(buffer
+        position, row, column)``, the groups ``(buffer start, a column of the group, rows)`` (one per dtype and
+        row shape, 64-byte aligned, rows in the order asked for), the reads ``[shard, file begin, file end,
+        buffer position]`` (rows adjacent both in the file and in the buffer share one) and the buffer size.
+        A reference outside its shard's columns is corrupt (the error names the entry).
+        """
+        shards = self._shards
+        members: dict[int, list[tuple[int, int, int]]] = {}
+        first: dict[int, Column] = {}
+        seen: set[tuple[int, int, int]] = set()
         for key in rows:
-            a, _r, col = where[key]
-            whole = typed.get(col.dtype)
-            if whole is None:  # one dtype view of the whole buffer per batch; rows are item-aligned in it
-                size = col.dtype.itemsize
-                whole = typed[col.dtype] = buf[: buf.numel() - buf.numel() % size].view(col.dtype)
-            result.append(whole.as_strided(col.row_shape, col.strides, a // col.dtype.itemsize)
-                          if col.row_nbytes else torch.empty(col.row_shape, dtype=col.dtype))
-        return result
+            if key in seen:
+                continue
+            seen.add(key)
+            s, c, r = key
+            cols = shards[s].columns
+            if not 0 <= c < len(cols) or not 0 <= r < cols[c].rows:
+                self._explain(keys)  # a skeleton points outside its shard's columns: name the entry
+                raise CacheCorruptError(str(shards[s].path), f"tensor reference [{c}, {r}] outside the columns")
+            col = cols[c]
+            g = members.get(col.group)
+            if g is None:
+                g = members[col.group] = []
+                first[col.group] = col
+            g.append(key)
+        order: list[tuple[int, int, int]] = []
+        placed: list[tuple[int, int, Column]] = []
+        groups: list[tuple[int, Column, list[tuple[int, int, int]]]] = []
+        at: dict[tuple[int, int, int], int] = {}
+        total = 0
+        for gid, keys_in in members.items():
+            total = -(-total // 64) * 64  # each group 64-byte aligned: its rows are aligned for any dtype
+            groups.append((total, first[gid], keys_in))
+            for key in keys_in:
+                s, c, r = key
+                col = shards[s].columns[c]
+                at[key] = total
+                order.append(key)
+                placed.append((total, r, col))
+                total += col.row_nbytes
+        ranges: list[list[int]] = []
+        last: list[int] = [-1, 0, 0, 0]
+        for key in sorted(at):  # file order: rows next to each other in the file and in the buffer share a read
+            s, c, r = key
+            col = shards[s].columns[c]
+            n = col.row_nbytes
+            b = col.offset + r * n
+            p = at[key]
+            if s == last[0] and b == last[2] and p == last[3] + last[2] - last[1]:
+                last[2] = b + n
+            else:
+                last = [s, b, b + n, p]
+                ranges.append(last)
+        return order, placed, groups, ranges, total
 
     def _raise_corrupt(self, bad: Sequence[tuple[int, int, int]], rows: Sequence[tuple[int, int, int]],
                        owners: Sequence[str] | None, keys: Sequence[str]) -> None:
@@ -431,9 +483,8 @@ class _ShardFiles:
             self._active += 1
         try:
             fds = self._fds
-            advise = self._advise and len(ranges) > 1
-            if advise:
-                self._announce(ranges)
+            if self._advise and len(ranges) > 1:
+                self.announce(ranges)
             t0 = time.perf_counter()
             for s, begin, end, pos in ranges:
                 fd = fds.get(s)
@@ -454,18 +505,23 @@ class _ShardFiles:
                 if not self._keep and not self._active:
                     self._close_all()
 
-    def _announce(self, ranges: Sequence[tuple[int, int, int, int]]) -> None:
+    @property
+    def advising(self) -> bool:
+        """Whether reads currently come from the disk, so that hints pay (always False where unsupported)."""
+        return self._advise and self._keep
+
+    def announce(self, ranges: Sequence[tuple[int, int, int, int]]) -> None:
         """Ask the kernel to start reading every range now (asynchronously; a hint, never an error)."""
         fds = self._fds
-        for s, begin, end, _pos in ranges:
-            fd = fds.get(s)
-            if fd is None:
-                fd = self._open_kept(s)
-            if fd is not None:
-                try:
+        try:
+            for s, begin, end, _pos in ranges:
+                fd = fds.get(s)
+                if fd is None:
+                    fd = self._open_kept(s)  # a missing shard is reported by the read, not here
+                if fd is not None:
                     os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    return
+        except (OSError, CacheError):
+            return
 
     def _open_kept(self, s: int) -> int | None:
         with self._lock:

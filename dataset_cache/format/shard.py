@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,8 @@ __all__ = ["Column", "ShardIndex", "ShardBuilder", "open_shard", "METADATA_KEY"]
 
 METADATA_KEY = "streamcache"
 _HEX_RE = re.compile(r"[0-9a-f]*")
+_GROUPS: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}  # (dtype, row shape) -> Column.group (a few kinds)
+_GROUPS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,13 @@ class Column:
     offset: int
     checksums: str
     strides: tuple[int, ...] = ()
+    group: int = 0  # the same small int for every column of this dtype and row shape, in any shard
+
+    def __post_init__(self) -> None:
+        key = (self.dtype, tuple(self.row_shape))
+        with _GROUPS_LOCK:  # readers may be opened by several threads at once
+            group = _GROUPS.setdefault(key, len(_GROUPS))
+        object.__setattr__(self, "group", group)
 
     def checksum(self, row: int) -> str:
         """The stored xxh3-64 (16 hex digits) of one row."""
