@@ -137,6 +137,32 @@ class _Job:
     copy_done: Any = None  # torch.cuda.Event recorded on the side stream after the copies
     error: BaseException | None = None
     read_s: float = 0.0
+    next_plan: BatchPlan | None = None  # the batch after this one: its rows are announced to the OS early
+
+
+def _entry_keys(plan: BatchPlan) -> list[str]:
+    return list(dict.fromkeys(plan.latent_keys + plan.caption_keys))
+
+
+class _Lookahead:
+    """An iterator of batch plans that can show the next plan without consuming it."""
+
+    _END = object()
+
+    def __init__(self, plans: Iterator[BatchPlan]) -> None:
+        self._plans = plans
+        self._next: Any = None
+
+    def peek(self) -> BatchPlan | None:
+        if self._next is None:
+            self._next = next(self._plans, self._END)
+        return None if self._next is self._END else self._next
+
+    def take(self) -> BatchPlan | None:
+        plan = self.peek()
+        if plan is not None:
+            self._next = None
+        return plan
 
 
 def default_loader_threads(prefetch_batches: int) -> int:
@@ -207,8 +233,34 @@ def _rows(plan: BatchPlan, values: dict[str, Any]) -> list[torch.Tensor]:
     return rows
 
 
+def _as_one_block(rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """``rows`` as one ``[B, ...]`` view when they already lie back to back, in order, in one storage (the
+    reader places a batch's latents so); ``None`` otherwise."""
+    first = rows[0]
+    if not first.is_contiguous():
+        return None
+    n, start = first.numel(), first.storage_offset()
+    ptr, shape = first.untyped_storage().data_ptr(), first.shape[1:]
+    for i, r in enumerate(rows):
+        if (r.storage_offset() != start + i * n or r.shape[0] != 1 or r.shape[1:] != shape
+                or not r.is_contiguous() or r.untyped_storage().data_ptr() != ptr):
+            return None
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return first.as_strided((len(rows), *shape), (n, *reversed(strides)), start)
+
+
 def _stack(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Stack latent rows into a new ``[B, C, H, W]`` tensor on ``device`` (async from pinned memory on CUDA)."""
+    """Stack latent rows into a ``[B, C, H, W]`` tensor on ``device`` (async from pinned memory on CUDA).
+
+    Rows that the reader left back to back need no stacking: on the CPU the batch is a view of its own read
+    buffer, on CUDA one copy moves it.
+    """
+    block = _as_one_block(rows)
+    if block is not None:
+        return block.to(device, non_blocking=True) if device.type == "cuda" else block
     out = torch.empty((sum(r.shape[0] for r in rows), *rows[0].shape[1:]), dtype=rows[0].dtype, device=device)
     at = 0
     for r in rows:
@@ -230,9 +282,12 @@ def _assemble(job: _Job, ctx: _Context, values: dict[str, Any]) -> Batch:
         move = _cuda_mover(job, ctx.device)
     else:
         move = _keep  # CPU: the batch owns its read buffer; its tensors stay views of it
-    conds = {k: _map_tensors(values[k], move) for k in dict.fromkeys(plan.caption_keys)}
+    if move is _keep:
+        conds = values  # CPU: the values are the batch's own (views of its own read buffer)
+    else:
+        conds = {k: _map_tensors(values[k], move) for k in dict.fromkeys(plan.caption_keys)}
     extras = [{k: v for k, v in values[key].items() if k != "samples"} for key in plan.latent_keys]
-    extras_out = [_map_tensors(e, move) for e in extras] if any(extras) else None
+    extras_out = ([e if move is _keep else _map_tensors(e, move) for e in extras] if any(extras) else None)
     return Batch(plan, latents, [conds[k] for k in plan.caption_keys], extras_out)
 
 
@@ -254,7 +309,12 @@ def _run_job(job: _Job, ctx: _Context, slot: _Slot) -> None:
     t0 = time.perf_counter()
     try:
         plan = job.plan
-        keys = list(dict.fromkeys(plan.latent_keys + plan.caption_keys))
+        keys = _entry_keys(plan)
+        prefetch = getattr(ctx.reader, "prefetch", None)
+        if job.next_plan is not None and prefetch is not None:
+            # Only acts while reads come from the disk: this batch's rows, then the next batch's, are requested
+            # from the OS together, so the next batch's I/O overlaps this batch's copy and the consumer's step.
+            prefetch(keys + _entry_keys(job.next_plan))
         if slot.copy_done is not None:  # the previous batch's copy may still read this pinned buffer
             slot.copy_done.synchronize()
             slot.copy_done = None
@@ -476,7 +536,7 @@ class PrefetchLoader:
         return self._iterate(self._generation)
 
     def _iterate(self, generation: int) -> Iterator[Batch]:
-        plans = self.sampler.plans(epochs=self.epochs)
+        plans = _Lookahead(self.sampler.plans(epochs=self.epochs))
         finished = False
         t_mark = time.perf_counter()
         try:
@@ -500,12 +560,12 @@ class PrefetchLoader:
                 if not finished and self._workers is not None:
                     self._workers.stop()  # abandoned (break / exception): no threads left behind
 
-    def _fill(self, plans: Iterator[BatchPlan], depth: int) -> None:
+    def _fill(self, plans: _Lookahead, depth: int) -> None:
         while len(self._pending) < depth:
-            plan = next(plans, None)
+            plan = plans.take()
             if plan is None:
                 return
-            job = _Job(plan)
+            job = _Job(plan, next_plan=plans.peek() if self._workers is not None else None)
             if self.device.type == "cuda":
                 job.consumer_event = torch.cuda.Event()
                 job.consumer_event.record(torch.cuda.current_stream(self.device))
