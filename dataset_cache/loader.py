@@ -137,32 +137,10 @@ class _Job:
     copy_done: Any = None  # torch.cuda.Event recorded on the side stream after the copies
     error: BaseException | None = None
     read_s: float = 0.0
-    next_plan: BatchPlan | None = None  # the batch after this one: its rows are announced to the OS early
 
 
 def _entry_keys(plan: BatchPlan) -> list[str]:
     return list(dict.fromkeys(plan.latent_keys + plan.caption_keys))
-
-
-class _Lookahead:
-    """An iterator of batch plans that can show the next plan without consuming it."""
-
-    _END = object()
-
-    def __init__(self, plans: Iterator[BatchPlan]) -> None:
-        self._plans = plans
-        self._next: Any = None
-
-    def peek(self) -> BatchPlan | None:
-        if self._next is None:
-            self._next = next(self._plans, self._END)
-        return None if self._next is self._END else self._next
-
-    def take(self) -> BatchPlan | None:
-        plan = self.peek()
-        if plan is not None:
-            self._next = None
-        return plan
 
 
 def default_loader_threads(prefetch_batches: int) -> int:
@@ -310,11 +288,6 @@ def _run_job(job: _Job, ctx: _Context, slot: _Slot) -> None:
     try:
         plan = job.plan
         keys = _entry_keys(plan)
-        prefetch = getattr(ctx.reader, "prefetch", None)
-        if job.next_plan is not None and prefetch is not None:
-            # Only acts while reads come from the disk: this batch's rows, then the next batch's, are requested
-            # from the OS together, so the next batch's I/O overlaps this batch's copy and the consumer's step.
-            prefetch(keys + _entry_keys(job.next_plan))
         if slot.copy_done is not None:  # the previous batch's copy may still read this pinned buffer
             slot.copy_done.synchronize()
             slot.copy_done = None
@@ -536,7 +509,7 @@ class PrefetchLoader:
         return self._iterate(self._generation)
 
     def _iterate(self, generation: int) -> Iterator[Batch]:
-        plans = _Lookahead(self.sampler.plans(epochs=self.epochs))
+        plans = self.sampler.plans(epochs=self.epochs)
         finished = False
         t_mark = time.perf_counter()
         try:
@@ -560,12 +533,12 @@ class PrefetchLoader:
                 if not finished and self._workers is not None:
                     self._workers.stop()  # abandoned (break / exception): no threads left behind
 
-    def _fill(self, plans: _Lookahead, depth: int) -> None:
+    def _fill(self, plans: Iterator[BatchPlan], depth: int) -> None:
         while len(self._pending) < depth:
-            plan = plans.take()
+            plan = next(plans, None)
             if plan is None:
                 return
-            job = _Job(plan, next_plan=plans.peek() if self._workers is not None else None)
+            job = _Job(plan)
             if self.device.type == "cuda":
                 job.consumer_event = torch.cuda.Event()
                 job.consumer_event.record(torch.cuda.current_stream(self.device))

@@ -207,24 +207,6 @@ class CacheReader:
             at += n
         return values
 
-    def prefetch(self, keys: Sequence[str]) -> bool:
-        """Ask the OS to start reading these entries' rows now, for a :meth:`read` of them soon after.
-
-        Only while batches come from the disk (see ``_ShardFiles``) and on POSIX; otherwise, and for keys a read
-        would refuse (the read reports those), nothing is done. Returns whether hints were given. The loader
-        calls this for the batch after the one it is reading, so one reading thread keeps two batches' worth
-        of disk requests in flight.
-        """
-        if not self._files.advising:
-            return False
-        try:
-            _, rows = self._rows_of(keys)
-            ranges = self._plan(rows, keys)[3]
-        except (KeyError, CacheError, skeleton.SkeletonError):
-            return False
-        self._files.announce(ranges)
-        return True
-
     def _rows_of(self, keys: Sequence[str]) -> tuple[list[tuple[Any, int]], list[tuple[int, int, int]]]:
         """Each entry's template and reference count, and all their ``(shard, column, row)`` in key order."""
         templates: list[tuple[Any, int]] = []
@@ -504,11 +486,6 @@ class _ShardFiles:
                 self._active -= 1
                 if not self._keep and not self._active:
                     self._close_all()
-
-    @property
-    def advising(self) -> bool:
-        """Whether reads currently come from the disk, so that hints pay (always False where unsupported)."""
-        return self._advise and self._keep
 
     def announce(self, ranges: Sequence[tuple[int, int, int, int]]) -> None:
         """Ask the kernel to start reading every range now (asynchronously; a hint, never an error)."""

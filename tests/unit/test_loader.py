@@ -438,50 +438,6 @@ def test_default_threads_leave_a_cpu_to_the_training_thread(monkeypatch, cpus, d
     assert loader_mod.default_loader_threads(depth) == expected
 
 
-class PrefetchingFakeReader(FakeReader):
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.hints: list[tuple[str, ...]] = []
-
-    def prefetch(self, keys) -> bool:
-        with self.lock:
-            self.hints.append(tuple(keys))
-        return True
-
-
-def test_each_read_announces_its_batch_and_the_next_one():
-    samples, entries = make_dataset(12)
-    reader = PrefetchingFakeReader(entries)
-    sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 2, 1, tail="wrap")
-    plans = sampler.epoch_plans(0)
-    with PrefetchLoader(reader, sampler, prefetch_batches=2, threads=1) as loader:
-        got = [b.plan for b in loader]
-    assert [(p.epoch, p.index) for p in got] == [(p.epoch, p.index) for p in plans]
-    keys = [list(dict.fromkeys(p.latent_keys + p.caption_keys)) for p in plans]
-    # a hint for batch i names batch i's keys, then batch i+1's; the last batch of the run has no successor
-    assert reader.hints == [tuple(keys[i] + keys[i + 1]) for i in range(len(plans) - 1)]
-    reader.hints.clear()
-    with PrefetchLoader(reader, sampler, prefetch_batches=0) as loader:  # reads in the consumer: no hints
-        list(loader)
-    assert reader.hints == []
-
-
-def test_the_real_reader_hints_only_while_reads_come_from_the_disk(tmp_path):
-    from dataset_cache.format import CacheWriter, open_cache
-
-    with CacheWriter(tmp_path) as w:
-        for i in range(6):
-            w.add(f"k{i}", [torch.full((30000,), float(i))])
-    r = open_cache(tmp_path)
-    r._files._advise = False  # as after a batch from the page cache
-    assert r.prefetch(["k0", "k3"]) is False
-    r._files._advise = True  # as after a slow batch
-    assert r.prefetch(["k0", "k3"]) is (os.name == "posix" and hasattr(os, "posix_fadvise"))
-    assert r.prefetch(["k0", "missing"]) is False  # the read will report the missing key, not the hint
-    assert float(r.read(["k3"])[0][0][0]) == 3.0
-    r.close()
-
-
 def test_rows_already_back_to_back_are_used_as_one_block_without_a_copy():
     from dataset_cache.loader import _as_one_block, _stack
 
