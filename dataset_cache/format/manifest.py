@@ -92,6 +92,7 @@ class CacheState:
         journal_bytes: length of the journal's valid prefix (a writer truncates anything after it).
         journal_commits: number of valid journal lines.
         journal_torn: whether an invalid last line was ignored.
+        files: the file names of ``shards`` (a set, so a commit checks its new shards in O(1), not O(shards)).
     """
 
     root: Path
@@ -102,6 +103,11 @@ class CacheState:
     journal_bytes: int = 0
     journal_commits: int = 0
     journal_torn: bool = False
+    files: set[str] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.files:
+            self.files = {s.file for s in self.shards}
 
 
 def journal_name(generation: int) -> str:
@@ -181,7 +187,7 @@ def _replay_journal(state: CacheState) -> None:
     except OSError as exc:
         raise CacheCorruptError(str(jpath), f"cannot read the journal ({exc})") from None
     pos = 0
-    known = {s.file for s in state.shards}
+    known = state.files
     while pos < len(data):
         nl = data.find(b"\n", pos)
         line = data[pos:] if nl < 0 else data[pos:nl + 1]
@@ -246,8 +252,7 @@ def append_journal(state: CacheState, record: Mapping[str, Any]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _apply_record(str(jpath), state, json.loads(line[len(_LINE_HEAD) + 16 + len(_LINE_MID):-2]),
-                  {s.file for s in state.shards})
+    _apply_record(str(jpath), state, json.loads(line[len(_LINE_HEAD) + 16 + len(_LINE_MID):-2]), state.files)
     state.journal_bytes += len(line)
     state.journal_commits += 1
     state.journal_torn = False
