@@ -75,8 +75,8 @@ class EncodeSettings:
             suffix are joined verbatim (include your own separator), then stripped of surrounding whitespace;
             the result is the exact text encoded and keyed, so changing it encodes each distinct line once.
         caption_suffix: text put after every caption line, e.g. ``", ohwx"``.
-        batch_size: images (of one bucket) or captions per encoder call; each finished batch is committed, so an
-            interruption loses at most one batch.
+        batch_size: images (of one bucket) or captions per encoder call; each finished batch is checkpointed, so
+            an interruption loses at most one batch.
         failure_policy: ``"skip"`` or ``"stop"`` (see :data:`FAILURE_POLICIES`).
         encode_threads: image decode threads working ahead of the encoder; ``None`` chooses from the CPUs this
             process may use.

@@ -29,6 +29,7 @@ from PIL import Image
 from dataset_cache.buckets import BucketConfig
 from dataset_cache.errors import SourceError
 from dataset_cache.format.reader import open_cache
+from dataset_cache.format.writer import CacheWriter
 from dataset_cache.incremental import EncodeSettings, plan_encode, run_encode, sources_record_path
 from dataset_cache.lock import WRITE_LOCK, CacheLock
 from dataset_cache.scan import DatasetFolderError
@@ -383,19 +384,43 @@ def test_kill_9_mid_encode_then_rerun_encodes_exactly_the_rest(folder: Path, cac
     marker = tmp_path / "progress.txt"
     proc = _worker(folder, cache, "ds", 0.3, marker)
     try:
-        _wait_for(marker, 4, proc)  # the (0, total) call + 3 committed batches
+        _wait_for(marker, 4, proc)  # the (0, total) call + 3 checkpointed batches
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
     assert proc.returncode == -signal.SIGKILL
+    checkpointed = int(marker.read_text().split()[-1])  # entries reported done before the kill
+    assert checkpointed >= N_TEXTS
+    reader = open_cache(cache)  # the published state (checkpoints live in the writer's recovery log) opens
+    assert reader.verify() == [] and len(reader) <= checkpointed
+    assert [p.name for p in cache.glob("wal-*.log")]  # the dead writer's log
+    CacheWriter(cache).close()  # the next writer publishes what the dead one checkpointed, then drops the log
+    assert not list(cache.glob("wal-*.log"))
     reader = open_cache(cache)
     committed = len(reader)
-    assert N_TEXTS <= committed < N_IMAGES + N_TEXTS and reader.verify() == []
+    assert checkpointed <= committed < N_IMAGES + N_TEXTS and reader.verify() == []
     enc = FakeEncoders()
     report = run_encode(_plan(folder, cache), **enc.kw())
     assert report.encoded == N_IMAGES + N_TEXTS - committed
     _assert_complete(cache)
     assert not [p for p in (cache / "shards").iterdir() if p.name.endswith(".tmp")]  # compaction removed orphans
+
+
+def test_kill_9_mid_encode_then_rerun_recovers_the_log_itself(folder: Path, cache: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "progress.txt"
+    proc = _worker(folder, cache, "ds", 0.3, marker)
+    try:
+        _wait_for(marker, 5, proc)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    checkpointed = int(marker.read_text().split()[-1])
+    enc = FakeEncoders()
+    report = run_encode(_plan(folder, cache), **enc.kw())  # plan and encode see the recovered entries
+    assert report.encoded <= N_IMAGES + N_TEXTS - checkpointed
+    assert report.encoded + report.reused == N_IMAGES + N_TEXTS
+    _assert_complete(cache)
+    assert not list(cache.glob("wal-*.log"))
 
 
 def test_two_processes_encoding_one_cache_take_turns(folder: Path, cache: Path, tmp_path: Path,
@@ -525,10 +550,28 @@ def test_min_commit_seconds_commits_less_often_and_still_keeps_finished_work(fol
     with pytest.raises(RuntimeError, match="fake encoder failure"):
         run_encode(_plan(folder, cache), **FakeEncoders(fail_after=5).kw(), min_commit_seconds=3600)
     reader = open_cache(cache)
-    assert len(reader) == N_TEXTS + 3  # an exception still commits every finished batch...
-    assert reader.stats()["shards"] == 2  # ...in one commit after the first (instead of 5 per-batch commits)
+    assert len(reader) == N_TEXTS + 3  # an exception still commits every finished batch
     report = run_encode(_plan(folder, cache), **FakeEncoders().kw(), min_commit_seconds=3600)
     assert report.encoded == N_IMAGES - 3
+    _assert_complete(cache)
+
+
+def test_batches_are_checkpointed_into_one_shard_not_one_shard_each(folder: Path, cache: Path) -> None:
+    with pytest.raises(RuntimeError, match="fake encoder failure"):
+        run_encode(_plan(folder, cache), **FakeEncoders(fail_after=5).kw())
+    reader = open_cache(cache)
+    assert len(reader) == N_TEXTS + 3  # 5 checkpointed batches, published by the commit after the exception...
+    assert reader.stats()["shards"] == 1  # ...as one shard, not one per batch
+    assert not list(cache.glob("wal-*.log"))  # published: the recovery log is gone
+
+
+def test_sync_seconds_zero_fsyncs_the_log_at_every_checkpoint(folder: Path, cache: Path) -> None:
+    enc = FakeEncoders()
+    every = run_encode(_plan(folder, cache), **enc.kw(), sync_seconds=0)
+    assert every.log_syncs == enc.calls > 1  # one fsync per checkpointed batch
+    shutil.rmtree(cache)
+    rare = run_encode(_plan(folder, cache), **FakeEncoders().kw(), sync_seconds=3600)
+    assert rare.log_syncs == 1  # once before the images (the VAE may load slowly); the final commit does the rest
     _assert_complete(cache)
 
 
