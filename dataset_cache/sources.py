@@ -20,7 +20,8 @@ never wrong).
 
 Cost when nothing changed: one ``os.scandir`` per folder, one ``DirEntry.stat()`` per file and a dict lookup; no
 file is opened. Changed files are hashed on a small thread pool (caption files are read whole, hashed and parsed
-in one go). Trusted caption files recorded without variants (a version-1 record, or a caption that is not UTF-8)
+in one go; images are read whole, hashed, and their width and height read from the same bytes, so the scan does
+not open them again). Trusted caption files recorded without variants (a version-1 record, or a caption that is not UTF-8)
 are read once more to store them when their content still has the recorded hash.
 
 Storage: JSON with one list per field (columnar: compact, fast to load; ``captions`` holds a list of variants
@@ -35,9 +36,12 @@ content addressed).
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import re
+import struct
+import zlib
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,9 +49,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import xxhash
+from PIL import Image, PngImagePlugin
 
 from .errors import CacheError, SourceError
 from .format.manifest import atomic_write
+from .imaging import read_image_size
 from .keys import hash_file, is_key
 from .scan import FolderListing, SourceFailure, SourceImage, decode_captions, list_folder
 from .threads import resolve_threads
@@ -202,7 +208,12 @@ class Validation:
         }
 
 
-_Read = Any  # (hash, caption variants or None), or the OSError that stopped the read
+_Read = Any  # (hash, caption variants or None[, image (width, height) or None]), or the OSError that stopped the read
+
+_WHOLE_IMAGE_BYTES = 64 << 20
+"""Images up to this size are read whole when hashed, and their header parsed from the same bytes, so the scan that
+follows opens no file a second time (one open and read per new image instead of two; the size also comes from
+exactly the content that was hashed). Larger files are hashed in chunks (flat memory) and scanned as before."""
 
 
 def _read_caption(path: str) -> tuple[str, tuple[str, ...] | None]:
@@ -222,12 +233,81 @@ def _read_caption(path: str) -> tuple[str, tuple[str, ...] | None]:
     return xxhash.xxh3_128_hexdigest(raw), captions
 
 
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_MODES = frozenset({(1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (8, 2), (16, 2), (1, 3), (2, 3), (4, 3), (8, 3),
+                        (8, 4), (16, 4), (8, 6), (16, 6)})  # (bit depth, colour type) pairs Pillow opens
+_PNG_CID = re.compile(rb"\w\w\w\w")  # Pillow's test of a chunk type
+_PNG_MIN_LENGTH = {b"gAMA": 4, b"cHRM": 32, b"sRGB": 1, b"pHYs": 9, b"PLTE": 0, b"tEXt": 0}
+_PNG_PILLOW_CHUNKS = frozenset({b"IHDR", b"IDAT", b"IEND", b"PLTE", b"tRNS", b"gAMA", b"cHRM", b"sRGB", b"pHYs",
+                                b"tEXt", b"zTXt", b"iTXt", b"eXIf", b"acTL", b"fcTL", b"fdAT", b"iCCP"})
+
+
+def _png_size(raw: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` of a plain PNG exactly as :func:`.imaging.read_image_size` reports it, parsed without
+    Pillow (whose pure-Python PNG header parser was half the cost of hashing a new dataset); ``None`` for anything
+    not plain — an EXIF block (orientation), an animation, a chunk Pillow parses in ways this does not repeat, a
+    bad checksum, a size over Pillow's decompression-bomb limit, a truncated header — which then goes to Pillow.
+    """
+    if not raw.startswith(_PNG_SIGNATURE) or len(raw) < 33 or raw[12:16] != b"IHDR":
+        return None
+    width, height = struct.unpack_from(">II", raw, 16)
+    if struct.unpack_from(">I", raw, 8)[0] < 13 or raw[27] != 0 or (raw[24], raw[25]) not in _PNG_MODES:
+        return None
+    limit = Image.MAX_IMAGE_PIXELS
+    if width <= 0 or height <= 0 or (limit is not None and width * height > limit):
+        return None
+    text = 0
+    pos = 8
+    while pos + 12 <= len(raw):
+        length, cid = struct.unpack_from(">I", raw, pos)[0], raw[pos + 4:pos + 8]
+        if cid == b"IDAT":
+            return width, height
+        end = pos + 8 + length
+        if not _PNG_CID.match(cid) or end + 4 > len(raw):
+            return None
+        if cid in _PNG_PILLOW_CHUNKS and (cid != b"IHDR" or pos != 8):
+            if cid not in _PNG_MIN_LENGTH or length < _PNG_MIN_LENGTH[cid]:
+                return None
+            if cid == b"tEXt":
+                key, _, value = raw[pos + 8:end].partition(b"\0")
+                text += len(value)
+                if key == b"exif" or text > PngImagePlugin.MAX_TEXT_MEMORY:
+                    return None
+        if zlib.crc32(raw[pos + 4:end]) != struct.unpack_from(">I", raw, end)[0]:
+            return None
+        pos = end + 4
+    return None
+
+
+def _read_image(path: str) -> tuple[str, None, tuple[int, int] | None]:
+    """Hash an image; for one up to :data:`_WHOLE_IMAGE_BYTES`, also read its size (as the scan would) from the
+    same bytes (``None`` when the header is unreadable: the scan reads it again and reports the problem)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        size = os.fstat(fd).st_size
+        if size > _WHOLE_IMAGE_BYTES:
+            return hash_file(path), None, None
+        parts = []
+        while part := os.read(fd, max(size, 1 << 16)):
+            parts.append(part)
+    finally:
+        os.close(fd)
+    raw = parts[0] if len(parts) == 1 else b"".join(parts)
+    dims = _png_size(raw)
+    if dims is None:
+        try:
+            dims = read_image_size(io.BytesIO(raw))  # type: ignore[arg-type]  # Pillow reads file objects
+        except SourceError:
+            pass
+    return xxhash.xxh3_128_hexdigest(raw), None, dims
+
+
 def _hash_chunk(root: str, items: list[tuple[str, bool]]) -> list[_Read]:
     out: list[_Read] = []
     for relpath, caption in items:
         path = os.path.join(root, *relpath.split("/"))
         try:
-            out.append(_read_caption(path) if caption else (hash_file(path), None))
+            out.append(_read_caption(path) if caption else _read_image(path))
         except OSError as exc:
             out.append(exc)
     return out
@@ -300,19 +380,22 @@ def validate_sources(
             entries[relpath] = entries[relpath]._replace(captions=read[1])
             added += 1
     for (relpath, (size, mtime_ns, old)), read in zip(pending.items(), hashes):
+        dims = None
         if isinstance(read, OSError):
             digest: str | OSError = read
         else:
-            digest, lines = read
+            digest, lines = read[0], read[1]
+            dims = read[2] if len(read) > 2 else None
+        width, height = dims if dims is not None else (None, None)
         if isinstance(digest, OSError):
             failures.append(SourceFailure(relpath, listing.abspath(relpath),
                                           f"cannot read to hash: {digest.strerror or digest}"))
         elif old is None:
             new.append(relpath)
-            entries[relpath] = SourceEntry(size, mtime_ns, digest, captions=lines)
+            entries[relpath] = SourceEntry(size, mtime_ns, digest, width, height, captions=lines)
         elif old.hash != digest:
             changed.append(relpath)
-            entries[relpath] = SourceEntry(size, mtime_ns, digest, captions=lines)
+            entries[relpath] = SourceEntry(size, mtime_ns, digest, width, height, captions=lines)
         else:
             if (old.size, old.mtime_ns) != (size, mtime_ns):
                 refreshed.append(relpath)

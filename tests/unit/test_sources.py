@@ -66,6 +66,7 @@ def test_build_record_hashes_images_and_captions(folder: Path, record: SourcesRe
 
 def test_unchanged_folder_reads_no_file(folder: Path, record: SourcesRecord, monkeypatch) -> None:
     monkeypatch.setattr(sources_mod, "hash_file", lambda p: pytest.fail(f"hashed {p}"))
+    monkeypatch.setattr(sources_mod, "_read_image", lambda p: pytest.fail(f"read {p}"))
     v = validate_sources(folder, record)
     assert v.clean
     assert v.counts() == {"new": 0, "changed": 0, "unchanged": 12, "removed": 0, "refreshed": 0, "hashed": 0,
@@ -145,6 +146,7 @@ def test_unreadable_files_are_failures_not_removals(folder: Path, record: Source
         raise PermissionError(13, "Permission denied", path)
 
     monkeypatch.setattr(sources_mod, "hash_file", deny)
+    monkeypatch.setattr(sources_mod, "_read_image", deny)
     v = validate_sources(folder, record)
     assert [f.relpath for f in v.failures] == ["img0.png"]
     assert "Permission denied" in v.failures[0].reason
@@ -310,3 +312,127 @@ def test_captions_column_is_checked(tmp_path: Path) -> None:
     path.write_text(json.dumps(doc))
     with pytest.raises(SourcesRecordError, match="columns differ in length"):
         load_record(path)
+
+
+def test_new_images_are_read_once_for_hash_and_size(tmp_path: Path, monkeypatch) -> None:
+    """The bytes that are hashed also give the image's size, so the scan that follows opens no image again."""
+    from PIL import Image
+
+    import dataset_cache.scan as scan_mod
+    from dataset_cache.scan import scan_folder
+
+    root = tmp_path / "d"
+    root.mkdir()
+    Image.new("RGB", (20, 10)).save(root / "a.png")
+    Image.new("RGB", (8, 12)).save(root / "b.jpg")
+    (root / "c.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    v = validate_sources(root, None)
+    assert v.record.get("a.png").hash == hash_file(str(root / "a.png"))
+    assert (v.record.get("a.png").width, v.record.get("a.png").height) == (20, 10)
+    assert (v.record.get("b.jpg").width, v.record.get("b.jpg").height) == (8, 12)
+    assert v.record.get("c.png").width is None  # unreadable header: the scan reads it again and reports it
+    opened: list[str] = []
+    real = scan_mod.read_image_size
+    monkeypatch.setattr(scan_mod, "read_image_size", lambda p: opened.append(str(p)) or real(p))
+    r = v.record
+    scan = scan_folder(v.listing, known_sizes=r.image_sizes(), known_captions=r.caption_lines(), threads=1)
+    assert opened == [str(root / "c.png")]
+    assert [f.relpath for f in scan.failures] == ["c.png"]
+    assert {(i.relpath, i.width, i.height) for i in scan.images} == {("a.png", 20, 10), ("b.jpg", 8, 12)}
+
+
+def test_large_images_are_hashed_in_chunks_without_a_size(tmp_path: Path, monkeypatch) -> None:
+    from PIL import Image
+
+    root = tmp_path / "d"
+    root.mkdir()
+    Image.new("RGB", (20, 10)).save(root / "a.png")
+    monkeypatch.setattr(sources_mod, "_WHOLE_IMAGE_BYTES", 16)
+    v = validate_sources(root, None)
+    e = v.record.get("a.png")
+    assert e.hash == hash_file(str(root / "a.png")) and e.width is None
+
+
+def _png_variants(tmp: Path) -> dict[str, bytes]:
+    """PNGs of every kind the fast header parser must agree with Pillow on (or hand to Pillow)."""
+    import io as _io
+    import struct as _struct
+    import zlib as _zlib
+
+    from PIL import Image, PngImagePlugin
+
+    def save(img: "Image.Image", **kw: Any) -> bytes:
+        buf = _io.BytesIO()
+        img.save(buf, "PNG", **kw)
+        return buf.getvalue()
+
+    def chunk(cid: bytes, data: bytes) -> bytes:
+        return _struct.pack(">I", len(data)) + cid + data + _struct.pack(">I", _zlib.crc32(cid + data))
+
+    out: dict[str, bytes] = {}
+    for mode in ("1", "L", "LA", "P", "RGB", "RGBA", "I;16"):
+        out[f"mode_{mode}"] = save(Image.new(mode, (13, 7)))
+    info = PngImagePlugin.PngInfo()
+    info.add_text("prompt", '{"workflow": 1}')
+    info.add_text("Comment", "x" * 1000, zip=True)
+    out["text_and_ztxt"] = save(Image.new("RGB", (9, 4)), pnginfo=info)
+    plain = PngImagePlugin.PngInfo()
+    plain.add_text("parameters", "a photo")
+    out["text_only"] = save(Image.new("RGB", (9, 4)), pnginfo=plain)
+    exif_key = PngImagePlugin.PngInfo()
+    exif_key.add_text("exif", "junk")
+    out["text_exif_key"] = save(Image.new("RGB", (9, 4)), pnginfo=exif_key)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    out["exif_rotated"] = save(Image.new("RGB", (20, 10)), exif=exif.tobytes())
+    out["dpi_and_icc"] = save(Image.new("RGB", (5, 6)), dpi=(300, 300), icc_profile=b"\0" * 200)
+    out["dpi"] = save(Image.new("RGB", (5, 6)), dpi=(72, 72))
+    out["transparent_p"] = save(Image.new("P", (4, 4)), transparency=0)
+    out["apng"] = b""
+    buf = _io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, "PNG", save_all=True, append_images=[Image.new("RGB", (8, 8), "red")])
+    out["apng"] = buf.getvalue()
+    base = save(Image.new("RGB", (11, 3)))
+    out["bad_ihdr_crc"] = base[:29] + b"\0\0\0\0" + base[33:]
+    out["truncated_before_idat"] = base[:40]
+    out["zero_width"] = (base[:8] + chunk(b"IHDR", _struct.pack(">IIBBBBB", 0, 3, 8, 2, 0, 0, 0)) + base[33:])
+    out["bad_filter"] = (base[:8] + chunk(b"IHDR", _struct.pack(">IIBBBBB", 11, 3, 8, 2, 0, 1, 0)) + base[33:])
+    out["bad_mode"] = (base[:8] + chunk(b"IHDR", _struct.pack(">IIBBBBB", 11, 3, 16, 3, 0, 0, 0)) + base[33:])
+    out["interlaced_flag"] = (base[:8] + chunk(b"IHDR", _struct.pack(">IIBBBBB", 11, 3, 8, 2, 0, 0, 1)) + base[33:])
+    out["long_ihdr"] = (base[:8] + chunk(b"IHDR", _struct.pack(">IIBBBBB", 11, 3, 8, 2, 0, 0, 0) + b"xy")
+                        + base[33:])
+    out["private_chunk"] = base[:33] + chunk(b"prVt", b"hello") + base[33:]
+    out["bad_private_crc"] = base[:33] + chunk(b"prVt", b"hello")[:-1] + b"\0" + base[33:]
+    out["short_gama"] = base[:33] + chunk(b"gAMA", b"\0\0") + base[33:]
+    out["good_gama_chrm_srgb"] = (base[:33] + chunk(b"gAMA", _struct.pack(">I", 45455)) + chunk(b"cHRM", b"\1" * 32)
+                                  + chunk(b"sRGB", b"\0") + base[33:])
+    out["bad_cid"] = base[:33] + chunk(b"a b!", b"") + base[33:]
+    out["iend_first"] = base[:33] + chunk(b"IEND", b"") + base[33:]
+    out["huge"] = (base[:8] + chunk(b"IHDR", _struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0))
+                   + base[33:])
+    return out
+
+
+def test_png_fast_header_agrees_with_pillow_or_defers_to_it(tmp_path: Path) -> None:
+    import warnings
+
+    from dataset_cache.imaging import read_image_size
+
+    fast_ok = 0
+    for name, raw in _png_variants(tmp_path).items():
+        path = tmp_path / f"{name}.png"
+        path.write_bytes(raw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                want: Any = read_image_size(str(path))
+            except Exception as exc:  # noqa: BLE001 - any failure: the fast path must not claim a size
+                want = type(exc)
+            fast = sources_mod._png_size(raw)
+            got = sources_mod._read_image(str(path))[2]
+        if fast is not None:
+            fast_ok += 1
+            assert fast == want, name
+        assert got == (want if isinstance(want, tuple) else None), name
+    assert fast_ok >= 10  # the common kinds really take the fast path
+    assert sources_mod._png_size(_png_variants(tmp_path)["exif_rotated"]) is None  # orientation: Pillow decides
