@@ -256,10 +256,20 @@ class ShardBuilder:
         pending: list[tuple[list[int], torch.Tensor]] = []
 
         def on_tensor(t: torch.Tensor, where: str) -> list[int]:
-            t = t.detach()
-            t = (t.cpu() if t.device.type != "cpu" else t).resolve_conj().resolve_neg()
+            # Only the calls a tensor needs (each torch call costs microseconds per entry in an encode).
+            if t.requires_grad:
+                t = t.detach()
+            owned = False
+            if t.device.type != "cpu":
+                t, owned = t.cpu(), True  # a fresh copy, shared with nobody
+            if t.is_conj():
+                t = t.resolve_conj()
+            if t.is_neg():
+                t = t.resolve_neg()
+            if not (owned and t.is_contiguous()):
+                t = t.clone(memory_format=torch.contiguous_format)  # never keep (or write) a caller's storage
             ref = [0, 0]
-            pending.append((ref, t.clone(memory_format=torch.contiguous_format)))
+            pending.append((ref, t))
             return ref
 
         skel = skeleton.encode(value, name, on_tensor)  # raises before anything is recorded
