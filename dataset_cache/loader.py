@@ -516,12 +516,16 @@ class PrefetchLoader:
             while True:
                 if generation != self._generation or self._closed:
                     raise RuntimeError("this iteration was superseded by a newer iteration or by close()")
-                self._fill(plans, self._depth + 1)
                 if not self._pending:
-                    finished = True
-                    return
+                    self._fill(plans, self._depth + 1)
+                    if not self._pending:
+                        finished = True
+                        return
                 job = self._pending.popleft()
                 batch = self._deliver(job)
+                # Top the queue up only once this batch is in hand: a woken worker plans its read (Python, under
+                # the GIL) while the consumer would still be inside next(). ``depth`` jobs ahead + this batch.
+                self._fill(plans, self._depth)
                 self.sampler.seek(job.plan.epoch, job.plan.index + 1)
                 now = time.perf_counter()  # elapsed spans the consumer's step as well as the wait
                 self._stats = _add_elapsed(self._stats, now - t_mark)
