@@ -640,7 +640,7 @@ def incremental_bench(work: Path, n: int, runs: int) -> dict[str, Any] | str:
         mod.generate(folder, n)
         settings = EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32), batch_size=8)
         enc = mod.NoopEncoders()
-        b = mod.build(folder, cache, settings, enc, 1.0)
+        b = mod.build(folder, cache, settings, enc, {})  # the defaults run_encode has
         record = sources_record_path(cache, "bench")
         vt, pt = [], []
         for _ in range(runs):
@@ -716,7 +716,7 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - one linear script
     t_start = time.perf_counter()
     runs = 1 if args.smoke else max(5, args.runs)
     if args.smoke:  # a functional check of every table, not figures
-        sd, fx, vs, inc_n = [40], [4], [200], 0
+        sd, fx, vs, inc_n = [40], [4], [200], 20
     elif args.quick:
         sd, fx, vs, inc_n = [1000, 5000], [100], [1000, 10000], 200
     else:

@@ -31,6 +31,8 @@ def test_bench_smoke_writes_every_table(tmp_path: Path) -> None:
     assert text.count("<!-- bench:library:begin -->") == 1
     assert "| SD1.5 | 40 | warm |" in text and "| Flux | 4 | dropped |" in text
     assert "- Versions: python" in text and "torch" in text
+    assert "bench failed" not in text  # a section that catches its own error must still have run
+    assert "| ours: VAE inputs |" in text  # the incremental table (bench/bench_incremental.py's generator)
     assert (tmp_path / "bench_open_library.png").exists() is False  # one size per profile: nothing to plot
 
 
