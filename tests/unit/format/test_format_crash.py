@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import random
-import select
-import signal
 import sys
-import time
 
 import pytest
 import torch
+from support.killing import fork_and_kill
 
 from dataset_cache.dataset import Sample
 from dataset_cache.format import CacheWriter, open_cache
@@ -72,23 +70,7 @@ def test_kill_9_at_random_points(tmp_path):
     attempted: set[str] = set()
     commits_seen = 0
     for run in range(RUNS):
-        rfd, wfd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            try:
-                os.close(rfd)
-                child(root, run, wfd)
-            finally:
-                os._exit(0)
-        os.close(wfd)
-        f = os.fdopen(rfd, "rb")
-        if rng.random() < 0.9:  # else kill during start-up (possibly while the cache is being created)
-            select.select([f], [], [], 30)
-        time.sleep(rng.uniform(0.0, 0.05))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        with f:
-            lines = [x for x in f.read().decode().split() if x != "ready"]
+        lines = fork_and_kill(root, run, child, rng)
         attempted.update(f"r{run:02d}-{i:04d}" for i in range(2000))
         if lines:
             last = int(lines[-1].split("-")[1])

@@ -8,17 +8,15 @@ import logging
 import math
 import os
 import random
-import select
 import shutil
-import signal
 import struct
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import xxhash
+from support.killing import fork_and_kill
 
 from dataset_cache.dataset import Sample
 from dataset_cache.format import CacheWriter, open_cache
@@ -403,23 +401,7 @@ def test_kill_9_at_random_points_loses_no_checkpoint(tmp_path):
     attempted: set[str] = set()
     recoveries = 0
     for run in range(RUNS):
-        rfd, wfd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            try:
-                os.close(rfd)
-                child(root, run, wfd)
-            finally:
-                os._exit(0)
-        os.close(wfd)
-        f = os.fdopen(rfd, "rb")
-        if rng.random() < 0.9:
-            select.select([f], [], [], 30)
-        time.sleep(rng.uniform(0.0, 0.05))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        with f:
-            lines = [x for x in f.read().decode().split() if x != "ready"]
+        lines = fork_and_kill(root, run, child, rng)
         attempted.update(f"r{run:02d}-{i}" for i in range(5000))
         if lines:
             last = int(lines[-1].split("-")[1])
