@@ -181,8 +181,13 @@ def _decode(job: LatentJob, out: torch.Tensor, row: int) -> tuple[torch.Tensor |
 def _decode_rows(jobs: Sequence[LatentJob], out: torch.Tensor, first: int
                  ) -> list[tuple[torch.Tensor | SourceError | None, float]]:
     """Decode consecutive rows of a batch (one worker task: a task per image cost the calling thread a submit and
-    a wake-up each)."""
-    return [_decode(job, out, first + i) for i, job in enumerate(jobs)]
+    a wake-up each).
+
+    ``out`` was made by the calling thread, which may run under ``torch.inference_mode`` (ComfyUI executes nodes so);
+    that mode is thread-local, so the worker enters the same one before writing into it.
+    """
+    with torch.inference_mode(out.is_inference()):
+        return [_decode(job, out, first + i) for i, job in enumerate(jobs)]
 
 
 def _batches(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:

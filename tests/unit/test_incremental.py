@@ -147,6 +147,15 @@ def test_first_build_encodes_everything_and_stores_the_dataset(folder: Path, cac
     assert "5 samples" in report.summary() and "encoded 5 latents" in report.summary()
 
 
+def test_encode_runs_under_inference_mode_as_comfyui_executes_nodes(folder: Path, cache: Path) -> None:
+    """ComfyUI runs every node under torch.inference_mode, which does not follow into the decode threads."""
+    enc = FakeEncoders()
+    with torch.inference_mode():
+        report = run_encode(_plan(folder, cache), **enc.kw())
+    assert report.encoded_latents == N_IMAGES and not report.failures
+    _assert_complete(cache)
+
+
 def test_plan_saves_the_sources_record_before_encoding(folder: Path, cache: Path) -> None:
     plan = _plan(folder, cache)
     assert sources_record_path(cache, "ds").is_file()
