@@ -197,7 +197,7 @@ def test_load_lists_caches_and_reads_no_tensor_bytes(load_mod: ModuleType, pack:
         reads.append("tensor read")
         raise AssertionError("Load Lazy Cache read tensor bytes")
 
-    monkeypatch.setattr(reader_mod, "_read_ranges", refuse)
+    monkeypatch.setattr(reader_mod._ShardFiles, "read", refuse)  # every batch read of tensor bytes goes here
     counted = {"n": 0}
     real_preadv = os.preadv
 
