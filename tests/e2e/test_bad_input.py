@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from support.client import ComfyClient, PromptResult
 from support.datasets import Subset, make_kohya_folder
-from support.examples import drop_node_cache
+from support.examples import drop_node_cache, encode_prompt
 from support.paths import PACK_ROOT
 from support.server import ComfyServer
 from support.tiny_models import TinyModels
@@ -39,18 +39,6 @@ def _drop_node_cache_afterwards(comfy_server: ComfyServer) -> Iterator[None]:
     """Leave no cached loader outputs to the modules after this one (they check which nodes executed)."""
     yield
     drop_node_cache(comfy_server.client())
-
-
-def _encode_prompt(tiny_models: TinyModels, folder: str, cache: str, **settings: Any) -> dict[str, Any]:
-    return {
-        "1": {"class_type": "VAELoader", "inputs": {"vae_name": tiny_models.name("vae")}},
-        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": tiny_models.name("clip"),
-                                                     "type": "stable_diffusion", "device": "default"}},
-        "3": {"class_type": "StreamCache_EncodeDataset", "inputs": {
-            "folder": folder, "cache": cache, "dataset": "default", "vae": ["1", 0], "clip": ["2", 0],
-            "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
-            "batch_size": 4, "on_failure": "skip", **settings}},
-    }
 
 
 def _train_from_cache(tiny_models: TinyModels, cache: str, dataset: str = "default") -> dict[str, Any]:
@@ -83,7 +71,8 @@ def _alive(client: ComfyClient) -> None:
 def good_cache(comfy_server: ComfyServer, tiny_models: TinyModels) -> Path:
     """A small healthy cache (2 images) that the tests copy and damage."""
     make_kohya_folder(comfy_server.input_dir / "e2e_bad_src", (Subset(1, "ok", ((64, 64), (64, 64)), "png"),))
-    comfy_server.client().run(_encode_prompt(tiny_models, "e2e_bad_src", "e2e_bad_src"))
+    comfy_server.client().run(encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"),
+                                            "e2e_bad_src", "e2e_bad_src"))
     return comfy_server.streamcache_dir / "e2e_bad_src"
 
 
@@ -94,7 +83,7 @@ def test_corrupt_png_and_non_utf8_caption_are_skipped_and_counted(comfy_server: 
     (folder.root / "1_x" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\ngarbage")
     (folder.root / "1_x" / "broken.txt").write_text("a caption whose image is broken", encoding="utf-8")
     folder.images[2].path.with_suffix(".txt").write_bytes(b"caf\xe9 au lait")  # Latin-1, not UTF-8
-    result = client.run(_encode_prompt(tiny_models, "e2e_skip", "e2e_skip"))
+    result = client.run(encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"), "e2e_skip", "e2e_skip"))
     (report,) = result.outputs["3"]["streamcache_report"]
     assert report["failed"] == 2, report
     failures = "\n".join(report["failures"])

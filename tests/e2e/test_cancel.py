@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from support.client import ComfyClient, PromptResult
 from support.datasets import Subset, make_kohya_folder
-from support.examples import drop_node_cache
+from support.examples import drop_node_cache, encode_prompt
 from support.paths import PACK_ROOT
 from support.server import ComfyServer
 from support.tiny_models import TinyModels
@@ -34,18 +34,6 @@ def _drop_node_cache_afterwards(comfy_server: ComfyServer) -> Iterator[None]:
     """Leave no cached loader outputs to the modules after this one (they check which nodes executed)."""
     yield
     drop_node_cache(comfy_server.client())
-
-
-def _encode_prompt(tiny_models: TinyModels, folder: str, cache: str, batch_size: int = 1) -> dict[str, Any]:
-    return {
-        "1": {"class_type": "VAELoader", "inputs": {"vae_name": tiny_models.name("vae")}},
-        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": tiny_models.name("clip"),
-                                                     "type": "stable_diffusion", "device": "default"}},
-        "3": {"class_type": "StreamCache_EncodeDataset", "inputs": {
-            "folder": folder, "cache": cache, "dataset": "default", "vae": ["1", 0], "clip": ["2", 0],
-            "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
-            "batch_size": batch_size, "on_failure": "skip"}},
-    }
 
 
 def _run_and_interrupt(client: ComfyClient, prompt: dict[str, Any], when: Callable[[dict[str, Any]], bool],
@@ -121,7 +109,8 @@ def _alive(client: ComfyClient) -> None:
 def test_cancel_encoding_then_requeue_finishes_without_redoing(comfy_server: ComfyServer, client: ComfyClient,
                                                                tiny_models: TinyModels) -> None:
     make_kohya_folder(comfy_server.input_dir / "e2e_cancel_big", BIG)
-    prompt = _encode_prompt(tiny_models, "e2e_cancel_big", "e2e_cancel")
+    prompt = encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"),
+                           "e2e_cancel_big", "e2e_cancel", batch_size=1)
 
     def mid_encode(event: dict[str, Any]) -> bool:  # a few batches are committed, most are not
         data = event.get("data") or {}
@@ -148,7 +137,8 @@ def test_cancel_encoding_then_requeue_finishes_without_redoing(comfy_server: Com
 def test_cancel_training_then_a_new_training_completes(comfy_server: ComfyServer, client: ComfyClient,
                                                        tiny_models: TinyModels) -> None:
     make_kohya_folder(comfy_server.input_dir / "e2e_cancel_train", (Subset(1, "x", ((64, 64), (64, 64)), "png"),))
-    prompt = _encode_prompt(tiny_models, "e2e_cancel_train", "e2e_cancel_train", batch_size=4)
+    prompt = encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"),
+                           "e2e_cancel_train", "e2e_cancel_train", batch_size=4)
     prompt["4"] = {"class_type": "UNETLoader", "inputs": {"unet_name": tiny_models.name("unet"),
                                                           "weight_dtype": "default"}}
     train = {"model": ["4", 0], "dataset": ["3", 0], "batch_size": 1, "grad_accumulation_steps": 1,

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 from support.client import ComfyClient, PromptResult
 from support.datasets import MULTILINE_CAPTION, Subset, make_kohya_folder
-from support.examples import ExampleRun, drop_node_cache, make_example_folder, run_example, run_prompt
+from support.examples import (ExampleRun, drop_node_cache, encode_prompt,
+                               make_example_folder, run_example, run_prompt)
 from support.paths import PACK_ROOT
 from support.server import ComfyServer
 from support.tiny_models import TinyModels
@@ -147,22 +148,10 @@ def test_encode_save_then_load_lazy_cache_and_train(comfy_server: ComfyServer, c
 INCREMENTAL = (Subset(3, "red", ((64, 64), (64, 64)), "png"), Subset(1, "blue", ((64, 64),), "png"))
 
 
-def _encode_prompt(tiny_models: TinyModels, folder: str, cache: str) -> dict[str, Any]:
-    return {
-        "1": {"class_type": "VAELoader", "inputs": {"vae_name": tiny_models.name("vae")}},
-        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": tiny_models.name("clip"),
-                                                     "type": "stable_diffusion", "device": "default"}},
-        "3": {"class_type": "StreamCache_EncodeDataset", "inputs": {
-            "folder": folder, "cache": cache, "dataset": "default", "vae": ["1", 0], "clip": ["2", 0],
-            "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
-            "batch_size": 4, "on_failure": "skip"}},
-    }
-
-
 def test_edit_one_caption_line_and_add_one_image(comfy_server: ComfyServer, client: ComfyClient,
                                                  tiny_models: TinyModels) -> None:
     folder = make_kohya_folder(comfy_server.input_dir / "e2e_incremental", INCREMENTAL)
-    prompt = _encode_prompt(tiny_models, "e2e_incremental", "e2e_incremental")
+    prompt = encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"), "e2e_incremental", "e2e_incremental")
     first = _report(client.run(prompt), "3")
     assert first["samples"] == 3 and first["encoded_latents"] == 3
     assert first["encoded_conditionings"] == 3  # the caption two images share, and the two variants of one

@@ -71,17 +71,21 @@ class ComfyClient:
     def object_info(self) -> dict[str, Any]:
         return self.get("/object_info")
 
+    def submit(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a ``/prompt`` body; returns ComfyUI's reply or raises :class:`PromptError` with its details."""
+        try:
+            return self.post("/prompt", body)
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode(errors="replace")
+            try:
+                details: Any = json.loads(text)
+            except ValueError:
+                details = text
+            raise PromptError(f"ComfyUI refused the prompt (HTTP {exc.code})", details) from exc
+
     def queue_prompt(self, prompt: dict[str, Any]) -> str:
         """POST ``/prompt``; returns the prompt id or raises :class:`PromptError` with ComfyUI's node errors."""
-        try:
-            reply = self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})
-        except urllib.error.HTTPError as exc:
-            body = exc.read().decode(errors="replace")
-            try:
-                details = json.loads(body)
-            except ValueError:
-                details = body
-            raise PromptError(f"ComfyUI refused the prompt (HTTP {exc.code})", details) from exc
+        reply = self.submit({"prompt": prompt, "client_id": self.client_id})
         if reply.get("node_errors"):
             raise PromptError("ComfyUI reported node errors", reply["node_errors"])
         return reply["prompt_id"]
@@ -97,9 +101,19 @@ class ComfyClient:
             PromptError: refused at validation, or (``check=True``) finished with an error status.
             TimeoutError: not finished within ``timeout`` seconds.
         """
+        result, _ = self.run_body({"prompt": prompt, "client_id": self.client_id}, timeout=timeout, check=check,
+                                  allow_node_errors=False)
+        return result
+
+    def run_body(self, body: dict[str, Any], *, timeout: float, check: bool, allow_node_errors: bool
+                 ) -> tuple[PromptResult, dict[str, Any]]:
+        """Queue a ``/prompt`` body, wait until it finished; returns ``(result, node_errors)``.
+
+        With ``allow_node_errors``, outputs refused at validation are returned, not raised, while the others run.
+        """
         try:
             import websocket  # websocket-client
-        except ImportError:
+        except ImportError:  # poll /history instead (no events)
             websocket = None
         events: list[dict[str, Any]] = []
         ws = None
@@ -107,7 +121,10 @@ class ComfyClient:
             ws = websocket.WebSocket()
             ws.connect(self.base_url.replace("http", "ws", 1) + f"/ws?clientId={self.client_id}", timeout=timeout)
         try:
-            prompt_id = self.queue_prompt(prompt)
+            reply = self.submit(body)
+            if reply.get("node_errors") and not allow_node_errors:
+                raise PromptError("ComfyUI reported node errors", reply["node_errors"])
+            prompt_id = reply["prompt_id"]
             deadline = time.monotonic() + timeout
             if ws is not None:
                 self._wait_ws(ws, prompt_id, deadline, events)
@@ -119,7 +136,7 @@ class ComfyClient:
         if check and result.status != "success":
             errors = [m for m in entry.get("status", {}).get("messages", []) if m[0] == "execution_error"]
             raise PromptError(f"prompt {prompt_id} finished with status {result.status!r}", errors or entry)
-        return result
+        return result, reply.get("node_errors") or {}
 
     @staticmethod
     def _wait_ws(ws: Any, prompt_id: str, deadline: float, events: list[dict[str, Any]]) -> None:

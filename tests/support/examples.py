@@ -13,17 +13,15 @@ Shared by ``scripts/run-example`` and the e2e tests; HTTP only (any python will 
 from __future__ import annotations
 
 import copy
-import json
 import time
-import urllib.error
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .client import ComfyClient, PromptError, PromptResult
+from .client import ComfyClient, PromptResult
 
-__all__ = ["EXAMPLE_FOLDER", "EXAMPLE_SIZES", "ExampleRun", "drop_node_cache", "lora_names", "make_example_folder",
-           "run_example", "run_prompt"]
+__all__ = ["EXAMPLE_FOLDER", "EXAMPLE_SIZES", "ExampleRun", "drop_node_cache", "encode_prompt", "lora_names",
+           "make_example_folder", "run_example", "run_prompt"]
 
 EXAMPLE_FOLDER = "streamcache_example"
 """The dataset folder (inside ComfyUI's input directory) that the example workflows encode."""
@@ -57,6 +55,19 @@ def lora_names(client: ComfyClient) -> list[str]:
     return list(spec[0] if isinstance(spec[0], list) else spec[1].get("options", []))
 
 
+def encode_prompt(vae: str, clip: str, folder: str, cache: str, **inputs: Any) -> dict[str, Any]:
+    """VAELoader + CLIPLoader -> Encode Dataset (node ``"3"``) with small-test settings; ``inputs`` override them."""
+    return {
+        "1": {"class_type": "VAELoader", "inputs": {"vae_name": vae}},
+        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": clip, "type": "stable_diffusion",
+                                                     "device": "default"}},
+        "3": {"class_type": "StreamCache_EncodeDataset", "inputs": {
+            "folder": folder, "cache": cache, "dataset": "default", "vae": ["1", 0], "clip": ["2", 0],
+            "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
+            "batch_size": 4, "on_failure": "skip", **inputs}},
+    }
+
+
 def run_prompt(client: ComfyClient, prompt: dict[str, Any], *, targets: Sequence[str] | None = None,
                timeout: float = 600.0, check: bool = True) -> tuple[PromptResult | None, dict[str, Any]]:
     """Queue ``prompt`` (only ``targets`` when given), wait, return ``(result, node_errors)``.
@@ -64,41 +75,10 @@ def run_prompt(client: ComfyClient, prompt: dict[str, Any], *, targets: Sequence
     Unlike :meth:`ComfyClient.run`, outputs refused at validation are not an error while others run: their
     ``node_errors`` are returned (result ``None`` when every output was refused: then ``PromptError``).
     """
-    try:
-        import websocket  # websocket-client, installed in ComfyUI's venv by scripts/bootstrap
-    except ImportError:  # poll /history instead (no events)
-        websocket = None
     body: dict[str, Any] = {"prompt": prompt, "client_id": client.client_id}
     if targets is not None:
         body["partial_execution_targets"] = list(targets)
-    events: list[dict[str, Any]] = []
-    ws = None
-    if websocket is not None:
-        ws = websocket.WebSocket()
-        ws.connect(client.base_url.replace("http", "ws", 1) + f"/ws?clientId={client.client_id}", timeout=timeout)
-    try:
-        try:
-            reply = client.post("/prompt", body)
-        except urllib.error.HTTPError as exc:
-            text = exc.read().decode(errors="replace")
-            try:
-                details: Any = json.loads(text)
-            except ValueError:
-                details = text
-            raise PromptError(f"ComfyUI refused the prompt (HTTP {exc.code})", details) from exc
-        prompt_id = reply["prompt_id"]
-        deadline = time.monotonic() + timeout
-        if ws is not None:
-            client._wait_ws(ws, prompt_id, deadline, events)
-        entry = client._wait_history(prompt_id, deadline)
-    finally:
-        if ws is not None:
-            ws.close()
-    result = PromptResult(prompt_id, entry, events)
-    if check and result.status != "success":
-        errors = [m for m in entry.get("status", {}).get("messages", []) if m[0] == "execution_error"]
-        raise PromptError(f"prompt {prompt_id} finished with status {result.status!r}", errors or entry)
-    return result, reply.get("node_errors") or {}
+    return client.run_body(body, timeout=timeout, check=check, allow_node_errors=True)
 
 
 @dataclass
