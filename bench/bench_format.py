@@ -55,23 +55,17 @@ class BaselineReader(LazyReader):
         makes sure the bytes are really read."""
         from safetensors import safe_open
 
-        path, skels, _ = self.shards[i // self.shard_size]
+        path = self.shards[i // self.shard_size][0]
 
-        def walk(v):
-            if isinstance(v, dict) and "__tref__" in v:
-                with safe_open(path, "pt") as f:
-                    t = f.get_tensor(v["__tref__"])
-                if hashed:
-                    tensor_checksum(t)
-                    return t
-                return t.clone()
-            if isinstance(v, dict):
-                return {k: walk(x) for k, x in v.items()}
-            if isinstance(v, (list, tuple)):
-                return type(v)(walk(x) for x in v)
-            return v
+        def tensor(name: str):
+            with safe_open(path, "pt") as f:
+                t = f.get_tensor(name)
+            if hashed:
+                tensor_checksum(t)
+                return t
+            return t.clone()
 
-        return walk(skels[i % self.shard_size])
+        return self.realize_with(i, tensor)
 
 
 # ------------------------------------------------------------------------------------------------ measures

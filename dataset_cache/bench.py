@@ -179,14 +179,18 @@ class LazyReader:
         from safetensors import safe_open
 
         s = i // self.shard_size
-        path, skels, _ = self.shards[s]
         h = self.handles.get(s)
         if h is None:
-            h = self.handles[s] = safe_open(path, "pt")
+            h = self.handles[s] = safe_open(self.shards[s][0], "pt")
+        return self.realize_with(i, lambda name: h.get_tensor(name).clone())  # clone: the bytes are really read
+
+    def realize_with(self, i: int, tensor: Callable[[str], Any]) -> Any:
+        """Sample ``i`` with each ``{"__tref__": name}`` of its skeleton replaced by ``tensor(name)``."""
+        skels = self.shards[i // self.shard_size][1]
 
         def walk(v: Any) -> Any:
             if isinstance(v, dict) and "__tref__" in v:
-                return h.get_tensor(v["__tref__"]).clone()  # clone: the bytes are really read
+                return tensor(v["__tref__"])
             if isinstance(v, dict):
                 return {k: walk(x) for k, x in v.items()}
             if isinstance(v, (list, tuple)):
