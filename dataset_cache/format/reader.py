@@ -279,43 +279,39 @@ class CacheReader:
         """
         shards = self._shards
         members: dict[int, list[tuple[int, int, int]]] = {}
-        first: dict[int, Column] = {}
-        seen: set[tuple[int, int, int]] = set()
+        col_of: dict[tuple[int, int, int], Column] = {}  # each unique row's column (also: rows already seen)
         for key in rows:
-            if key in seen:
+            if key in col_of:
                 continue
-            seen.add(key)
             s, c, r = key
             cols = shards[s].columns
             if not 0 <= c < len(cols) or not 0 <= r < cols[c].rows:
                 self._explain(keys)  # a skeleton points outside its shard's columns: name the entry
                 raise CacheCorruptError(str(shards[s].path), f"tensor reference [{c}, {r}] outside the columns")
-            col = cols[c]
+            col = col_of[key] = cols[c]
             g = members.get(col.group)
             if g is None:
                 g = members[col.group] = []
-                first[col.group] = col
             g.append(key)
         order: list[tuple[int, int, int]] = []
         placed: list[tuple[int, int, Column]] = []
         groups: list[tuple[int, Column, list[tuple[int, int, int]]]] = []
         at: dict[tuple[int, int, int], int] = {}
         total = 0
-        for gid, keys_in in members.items():
+        for keys_in in members.values():
             total = -(-total // 64) * 64  # each group 64-byte aligned: its rows are aligned for any dtype
-            groups.append((total, first[gid], keys_in))
+            groups.append((total, col_of[keys_in[0]], keys_in))
             for key in keys_in:
-                s, c, r = key
-                col = shards[s].columns[c]
+                col = col_of[key]
                 at[key] = total
                 order.append(key)
-                placed.append((total, r, col))
+                placed.append((total, key[2], col))
                 total += col.row_nbytes
         ranges: list[list[int]] = []
         last: list[int] = [-1, 0, 0, 0]
         for key in sorted(at):  # file order: rows next to each other in the file and in the buffer share a read
-            s, c, r = key
-            col = shards[s].columns[c]
+            s, _c, r = key
+            col = col_of[key]
             n = col.row_nbytes
             b = col.offset + r * n
             p = at[key]
