@@ -37,7 +37,7 @@ from .safetensors_io import (
     write_safetensors,
 )
 
-__all__ = ["Column", "ShardIndex", "ShardBuilder", "open_shard", "METADATA_KEY"]
+__all__ = ["Column", "ShardIndex", "ShardBuilder", "StoredTensor", "private_bytes", "open_shard", "METADATA_KEY"]
 
 METADATA_KEY = "streamcache"
 _HEX_RE = re.compile(r"[0-9a-f]*")
@@ -225,15 +225,40 @@ def _all_str(items: list) -> bool:
     return not items or set(map(type, items)) == {str}
 
 
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool})
+
+StoredTensor = tuple[list[int], str, list[int], bytes]
+"""One tensor of an added entry: its reference in the entry's skeleton (a list the builder fills in at
+:meth:`ShardBuilder.write`; until then another serializer, the recovery log, may use it), safetensors dtype, shape
+and C-order bytes (a private copy)."""
+
+
+def private_bytes(t: torch.Tensor) -> bytes:
+    """A private C-order copy of a tensor's bytes, on the CPU (one copy, in as few torch calls as possible: each
+    costs microseconds per entry in an encode, and may hand the GIL to another thread)."""
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_cpu:
+        t = t.cpu()
+    if t.dtype in _NUMPY_DTYPES:
+        try:
+            return t.numpy().tobytes()  # C order whatever the strides
+        except RuntimeError:  # a lazily negated view (the negative bit): numpy() refuses it
+            return t.resolve_neg().numpy().tobytes()
+    return bytes(tensor_bytes(t.resolve_neg()))  # bfloat16, float8, uint16..64: via a uint8 view
+
+
 @dataclass
 class _Group:
     dtype: torch.dtype
     row_shape: tuple[int, ...]
-    rows: list[torch.Tensor] = field(default_factory=list)
+    rows: list[bytes] = field(default_factory=list)
 
 
 class ShardBuilder:
-    """Collects entries in memory (already validated and cloned) until :meth:`write` streams them to a shard."""
+    """Collects entries in memory (already validated, their tensors as private bytes) until :meth:`write` streams
+    them to a shard."""
 
     def __init__(self) -> None:
         self.keys: list[str] = []
@@ -242,7 +267,7 @@ class ShardBuilder:
         self._skels: list[Any] = []
         self._groups: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}
         self._group_list: list[_Group] = []
-        self._refs: list[list[int]] = []
+        self._refs: list[tuple[list[int], int, int]] = []  # (skeleton reference, group, row)
         self.nbytes = 0
 
     def __len__(self) -> int:
@@ -251,60 +276,59 @@ class ShardBuilder:
     def __contains__(self, key: object) -> bool:
         return key in self._keyset
 
-    def add(self, key: str, kind: str, value: Any, name: str) -> None:
-        """Validate ``value`` (raising ``UnstorableValueError`` with its path) and take a private copy of it."""
+    def add(self, key: str, kind: str, value: Any, name: str) -> tuple[Any, list[StoredTensor]]:
+        """Validate ``value`` (raising ``UnstorableValueError`` with its path) and take a private copy of it.
+
+        Returns the entry's skeleton and its tensors, for a recovery log to record the same entry without
+        serializing it again (the references in the skeleton are filled in by :meth:`write`).
+        """
         pending: list[tuple[list[int], torch.Tensor]] = []
 
-        def on_tensor(t: torch.Tensor, where: str) -> list[int]:
-            # Only the calls a tensor needs (each torch call costs microseconds per entry in an encode).
-            if t.requires_grad:
-                t = t.detach()
-            owned = False
-            if t.device.type != "cpu":
-                t, owned = t.cpu(), True  # a fresh copy, shared with nobody
-            if t.is_conj():
-                t = t.resolve_conj()
-            if t.is_neg():
-                t = t.resolve_neg()
-            if not (owned and t.is_contiguous()):
-                t = t.clone(memory_format=torch.contiguous_format)  # never keep (or write) a caller's storage
+        def on_tensor(t: torch.Tensor, where: str = "") -> list[int]:
             ref = [0, 0]
             pending.append((ref, t))
             return ref
 
-        skel = skeleton.encode(value, name, on_tensor)  # raises before anything is recorded
-        for ref, t in pending:
-            gk = (t.dtype, tuple(t.shape))
-            gi = self._groups.get(gk)
+        try:
+            skel = skeleton.encode_lean(value, on_tensor)
+        except skeleton.NotLean:  # an error to name by its path, or an unusual value: the checked encoder
+            pending.clear()
+            skel = skeleton.encode(value, name, on_tensor)  # raises before anything is recorded
+        stored = [(ref, DTYPE_TO_ST[t.dtype], list(t.shape), private_bytes(t)) for ref, t in pending]
+        groups, group_list, refs = self._groups, self._group_list, self._refs
+        for (ref, _st, shape, raw), (_, t) in zip(stored, pending):
+            gk = (t.dtype, tuple(shape))
+            gi = groups.get(gk)
             if gi is None:
-                gi = self._groups[gk] = len(self._group_list)
-                self._group_list.append(_Group(t.dtype, gk[1]))
-            ref[0], ref[1] = gi, len(self._group_list[gi].rows)
-            self._group_list[gi].rows.append(t)
-            self._refs.append(ref)
-            self.nbytes += t.numel() * t.element_size()
+                gi = groups[gk] = len(group_list)
+                group_list.append(_Group(t.dtype, gk[1]))
+            rows = group_list[gi].rows
+            refs.append((ref, gi, len(rows)))
+            rows.append(raw)
+            self.nbytes += len(raw)
         self.keys.append(key)
         self._keyset.add(key)
         self.kinds.append(kind)
         self._skels.append(skel)
         self.nbytes += 64 + len(key)
+        return skel, stored
 
     def write(self, directory: Path, file_id: str) -> ShardRecord:
         """Write the shard atomically as ``directory/<file_id>.safetensors`` and return its manifest record."""
         order = sorted(range(len(self._group_list)),
                        key=lambda g: -self._group_list[g].dtype.itemsize)  # stable: keeps first-seen order
         remap = {g: i for i, g in enumerate(order)}
-        for ref in self._refs:
-            ref[0] = remap[ref[0]]
+        for ref, g, row in self._refs:
+            ref[0], ref[1] = remap[g], row
         columns, tensors, chunks = [], [], []
         for i, g in enumerate(order):
             grp = self._group_list[g]
             st = DTYPE_TO_ST[grp.dtype]
-            views = [tensor_bytes(t) for t in grp.rows]
+            rows = grp.rows
             columns.append({"tensor": f"c{i}", "dtype": st, "row_shape": list(grp.row_shape),
-                            "rows": len(views), "checksums": "".join(checksum64(v) for v in views)})
-            tensors.append((f"c{i}", st, [len(views), *grp.row_shape]))
-            chunks.extend(views)
+                            "rows": len(rows), "checksums": "".join(map(checksum64, rows))})
+            tensors.append((f"c{i}", st, [len(rows), *grp.row_shape]))
+            chunks.extend(rows)
         meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "columns": columns,
                 "entries": {"key": self.keys, "kind": self.kinds,
                             "skeleton": [skeleton.dumps(s) for s in self._skels]}}

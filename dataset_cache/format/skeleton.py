@@ -21,7 +21,8 @@ from ..constants import MAX_SKELETON_DEPTH
 from ..errors import UnstorableValueError
 from .safetensors_io import DTYPE_TO_ST
 
-__all__ = ["SkeletonError", "encode", "decode", "decode_text", "split", "fill", "dumps", "loads", "format_path"]
+__all__ = ["SkeletonError", "NotLean", "encode", "encode_lean", "decode", "decode_text", "split", "fill", "dumps",
+           "loads", "format_path"]
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -83,6 +84,52 @@ def _encode(v: Any, where: str, on_tensor: Callable[[torch.Tensor, str], Any], d
     if isinstance(v, (int, float, str, list, tuple, dict)):
         hint = f"subclasses are not stored; convert it to a plain {t.__mro__[1].__name__} first"
     raise UnstorableValueError(where, t.__name__, hint)
+
+
+class NotLean(Exception):
+    """:func:`encode_lean` met something only :func:`encode` handles (an error to name by its path, or an unusual
+    value such as a non-finite float inside a ``$``-keyed dict)."""
+
+
+def encode_lean(value: Any, on_tensor: Callable[[torch.Tensor], Any]) -> Any:
+    """:func:`encode` for ordinary values, without building a path string per element (the checked encoder spends
+    most of its time on those, for error messages that are almost never needed): the same JSON for every value it
+    accepts. Raises :class:`NotLean` for anything it does not accept; call :func:`encode` then, which returns the
+    skeleton or raises the exact error. ``on_tensor`` is called with each tensor in document order, as by
+    :func:`encode`; on ``NotLean`` the calls made so far are void.
+    """
+    return _lean(value, on_tensor, 0)
+
+
+def _lean(v: Any, on_tensor: Callable[[torch.Tensor], Any], depth: int) -> Any:
+    if depth > MAX_SKELETON_DEPTH:
+        raise NotLean
+    t = type(v)
+    if t is torch.Tensor:
+        if v.dtype not in DTYPE_TO_ST or v.layout is not torch.strided or v.is_meta:
+            raise NotLean
+        return {"$tensor": on_tensor(v)}
+    if t is dict:
+        out = {k: _lean(x, on_tensor, depth + 1) for k, x in v.items()}
+        marked = False
+        for k in out:
+            if type(k) is not str:
+                raise NotLean
+            marked = marked or k[:1] == "$"
+        return {"$dict": out} if marked else out
+    if t is list:
+        return [_lean(x, on_tensor, depth + 1) for x in v]
+    if v is None or t is bool or t is str:
+        return v
+    if t is int:
+        if not _INT64_MIN <= v <= _INT64_MAX:
+            raise NotLean
+        return v
+    if t is float:
+        return v if math.isfinite(v) else {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+    if t is tuple:
+        return {"$tuple": [_lean(x, on_tensor, depth + 1) for x in v]}
+    raise NotLean
 
 
 def _check_tensor(v: torch.Tensor, where: str) -> torch.Tensor:

@@ -41,11 +41,10 @@ from typing import Any
 import torch
 import xxhash
 
-from ..constants import MAX_SKELETON_DEPTH
-from ..hashing import tensor_bytes
 from . import skeleton
 from .manifest import fsync_dir, new_id
-from .safetensors_io import DTYPE_TO_ST, ST_ITEMSIZE, ST_TO_DTYPE
+from .safetensors_io import ST_ITEMSIZE, ST_TO_DTYPE
+from .shard import StoredTensor
 
 __all__ = ["WAL_RE", "MAGIC", "LogBuffer", "RecoveryLog", "replay", "log_files"]
 
@@ -58,8 +57,6 @@ _TAG = b"WREC"
 _MAX_RANK = 32
 _MAX_DIM = 1 << 53
 
-_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-                           torch.int8, torch.uint8, torch.bool})
 _fdatasync = getattr(os, "fdatasync", os.fsync)  # the size is flushed too: enough for an appended file
 
 try:  # POSIX: an advisory lock marks a log as live
@@ -76,73 +73,31 @@ except ImportError:  # pragma: no cover - Windows: an open file cannot be delete
         return True
 
 
-class _NotLean(Exception):
-    """Internal: the fast encoder met something only the checked one handles."""
-
-
 class LogBuffer:
     """Entries added since the last checkpoint, already serialized (the caller may reuse its tensors at once)."""
 
-    __slots__ = ("entries", "tensors", "chunks", "nbytes", "_mark")
+    __slots__ = ("entries", "tensors", "chunks", "nbytes")
 
     def __init__(self) -> None:
         self.entries: list[list[Any]] = []
         self.tensors: list[list[Any]] = []
         self.chunks: list[bytes] = []
         self.nbytes = 0
-        self._mark = 0  # tensors of the entries before the one being added
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, key: str, kind: str, value: Any, name: str) -> None:
-        """Serialize one entry; ``value`` must already have passed the shard builder's checks."""
-        try:
-            skel = self._lean(value, 0)
-        except _NotLean:  # something the fast path does not know: the checked encoder (exact errors)
-            del self.tensors[self._mark:], self.chunks[self._mark:]
-            skel = skeleton.encode(value, name, self._on_tensor)
-        self._mark = len(self.tensors)
+    def add(self, key: str, kind: str, skel: Any, stored: list[StoredTensor]) -> None:
+        """Buffer one entry as the shard builder serialized it (:meth:`.shard.ShardBuilder.add`): its skeleton and
+        tensor bytes are shared, not encoded again. The skeleton's references are pointed at this record's tensors
+        here; the builder re-points them when it writes its shard, which happens only after this buffer has been
+        recorded or dropped."""
+        for ref, st, shape, raw in stored:
+            ref[0], ref[1] = 0, len(self.tensors)
+            self.tensors.append([st, shape])
+            self.chunks.append(raw)
+            self.nbytes += len(raw)
         self.entries.append([key, kind, skel])
-
-    def _on_tensor(self, t: torch.Tensor, where: str = "") -> list[int]:
-        ref = [0, len(self.tensors)]
-        self.tensors.append([DTYPE_TO_ST[t.dtype], list(t.shape)])
-        if t.requires_grad:
-            t = t.detach()
-        if not t.is_cpu:
-            t = t.cpu()
-        # a copy in C order (the caller may overwrite the tensor after add()); numpy is the fast way where it knows
-        # the dtype
-        raw = t.numpy().tobytes() if t.dtype in _NUMPY_DTYPES else bytes(tensor_bytes(t))
-        self.chunks.append(raw)
-        self.nbytes += len(raw)
-        return ref
-
-    def _lean(self, v: Any, depth: int) -> Any:
-        """``skeleton.encode`` without its checks and error paths (the builder ran them on this very value): the
-        same JSON, at about a third of the cost. Raises ``_NotLean`` for anything unusual."""
-        t = type(v)
-        if t is torch.Tensor:
-            if v.dtype not in DTYPE_TO_ST or v.layout != torch.strided:
-                raise _NotLean
-            return {"$tensor": self._on_tensor(v)}
-        if depth > MAX_SKELETON_DEPTH:
-            raise _NotLean
-        if t is dict:
-            out = {k: self._lean(x, depth + 1) for k, x in v.items()}
-            if not all(type(k) is str for k in out):
-                raise _NotLean
-            return {"$dict": out} if any(k.startswith("$") for k in out) else out
-        if t is list:
-            return [self._lean(x, depth + 1) for x in v]
-        if v is None or t is bool or t is str or t is int:
-            return v
-        if t is float:
-            return v if math.isfinite(v) else {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
-        if t is tuple:
-            return {"$tuple": [self._lean(x, depth + 1) for x in v]}
-        raise _NotLean
 
     def record(self) -> bytes:
         """The log record of the buffered entries (see the module docstring)."""

@@ -150,9 +150,9 @@ class CacheWriter:
         _check_entry(key, kind)
         if self.has(key):
             return
-        self._builder.add(key, kind, value, name)
+        skel, stored = self._builder.add(key, kind, value, name)
         if self._log is not None:
-            self._log_buf.add(key, kind, value, name)
+            self._log_buf.add(key, kind, skel, stored)
         if self._builder.nbytes >= self.shard_bytes:
             self._flush()
 

@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dataset_cache.constants import MAX_SKELETON_DEPTH
 from dataset_cache.errors import UnstorableValueError
@@ -95,3 +97,56 @@ def test_depth_limit_on_encode_and_decode():
 def test_malformed_skeletons_raise_skeleton_error(text):
     with pytest.raises(skeleton.SkeletonError):
         skeleton.decode(skeleton.loads(text), lambda c, r: None)
+
+
+# ------------------------------------------------------------------------------------------ the lean encoder
+def _both(value):
+    """The skeleton text and tensor order from the checked encoder and from the lean one (None: NotLean)."""
+    checked, lean = [], []
+    text = skeleton.dumps(skeleton.encode(value, "v", lambda t, w: checked.append(t) or [0, len(checked) - 1]))
+    try:
+        lean_text = skeleton.dumps(skeleton.encode_lean(value, lambda t: lean.append(t) or [0, len(lean) - 1]))
+    except skeleton.NotLean:
+        return text, checked, None, None
+    return text, checked, lean_text, lean
+
+
+_leaves = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5), st.sampled_from([torch.ones(2), torch.zeros((), dtype=torch.bfloat16),
+                                          torch.arange(6, dtype=torch.int16).view(2, 3).t()]),
+)
+_values = st.recursive(_leaves, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.lists(inner, max_size=3).map(tuple),
+    st.dictionaries(st.text(alphabet="$ab", max_size=3), inner, max_size=4),
+), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_values)
+def test_lean_encoder_writes_exactly_what_the_checked_one_writes(value):
+    text, checked, lean_text, lean = _both(value)
+    assert lean_text is not None, "an ordinary value fell back to the checked encoder"
+    assert lean_text == text
+    assert [id(t) for t in lean] == [id(t) for t in checked]  # same tensors, same document order
+
+
+@pytest.mark.parametrize("value", [
+    [[torch.ones(1), {"hooks": HookGroup()}]], {1: 2}, {"$a": 1, 2: 3}, [{1, 2}], [2**63], [-(2**63) - 1],
+    [torch.ones(2, dtype=torch.complex64)], torch.ones(2).to_sparse(), [torch.empty(2, device="meta")],
+    {"x": type("MyInt", (int,), {})(3)},
+    torch.nn.Parameter(torch.ones(2)),
+])
+def test_lean_encoder_defers_whatever_is_not_ordinary_to_the_checked_one(value):
+    with pytest.raises(skeleton.NotLean):
+        skeleton.encode_lean(value, lambda t: [0, 0])
+
+
+def test_lean_encoder_respects_the_depth_limit():
+    deep = torch.ones(1)
+    for _ in range(MAX_SKELETON_DEPTH + 1):
+        deep = [deep]
+    with pytest.raises(skeleton.NotLean):
+        skeleton.encode_lean(deep, lambda t: [0, 0])
+    with pytest.raises(UnstorableValueError, match="nested deeper"):
+        skeleton.encode(deep, "v", lambda t, w: [0, 0])

@@ -226,6 +226,34 @@ def test_non_contiguous_and_strided_tensors_are_logged_in_c_order(tmp_path, same
         same({"t": v["t"].contiguous()}, r.read([k])[0], k)
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_lazily_negated_grad_and_inference_tensors_are_stored_by_value(tmp_path, same, checkpointed):
+    """Tensors whose bytes are not their values as they sit (the negative bit of a lazy view), that need grad, or
+    were made under inference mode (as ComfyUI runs nodes) are stored by value, in a shard and in the log alike."""
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    with torch.inference_mode():
+        inference = torch.arange(6, dtype=torch.float16) * 2
+    vals = {
+        "neg": {"t": torch._neg_view(base), "bf16": torch._neg_view(base.bfloat16()).t()},
+        "grad": [torch.ones(3, requires_grad=True) * 2, torch.nn.Parameter(torch.full((2,), 5.0))],
+        "inference": ({"samples": inference},),
+    }
+    expected = {"neg": {"t": -base, "bf16": (-base.bfloat16()).t().contiguous()},
+                "grad": [torch.full((3,), 2.0), torch.full((2,), 5.0)], "inference": ({"samples": inference.clone()},)}
+    w = CacheWriter(tmp_path, checkpoints=True)
+    for k, v in vals.items():
+        w.add(k, v)
+    if checkpointed:  # through the recovery log, replayed by the next writer
+        w.checkpoint()
+        w.abort()
+        CacheWriter(tmp_path).close()
+    else:
+        w.close()
+    r = open_cache(tmp_path)
+    for k, v in expected.items():
+        same(v, r.read([k])[0], k)
+
+
 def test_a_live_writers_log_is_left_alone(tmp_path):
     if not hasattr(os, "fork"):
         pytest.skip("POSIX flock")
