@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,38 @@ def test_validation_with_threads_matches_serial(folder: Path, record: SourcesRec
     pooled = validate_sources(folder, record, threads=4)
     assert serial.changed == pooled.changed and len(serial.changed) == 7
     assert serial.record.entries == pooled.record.entries
+
+
+@pytest.mark.parametrize("threshold, pooled", [(0.0, True), (float("inf"), False)])
+def test_slow_files_are_hashed_on_the_pool_and_quick_ones_on_the_caller(tmp_path: Path, monkeypatch, threshold,
+                                                                       pooled) -> None:
+    folder = _make_folder(tmp_path / "data", n=40)  # 80 files: more than the probe
+    reference = build_record(folder, threads=1)
+    monkeypatch.setattr(sources_mod, "_POOL_MIN_SECONDS_PER_FILE", threshold)
+    seen: set[str] = set()
+    chunk = sources_mod._hash_chunk
+
+    def spy(root, items):
+        seen.add(threading.current_thread().name)
+        return chunk(root, items)
+
+    monkeypatch.setattr(sources_mod, "_hash_chunk", spy)
+    got = build_record(folder, threads=4)
+    assert got.entries == reference.entries and len(got) == 80
+    assert any(name.startswith("source-hash") for name in seen) == pooled
+    assert threading.current_thread().name in seen  # the probe runs on the caller
+
+
+@pytest.mark.parametrize("content, claimed", [(b"", 0), (b"abc", 3), (b"x" * 3_000_000, 3_000_000),
+                                              (b"grew after fstat" * 100_000, 10), (b"y" * (1 << 20), 1 << 20)])
+def test_whole_file_reads_get_every_byte_whatever_the_claimed_size(tmp_path: Path, content, claimed) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(content)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert sources_mod._read_whole(fd, claimed) == content
+    finally:
+        os.close(fd)
 
 
 def test_unreadable_files_are_failures_not_removals(folder: Path, record: SourcesRecord, monkeypatch) -> None:
