@@ -5,11 +5,14 @@ cheap so bookkeeping shows) is generated, then:
 
 1. **Build overhead.** ``plan_encode`` + ``run_encode`` into an empty cache with no-op encoders returning small
    fixed tensors, at the default settings (``run_encode``'s defaults, which the ComfyUI node uses: a checkpoint per
-   batch, the recovery log fsynced at most once a second) and with ``sync_seconds=0`` (the log fsynced at every
-   batch, so a power loss too loses only the batch in flight); ``--build-runs`` builds each, median shown. Wall
-   time is split into encoder calls, main-thread waits for decoding (decode runs on worker threads ahead of the
-   encoder; its total CPU time is shown too) and bookkeeping (everything else: validation, hashing, scanning,
-   keys, adding entries, checkpoints, shard writes, commits with fsync, dataset file, compaction). Since the
+   batch on a background thread beside the encoder, the recovery log fsynced at most once a second), with
+   ``sync_seconds=0`` (the log fsynced at every batch, so a power loss too loses only the batch in flight) and with
+   ``background_commits=False`` (each batch checkpointed on the calling thread before the next encoder call);
+   ``--build-runs`` builds each, median shown. Wall time is split into encoder calls, main-thread waits for
+   decoding (decode runs on worker threads ahead of the encoder; its total CPU time is shown too) and bookkeeping
+   (everything else the calling thread waits for: validation, hashing, scanning, keys, adding entries,
+   checkpoints — or, in the background, waits for them —, shard writes, commits with fsync, dataset file,
+   compaction). Since the
    encoders do nothing, the fraction of a real build spent outside the encoder is projected from the measured
    bookkeeping and an assumed encoder cost per image/caption (``--vae-ms``, ``--text-ms``; defaults are rough
    SD1.5-512 figures on a fast GPU: real VAEs at 1024² are slower, which lowers the fraction).
@@ -108,7 +111,8 @@ def build(folder: Path, cache: Path, settings: EncodeSettings, enc: NoopEncoders
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     t = report.timings
     b = {"wall": wall, "cpu": cpu, "plan": t_plan, "encoder": t["encoder"], "decode_wait": t["decode_wait"],
-         "decode_cpu": t["decode_cpu"], "commit": t["commit"], "finish": t["finish"],
+         "decode_cpu": t["decode_cpu"], "commit": t["commit"], "commit_wait": t.get("commit_wait", 0.0),
+         "finish": t["finish"],
          "latents": report.encoded_latents, "texts": report.encoded_conditionings,
          "syncs": getattr(report, "log_syncs", 0), "shards": len(list((cache / "shards").glob("*.safetensors")))}
     b["book"] = b["wall"] - b["encoder"] - b["decode_wait"]
@@ -118,9 +122,10 @@ def build(folder: Path, cache: Path, settings: EncodeSettings, enc: NoopEncoders
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "log fsync every batch": {"sync_seconds": 0.0},
+    "commits on the calling thread": {"background_commits": False},
     "checkpoint every >= 1 s": {"min_commit_seconds": 1.0},  # not run by default; also runs on older versions
 }
-DEFAULT_CONFIGS = "default,log fsync every batch"
+DEFAULT_CONFIGS = "default,log fsync every batch,commits on the calling thread"
 
 
 def edit(folder: Path, n: int) -> tuple[int, int]:
@@ -214,19 +219,22 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n### 1. Build with no-op encoders (batch {args.batch_size}, median of {max(1, args.build_runs)})\n")
     print("| images | entries | settings | wall s | main-thread CPU s | plan s | encoder s | decode wait s "
-          "| decode CPU s | add+checkpoint+commit s | dataset+compact s | log fsyncs | shards | bookkeeping s "
+          "| decode CPU s | add+checkpoint+commit s | waits for a checkpoint s | dataset+compact s | log fsyncs "
+          "| shards | bookkeeping s "
           "| per entry µs | per image µs | "
           + " | ".join(f"share @{v:g}+{t:g} ms*" for v, t in zip(args.vae_ms, args.text_ms)) + " |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(args.vae_ms))
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+          + "---:|" * len(args.vae_ms))
     for n, name, b, book, shares, books in rows1:
         entries = b["latents"] + b["texts"]
         print(f"| {n} | {entries} | {name} | {b['wall']:.2f} | {b['cpu']:.2f} | {b['plan']:.2f} | {b['encoder']:.3f} "
-              f"| {b['decode_wait']:.2f} | {b['decode_cpu']:.2f} | {b['commit']:.2f} | {b['finish']:.2f} "
+              f"| {b['decode_wait']:.2f} | {b['decode_cpu']:.2f} | {b['commit']:.2f} | {b['commit_wait']:.2f} "
+              f"| {b['finish']:.2f} "
               f"| {b['syncs']} | {b['shards']} | {book:.2f} | {book / entries * 1e6:.0f} | {book / n * 1e6:.0f} | "
               + " | ".join(f"{x:.1%}" for x in shares) + " |")
         if len(books) > 1:
             print(f"|  |  | (bookkeeping of each run, s: {', '.join(f'{x:.2f}' for x in books)}) |"
-                  + " |" * (12 + len(args.vae_ms)))
+                  + " |" * (13 + len(args.vae_ms)))
     for n, name, b, book, shares, _ in rows1:
         if name == "default":
             how = ["measured (encoders sleeping)" if args.sleep_encoder and i == 0 else "projected"

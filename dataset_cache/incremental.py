@@ -8,8 +8,10 @@
   of the encoder, so the GPU does not wait on Pillow. Each image's bytes are re-hashed against the hash its key
   was planned from: a file edited after planning is reported, never stored under the old content's key;
 * every finished batch is added and checkpointed (:meth:`.format.writer.CacheWriter.checkpoint`: one append to
-  the writer's recovery log, no fsync, no small shard), so an exception, a stop request or a ``kill -9`` loses at
-  most the batch in flight and the next run encodes exactly the rest; the log is fsynced about once a second
+  the writer's recovery log, no fsync, no small shard) on a background thread while the encoder runs the next
+  batch, so an exception or a stop request loses at most the batch in flight, a ``kill -9`` at most that one and,
+  while its checkpoint is still being written (about a millisecond), the one before (``background_commits=False``:
+  only the batch in flight), and the next run encodes exactly the rest; the log is fsynced about once a second
   (``sync_seconds``), so a power loss or an OS crash loses at most the last second or so of batches, and the
   cache stays readable whatever happens. Entries are published in full-size shards as they fill and at the end;
 * the cache's write lock serialises writers: a second process encoding into the same cache waits (saying so),
@@ -26,6 +28,7 @@ naming the file. A zero tensor never stands in for data.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -101,8 +104,9 @@ class EncodeReport:
         sourceless: the source folder is gone; the dataset was kept as stored.
         compaction: what the final compaction did, when it ran.
         timings: seconds spent in ``encoder`` calls, blocked on ``decode`` (``decode_wait``), decoding across the
-            worker threads (``decode_cpu``), adding, checkpointing and committing (``commit``), storing the
-            dataset and compacting (``finish``), and waiting for the write lock (``lock_wait``).
+            worker threads (``decode_cpu``), adding, checkpointing and committing (``commit``; in the background
+            during the encode, see ``run_encode``), waiting for a background checkpoint (``commit_wait``), storing
+            the dataset and compacting (``finish``), and waiting for the write lock (``lock_wait``).
         log_syncs: fsyncs of the recovery log (each bounds what a power loss can take).
     """
 
@@ -224,6 +228,8 @@ class _Run:
         self.t = report.timings
         self.min_commit_seconds = 0.0
         self.last_commit = float("-inf")
+        self._committer: ThreadPoolExecutor | None = None
+        self._pending: tuple[Future[None], int, Callable[[], None]] | None = None
 
     def tick(self, n: int) -> None:
         self.done += n
@@ -235,6 +241,7 @@ class _Run:
             raise _Stopped
 
     def commit(self, keys: Sequence[str], values: Sequence[Any], kind: str) -> None:
+        """Add and checkpoint one encoded batch (on the committer thread when commits run in the background)."""
         start = time.perf_counter()
         for key, value in zip(keys, values):
             self.writer.add(key, value, kind=kind, name=kind)
@@ -242,6 +249,57 @@ class _Run:
             self.writer.checkpoint()
             self.last_commit = time.perf_counter()
         self.t["commit"] += time.perf_counter() - start
+
+    def start_background_commits(self) -> None:
+        """Checkpoint each batch on one background thread while the encoder runs the next one (see run_encode)."""
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="encode-commit")
+
+    def hand_over(self, keys: Sequence[str], values: Sequence[Any], kind: str, items: int,
+                  counted: Callable[[], None]) -> None:
+        """Commit one encoded batch of ``items`` work items; ``counted`` updates the report once it is checkpointed.
+
+        In the background, the previous batch's checkpoint is awaited first (one batch pending at most: bounded
+        memory, and its error surfaces here with its traceback); progress is reported per checkpointed batch.
+        """
+        if self._committer is None:
+            self.commit(keys, values, kind)
+            counted()
+            self.tick(items)
+            return
+        self.wait_for_commit()
+        self._pending = (self._committer.submit(self.commit, keys, values, kind), items, counted)
+
+    def wait_for_commit(self) -> None:
+        """Wait until the batch handed over last is checkpointed (raising its error); the writer is ours again."""
+        if self._pending is None:
+            return
+        future, items, counted = self._pending
+        self._pending = None
+        start = time.perf_counter()
+        try:
+            future.result()
+        finally:
+            self.t["commit_wait"] = self.t.get("commit_wait", 0.0) + time.perf_counter() - start
+        counted()
+        self.tick(items)
+
+    def stop_background_commits(self, *, failing: bool) -> None:
+        """Checkpoint the batch still pending and end the committer thread.
+
+        With ``failing`` (the encode is ending by an exception or a stop), an error of that last checkpoint is
+        logged rather than raised, so the original exception is the one the caller sees.
+        """
+        if self._committer is None:
+            return
+        try:
+            self.wait_for_commit()
+        except Exception as exc:  # noqa: BLE001 - only while another exception is on its way out
+            if not failing:
+                raise
+            log.warning("%s: the last encoded batch could not be checkpointed (%s)", self.plan.cache_root, exc)
+        finally:
+            self._committer.shutdown(wait=True)
+            self._committer = None
 
     def encode_texts(self, encode: TextEncoder, todo: list[tuple[str, str]]) -> None:
         for batch in _batches(todo, self.plan.settings.batch_size):
@@ -253,9 +311,8 @@ class _Run:
             if len(out) != len(batch):
                 raise ValueError(f"encode_texts returned {len(out)} values for {len(batch)} texts; "
                                  "it must return one conditioning per text")
-            self.commit([k for k, _ in batch], out, "conditioning")
-            self.report.encoded_conditionings += len(batch)
-            self.tick(len(batch))
+            self.hand_over([k for k, _ in batch], out, "conditioning", len(batch), functools.partial(
+                self._count, "encoded_conditionings", len(batch)))
 
     def encode_images(self, encode: ImageEncoder, batches: list[Sequence[LatentJob]], threads: int) -> None:
         pending: deque[tuple[Sequence[LatentJob], torch.Tensor, list[Future]]] = deque()
@@ -314,9 +371,13 @@ class _Run:
             if len(out) != len(good):
                 raise ValueError(f"encode_images returned {len(out)} values for a batch of {len(good)} images; "
                                  "it must return one latent per image")
-            self.commit([job.key for job, _ in good], out, "latent")
-            self.report.encoded_latents += len(good)
-        self.tick(len(batch))
+            self.hand_over([job.key for job, _ in good], out, "latent", len(batch),
+                           functools.partial(self._count, "encoded_latents", len(good)))
+        else:
+            self.tick(len(batch))
+
+    def _count(self, field_name: str, n: int) -> None:
+        setattr(self.report, field_name, getattr(self.report, field_name) + n)
 
 
 def _acquire(lock: CacheLock, root: str, should_stop: Callable[[], bool] | None) -> bool:
@@ -371,6 +432,7 @@ def run_encode(
     should_stop: Callable[[], bool] | None = None,
     min_commit_seconds: float = 0.0,
     sync_seconds: float = LOG_SYNC_SECONDS,
+    background_commits: bool = True,
 ) -> EncodeReport:
     """Encode what ``plan`` lists as missing, checkpoint it batch by batch, store the dataset and compact.
 
@@ -394,6 +456,13 @@ def run_encode(
             fsync (default :data:`.format.writer.LOG_SYNC_SECONDS`, 1 s); ``0`` fsyncs every checkpoint, so a power
             loss too loses at most the batch in flight. Process death (Cancel, exception, ``kill -9``) never needs
             the fsync.
+        background_commits: ``True`` (default) adds and checkpoints each encoded batch on one background thread
+            while the encoder runs the next batch, so the encoder does not wait for the bookkeeping (it hid 180 µs
+            per image here, 3% of an SD1.5-speed build). One batch is pending at most; a stop request or an
+            exception waits for it, so they still lose only the batch in flight. A ``kill -9`` during the first
+            moments of an encoder call (a batch's checkpoint takes about a millisecond) can also lose the batch
+            before it; ``False`` checkpoints on the calling thread before the next encoder call, so a ``kill -9``
+            loses at most the batch in flight at any instant.
 
     Raises:
         SourceError: with ``failure_policy="stop"``, the first unusable source file (nothing after it is encoded;
@@ -406,7 +475,8 @@ def run_encode(
     settings = plan.settings
     report = EncodeReport(plan.dataset, new=plan.new, changed=plan.changed, unchanged=plan.unchanged,
                           removed=plan.removed, failures=list(plan.failures), sourceless=plan.sourceless)
-    report.timings.update(encoder=0.0, decode_wait=0.0, decode_cpu=0.0, commit=0.0, finish=0.0, lock_wait=0.0)
+    report.timings.update(encoder=0.0, decode_wait=0.0, decode_cpu=0.0, commit=0.0, commit_wait=0.0, finish=0.0,
+                          lock_wait=0.0)
     if plan.failures and settings.failure_policy == "stop":
         raise plan.failures[0].error()
     report.skipped = plan.skipped
@@ -446,15 +516,25 @@ def run_encode(
             run.total = len(texts) + sum(map(len, batches))
             if progress is not None:
                 progress(0, run.total)
+            if background_commits:
+                run.start_background_commits()
             try:
-                if texts:
-                    run.encode_texts(encode_texts, texts)  # type: ignore[arg-type]
-                    writer.sync_log()  # the VAE may take a while to load: no checkpoint should wait unsynced
-                if batches:
-                    threads = resolve_threads(settings.encode_threads, purpose="encode threads", maximum=16)
-                    run.encode_images(encode_images, batches, threads)  # type: ignore[arg-type]
+                try:
+                    if texts:
+                        run.encode_texts(encode_texts, texts)  # type: ignore[arg-type]
+                        run.wait_for_commit()
+                        writer.sync_log()  # the VAE may take a while to load: no checkpoint should wait unsynced
+                    if batches:
+                        threads = resolve_threads(settings.encode_threads, purpose="encode threads", maximum=16)
+                        run.encode_images(encode_images, batches, threads)  # type: ignore[arg-type]
+                except _Stopped:
+                    raise
+                except BaseException:
+                    run.stop_background_commits(failing=True)  # what is finished is kept (committed below)
+                    raise
             except _Stopped:
                 report.stopped = True
+            run.stop_background_commits(failing=False)  # the last batch's checkpoint (its error is raised)
             t_commit = time.perf_counter()
             writer.commit()  # publish the rest (the recovery log is deleted)
             report.timings["commit"] += time.perf_counter() - t_commit

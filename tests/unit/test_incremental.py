@@ -27,7 +27,7 @@ import xxhash
 from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.errors import SourceError
+from dataset_cache.errors import SourceError, UnstorableValueError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.format.writer import CacheWriter
 from dataset_cache.incremental import EncodeSettings, plan_encode, run_encode, sources_record_path
@@ -347,6 +347,80 @@ def test_encoder_exception_after_k_batches_then_rerun_encodes_exactly_the_rest(f
     enc2 = FakeEncoders()
     report = run_encode(_plan(folder, cache), **enc2.kw())
     assert report.encoded == N_IMAGES + N_TEXTS - committed and enc2.images == N_IMAGES - 3
+    _assert_complete(cache)
+
+
+def _contents(cache: Path) -> dict[str, Any]:
+    reader = open_cache(cache)
+    keys = sorted(reader.keys())
+    return dict(zip(keys, reader.read(keys)))
+
+
+def test_background_commits_store_exactly_what_foreground_commits_store(folder: Path, tmp_path: Path) -> None:
+    reports, contents = [], []
+    for background in (True, False):
+        cache = tmp_path / f"cache-{background}"
+        reports.append(run_encode(_plan(folder, cache), **FakeEncoders().kw(), background_commits=background))
+        contents.append(_contents(cache))
+        _assert_complete(cache)
+    assert [(r.encoded_latents, r.encoded_conditionings, r.samples) for r in reports] == [
+        (N_IMAGES, N_TEXTS, N_IMAGES)] * 2
+    assert contents[0].keys() == contents[1].keys()
+    for key, value in contents[0].items():
+        other = contents[1][key]
+        flat = [value["samples"]] if isinstance(value, dict) else [value[0][0], value[0][1]["pooled_output"]]
+        flat2 = [other["samples"]] if isinstance(other, dict) else [other[0][0], other[0][1]["pooled_output"]]
+        assert all(torch.equal(a, b) for a, b in zip(flat, flat2, strict=True)), key
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_commits_run_beside_the_encoder_only_in_the_background(folder: Path, cache: Path, monkeypatch,
+                                                               background: bool) -> None:
+    adders: set[str] = set()
+    add = CacheWriter.add
+
+    def spy(self, *args, **kwargs):
+        adders.add(threading.current_thread().name)
+        return add(self, *args, **kwargs)
+
+    monkeypatch.setattr(CacheWriter, "add", spy)
+    before = set(threading.enumerate())
+    enc = FakeEncoders()
+    run_encode(_plan(folder, cache), **enc.kw(), background_commits=background)
+    assert enc.threads == {threading.get_ident()}  # the encoders always run on the calling thread
+    if background:
+        assert adders and all(name.startswith("encode-commit") for name in adders)
+    else:
+        assert adders == {threading.current_thread().name}
+    assert set(threading.enumerate()) == before  # the committer (and the decode pool) ended
+    _assert_complete(cache)
+
+
+class _HookGroup:  # stands in for a ComfyUI hook object an encoder might leave in a conditioning
+    pass
+
+
+def test_an_unstorable_batch_fails_the_encode_naming_it_and_keeps_the_batches_before(folder: Path,
+                                                                                       cache: Path) -> None:
+    enc = FakeEncoders()
+    calls = 0
+
+    def encode_texts(texts: list[str]) -> list[Any]:
+        nonlocal calls
+        calls += 1
+        out = enc.encode_texts(texts)
+        if calls == 2:  # the second batch holds something the cache cannot store
+            out[0][0][1]["hooks"] = _HookGroup()
+        return out
+
+    before = set(threading.enumerate())
+    with pytest.raises(UnstorableValueError, match=r"conditioning\[0\]\[1\]\['hooks'\]: _HookGroup"):
+        run_encode(_plan(folder, cache), encode_images=enc.encode_images, encode_texts=encode_texts)
+    assert set(threading.enumerate()) == before
+    reader = open_cache(cache)
+    assert len(reader) == SETTINGS.batch_size and reader.verify() == []  # the first text batch was kept
+    report = run_encode(_plan(folder, cache), **FakeEncoders().kw())
+    assert report.encoded == N_IMAGES + N_TEXTS - SETTINGS.batch_size
     _assert_complete(cache)
 
 
