@@ -945,10 +945,9 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - one linear script
         "| files | wall ms | CPU ms | µs per file | goal |",
         "|---:|---:|---:|---:|---|",
     ]
-    for files, wall, cpu in vrows:
-        ok = med(wall) < files / 100_000
-        out.append(f"| {files} | {stat(wall, 1e3)} | {stat(cpu, 1e3)} | {med(wall) / files * 1e6:.1f} "
-                   f"| {'met' if ok else 'NOT met'} (wall) |")
+    for files, wall, cpu in vrows:  # the goal is stated for 100k files; smaller folders carry fixed costs
+        goal = ("met" if med(wall) < 1.0 else "NOT met") + " (wall)" if files >= 100_000 else "— (stated at 100k)"
+        out.append(f"| {files} | {stat(wall, 1e3)} | {stat(cpu, 1e3)} | {med(wall) / files * 1e6:.1f} | {goal} |")
     if len(vrows) > 1:
         scale_rows.append(f"| files | validate unchanged folder | "
                           f"{growth([f for f, _, _ in vrows], [med(w) for _, w, _ in vrows])} |")
