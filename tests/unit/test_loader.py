@@ -193,9 +193,37 @@ def test_kept_cpu_batches_never_change():
     _, entries, reader, sampler = make(n=40)
     with PrefetchLoader(reader, sampler, prefetch_batches=2) as loader:
         batches = list(loader)  # keep them all while later batches are read
-    assert not reader.buffers  # CPU target: every batch owns its read buffer; nothing is reused under it
+    # CPU target: a buffer is read into again only once nothing refers to its memory, so every kept batch has its
+    # own memory and none changed under it
+    assert len({b.latents.untyped_storage().data_ptr() for b in batches}) == len(batches)
     for b in batches:
         assert_batch_matches(b, entries)
+
+
+def test_cpu_read_buffers_are_reused_once_the_consumer_lets_go_of_their_batches():
+    _, entries, reader, sampler = make(n=40)
+    depth = 2
+    with PrefetchLoader(reader, sampler, prefetch_batches=depth) as loader:
+        seen = 0
+        for batch in loader:
+            assert_batch_matches(batch, entries)  # a reused buffer never holds another batch's bytes under it
+            del batch
+            seen += 1
+    assert seen == len(reader.reads) > depth + 1
+    assert 1 <= len(reader.buffers) <= depth + 2  # the pool's buffers, taken again and again
+
+
+def test_a_view_kept_from_a_batch_keeps_its_buffer_from_being_reused():
+    _, entries, reader, sampler = make(n=40)
+    kept = []
+    with PrefetchLoader(reader, sampler, prefetch_batches=2) as loader:
+        for i, batch in enumerate(loader):
+            if i % 3 == 0:
+                kept.append((batch.plan, batch.latents[:1]))  # only a view of the first row survives the batch
+            del batch
+    assert len(kept) > 3
+    for plan, first in kept:
+        assert torch.equal(first, expected_batch(entries, plan)[0][:1])
 
 
 def test_several_epochs_and_endless_iteration():
@@ -387,9 +415,11 @@ def test_read_ahead_is_bounded_by_prefetch_depth():
             del batch
             time.sleep(0.01)  # a slow consumer: the loader must not run ahead
             assert len(reader.reads) <= i + 1 + depth
-            assert loader.held_bytes() <= depth * batch_bytes
+            # finished batches read ahead, and the kept read buffers no batch uses (the batch just dropped's, once
+            # enumerate() lets go of it too)
+            assert loader.held_bytes() <= (depth + 1) * batch_bytes * 5 // 4 + 4096
     assert reader.max_active <= 2
-    assert len(reader.buffers) <= 2  # one reusable buffer per worker
+    assert len(reader.buffers) <= depth + 2  # the pool's reusable buffers (see _BufferPool)
 
 
 def test_stats_report_read_and_wait_times():
