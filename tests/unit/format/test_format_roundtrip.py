@@ -402,3 +402,28 @@ def test_a_refused_hint_does_not_fail_the_read(tmp_path, monkeypatch):
     values = r.read(["k0", "k2"])
     assert [float(v[0][0]) for v in values] == [0.0, 2.0]
     r.close()
+
+
+@pytest.mark.parametrize("name", ["uint16", "uint32", "uint64"])
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_unsigned_wide_integers_round_trip_through_shard_and_log(tmp_path, name, checkpointed):
+    """torch >= 2.3 has uint16/32/64 (safetensors U16/U32/U64); numpy cannot view them from torch, so their bytes
+    take the uint8-view path, in a shard and in the recovery log alike."""
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        pytest.skip(f"torch {torch.__version__} has no {name}")
+    top = {"uint16": 65535, "uint32": 2**32 - 1, "uint64": 2**63 - 1}[name]
+    value = {"t": torch.tensor([[0, 1, top], [7, top - 1, 2]], dtype=dtype).t(), "s": torch.tensor(top, dtype=dtype)}
+    w = CacheWriter(tmp_path, checkpoints=True)
+    w.add("k", value)
+    if checkpointed:
+        w.checkpoint()
+        w.abort()
+        CacheWriter(tmp_path).close()
+    else:
+        w.close()
+    got = open_cache(tmp_path).read(["k"])[0]
+    for key in ("t", "s"):
+        assert got[key].dtype == dtype and got[key].shape == value[key].shape
+        signed = {"uint16": torch.int16, "uint32": torch.int32, "uint64": torch.int64}[name]  # exact bits
+        assert got[key].view(signed).tolist() == value[key].view(signed).tolist()
