@@ -54,6 +54,7 @@ from PIL import Image, PngImagePlugin
 
 from .errors import CacheError, SourceError
 from .format.manifest import atomic_write
+from .gcpause import gc_paused
 from .imaging import read_image_size
 from .keys import hash_file, is_key
 from .scan import FolderListing, SourceFailure, SourceImage, decode_captions, list_folder
@@ -376,7 +377,6 @@ def validate_sources(
     Raises:
         DatasetFolderError: the folder is missing, not a folder, or holds no image.
     """
-    listing = source if isinstance(source, FolderListing) else list_folder(source, threads=list_threads)
     prev = previous.entries if previous is not None else {}
     trust_before = previous.scanned_ns - racy_window_ns if previous is not None else 0
     entries: dict[str, SourceEntry] = {}
@@ -384,23 +384,25 @@ def validate_sources(
     captions: set[str] = set()  # pending caption files
     fill: list[str] = []  # trusted caption files recorded without their variants
     get = prev.get
-    # hot loop (every file of the folder): a dict lookup and two int compares per file
-    for relpath, size, mtime_ns, _, cap, cap_size, cap_mtime in listing.images:
-        old = get(relpath)
-        if old is not None and old[0] == size and old[1] == mtime_ns and mtime_ns < trust_before:
-            entries[relpath] = old
-        else:
-            pending[relpath] = (size, mtime_ns, old)
-        if cap is None or cap in entries or cap in pending:  # no caption, or one shared with a.jpg / a.png
-            continue
-        old = get(cap)
-        if old is not None and old[0] == cap_size and old[1] == cap_mtime and cap_mtime < trust_before:
-            entries[cap] = old
-            if old.captions is None:
-                fill.append(cap)
-        else:
-            pending[cap] = (cap_size, cap_mtime, old)
-            captions.add(cap)
+    with gc_paused():  # hundreds of thousands of acyclic objects: see .gcpause
+        listing = source if isinstance(source, FolderListing) else list_folder(source, threads=list_threads)
+        # hot loop (every file of the folder): a dict lookup and two int compares per file
+        for relpath, size, mtime_ns, _, cap, cap_size, cap_mtime in listing.images:
+            old = get(relpath)
+            if old is not None and old[0] == size and old[1] == mtime_ns and mtime_ns < trust_before:
+                entries[relpath] = old
+            else:
+                pending[relpath] = (size, mtime_ns, old)
+            if cap is None or cap in entries or cap in pending:  # no caption, or one shared with a.jpg / a.png
+                continue
+            old = get(cap)
+            if old is not None and old[0] == cap_size and old[1] == cap_mtime and cap_mtime < trust_before:
+                entries[cap] = old
+                if old.captions is None:
+                    fill.append(cap)
+            else:
+                pending[cap] = (cap_size, cap_mtime, old)
+                captions.add(cap)
     new, changed, refreshed, failures = [], [], [], list(listing.failures)
     hashes = _hash_all(listing.root, [(p, p in captions) for p in pending] + [(p, True) for p in fill], threads)
     added = 0

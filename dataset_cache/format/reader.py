@@ -26,6 +26,7 @@ import torch
 from ..constants import FORMAT_NAME, FORMAT_VERSION
 from ..dataset import DatasetInfo, Sample
 from ..errors import CacheCorruptError, CacheError
+from ..gcpause import gc_paused
 from ..hashing import checksum64
 from ..refs import LazyTensor
 from . import skeleton
@@ -110,6 +111,11 @@ def _manifest_identity(root: str | os.PathLike) -> tuple[int, int, int] | None:
 
 
 def _open_once(root: str | os.PathLike, verify: bool, strict: bool) -> CacheReader:
+    with gc_paused():  # headers and the key index: many small acyclic objects (see ..gcpause)
+        return _open_unpaused(root, verify, strict)
+
+
+def _open_unpaused(root: str | os.PathLike, verify: bool, strict: bool) -> CacheReader:
     state = read_state(root)
     shards: list[ShardIndex] = []
     problems: list[CacheCorruptError] = []

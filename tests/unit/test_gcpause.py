@@ -1,0 +1,75 @@
+"""gc_paused: the collector is off inside, restored after, whatever the nesting, threads or exceptions."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+
+from dataset_cache.gcpause import gc_paused
+
+
+@pytest.fixture(autouse=True)
+def _restore_gc():
+    was = gc.isenabled()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def test_off_inside_and_back_on_after_even_on_an_exception():
+    gc.enable()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # nested
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer pause still holds
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with gc_paused():
+            raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+def test_a_collector_the_caller_had_switched_off_stays_off():
+    gc.disable()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_overlapping_pauses_on_threads_end_with_the_last_one():
+    gc.enable()
+    entered, release = threading.Barrier(3), threading.Event()
+    states: list[bool] = []
+
+    def worker(hold: float) -> None:
+        with gc_paused():
+            entered.wait()
+            release.wait(hold)
+            states.append(gc.isenabled())
+
+    first = threading.Thread(target=worker, args=(0.0,))
+    second = threading.Thread(target=worker, args=(5.0,))
+    first.start()
+    second.start()
+    entered.wait()
+    first.join()  # the first pause ended while the second still runs: still off
+    assert not gc.isenabled()
+    release.set()
+    second.join()
+    assert states == [False, False] and gc.isenabled()
+
+
+def test_validation_and_opening_leave_the_collector_as_they_found_it(tmp_path):
+    from dataset_cache.format import CacheWriter, open_cache
+    from dataset_cache.sources import build_record, validate_sources
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.png").write_bytes(b"png")
+    gc.enable()
+    validate_sources(tmp_path / "data", build_record(tmp_path / "data"))
+    with CacheWriter(tmp_path / "cache") as w:
+        w.add("k", [1])
+    open_cache(tmp_path / "cache").close()
+    assert gc.isenabled()
