@@ -73,3 +73,25 @@ def test_validation_and_opening_leave_the_collector_as_they_found_it(tmp_path):
         w.add("k", [1])
     open_cache(tmp_path / "cache").close()
     assert gc.isenabled()
+
+
+def test_an_encode_plan_runs_paused_and_restores_the_collector(tmp_path, monkeypatch):
+    from dataset_cache import sources
+    from dataset_cache.buckets import BucketConfig
+    from dataset_cache.incremental import EncodeSettings, plan_encode
+    from PIL import Image
+
+    (tmp_path / "data").mkdir()
+    Image.new("RGB", (64, 64)).save(tmp_path / "data" / "a.png")
+    seen: list[bool] = []
+    listing = sources.list_folder
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return listing(*args, **kwargs)
+
+    monkeypatch.setattr(sources, "list_folder", spy)
+    gc.enable()
+    plan = plan_encode(tmp_path / "data", tmp_path / "cache", dataset="d", vae_fingerprint="v",
+                       text_fingerprint="t", settings=EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32)))
+    assert len(plan.samples) == 1 and seen == [False] and gc.isenabled()
