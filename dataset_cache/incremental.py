@@ -28,7 +28,6 @@ naming the file. A zero tensor never stands in for data.
 
 from __future__ import annotations
 
-import functools
 import io
 import logging
 import os
@@ -229,7 +228,7 @@ class _Run:
         self.min_commit_seconds = 0.0
         self.last_commit = float("-inf")
         self._committer: ThreadPoolExecutor | None = None
-        self._pending: tuple[Future[None], int, Callable[[], None]] | None = None
+        self._pending: tuple[Future[None], str, int, int] | None = None  # (checkpoint, kind, entries, items)
 
     def tick(self, n: int) -> None:
         self.done += n
@@ -254,33 +253,37 @@ class _Run:
         """Checkpoint each batch on one background thread while the encoder runs the next one (see run_encode)."""
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="encode-commit")
 
-    def hand_over(self, keys: Sequence[str], values: Sequence[Any], kind: str, items: int,
-                  counted: Callable[[], None]) -> None:
-        """Commit one encoded batch of ``items`` work items; ``counted`` updates the report once it is checkpointed.
+    def hand_over(self, keys: Sequence[str], values: Sequence[Any], kind: str, items: int) -> None:
+        """Commit one encoded batch (``items`` work items, ``keys`` of them encoded); report it once checkpointed.
 
         In the background, the previous batch's checkpoint is awaited first (one batch pending at most: bounded
         memory, and its error surfaces here with its traceback); progress is reported per checkpointed batch.
         """
         if self._committer is None:
             self.commit(keys, values, kind)
-            counted()
-            self.tick(items)
+            self._checkpointed(kind, len(keys), items)
             return
         self.wait_for_commit()
-        self._pending = (self._committer.submit(self.commit, keys, values, kind), items, counted)
+        self._pending = (self._committer.submit(self.commit, keys, values, kind), kind, len(keys), items)
 
     def wait_for_commit(self) -> None:
         """Wait until the batch handed over last is checkpointed (raising its error); the writer is ours again."""
         if self._pending is None:
             return
-        future, items, counted = self._pending
+        future, kind, entries, items = self._pending
         self._pending = None
         start = time.perf_counter()
         try:
             future.result()
         finally:
-            self.t["commit_wait"] = self.t.get("commit_wait", 0.0) + time.perf_counter() - start
-        counted()
+            self.t["commit_wait"] += time.perf_counter() - start
+        self._checkpointed(kind, entries, items)
+
+    def _checkpointed(self, kind: str, entries: int, items: int) -> None:
+        if kind == "latent":
+            self.report.encoded_latents += entries
+        else:
+            self.report.encoded_conditionings += entries
         self.tick(items)
 
     def stop_background_commits(self, *, failing: bool) -> None:
@@ -311,8 +314,7 @@ class _Run:
             if len(out) != len(batch):
                 raise ValueError(f"encode_texts returned {len(out)} values for {len(batch)} texts; "
                                  "it must return one conditioning per text")
-            self.hand_over([k for k, _ in batch], out, "conditioning", len(batch), functools.partial(
-                self._count, "encoded_conditionings", len(batch)))
+            self.hand_over([k for k, _ in batch], out, "conditioning", len(batch))
 
     def encode_images(self, encode: ImageEncoder, batches: list[Sequence[LatentJob]], threads: int) -> None:
         pending: deque[tuple[Sequence[LatentJob], torch.Tensor, list[Future]]] = deque()
@@ -371,13 +373,9 @@ class _Run:
             if len(out) != len(good):
                 raise ValueError(f"encode_images returned {len(out)} values for a batch of {len(good)} images; "
                                  "it must return one latent per image")
-            self.hand_over([job.key for job, _ in good], out, "latent", len(batch),
-                           functools.partial(self._count, "encoded_latents", len(good)))
+            self.hand_over([job.key for job, _ in good], out, "latent", len(batch))
         else:
             self.tick(len(batch))
-
-    def _count(self, field_name: str, n: int) -> None:
-        setattr(self.report, field_name, getattr(self.report, field_name) + n)
 
 
 def _acquire(lock: CacheLock, root: str, should_stop: Callable[[], bool] | None) -> bool:
@@ -519,21 +517,18 @@ def run_encode(
             if background_commits:
                 run.start_background_commits()
             try:
-                try:
-                    if texts:
-                        run.encode_texts(encode_texts, texts)  # type: ignore[arg-type]
-                        run.wait_for_commit()
-                        writer.sync_log()  # the VAE may take a while to load: no checkpoint should wait unsynced
-                    if batches:
-                        threads = resolve_threads(settings.encode_threads, purpose="encode threads", maximum=16)
-                        run.encode_images(encode_images, batches, threads)  # type: ignore[arg-type]
-                except _Stopped:
-                    raise
-                except BaseException:
-                    run.stop_background_commits(failing=True)  # what is finished is kept (committed below)
-                    raise
+                if texts:
+                    run.encode_texts(encode_texts, texts)  # type: ignore[arg-type]
+                    run.wait_for_commit()
+                    writer.sync_log()  # the VAE may take a while to load: no checkpoint should wait unsynced
+                if batches:
+                    threads = resolve_threads(settings.encode_threads, purpose="encode threads", maximum=16)
+                    run.encode_images(encode_images, batches, threads)  # type: ignore[arg-type]
             except _Stopped:
                 report.stopped = True
+            except BaseException:
+                run.stop_background_commits(failing=True)  # what is finished is kept (committed below)
+                raise
             run.stop_background_commits(failing=False)  # the last batch's checkpoint (its error is raised)
             t_commit = time.perf_counter()
             writer.commit()  # publish the rest (the recovery log is deleted)

@@ -112,21 +112,17 @@ def _manifest_identity(root: str | os.PathLike) -> tuple[int, int, int] | None:
 
 def _open_once(root: str | os.PathLike, verify: bool, strict: bool) -> CacheReader:
     with gc_paused():  # headers and the key index: many small acyclic objects (see ..gcpause)
-        return _open_unpaused(root, verify, strict)
-
-
-def _open_unpaused(root: str | os.PathLike, verify: bool, strict: bool) -> CacheReader:
-    state = read_state(root)
-    shards: list[ShardIndex] = []
-    problems: list[CacheCorruptError] = []
-    for rec in state.shards:
-        try:
-            shards.append(open_shard(state.root / rec.file, rec.file, rec))
-        except CacheCorruptError as exc:
-            if strict:
-                raise
-            problems.append(exc)
-    return CacheReader(state, shards, verify=verify, problems=problems)
+        state = read_state(root)
+        shards: list[ShardIndex] = []
+        problems: list[CacheCorruptError] = []
+        for rec in state.shards:
+            try:
+                shards.append(open_shard(state.root / rec.file, rec.file, rec))
+            except CacheCorruptError as exc:
+                if strict:
+                    raise
+                problems.append(exc)
+        return CacheReader(state, shards, verify=verify, problems=problems)
 
 
 class CacheReader:

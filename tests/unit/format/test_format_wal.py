@@ -55,13 +55,18 @@ def logs(root: Path) -> list[Path]:
     return log_files(root)
 
 
-def checkpointed_then_dead(root: Path, batches: list[list[str]], *, shard_bytes: int = 1 << 30) -> None:
-    """Add and checkpoint ``batches``, then leave as a dead writer would (abort keeps the log)."""
-    w = CacheWriter(root, shard_bytes=shard_bytes, checkpoints=True)
+def checkpoint_batches(w: CacheWriter, batches: list[list[str]]) -> None:
+    """Add each batch's entries and checkpoint after each batch, as an encode does."""
     for batch in batches:
         for k in batch:
             w.add(k, value_for(k))
         w.checkpoint()
+
+
+def checkpointed_then_dead(root: Path, batches: list[list[str]], *, shard_bytes: int = 1 << 30) -> None:
+    """Add and checkpoint ``batches``, then leave as a dead writer would (abort keeps the log)."""
+    w = CacheWriter(root, shard_bytes=shard_bytes, checkpoints=True)
+    checkpoint_batches(w, batches)
     w.abort()
     w._closed = True  # noqa: SLF001 - a dead writer never closes
 
@@ -117,10 +122,7 @@ def test_checkpoint_is_invisible_to_readers_until_a_writer_publishes_it(tmp_path
 
 def test_checkpoints_write_no_shard_and_commit_publishes_one_and_drops_the_log(tmp_path):
     w = CacheWriter(tmp_path, checkpoints=True, sync_seconds=0)
-    for batch in BATCHES:
-        for k in batch:
-            w.add(k, value_for(k))
-        w.checkpoint()
+    checkpoint_batches(w, BATCHES)
     assert w.log_syncs == len(BATCHES)  # sync_seconds=0: every checkpoint is fsynced
     assert not list((tmp_path / "shards").iterdir())
     w.close()
@@ -130,10 +132,7 @@ def test_checkpoints_write_no_shard_and_commit_publishes_one_and_drops_the_log(t
 
 def test_sync_seconds_bounds_the_fsyncs(tmp_path):
     w = CacheWriter(tmp_path, checkpoints=True, sync_seconds=3600)
-    for batch in BATCHES:
-        for k in batch:
-            w.add(k, value_for(k))
-        w.checkpoint()
+    checkpoint_batches(w, BATCHES)
     assert w.log_syncs == 0
     w.sync_log()  # e.g. before a pause
     assert w.log_syncs == 1
