@@ -139,6 +139,8 @@ class _Job:
     copy_done: Any = None  # torch.cuda.Event recorded on the side stream after the copies
     error: BaseException | None = None
     read_s: float = 0.0
+    started: bool = False
+    successor: _Job | None = None  # the job submitted after this one: its reads are hinted when this one starts
 
 
 def _entry_keys(plan: BatchPlan) -> list[str]:
@@ -169,6 +171,7 @@ class _Context:
     side_stream: Any
     slots: list[_Slot]
     pool: _BufferPool | None = None  # CPU target: reusable read buffers
+    will_read: Callable[[list[str]], None] | None = None  # the reader's read-ahead hint, when it has one
 
 
 def _new_buffer(pin: bool) -> Any:
@@ -342,9 +345,13 @@ def _cuda_mover(job: _Job, device: torch.device) -> Callable[[torch.Tensor], tor
 def _run_job(job: _Job, ctx: _Context, slot: _Slot) -> None:
     """Read and assemble ``job`` into its result (or its error); runs in a worker, or inline without workers."""
     t0 = time.perf_counter()
+    job.started = True
     try:
         plan = job.plan
         keys = _entry_keys(plan)
+        nxt = job.successor
+        if ctx.will_read is not None and nxt is not None and not nxt.started and not nxt.cancelled:
+            ctx.will_read(_entry_keys(nxt.plan))  # its bytes come off the disk while this batch is read
         if slot.copy_done is not None:  # the previous batch's copy may still read this pinned buffer
             slot.copy_done.synchronize()
             slot.copy_done = None
@@ -376,6 +383,28 @@ def _run_job(job: _Job, ctx: _Context, slot: _Slot) -> None:
     finally:
         job.read_s = time.perf_counter() - t0
         job.done.set()
+
+
+class _Upcoming:
+    """An iteration's plans as jobs, drawn one ahead, so that a job knows its successor before that one is
+    submitted: a worker starting a job hints the successor's reads (its bytes come off the disk meanwhile). Without
+    the draw ahead, the successor was usually submitted just after the worker had started: no hint at all.
+    Drawing a plan does not move the sampler (the loader moves it on delivery)."""
+
+    def __init__(self, plans: Iterator[BatchPlan]) -> None:
+        self._plans = plans
+        self._next = self._draw()
+
+    def _draw(self) -> _Job | None:
+        plan = next(self._plans, None)
+        return None if plan is None else _Job(plan)
+
+    def take(self) -> _Job | None:
+        """The next job (``None`` at the end), already linked to the one after it."""
+        job = self._next
+        if job is not None:
+            self._next = job.successor = self._draw()
+        return job
 
 
 class _Workers:
@@ -511,7 +540,8 @@ class PrefetchLoader:
             n_threads = resolve_threads(wanted, purpose="loader threads", maximum=self._depth)
         side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # ONE side stream for the loader's life
         pool = _BufferPool(self._depth + 2) if dev.type == "cpu" else None
-        self._ctx = _Context(reader, dev, pin, side, [_Slot() for _ in range(max(1, n_threads))], pool)
+        self._ctx = _Context(reader, dev, pin, side, [_Slot() for _ in range(max(1, n_threads))], pool,
+                             getattr(reader, "will_read", None) if n_threads else None)
         self._workers = _Workers(n_threads, self._ctx) if n_threads else None
         self._finalizer = weakref.finalize(self, _Workers.stop, self._workers) if self._workers else None
         self._pending: deque[_Job] = deque()
@@ -578,7 +608,7 @@ class PrefetchLoader:
         return self._iterate(self._generation)
 
     def _iterate(self, generation: int) -> Iterator[Batch]:
-        plans = self.sampler.plans(epochs=self.epochs)
+        plans = _Upcoming(self.sampler.plans(epochs=self.epochs))
         finished = False
         t_mark = time.perf_counter()
         try:
@@ -592,13 +622,13 @@ class PrefetchLoader:
                         return
                 job = self._pending.popleft()
                 batch = self._deliver(job)
-                # Top the queue up only once this batch is in hand: a woken worker plans its read (Python, under
-                # the GIL) while the consumer would still be inside next(). ``depth`` jobs ahead + this batch.
-                self._fill(plans, self._depth)
                 self.sampler.seek(job.plan.epoch, job.plan.index + 1)
                 now = time.perf_counter()  # elapsed spans the consumer's step as well as the wait
                 self._stats = _add_elapsed(self._stats, now - t_mark)
                 t_mark = now
+                # Top the queue up last, once this batch is in hand: the woken worker plans its read (Python,
+                # under the GIL) and would slow down whatever next() still had to do. ``depth`` jobs ahead.
+                self._fill(plans, self._depth)
                 yield batch
         finally:
             if generation == self._generation:
@@ -606,12 +636,11 @@ class PrefetchLoader:
                 if not finished and self._workers is not None:
                     self._workers.stop()  # abandoned (break / exception): no threads left behind
 
-    def _fill(self, plans: Iterator[BatchPlan], depth: int) -> None:
+    def _fill(self, plans: _Upcoming, depth: int) -> None:
         while len(self._pending) < depth:
-            plan = next(plans, None)
-            if plan is None:
+            job = plans.take()
+            if job is None:
                 return
-            job = _Job(plan)
             if self.device.type == "cuda":
                 job.consumer_event = torch.cuda.Event()
                 job.consumer_event.record(torch.cuda.current_stream(self.device))

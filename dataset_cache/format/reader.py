@@ -43,6 +43,9 @@ _HAVE_PREADV = hasattr(os, "preadv")
 _KEEP_FILES_OPEN = os.name == "posix" and _HAVE_PREADV
 _CAN_ADVISE = _KEEP_FILES_OPEN and hasattr(os, "posix_fadvise")
 _COLD_BYTES_PER_S = 2e9  # a batch slower than this came (partly) from the disk: announce the next one's ranges
+_WARM_HINT_S_PER_RANGE = 4e-6  # a hint quicker than this per range plus per byte found its pages in the page cache:
+_WARM_HINT_BYTES_PER_S = 10e9  # ~2 µs a range and ~20 GB/s measured warm here, 20-30 µs a range cold
+_MAX_HINTED = 64  # hinted reads remembered at once (a loader has a few batches in flight)
 _MAX_KEPT_FILES = 512  # beyond this many shards, the rest are opened per read (stays far below ulimit -n)
 
 
@@ -208,6 +211,26 @@ class CacheReader:
             values.append(fill(template, tensors[at:at + n]))
             at += n
         return values
+
+    def will_read(self, keys: Sequence[str]) -> None:
+        """Hint that ``keys`` will be read soon, so that their bytes come off the disk while other work runs.
+
+        When the recent reads came from the disk (the same test that makes a read announce its own ranges; see
+        ``_ShardFiles``), every range of these entries is announced to the kernel with
+        ``posix_fadvise(WILLNEED)``, which starts the reads and returns at once. A loader that hints batch N+1
+        while it reads batch N keeps the disk busy with two batches instead of one: cold batches of 32 SD1.5
+        samples came 36% faster on one thread here (9.8 → 6.3 ms). It does nothing while the page cache serves
+        the reads (the hints would only add syscalls), after :meth:`close`, and where ``posix_fadvise`` does not
+        exist (Windows, macOS). A hint never fails: an unknown key or a damaged entry is reported by the read.
+        """
+        if not self._files.cold:
+            return
+        try:
+            _templates, rows = self._rows_of(keys)
+            ranges = self._plan(rows, keys)[3]
+        except (KeyError, CacheError, skeleton.SkeletonError):
+            return
+        self._files.hint(ranges)
 
     def _rows_of(self, keys: Sequence[str]) -> tuple[list[tuple[Any, int]], list[tuple[int, int, int]]]:
         """Each entry's template and reference count, and all their ``(shard, column, row)`` in key order."""
@@ -444,6 +467,11 @@ class _ShardFiles:
     ``posix_fadvise(WILLNEED)`` before it is read, so the kernel fetches them concurrently instead of one disk
     round trip per row: a cold batch of 32 SD1.5 samples took 12 ms instead of 23-28 ms here. From the page cache
     the hints would only add syscalls, so fast batches switch them off again.
+
+    :meth:`hint` announces a batch that will be read later (``CacheReader.will_read``). Its read is then fast
+    because of the hint, not because the page cache held it, so a fast hinted read does not switch the hints off
+    (that made them alternate on and off, and lose the gain); the hint measures instead: the kernel accepts a
+    hint for pages it already holds ~10× faster than one that must go to the disk.
     """
 
     def __init__(self, shards: list[ShardIndex]) -> None:
@@ -453,6 +481,12 @@ class _ShardFiles:
         self._keep = _KEEP_FILES_OPEN
         self._active = 0
         self._advise = _CAN_ADVISE  # start as if cold; the first fast batch turns the hints off
+        self._hinted: set[tuple[int, int, int]] = set()  # first range + range count of reads hinted, not yet read
+
+    @property
+    def cold(self) -> bool:
+        """Whether reads are announced: the last batch read came from the disk, and the files are kept open."""
+        return self._advise and self._keep
 
     def read(self, ranges: Sequence[tuple[int, int, int, int]], mv: memoryview) -> None:
         """Fill ``mv[pos:pos + end - begin]`` from shard ``s``'s bytes ``[begin, end)`` for each range."""
@@ -463,7 +497,10 @@ class _ShardFiles:
             self._active += 1
         try:
             fds = self._fds
-            if self._advise and len(ranges) > 1:
+            hinted = _hint_key(ranges) in self._hinted
+            if hinted:
+                self._hinted.discard(_hint_key(ranges))
+            elif self._advise and len(ranges) > 1:
                 self.announce(ranges)
             t0 = time.perf_counter()
             for s, begin, end, pos in ranges:
@@ -478,12 +515,28 @@ class _ShardFiles:
                     _read_exact(fd, view, begin, str(self._shards[s].path))  # short read: finish or raise
             if _CAN_ADVISE and len(ranges) > 1:
                 seconds = time.perf_counter() - t0
-                self._advise = sum(e - b for _, b, e, _ in ranges) < _COLD_BYTES_PER_S * seconds
+                slow = sum(e - b for _, b, e, _ in ranges) < _COLD_BYTES_PER_S * seconds
+                if slow or not hinted:  # a fast hinted read says nothing about the page cache
+                    self._advise = slow
         finally:
             with self._lock:
                 self._active -= 1
                 if not self._keep and not self._active:
                     self._close_all()
+
+    def hint(self, ranges: Sequence[tuple[int, int, int, int]]) -> None:
+        """Announce the ranges of a read that will come later; a quick answer means the page cache holds them."""
+        if not ranges:
+            return
+        t0 = time.perf_counter()
+        self.announce(ranges)
+        seconds = time.perf_counter() - t0
+        if len(self._hinted) >= _MAX_HINTED:  # hinted reads that never came (an abandoned iteration)
+            self._hinted.clear()
+        self._hinted.add(_hint_key(ranges))
+        nbytes = sum(e - b for _, b, e, _ in ranges)
+        if len(ranges) > 1 and seconds < len(ranges) * _WARM_HINT_S_PER_RANGE + nbytes / _WARM_HINT_BYTES_PER_S:
+            self._advise = False
 
     def announce(self, ranges: Sequence[tuple[int, int, int, int]]) -> None:
         """Ask the kernel to start reading every range now (asynchronously; a hint, never an error)."""
@@ -532,6 +585,11 @@ class _ShardFiles:
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+def _hint_key(ranges: Sequence[Sequence[int]]) -> tuple[int, int, int]:
+    """What identifies a planned read between its hint and the read itself: its first range and range count."""
+    return (ranges[0][0], ranges[0][1], len(ranges)) if ranges else (-1, -1, 0)
 
 
 def _open_checked(sh: ShardIndex) -> int:

@@ -422,6 +422,45 @@ def test_read_ahead_is_bounded_by_prefetch_depth():
     assert len(reader.buffers) <= depth + 2  # the pool's reusable buffers (see _BufferPool)
 
 
+class HintingReader(FakeReader):
+    """A FakeReader with ``will_read``: records each hint with the number of reads started before it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hints: list[tuple[tuple[str, ...], int]] = []
+
+    def will_read(self, keys) -> None:
+        with self.lock:
+            self.hints.append((tuple(keys), len(self.reads)))
+
+
+def _keys_of(plan) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(plan.latent_keys + plan.caption_keys))
+
+
+def test_a_worker_hints_the_next_batchs_reads_before_reading_its_own():
+    samples, entries = make_dataset(20)
+    reader = HintingReader(entries)
+    sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 3, 1, tail="wrap")
+    plans = sampler.epoch_plans(0)
+    with PrefetchLoader(reader, sampler, prefetch_batches=2, threads=1) as loader:
+        for batch in loader:
+            assert_batch_matches(batch, entries)
+            time.sleep(0.002)
+    # one thread: job k hints job k + 1 before its own read (k reads started), the last job hints nothing
+    assert reader.hints == [(_keys_of(plans[k + 1]), k) for k in range(len(plans) - 1)]
+    assert reader.reads == [_keys_of(p) for p in plans]
+
+
+def test_no_hints_without_read_ahead():
+    samples, entries = make_dataset(8)
+    reader = HintingReader(entries)
+    sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 3, 1, tail="wrap")
+    with PrefetchLoader(reader, sampler, prefetch_batches=0) as loader:
+        assert len(list(loader)) == len(sampler)
+    assert reader.hints == [] and len(reader.reads) == len(sampler)
+
+
 def test_stats_report_read_and_wait_times():
     _, _, reader, sampler = make(delay=0.01)
     with PrefetchLoader(reader, sampler, prefetch_batches=2) as loader:

@@ -384,6 +384,78 @@ def test_ranges_are_announced_to_the_kernel_only_while_batches_come_slowly(tmp_p
     r.close()
 
 
+def _hint_cache(tmp_path, monkeypatch):
+    """A cache whose rows lie apart, and a record of the readahead hints the reader gives."""
+    from dataset_cache.format import reader as reader_mod
+
+    with CacheWriter(tmp_path) as w:
+        for i in range(8):
+            w.add(f"k{i}", [torch.full((20000,), float(i)), torch.zeros(20001)])  # rows > 64 KiB apart
+    calls = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(reader_mod.os, "posix_fadvise",
+                        lambda fd, off, n, advice: (calls.append((off, n, advice)), real(fd, off, n, advice)))
+    return reader_mod, open_cache(tmp_path), calls
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
+def test_a_hinted_batch_is_announced_once_and_its_quick_read_keeps_the_hints_on(tmp_path, monkeypatch):
+    reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch)
+    monkeypatch.setattr(reader_mod, "_COLD_BYTES_PER_S", 0.0)  # every read counts as fast
+    monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 0.0)  # and no hint as quick (pages not cached)
+    monkeypatch.setattr(reader_mod, "_WARM_HINT_BYTES_PER_S", float("inf"))
+    keys = ["k1", "k5"]
+    r.will_read(keys)  # a new reader starts as if cold
+    assert len(calls) == 4 and {a for *_, a in calls} == {os.POSIX_FADV_WILLNEED}  # 2 entries x 2 rows
+    calls.clear()
+    a, b = r.read(keys)
+    assert calls == []  # already announced by the hint
+    assert torch.equal(a[0], torch.full((20000,), 1.0)) and torch.equal(b[0], torch.full((20000,), 5.0))
+    r.will_read(["k2", "k6"])  # the fast read was hinted: it says nothing about the page cache, hints stay on
+    assert len(calls) == 4
+    r.read(["k2", "k6"])
+    calls.clear()
+    r.read(keys)  # not hinted: announced by the read itself, and measured fast
+    assert len(calls) == 4
+    calls.clear()
+    r.will_read(keys)  # an unhinted fast read means the page cache serves: hints are off
+    r.read(keys)
+    assert calls == []
+    r.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
+def test_a_quick_hint_means_the_page_cache_holds_the_batch(tmp_path, monkeypatch):
+    reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch)
+    monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 10.0)  # every hint counts as quick
+    r.will_read(["k1", "k5"])
+    assert len(calls) == 4
+    calls.clear()
+    r.will_read(["k2", "k6"])
+    assert calls == []
+    r.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
+def test_hints_never_fail_and_stay_bounded(tmp_path, monkeypatch):
+    reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch)
+    monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 0.0)
+    monkeypatch.setattr(reader_mod, "_WARM_HINT_BYTES_PER_S", float("inf"))
+    monkeypatch.setattr(reader_mod, "_MAX_HINTED", 3)
+    r.will_read(["k1", "no such entry"])  # the read reports unknown keys, not the hint
+    assert calls == []
+    for i in range(7):  # hinted batches that are never read (an abandoned iteration) are forgotten
+        r.will_read([f"k{i}", f"k{(i + 4) % 8}"])
+    assert len(calls) == 7 * 4 and len(r._files._hinted) <= 3
+    with pytest.raises(KeyError, match="no such entry"):
+        r.read(["k1", "no such entry"])
+    r.close()
+    calls.clear()
+    r.will_read(["k1", "k5"])  # closed: files are no longer kept, nothing to hint
+    assert calls == []
+    assert [float(v[0][0]) for v in r.read(["k1", "k5"])] == [1.0, 5.0]
+
+
 @pytest.mark.skipif(os.name != "posix", reason="POSIX readahead hints")
 def test_a_refused_hint_does_not_fail_the_read(tmp_path, monkeypatch):
     from dataset_cache.format import reader as reader_mod
