@@ -128,6 +128,11 @@ def _open_once(root: str | os.PathLike, verify: bool, strict: bool) -> CacheRead
         return CacheReader(state, shards, verify=verify, problems=problems)
 
 
+_Plan = tuple[list[tuple[int, int, int]], list[tuple[int, int, Column]],
+              list[tuple[int, Column, list[tuple[int, int, int]]]], list[list[int]], int]
+"""A planned batch read: ``(order, placed, groups, ranges, total)``, see ``CacheReader._plan``."""
+
+
 class CacheReader:
     """A read-only snapshot of a cache (the state when it was opened).
 
@@ -147,6 +152,7 @@ class CacheReader:
         self._verify = verify
         self._problems = list(problems or [])
         self._files = _ShardFiles(shards)
+        self._hinted_plans: dict[tuple[str, ...], tuple[Any, Any, _Plan]] = {}  # will_read's, until read
         self._finalizer = weakref.finalize(self, self._files.close)  # a reader dropped without close()
         self._index: dict[str, tuple[int, int]] = {}
         for s, sh in enumerate(shards):
@@ -203,8 +209,13 @@ class CacheReader:
             KeyError: a key is not in the cache.
             CacheCorruptError: a shard is missing or truncated, or a checksum does not match (nothing is returned).
         """
-        templates, rows = self._rows_of(keys)
-        tensors = self._read_rows(rows, None, pin_memory, out, keys)
+        hinted = self._hinted_plans.pop(tuple(keys), None) if self._hinted_plans else None
+        if hinted is not None:  # planned by will_read: the snapshot has not changed since
+            templates, rows, plan = hinted
+        else:
+            templates, rows = self._rows_of(keys)
+            plan = None
+        tensors = self._read_rows(rows, None, pin_memory, out, keys, plan)
         values, at = [], 0
         fill = skeleton.fill
         for template, n in templates:
@@ -222,15 +233,19 @@ class CacheReader:
         samples came 36% faster on one thread here (9.8 → 6.3 ms). It does nothing while the page cache serves
         the reads (the hints would only add syscalls), after :meth:`close`, and where ``posix_fadvise`` does not
         exist (Windows, macOS). A hint never fails: an unknown key or a damaged entry is reported by the read.
+        The read of exactly these keys reuses the hint's plan (~0.5 ms of Python for 32 SD1.5 samples here).
         """
         if not self._files.cold:
             return
         try:
-            _templates, rows = self._rows_of(keys)
-            ranges = self._plan(rows, keys)[3]
+            templates, rows = self._rows_of(keys)
+            plan = self._plan(rows, keys)
         except (KeyError, CacheError, skeleton.SkeletonError):
             return
-        self._files.hint(ranges)
+        if len(self._hinted_plans) >= _MAX_HINTED:  # hinted batches that were never read (an abandoned iteration)
+            self._hinted_plans.clear()
+        self._hinted_plans[tuple(keys)] = (templates, rows, plan)  # the read reuses it: planning is ~0.5 ms a batch
+        self._files.hint(plan[3])
 
     def _rows_of(self, keys: Sequence[str]) -> tuple[list[tuple[Any, int]], list[tuple[int, int, int]]]:
         """Each entry's template and reference count, and all their ``(shard, column, row)`` in key order."""
@@ -265,7 +280,7 @@ class CacheReader:
         return self._read_rows([(r.shard, r.column, r.row) for r in locs], [r.entry for r in locs], False, None)
 
     def _read_rows(self, rows: Sequence[tuple[int, int, int]], owners: Sequence[str] | None, pin_memory: bool,
-                   out: ReadBuffer | None, keys: Sequence[str] = ()) -> list[torch.Tensor]:
+                   out: ReadBuffer | None, keys: Sequence[str] = (), plan: _Plan | None = None) -> list[torch.Tensor]:
         """Read ``rows`` (``(shard, column, row)``, duplicates allowed) and return one tensor view per row.
 
         ``owners`` names the entry of each row for error messages; when ``None``, they are looked up among
@@ -276,7 +291,7 @@ class CacheReader:
         a loader can use without stacking them again. This path is the loader's inner loop, so it keeps Python
         work per row to a few operations.
         """
-        order, placed, groups, ranges, total = self._plan(rows, keys)
+        order, placed, groups, ranges, total = plan or self._plan(rows, keys)
         buf = (out or ReadBuffer(pin_memory=pin_memory)).ensure(total)
         mv = memoryview(buf.numpy()) if total else memoryview(bytearray(0))
         self._files.read(ranges, mv)
@@ -291,9 +306,7 @@ class CacheReader:
             views.update(zip(members, stacked.view(len(members), *col.row_shape).unbind(0)))
         return [views[key] for key in rows]
 
-    def _plan(self, rows: Sequence[tuple[int, int, int]], keys: Sequence[str]) -> tuple[
-            list[tuple[int, int, int]], list[tuple[int, int, Column]],
-            list[tuple[int, Column, list[tuple[int, int, int]]]], list[list[int]], int]:
+    def _plan(self, rows: Sequence[tuple[int, int, int]], keys: Sequence[str]) -> _Plan:
         """Where each unique row goes in the buffer and which positional reads fill it.
 
         Returns ``(order, placed, groups, ranges, total)``: the unique rows in buffer order, each one's ``(buffer

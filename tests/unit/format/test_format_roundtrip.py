@@ -425,6 +425,27 @@ def test_a_hinted_batch_is_announced_once_and_its_quick_read_keeps_the_hints_on(
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
+def test_the_read_of_a_hinted_batch_reuses_the_hints_plan(tmp_path, monkeypatch):
+    reader_mod, r, _calls = _hint_cache(tmp_path, monkeypatch)
+    monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 0.0)
+    monkeypatch.setattr(reader_mod, "_WARM_HINT_BYTES_PER_S", float("inf"))
+    planned = []
+    real_plan = reader_mod.CacheReader._plan
+    monkeypatch.setattr(reader_mod.CacheReader, "_plan", lambda self, rows, keys: (planned.append(tuple(keys)),
+                                                                                   real_plan(self, rows, keys))[1])
+    r.will_read(["k5", "k1", "k5"])
+    assert planned == [("k5", "k1", "k5")]
+    a, b, c = r.read(["k5", "k1", "k5"])  # planned once, by the hint
+    assert planned == [("k5", "k1", "k5")]
+    assert torch.equal(a[0], torch.full((20000,), 5.0)) and torch.equal(b[0], torch.full((20000,), 1.0))
+    assert torch.equal(c[0], a[0])
+    r.read(["k5", "k1", "k5"])  # a hint serves one read
+    r.read(["k1", "k5"])  # other keys: planned by the read
+    assert planned == [("k5", "k1", "k5")] * 2 + [("k1", "k5")]
+    r.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
 def test_a_quick_hint_means_the_page_cache_holds_the_batch(tmp_path, monkeypatch):
     reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch)
     monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 10.0)  # every hint counts as quick
@@ -446,7 +467,7 @@ def test_hints_never_fail_and_stay_bounded(tmp_path, monkeypatch):
     assert calls == []
     for i in range(7):  # hinted batches that are never read (an abandoned iteration) are forgotten
         r.will_read([f"k{i}", f"k{(i + 4) % 8}"])
-    assert len(calls) == 7 * 4 and len(r._files._hinted) <= 3
+    assert len(calls) == 7 * 4 and len(r._files._hinted) <= 3 and len(r._hinted_plans) <= 3
     with pytest.raises(KeyError, match="no such entry"):
         r.read(["k1", "no such entry"])
     r.close()
