@@ -545,7 +545,22 @@ def _calibrate_matmul(target_s: float) -> Callable[[], None]:
     return lambda: once(k)
 
 
-LOADER_CONFIGS = ((0, 0), (2, 1), (2, 2))  # (prefetch batches, loader threads); (0, 0): reads inside next()
+LOADER_CONFIGS = ((0, 0, False), (2, 1, True), (2, 1, False), (2, 2, True))
+"""(prefetch batches, loader threads, read hints); (0, 0, _): reads inside next(); hints off: the A/B of the
+worker hinting the next batch's reads (``CacheReader.will_read``)."""
+
+
+class _WithoutHints:
+    """The reader without ``will_read``: what the loader does with a reader that cannot hint."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+
+    def read(self, keys: Any, **kwargs: Any) -> Any:
+        return self._reader.read(keys, **kwargs)
+
+    def get(self, key: str) -> Any:
+        return self._reader.get(key)
 
 
 def prefetch_bench(root: Path, runs: int, batches: int, batch_size: int) -> tuple[float, list[tuple]]:
@@ -557,7 +572,7 @@ def prefetch_bench(root: Path, runs: int, batches: int, batch_size: int) -> tupl
       (goal at ≥ 1×: < 5% of the serial read time) and its throughput against the standalone rate of the same
       setting (goal at 0.5×, reads slower than steps: ≥ 90%).
 
-    Returns ``(serial read s, rows)`` with rows ``(kind, factor, step_s, depth, threads, s_per_batch[],
+    Returns ``(serial read s, rows)`` with rows ``(kind, factor, step_s, depth, threads, hints, s_per_batch[],
     wait_s_per_batch[], standalone_s_per_batch)``; ``kind`` ``"none"`` rows are the standalone runs.
     """
     import torch
@@ -584,12 +599,13 @@ def prefetch_bench(root: Path, runs: int, batches: int, batch_size: int) -> tupl
                 reads.append(time.perf_counter() - t)
         read_s = med(reads)
 
-        def measure(depth: int, threads: int, step: Callable[[], None] | None) -> tuple[list[float], list[float]]:
+        def measure(depth: int, threads: int, hints: bool,
+                    step: Callable[[], None] | None) -> tuple[list[float], list[float]]:
             per, waits = [], []
             for _ in range(runs):
                 evict(root)
-                with PrefetchLoader(reader, sampler, prefetch_batches=depth, threads=threads or None,
-                                    epochs=None) as loader:
+                with PrefetchLoader(reader if hints else _WithoutHints(reader), sampler, prefetch_batches=depth,
+                                    threads=threads or None, epochs=None) as loader:
                     it = iter(loader)
                     next(it)  # the first batch is never hidden: leave it out of the steady figure
                     wait = 0.0
@@ -604,18 +620,20 @@ def prefetch_bench(root: Path, runs: int, batches: int, batch_size: int) -> tupl
                     waits.append(wait / batches)
             return per, waits
 
-        steps = {}
-        for kind in ("matmul", "sleep"):
-            for factor in (0.5, 1.0, 2.0):
-                step_s = factor * read_s
-                steps[kind, factor] = (step_s, _calibrate_matmul(step_s) if kind == "matmul"
-                                       else (lambda s=step_s: time.sleep(s)))
-        for depth, threads in LOADER_CONFIGS:
-            alone, _ = measure(depth, threads, None)
-            rows.append(("none", 0.0, 0.0, depth, threads, alone, [0.0] * len(alone), med(alone)))
-            for (kind, factor), (step_s, step) in steps.items():
-                per, waits = measure(depth, threads, step)
-                rows.append((kind, factor, step_s, depth, threads, per, waits, med(alone)))
+        def make_step(kind: str, step_s: float) -> Callable[[], None]:
+            return _calibrate_matmul(step_s) if kind == "matmul" else (lambda: time.sleep(step_s))
+
+        for depth, threads, hints in LOADER_CONFIGS:
+            alone, _ = measure(depth, threads, hints, None)
+            rows.append(("none", 0.0, 0.0, depth, threads, hints, alone, [0.0] * len(alone), med(alone)))
+            for kind in ("matmul", "sleep"):
+                for factor in (0.5, 1.0, 2.0):
+                    # Reads slower than steps: half the loader's own standalone time in this setting (a loader
+                    # faster than the serial read would otherwise face a step as long as its reads). Steps at
+                    # least as long as a read: multiples of the serial read.
+                    step_s = factor * (med(alone) if factor < 1 else read_s)
+                    per, waits = measure(depth, threads, hints, make_step(kind, step_s))
+                    rows.append((kind, factor, step_s, depth, threads, hints, per, waits, med(alone)))
     return read_s, rows
 
 
@@ -885,19 +903,22 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - one linear script
         "cache's page cache dropped before every run (each read waits for the disk, as with a dataset larger than "
         f"RAM). *Serial read*: one thread reads a batch (`CacheReader.read` + `torch.cat` of the latents), no "
         f"loader: {read_s * 1e3:.2f} ms (median). *Standalone*: the loader with the same setting iterated with no "
-        "step (its own best rate). The consumer then runs a simulated step of 0.5×/1×/2× the serial read time: a "
-        "torch matmul loop on one thread (releases the GIL, competes for the CPU like a CPU training step) or a "
+        "step (its own best rate). The consumer then runs a simulated step of 1×/2× the serial read time, or of "
+        "0.5× the standalone time of the same setting (reads slower than steps): a torch matmul loop on one thread (releases the GIL, competes for the CPU like a CPU training step) or a "
         "`time.sleep` (like a GPU step: the CPU is free). *Wait* = the consumer's time in `next()` per batch, "
         "first batch excluded. Goals (issue #5): with a step at least as long as a read (≥ 1×), the wait is under "
-        "5% of the serial read time; with reads slower than steps (0.5×), the throughput is at least 90% of the "
-        "loader's standalone rate. Prefetch off = the read runs inside `next()` (the reference). This machine has "
-        "2 CPUs, so a second loader thread competes with a matmul step for a core.",
+        "5% of the serial read time; with reads slower than steps (0.5× standalone), the throughput is at least 90% of the "
+        "loader's standalone rate. Prefetch off = the read runs inside `next()` (the reference). *Hints*: a "
+        "worker starting a batch first asks the kernel for the next batch's rows (`CacheReader.will_read`, "
+        "`posix_fadvise(WILLNEED)` while reads come from the disk), so two batches are in flight on the disk; "
+        "*off* = the same loader over a reader without `will_read` (the A/B). This machine has 2 CPUs, so a "
+        "second loader thread competes with a matmul step for a core.",
         "",
-        "| step | step / read | step ms | prefetch | threads | ms per batch | wait ms per batch | wait / serial read "
-        "| throughput / standalone | goal |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| step | step length | step ms | prefetch | threads | hints | ms per batch | wait ms per batch "
+        "| wait / serial read | throughput / standalone | goal |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
     ]
-    for kind, factor, step_s, depth, threads, per, waits, alone in prows:
+    for kind, factor, step_s, depth, threads, hints, per, waits, alone in prows:
         goal = ""
         wait_frac = [w / read_s for w in waits]
         rate = [alone / x for x in per]
@@ -906,9 +927,10 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - one linear script
         elif depth >= 1 and kind != "none":
             goal = "met" if med(rate) >= 0.90 else "NOT met"
         alone_row = kind == "none"
-        out.append(f"| {'none (standalone)' if alone_row else kind} | {'—' if alone_row else f'{factor:g}×'} "
+        out.append(f"| {'none (standalone)' if alone_row else kind} | {'—' if alone_row else f'{factor:g}× ' + ('standalone' if factor < 1 else 'serial read')} "
                    f"| {'—' if alone_row else f'{step_s * 1e3:.2f}'} | {depth if depth else 'off'} "
-                   f"| {threads if depth else '—'} | {stat(per, 1e3, '.2f')} "
+                   f"| {threads if depth else '—'} | {('on' if hints else 'off') if depth else '—'} "
+                   f"| {stat(per, 1e3, '.2f')} "
                    f"| {'—' if alone_row else stat(waits, 1e3, '.2f')} "
                    f"| {'—' if alone_row else stat(wait_frac, 100) + '%'} "
                    f"| {stat(rate, 100, '.0f') + '%' if factor == 0.5 else '—'} | {goal} |")
