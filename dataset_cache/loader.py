@@ -17,6 +17,11 @@ How it works:
   out; and reading into a kept buffer spares the page faults of a fresh one, ~11% of a warm 32-sample batch on a
   worker thread here). CUDA target: the batches live on the device; the host holds one reused pinned buffer per
   worker thread (``threads <= prefetch_batches``; pinning is expensive, so it is done once).
+* A worker starting a job first hints the next job's reads to the reader (``will_read``; the plans are drawn one
+  ahead, so every job knows its successor). While reads come from the disk, the kernel then fetches batch N+1
+  while batch N is read: two batches in flight instead of one. One thread's cold reads of 32 SD1.5 samples went
+  from 9.4 to 6.9 ms a batch in the L4 benchmark here, faster than a serial read (10.2 ms), so a step as long as a
+  read no longer waits. From the page cache the reader ignores the hints.
 * CUDA target: host-to-device copies run on ONE side stream created with the loader (a fresh stream per epoch
   strands the caching allocator's blocks, timm PR #2784). Before copying, the side stream waits on an event of the
   consumer's stream taken when the job was submitted; before a pinned buffer is refilled, the worker waits for the
