@@ -145,7 +145,7 @@ class _Job:
     error: BaseException | None = None
     read_s: float = 0.0
     started: bool = False
-    successor: _Job | None = None  # the job submitted after this one: its reads are hinted when this one starts
+    successor: _Job | None = None  # the next job in batch order (drawn before it is submitted): hinted at our start
 
 
 def _entry_keys(plan: BatchPlan) -> list[str]:

@@ -510,9 +510,10 @@ class _ShardFiles:
             self._active += 1
         try:
             fds = self._fds
-            hinted = _hint_key(ranges) in self._hinted
+            key = _hint_key(ranges)
+            hinted = key in self._hinted
             if hinted:
-                self._hinted.discard(_hint_key(ranges))
+                self._hinted.discard(key)
             elif self._advise and len(ranges) > 1:
                 self.announce(ranges)
             t0 = time.perf_counter()
