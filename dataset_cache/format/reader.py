@@ -209,7 +209,8 @@ class CacheReader:
             KeyError: a key is not in the cache.
             CacheCorruptError: a shard is missing or truncated, or a checksum does not match (nothing is returned).
         """
-        hinted = self._hinted_plans.pop(tuple(keys), None) if self._hinted_plans else None
+        keys = tuple(keys)  # iterated more than once below (a generator would be spent by the first pass)
+        hinted = self._hinted_plans.pop(keys, None) if self._hinted_plans else None
         if hinted is not None:  # planned by will_read: the snapshot has not changed since
             templates, rows, plan = hinted
         else:
@@ -237,6 +238,7 @@ class CacheReader:
         """
         if not self._files.cold:
             return
+        keys = tuple(keys)
         try:
             templates, rows = self._rows_of(keys)
             plan = self._plan(rows, keys)
@@ -244,7 +246,7 @@ class CacheReader:
             return
         if len(self._hinted_plans) >= _MAX_HINTED:  # hinted batches that were never read (an abandoned iteration)
             self._hinted_plans.clear()
-        self._hinted_plans[tuple(keys)] = (templates, rows, plan)  # the read reuses it: planning is ~0.5 ms a batch
+        self._hinted_plans[keys] = (templates, rows, plan)  # the read reuses it: planning is ~0.5 ms a batch
         self._files.hint(plan[3])
 
     def _rows_of(self, keys: Sequence[str]) -> tuple[list[tuple[Any, int]], list[tuple[int, int, int]]]:

@@ -439,9 +439,13 @@ def test_the_read_of_a_hinted_batch_reuses_the_hints_plan(tmp_path, monkeypatch)
     assert planned == [("k5", "k1", "k5")]
     assert torch.equal(a[0], torch.full((20000,), 5.0)) and torch.equal(b[0], torch.full((20000,), 1.0))
     assert torch.equal(c[0], a[0])
+    r.will_read(k for k in ["k2", "k6"])  # any iterable of keys, for the hint as for the read
+    assert [float(v[0][0]) for v in r.read(k for k in ["k2", "k6"])] == [2.0, 6.0]
+    assert r.read([]) == [] and r.read(k for k in []) == []
+    planned.clear()
     r.read(["k5", "k1", "k5"])  # a hint serves one read
     r.read(["k1", "k5"])  # other keys: planned by the read
-    assert planned == [("k5", "k1", "k5")] * 2 + [("k1", "k5")]
+    assert planned == [("k5", "k1", "k5"), ("k1", "k5")]
     r.close()
 
 
