@@ -559,9 +559,6 @@ class _WithoutHints:
     def read(self, keys: Any, **kwargs: Any) -> Any:
         return self._reader.read(keys, **kwargs)
 
-    def get(self, key: str) -> Any:
-        return self._reader.get(key)
-
 
 def prefetch_bench(root: Path, runs: int, batches: int, batch_size: int) -> tuple[float, list[tuple]]:
     """Issue #5's two overlap figures for a few loader settings, page cache dropped before every run.

@@ -45,7 +45,7 @@ _CAN_ADVISE = _KEEP_FILES_OPEN and hasattr(os, "posix_fadvise")
 _COLD_BYTES_PER_S = 2e9  # a batch slower than this came (partly) from the disk: announce the next one's ranges
 _WARM_HINT_S_PER_RANGE = 4e-6  # a hint quicker than this per range plus per byte found its pages in the page cache:
 _WARM_HINT_BYTES_PER_S = 10e9  # ~2 µs a range and ~20 GB/s measured warm here, 20-30 µs a range cold
-_MAX_HINTED = 64  # hinted reads remembered at once (a loader has a few batches in flight)
+_MAX_HINTED = 64  # hinted batches remembered at once (a loader has a few batches in flight)
 _MAX_KEPT_FILES = 512  # beyond this many shards, the rest are opened per read (stays far below ulimit -n)
 
 
@@ -296,7 +296,7 @@ class CacheReader:
         order, placed, groups, ranges, total = plan or self._plan(rows, keys)
         buf = (out or ReadBuffer(pin_memory=pin_memory)).ensure(total)
         mv = memoryview(buf.numpy()) if total else memoryview(bytearray(0))
-        self._files.read(ranges, mv)
+        self._files.read(ranges, mv, hinted=plan is not None)  # a plan given here came from will_read
         if self._verify:
             bad = [i for i, (a, r, col) in enumerate(placed)
                    if checksum64(mv[a:a + col.row_nbytes]) != col.checksums[16 * r:16 * r + 16]]
@@ -496,15 +496,17 @@ class _ShardFiles:
         self._keep = _KEEP_FILES_OPEN
         self._active = 0
         self._advise = _CAN_ADVISE  # start as if cold; the first fast batch turns the hints off
-        self._hinted: set[tuple[int, int, int]] = set()  # first range + range count of reads hinted, not yet read
 
     @property
     def cold(self) -> bool:
         """Whether reads are announced: the last batch read came from the disk, and the files are kept open."""
         return self._advise and self._keep
 
-    def read(self, ranges: Sequence[tuple[int, int, int, int]], mv: memoryview) -> None:
-        """Fill ``mv[pos:pos + end - begin]`` from shard ``s``'s bytes ``[begin, end)`` for each range."""
+    def read(self, ranges: Sequence[tuple[int, int, int, int]], mv: memoryview, *, hinted: bool = False) -> None:
+        """Fill ``mv[pos:pos + end - begin]`` from shard ``s``'s bytes ``[begin, end)`` for each range.
+
+        ``hinted``: these ranges were announced by :meth:`hint` already (not again, and a fast read proves nothing).
+        """
         if not self._keep:
             self._read_transient(ranges, mv)
             return
@@ -512,11 +514,7 @@ class _ShardFiles:
             self._active += 1
         try:
             fds = self._fds
-            key = _hint_key(ranges)
-            hinted = key in self._hinted
-            if hinted:
-                self._hinted.discard(key)
-            elif self._advise and len(ranges) > 1:
+            if not hinted and self._advise and len(ranges) > 1:
                 self.announce(ranges)
             t0 = time.perf_counter()
             for s, begin, end, pos in ranges:
@@ -547,9 +545,6 @@ class _ShardFiles:
         t0 = time.perf_counter()
         self.announce(ranges)
         seconds = time.perf_counter() - t0
-        if len(self._hinted) >= _MAX_HINTED:  # hinted reads that never came (an abandoned iteration)
-            self._hinted.clear()
-        self._hinted.add(_hint_key(ranges))
         nbytes = sum(e - b for _, b, e, _ in ranges)
         if len(ranges) > 1 and seconds < len(ranges) * _WARM_HINT_S_PER_RANGE + nbytes / _WARM_HINT_BYTES_PER_S:
             self._advise = False
@@ -601,11 +596,6 @@ class _ShardFiles:
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
-
-
-def _hint_key(ranges: Sequence[Sequence[int]]) -> tuple[int, int, int]:
-    """What identifies a planned read between its hint and the read itself: its first range and range count."""
-    return (ranges[0][0], ranges[0][1], len(ranges)) if ranges else (-1, -1, 0)
 
 
 def _open_checked(sh: ShardIndex) -> int:

@@ -384,9 +384,16 @@ def test_ranges_are_announced_to_the_kernel_only_while_batches_come_slowly(tmp_p
     r.close()
 
 
-def _hint_cache(tmp_path, monkeypatch):
-    """A cache whose rows lie apart, and a record of the readahead hints the reader gives."""
+def _hint_cache(tmp_path, monkeypatch, *, quick_hints: bool):
+    """A cache whose rows lie apart, and a record of the readahead hints the reader gives. ``quick_hints``: every
+    hint counts as quick (its pages in the page cache), or none does."""
     from dataset_cache.format import reader as reader_mod
+
+    if quick_hints:
+        monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 10.0)
+    else:
+        monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 0.0)
+        monkeypatch.setattr(reader_mod, "_WARM_HINT_BYTES_PER_S", float("inf"))
 
     with CacheWriter(tmp_path) as w:
         for i in range(8):
@@ -400,10 +407,8 @@ def _hint_cache(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
 def test_a_hinted_batch_is_announced_once_and_its_quick_read_keeps_the_hints_on(tmp_path, monkeypatch):
-    reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch)
-    monkeypatch.setattr(reader_mod, "_COLD_BYTES_PER_S", 0.0)  # every read counts as fast
-    monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 0.0)  # and no hint as quick (pages not cached)
-    monkeypatch.setattr(reader_mod, "_WARM_HINT_BYTES_PER_S", float("inf"))
+    reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch, quick_hints=False)  # no hint counts as quick
+    monkeypatch.setattr(reader_mod, "_COLD_BYTES_PER_S", 0.0)  # and every read as fast
     keys = ["k1", "k5"]
     r.will_read(keys)  # a new reader starts as if cold
     assert len(calls) == 4 and {a for *_, a in calls} == {os.POSIX_FADV_WILLNEED}  # 2 entries x 2 rows
@@ -426,9 +431,7 @@ def test_a_hinted_batch_is_announced_once_and_its_quick_read_keeps_the_hints_on(
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
 def test_the_read_of_a_hinted_batch_reuses_the_hints_plan(tmp_path, monkeypatch):
-    reader_mod, r, _calls = _hint_cache(tmp_path, monkeypatch)
-    monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 0.0)
-    monkeypatch.setattr(reader_mod, "_WARM_HINT_BYTES_PER_S", float("inf"))
+    reader_mod, r, _calls = _hint_cache(tmp_path, monkeypatch, quick_hints=False)
     planned = []
     real_plan = reader_mod.CacheReader._plan
     monkeypatch.setattr(reader_mod.CacheReader, "_plan", lambda self, rows, keys: (planned.append(tuple(keys)),
@@ -451,8 +454,7 @@ def test_the_read_of_a_hinted_batch_reuses_the_hints_plan(tmp_path, monkeypatch)
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
 def test_a_quick_hint_means_the_page_cache_holds_the_batch(tmp_path, monkeypatch):
-    reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch)
-    monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 10.0)  # every hint counts as quick
+    _reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch, quick_hints=True)
     r.will_read(["k1", "k5"])
     assert len(calls) == 4
     calls.clear()
@@ -463,15 +465,13 @@ def test_a_quick_hint_means_the_page_cache_holds_the_batch(tmp_path, monkeypatch
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
 def test_hints_never_fail_and_stay_bounded(tmp_path, monkeypatch):
-    reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch)
-    monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 0.0)
-    monkeypatch.setattr(reader_mod, "_WARM_HINT_BYTES_PER_S", float("inf"))
+    reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch, quick_hints=False)
     monkeypatch.setattr(reader_mod, "_MAX_HINTED", 3)
     r.will_read(["k1", "no such entry"])  # the read reports unknown keys, not the hint
     assert calls == []
     for i in range(7):  # hinted batches that are never read (an abandoned iteration) are forgotten
         r.will_read([f"k{i}", f"k{(i + 4) % 8}"])
-    assert len(calls) == 7 * 4 and len(r._files._hinted) <= 3 and len(r._hinted_plans) <= 3
+    assert len(calls) == 7 * 4 and len(r._hinted_plans) <= 3
     with pytest.raises(KeyError, match="no such entry"):
         r.read(["k1", "no such entry"])
     r.close()
