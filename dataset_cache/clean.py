@@ -14,13 +14,18 @@ module is the one place that reclaims that space, under two rules:
 Orphan files are files the cache's state does not name: shard and dataset files written by a run that was killed
 before it committed, replaced dataset files, old journals, temp files (``*.tmp``) of interrupted writes, and
 sources records (``sources/``) of datasets the cache no longer has (deleting one costs a re-hash, never a
-re-encode). Lock files are kept.
+re-encode). Only regular files whose names follow the cache's own patterns are ever orphans: a link, a folder or
+a file of any other name is left alone, and so is ``damaged/`` (docs/FORMAT.md). Lock files are kept.
+
+Damage is never removed silently: a shard that cannot be read is listed and kept, and damaged entries are dropped
+only by ``clean(..., repair=True)``, which moves the damaged shard files to ``damaged/``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from .encode_plan import SOURCES_DIR, sources_record_path
-from .errors import CacheCorruptError, CacheError
-from .format.manifest import JOURNAL_RE, MANIFEST
+from .errors import CacheCorruptError, CacheError, CacheUnreadableError
+from .format.layout import DATASET_FILE_RE, MANIFEST, SHARD_FILE_RE, TEMP_FILE_RE
+from .format.manifest import JOURNAL_RE
 from .format.reader import CacheReader, open_cache
 from .format.writer import CacheWriter, CompactReport
 from .lock import READ_LOCK, WRITE_LOCK, CacheLock
@@ -44,6 +50,7 @@ LOW_FILL = 0.5
 threshold compaction uses for shard size: rewriting a half-dead shard at most doubles its I/O once)."""
 
 _KEEP_NAMES = frozenset({MANIFEST, WRITE_LOCK, READ_LOCK})
+_SOURCES_RECORD_RE = re.compile(SOURCES_DIR + r"/[A-Za-z0-9._-]{1,48}-[0-9a-f]{16}\.json")
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,8 @@ class CleanPreview:
         shard_bytes: total size of the shard files.
         orphan_files: files the cache does not name (relative paths).
         orphan_bytes: their total size.
-        damaged: shards that cannot be opened (compaction drops them; ``verify`` tells more).
+        damaged: shards that are damaged (kept unless cleaned with ``repair``; ``verify`` tells more).
+        unreadable: shards that cannot be read for now (permissions, I/O, a link): never dropped.
     """
 
     root: str
@@ -105,6 +113,7 @@ class CleanPreview:
     orphan_files: tuple[str, ...]
     orphan_bytes: int
     damaged: tuple[str, ...] = ()
+    unreadable: tuple[str, ...] = ()
 
     @property
     def reclaimable_bytes(self) -> int:
@@ -121,7 +130,11 @@ class CleanPreview:
             f"{len(self.orphan_files)} orphan file(s) ({format_bytes(self.orphan_bytes)})",
         ]
         if self.damaged:
-            lines.append(f"{len(self.damaged)} damaged shard(s) will be dropped; first: {self.damaged[0]}")
+            lines.append(f"{len(self.damaged)} damaged shard(s), kept as they are unless you clean with repair "
+                         f"on; first: {self.damaged[0]}")
+        if self.unreadable:
+            lines.append(f"{len(self.unreadable)} shard(s) could not be read and are left untouched; first: "
+                         f"{self.unreadable[0]}")
         return "\n".join(lines)
 
 
@@ -151,8 +164,10 @@ class CleanReport:
         """The preview plus what was done."""
         if self.dry_run:
             return self.preview.summary() + "\ndry run: nothing was changed"
-        return (self.preview.summary() + f"\nremoved {self.entries_removed} entries and {self.files_deleted} "
+        text = (self.preview.summary() + f"\nremoved {self.entries_removed} entries and {self.files_deleted} "
                 f"file(s), freed {format_bytes(self.bytes_freed)} ({self.seconds:.2f}s)")
+        findings = self.compaction.findings() if self.compaction is not None else ""
+        return text + (f"\n{findings}" if findings else "")
 
 
 class _Bytes(int):
@@ -175,6 +190,9 @@ def _referenced(reader: CacheReader) -> set[str]:
     for name in reader.datasets():
         try:
             samples = reader.dataset(name)
+        except CacheUnreadableError as exc:
+            raise CacheUnreadableError(exc.path, f"{exc.reason}; what dataset {name!r} references is unknown, so "
+                                       "nothing was cleaned", errno=exc.errno) from exc
         except CacheError as exc:
             raise CacheCorruptError(str(reader.root), f"dataset {name!r} cannot be read ({exc}), so what it "
                                     "references is unknown; nothing was cleaned. Re-encode or remove that dataset "
@@ -214,18 +232,11 @@ def _orphans(root: Path, reader: CacheReader) -> list[Path]:
     out: list[Path] = []
     for p in _files(root):
         rel = p.relative_to(root).as_posix()
-        top = rel.split("/", 1)[0]
-        if rel in _KEEP_NAMES or rel in named:
+        if rel in _KEEP_NAMES or rel in named or rel in records:
             continue
-        if p.name.endswith(".tmp"):
-            out.append(p)
-        elif top in ("shards", "datasets"):
-            out.append(p)
-        elif top == SOURCES_DIR:
-            if rel not in records:
-                out.append(p)
-        elif JOURNAL_RE.fullmatch(rel):
-            out.append(p)
+        if (TEMP_FILE_RE.fullmatch(p.name) or SHARD_FILE_RE.fullmatch(rel) or DATASET_FILE_RE.fullmatch(rel)
+                or _SOURCES_RECORD_RE.fullmatch(rel) or JOURNAL_RE.fullmatch(rel)):
+            out.append(p)  # only files of the cache's own name patterns; anything else is not ours to delete
     return out
 
 
@@ -277,16 +288,19 @@ def preview_clean(cache_root: str | os.PathLike[str]) -> CleanPreview:
             low_fill_shards=tuple(f for f in fills if f.live_fraction < LOW_FILL), shards=len(fills),
             shard_bytes=sum(f.bytes for f in fills),
             orphan_files=tuple(p.relative_to(root).as_posix() for p in orphans), orphan_bytes=orphan_bytes,
-            damaged=tuple(str(p) for p in reader.problems),
+            damaged=tuple(str(p) for p in reader.problems if not isinstance(p, CacheUnreadableError)),
+            unreadable=tuple(str(p) for p in reader.problems if isinstance(p, CacheUnreadableError)),
         )
 
 
-def clean(cache_root: str | os.PathLike[str], *, dry_run: bool = True) -> CleanReport:
+def clean(cache_root: str | os.PathLike[str], *, dry_run: bool = True, repair: bool = False) -> CleanReport:
     """Remove unreferenced entries, compact underfull shards and delete orphan files.
 
     Args:
         cache_root: the cache directory.
         dry_run: only compute the preview (the default, so a bare call never deletes anything).
+        repair: also verify every shard and drop damaged entries, moving their shard files to ``damaged/``
+            (without it, damaged shards are kept as they are). Files that cannot be read are never dropped.
 
     Raises:
         CacheLockedError: another process encodes into or reads the cache; nothing was changed.
@@ -310,7 +324,7 @@ def clean(cache_root: str | os.PathLike[str], *, dry_run: bool = True) -> CleanR
             entries_before = len(reader)
         writer = CacheWriter(root, create=False)
         try:
-            compaction = writer.compact(keep=live)
+            compaction = writer.compact(keep=live, repair=repair)
         finally:
             writer.close()
         deleted = compaction.files_deleted

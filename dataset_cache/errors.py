@@ -14,6 +14,8 @@ __all__ = [
     "CacheFormatError",
     "CacheNotFoundError",
     "CacheLockedError",
+    "CacheUnreadableError",
+    "CacheLinkError",
     "UnstorableValueError",
     "MaterializeRequired",
     "SourceError",
@@ -54,6 +56,48 @@ class CacheNotFoundError(CacheError, FileNotFoundError):
 
 class CacheLockedError(CacheError, RuntimeError):
     """Another process holds the cache's lock for longer than we were willing to wait."""
+
+
+class CacheUnreadableError(CacheError, OSError):
+    """A cache file could not be opened or read because of its environment, not its bytes.
+
+    Permission denied, too many open files, an I/O error or a link are not damage: the file may be perfectly
+    healthy once the cause is gone, so nothing that raises this is ever dropped or deleted by compaction or
+    repair.
+
+    Attributes:
+        path: the file at fault.
+        entry: the entry key involved, when known.
+        reason: what went wrong, in words.
+        errno: the operating system's error number, when there was one.
+    """
+
+    def __init__(self, path: str, reason: str, *, entry: str | None = None, errno: int | None = None) -> None:
+        self.path = str(path)
+        self.entry = entry
+        self.reason = reason
+        where = f"{self.path}" + (f" (entry {entry})" if entry else "")
+        super().__init__(f"{where}: {reason}. The file was left as it is; fix the cause (permissions, open-file "
+                         "limit, disk) and retry")
+        self.errno = errno
+
+
+class CacheLinkError(CacheUnreadableError):
+    """A part of a cache (or of a source folder) is a symbolic link, which StreamCache never follows.
+
+    Caches are copied between machines; a link inside one could make a writer delete or overwrite files
+    outside the cache, or a reader read them.
+    """
+
+    def __init__(self, path: str) -> None:
+        CacheError.__init__(self)
+        self.path = str(path)
+        self.entry = None
+        self.errno = None
+        self.reason = "is a symbolic link"
+        self.args = (f"{self.path} is a symbolic link. StreamCache never follows a link inside a cache (it could "
+                     "make a write or a clean reach files outside the cache). Replace the link by a copy of what "
+                     "it points to (e.g. `cp -rL` or `rsync -L` when copying a cache), then retry",)
 
 
 class UnstorableValueError(CacheError, TypeError):

@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from .errors import CacheLockedError
+from .errors import CacheLinkError, CacheLockedError
+from .format.layout import NOFOLLOW
+from .format.manifest import named_os_error
 
 __all__ = ["CacheLock", "WRITE_LOCK", "READ_LOCK"]
 
@@ -89,7 +91,12 @@ class CacheLock:
         if self._fd is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link: that would create or lock a file outside the cache
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
+        except OSError as exc:
+            if os.path.islink(self.path):
+                raise CacheLinkError(str(self.path)) from None
+            raise named_os_error(exc, self.path, f"opening the lock for {self.purpose}") from exc
         start = time.monotonic()
         told = False
         delay = 0.01

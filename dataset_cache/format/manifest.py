@@ -20,8 +20,9 @@ from typing import Any, BinaryIO, TypeVar
 
 from ..constants import FORMAT_NAME, FORMAT_VERSION
 from ..dataset import DatasetInfo, Sample
-from ..errors import CacheCorruptError, CacheFormatError, CacheNotFoundError
+from ..errors import CacheCorruptError, CacheFormatError, CacheLinkError, CacheNotFoundError, CacheUnreadableError
 from ..hashing import checksum64
+from .layout import DATASET_FILE_RE, MANIFEST, NOFOLLOW, SHARD_FILE_RE
 from .safetensors_io import load_json_object, read_regular
 
 __all__ = [
@@ -32,6 +33,10 @@ __all__ = [
     "append_journal",
     "write_manifest",
     "journal_name",
+    "next_generation",
+    "MAX_GENERATION",
+    "JOURNAL_RE",
+    "named_os_error",
     "atomic_write",
     "fsync_dir",
     "new_id",
@@ -39,9 +44,9 @@ __all__ = [
     "load_dataset",
 ]
 
-MANIFEST = "manifest.json"
-SHARD_FILE_RE = re.compile(r"shards/[A-Za-z0-9_-]{1,64}\.safetensors")
-DATASET_FILE_RE = re.compile(r"datasets/[A-Za-z0-9_-][A-Za-z0-9._-]{0,200}\.json")
+MAX_GENERATION = 10**18 - 1
+"""The largest manifest generation: its journal name still has the 18 digits ``JOURNAL_RE`` accepts. The
+generation after it is 1 (:func:`next_generation`), so a writer never names a journal its reader refuses."""
 JOURNAL_RE = re.compile(r"journal-[0-9]{6,18}\.jsonl")
 _LINE_HEAD = b'{"xxh3_64":"'
 _LINE_MID = b'","record":'
@@ -111,8 +116,31 @@ class CacheState:
 
 
 def journal_name(generation: int) -> str:
-    """File name of the journal of a manifest generation."""
+    """File name of the journal of a manifest generation (0..MAX_GENERATION)."""
+    if not 0 <= generation <= MAX_GENERATION:
+        raise ValueError(f"manifest generation {generation} is outside 0..{MAX_GENERATION}")
     return f"journal-{generation:06d}.jsonl"
+
+
+def next_generation(generation: int) -> int:
+    """The generation a compaction publishes after ``generation``; wraps to 1 after :data:`MAX_GENERATION`.
+
+    Generations only name journals (readers never compare them), and the journal of generation 1 is long gone
+    by then, so wrapping keeps every name the writer makes one the reader accepts.
+    """
+    return generation + 1 if generation < MAX_GENERATION else 1
+
+
+def named_os_error(exc: OSError, path: str | os.PathLike[str], action: str) -> OSError:
+    """``exc`` with the file named: an ``OSError`` of the same errno whose message says what failed where.
+
+    ``os.write``/``os.fsync`` on a descriptor raise errors that name no file (``[Errno 28] No space left on
+    device``); callers re-raise this instead so the user learns which cache file it was.
+    """
+    if isinstance(exc, CacheUnreadableError) or exc.filename is not None:
+        return exc
+    err = OSError(exc.errno, f"{exc.strerror or exc} while {action}", os.fspath(path))
+    return err
 
 
 def new_id() -> str:
@@ -137,7 +165,7 @@ def read_state(root: str | os.PathLike) -> CacheState:
             f"{root}: no cache here ({MANIFEST} is missing); create one by encoding a dataset into this folder"
         ) from None
     except OSError as exc:
-        raise CacheCorruptError(str(mpath), f"cannot read the manifest ({exc})") from None
+        raise _read_error(str(mpath), "the manifest", exc) from None
     m = _loads(str(mpath), raw)
     if m.get("format") != FORMAT_NAME:
         raise CacheFormatError(f"{mpath}: format {m.get('format')!r:.40}, expected {FORMAT_NAME!r}")
@@ -147,7 +175,8 @@ def read_state(root: str | os.PathLike) -> CacheState:
             "upgrade ComfyUI-StreamCache or rebuild the cache"
         )
     gen, journal, shards = m.get("generation"), m.get("journal"), m.get("shards")
-    if type(gen) is not int or gen < 0 or type(journal) is not str or not JOURNAL_RE.fullmatch(journal):
+    if (type(gen) is not int or not 0 <= gen <= MAX_GENERATION or type(journal) is not str
+            or not JOURNAL_RE.fullmatch(journal)):
         raise CacheCorruptError(str(mpath), "bad generation or journal name")
     if type(shards) is not list:
         raise CacheCorruptError(str(mpath), "'shards' is not a list")
@@ -155,6 +184,15 @@ def read_state(root: str | os.PathLike) -> CacheState:
     _apply_datasets(str(mpath), state, m.get("datasets", {}), allow_delete=False)
     _replay_journal(state)
     return state
+
+
+def _read_error(path: str | os.PathLike[str], what: str, exc: OSError) -> Exception:
+    """An ``OSError`` reading a cache file: not damage (permissions, I/O, a link), unless it was no regular file."""
+    if isinstance(exc, CacheUnreadableError):
+        return exc
+    if exc.errno is None:  # open_regular: a FIFO, device or folder in its place
+        return CacheCorruptError(str(path), f"cannot read {what} ({exc.strerror})")
+    return CacheUnreadableError(str(path), f"cannot read {what} ({exc.strerror or exc})", errno=exc.errno)
 
 
 def _loads(where: str, raw: bytes) -> dict[str, Any]:
@@ -185,7 +223,7 @@ def _replay_journal(state: CacheState) -> None:
     except FileNotFoundError:
         raise CacheCorruptError(str(jpath), "the journal named by the manifest is missing") from None
     except OSError as exc:
-        raise CacheCorruptError(str(jpath), f"cannot read the journal ({exc})") from None
+        raise _read_error(str(jpath), "the journal", exc) from None
     pos = 0
     known = state.files
     while pos < len(data):
@@ -241,7 +279,7 @@ def append_journal(state: CacheState, record: Mapping[str, Any]) -> None:
     """Durably append one record to the live journal (truncating an ignored torn tail first) and apply it."""
     jpath = state.root / state.journal
     line = encode_line(record)
-    fd = os.open(str(jpath), os.O_RDWR | getattr(os, "O_BINARY", 0))
+    fd = _open_nofollow(jpath, os.O_RDWR)
     try:
         if os.fstat(fd).st_size != state.journal_bytes:
             os.ftruncate(fd, state.journal_bytes)
@@ -250,6 +288,8 @@ def append_journal(state: CacheState, record: Mapping[str, Any]) -> None:
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
+    except OSError as exc:
+        raise named_os_error(exc, jpath, "appending a commit to the journal") from exc
     finally:
         os.close(fd)
     _apply_record(str(jpath), state, json.loads(line[len(_LINE_HEAD) + 16 + len(_LINE_MID):-2]), state.files)
@@ -266,9 +306,13 @@ def write_manifest(root: Path, generation: int, shards: list[ShardRecord],
     """
     journal = journal_name(generation)
     jpath = root / journal
-    with open(jpath, "wb") as f:
-        f.flush()
-        os.fsync(f.fileno())
+    fd = _open_nofollow(jpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise named_os_error(exc, jpath, "creating the journal") from exc
+    finally:
+        os.close(fd)
     fsync_dir(root)
     m = {
         "format": FORMAT_NAME,
@@ -291,19 +335,31 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], _T]) -> _T:
     """
     tmp = path.parent / f".{path.name}.{new_id()}.tmp"
     try:
-        with open(tmp, "xb") as f:
+        with open(tmp, "xb") as f:  # O_EXCL: never follows a link
             result = write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        os.replace(tmp, path)  # replaces a link itself, never what it points to
+    except BaseException as exc:
         try:
             tmp.unlink()
         except OSError:
             pass
+        if isinstance(exc, OSError):
+            raise named_os_error(exc, path, "writing") from exc
         raise
     fsync_dir(path.parent)
     return result
+
+
+def _open_nofollow(path: Path, flags: int) -> int:
+    """``os.open`` that refuses a link (``CacheLinkError``) instead of writing to what it points to."""
+    try:
+        return os.open(str(path), flags | NOFOLLOW | getattr(os, "O_BINARY", 0), 0o644)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise CacheLinkError(str(path)) from None
+        raise named_os_error(exc, path, "opening") from exc
 
 
 def fsync_dir(path: Path) -> None:
@@ -362,7 +418,7 @@ def load_dataset(root: Path, info: DatasetInfo) -> list[Sample]:
     except FileNotFoundError:
         raise CacheCorruptError(p, f"the file of dataset {info.name!r} is missing; re-encode the dataset") from None
     except OSError as exc:
-        raise CacheCorruptError(p, f"cannot read the dataset file ({exc})") from None
+        raise _read_error(p, "the dataset file", exc) from None
     d = _loads(p, raw)
     if d.get("format") != FORMAT_NAME or d.get("version") != FORMAT_VERSION:
         raise CacheFormatError(f"{p}: dataset file of format {d.get('format')!r:.40} version "

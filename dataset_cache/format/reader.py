@@ -25,11 +25,12 @@ import torch
 
 from ..constants import FORMAT_NAME, FORMAT_VERSION
 from ..dataset import DatasetInfo, Sample
-from ..errors import CacheCorruptError, CacheError
+from ..errors import CacheCorruptError, CacheError, CacheUnreadableError
 from ..gcpause import gc_paused
 from ..hashing import checksum64
 from ..refs import LazyTensor
 from . import skeleton
+from .layout import check_no_links
 from .manifest import MANIFEST, CacheState, load_dataset, read_state
 from .safetensors_io import open_regular
 from .shard import Column, ShardIndex, open_shard
@@ -87,12 +88,15 @@ def open_cache(root: str | os.PathLike, *, verify: bool = True, strict: bool = T
         verify: check each row's xxh3-64 checksum on every read (cheap: ~30 GB/s).
         strict: raise on the first damaged shard; ``False`` skips damaged shards (their entries are absent) and
             records the problems for :meth:`CacheReader.verify` — for the ``verify`` command, not for training.
+            A shard that cannot be opened because of its environment (permissions, open-file limit, I/O, a
+            link) is recorded as a :class:`CacheUnreadableError`, which is never damage (see ``writer.compact``).
 
     A compaction by another process that switches the manifest while we open is detected (the manifest file
     changed) and the open is retried.
 
     Raises:
-        CacheNotFoundError, CacheFormatError, CacheCorruptError.
+        CacheNotFoundError, CacheFormatError, CacheCorruptError; CacheUnreadableError (a file that cannot be
+        read, or CacheLinkError: a part of the cache is a symbolic link).
     """
     for attempt in range(_OPEN_RETRIES):
         before = _manifest_identity(root)
@@ -115,13 +119,14 @@ def _manifest_identity(root: str | os.PathLike) -> tuple[int, int, int] | None:
 
 def _open_once(root: str | os.PathLike, verify: bool, strict: bool) -> CacheReader:
     with gc_paused():  # headers and the key index: many small acyclic objects (see ..gcpause)
+        check_no_links(root)
         state = read_state(root)
         shards: list[ShardIndex] = []
-        problems: list[CacheCorruptError] = []
+        problems: list[CacheError] = []
         for rec in state.shards:
             try:
                 shards.append(open_shard(state.root / rec.file, rec.file, rec))
-            except CacheCorruptError as exc:
+            except (CacheCorruptError, CacheUnreadableError) as exc:
                 if strict:
                     raise
                 problems.append(exc)
@@ -145,7 +150,7 @@ class CacheReader:
     """
 
     def __init__(self, state: CacheState, shards: list[ShardIndex], *, verify: bool = True,
-                 problems: list[CacheCorruptError] | None = None) -> None:
+                 problems: Sequence[CacheError] | None = None) -> None:
         self.root: Path = state.root
         self.state = state
         self._shards = shards
@@ -408,8 +413,12 @@ class CacheReader:
             "datasets": {n: d.samples for n, d in self.state.datasets.items()},
         }
 
-    def verify(self) -> list[CacheCorruptError]:
-        """Read every row and check every checksum, skeleton and dataset; return every problem (empty: healthy)."""
+    def verify(self) -> list[CacheError]:
+        """Read every row and check every checksum, skeleton and dataset; return every problem (empty: healthy).
+
+        Each problem is a :class:`CacheCorruptError` (bytes that do not match: damage) or a
+        :class:`CacheUnreadableError` (a file that could not be read: not damage).
+        """
         problems = list(self._problems)
         for sh in self._shards:
             problems.extend(_verify_shard(sh))
@@ -417,7 +426,7 @@ class CacheReader:
             try:
                 samples = load_dataset(self.root, info)
             except CacheError as exc:
-                problems.append(exc if isinstance(exc, CacheCorruptError)
+                problems.append(exc if isinstance(exc, (CacheCorruptError, CacheUnreadableError))
                                 else CacheCorruptError(str(self.root / info.file), str(exc)))
                 continue
             missing = [k for s in samples for k in (s.latent, *s.captions) if k not in self._index]
@@ -445,8 +454,9 @@ class CacheReader:
         return total
 
     @property
-    def problems(self) -> list[CacheCorruptError]:
-        """Shards skipped because they could not be opened (only with ``open_cache(strict=False)``)."""
+    def problems(self) -> list[CacheError]:
+        """Shards skipped because they could not be opened (only with ``open_cache(strict=False)``): damaged
+        (:class:`CacheCorruptError`) or unreadable for now (:class:`CacheUnreadableError`)."""
         return list(self._problems)
 
     def close(self) -> None:
@@ -525,7 +535,11 @@ class _ShardFiles:
                         self._read_transient([(s, begin, end, pos)], mv)
                         continue
                 view = mv[pos:pos + end - begin]
-                if os.preadv(fd, [view], begin) != len(view):
+                try:
+                    got = os.preadv(fd, [view], begin)
+                except OSError as exc:
+                    raise _unreadable(self._shards[s], exc) from None
+                if got != len(view):
                     _read_exact(fd, view, begin, str(self._shards[s].path))  # short read: finish or raise
             if _CAN_ADVISE and len(ranges) > 1:
                 seconds = time.perf_counter() - t0
@@ -606,8 +620,10 @@ def _open_checked(sh: ShardIndex) -> int:
     except FileNotFoundError:
         raise CacheCorruptError(p, "shard file is missing (deleted, or the cache was compacted since it was "
                                    "opened); reopen the cache, and run verify if it persists") from None
+    except CacheUnreadableError:
+        raise
     except OSError as exc:
-        raise CacheCorruptError(p, f"cannot open shard ({exc.strerror})") from None
+        raise _unreadable(sh, exc) from None
     size = os.fstat(fd).st_size
     if size != sh.size:
         os.close(fd)
@@ -616,8 +632,24 @@ def _open_checked(sh: ShardIndex) -> int:
     return fd
 
 
+def _unreadable(sh: ShardIndex, exc: OSError) -> CacheError:
+    """The error for an ``OSError`` on a shard: not damage, unless it was no regular file (``errno`` None)."""
+    if exc.errno is None:
+        return CacheCorruptError(str(sh.path), f"cannot open shard ({exc.strerror})")
+    return CacheUnreadableError(str(sh.path), f"cannot read the shard ({exc.strerror or exc})", errno=exc.errno)
+
+
 def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
     """Fill ``view`` from ``fd`` at ``offset``; a file that ends first is a truncated shard."""
+    try:
+        _read_exact_raw(fd, view, offset, path)
+    except CacheError:
+        raise
+    except OSError as exc:
+        raise CacheUnreadableError(path, f"cannot read the shard ({exc.strerror or exc})", errno=exc.errno) from None
+
+
+def _read_exact_raw(fd: int, view: memoryview, offset: int, path: str) -> None:
     got = 0
     n = len(view)
     while got < n:
@@ -633,9 +665,9 @@ def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
         got += k
 
 
-def _verify_shard(sh: ShardIndex) -> list[CacheCorruptError]:
+def _verify_shard(sh: ShardIndex) -> list[CacheError]:
     p = str(sh.path)
-    problems: list[CacheCorruptError] = []
+    problems: list[CacheError] = []
     owner: dict[tuple[int, int], str] = {}
     for i, key in enumerate(sh.keys):
         try:
@@ -644,8 +676,12 @@ def _verify_shard(sh: ShardIndex) -> list[CacheCorruptError]:
             problems.append(exc)
     try:
         f = os.fdopen(open_regular(p), "rb", buffering=0)
+    except FileNotFoundError:
+        return problems + [CacheCorruptError(p, "shard file is missing")]
+    except CacheUnreadableError as exc:
+        return problems + [exc]
     except OSError as exc:
-        return problems + [CacheCorruptError(p, f"cannot open shard ({exc})")]
+        return problems + [_unreadable(sh, exc)]
     with f:
         if os.fstat(f.fileno()).st_size != sh.size:
             return problems + [CacheCorruptError(p, "shard size changed since the cache was opened")]
@@ -657,7 +693,7 @@ def _verify_shard(sh: ShardIndex) -> list[CacheCorruptError]:
                 mv = memoryview(buf)
                 try:
                     _read_exact(f.fileno(), mv, col.row_range(start)[0], p)
-                except CacheCorruptError as exc:
+                except (CacheCorruptError, CacheUnreadableError) as exc:
                     problems.append(exc)
                     break
                 for j in range(n):

@@ -21,7 +21,8 @@ from typing import Any, BinaryIO
 import torch
 
 from ..constants import MAX_HEADER_BYTES
-from ..errors import CacheCorruptError
+from ..errors import CacheCorruptError, CacheLinkError
+from .layout import NOFOLLOW
 
 __all__ = [
     "DTYPE_TO_ST",
@@ -94,11 +95,19 @@ class SafetensorsHeader:
 def open_regular(path: str | os.PathLike) -> int:
     """Open a regular file read-only and return its fd; a FIFO or device in a hostile cache cannot block us.
 
+    A symbolic link is never followed (see ``layout``).
+
     Raises:
         FileNotFoundError: the file is missing.
+        CacheLinkError: the file is a symbolic link.
         OSError: it cannot be opened, or is not a regular file (``errno`` is ``None`` then).
     """
-    fd = os.open(str(path), os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        fd = os.open(str(path), os.O_RDONLY | NOFOLLOW | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        if os.path.islink(path):
+            raise CacheLinkError(str(path)) from None
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(None, "not a regular file", str(path))

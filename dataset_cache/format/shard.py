@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..constants import FORMAT_NAME, FORMAT_VERSION
-from ..errors import CacheCorruptError, CacheFormatError
+from ..errors import CacheCorruptError, CacheFormatError, CacheUnreadableError
 from ..hashing import checksum64, tensor_bytes
 from . import skeleton
 from .manifest import ShardRecord, atomic_write
@@ -131,13 +131,20 @@ def open_shard(path: Path, file: str, record: ShardRecord | None = None) -> Shar
         fd = open_regular(p)
     except FileNotFoundError:
         raise CacheCorruptError(p, "shard file is missing; rebuild the cache or restore the file") from None
-    except OSError as exc:
-        raise CacheCorruptError(p, f"cannot open shard ({exc.strerror})") from None
+    except CacheUnreadableError:
+        raise
+    except OSError as exc:  # permissions, open-file limit, I/O: not damage (see CacheUnreadableError)
+        if exc.errno is None:  # open_regular: a FIFO, device or folder where the shard should be
+            raise CacheCorruptError(p, f"cannot open shard ({exc.strerror})") from None
+        raise CacheUnreadableError(p, f"cannot open shard ({exc.strerror or exc})", errno=exc.errno) from None
     try:
         size = os.fstat(fd).st_size
         if record is not None and size != record.bytes:
             raise CacheCorruptError(p, f"shard is {size} bytes but the manifest says {record.bytes} (truncated?)")
         head = read_header(p, fd, size)
+    except OSError as exc:
+        raise CacheUnreadableError(p, f"cannot read the shard header ({exc.strerror or exc})",
+                                   errno=exc.errno) from None
     finally:
         os.close(fd)
     if record is not None and record.header_xxh3 and checksum64(head.raw) != record.header_xxh3:

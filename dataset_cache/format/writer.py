@@ -21,21 +21,32 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from ..constants import DEFAULT_SHARD_BYTES
 from ..dataset import DatasetInfo, Sample
-from ..errors import CacheCorruptError, CacheNotFoundError
+from ..errors import CacheCorruptError, CacheError, CacheNotFoundError, CacheUnreadableError
+from .layout import (
+    DAMAGED_DIR,
+    DATASET_FILE_RE,
+    DATASETS_DIR,
+    MANIFEST,
+    SHARD_FILE_RE,
+    SHARDS_DIR,
+    TEMP_FILE_RE,
+    check_new_cache_location,
+    check_no_links,
+)
 from .manifest import (
     JOURNAL_RE,
-    MANIFEST,
     CacheState,
     ShardRecord,
     append_journal,
     new_id,
+    next_generation,
     read_state,
     write_dataset,
     write_manifest,
@@ -69,8 +80,12 @@ class CompactReport:
         entries_kept / entries_dropped: live entries after; entries removed (not kept, or duplicates).
         bytes_before / bytes_after: total shard bytes before and after.
         files_deleted: files removed (replaced shards, old journal, unreferenced dataset files, orphans).
-        damaged: problems that made entries unreadable; those entries (or whole shards) were dropped, so the next
-            encode re-creates them.
+        damaged: damage found (bytes that do not match the manifest or a checksum). Without ``repair`` the
+            damaged shards stay in the cache as they are; with it, their unreadable entries were dropped (the next
+            encode re-creates them) and the shard files moved to ``damaged/``.
+        unreadable: files that could not be read (permissions, open-file limit, I/O error, a link): not damage,
+            so they were left as they are, listed and untouched.
+        quarantined: shard files an explicit repair took out of the cache, now in ``damaged/`` (never deleted).
     """
 
     shards_before: int
@@ -82,6 +97,25 @@ class CompactReport:
     bytes_after: int
     files_deleted: int
     damaged: tuple[str, ...] = ()
+    unreadable: tuple[str, ...] = ()
+    quarantined: tuple[str, ...] = ()
+
+    def findings(self) -> str:
+        """One paragraph for reports when compaction found damage or left files alone (empty when it did not)."""
+        parts = []
+        if self.unreadable:
+            parts.append(f"{len(self.unreadable)} cache file(s) could not be read and were left untouched "
+                         f"(first: {self.unreadable[0]}); their entries are re-encoded when needed")
+        if self.damaged and not self.quarantined:
+            parts.append(f"{len(self.damaged)} damaged part(s) found and kept as they are (first: "
+                         f"{self.damaged[0]}); run `python -m dataset_cache verify <cache>`, then a repair to "
+                         "drop them")
+        if self.quarantined:
+            parts.append(f"repair dropped the damaged entries and moved {len(self.quarantined)} shard file(s) to "
+                         f"{DAMAGED_DIR}/ (first: {self.quarantined[0]}); delete them when you no longer need them")
+        elif self.damaged and self.entries_dropped:
+            parts.append(f"repair dropped {self.entries_dropped} damaged entr(y/ies)")
+        return "; ".join(parts)
 
 
 class CacheWriter:
@@ -110,14 +144,15 @@ class CacheWriter:
         if not sync_seconds >= 0:
             raise ValueError(f"sync_seconds must be >= 0, got {sync_seconds}")
         self.shard_bytes = int(shard_bytes)
-        if not (self.root / MANIFEST).exists():
+        check_no_links(self.root)
+        if not os.path.lexists(self.root / MANIFEST):
             if not create:
                 raise CacheNotFoundError(f"{self.root}: no cache here ({MANIFEST} is missing); pass create=True")
             _init_cache(self.root)
         self._state: CacheState = read_state(self.root)
         reader = open_cache(self.root, strict=False)
         for problem in reader.problems:  # their entries count as absent: the next encode re-creates them
-            log.warning("damaged shard (compact() drops it): %s", problem)
+            log.warning("shard left as it is (its entries count as absent): %s", problem)
         self._committed: set[str] = set(reader.keys())
         self._builder = ShardBuilder()
         self._written: list[ShardRecord] = []
@@ -296,80 +331,153 @@ class CacheWriter:
         Args:
             keep: entries to keep (``None``: all). Entries referenced by a dataset are always kept.
             min_fill: shards smaller than ``min_fill * shard_bytes`` are rewritten.
-            repair: verify every shard first and rewrite those with bad rows, dropping the bad entries. Shards that
-                cannot be opened at all (missing, truncated, bad header) are always dropped.
+            repair: verify every shard first; drop the entries whose bytes are damaged and move the shard files
+                that held them (or that cannot be opened as shards at all) to ``damaged/``.
 
-        Rewritten entries are written in dataset order (then the rest) so training reads them sequentially.
-        The new manifest (naming a fresh empty journal) is the atomic switch; replaced files are deleted after
-        it. A reader opened before the switch must be reopened.
+        What compaction may delete (docs/FORMAT.md): only files it made itself (names of the cache's own
+        patterns, regular files, never a link) that the new manifest no longer names. A shard that cannot be
+        read because of its environment (permissions, open-file limit, I/O error, a link) is kept exactly as it
+        is, and so is a damaged one unless ``repair`` is asked for; the report lists both. Rewritten entries are
+        written in dataset order (then the rest) so training reads them sequentially. The new manifest (naming a
+        fresh empty journal) is the atomic switch; replaced files are deleted after it. A reader opened before
+        the switch must be reopened.
         """
         self._check_open()
         self._commit({})
+        check_no_links(self.root)
         reader = open_cache(self.root, strict=False)
-        damaged = [str(p) for p in reader.problems]
-        bad_paths = {p.path for p in reader.verify()} if repair else set()
+        problems: list[CacheError] = list(reader.verify() if repair else reader.problems)
+        unreadable = [p for p in problems if isinstance(p, CacheUnreadableError)]
+        damaged = [p for p in problems if not isinstance(p, CacheUnreadableError)]
         order = _dataset_order(reader)
-        live = set(reader.keys()) if keep is None else (set(keep) & set(reader.keys())) | set(order)
+        present = set(reader.keys())  # entries of shards that could not be opened are not copied: they stay there
+        live = present if keep is None else (set(keep) | set(order)) & present
         state = self._state
-        kept, rewrite = self._choose(reader, live, bad_paths, min_fill)
-        if rewrite or damaged or state.journal_commits:
-            kept_keys = {k for _, sh in kept for k in sh.keys}
-            new = self._rewrite(reader, [k for k in [*order, *(k for _, sh in rewrite for k in sh.keys)]
-                                         if k in live and k not in kept_keys], damaged)
-            self._state = write_manifest(self.root, state.generation + 1, [rec for rec, _ in kept] + new,
-                                         state.datasets)
+        plan = self._choose(reader, live, problems, min_fill, repair)
+        kept_keys = {k for _, sh in plan.kept if sh is not None for k in sh.keys}
+        new: list[ShardRecord] = []
+        if plan.rewrite or plan.drop or state.journal_commits:
+            wanted = [k for k in [*order, *(k for _, sh in plan.rewrite for k in sh.keys)]
+                      if k in live and k not in kept_keys]
+            new, failed = self._rewrite(reader, wanted)
+            held = self._hold_back(plan, failed, repair, damaged, unreadable)
+            quarantined = self._quarantine(plan, held)
+            kept = [rec for rec, _ in plan.kept] + held
+            self._state = write_manifest(self.root, next_generation(state.generation), kept + new, state.datasets)
+        else:
+            quarantined = []
         deleted = self._delete_unreferenced()
         self._committed = set(open_cache(self.root, strict=False).keys())
         shards = self._state.shards
+        gone = {r.file for r in state.shards} - {r.file for r in shards}
         return CompactReport(
-            shards_before=len(state.shards), shards_after=len(shards), shards_rewritten=len(rewrite),
-            entries_kept=len(self._committed), entries_dropped=sum(r.entries for r in state.shards)
-            - len(self._committed), bytes_before=sum(r.bytes for r in state.shards),
-            bytes_after=sum(r.bytes for r in shards), files_deleted=deleted, damaged=tuple(damaged),
+            shards_before=len(state.shards), shards_after=len(shards), shards_rewritten=len(plan.rewrite),
+            entries_kept=len(self._committed),
+            entries_dropped=max(0, sum(r.entries for r in state.shards if r.file in gone)
+                                - sum(r.entries for r in new)),
+            bytes_before=sum(r.bytes for r in state.shards), bytes_after=sum(r.bytes for r in shards),
+            files_deleted=deleted, damaged=tuple(dict.fromkeys(str(p) for p in damaged)),
+            unreadable=tuple(dict.fromkeys(str(p) for p in unreadable)), quarantined=tuple(quarantined),
         )
 
-    def _choose(self, reader: CacheReader, live: set[str], bad_paths: set[str], min_fill: float) -> tuple[list, list]:
-        """Split the openable shards into (kept, to rewrite) pairs of (record, ShardIndex)."""
-        by_file = {sh.file: sh for sh in reader._shards}
-        rewrite, kept, seen = [], [], set()
+    def _choose(self, reader: CacheReader, live: set[str], problems: Sequence[CacheError], min_fill: float,
+                repair: bool) -> _CompactPlan:
+        """Sort the manifest's shards into kept as they are, rewritten, and (repair only) dropped as damaged."""
+        by_file = {sh.file: sh for sh in reader.shards}
+        hold = {p.path for p in problems if isinstance(p, CacheUnreadableError)}
+        bad = {p.path for p in problems if isinstance(p, CacheCorruptError)} if repair else set()
+        plan = _CompactPlan()
+        seen: set[str] = set()
         for rec in self._state.shards:
             sh = by_file.get(rec.file)
-            if sh is None:  # could not be opened: dropped
+            path = str(self.root / rec.file)
+            if sh is None:  # could not be opened: damage is dropped on repair only; anything else stays
+                (plan.drop if path in bad and path not in hold else plan.kept).append((rec, None))
                 continue
-            dropped = any(k in seen or k not in live for k in sh.keys) or str(sh.path) in bad_paths
+            if path in hold:  # a read failed because of the environment: leave the file exactly as it is
+                plan.kept.append((rec, sh))
+                seen.update(sh.keys)
+                continue
+            dropped = any(k in seen or k not in live for k in sh.keys) or path in bad
             seen.update(sh.keys)
-            (rewrite if dropped or rec.bytes < min_fill * self.shard_bytes else kept).append((rec, sh))
-        if (len(rewrite) == 1 and all(k in live for k in rewrite[0][1].keys)
-                and str(rewrite[0][1].path) not in bad_paths):  # rewriting it alone gains nothing
-            kept, rewrite = kept + rewrite, []
-        return kept, rewrite
+            (plan.rewrite if dropped or rec.bytes < min_fill * self.shard_bytes else plan.kept).append((rec, sh))
+            if path in bad:
+                plan.drop.append((rec, None))
+        if (len(plan.rewrite) == 1 and all(k in live for k in plan.rewrite[0][1].keys)
+                and str(plan.rewrite[0][1].path) not in bad):  # rewriting it alone gains nothing
+            plan.kept, plan.rewrite = plan.kept + plan.rewrite, []
+        return plan
 
-    def _rewrite(self, reader: CacheReader, keys: list[str], damaged: list[str]) -> list[ShardRecord]:
+    def _rewrite(self, reader: CacheReader, keys: list[str]) -> tuple[list[ShardRecord], dict[str, CacheError]]:
+        """Copy ``keys`` into new full shards; returns the records and the entries that could not be read."""
         pending = list(dict.fromkeys(keys))
         builder, records = ShardBuilder(), []
+        failed: dict[str, CacheError] = {}
         for batch in _batches(pending, 64):
-            for k, v in _read_or_skip(reader, batch, damaged):
+            for k, v in _read_or_skip(reader, batch, failed):
                 builder.add(k, reader.kind(k), v, "value")
                 if builder.nbytes >= self.shard_bytes:
-                    records.append(builder.write(self.root / "shards", new_id()))
+                    records.append(builder.write(self.root / SHARDS_DIR, new_id()))
                     builder = ShardBuilder()
         if len(builder):
-            records.append(builder.write(self.root / "shards", new_id()))
-        return records
+            records.append(builder.write(self.root / SHARDS_DIR, new_id()))
+        return records, failed
+
+    def _hold_back(self, plan: _CompactPlan, failed: dict[str, CacheError], repair: bool,
+                   damaged: list[CacheError], unreadable: list[CacheError]) -> list[ShardRecord]:
+        """The rewritten shards that must stay because an entry of theirs could not be copied.
+
+        Without ``repair`` any failed read keeps its shard (nothing is dropped on a guess); with it, only a read
+        that failed for its environment does, and damaged entries are dropped.
+        """
+        held: list[ShardRecord] = []
+        for rec, sh in plan.rewrite:
+            errors = [failed[k] for k in sh.keys if k in failed]
+            if not errors:
+                continue
+            for exc in errors:
+                (unreadable if isinstance(exc, CacheUnreadableError) else damaged).append(exc)
+            if not repair or any(isinstance(e, CacheUnreadableError) for e in errors):
+                held.append(rec)
+                plan.drop = [(r, s) for r, s in plan.drop if r.file != rec.file]
+        return held
+
+    def _quarantine(self, plan: _CompactPlan, held: list[ShardRecord]) -> list[str]:
+        """Move the shards a repair drops to ``damaged/`` (before the switch: a crash leaves them named, not lost).
+
+        A shard that cannot be moved stays in the manifest (appended to ``held``).
+        """
+        moved: list[str] = []
+        for rec, _ in plan.drop:
+            src = self.root / rec.file
+            dst = self.root / DAMAGED_DIR / Path(rec.file).name
+            try:
+                dst.parent.mkdir(exist_ok=True)
+                if os.path.lexists(dst):
+                    dst = dst.with_name(f"{dst.stem}-{new_id()}{dst.suffix}")
+                os.rename(src, dst)
+                moved.append(f"{DAMAGED_DIR}/{dst.name}")
+            except FileNotFoundError:  # already gone: dropping its record loses nothing more
+                moved.append(rec.file)
+            except OSError as exc:
+                log.warning("could not move damaged shard %s to %s/ (%s); it stays in the cache", src,
+                            DAMAGED_DIR, exc)
+                held.append(rec)
+        return moved
 
     def _delete_unreferenced(self) -> int:
+        """Delete the cache's own files the manifest no longer names: only regular files of its name patterns."""
         refs = {r.file for r in self._state.shards} | {d.file for d in self._state.datasets.values()}
         refs.add(self._state.journal)
-        refs.add(MANIFEST)
         n = 0
-        for sub in ("shards", "datasets"):
-            d = self.root / sub
-            for p in d.iterdir() if d.is_dir() else ():
-                if f"{sub}/{p.name}" not in refs and p.is_file():
-                    n += _unlink(p)
-        for p in self.root.iterdir():
-            if p.is_file() and p.name not in refs and (JOURNAL_RE.fullmatch(p.name) or p.name.endswith(".tmp")):
-                n += _unlink(p)
+        for sub, pattern in ((SHARDS_DIR, SHARD_FILE_RE), (DATASETS_DIR, DATASET_FILE_RE)):
+            for name in _regular_files(self.root / sub):
+                rel = f"{sub}/{name}"
+                if rel not in refs and (pattern.fullmatch(rel) or TEMP_FILE_RE.fullmatch(name)):
+                    n += _unlink(self.root / rel)
+        for name in _regular_files(self.root):
+            if name not in refs and name != MANIFEST and (JOURNAL_RE.fullmatch(name) or TEMP_FILE_RE.fullmatch(name)):
+                n += _unlink(self.root / name)
         return n
 
     # ----------------------------------------------------------------------------------------- lifecycle
@@ -405,10 +513,29 @@ def _check_entry(key: Any, kind: Any) -> None:
 
 
 def _init_cache(root: Path) -> None:
+    check_new_cache_location(root)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "shards").mkdir(exist_ok=True)
-    (root / "datasets").mkdir(exist_ok=True)
+    (root / SHARDS_DIR).mkdir(exist_ok=True)
+    (root / DATASETS_DIR).mkdir(exist_ok=True)
     write_manifest(root, 1, [], {})
+
+
+@dataclass
+class _CompactPlan:
+    """The shards of one compaction: ``(record, index or None when unopened)`` pairs."""
+
+    kept: list[tuple[ShardRecord, Any]] = field(default_factory=list)
+    rewrite: list[tuple[ShardRecord, Any]] = field(default_factory=list)
+    drop: list[tuple[ShardRecord, Any]] = field(default_factory=list)
+
+
+def _regular_files(folder: Path) -> list[str]:
+    """Names of the regular files directly in ``folder`` (links and folders are never listed)."""
+    try:
+        with os.scandir(folder) as it:
+            return [e.name for e in it if e.is_file(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _dataset_order(reader: CacheReader) -> list[str]:
@@ -421,19 +548,22 @@ def _dataset_order(reader: CacheReader) -> list[str]:
     return list(order)
 
 
-def _read_or_skip(reader: CacheReader, keys: Sequence[str], damaged: list[str]) -> list[tuple[str, Any]]:
-    """Read ``keys``; when the batch fails, read one by one and drop (recording) the unreadable entries."""
+def _read_or_skip(reader: CacheReader, keys: Sequence[str], failed: dict[str, CacheError]) -> list[tuple[str, Any]]:
+    """Read ``keys``; when the batch fails, read one by one, recording each entry that cannot be read."""
     try:
         return list(zip(keys, reader.read(keys)))
-    except CacheCorruptError:
+    except (CacheError, OSError):
         pass
     out = []
     for k in keys:
         try:
             out.append((k, reader.read([k])[0]))
-        except CacheCorruptError as exc:
-            log.warning("dropping unreadable entry: %s", exc)
-            damaged.append(str(exc))
+        except CacheError as exc:
+            log.warning("compaction could not copy an entry: %s", exc)
+            failed[k] = exc
+        except OSError as exc:
+            log.warning("compaction could not copy entry %s: %s", k, exc)
+            failed[k] = CacheUnreadableError(str(reader.root), f"cannot read entry {k} ({exc})", errno=exc.errno)
     return out
 
 

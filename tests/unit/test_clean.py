@@ -54,7 +54,7 @@ def _make_cache(root: Path) -> tuple[set[str], set[str]]:
 def test_preview_lists_unreferenced_entries_and_orphans_without_changing_anything(tmp_path: Path) -> None:
     kept, dropped = _make_cache(tmp_path)
     (tmp_path / "shards" / "0123456789abcdef.safetensors").write_bytes(b"x" * 100)  # killed before commit
-    (tmp_path / ".manifest.json.abc.tmp").write_bytes(b"y")
+    (tmp_path / ".manifest.json.0123456789abcdef.tmp").write_bytes(b"y")
     sources_record_path(tmp_path, "gone").parent.mkdir()
     sources_record_path(tmp_path, "gone").write_text("{}")
     sources_record_path(tmp_path, "keep").write_text("{}")
@@ -65,7 +65,7 @@ def test_preview_lists_unreferenced_entries_and_orphans_without_changing_anythin
     orphans = set(preview.orphan_files)
     removed_dataset = {f for f in orphans if f.startswith("datasets/drop-")}  # the removed dataset's file
     assert len(removed_dataset) == 1
-    assert orphans - removed_dataset == {"shards/0123456789abcdef.safetensors", ".manifest.json.abc.tmp",
+    assert orphans - removed_dataset == {"shards/0123456789abcdef.safetensors", ".manifest.json.0123456789abcdef.tmp",
                                          f"sources/{sources_record_path(tmp_path, 'gone').name}"}
     assert preview.datasets == ("keep",) and preview.entries == len(kept | dropped)
     assert all(s.live_fraction < LOW_FILL for s in preview.low_fill_shards) and len(preview.low_fill_shards) == 4
@@ -77,7 +77,7 @@ def test_preview_lists_unreferenced_entries_and_orphans_without_changing_anythin
 def test_clean_removes_unreferenced_entries_and_orphans_and_keeps_referenced_ones(tmp_path: Path) -> None:
     kept, dropped = _make_cache(tmp_path)
     (tmp_path / "shards" / "0123456789abcdef.safetensors").write_bytes(b"x" * 100)
-    (tmp_path / "datasets" / ".x.json.1.tmp").write_bytes(b"y")
+    (tmp_path / "datasets" / ".x.json.00000000000000aa.tmp").write_bytes(b"y")
     sources_record_path(tmp_path, "gone").parent.mkdir()
     sources_record_path(tmp_path, "gone").write_text("{}")
     sources_record_path(tmp_path, "keep").write_text("{}")

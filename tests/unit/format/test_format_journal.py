@@ -105,7 +105,7 @@ def test_manifest_not_json(tmp_path):
 def test_orphan_files_are_ignored_and_compaction_removes_them(tmp_path):
     make(tmp_path, commits=2)
     (tmp_path / "shards" / "deadbeef.safetensors").write_bytes(b"garbage")
-    (tmp_path / "shards" / ".x.safetensors.123.tmp").write_bytes(b"garbage")
+    (tmp_path / "shards" / ".x.safetensors.0000000000000123.tmp").write_bytes(b"garbage")
     (tmp_path / "datasets" / "old-1.json").write_bytes(b"{}")
     r = open_cache(tmp_path)
     assert len(r) == 2 and r.verify() == []
