@@ -42,7 +42,7 @@ import torch
 import xxhash
 
 from . import skeleton
-from .manifest import fsync_dir, new_id
+from .manifest import fsync_dir, named_os_error, new_id
 from .safetensors_io import ST_ITEMSIZE, ST_TO_DTYPE
 from .shard import StoredTensor
 
@@ -144,11 +144,13 @@ class RecoveryLog:
         try:
             while view:
                 view = view[os.write(fd, view):]
-        except BaseException:
+        except BaseException as exc:
             try:  # a torn record would hide every later one from replay: cut it off
                 os.ftruncate(fd, self._size)
             except OSError:
                 self._broken = True
+            if isinstance(exc, OSError):
+                raise named_os_error(exc, self.path or self.root, "appending to the recovery log") from exc
             raise
         self._size += len(data)
         self._unsynced += len(data)
@@ -165,7 +167,10 @@ class RecoveryLog:
     def sync(self) -> None:
         """Make everything appended so far survive a power loss."""
         if self._fd is not None and self._unsynced:
-            _fdatasync(self._fd)
+            try:
+                _fdatasync(self._fd)
+            except OSError as exc:
+                raise named_os_error(exc, self.path or self.root, "syncing the recovery log") from exc
         self._unsynced = 0
         self._last_sync = time.monotonic()
 
@@ -177,9 +182,11 @@ class RecoveryLog:
             _try_lock(fd)
             os.write(fd, MAGIC)
             os.fsync(fd)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
             _remove(path)
+            if isinstance(exc, OSError):
+                raise named_os_error(exc, path, "creating the recovery log") from exc
             raise
         fsync_dir(self.root)  # the file's name is durable before any record in it counts on it
         self.path, self._fd = path, fd

@@ -153,6 +153,7 @@ class CacheWriter:
         reader = open_cache(self.root, strict=False)
         for problem in reader.problems:  # their entries count as absent: the next encode re-creates them
             log.warning("shard left as it is (its entries count as absent): %s", problem)
+        self._unreadable = [p for p in reader.problems if isinstance(p, CacheUnreadableError)]
         self._committed: set[str] = set(reader.keys())
         self._builder = ShardBuilder()
         self._written: list[ShardRecord] = []
@@ -304,9 +305,14 @@ class CacheWriter:
 
         Raises:
             ValueError: a sample names an entry the cache does not have, or the name/info is unusable.
+            CacheUnreadableError: such entries may be in a shard this writer could not read when it opened.
         """
         self._check_open()
         missing = [k for s in samples for k in (s.latent, *s.captions) if not self.has(k)]
+        if missing and self._unreadable:  # they may well be in the shard that could not be read
+            first = self._unreadable[0]
+            raise CacheUnreadableError(first.path, f"{first.reason}, so {len(missing)} entries of dataset "
+                                       f"{name!r:.80} could not be confirmed; nothing was lost", errno=first.errno)
         if missing:
             raise ValueError(f"dataset {name!r:.80}: {len(missing)} sample entries are not in the cache "
                              f"(first: {missing[0]}); add them before set_dataset()")

@@ -22,8 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-import xxhash
 from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
@@ -34,58 +32,11 @@ from dataset_cache.incremental import EncodeSettings, plan_encode, run_encode, s
 from dataset_cache.lock import WRITE_LOCK, CacheLock
 from dataset_cache.scan import DatasetFolderError
 from support.datasets import make_kohya_folder
+from support.fake_encoders import OLD_NS, FakeEncoders, age as _age
 from support.paths import TESTS_DIR
 
-OLD_NS = 1_600_000_000 * 10**9  # files dated long before any scan are trusted by stat (never "racy")
 SETTINGS = EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32), batch_size=2)
 N_IMAGES, N_TEXTS = 5, 5  # of make_kohya_folder's default layout
-
-
-class FakeEncoders:
-    """Counting, deterministic pure-torch stand-ins for a VAE and a text encoder."""
-
-    def __init__(self, *, delay: float = 0.0, fail_after: int | None = None) -> None:
-        self.delay = delay
-        self.fail_after = fail_after
-        self.calls = 0
-        self.images = 0
-        self.texts: list[str] = []
-        self.threads: set[int] = set()
-
-    def _call(self) -> None:
-        self.threads.add(threading.get_ident())
-        if self.fail_after is not None and self.calls >= self.fail_after:
-            raise RuntimeError("fake encoder failure")
-        self.calls += 1
-        if self.delay:
-            time.sleep(self.delay)
-
-    def encode_images(self, batch: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        assert batch.dtype == torch.float32 and batch.ndim == 4 and batch.shape[-1] == 3
-        self._call()
-        self.images += batch.shape[0]
-        x = F.avg_pool2d(batch.permute(0, 3, 1, 2), 8)
-        lat = torch.cat([x, x.mean(1, keepdim=True)], 1)
-        return [{"samples": lat[i:i + 1]} for i in range(batch.shape[0])]
-
-    def encode_texts(self, texts: list[str]) -> list[Any]:
-        self._call()
-        self.texts += texts
-        out = []
-        for t in texts:
-            g = torch.Generator().manual_seed(xxhash.xxh3_64_intdigest(t.encode()) >> 1)
-            cond = torch.randn(1, 77, 768, generator=g)
-            out.append([[cond, {"pooled_output": cond[:, 0].clone()}]])
-        return out
-
-    def kw(self) -> dict[str, Any]:
-        return {"encode_images": self.encode_images, "encode_texts": self.encode_texts}
-
-
-def _age(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            os.utime(p, ns=(OLD_NS, OLD_NS))
 
 
 @pytest.fixture()
