@@ -37,6 +37,7 @@ from .buckets import BucketConfig, CropPlan
 from .constants import DEFAULT_SHARD_BYTES
 from .dataset import Sample
 from .errors import CacheError, CacheNotFoundError
+from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file
 from .format.reader import open_cache
 from .gcpause import gc_paused
 from .keys import canonical_bytes, conditioning_key, latent_key
@@ -306,6 +307,13 @@ class _Keys:
         return xxhash.xxh3_128_hexdigest(self._cond[0] + quoted.encode("ascii") + self._cond[1])
 
 
+def _check_cache_location(root: str) -> None:
+    """Refuse, before the sources record is written, a cache with linked parts or one that would nest."""
+    if not is_regular_file(os.path.join(root, MANIFEST)):
+        check_new_cache_location(root)
+    check_no_links(root)
+
+
 def _load_record(path: Path) -> SourcesRecord:
     try:
         return load_record(path, missing_ok=True)
@@ -403,6 +411,8 @@ def plan_encode(
     Raises:
         DatasetFolderError: the folder is missing (and the cache has no such dataset), is not a folder, or holds
             no usable image.
+        CacheLinkError: a part of the cache is a symbolic link (nothing is written).
+        CacheNestingError: the cache would be created inside another cache (nothing is written).
         ValueError: an empty fingerprint or dataset name.
     """
     for name, fp in (("vae_fingerprint", vae_fingerprint), ("text_fingerprint", text_fingerprint)):
@@ -418,6 +428,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     root = os.path.abspath(os.fspath(cache_root))
     src = os.path.abspath(os.fspath(folder))
     record_path = sources_record_path(root, dataset)
+    _check_cache_location(root)
     if not os.path.exists(src):
         return _sourceless_plan(root, dataset, src, settings, vae_fingerprint, text_fingerprint, record_path)
 

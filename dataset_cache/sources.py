@@ -54,6 +54,7 @@ from PIL import Image, PngImagePlugin
 
 from .errors import CacheError, SourceError
 from .format.manifest import atomic_write
+from .format.safetensors_io import read_regular
 from .gcpause import gc_paused
 from .imaging import read_image_size
 from .keys import hash_file, is_key
@@ -543,12 +544,12 @@ def load_record(path: str | os.PathLike[str], *, missing_ok: bool = False) -> So
 
     Raises:
         FileNotFoundError: the file does not exist and ``missing_ok`` is false.
+        CacheLinkError: the file is a symbolic link.
         SourcesRecordError: the file is not valid JSON, not a record, of another version, or inconsistent.
     """
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_regular(path)  # a record that is a link is refused (CacheLinkError), never followed
     except FileNotFoundError:
         if missing_ok:
             return SourcesRecord()

@@ -25,7 +25,8 @@ import torch
 from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.errors import SourceError, UnstorableValueError
+from dataset_cache.errors import CacheLinkError, SourceError, UnstorableValueError
+from dataset_cache.format.layout import CacheNestingError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.format.writer import CacheWriter
 from dataset_cache.incremental import EncodeSettings, plan_encode, run_encode, sources_record_path
@@ -630,3 +631,37 @@ def test_plan_keys_equal_the_keys_module(folder: Path, cache: Path) -> None:
     assert 'quotes " and \\ backslash' in texts.values() and "café ünïcode" in texts.values()
     for key, text in texts.items():
         assert key == conditioning_key(text, "te-1")
+
+
+# ------------------------------------------------------------------------------------- cache location
+def test_a_linked_sources_folder_is_refused_before_the_record_is_written(folder: Path, cache: Path,
+                                                                          tmp_path: Path) -> None:
+    _build(folder, cache)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.rmtree(cache / "sources")
+    (cache / "sources").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(CacheLinkError, match="sources is a symbolic link"):
+        _plan(folder, cache)
+    assert list(outside.iterdir()) == []
+
+
+def test_a_linked_sources_record_is_never_read_through(folder: Path, cache: Path, tmp_path: Path) -> None:
+    _build(folder, cache)
+    record = sources_record_path(cache, "ds")
+    elsewhere = tmp_path / "record-elsewhere.json"
+    os.replace(record, elsewhere)
+    record.symlink_to(elsewhere)
+    with pytest.raises(CacheLinkError, match=record.name):
+        _plan(folder, cache)
+    assert record.is_symlink() and elsewhere.is_file()
+
+
+@pytest.mark.parametrize("inner", ["shards", "datasets/x", "sources", "elsewhere/deeper"])
+def test_no_encode_plans_a_cache_inside_a_cache(folder: Path, cache: Path, inner: str) -> None:
+    _build(folder, cache)
+    before = sorted(str(p.relative_to(cache)) for p in cache.rglob("*"))
+    with pytest.raises(CacheNestingError, match="inside the cache"):
+        _plan(folder, cache / inner)
+    assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) == before
+    assert open_cache(cache).verify() == []
