@@ -150,6 +150,8 @@ class CleanReport:
         bytes_freed: decrease of the cache folder's size.
         compaction: the compaction report (``None`` on a dry run).
         seconds: wall time.
+        repaired_entries: entries a dataset references that a repair dropped as damaged (the next encode of that
+            dataset re-creates them; a sourceless dataset has lost them).
     """
 
     preview: CleanPreview
@@ -159,6 +161,7 @@ class CleanReport:
     bytes_freed: int = 0
     compaction: CompactReport | None = None
     seconds: float = 0.0
+    repaired_entries: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """The preview plus what was done."""
@@ -167,6 +170,9 @@ class CleanReport:
         text = (self.preview.summary() + f"\nremoved {self.entries_removed} entries and {self.files_deleted} "
                 f"file(s), freed {format_bytes(self.bytes_freed)} ({self.seconds:.2f}s)")
         findings = self.compaction.findings() if self.compaction is not None else ""
+        if self.repaired_entries:
+            findings += (f"{'; ' if findings else ''}{len(self.repaired_entries)} of the dropped entries are used by "
+                         f"a dataset (first: {self.repaired_entries[0]}): re-encode it to re-create them")
         return text + (f"\n{findings}" if findings else "")
 
 
@@ -321,6 +327,7 @@ def clean(cache_root: str | os.PathLike[str], *, dry_run: bool = True, repair: b
         with open_cache(root, verify=False, strict=False) as reader:
             live = _referenced(reader)
             present = {k for k in live if k in reader}  # entries of unopenable shards were lost already
+            shard_of = {k: Path(sh.file).name for sh in reader.shards for k in sh.keys if k in present}
             entries_before = len(reader)
         writer = CacheWriter(root, create=False)
         try:
@@ -337,13 +344,16 @@ def clean(cache_root: str | os.PathLike[str], *, dry_run: bool = True, repair: b
                     deleted += 1
                 except FileNotFoundError:
                     pass
+        quarantined = {Path(q).name for q in compaction.quarantined}
+        repaired = sorted(k for k in lost if shard_of.get(k) in quarantined)  # damaged: the next encode re-creates
+        lost = [k for k in lost if shard_of.get(k) not in quarantined]
         if lost:
             raise CacheCorruptError(str(root), f"{len(lost)} entries referenced by a dataset are missing after "
                                     "clean; this is a bug, please report it", entry=lost[0])
         report = CleanReport(
             preview, False, entries_removed=entries_before - entries_after, files_deleted=deleted,
             bytes_freed=max(0, before - _tree_bytes(root)), compaction=compaction,
-            seconds=time.perf_counter() - start,
+            seconds=time.perf_counter() - start, repaired_entries=tuple(repaired),
         )
     log.info("%s", report.summary())
     return report

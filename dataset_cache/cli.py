@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("clean", help="remove entries no dataset references and orphan files; compact shards")
     p.add_argument("path", type=Path, help="cache directory")
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+    p.add_argument("--repair", action="store_true",
+                   help="also verify every shard and take damaged ones out of the cache, moving their files to "
+                        "damaged/ (never deleted); without it damaged shards are only reported")
     p.set_defaults(run=_cmd_clean)
 
     from .bench import add_arguments as _bench_arguments
@@ -178,7 +181,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_clean(args: argparse.Namespace) -> int:
     from .clean import clean
 
-    report = clean(args.path, dry_run=args.dry_run)
+    report = clean(args.path, dry_run=args.dry_run, repair=args.repair)
     sys.stdout.write(report.summary() + "\n")
     return EXIT_OK
 

@@ -37,6 +37,12 @@ class CleanCache(io.ComfyNode):
                 io.Boolean.Input("dry_run", default=True,
                                  tooltip="On: only report what would be removed. Off: remove it (refused while "
                                  "an encode or a training run uses the cache)."),
+                io.Boolean.Input("repair", default=False, optional=True, advanced=True,
+                                 tooltip="On (with dry_run off): read every shard and take the damaged ones out "
+                                 "of the cache, moving their files to the cache's damaged/ folder; their entries "
+                                 "are re-encoded by the next Encode Dataset. Off: damaged shards are only "
+                                 "reported. Shards that cannot be read for now (permissions, I/O) are never "
+                                 "taken out."),
             ],
             outputs=[io.String.Output(display_name="report",
                                       tooltip="Entries and bytes unreferenced or removed, shards compacted.")],
@@ -60,12 +66,12 @@ class CleanCache(io.ComfyNode):
         return float("nan")  # the cache changes under the same name, and a clean must act every time it is asked
 
     @classmethod
-    def execute(cls, name: str, dry_run: bool) -> io.NodeOutput:
+    def execute(cls, name: str, dry_run: bool, repair: bool = False) -> io.NodeOutput:
         root = resolve_cache(name)
         if not (root / MANIFEST).is_file():
             raise ValueError(f"unknown cache {name!r} (no cache at {root}); available: "
                              f"{', '.join(list_caches()) or 'none'}")
-        report = clean(root, dry_run=dry_run)
+        report = clean(root, dry_run=dry_run, repair=repair)
         text = report.summary()
         if report.compaction is not None:
             text += (f"\nshards compacted: {report.compaction.shards_rewritten} rewritten, "

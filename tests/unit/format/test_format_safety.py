@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dataset_cache.cli import main
 from dataset_cache.clean import clean, preview_clean
 from dataset_cache.dataset import Sample
 from dataset_cache.errors import CacheCorruptError, CacheError, CacheLinkError, CacheUnreadableError
@@ -135,6 +136,22 @@ def test_truncated_shard_is_dropped_only_by_an_explicit_repair(tmp_path: Path) -
     clean_report = clean(tmp_path, dry_run=False, repair=True)
     assert (tmp_path / "damaged" / victim.name).is_file() and not victim.exists()
     assert open_cache(tmp_path).verify() == []
+
+
+def test_repair_of_a_referenced_damaged_entry_says_which_dataset_must_be_re_encoded(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    values = _fill(tmp_path)
+    victim = _shard_of(tmp_path, "k4")  # k4 is referenced by dataset d
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert main(["clean", str(tmp_path)]) == 0  # without --repair: reported, kept
+    assert victim.is_file() and "kept as they are" in capsys.readouterr().out
+    assert main(["clean", str(tmp_path), "--repair"]) == 0
+    out = capsys.readouterr().out
+    assert "moved 1 shard file(s) to damaged/" in out and "used by a dataset (first: k4): re-encode" in out
+    assert (tmp_path / "damaged" / victim.name).is_file() and "k4" not in open_cache(tmp_path)
+    _assert_same({k: values[k] for k in ("k0", "k2")}, _readable(tmp_path))
 
 
 def test_compaction_and_clean_delete_only_files_of_the_cache_s_own_patterns(tmp_path: Path) -> None:
