@@ -68,3 +68,24 @@ def test_bad_names_and_busy_cache(mod: ModuleType, pack: ModuleType, cache_root:
             mod.CleanCache.execute(name="busy", dry_run=False)
         (dry,) = mod.CleanCache.execute(name="busy", dry_run=True).result  # a preview needs no lock
         assert "unreferenced: 3 entries" in dry
+
+
+def test_repair_is_an_advanced_optional_input_that_moves_damaged_shards_aside(mod: ModuleType, pack: ModuleType,
+                                                                              cache_root: Path) -> None:
+    from comfyui_streamcache.dataset_cache.format.reader import open_cache
+
+    schema = mod.CleanCache.define_schema()
+    repair = next(i for i in schema.inputs if i.id == "repair")
+    assert repair.default is False and repair.optional and repair.advanced  # old workflows lack it: off
+    root = cache_root / "to_repair"
+    _cache(pack, root)
+    with open_cache(root) as reader:
+        victim = next(sh.path for sh in reader.shards if f"{0:032x}" in sh.keys)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    (kept,) = mod.CleanCache.execute(name="to_repair", dry_run=False).result  # as a workflow without `repair`
+    assert victim.is_file() and "kept as they are" in kept
+    (repaired,) = mod.CleanCache.execute(name="to_repair", dry_run=False, repair=True).result
+    assert (root / "damaged" / victim.name).is_file() and not victim.exists()
+    assert "moved 1 shard file(s) to damaged/" in repaired and "re-encode it" in repaired
