@@ -150,6 +150,8 @@ class EncodeReport:
         if self.failures:
             lines.append(f"{self.failed} failed, {self.skipped} samples skipped; first: "
                          f"{self.failures[0].relpath}: {self.failures[0].reason}")
+        if self.compaction is not None and self.compaction.findings():
+            lines.append(f"cache: {self.compaction.findings()}")
         return "\n".join(lines)
 
 

@@ -216,6 +216,8 @@ class SaveCache(io.ComfyNode):
                              "`conditioning` (e.g. from Make Training Dataset)")
         packed = (f"compacted: {compaction.shards_before} → {compaction.shards_after} shards"
                   if compaction else "not compacted (a training run is reading the cache; run Clean Cache later)")
+        if compaction is not None and compaction.findings():
+            packed += f"\n{compaction.findings()}"
         _OWN_WRITES.remember((str(root), ds_name), "", cache_identity(root, ds_name))
         text = f"saved dataset {ds_name!r} ({n} samples) into {root}\n{what}\n{packed}"
         return io.NodeOutput(StreamDatasetHandle(str(root), ds_name), ui=ui.PreviewText(text))

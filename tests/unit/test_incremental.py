@@ -665,3 +665,21 @@ def test_no_encode_plans_a_cache_inside_a_cache(folder: Path, cache: Path, inner
         _plan(folder, cache / inner)
     assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) == before
     assert open_cache(cache).verify() == []
+
+
+def test_an_encode_whose_compaction_cannot_read_a_shard_keeps_it_and_says_so(folder: Path, cache: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from support.faults import FaultInjector
+
+    _build(folder, cache)
+    with open_cache(cache) as reader:
+        (victim,) = [sh.path for sh in reader.shards]
+    (folder / "10_red" / "img_000.txt").write_text("an edited caption", encoding="utf-8")
+    faults = FaultInjector(victim, monkeypatch)
+    with faults.active(rule=lambda op, path: errno.EACCES if op == "open" else None):
+        report = _build(folder, cache)  # entries of the unreadable shard count as absent: encoded again
+    assert victim.is_file()
+    assert "cache: 1 cache file(s) could not be read and were left untouched" in report.summary()
+    _assert_complete(cache)
