@@ -188,7 +188,18 @@ def _encoders(cls: type, root: Path, dataset: str, vae: Any, clip: Any) -> _Enco
                      ids["clip"], vae is not None, clip is not None, record)
 
 
+def reads_batch_as_frames(vae: Any) -> bool:
+    """Whether ComfyUI's ``VAE`` treats a batch of images as the frames of one clip (a video VAE such as WAN's),
+    as its own ``VAE.encode`` decides: ``latent_dim == 3`` unless ``not_video``."""
+    return getattr(vae, "latent_dim", 2) == 3 and not getattr(vae, "not_video", False)
+
+
 def _image_encoder(vae: Any) -> Callable[[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    if reads_batch_as_frames(vae):  # one call per image, each a one-frame clip: [1, C, 1, h, w]
+        def encode_each(images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+            return [{"samples": vae.encode(images[i:i + 1, :, :, :3])} for i in range(images.shape[0])]
+        return encode_each
+
     def encode(images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         latents = vae.encode(images[:, :, :, :3])
         return [{"samples": latents[i:i + 1]} for i in range(latents.shape[0])]

@@ -1,0 +1,67 @@
+"""Encode Dataset with a video VAE (a tiny WAN 2.1 VAE read by ComfyUI's own ``VAELoader``).
+
+A video VAE reads a batch of images as the frames of one clip, so a batched encode returns one latent for the
+whole batch. Each image must be encoded on its own, giving ``[1, 16, 1, h/8, w/8]`` latents that match an
+encode of that image alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from PIL import Image
+from support.tiny_families import save_wan21_vae
+from support.tiny_models import TinyModels
+
+from .test_encode_dataset import Run, _encoded, _prompt
+
+
+@pytest.fixture(scope="module")
+def mod(pack: ModuleType) -> ModuleType:
+    return importlib.import_module(f"{pack.__name__}.nodes.encode_dataset")
+
+
+@pytest.fixture(scope="module")
+def wan_vae(comfy_nodes: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
+    import folder_paths
+
+    folder = tmp_path_factory.mktemp("wan_vae")
+    path = save_wan21_vae(folder)
+    folder_paths.add_model_folder_path("vae", str(folder))
+    (vae,) = comfy_nodes.VAELoader().load_vae(path.name)
+    return path.name, vae
+
+
+def test_a_video_vae_encodes_each_image_on_its_own(mod: ModuleType, wan_vae: tuple, comfy_nodes: ModuleType,
+                                                     tiny_models: TinyModels, comfy_folders: Path) -> None:
+    import folder_paths
+
+    vae_name, vae = wan_vae
+    assert vae.latent_dim == 3 and not vae.not_video  # what ComfyUI says of a video VAE
+    folder = Path(folder_paths.get_input_directory()) / "video_vae_src"
+    folder.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    pixels = {}
+    for i in range(3):  # three images of one bucket: one batch of the encode
+        arr = (torch.rand(64, 64, 3, generator=gen) * 255).to(torch.uint8)
+        Image.fromarray(arr.numpy()).save(folder / f"img_{i}.png")
+        (folder / f"img_{i}.txt").write_text(f"caption {i}", encoding="utf-8")
+        pixels[f"img_{i}.png"] = arr.float()[None] / 255
+    (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny_models.name("clip"), "stable_diffusion")
+    run = Run(mod, _prompt("video_vae_src", "video_vae", vae_name, tiny_models.name("clip"), batch_size=4))
+    handle, report, _ = run.queue(vae, clip)
+    assert _encoded(report) == (3, 3)
+    reader, samples = handle.open()
+    try:
+        assert len(samples) == 3
+        for s in samples:
+            latent = reader.read([s.latent])[0]["samples"]
+            assert latent.shape == (1, 16, 1, 8, 8)
+            alone = vae.encode(pixels[s.source])
+            torch.testing.assert_close(latent, alone.to(latent.dtype), rtol=1e-3, atol=1e-4)
+    finally:
+        reader.close()
