@@ -44,6 +44,9 @@ __all__ = ["BatchPlan", "BucketSampler", "buckets_from_reader"]
 
 log = logging.getLogger("dataset_cache.sampler")
 
+LATENT_RANKS = (4, 5)
+"""Ranks of a stored latent: ``[1, C, H, W]`` from image VAEs, ``[1, C, T, H, W]`` from video VAEs."""
+
 _STATE_VERSION = 1
 _TAILS = ("drop", "wrap")
 
@@ -80,7 +83,8 @@ class _Epoch:
 
 
 def buckets_from_reader(reader: Any, samples: Sequence[Sample]) -> list[tuple[int, ...]]:
-    """Return each sample's bucket: the ``(C, H, W)`` of its latent, read from headers only (no tensor I/O).
+    """Return each sample's bucket: its latent's shape without the leading 1 — ``(C, H, W)`` for images,
+    ``(C, T, H, W)`` for video VAEs — read from headers only (no tensor I/O). Rows of one bucket stack.
 
     Args:
         reader: an open :class:`~dataset_cache.format.reader.CacheReader`: its ``tensor_shapes(key)`` (or else
@@ -89,7 +93,8 @@ def buckets_from_reader(reader: Any, samples: Sequence[Sample]) -> list[tuple[in
 
     Raises:
         KeyError: a sample's latent entry is not in the cache.
-        ValueError: a latent is not a ``[1, C, H, W]`` ``"samples"`` tensor (the loader stacks rows).
+        ValueError: a latent is not a ``[1, C, H, W]`` or ``[1, C, T, H, W]`` ``"samples"`` tensor (the loader
+            stacks rows along the first dimension).
     """
     out: list[tuple[int, ...]] = []
     shapes: dict[str, tuple[int, ...]] = {}
@@ -105,10 +110,11 @@ def buckets_from_reader(reader: Any, samples: Sequence[Sample]) -> list[tuple[in
                 )
             leaf = value["samples"]
             shape = tuple(int(d) for d in (leaf if isinstance(leaf, torch.Size) else leaf.shape))
-            if len(shape) != 4 or shape[0] != 1:
+            if len(shape) not in LATENT_RANKS or shape[0] != 1:
                 raise ValueError(
                     f"sample {i} ({s.source or s.latent}): latent entry {s.latent} has samples shape {list(shape)}, "
-                    "expected [1, C, H, W]; store one image per latent entry"
+                    "expected [1, C, H, W] (images) or [1, C, T, H, W] (video VAEs); store one image or clip per "
+                    "latent entry"
                 )
             shapes[s.latent] = shape
         out.append(shape[1:])

@@ -163,6 +163,19 @@ def test_batches_come_in_sampler_order_with_exact_values(prefetch, threads):
         assert b.latents.shape[0] == 3
 
 
+@pytest.mark.parametrize("threads", [0, 2])
+def test_video_latents_stack_into_five_dimensional_batches(threads):
+    samples, entries = make_dataset(12, shapes=((16, 1, 8, 8), (16, 3, 8, 8)))  # one-frame images and clips
+    reader = FakeReader(entries)
+    sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 3, 1, tail="wrap")
+    with PrefetchLoader(reader, sampler, prefetch_batches=2, threads=threads) as loader:
+        got = list(loader)
+    assert got and {tuple(b.latents.shape[2:]) for b in got} == {(1, 8, 8), (3, 8, 8)}
+    for b in got:
+        assert b.latents.shape[:2] == (3, 16)
+        assert_batch_matches(b, entries)
+
+
 def test_out_of_order_completion_is_delivered_in_order():
     _, entries, reader, sampler = make(n=30)
     slow_first = reader.read

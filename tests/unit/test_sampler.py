@@ -347,7 +347,19 @@ def test_buckets_from_reader_uses_header_shapes_once_per_entry():
     assert s.buckets == {(4, 8, 8): 1 + 3 + 2, (4, 16, 8): 2 + 1 + 3}
 
 
-def test_buckets_from_reader_refuses_batched_latents():
+@pytest.mark.parametrize("shape", [(2, 4, 8, 8), (2, 16, 1, 8, 8), (4, 8, 8), (1, 1, 16, 1, 8, 8)])
+def test_buckets_from_reader_refuses_batched_latents_and_other_ranks(shape):
     samples = make_samples(1)
-    with pytest.raises(ValueError, match=r"expected \[1, C, H, W\]"):
-        buckets_from_reader(_HeaderOnlyReader({samples[0].latent: (2, 4, 8, 8)}), samples)
+    with pytest.raises(ValueError, match=r"expected \[1, C, H, W\] \(images\) or \[1, C, T, H, W\]"):
+        buckets_from_reader(_HeaderOnlyReader({samples[0].latent: shape}), samples)
+
+
+def test_video_latents_bucket_by_frames_and_size():
+    samples = make_samples(6)
+    frames = (1, 1, 5, 5, 1, 5)  # one-frame images and 5-frame clips of one size: two buckets
+    shapes = {s.latent: (1, 16, t, 8, 8) for s, t in zip(samples, frames)}
+    buckets = buckets_from_reader(_HeaderOnlyReader(shapes), samples)
+    assert buckets == [(16, t, 8, 8) for t in frames]
+    sampler = BucketSampler(samples, buckets, 2, seed=0, tail="drop")
+    for plan in sampler.epoch_plans(0):
+        assert len({frames[i] for i in plan.sample_indices}) == 1  # a batch never mixes frame counts
