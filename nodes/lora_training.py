@@ -277,7 +277,9 @@ class _Conditioner:
     Per row: ``convert_cond`` (ComfyUI's dict form of a conditioning entry) → ``encode_model_conds`` with the
     model's ``extra_conds`` (``c_crossattn``, ``y`` for SDXL-style pooled vectors, concat inputs, ...) for that row's
     noise and latent → ``process_cond(batch_size=1)``; then ``cond_cat`` joins the rows, padding cross-attention of
-    different token lengths the way ComfyUI's sampler does.
+    different token lengths the way ComfyUI's sampler does. Rows whose conditionings cannot be joined (an LLM
+    encoder's captions of different lengths, a T5 prompt past its padded length) form groups of their own, each
+    run through the model separately, as ComfyUI's sampler runs conditionings it cannot batch.
     """
 
     def __init__(self, model: Any, device: torch.device) -> None:
@@ -286,7 +288,8 @@ class _Conditioner:
         self._warned: set[str] = set()
 
     def __call__(self, conditionings: Sequence[Any], noise: torch.Tensor, latents: torch.Tensor,
-                 seed: int) -> dict[str, Any]:
+                 seed: int) -> list[tuple[list[int], dict[str, Any]]]:
+        """Return ``(row indices, apply_model keyword arguments)`` per group of rows that batch together."""
         rows = []
         for i, conditioning in enumerate(conditionings):
             entries = comfy.sampler_helpers.convert_cond(conditioning)
@@ -302,7 +305,14 @@ class _Conditioner:
                 latent_image=latents[i : i + 1], seed=seed,
             )
             rows.append({k: v.process_cond(batch_size=1, area=None) for k, v in encoded["model_conds"].items()})
-        return comfy.samplers.cond_cat(rows, device=self.device)
+        groups: list[list[int]] = []
+        for i, row in enumerate(rows):
+            home = next((g for g in groups if comfy.samplers.cond_equal_size(rows[g[0]], row)), None)
+            if home is None:
+                groups.append([i])
+            else:
+                home.append(i)
+        return [(g, comfy.samplers.cond_cat([rows[i] for i in g], device=self.device)) for g in groups]
 
     def _warn_once(self, what: str, message: str, *args: object) -> None:
         if what not in self._warned:
@@ -500,10 +510,16 @@ class _Loop:
         sigma, noise = sigma.to(self.device), noise.to(self.device)
         xt = ms.noise_scaling(sigma, noise, latents, False)
         x0 = ms.noise_scaling(torch.zeros_like(sigma), torch.zeros_like(noise), latents, False)
-        kwargs = self.conditioner(batch.conditioning, noise, latents, _mix_seed(self.settings.seed, index))
+        groups = self.conditioner(batch.conditioning, noise, latents, _mix_seed(self.settings.seed, index))
         with self._autocast():
             # inputs require grad as in the built-in trainer: its offload checkpointing only records a graph then
-            pred = self.forward(xt.requires_grad_(True), sigma.requires_grad_(True), kwargs)
+            xt, sigma = xt.requires_grad_(True), sigma.requires_grad_(True)
+            if len(groups) == 1:
+                pred = self.forward(xt, sigma, groups[0][1])
+            else:  # one model call per group, the predictions put back in row order
+                order = torch.tensor([i for rows, _ in groups for i in rows], device=self.device)
+                parts = [self.forward(xt[rows], sigma[rows], kwargs) for rows, kwargs in groups]
+                pred = torch.cat(parts)[torch.argsort(order)]
             loss = self.loss_fn(pred.float(), x0.float())
         scaled = loss / self.settings.grad_accumulation_steps
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()

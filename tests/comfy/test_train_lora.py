@@ -286,11 +286,25 @@ def test_every_row_is_paired_with_its_own_caption(pack: ModuleType, models: tupl
     long = torch.randn(1, 154, 768)
     conds = [[[short, {"pooled_output": torch.randn(1, 768)}]], [[long, {"pooled_output": torch.randn(1, 768)}]]]
     noise = torch.zeros(2, 4, 8, 8)
-    kwargs = training._Conditioner(model.model, torch.device("cpu"))(conds, noise, noise, seed=0)
+    ((rows, kwargs),) = training._Conditioner(model.model, torch.device("cpu"))(conds, noise, noise, seed=0)
+    assert rows == [0, 1]  # CLIP contexts of 77 and 154 tokens join into one batch
     context = kwargs["c_crossattn"]
     assert context.shape == (2, 154, 768)
     assert torch.equal(context[0], short[0].repeat(2, 1))  # padded by repetition, as ComfyUI's cond_cat does
     assert torch.equal(context[1], long[0])
+
+
+def test_rows_whose_conditionings_cannot_be_joined_run_as_separate_groups(pack: ModuleType, models: tuple) -> None:
+    """77 and 100 CLIP tokens have no small common multiple, so ComfyUI's sampler would not batch them: neither
+    does the trainer. Each group's prediction equals the prediction of its rows alone."""
+    training = _module(pack, "nodes.lora_training")
+    model = models[0]
+    gen = torch.Generator().manual_seed(3)
+    conds = [[[torch.randn(1, n, 768, generator=gen), {}]] for n in (77, 100, 77)]
+    noise = torch.randn(3, 4, 8, 8, generator=gen)
+    groups = training._Conditioner(model.model, torch.device("cpu"))(conds, noise, noise, seed=0)
+    assert [rows for rows, _ in groups] == [[0, 2], [1]]
+    assert groups[0][1]["c_crossattn"].shape == (2, 77, 768) and groups[1][1]["c_crossattn"].shape == (1, 100, 768)
 
 
 def test_progress_events_reach_the_server_throttled(pack: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
