@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ..constants import MAX_HEADER_BYTES
-from ..errors import CacheCorruptError, CacheLinkError
+from ..errors import CacheCorruptError, CacheError, CacheLinkError
 from .layout import NOFOLLOW
 
 __all__ = [
@@ -123,6 +123,10 @@ def read_regular(path: str | os.PathLike) -> bytes:
     try:
         size = os.fstat(fd).st_size
         return _pread_exact(fd, size, 0, path, short_ok=True)
+    except OSError as exc:
+        if exc.filename is not None or isinstance(exc, CacheError):
+            raise
+        raise OSError(exc.errno, f"{exc.strerror or exc} while reading", str(path)) from exc  # name the file
     finally:
         os.close(fd)
 
