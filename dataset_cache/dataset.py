@@ -18,7 +18,8 @@ class Sample:
     """One training sample.
 
     Attributes:
-        latent: key of the latent entry (a ComfyUI latent dict, ``{"samples": Tensor[1, C, H, W], ...}``).
+        latent: key of the latent entry (a ComfyUI latent dict, ``{"samples": Tensor[1, C, H, W], ...}``;
+            ``[1, C, T, H, W]`` from a video VAE).
         captions: keys of the conditioning entries, one per caption variant; training picks one per epoch.
         repeats: how many times the sample appears in an epoch (kohya ``<repeats>_<name>`` folders).
         source: the source image's path relative to the dataset folder, for reports only.

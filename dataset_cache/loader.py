@@ -75,7 +75,7 @@ class Batch:
 
     Attributes:
         plan: which samples and entries it holds.
-        latents: the stacked ``"samples"`` of every row, ``[B, C, H, W]``.
+        latents: the stacked ``"samples"`` of every row, ``[B, C, H, W]`` (``[B, C, T, H, W]`` for video latents).
         conditioning: per row, its conditioning structure with real tensors (rows sharing a caption entry share the
             same objects; do not modify them in place).
         latent_extras: per row, the latent dict's other keys (e.g. ``"noise_mask"``), or ``None`` if no row has any.
@@ -296,7 +296,7 @@ def _as_one_block(rows: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def _stack(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Stack latent rows into a ``[B, C, H, W]`` tensor on ``device`` (async from pinned memory on CUDA).
+    """Stack latent rows into one ``[B, ...]`` tensor on ``device`` (async from pinned memory on CUDA).
 
     Rows that the reader left back to back need no stacking: on the CPU the batch is a view of its own read
     buffer, on CUDA one copy moves it.

@@ -159,7 +159,7 @@ class TrainResult:
         seconds: wall time of the step loop.
         samples_per_s: batch rows per second over the run.
         data_wait_pct: share of the loop's time spent waiting for data, in percent.
-        buckets: latent shape ``(C, H, W)`` → occurrences per epoch.
+        buckets: latent shape ``(C, H, W)`` (``(C, T, H, W)`` for video latents) → occurrences per epoch.
     """
 
     lora: dict[str, torch.Tensor]
