@@ -49,6 +49,7 @@ from comfy.weight_adapter import adapter_maps
 from ..dataset_cache.dataset import Sample
 from ..dataset_cache.loader import Batch, PrefetchLoader
 from ..dataset_cache.sampler import BucketSampler, buckets_from_reader
+from ..dataset_cache.trainable import check_trainable, non_finite_entries
 
 __all__ = [
     "OPTIMIZERS",
@@ -75,7 +76,6 @@ _SIGMA_EDGE = 1e-5
 """Timestep percentages are drawn in ``[1e-5, 1 - 1e-5]``: ``percent_to_sigma(0)`` is a 1e9 sentinel, not a sigma."""
 _SMOOTHING = 0.1
 """Weight of the newest loss in the exponential moving average reported as ``loss_smooth``."""
-_IGNORED_COND_KEYS = ("area", "mask", "strength", "timestep_start", "timestep_end", "control", "gligen", "hooks")
 
 
 @dataclass(frozen=True)
@@ -285,21 +285,14 @@ class _Conditioner:
     def __init__(self, model: Any, device: torch.device) -> None:
         self.model = model
         self.device = device
-        self._warned: set[str] = set()
 
     def __call__(self, conditionings: Sequence[Any], noise: torch.Tensor, latents: torch.Tensor,
                  seed: int) -> list[tuple[list[int], dict[str, Any]]]:
         """Return ``(row indices, apply_model keyword arguments)`` per group of rows that batch together."""
         rows = []
         for i, conditioning in enumerate(conditionings):
-            entries = comfy.sampler_helpers.convert_cond(conditioning)
-            if len(entries) > 1:
-                self._warn_once("entries", "a conditioning with %d entries: training uses its first entry only "
-                                "(combine captions with Conditioning Concat instead)", len(entries))
-            entry = entries[0]
-            ignored = [k for k in _IGNORED_COND_KEYS if k in entry]
-            if ignored:
-                self._warn_once("keys", "conditioning keys %s are ignored in training", ignored)
+            # check_trainable refused multi-entry conditionings and sampler-only options when the dataset opened
+            (entry,) = comfy.sampler_helpers.convert_cond(conditioning)
             (encoded,) = comfy.samplers.encode_model_conds(
                 self.model.extra_conds, [entry], noise[i : i + 1], self.device, "positive",
                 latent_image=latents[i : i + 1], seed=seed,
@@ -313,11 +306,6 @@ class _Conditioner:
             else:
                 home.append(i)
         return [(g, comfy.samplers.cond_cat([rows[i] for i in g], device=self.device)) for g in groups]
-
-    def _warn_once(self, what: str, message: str, *args: object) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(message, *args)
 
 
 class _Forward:
@@ -384,6 +372,7 @@ def train_lora(
     train = nodes_train_module()
     existing, existing_steps = _load_existing_lora(settings.existing_lora)
     buckets = buckets_from_reader(reader, samples)
+    check_trainable(reader, samples)  # integer latents, combined or area conditionings: refused before any step
 
     with torch.inference_mode(False):
         mp = model.clone(force_deepcopy=True)
@@ -444,6 +433,24 @@ def train_lora(
                        wait_pct, dict(sampler.buckets))
 
 
+class NonFiniteLossError(ValueError):
+    """Training stopped at a NaN or infinite loss: every later step would only spread it into the LoRA."""
+
+    def __init__(self, step: int, loss: float, batch: Batch) -> None:
+        plan = batch.plan
+        bad = non_finite_entries(plan.latent_keys, batch.latents, plan.caption_keys, batch.conditioning)
+        cause = (f"these entries hold NaN or infinite values: {', '.join(bad[:4])}"
+                 f"{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}; the cache's checksums cannot catch values "
+                 "that were stored that way: re-encode those images and captions" if bad else
+                 "the batch's values are finite, so the model diverged: lower the learning rate, or train in "
+                 "bf16/fp32 rather than fp16")
+        super().__init__(f"training stopped at step {step}: the loss is {loss} (batch {plan.index} of epoch "
+                         f"{plan.epoch}, latents {', '.join(plan.latent_keys[:4])}"
+                         f"{' ...' if len(plan.latent_keys) > 4 else ''}); {cause}. No LoRA was written")
+        self.step = step
+        self.entries = bad
+
+
 class _Loop:
     """The step loop: ``steps`` optimizer steps of ``grad_accumulation_steps`` batches each.
 
@@ -486,7 +493,10 @@ class _Loop:
                 batch: Batch = next(batches)
                 wait += time.perf_counter() - t_wait
                 index = self.first_batch + step * s.grad_accumulation_steps + micro
-                total += self._fwd_bwd(batch, index)
+                batch_loss = self._fwd_bwd(batch, index)
+                if not math.isfinite(batch_loss):
+                    raise NonFiniteLossError(step + 1, batch_loss, batch)
+                total += batch_loss
                 rows += batch.latents.shape[0]
             self._optimizer_step()
             loss = total / s.grad_accumulation_steps

@@ -382,3 +382,46 @@ def test_empty_dataset_is_a_clear_error(node: type, models: tuple, dataset: Any,
 def test_unknown_algorithm_is_a_clear_error(node: type, models: tuple, dataset: Any) -> None:
     with pytest.raises(ValueError, match="unknown algorithm 'DoRA'; use one of LoRA"):
         _train(node, models[0], dataset, algorithm="DoRA")
+
+
+# ------------------------------------------------------------------------------------------ values that train wrong
+def _poisoned(pack: ModuleType, handles: ModuleType, root: Path, bad_latent: torch.Tensor) -> Any:
+    """Three good samples and one whose latent is ``bad_latent`` (valid checksums: stored that way)."""
+    writer_mod = _module(pack, "dataset_cache.format.writer")
+    sample_cls = _module(pack, "dataset_cache.dataset").Sample
+    gen = torch.Generator().manual_seed(5)
+    samples = []
+    with torch.inference_mode(), writer_mod.CacheWriter(root) as writer:
+        for i in range(4):
+            value = bad_latent if i == 2 else torch.randn(1, 4, 8, 8, generator=gen)
+            writer.add(_key(f"poison-latent{i}"), {"samples": value}, kind="latent")
+            writer.add(_key(f"poison-cond{i}"), [[torch.randn(1, 77, 768, generator=gen), {}]], kind="conditioning")
+            samples.append(sample_cls(_key(f"poison-latent{i}"), (_key(f"poison-cond{i}"),), source=f"img{i}.png"))
+        writer.set_dataset("train", samples)
+    return handles.StreamDatasetHandle(str(root), "train")
+
+
+def test_a_nan_latent_stops_training_at_its_first_batch_naming_it(pack: ModuleType, node: type, models: tuple,
+                                                                 handles: ModuleType, tmp_path: Path) -> None:
+    bad = torch.randn(1, 4, 8, 8)
+    bad[0, 1, 2, 3] = float("nan")
+    dataset = _poisoned(pack, handles, tmp_path / "nan_cache", bad)
+    training = _module(pack, "nodes.lora_training")
+    with pytest.raises(training.NonFiniteLossError) as info:
+        _train(node, models[0], dataset, batch_size=1, steps=8, seed=3)
+    message = str(info.value)
+    assert f"latent {_key('poison-latent2')}" in message and "No LoRA was written" in message
+    assert info.value.step <= 4 and info.value.entries == [f"latent {_key('poison-latent2')}"]
+
+
+def test_an_integer_latent_is_refused_before_any_step(pack: ModuleType, node: type, models: tuple,
+                                                      handles: ModuleType, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    dataset = _poisoned(pack, handles, tmp_path / "int_cache", torch.zeros(1, 4, 8, 8, dtype=torch.int16))
+    training = _module(pack, "nodes.lora_training")
+    steps: list[int] = []
+    real_fwd_bwd = training._Loop._fwd_bwd
+    monkeypatch.setattr(training._Loop, "_fwd_bwd", lambda self, b, i: steps.append(i) or real_fwd_bwd(self, b, i))
+    with pytest.raises(ValueError, match=r"sample 2 \(img2.png\): latent entry .* holds torch.int16 samples"):
+        _train(node, models[0], dataset)
+    assert steps == []
