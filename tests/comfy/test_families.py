@@ -16,7 +16,6 @@ import gc
 import importlib
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
