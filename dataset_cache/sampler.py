@@ -40,7 +40,7 @@ import torch
 
 from .dataset import Sample
 
-__all__ = ["BatchPlan", "BucketSampler", "buckets_from_reader"]
+__all__ = ["BatchPlan", "BucketSampler", "buckets_from_reader", "fit_batch_size"]
 
 log = logging.getLogger("dataset_cache.sampler")
 
@@ -121,6 +121,19 @@ def buckets_from_reader(reader: Any, samples: Sequence[Sample]) -> list[tuple[in
     return out
 
 
+def fit_batch_size(samples: Sequence[Sample], bucket_of: Sequence[Hashable], batch_size: int) -> int:
+    """The largest batch size up to ``batch_size`` that a bucketed epoch can fill without copies.
+
+    A batch holds one bucket, so rows beyond the largest bucket's occurrences per epoch (samples × repeats) would
+    only repeat its samples; a batch size far past the dataset must not turn into memory (a batch of 10000 on 4
+    images). Smaller buckets still complete their last batch with their own samples under ``tail="wrap"``.
+    """
+    occurrences: dict[Hashable, int] = {}
+    for s, b in zip(samples, bucket_of):
+        occurrences[b] = occurrences.get(b, 0) + s.repeats
+    return max(1, min(int(batch_size), max(occurrences.values(), default=1)))
+
+
 def _derive_seed(*parts: object) -> int:
     """Mix ``parts`` into a 63-bit seed; stable across processes and Python versions (unlike ``hash()``)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
@@ -191,6 +204,11 @@ class BucketSampler:
         self._repeats = torch.tensor([s.repeats for s in samples], dtype=torch.int64)
         self._n_captions = torch.tensor([len(s.captions) for s in samples], dtype=torch.int64)
         self._occurrences = [self._repeats[m].sum().item() for m in self._bucket_members]
+        if self.batch_size > max(self._occurrences):  # every row past that would be a copy: memory for nothing
+            raise ValueError(
+                f"batch_size {self.batch_size} is larger than the largest bucket ({max(self._occurrences)} "
+                "occurrences per epoch), so every batch would be filled with copies; use fit_batch_size() to "
+                "clamp it, or a smaller batch_size")
         self._per_bucket = [self._batches_in(n) for n in self._occurrences]
         total = sum(self._per_bucket)
         self._per_rank = total // self._world if tail == "drop" else math.ceil(total / self._world)

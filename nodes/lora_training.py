@@ -22,6 +22,7 @@ Only the execution thread calls ComfyUI's progress and interrupt functions; the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import logging
@@ -48,7 +49,7 @@ from comfy.weight_adapter import adapter_maps
 
 from ..dataset_cache.dataset import Sample
 from ..dataset_cache.loader import Batch, PrefetchLoader
-from ..dataset_cache.sampler import BucketSampler, buckets_from_reader
+from ..dataset_cache.sampler import BucketSampler, buckets_from_reader, fit_batch_size
 from ..dataset_cache.trainable import check_trainable, non_finite_entries
 
 __all__ = [
@@ -160,6 +161,7 @@ class TrainResult:
         samples_per_s: batch rows per second over the run.
         data_wait_pct: share of the loop's time spent waiting for data, in percent.
         buckets: latent shape ``(C, H, W)`` (``(C, T, H, W)`` for video latents) → occurrences per epoch.
+        notes: settings the run had to change, for the user (a batch size clamped to the largest bucket).
     """
 
     lora: dict[str, torch.Tensor]
@@ -169,12 +171,13 @@ class TrainResult:
     samples_per_s: float
     data_wait_pct: float
     buckets: dict[Any, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
     def summary(self) -> str:
-        """One paragraph for the node's UI."""
+        """One paragraph for the node's UI (what was changed from the settings first)."""
         first = sum(self.losses[:5]) / max(1, len(self.losses[:5]))
         last = sum(self.losses[-5:]) / max(1, len(self.losses[-5:]))
-        return (
+        return "".join(f"NOTE: {n}. " for n in self.notes) + (
             f"trained {len(self.losses)} steps ({self.steps} in total) in {self.seconds:.1f} s: "
             f"{self.samples_per_s:.2f} samples/s, waited for data {self.data_wait_pct:.1f}% of the time; "
             f"loss {first:.4f} (first 5) → {last:.4f} (last 5); "
@@ -373,6 +376,13 @@ def train_lora(
     existing, existing_steps = _load_existing_lora(settings.existing_lora)
     buckets = buckets_from_reader(reader, samples)
     check_trainable(reader, samples)  # integer latents, combined or area conditionings: refused before any step
+    notes: list[str] = []
+    fitted = fit_batch_size(samples, buckets, settings.batch_size)
+    if fitted < settings.batch_size:  # the rest of each batch would be copies: clamp, and say so on the node
+        notes.append(f"batch_size {settings.batch_size} is larger than this dataset's largest bucket ({fitted} "
+                     f"images × repeats per epoch): trained with batch_size {fitted}")
+        log.warning("Train LoRA: %s", notes[-1])
+        settings = dataclasses.replace(settings, batch_size=fitted)
 
     with torch.inference_mode(False):
         mp = model.clone(force_deepcopy=True)
@@ -430,7 +440,7 @@ def train_lora(
         del adapters, optimizer, lora_sd, mp
     wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
     return TrainResult(lora, losses, settings.steps + existing_steps, seconds, rows / seconds if seconds else 0.0,
-                       wait_pct, dict(sampler.buckets))
+                       wait_pct, dict(sampler.buckets), tuple(notes))
 
 
 class NonFiniteLossError(ValueError):

@@ -425,3 +425,14 @@ def test_an_integer_latent_is_refused_before_any_step(pack: ModuleType, node: ty
     with pytest.raises(ValueError, match=r"sample 2 \(img2.png\): latent entry .* holds torch.int16 samples"):
         _train(node, models[0], dataset)
     assert steps == []
+
+
+def test_a_batch_larger_than_the_dataset_is_clamped_and_the_node_says_so(node: type, models: tuple,
+                                                                         dataset: Any) -> None:
+    out = _train(node, models[0], dataset, batch_size=10_000, steps=2)  # the input's maximum
+    lora, loss_map, steps = out.result
+    (summary,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
+    # 6 samples in buckets of 4 (64×64) and 2 (64×96): the largest bucket fills a batch of 4
+    assert "batch_size 10000 is larger than this dataset's largest bucket (4 images × repeats per epoch): " \
+           "trained with batch_size 4" in summary
+    assert steps == 2 and len(loss_map["loss"]) == 2 and lora

@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from .client import ComfyClient
 from .comfy_env import ComfyInstall
@@ -48,8 +49,11 @@ class ComfyServer:
     """One ComfyUI server process; use as a context manager or call :meth:`start` / :meth:`stop`."""
 
     def __init__(self, install: ComfyInstall, workdir: Path, *, models_dir: Path | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), address_space_limit_bytes: int | None = None) -> None:
+        """``address_space_limit_bytes`` caps the server's virtual memory (``RLIMIT_AS``, POSIX): a prompt that
+        tries to allocate without bound then fails inside the server under test, not the machine running it."""
         self.install = install
+        self.address_space_limit_bytes = address_space_limit_bytes
         self.workdir = Path(workdir).resolve()
         self.models_dir = Path(models_dir).resolve() if models_dir else None
         self.extra_args = extra_args
@@ -96,6 +100,29 @@ class ComfyServer:
             *self.extra_args,
         ]
 
+    def _limit_memory(self) -> Any:
+        limit = self.address_space_limit_bytes
+        if limit is None:
+            return None
+
+        def apply() -> None:  # runs in the child between fork and exec
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        return apply
+
+    def peak_virtual_memory_bytes(self) -> int | None:
+        """The server process's peak virtual memory (``VmPeak``, Linux), or None where unknown."""
+        if self._proc is None:
+            return None
+        try:
+            for line in Path(f"/proc/{self._proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmPeak:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self, timeout: float = 300.0) -> ComfyServer:
         """Start the server and wait for ``/object_info``; raise :class:`ServerStartError` with the log tail."""
@@ -103,7 +130,7 @@ class ComfyServer:
         log = open(self.log_path, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._proc = subprocess.Popen(self.command(), cwd=self.install.path, stdout=log, stderr=subprocess.STDOUT,
-                                      env=env, start_new_session=True)
+                                      env=env, start_new_session=True, preexec_fn=self._limit_memory())
         log.close()
         while True:
             if self._proc.poll() is not None:

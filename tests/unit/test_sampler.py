@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataset_cache.dataset import Sample
-from dataset_cache.sampler import BatchPlan, BucketSampler, buckets_from_reader
+from dataset_cache.sampler import BatchPlan, BucketSampler, buckets_from_reader, fit_batch_size
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -269,7 +269,7 @@ def test_invariants_hold_for_any_configuration(n, n_buckets, batch_size, world, 
         shards = [BucketSampler(samples, buckets, batch_size, seed, tail=tail, shuffle=shuffle, rank=r,
                                 world_size=world) for r in range(world)]
     except ValueError as exc:
-        assert "no batch of" in str(exc)
+        assert "no batch of" in str(exc) or "larger than the largest bucket" in str(exc)
         return
     epoch = seed % 5
     per_rank = [s.epoch_plans(epoch) for s in shards]
@@ -285,6 +285,18 @@ def test_invariants_hold_for_any_configuration(n, n_buckets, batch_size, world, 
             assert c <= samples[i].repeats  # nothing is seen more often than its repeats
     if tail == "wrap":
         assert all(counts[i] >= samples[i].repeats for i in range(n))  # nothing is left out
+
+
+@given(repeats=st.lists(st.integers(1, 5), min_size=1, max_size=12), n_buckets=st.integers(1, 4),
+       batch_size=st.integers(1, 10_000))
+def test_fit_batch_size_gives_the_largest_batch_a_bucket_fills(repeats, n_buckets, batch_size):
+    samples = [Sample(f"{i:032x}", ("c",), repeats=r) for i, r in enumerate(repeats)]
+    buckets = [i % n_buckets for i in range(len(samples))]
+    fitted = fit_batch_size(samples, buckets, batch_size)
+    largest = max(sum(s.repeats for s, b in zip(samples, buckets) if b == k) for k in set(buckets))
+    assert fitted == min(batch_size, largest)
+    sampler = BucketSampler(samples, buckets, fitted, tail="wrap")  # accepted, and no row beyond the dataset
+    assert all(len(p.sample_indices) == fitted for p in sampler.epoch_plans(0))
 
 
 # -------------------------------------------------------------------------------------------- state validation
@@ -314,8 +326,12 @@ def test_bad_arguments_are_refused():
         BucketSampler(samples, [0] * 4, 2)
     with pytest.raises(ValueError, match="rank must be in"):
         BucketSampler(samples, [0] * 5, 2, rank=2, world_size=2)
-    with pytest.raises(ValueError, match="use tail='wrap'"):
+    with pytest.raises(ValueError, match=r"batch_size 2 is larger than the largest bucket \(1 occurrences"):
         BucketSampler(samples, list(range(5)), 2)
+    with pytest.raises(ValueError, match=r"batch_size 10000 is larger than the largest bucket \(5 .*fit_batch_size"):
+        BucketSampler(samples, [0] * 5, 10_000, tail="wrap")  # 10000 rows of 5 samples: refused, not allocated
+    with pytest.raises(ValueError, match="no batch of 2 for each of 4 rank"):
+        BucketSampler(samples[:2], [0, 0], 2, rank=0, world_size=4)
     with pytest.raises(ValueError, match="no samples"):
         BucketSampler([], [], 2)
     with pytest.raises(IndexError, match="out of range"):

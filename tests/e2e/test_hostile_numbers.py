@@ -1,0 +1,81 @@
+"""Numeric inputs at their allowed maximum, over HTTP, on a server whose address space is capped.
+
+The server of this module runs under ``RLIMIT_AS`` (a few GiB above what it needs), so a prompt that tries to
+allocate without bound fails inside that server instead of taking the machine down; each test then checks the
+prompt's outcome and that the server still answers.
+
+* Train LoRA with ``batch_size`` 10000 (its maximum) on a 2-image cache: trains with the batch clamped to the
+  dataset's largest bucket, and the node's text says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.client import ComfyClient
+from support.comfy_env import ComfyInstall
+from support.datasets import Subset, make_kohya_folder
+from support.examples import encode_prompt
+from support.server import ComfyServer
+from support.tiny_models import TinyModels
+
+HEADROOM = 8 << 30  # what the tiny models' encode and training need above the idle server, and more
+
+TRAIN = {"batch_size": 1, "grad_accumulation_steps": 1, "steps": 2, "learning_rate": 1e-3, "rank": 4,
+         "optimizer": "AdamW", "loss_function": "MSE", "seed": 1, "training_dtype": "fp32", "lora_dtype": "fp32",
+         "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
+         "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0}
+
+
+@pytest.fixture(scope="module")
+def capped_server(comfy_install: ComfyInstall, tiny_models: TinyModels, comfy_server: ComfyServer,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
+    """A second server, capped at the session server's peak virtual memory plus :data:`HEADROOM`."""
+    peak = comfy_server.peak_virtual_memory_bytes()
+    if peak is None:
+        pytest.skip("no /proc/<pid>/status here to size the address-space limit from")
+    server = ComfyServer(comfy_install, tmp_path_factory.mktemp("capped"), models_dir=tiny_models.root,
+                         address_space_limit_bytes=peak + HEADROOM)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_cache(capped_server: ComfyServer, tiny_models: TinyModels) -> str:
+    make_kohya_folder(capped_server.input_dir / "hostile_src", (Subset(1, "ok", ((64, 64), (64, 64)), "png"),))
+    capped_server.client().run(encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"), "hostile_src",
+                                             "hostile"))
+    return "hostile"
+
+
+def _train(tiny_models: TinyModels, cache: str, **options: Any) -> dict[str, Any]:
+    return {
+        "1": {"class_type": "StreamCache_LoadLazyCache", "inputs": {"name": cache, "dataset": "default"}},
+        "2": {"class_type": "UNETLoader", "inputs": {"unet_name": tiny_models.name("unet"),
+                                                     "weight_dtype": "default"}},
+        "3": {"class_type": "StreamCache_TrainLoRA", "inputs": {"model": ["2", 0], "dataset": ["1", 0],
+                                                                **{**TRAIN, **options}}},
+        "4": {"class_type": "LossGraphNode", "inputs": {"loss": ["3", 1], "filename_prefix": "hostile"}},
+    }
+
+
+def _alive(client: ComfyClient) -> None:
+    assert client.run({"9": {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": "hostile"}}}
+                      ).status == "success"
+
+
+def test_batch_size_at_its_maximum_trains_clamped_and_says_so(capped_server: ComfyServer, small_cache: str,
+                                                              tiny_models: TinyModels) -> None:
+    client = capped_server.client()
+    result = client.run(_train(tiny_models, small_cache, batch_size=10_000), timeout=600)
+    (text,) = result.outputs["3"]["text"]
+    assert "batch_size 10000 is larger than this dataset's largest bucket (2 images × repeats per epoch): " \
+           "trained with batch_size 2" in text
+    _alive(client)
+    assert Path(capped_server.log_path).read_text(errors="replace").count("Traceback") == 0
