@@ -19,6 +19,7 @@ Runs under ComfyUI's python and calls ComfyUI's own functions in-process (CPU, `
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import json
 import os
@@ -69,12 +70,21 @@ def comfy_setup(work: Path) -> Any:
 
 
 def comfy_version(path: Path) -> str:
+    """ComfyUI's version from ``<path>/comfyui_version.py``, read without running the file ("?" if unreadable).
+
+    The file is generated as ``__version__ = "x.y.z"``; it is parsed, never executed.
+    """
     try:
-        ns: dict[str, Any] = {}
-        exec((path / "comfyui_version.py").read_text(), ns)
-        return ns["__version__"]
-    except Exception:
+        tree = ast.parse((path / "comfyui_version.py").read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return "?"
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if (any(isinstance(t, ast.Name) and t.id == "__version__" for t in targets)
+                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+                return node.value.value
+    return "?"
 
 
 def rss_now() -> float:
