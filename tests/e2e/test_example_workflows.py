@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 from support.client import ComfyClient
-from support.examples import run_example
+from support.examples import MAIN_TEMPLATE, SAVE_THEN_TRAIN_TEMPLATE, run_example
 from support.paths import PACK_ROOT
 from support.server import PACK_LINK_NAME
 from support.workflow import _widget_inputs, ui_to_api
 
 EXAMPLES = sorted((PACK_ROOT / "example_workflows").glob("*.json"))
 API_DIR = PACK_ROOT / "example_workflows" / "api"
-RUN_BY_TEST_TRAIN_FLOW = {"train_lora_from_folder", "encode_save_then_train"}
+RUN_BY_TEST_TRAIN_FLOW = {MAIN_TEMPLATE, SAVE_THEN_TRAIN_TEMPLATE}
 
 
 def _bare(prompt: dict[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """The shipped training workflows on the session's real server, over HTTP and the websocket.
 
-* the main job, ``example_workflows/api/train_lora_from_folder.json`` as shipped (the API twin of the UI template):
+* the main job, ``example_workflows/api/Train a LoRA from an image folder.json`` as shipped (the API twin of the UI template):
   folder → Encode Dataset → Train LoRA (30 steps on 4 images) → Save LoRA Weights + Plot Loss Graph, then Load
   LoRA with the saved file → KSampler → VAE Decode → Save Image; the loss falls; progress reaches the websocket;
-* ``example_workflows/api/encode_save_then_train.json``: Encode → Save Streamable Cache, then, in a second prompt,
+* ``example_workflows/api/Encode a folder into a cache then train from it.json``: Encode → Save Streamable Cache, then, in a second prompt,
   Load Lazy Cache → Train LoRA;
 * incremental encoding over HTTP: one caption line edited and one image added → one latent and only the new
   caption lines are encoded (the unchanged re-queue is covered by test_nodes_flow.py).
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from support.client import ComfyClient, PromptResult
 from support.datasets import MULTILINE_CAPTION, Subset, make_kohya_folder
-from support.examples import (ExampleRun, drop_node_cache, encode_prompt,
+from support.examples import (MAIN_TEMPLATE, SAVE_THEN_TRAIN_TEMPLATE, ExampleRun, drop_node_cache, encode_prompt,
                                make_example_folder, run_example, run_prompt)
 from support.paths import PACK_ROOT
 from support.server import ComfyServer
@@ -56,7 +56,7 @@ def _report(result: PromptResult | ExampleRun, node: str) -> dict[str, Any]:
 def full_flow(comfy_server: ComfyServer) -> ExampleRun:
     """The main example, run as shipped (queued twice, like in the UI: the sampling branch needs the LoRA file)."""
     make_example_folder(comfy_server.input_dir)
-    return run_example(comfy_server.client(), _api("train_lora_from_folder"), timeout=900)
+    return run_example(comfy_server.client(), _api(MAIN_TEMPLATE), timeout=900)
 
 
 def test_full_flow_trains_saves_and_samples(full_flow: ExampleRun, comfy_server: ComfyServer) -> None:
@@ -127,7 +127,7 @@ def test_progress_reaches_the_websocket(full_flow: ExampleRun) -> None:
 def test_encode_save_then_load_lazy_cache_and_train(comfy_server: ComfyServer, client: ComfyClient) -> None:
     """Encode → Save Streamable Cache; then a second prompt: Load Lazy Cache (the saved cache) → Train LoRA."""
     make_example_folder(comfy_server.input_dir)
-    prompt = _api("encode_save_then_train")
+    prompt = _api(SAVE_THEN_TRAIN_TEMPLATE)
     save, load = _node(prompt, "StreamCache_SaveCache"), _node(prompt, "StreamCache_LoadLazyCache")
     train = _node(prompt, "StreamCache_TrainLoRA")
     saved = comfy_server.streamcache_dir / prompt[save]["inputs"]["name"]

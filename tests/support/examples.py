@@ -20,13 +20,19 @@ from typing import Any
 
 from .client import ComfyClient, PromptResult
 
-__all__ = ["EXAMPLE_FOLDER", "EXAMPLE_SIZES", "ExampleRun", "drop_node_cache", "encode_prompt", "lora_names",
+__all__ = ["EXAMPLE_FOLDER", "EXAMPLE_SIZES", "MAIN_TEMPLATE", "SAVE_THEN_TRAIN_TEMPLATE", "ExampleRun", "drop_node_cache", "encode_prompt", "lora_names",
            "make_example_folder", "run_example", "run_prompt"]
 
 EXAMPLE_FOLDER = "streamcache_example"
 """The dataset folder (inside ComfyUI's input directory) that the example workflows encode."""
 EXAMPLE_SIZES = ((64, 64), (64, 64), (96, 64), (64, 96))
 """(width, height) of the example's four images (three aspect buckets), kohya layout ``5_pattern/``, captioned."""
+MAIN_TEMPLATE = "Train a LoRA from an image folder"
+"""File name (without ``.json``) of the main example in ``example_workflows/`` and ``example_workflows/api/``. The
+template browser shows a custom node pack's templates by file name (title and description alike), so the names
+are sentences."""
+SAVE_THEN_TRAIN_TEMPLATE = "Encode a folder into a cache then train from it"
+"""The example that saves a cache with Save Streamable Cache and trains from it with Load Lazy Cache."""
 LORA_LOADERS = ("LoraLoader", "LoraLoaderModelOnly")
 
 
