@@ -9,6 +9,8 @@ conversion, so that runs the template); the others run here, queued like a user 
 from __future__ import annotations
 
 import json
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +35,26 @@ def test_examples_are_offered_as_templates(client: ComfyClient) -> None:
     templates = client.get("/workflow_templates")
     assert sorted(templates.get(PACK_LINK_NAME, [])) == sorted(p.stem for p in EXAMPLES)  # api/ is not listed
     for path in EXAMPLES:  # and each is served to the template browser
-        served = client.get(f"/api/workflow_templates/{PACK_LINK_NAME}/{path.name}")
+        served = client.get(urllib.parse.quote(f"/api/workflow_templates/{PACK_LINK_NAME}/{path.name}"))
         assert served["nodes"] == json.loads(path.read_text(encoding="utf-8"))["nodes"]
+
+
+def _fetch(client: ComfyClient, route: str) -> tuple[bytes, str]:
+    with urllib.request.urlopen(client.base_url + urllib.parse.quote(route), timeout=30) as resp:
+        return resp.read(), resp.headers.get("Content-Type", "")
+
+
+def test_thumbnails_and_help_pages_are_served_where_the_front_end_asks(client: ComfyClient) -> None:
+    """The template browser requests ``/api/workflow_templates/<pack>/<name>.jpg``; the Info panel requests
+    ``/extensions/<pack>/docs/<node id>.md`` and refuses a text/html answer."""
+    for path in EXAMPLES:
+        body, kind = _fetch(client, f"/api/workflow_templates/{PACK_LINK_NAME}/{path.stem}.jpg")
+        assert kind == "image/jpeg" and body == path.with_suffix(".jpg").read_bytes(), path.name
+    node_ids = sorted(k for k in client.object_info() if k.startswith("StreamCache_"))
+    assert len(node_ids) >= 6
+    for node_id in node_ids:
+        body, kind = _fetch(client, f"/extensions/{PACK_LINK_NAME}/docs/{node_id}.md")
+        assert "text/html" not in kind and body == (PACK_ROOT / "web" / "docs" / f"{node_id}.md").read_bytes()
 
 
 def test_every_template_has_an_equal_api_twin(client: ComfyClient) -> None:
