@@ -38,6 +38,7 @@ from .constants import DEFAULT_SHARD_BYTES
 from .dataset import Sample
 from .errors import CacheError, CacheNotFoundError
 from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file
+from .format.manifest import check_dataset_name
 from .format.reader import open_cache
 from .gcpause import gc_paused
 from .keys import canonical_bytes, conditioning_key, latent_key
@@ -415,6 +416,7 @@ def plan_encode(
         CacheNestingError: the cache would be created inside another cache (nothing is written).
         ValueError: an empty fingerprint or dataset name.
     """
+    check_dataset_name(dataset)  # before hours of encoding, not when the dataset is stored at the end
     for name, fp in (("vae_fingerprint", vae_fingerprint), ("text_fingerprint", text_fingerprint)):
         if not isinstance(fp, str) or not fp:
             raise ValueError(f"{name} must be a non-empty str identifying the encoder (see keys.fingerprint)")

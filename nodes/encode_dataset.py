@@ -70,7 +70,8 @@ from .fingerprints import (
     vae_fingerprint,
 )
 from .handles import StreamDatasetHandle
-from .paths import resolve_cache
+from ..dataset_cache.format.manifest import check_dataset_name
+from .paths import explain_disk_full, resolve_cache, resolve_cache_to_write
 from .ui_output import EventSender, TextWithData
 
 __all__ = ["ALLOW_ABSOLUTE_ENV", "EVENT", "TRUST_UPSTREAM_ENV", "RECORD_KEY", "EncodeDataset", "report_fields",
@@ -391,11 +392,13 @@ class EncodeDataset(io.ComfyNode):
             if folder is not None:
                 resolve_folder(folder)
             if cache is not None:
-                resolve_cache(cache)
+                resolve_cache_to_write(cache)
+            if dataset is not None:
+                if not dataset.strip():
+                    return "dataset name is empty; use e.g. `default`"
+                check_dataset_name(dataset)
         except ValueError as exc:
             return str(exc)
-        if dataset is not None and not dataset.strip():
-            return "dataset name is empty; use e.g. `default`"
         return True
 
     @classmethod
@@ -406,7 +409,7 @@ class EncodeDataset(io.ComfyNode):
     @classmethod
     def _plan(cls, folder: str, cache: str, dataset: str, vae: Any, clip: Any,
               options: dict[str, Any]) -> tuple[EncodePlan, _Encoders, Path]:
-        root, src = resolve_cache(cache), resolve_folder(folder)
+        root, src = resolve_cache_to_write(cache), resolve_folder(folder)
         enc = _encoders(cls, root, dataset, vae, clip)
         plan = plan_encode(src, root, dataset=dataset, settings=_settings(**options),
                            vae_fingerprint=enc.vae_fp, text_fingerprint=enc.text_fp)
@@ -439,7 +442,8 @@ class EncodeDataset(io.ComfyNode):
             if missing:
                 raise ValueError(f"{plan.folder}: files changed after ComfyUI decided the {name} was not needed; "
                                  "queue the prompt again")
-        report = _run(plan, vae, clip, _hidden(cls, "unique_id"), earlier)
+        with explain_disk_full(root, "encoding"):
+            report = _run(plan, vae, clip, _hidden(cls, "unique_id"), earlier)
         _add_earlier_changes(report, earlier)
         if not report.sourceless:
             _store_record(root, dataset, enc)

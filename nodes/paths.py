@@ -10,14 +10,31 @@ user gave ComfyUI.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
-from collections.abc import Sequence
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path, PureWindowsPath
 
 import folder_paths
 
-__all__ = ["FOLDER_NAME", "cache_roots", "register_cache_folder", "resolve_cache", "resolve_under"]
+from ..dataset_cache.units import format_bytes
+from ..dataset_cache.format.layout import (
+    INTERNAL_DIRS,
+    MANIFEST,
+    CacheNestingError,
+    check_new_cache_location,
+    enclosing_cache,
+    is_regular_file,
+)
+
+__all__ = ["FOLDER_NAME", "cache_roots", "register_cache_folder", "resolve_cache", "resolve_cache_to_write",
+           "resolve_under", "explain_disk_full"]
+
+MAX_NAME_BYTES = 255
+"""Bytes in one folder name (Linux, macOS and Windows file systems all stop at 255)."""
 
 FOLDER_NAME = "streamcache"
 """The ``folder_paths`` key (and the default folder name under ComfyUI's ``models/``)."""
@@ -55,8 +72,8 @@ def resolve_under(name: str, roots: Sequence[Path]) -> Path:
     would be created). An absolute path is accepted only inside a root.
 
     Raises:
-        ValueError: the name is empty, contains a ``..`` segment, or is an absolute path outside every root;
-            the message lists the allowed folders and how to add one.
+        ValueError: the name is empty, contains a ``..`` segment or a part longer than 255 bytes, or is an
+            absolute path outside every root; the message lists the allowed folders and how to add one.
     """
     name = (name or "").strip()
     allowed = ", ".join(str(r) for r in roots) or "(none)"
@@ -66,6 +83,12 @@ def resolve_under(name: str, roots: Sequence[Path]) -> Path:
         raise ValueError(f"cache name is empty. {how}")
     if "\x00" in name:
         raise ValueError(f"cache name {name!r} contains a NUL character. {how}")
+    long = next((p for p in re.split(r"[\\/]+", name) if len(p.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES),
+                None)
+    if long is not None:  # checked before any stat: the OS refuses such a name with an OSError, not a message
+        raise ValueError(f"cache name {name[:40]!r}...: the part {long[:40]!r}... is "
+                         f"{len(long.encode('utf-8', 'surrogatepass'))} bytes; a folder name may have at most "
+                         f"{MAX_NAME_BYTES}")
     if _is_absolute(name):
         path = os.path.normpath(os.path.abspath(name))
         for root in roots:
@@ -84,3 +107,54 @@ def resolve_under(name: str, roots: Sequence[Path]) -> Path:
         if candidate.exists():
             return candidate
     return candidates[0]
+
+
+def resolve_cache_to_write(name: str) -> Path:
+    """Resolve the name of a cache a node creates or writes into, refusing up front what would fail or do harm.
+
+    Raises:
+        ValueError: one message for the first problem: what :func:`resolve_cache` refuses; a part of the name
+            that is a folder every cache uses (``shards``, ``datasets``, ``sources``, ``damaged``); a name that
+            is an existing file; a name inside an existing cache (its compaction would delete the inner one); a
+            folder that holds another cache's folders.
+    """
+    path = resolve_cache(name)
+    roots = [r for r in cache_roots() if _within(str(path), r)]
+    parts = path.relative_to(os.path.normpath(os.path.abspath(roots[0]))).parts if roots else path.parts[-1:]
+    internal = next((p for p in parts if p in INTERNAL_DIRS), None)
+    if internal is not None:
+        raise ValueError(f"cache name {name!r}: {internal!r} is the name of a folder inside every cache; choose "
+                         "a name without it")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"cache name {name!r}: {path} is a file, not a cache folder; choose another name")
+    outer = enclosing_cache(path)
+    if outer is not None:
+        raise ValueError(f"cache name {name!r} lies inside the cache {outer.name!r} ({outer}); a cache inside a "
+                         "cache would be deleted by the outer one's next compaction. Choose a name outside it")
+    if not is_regular_file(path / MANIFEST):
+        try:
+            check_new_cache_location(path)
+        except CacheNestingError as exc:
+            raise ValueError(f"cache name {name!r}: {exc}") from exc
+    return path
+
+
+@contextmanager
+def explain_disk_full(root: Path, action: str) -> Iterator[None]:
+    """Turn a full disk while writing the cache at ``root`` into a message that says which disk and that what was
+    committed is safe (the library's own error names only the file it was writing)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        probe = Path(root)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:
+            free = f"{format_bytes(shutil.disk_usage(probe).free)} free"
+        except OSError:
+            free = "free space unknown"
+        raise OSError(errno.ENOSPC, f"the disk holding the cache {root} is full ({free}) while {action} ({exc}). "
+                      "Everything committed before this point is kept and the cache is intact: free some space "
+                      "(or clean the cache) and queue again; only the rest is encoded", str(root)) from exc

@@ -31,7 +31,8 @@ from ..dataset_cache.incremental import compact_if_unread
 from ..dataset_cache.lock import WRITE_LOCK, CacheLock
 from .fingerprints import OwnWrites, cache_identity
 from .handles import StreamDatasetHandle
-from .paths import resolve_cache
+from ..dataset_cache.format.manifest import check_dataset_name
+from .paths import explain_disk_full, resolve_cache, resolve_cache_to_write
 
 __all__ = ["SaveCache", "save_dataset", "save_lists"]
 
@@ -185,11 +186,13 @@ class SaveCache(io.ComfyNode):
         try:
             name, dataset_name = _one(name, "name"), _one(dataset_name, "dataset_name")
             if name is not None:
-                resolve_cache(name)
+                resolve_cache_to_write(name)
+            if dataset_name is not None:
+                if not str(dataset_name).strip():
+                    return "dataset_name is empty; use e.g. `default`"
+                check_dataset_name(str(dataset_name).strip())
         except ValueError as exc:
             return str(exc)
-        if dataset_name is not None and not str(dataset_name).strip():
-            return "dataset_name is empty; use e.g. `default`"
         return True
 
     @classmethod
@@ -200,7 +203,13 @@ class SaveCache(io.ComfyNode):
     @classmethod
     def execute(cls, name: Any, dataset_name: Any, dataset: Any = None, latents: Any = None,
                 conditioning: Any = None) -> io.NodeOutput:
-        root, ds_name = resolve_cache(_one(name, "name")), str(_one(dataset_name, "dataset_name")).strip()
+        root, ds_name = resolve_cache_to_write(_one(name, "name")), str(_one(dataset_name, "dataset_name")).strip()
+        check_dataset_name(ds_name)
+        with explain_disk_full(root, "saving the cache"):
+            return cls._save(root, ds_name, dataset, latents, conditioning)
+
+    @classmethod
+    def _save(cls, root: Path, ds_name: str, dataset: Any, latents: Any, conditioning: Any) -> io.NodeOutput:
         handles, lats, conds = _connected(dataset), _connected(latents), _connected(conditioning)
         if handles and (lats or conds):
             raise ValueError("connect either `dataset` or `latents` + `conditioning`, not both")

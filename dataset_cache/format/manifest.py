@@ -42,6 +42,8 @@ __all__ = [
     "new_id",
     "write_dataset",
     "load_dataset",
+    "check_dataset_name",
+    "MAX_DATASET_NAME",
 ]
 
 MAX_GENERATION = 10**18 - 1
@@ -376,6 +378,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+MAX_DATASET_NAME = 200
+"""Characters in a dataset name: it is stored in the manifest and shown in every report, never a file name."""
+
+
+def check_dataset_name(name: object) -> None:
+    """Refuse a dataset name the cache cannot store (checked before an encode starts, not after it ends).
+
+    Raises:
+        ValueError: not a str, empty, longer than :data:`MAX_DATASET_NAME` or holding control characters.
+    """
+    if type(name) is not str:
+        raise ValueError(f"dataset name must be a str, got {type(name).__name__}")
+    if not name or len(name) > MAX_DATASET_NAME or any(ord(ch) < 32 for ch in name):
+        raise ValueError(f"dataset name {name!r:.80} ({len(name)} characters): use 1-{MAX_DATASET_NAME} printable "
+                         "characters")
+
+
 def _slug(name: str) -> str:
     slug = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:64]
     return slug or "dataset"
@@ -386,8 +405,7 @@ def write_dataset(root: Path, name: str, samples: Sequence[Sample], info: Mappin
 
     The file is immutable; publishing it is the caller's job (a journal line naming it).
     """
-    if type(name) is not str or not name or len(name) > 200 or any(ord(ch) < 32 for ch in name):
-        raise ValueError(f"dataset name {name!r:.80}: use 1-200 printable characters")
+    check_dataset_name(name)
     info = dict(info or {})
     doc = {
         "format": FORMAT_NAME,

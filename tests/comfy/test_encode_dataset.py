@@ -299,3 +299,39 @@ def test_bad_folders_are_named(mod: ModuleType, input_dir: Path, names: tuple[st
     assert Run(mod, _prompt(str(outside.root), names[1], tiny_models.name("vae"),
                             tiny_models.name("clip"))).lazy() == ["clip", "vae"]
     shutil.rmtree(input_dir / names[0])
+
+
+def test_a_full_disk_is_named_and_a_rerun_encodes_only_the_rest(mod: ModuleType, encoders: tuple, kohya: Any,
+                                                                tiny_models: TinyModels, names: tuple[str, str],
+                                                                cache_root: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from comfyui_streamcache.dataset_cache.format.reader import open_cache
+    from support.faults import FaultInjector
+
+    vae, clip = encoders
+    root = cache_root / names[1]
+    root.mkdir(parents=True)
+    prompt = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"))
+    faults = FaultInjector(root, monkeypatch)
+    writes: list[int] = []
+
+    def full_after_three_writes(op: str, path: str) -> int | None:  # the recovery log's first batches fit
+        if op == "write":
+            writes.append(1)
+            return errno.ENOSPC if len(writes) > 3 else None
+        return None
+
+    with faults.active(rule=full_after_three_writes), pytest.raises(OSError) as info:
+        Run(mod, prompt).queue(vae, clip)
+    assert info.value.errno == errno.ENOSPC
+    message = str(info.value)
+    assert f"the disk holding the cache {root} is full" in message and "Everything committed" in message
+    with open_cache(root, strict=False) as reader:  # whatever was published is intact
+        assert reader.verify() == []
+    _handle, report, _asked = Run(mod, prompt).queue(vae, clip)
+    latents, conds = _encoded(report)
+    assert latents + conds < 10  # entries written before the disk filled (the recovery log's) are not redone
+    with open_cache(root) as reader:
+        assert len(reader.dataset("default")) == 5 and reader.verify() == []

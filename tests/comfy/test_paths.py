@@ -64,3 +64,60 @@ def test_registered_folder_is_under_models(pack: ModuleType, comfy_folders: Path
     pack.nodes.paths.register_cache_folder()
     pack.nodes.paths.register_cache_folder()
     assert folder_paths.get_folder_paths("streamcache") == [str(comfy_folders / "streamcache")]
+
+
+# ------------------------------------------------------------------------------------------ caches a node writes
+@pytest.fixture
+def outer(pack: ModuleType, cache_root: Path, request: pytest.FixtureRequest) -> str:
+    """An existing cache named after the test, in the session's StreamCache folder."""
+    import torch
+
+    from comfyui_streamcache.dataset_cache.format.writer import CacheWriter
+
+    name = f"outer_{request.node.name[-20:].strip('[]').replace('-', '_')}"
+    with CacheWriter(cache_root / name) as w:
+        w.add("k" * 32, {"samples": torch.zeros(1, 4, 8, 8)}, kind="latent")
+    return name
+
+
+@pytest.mark.parametrize("suffix, message", [
+    ("/shards", "'shards' is the name of a folder inside every cache"),
+    ("/datasets/mine", "'datasets' is the name of a folder inside every cache"),
+    ("/inner", "lies inside the cache"),
+    ("/deeper/inner", "lies inside the cache"),
+])
+def test_a_cache_to_write_inside_a_cache_is_refused(pack: ModuleType, outer: str, cache_root: Path, suffix: str,
+                                                   message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        pack.nodes.paths.resolve_cache_to_write(outer + suffix)
+    assert sorted(p.name for p in (cache_root / outer).iterdir() if not p.name.startswith(".")) == \
+        ["journal-000001.jsonl", "manifest.json", "shards"] or (cache_root / outer / "manifest.json").is_file()
+    assert pack.nodes.paths.resolve_cache_to_write(outer) == cache_root / outer  # the cache itself: fine
+
+
+def test_names_that_cannot_be_folders_are_refused_up_front(pack: ModuleType, cache_root: Path) -> None:
+    resolve = pack.nodes.paths.resolve_cache_to_write
+    with pytest.raises(ValueError, match="is 300 bytes; a folder name may have at most 255"):
+        resolve("a" * 300)
+    (cache_root / "a_file").write_text("not a cache")
+    with pytest.raises(ValueError, match="is a file, not a cache folder"):
+        resolve("a_file")
+    (cache_root / "not_a_cache" / "shards").mkdir(parents=True)
+    (cache_root / "not_a_cache" / "shards" / "mine.bin").write_bytes(b"user data")
+    with pytest.raises(ValueError, match="non-empty shards/"):
+        resolve("not_a_cache")
+    assert resolve("people/new_set") == cache_root / "people" / "new_set"
+
+
+def test_encode_and_save_validate_each_input_with_one_message(pack: ModuleType) -> None:
+    encode = pack.nodes.encode_dataset.EncodeDataset
+    save = pack.nodes.save_cache.SaveStreamableCache if hasattr(pack.nodes.save_cache, "SaveStreamableCache") \
+        else pack.nodes.save_cache.SaveCache
+    assert encode.validate_inputs(cache="x/shards") == \
+        "cache name 'x/shards': 'shards' is the name of a folder inside every cache; choose a name without it"
+    long = encode.validate_inputs(dataset="d" * 201)
+    assert isinstance(long, str) and "(201 characters): use 1-200 printable characters" in long
+    assert encode.validate_inputs(dataset=" ") == "dataset name is empty; use e.g. `default`"
+    assert "(1 characters): use 1-200 printable" in encode.validate_inputs(dataset="\x07")
+    assert "(201 characters)" in save.validate_inputs(name="ok", dataset_name="d" * 201)
+    assert encode.validate_inputs(folder=None, cache="fine", dataset="default") is True

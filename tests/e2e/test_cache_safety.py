@@ -3,7 +3,8 @@ real server (docs/FORMAT.md §2.1).
 
 * a cache whose ``shards/`` is a link to a folder outside it: Clean Cache and Load Lazy Cache refuse it naming
   the link, and not one file in the folder the link points to changes;
-* an Encode Dataset into ``<cache>/shards``: refused naming the outer cache, which still verifies;
+* an Encode Dataset into ``<cache>/shards`` or ``<cache>/inner``: refused at validation, naming the folder or the
+  outer cache, which still verifies;
 * after both, the server still runs prompts.
 """
 
@@ -73,7 +74,9 @@ def test_an_encode_into_a_cache_s_internal_folder_is_refused(comfy_server: Comfy
                                                              cache: Path, tiny_models: TinyModels) -> None:
     before = _snapshot(cache)
     _refused(client, encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"), "e2e_links_src",
-                                   "e2e_links/shards"), "inside the cache")
+                                   "e2e_links/shards"), "'shards' is the name of a folder inside every cache")
+    _refused(client, encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"), "e2e_links_src",
+                                   "e2e_links/inner"), "lies inside the cache 'e2e_links'")
     after = _snapshot(cache)
     assert {k: v for k, v in after.items() if not k.startswith(".")} == \
         {k: v for k, v in before.items() if not k.startswith(".")}
