@@ -47,6 +47,23 @@ def _mask(gen: Any, n: int) -> Any:
     return torch.ones(1, n, dtype=torch.long)
 
 
+def _reference(shape: tuple[int, ...]) -> Callable[[Any, int], Any]:
+    def make(gen: Any, _n: int) -> Any:
+        import torch
+
+        return [torch.randn(shape, generator=gen)]
+    return make
+
+
+FLUX_CONFIG = {
+    "image_model": "flux", "axes_dim": [16, 56, 56], "num_heads": 1, "mlp_ratio": 4.0, "theta": 10000,
+    "out_channels": 16, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 16, "hidden_size": 128,
+    "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": 768, "depth": 1, "depth_single_blocks": 1,
+    "guidance_embed": True, "yak_mlp": False, "txt_norm": False,
+}
+"""Flux with heads = width / 128 (the fixed rope axes): one head of 128, one double and one single block."""
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family: how to build its tiny diffusion model, and what its latents and conditionings are.
@@ -93,14 +110,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 4096, "out_features": 128}},
         "pos_embed_scaling_factor": None, "x_block_self_attn_layers": [],
     }, (1, 16, 8, 8), _cond(154, 4096, pooled_output=_pooled(2048))),
-    # Flux: heads = width / 128 (the fixed rope axes), so one head of 128; one double and one single block.
-    Family("flux", "Flux", {
-        "image_model": "flux", "axes_dim": [16, 56, 56], "num_heads": 1, "mlp_ratio": 4.0, "theta": 10000,
-        "out_channels": 16, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 16, "hidden_size": 128,
-        "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": 768, "depth": 1, "depth_single_blocks": 1,
-        "guidance_embed": True, "yak_mlp": False, "txt_norm": False,
-    }, (1, 16, 8, 8), _cond(256, 4096, pooled_output=_pooled(768), guidance=3.5),
+    # Flux: see FLUX_CONFIG. Guidance is a per-sample value in the conditioning, as FluxGuidance sets it.
+    Family("flux", "Flux", FLUX_CONFIG, (1, 16, 8, 8), _cond(256, 4096, pooled_output=_pooled(768), guidance=3.5),
         train={"gradient_checkpointing": True}),
+    # Flux Kontext (edit): the same model; the conditioning carries the image to edit as reference latents.
+    Family("flux_kontext", "Flux", FLUX_CONFIG, (1, 16, 8, 8),
+           _cond(256, 4096, pooled_output=_pooled(768), guidance=2.5, reference_latents=_reference((1, 16, 8, 8))),
+           train={"gradient_checkpointing": True}),
     # WAN 2.1 t2v: heads = width / 128; one block at width 128; UMT5 prompts are padded to 512 tokens.
     Family("wan21", "WAN21", {
         "image_model": "wan2.1", "model_type": "t2v", "dim": 128, "out_dim": 16, "num_heads": 1, "ffn_dim": 256,
