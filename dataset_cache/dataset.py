@@ -7,10 +7,32 @@ dataset file stays small (tens of bytes a sample).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Sample", "DatasetInfo"]
+__all__ = ["Sample", "DatasetInfo", "MAX_REPEATS", "MAX_EPOCH_OCCURRENCES", "check_epoch_size"]
+
+
+MAX_REPEATS = 10_000
+"""Repeats of one sample. kohya users pick 1 to a few hundred; past this a number is a typo or an attack (a dataset
+file saying 10^12 would make the sampler allocate terabytes)."""
+
+MAX_EPOCH_OCCURRENCES = 1 << 26
+"""Samples × repeats in one epoch (67M). The sampler holds one index per occurrence (8 bytes, twice), so an epoch
+costs at most about 1 GB of RAM here; at a hundred samples a second it would last a week."""
+
+
+def check_epoch_size(samples: Sequence[Sample], where: str) -> None:
+    """Refuse a dataset whose epoch is larger than :data:`MAX_EPOCH_OCCURRENCES` (before anything allocates).
+
+    Raises:
+        ValueError: naming ``where`` (the dataset or folder), the size and the limit.
+    """
+    total = sum(s.repeats for s in samples)
+    if total > MAX_EPOCH_OCCURRENCES:
+        raise ValueError(f"{where}: {len(samples)} samples × their repeats make {total} occurrences per epoch, above "
+                         f"the limit of {MAX_EPOCH_OCCURRENCES}; lower the repeat counts")
 
 
 @dataclass(frozen=True)
@@ -33,8 +55,9 @@ class Sample:
     def __post_init__(self) -> None:
         if not self.captions:
             raise ValueError(f"sample {self.source or self.latent}: needs at least one caption entry")
-        if self.repeats < 1:
-            raise ValueError(f"sample {self.source or self.latent}: repeats must be >= 1, got {self.repeats}")
+        if type(self.repeats) is not int or not 1 <= self.repeats <= MAX_REPEATS:
+            raise ValueError(f"sample {self.source or self.latent}: repeats must be an int from 1 to {MAX_REPEATS}, "
+                             f"got {self.repeats!r:.40}")
 
 
 @dataclass(frozen=True)

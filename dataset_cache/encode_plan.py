@@ -35,7 +35,7 @@ import xxhash
 
 from .buckets import BucketConfig, CropPlan
 from .constants import DEFAULT_SHARD_BYTES
-from .dataset import Sample
+from .dataset import Sample, check_epoch_size
 from .errors import CacheError, CacheNotFoundError
 from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file
 from .format.manifest import check_dataset_name
@@ -468,6 +468,10 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
             ckeys.append(ckey)
         samples.append(Sample(lkey, tuple(ckeys), img.repeats, img.relpath))
 
+    try:
+        check_epoch_size(samples, f"dataset {dataset!r}")
+    except ValueError as exc:  # before any encode: the dataset could never be stored
+        raise DatasetFolderError(src, str(exc)) from None
     have, _stored, info = _cache_view(root, dataset, load=False)
     digest = samples_digest(samples)
     by_bucket: dict[tuple[int, int], list[LatentJob]] = {}

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .dataset import Sample
+from .dataset import Sample, check_epoch_size
 
 __all__ = ["BatchPlan", "BucketSampler", "buckets_from_reader", "fit_batch_size"]
 
@@ -194,6 +194,7 @@ class BucketSampler:
             raise ValueError(f"tail must be one of {_TAILS}, got {tail!r}")
         if not samples:
             raise ValueError("the dataset has no samples; nothing to sample")
+        check_epoch_size(samples, "the sampler's dataset")  # one index per occurrence is allocated below
         self._rank, self._world = self._resolve_ranks(rank, world_size)
         self.samples: Sequence[Sample] = samples
         self.batch_size = int(batch_size)

@@ -34,6 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .dataset import MAX_REPEATS
 from .errors import CacheError, SourceError
 from .imaging import read_image_size
 from .threads import resolve_threads
@@ -268,6 +269,11 @@ def _add_subdir(entry: os.DirEntry[str], reldir: str, prefix: str, repeats: int,
         if count == 0:
             failures.append(SourceFailure(entry.name, entry.path,
                                           "folder repeat count is 0, so its images are skipped; rename it to 1_..."))
+            return
+        if count is not None and count > MAX_REPEATS:
+            failures.append(SourceFailure(entry.name, entry.path,
+                                          f"folder repeat count {count} is above the limit of {MAX_REPEATS}, so its "
+                                          "images are skipped; rename the folder with a smaller count"))
             return
         repeats = count if count is not None else 1
     subdirs.append((prefix + entry.name, repeats, ancestors | {ident}))

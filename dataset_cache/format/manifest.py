@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from ..constants import FORMAT_NAME, FORMAT_VERSION
-from ..dataset import DatasetInfo, Sample
+from ..dataset import MAX_REPEATS, DatasetInfo, Sample, check_epoch_size
 from ..errors import CacheCorruptError, CacheFormatError, CacheLinkError, CacheNotFoundError, CacheUnreadableError
 from ..hashing import checksum64
 from .layout import DATASET_FILE_RE, MANIFEST, NOFOLLOW, SHARD_FILE_RE
@@ -449,5 +449,12 @@ def load_dataset(root: Path, info: DatasetInfo) -> list[Sample]:
         if (type(la) is not str or type(ca) is not list or not ca or any(type(c) is not str for c in ca)
                 or type(re_) is not int or re_ < 1 or (so is not None and type(so) is not str)):
             raise CacheCorruptError(p, f"sample {i} is malformed")
+        if re_ > MAX_REPEATS:  # before the sampler allocates per occurrence
+            raise CacheCorruptError(p, f"sample {i} ({so or la}) repeats {re_} times, above the limit of "
+                                       f"{MAX_REPEATS}; re-encode or re-save the dataset with sensible repeats")
         out.append(Sample(la, tuple(ca), re_, so))
+    try:
+        check_epoch_size(out, f"dataset {info.name!r}")
+    except ValueError as exc:
+        raise CacheCorruptError(p, str(exc)) from None
     return out

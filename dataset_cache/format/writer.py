@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from ..constants import DEFAULT_SHARD_BYTES
-from ..dataset import DatasetInfo, Sample
+from ..dataset import DatasetInfo, Sample, check_epoch_size
 from ..errors import CacheCorruptError, CacheError, CacheNotFoundError, CacheUnreadableError
 from .layout import (
     DAMAGED_DIR,
@@ -308,6 +308,7 @@ class CacheWriter:
             CacheUnreadableError: such entries may be in a shard this writer could not read when it opened.
         """
         self._check_open()
+        check_epoch_size(samples, f"dataset {name!r:.80}")
         missing = [k for s in samples for k in (s.latent, *s.captions) if not self.has(k)]
         if missing and self._unreadable:  # they may well be in the shard that could not be read
             first = self._unreadable[0]

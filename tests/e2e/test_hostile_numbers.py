@@ -6,16 +6,20 @@ prompt's outcome and that the server still answers.
 
 * Train LoRA with ``batch_size`` 10000 (its maximum) on a 2-image cache: trains with the batch clamped to the
   dataset's largest bucket, and the node's text says so.
+* A dataset file edited to say ``repeats`` 10^12: Load Lazy Cache → Train LoRA fails naming the file and the
+  limit, before the sampler allocates anything.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.client import ComfyClient
+from support.client import ComfyClient, PromptError
 from support.comfy_env import ComfyInstall
 from support.datasets import Subset, make_kohya_folder
 from support.examples import encode_prompt
@@ -79,3 +83,21 @@ def test_batch_size_at_its_maximum_trains_clamped_and_says_so(capped_server: Com
            "trained with batch_size 2" in text
     _alive(client)
     assert Path(capped_server.log_path).read_text(errors="replace").count("Traceback") == 0
+
+
+def test_a_dataset_file_that_says_repeats_10_12_is_refused_naming_it(capped_server: ComfyServer, small_cache: str,
+                                                                     tiny_models: TinyModels) -> None:
+    hostile = capped_server.streamcache_dir / "hostile_repeats"
+    shutil.copytree(capped_server.streamcache_dir / small_cache, hostile)
+    from dataset_cache.format.manifest import read_state
+
+    file = hostile / read_state(hostile).datasets["default"].file
+    doc = json.loads(file.read_text())
+    doc["repeats"] = [10**12] * len(doc["repeats"])
+    file.write_text(json.dumps(doc))
+    client = capped_server.client()
+    with pytest.raises(PromptError) as info:
+        client.run(_train(tiny_models, "hostile_repeats"), timeout=600)
+    text = json.dumps(info.value.details)
+    assert "repeats 1000000000000 times, above the limit of 10000" in text and file.name in text
+    _alive(client)
