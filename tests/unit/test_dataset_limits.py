@@ -48,8 +48,9 @@ def test_a_dataset_file_with_huge_repeats_is_refused_where_it_is_read(tmp_path: 
 def test_an_epoch_too_large_in_total_is_refused(tmp_path: Path) -> None:
     n = MAX_EPOCH_OCCURRENCES // MAX_REPEATS + 1  # each within the limit, the sum above it
     _cache_with_repeats(tmp_path / "edited", [MAX_REPEATS] * n)
-    with open_cache(tmp_path / "edited") as reader, pytest.raises(CacheCorruptError, match="occurrences per epoch, above"):
-        reader.dataset("d")
+    with open_cache(tmp_path / "edited") as reader:
+        with pytest.raises(CacheCorruptError, match="occurrences per epoch, above"):
+            reader.dataset("d")
     samples = [Sample(f"L{i}", ("C",), repeats=MAX_REPEATS) for i in range(n)]
     with pytest.raises(ValueError, match="occurrences per epoch"):
         BucketSampler(samples, [0] * n, 1)
