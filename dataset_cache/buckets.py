@@ -138,6 +138,10 @@ class BucketConfig:
         seed: seed of random crops.
         flip: mirror every image horizontally (stored flipped, part of the key).
         method: resize method: lanczos, bicubic, bilinear, box, hamming or nearest.
+        upscale: resize an image smaller than its bucket up to cover it. ``False`` (kohya's
+            ``bucket_no_upscale``) gives such an image a bucket of its own size instead, rounded down to ``step``,
+            so a small image never becomes a huge latent when ``resolution`` is large; :meth:`plan` refuses an
+            image smaller than one step.
     """
 
     resolution: int = 1024
@@ -150,6 +154,7 @@ class BucketConfig:
     seed: int = 0
     flip: bool = False
     method: str = "lanczos"
+    upscale: bool = True
 
     def __post_init__(self) -> None:
         _check_positive("step", self.step)
@@ -190,6 +195,12 @@ class BucketConfig:
                 get identical crops (and share one latent) wherever they live. Ignored for center crops.
         """
         bw, bh = self.assign(width, height)
+        if not self.upscale and self.fixed is None and (width < bw or height < bh):
+            # its own size, cropped to multiples of step: the crop below resizes by exactly 1
+            if width < self.step or height < self.step:
+                raise ValueError(f"the image is {width}x{height}, smaller than one bucket step ({self.step}) "
+                                 "and upscale is off: lower bucket_step, or turn upscale on")
+            bw, bh = width // self.step * self.step, height // self.step * self.step
         if width * bh >= height * bw:  # at least as wide as the bucket: match heights
             rw, rh = max(bw, (2 * width * bh + height) // (2 * height)), bh
         else:
@@ -209,5 +220,5 @@ class BucketConfig:
         return {
             "resolution": self.resolution, "step": self.step, "min_side": self.min_side, "max_side": self.max_side,
             "max_aspect": self.max_aspect, "fixed": list(self.fixed) if self.fixed else None, "crop": self.crop,
-            "seed": self.seed, "flip": self.flip, "method": self.method,
+            "seed": self.seed, "flip": self.flip, "method": self.method, "upscale": self.upscale,
         }

@@ -357,7 +357,10 @@ def samples_digest(samples: Sequence[Sample]) -> str:
 
 def _output_settings(described: Mapping[str, Any]) -> dict[str, Any]:
     """The described settings that change stored values (not batch size, threads, shard size or policy)."""
-    return {k: described.get(k) for k in ("bucket", "caption_prefix", "caption_suffix")}
+    out = {k: described.get(k) for k in ("bucket", "caption_prefix", "caption_suffix")}
+    if isinstance(out["bucket"], Mapping) and "upscale" not in out["bucket"]:
+        out["bucket"] = {**out["bucket"], "upscale": True}  # datasets stored before the setting always upscaled
+    return out
 
 
 def _sourceless_plan(cache_root: str, dataset: str, folder: str, settings: EncodeSettings, vae_fp: str,
@@ -447,16 +450,21 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     keys = _Keys(vae_fingerprint, text_fingerprint)
     bucket = settings.bucket
     center: dict[tuple[int, int], CropPlan] = {}  # a center crop depends on the size alone
+    unplannable: list[SourceFailure] = []
     for img in scan.images:
         entry = record.get(img.relpath)
         if entry is None:  # could not be hashed: already listed among the validation failures
             continue
-        if bucket.crop == "center":
-            plan = center.get((img.width, img.height))
-            if plan is None:
-                plan = center[(img.width, img.height)] = bucket.plan(img.width, img.height)
-        else:
-            plan = bucket.plan(img.width, img.height, token=entry.hash)
+        try:
+            if bucket.crop == "center":
+                plan = center.get((img.width, img.height))
+                if plan is None:
+                    plan = center[(img.width, img.height)] = bucket.plan(img.width, img.height)
+            else:
+                plan = bucket.plan(img.width, img.height, token=entry.hash)
+        except ValueError as exc:  # e.g. smaller than one bucket step with upscale off: left out, named
+            unplannable.append(SourceFailure(img.relpath, img.path, str(exc)))
+            continue
         lkey = keys.latent(entry.hash, plan)
         if lkey not in latents:
             latents[lkey] = LatentJob(lkey, img.path, img.relpath, entry.hash, plan)
@@ -479,7 +487,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         if job.key not in have:
             by_bucket.setdefault(job.bucket, []).append(job)
     missing_texts = {k: t for k, t in texts.items() if k not in have}
-    unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures)}
+    unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures, *unplannable)}
     counts = validation.counts()
     return EncodePlan(
         cache_root=root, dataset=dataset, folder=src, settings=settings, vae_fingerprint=vae_fingerprint,

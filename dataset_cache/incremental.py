@@ -69,10 +69,25 @@ __all__ = [
     "plan_encode",
     "run_encode",
     "compact_if_unread",
+    "images_per_call",
+    "MAX_PIXEL_BATCH_BYTES",
     "sources_record_path",
 ]
 
 log = logging.getLogger("dataset_cache.encode")
+
+MAX_PIXEL_BATCH_BYTES = 1 << 30
+"""Decoded float32 pixels of one VAE call (1 GiB: eight 4096² images, one 8192² image). A bucket whose images are
+larger gets fewer per call, so a large ``resolution`` can never turn ``batch_size`` into tens of GB of host memory;
+the VAE's own memory is ComfyUI's (it splits or tiles an encode by the device's free memory)."""
+
+
+def images_per_call(bucket: tuple[int, int], batch_size: int) -> int:
+    """How many images of ``bucket`` (width, height) one encoder call takes: ``batch_size``, or fewer when their
+    pixels would pass :data:`MAX_PIXEL_BATCH_BYTES` (never less than one)."""
+    per_image = bucket[0] * bucket[1] * 3 * 4
+    return max(1, min(int(batch_size), MAX_PIXEL_BATCH_BYTES // per_image))
+
 
 LOOKAHEAD_BATCHES = 2
 """Image batches decoded ahead of the one being encoded: one ready while one decodes hides decode jitter, and host
@@ -107,6 +122,7 @@ class EncodeReport:
             during the encode, see ``run_encode``), waiting for a background checkpoint (``commit_wait``), storing
             the dataset and compacting (``finish``), and waiting for the write lock (``lock_wait``).
         log_syncs: fsyncs of the recovery log (each bounds what a power loss can take).
+        notes: settings this run had to change, for the user (fewer images per VAE call for large buckets).
     """
 
     dataset: str
@@ -128,6 +144,7 @@ class EncodeReport:
     compaction: CompactReport | None = None
     timings: dict[str, float] = field(default_factory=dict)
     log_syncs: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def encoded(self) -> int:
@@ -152,6 +169,7 @@ class EncodeReport:
                          f"{self.failures[0].relpath}: {self.failures[0].reason}")
         if self.compaction is not None and self.compaction.findings():
             lines.append(f"cache: {self.compaction.findings()}")
+        lines.extend(f"NOTE: {n}" for n in self.notes)
         return "\n".join(lines)
 
 
@@ -503,8 +521,16 @@ def run_encode(
             needed = {k for s in plan.samples for k in (s.latent, *s.captions)}
             report.reused = sum(1 for k in needed if writer.has(k))
             texts = [(k, t) for k, t in plan.missing_conditionings.items() if not writer.has(k)]
-            batches = [b for jobs in plan.missing_latents.values()
-                       for b in _batches([j for j in jobs if not writer.has(j.key)], settings.batch_size)]
+            batches = [b for bucket, jobs in plan.missing_latents.items()
+                       for b in _batches([j for j in jobs if not writer.has(j.key)],
+                                         images_per_call(bucket, settings.batch_size))]
+            smaller = [b for b in plan.missing_latents if images_per_call(b, settings.batch_size) < settings.batch_size]
+            if smaller:
+                w, h = max(smaller, key=lambda b: (b[0] * b[1], b))
+                report.notes.append(f"images of {len(smaller)} bucket(s) are encoded fewer per VAE call than "
+                                    f"batch_size {settings.batch_size} (the {w}x{h} ones "
+                                    f"{images_per_call((w, h), settings.batch_size)} per call): more would pass "
+                                    f"{format_bytes(MAX_PIXEL_BATCH_BYTES)} of pixels per call")
             if batches and encode_images is None:
                 raise ValueError(f"dataset {plan.dataset!r}: {sum(map(len, batches))} latents must be encoded but "
                                  "encode_images is None (connect a VAE)")

@@ -132,11 +132,26 @@ def resolve_folder(folder: str) -> Path:
 
 
 def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str, caption_suffix: str,
-              batch_size: int, on_failure: str) -> EncodeSettings:
+              batch_size: int, on_failure: str, upscale: bool = False) -> EncodeSettings:
+    problem = _bucket_problem(resolution, bucket_step)
+    if problem:
+        raise ValueError(problem)
     min_side = max(bucket_step, resolution // 2 // bucket_step * bucket_step)  # kohya: 256 for 512
-    bucket = BucketConfig(resolution=resolution, step=bucket_step, min_side=min_side, crop=crop)
+    bucket = BucketConfig(resolution=resolution, step=bucket_step, min_side=min_side, crop=crop, upscale=upscale)
     return EncodeSettings(bucket=bucket, caption_prefix=caption_prefix, caption_suffix=caption_suffix,
                           batch_size=batch_size, failure_policy=on_failure)
+
+
+def _bucket_problem(resolution: Any, bucket_step: Any) -> str | None:
+    """What is wrong with a resolution / bucket_step pair, in words a user can act on (None: nothing)."""
+    if not isinstance(resolution, int) or not isinstance(bucket_step, int):
+        return None  # linked inputs: checked when the values arrive
+    if bucket_step < 8 or bucket_step % 8:
+        return f"bucket_step {bucket_step}: use a multiple of 8 (the VAE's downscale factor), e.g. 64"
+    if bucket_step > resolution:
+        return (f"bucket_step {bucket_step} is larger than resolution {resolution}, so no bucket fits: use a "
+                f"bucket_step from 8 to {resolution // 8 * 8} (a multiple of 8), or raise the resolution")
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ encoders
@@ -375,6 +390,10 @@ class EncodeDataset(io.ComfyNode):
                 io.Combo.Input("on_failure", options=list(FAILURE_POLICIES), default="skip",
                                tooltip="An unreadable image or caption: skip it (listed in the report) or "
                                "stop with an error naming the file."),
+                io.Boolean.Input("upscale", default=False, optional=True, advanced=True,
+                                 tooltip="Off (kohya's bucket_no_upscale): an image smaller than its bucket keeps "
+                                 "its own size, rounded down to bucket_step, so a large resolution never blows a "
+                                 "small image up. On: every image is resized to cover its bucket."),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),
@@ -387,7 +406,12 @@ class EncodeDataset(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, folder: str | None = None, cache: str | None = None,
-                        dataset: str | None = None) -> bool | str:
+                        dataset: str | None = None, resolution: int | None = None,
+                        bucket_step: int | None = None) -> bool | str:
+        if resolution is not None and bucket_step is not None:
+            problem = _bucket_problem(resolution, bucket_step)
+            if problem:
+                return problem
         try:
             if folder is not None:
                 resolve_folder(folder)

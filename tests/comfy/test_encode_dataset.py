@@ -335,3 +335,37 @@ def test_a_full_disk_is_named_and_a_rerun_encodes_only_the_rest(mod: ModuleType,
     assert latents + conds < 10  # entries written before the disk filled (the recovery log's) are not redone
     with open_cache(root) as reader:
         assert len(reader.dataset("default")) == 5 and reader.verify() == []
+
+
+def test_small_images_are_not_upscaled_unless_asked_and_old_prompts_run_without_the_input(
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str]) -> None:
+    vae, clip = encoders
+    schema = {i.id: i for i in mod.EncodeDataset.define_schema().inputs}
+    assert schema["upscale"].default is False and schema["upscale"].optional and schema["upscale"].advanced
+    old = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), resolution=512,
+                  bucket_step=32)
+    assert "upscale" not in old["10"]["inputs"]  # as a workflow saved before the input existed
+    handle, report, _ = Run(mod, old).queue(vae, clip)
+    reader, samples = handle.open()
+    try:
+        shapes = {tuple(reader.tensor_shapes(s.latent)["samples"]) for s in samples}
+    finally:
+        reader.close()
+    assert max(h * w for _, _, h, w in shapes) <= (96 // 8) * (96 // 8)  # the folder's images are 64-96 px
+    up = _prompt(names[0], names[1] + "_up", tiny_models.name("vae"), tiny_models.name("clip"), resolution=512,
+                 bucket_step=32, upscale=True)
+    handle, _, _ = Run(mod, up).queue(vae, clip)
+    reader, samples = handle.open()
+    try:
+        shapes = {tuple(reader.tensor_shapes(s.latent)["samples"]) for s in samples}
+    finally:
+        reader.close()
+    assert min(h * w for _, _, h, w in shapes) > (96 // 8) * (96 // 8)  # covered buckets of area up to 512²
+
+
+def test_a_bucket_step_larger_than_the_resolution_says_what_is_allowed(mod: ModuleType) -> None:
+    assert mod.EncodeDataset.validate_inputs(resolution=64, bucket_step=512) == (
+        "bucket_step 512 is larger than resolution 64, so no bucket fits: use a bucket_step from 8 to 64 "
+        "(a multiple of 8), or raise the resolution")
+    assert "use a multiple of 8" in mod.EncodeDataset.validate_inputs(resolution=512, bucket_step=12)
+    assert mod.EncodeDataset.validate_inputs(resolution=8192, bucket_step=512) is True

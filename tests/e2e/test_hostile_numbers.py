@@ -6,6 +6,8 @@ prompt's outcome and that the server still answers.
 
 * Train LoRA with ``batch_size`` 10000 (its maximum) on a 2-image cache: trains with the batch clamped to the
   dataset's largest bucket, and the node's text says so.
+* Encode Dataset at ``resolution`` 8192 and ``batch_size`` 256 (both maxima) on 64 px images: small images keep
+  their size (no upscale by default), so the encode finishes with 8×8 latents.
 * A dataset file edited to say ``repeats`` 10^12: Load Lazy Cache → Train LoRA fails naming the file and the
   limit, before the sampler allocates anything.
 """
@@ -100,4 +102,19 @@ def test_a_dataset_file_that_says_repeats_10_12_is_refused_naming_it(capped_serv
         client.run(_train(tiny_models, "hostile_repeats"), timeout=600)
     text = json.dumps(info.value.details)
     assert "repeats 1000000000000 times, above the limit of 10000" in text and file.name in text
+    _alive(client)
+
+
+def test_resolution_and_batch_size_at_their_maximum_do_not_blow_small_images_up(
+        capped_server: ComfyServer, small_cache: str, tiny_models: TinyModels) -> None:
+    from dataset_cache.format.reader import open_cache
+
+    client = capped_server.client()
+    result = client.run(encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"), "hostile_src",
+                                      "hostile_8192", resolution=8192, bucket_step=64, batch_size=256),
+                        timeout=600)
+    assert result.status == "success"
+    with open_cache(capped_server.streamcache_dir / "hostile_8192") as reader:
+        shapes = {tuple(reader.tensor_shapes(s.latent)["samples"]) for s in reader.dataset("default")}
+    assert shapes == {(1, 4, 8, 8)}  # 64 px images keep their size: not 8192 px buckets
     _alive(client)

@@ -25,6 +25,7 @@ class FakeEncoders:
         self.fail_after = fail_after
         self.calls = 0
         self.images = 0
+        self.batch_sizes: list[int] = []  # images per encode_images call
         self.texts: list[str] = []
         self.threads: set[int] = set()
 
@@ -40,6 +41,7 @@ class FakeEncoders:
         assert batch.dtype == torch.float32 and batch.ndim == 4 and batch.shape[-1] == 3
         self._call()
         self.images += batch.shape[0]
+        self.batch_sizes.append(batch.shape[0])
         x = F.avg_pool2d(batch.permute(0, 3, 1, 2), 8)
         lat = torch.cat([x, x.mean(1, keepdim=True)], 1)
         return [{"samples": lat[i:i + 1]} for i in range(batch.shape[0])]

@@ -144,3 +144,27 @@ def test_invalid_configs_are_refused(kwargs: dict, match: str) -> None:
 def test_nearest_bucket_refuses_empty_sizes() -> None:
     with pytest.raises(ValueError, match="must be positive"):
         nearest_bucket(0, 10, KOHYA_512)
+
+
+# ------------------------------------------------------------------------------------------ no upscale
+def test_without_upscale_a_small_image_keeps_its_size_rounded_down_to_the_step() -> None:
+    up = BucketConfig(resolution=8192, step=16, min_side=256)
+    keep = BucketConfig(resolution=8192, step=16, min_side=256, upscale=False)
+    big = up.plan(64, 48)
+    assert big.bucket[0] * big.bucket[1] > 4096 * 4096  # the old default: a 64 px image becomes a huge bucket
+    small = keep.plan(70, 50)
+    assert small.bucket == (64, 48) and small.resize[0] <= 70 and small.resize[1] <= 50
+    with pytest.raises(ValueError, match="the image is 5x5, smaller than one bucket step"):
+        keep.plan(5, 5)  # under one step: refused (the plan names the file), never blown up
+    large = keep.plan(20000, 10000)  # larger than its bucket: bucketed as always
+    assert large == up.plan(20000, 10000)
+    assert keep.describe()["upscale"] is False and up.describe()["upscale"] is True
+    assert small.key_fields() != up.plan(70, 50).key_fields()  # the setting reaches the latent key
+
+
+@given(w=st.integers(16, 3000), h=st.integers(16, 3000), res=st.sampled_from([256, 512, 1024, 8192]))
+def test_without_upscale_no_image_is_ever_enlarged(w: int, h: int, res: int) -> None:
+    plan = BucketConfig(resolution=res, step=16, min_side=16, upscale=False).plan(w, h)
+    assert plan.resize[0] <= w and plan.resize[1] <= h
+    assert plan.bucket[0] % 16 == 0 and plan.bucket[1] % 16 == 0
+    assert plan.bucket[0] * plan.bucket[1] <= max(res * res, 16 * 16)

@@ -683,3 +683,38 @@ def test_an_encode_whose_compaction_cannot_read_a_shard_keeps_it_and_says_so(fol
     assert victim.is_file()
     assert "cache: 1 cache file(s) could not be read and were left untouched" in report.summary()
     _assert_complete(cache)
+
+
+def test_images_per_call_keeps_a_vae_call_s_pixels_bounded() -> None:
+    from dataset_cache.incremental import MAX_PIXEL_BATCH_BYTES, images_per_call
+
+    assert images_per_call((512, 512), 4) == 4
+    assert images_per_call((8192, 8192), 256) == 1  # 805 MB for one image: never more than one
+    assert images_per_call((4096, 4096), 256) == MAX_PIXEL_BATCH_BYTES // (4096 * 4096 * 12) == 5
+    assert images_per_call((16384, 16384), 8) == 1  # over budget alone: still one, never zero
+
+
+def test_large_buckets_are_encoded_fewer_per_call_and_the_report_says_so(folder: Path, cache: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataset_cache.incremental as inc
+
+    monkeypatch.setattr(inc, "MAX_PIXEL_BATCH_BYTES", 64 * 64 * 12)  # one 64×64 image per call
+    enc = FakeEncoders()
+    report = _build(folder, cache, enc)
+    assert enc.images == N_IMAGES and max(enc.batch_sizes) == 1
+    assert "NOTE: images of 3 bucket(s) are encoded fewer per VAE call than batch_size 2 (the 64x64 ones 1 per " \
+           "call)" in report.summary()
+    _assert_complete(cache)
+
+
+def test_an_image_smaller_than_one_bucket_step_is_left_out_and_named_when_upscale_is_off(folder: Path,
+                                                                                        cache: Path) -> None:
+    settings = EncodeSettings(bucket=BucketConfig(resolution=512, step=128, min_side=128, upscale=False),
+                              batch_size=2)
+    plan = _plan(folder, cache, settings=settings)
+    assert plan.failures and all("smaller than one bucket step (128) and upscale is off" in f.reason
+                                 for f in plan.failures)
+    assert len(plan.samples) + plan.skipped == N_IMAGES and plan.skipped == len(plan.failures)
+    ok = EncodeSettings(bucket=BucketConfig(resolution=512, step=16, min_side=16, upscale=False), batch_size=2)
+    plan = _plan(folder, cache, settings=ok)
+    assert not plan.failures and max(b[0] * b[1] for b in plan.missing_latents) <= 96 * 96
