@@ -62,6 +62,18 @@ FAILURE_POLICIES = ("skip", "stop")
 """``skip``: leave a sample whose image or caption cannot be read out of the dataset (counted and listed);
 ``stop``: raise :class:`.errors.SourceError` naming the file. A zero tensor never stands in for data."""
 
+MAX_CAPTION_CHARS = 2000
+"""Characters of one caption line that are encoded; the rest is cut off, with a note naming the file. kohya's
+longest setting is 225 CLIP tokens (about 1,000 characters of English); a 240 KB line (169k tokens) used to take
+the server down inside the text encoder."""
+
+CAPTION_VARIANTS_NOTE = 32
+"""Caption lines (variants) of one image above which the report says so: each line is encoded on its own."""
+
+MAX_CAPTION_VARIANTS = 256
+"""Caption lines of one image above which the image is left out as a failure naming its caption file (a file of
+thousands of lines is a log or a list pasted by mistake, and each line would be encoded)."""
+
 SOURCES_DIR = "sources"
 """Folder of the cache that holds one sources record per dataset name."""
 
@@ -168,6 +180,8 @@ class EncodePlan:
             ``samples_digest`` its info records, so the dataset file is not loaded).
         sourceless: the folder is gone and the dataset is served from the cache as it was.
         validation: the sources validation (``None`` when sourceless).
+        notes: what the plan changed or wants the user to know (caption lines cut at :data:`MAX_CAPTION_CHARS`,
+            images with many caption variants), for the report.
     """
 
     cache_root: str
@@ -189,6 +203,7 @@ class EncodePlan:
     skipped: int = 0
     sourceless: bool = False
     validation: Validation | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def needs_vae(self) -> bool:
@@ -451,9 +466,16 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     bucket = settings.bucket
     center: dict[tuple[int, int], CropPlan] = {}  # a center crop depends on the size alone
     unplannable: list[SourceFailure] = []
+    cut: list[str] = []  # images with a caption line cut at MAX_CAPTION_CHARS
+    many: list[str] = []  # images with more than CAPTION_VARIANTS_NOTE caption lines
     for img in scan.images:
         entry = record.get(img.relpath)
         if entry is None:  # could not be hashed: already listed among the validation failures
+            continue
+        if len(img.captions) > MAX_CAPTION_VARIANTS:
+            unplannable.append(SourceFailure(img.relpath, img.path, f"its caption file has {len(img.captions)} "
+                                             f"lines (variants), above the limit of {MAX_CAPTION_VARIANTS}; each "
+                                             "line is encoded separately: keep one caption per line"))
             continue
         try:
             if bucket.crop == "center":
@@ -468,8 +490,13 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         lkey = keys.latent(entry.hash, plan)
         if lkey not in latents:
             latents[lkey] = LatentJob(lkey, img.path, img.relpath, entry.hash, plan)
+        if len(img.captions) > CAPTION_VARIANTS_NOTE:
+            many.append(img.relpath)
         ckeys = []
         for line in img.captions:
+            if len(line) > MAX_CAPTION_CHARS:
+                cut.append(img.relpath)
+                line = line[:MAX_CAPTION_CHARS]
             text = settings.caption_text(line)
             ckey = keys.conditioning(text)
             texts.setdefault(ckey, text)
@@ -498,5 +525,18 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         missing_conditionings=missing_texts,
         reused=sum(k in have for k in latents) + sum(k in have for k in texts),
         dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
-        skipped=len(validation.listing.images) - len(samples),
+        skipped=len(validation.listing.images) - len(samples), notes=_caption_notes(cut, many),
     )
+
+
+def _caption_notes(cut: Sequence[str], many: Sequence[str]) -> tuple[str, ...]:
+    notes = []
+    if cut:
+        names = sorted(set(cut))
+        notes.append(f"{len(names)} caption file(s) have lines over {MAX_CAPTION_CHARS} characters, encoded cut to "
+                     f"that length (first: the caption of {names[0]})")
+    if many:
+        names = sorted(set(many))
+        notes.append(f"{len(names)} image(s) have more than {CAPTION_VARIANTS_NOTE} caption lines, each encoded as "
+                     f"a variant (first: the caption of {names[0]}); is that what you meant?")
+    return tuple(notes)

@@ -492,7 +492,8 @@ def run_encode(
     start = time.perf_counter()
     settings = plan.settings
     report = EncodeReport(plan.dataset, new=plan.new, changed=plan.changed, unchanged=plan.unchanged,
-                          removed=plan.removed, failures=list(plan.failures), sourceless=plan.sourceless)
+                          removed=plan.removed, failures=list(plan.failures), sourceless=plan.sourceless,
+                          notes=list(plan.notes))
     report.timings.update(encoder=0.0, decode_wait=0.0, decode_cpu=0.0, commit=0.0, commit_wait=0.0, finish=0.0,
                           lock_wait=0.0)
     if plan.failures and settings.failure_policy == "stop":

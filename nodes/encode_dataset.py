@@ -222,9 +222,36 @@ def _image_encoder(vae: Any) -> Callable[[torch.Tensor], list[dict[str, torch.Te
     return encode
 
 
-def _text_encoder(clip: Any) -> Callable[[Sequence[str]], list[Any]]:
+MAX_TOKEN_WINDOWS = 3
+"""77-token windows of one caption line that reach a CLIP-style text encoder: 225 tokens, kohya's longest
+``max_token_length``. ComfyUI's CLIP tokenizers split a long prompt into windows and encode every one; T5 and LLM
+tokenizers return a single window and are bounded by the library's character limit instead."""
+
+
+def cut_token_windows(tokens: Any) -> tuple[Any, bool]:
+    """Keep at most :data:`MAX_TOKEN_WINDOWS` windows of each of a CLIP tokenizer's outputs; say whether any
+    was cut. Anything that is not a list of windows (other tokenizers' formats) is passed through."""
+    if not isinstance(tokens, dict):
+        return tokens, False
+    cut = False
+    out = {}
+    for name, windows in tokens.items():
+        if isinstance(windows, list) and len(windows) > MAX_TOKEN_WINDOWS and all(
+                isinstance(w, list) for w in windows):
+            windows, cut = windows[:MAX_TOKEN_WINDOWS], True
+        out[name] = windows
+    return out, cut
+
+
+def _text_encoder(clip: Any, cut_texts: list[str] | None = None) -> Callable[[Sequence[str]], list[Any]]:
     def encode(texts: Sequence[str]) -> list[Any]:
-        return [clip.encode_from_tokens_scheduled(clip.tokenize(text)) for text in texts]
+        out = []
+        for text in texts:
+            tokens, cut = cut_token_windows(clip.tokenize(text))
+            if cut and cut_texts is not None:
+                cut_texts.append(text)
+            out.append(clip.encode_from_tokens_scheduled(tokens))
+        return out
     return encode
 
 
@@ -312,12 +339,16 @@ def _run(plan: EncodePlan, vae: Any, clip: Any, node_id: str | None = None,
         pbar[0].update_absolute(done, max(total, 1))
         events({"phase": "encoding", "done": done, "total": total, **counts}, force=done in (0, total))
 
+    cut_texts: list[str] = []
     try:
         report = run_encode(plan, encode_images=_image_encoder(vae) if vae is not None else None,
-                            encode_texts=_text_encoder(clip) if clip is not None else None,
+                            encode_texts=_text_encoder(clip, cut_texts) if clip is not None else None,
                             progress=progress, should_stop=comfy.model_management.processing_interrupted)
     finally:
         _release(*(e for e in (vae, clip) if e is not None))
+    if cut_texts:
+        report.notes.append(f"{len(cut_texts)} caption line(s) were longer than {MAX_TOKEN_WINDOWS * 75} tokens "
+                            f"and were encoded cut to that length (first: {cut_texts[0][:60]!r}...)")
     if report.stopped:  # every finished batch is committed; let ComfyUI record the interrupt
         comfy.model_management.throw_exception_if_processing_interrupted()
         raise comfy.model_management.InterruptProcessingException()

@@ -369,3 +369,22 @@ def test_a_bucket_step_larger_than_the_resolution_says_what_is_allowed(mod: Modu
         "(a multiple of 8), or raise the resolution")
     assert "use a multiple of 8" in mod.EncodeDataset.validate_inputs(resolution=512, bucket_step=12)
     assert mod.EncodeDataset.validate_inputs(resolution=8192, bucket_step=512) is True
+
+
+def test_a_caption_longer_than_225_tokens_is_encoded_in_three_windows_and_the_report_says_so(
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str]) -> None:
+    vae, clip = encoders
+    long_caption = ", ".join(f"tag{i}" for i in range(300))  # ~900 CLIP tokens, under the character limit
+    kohya.images[0].path.with_suffix(".txt").write_text(long_caption, encoding="utf-8")
+    assert len(clip.tokenize(long_caption)["l"]) > mod.MAX_TOKEN_WINDOWS  # ComfyUI would encode every window
+    handle, report, _ = Run(mod, _prompt(names[0], names[1], tiny_models.name("vae"),
+                                         tiny_models.name("clip"))).queue(vae, clip)
+    assert "caption line(s) were longer than 225 tokens and were encoded cut to that length" in report
+    reader, samples = handle.open()
+    try:
+        source = kohya.images[0].path.relative_to(kohya.root).as_posix()
+        (sample,) = [s for s in samples if s.source == source]
+        cond = reader.read([sample.captions[0]])[0]
+    finally:
+        reader.close()
+    assert cond[0][0].shape == (1, 77 * mod.MAX_TOKEN_WINDOWS, 768)

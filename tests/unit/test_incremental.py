@@ -718,3 +718,27 @@ def test_an_image_smaller_than_one_bucket_step_is_left_out_and_named_when_upscal
     ok = EncodeSettings(bucket=BucketConfig(resolution=512, step=16, min_side=16, upscale=False), batch_size=2)
     plan = _plan(folder, cache, settings=ok)
     assert not plan.failures and max(b[0] * b[1] for b in plan.missing_latents) <= 96 * 96
+
+
+def test_hostile_captions_are_cut_noted_or_left_out_naming_the_file(folder: Path, cache: Path) -> None:
+    from dataset_cache.encode_plan import CAPTION_VARIANTS_NOTE, MAX_CAPTION_CHARS, MAX_CAPTION_VARIANTS
+
+    images = sorted(p for p in folder.rglob("*") if p.suffix in (".png", ".jpg"))
+    huge, many, too_many = images[0], images[1], images[2]
+    huge.with_suffix(".txt").write_text("word " * 48_000, encoding="utf-8")  # one 240 KB line
+    many.with_suffix(".txt").write_text("\n".join(f"variant {i}" for i in range(CAPTION_VARIANTS_NOTE + 8)))
+    too_many.with_suffix(".txt").write_text("\n".join(f"line {i}" for i in range(MAX_CAPTION_VARIANTS + 44)))
+    enc = FakeEncoders()
+    report = _build(folder, cache, enc)
+    rel = lambda p: p.relative_to(folder).as_posix()  # noqa: E731
+    assert [f.relpath for f in report.failures] == [rel(too_many)]
+    assert f"{MAX_CAPTION_VARIANTS + 44} lines (variants), above the limit" in report.failures[0].reason
+    summary = report.summary()
+    assert f"lines over {MAX_CAPTION_CHARS} characters, encoded cut to that length (first: the caption of " \
+           f"{rel(huge)})" in summary
+    assert f"more than {CAPTION_VARIANTS_NOTE} caption lines" in summary and rel(many) in summary
+    assert max(len(t) for t in enc.texts) <= MAX_CAPTION_CHARS
+    assert report.samples == N_IMAGES - 1 and report.skipped == 1
+    again = FakeEncoders()
+    _build(folder, cache, again)  # the cut text is what was keyed: nothing is encoded again
+    assert again.calls == 0
