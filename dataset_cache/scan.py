@@ -13,6 +13,10 @@ Layout rules:
 * Images: ``.png .jpg .jpeg .webp .bmp .tiff .tif``, any case. Names starting with ``.`` (files and folders) are
   skipped. Folders are walked recursively; symlinked folders are followed (a link back to a containing
   folder is skipped, so loops end; two links to one folder list its images twice, as laid out).
+* Links: a symbolic link (file or folder) whose target lies outside the dataset folder is never followed: it is
+  reported as a failure naming the link and its target, and skipped (with ``on_failure = stop`` the encode stops
+  on it), so a shared workflow cannot read outside the folders the user gave ComfyUI through a planted link. An
+  image whose caption is such a link is left out with it. Links whose target stays inside the folder are followed.
 * Repeats: a folder directly under the root named ``<repeats>_<name>`` (e.g. ``10_mychar``) gives every image
   below it, at any depth, that repeat count; images elsewhere repeat once. Deeper folder names never set repeats,
   so a nested ``2024_photos`` is just a folder. ``0_<name>`` folders are reported and skipped (nothing to train).
@@ -200,7 +204,15 @@ def _repeats_of(dirname: str) -> int | None:
 _Pending = tuple[str, int, frozenset[tuple[int, int]]]  # (reldir, repeats, (st_dev, st_ino) of it and its ancestors)
 
 
-def _list_dir(root: str, reldir: str, repeats: int, ancestors: frozenset[tuple[int, int]]
+def _link_outside(path: str, real_root: str) -> str | None:
+    """The target of link ``path`` when it resolves outside ``real_root`` (the dataset folder's real path), else
+    ``None``. Only links reach here (``DirEntry.is_symlink`` costs no syscall), so plain files pay nothing."""
+    target = os.path.realpath(path)
+    inside = target == real_root or target.startswith(real_root.rstrip(os.sep) + os.sep)
+    return None if inside else target
+
+
+def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: frozenset[tuple[int, int]]
               ) -> tuple[list[ListedImage], list[SourceFailure], list[_Pending]]:
     """List one directory: its images (with caption stats), failures, and subfolders still to list."""
     absdir = os.path.join(root, *reldir.split("/")) if reldir else root
@@ -210,6 +222,7 @@ def _list_dir(root: str, reldir: str, repeats: int, ancestors: frozenset[tuple[i
     out: list[ListedImage] = []
     failures: list[SourceFailure] = []
     subdirs: list[_Pending] = []
+    refused_captions: set[str] = set()  # stems whose caption is a link leading outside the folder
     try:
         with os.scandir(absdir) as it:
             for entry in it:  # hot loop: one pass, d_type checks only, no syscall per entry
@@ -219,6 +232,16 @@ def _list_dir(root: str, reldir: str, repeats: int, ancestors: frozenset[tuple[i
                 dot = name.rfind(".")
                 ext = name[dot:].lower() if dot > 0 else ""
                 try:
+                    if entry.is_symlink():
+                        target = _link_outside(entry.path, real_root)
+                        if target is not None:
+                            failures.append(SourceFailure(prefix + name, entry.path, (
+                                f"is a symbolic link to {target}, outside the dataset folder {root}; links out of "
+                                "the folder are not followed (the pack reads only inside the folders you gave "
+                                "ComfyUI): copy the file into the folder instead")))
+                            if ext == CAPTION_EXTENSION:
+                                refused_captions.add(name[:dot])
+                            continue
                     if entry.is_dir():
                         _add_subdir(entry, reldir, prefix, repeats, ancestors, failures, subdirs)
                         continue
@@ -237,6 +260,11 @@ def _list_dir(root: str, reldir: str, repeats: int, ancestors: frozenset[tuple[i
         return out, failures, subdirs
     new = tuple.__new__  # builds the NamedTuple without its Python-level __new__: ~1 us less per image
     for name, stem, entry in images:
+        if stem in refused_captions:
+            failures.append(SourceFailure(prefix + name, entry.path, (
+                f"left out: its caption {prefix}{stem}{CAPTION_EXTENSION} is a symbolic link outside the dataset "
+                "folder (see that file's line)")))
+            continue
         try:
             st = entry.stat()
             cap = captions.get(stem)
@@ -283,26 +311,27 @@ def _walk(root: str, threads: int) -> tuple[list[ListedImage], list[SourceFailur
     """List every folder under ``root``; with ``threads > 1`` folders are listed concurrently (their stat calls
     release the GIL, which pays off on network filesystems and cold caches)."""
     st = os.stat(root)
+    real_root = os.path.realpath(root)
     first: _Pending = ("", 1, frozenset({(st.st_dev, st.st_ino)}))
     out: list[ListedImage] = []
     failures: list[SourceFailure] = []
     if threads <= 1:
         pending = [first]
         while pending:
-            imgs, fails, subs = _list_dir(root, *pending.pop())
+            imgs, fails, subs = _list_dir(root, real_root, *pending.pop())
             out += imgs
             failures += fails
             pending += subs
         return out, failures
     with ThreadPoolExecutor(threads, thread_name_prefix="list") as pool:
-        running = {pool.submit(_list_dir, root, *first)}
+        running = {pool.submit(_list_dir, root, real_root, *first)}
         while running:
             done, running = wait(running, return_when=FIRST_COMPLETED)
             for fut in done:
                 imgs, fails, subs = fut.result()
                 out += imgs
                 failures += fails
-                running.update(pool.submit(_list_dir, root, *sub) for sub in subs)
+                running.update(pool.submit(_list_dir, root, real_root, *sub) for sub in subs)
     return out, failures
 
 

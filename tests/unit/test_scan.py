@@ -193,23 +193,59 @@ def test_dataset_folder_error_is_a_value_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symlinks")
-def test_symlink_loops_are_cut_and_linked_folders_followed(tmp_path: Path) -> None:
+def test_symlink_loops_are_cut_and_linked_folders_inside_followed(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    other = tmp_path / "other"
     _write(data / "a.png", _image_bytes((8, 8), "red"))
-    _write(other / "b.png", _image_bytes((8, 8), "blue"))
+    _write(data / "pool" / "b.png", _image_bytes((8, 8), "blue"))
     os.symlink(data, data / "loop")
     (data / "sub").mkdir()
     os.symlink(data, data / "sub" / "up")
-    os.symlink(other, data / "2_linked")
-    os.symlink(other, data / "3_again")
-    os.symlink(tmp_path / "missing.png", data / "broken.png")
+    os.symlink(data / "pool", data / "2_linked")
+    os.symlink("pool", data / "3_again")  # relative target, still inside
+    os.symlink(data / "missing.png", data / "broken.png")  # inside, but nothing there
     for threads in (1, 4):
         listing = list_folder(data, threads=threads)
         assert [(i.relpath, i.repeats) for i in listing.images] == [
-            ("2_linked/b.png", 2), ("3_again/b.png", 3), ("a.png", 1)
+            ("2_linked/b.png", 2), ("3_again/b.png", 3), ("a.png", 1), ("pool/b.png", 1)
         ]
-        assert [f.relpath for f in listing.failures] == ["broken.png"]
+        assert [(f.relpath, f.reason.split(":")[0]) for f in listing.failures] == [("broken.png", "cannot stat")]
+
+
+def test_links_leading_outside_the_folder_are_reported_and_not_followed(tmp_path: Path) -> None:
+    data, outside = tmp_path / "data", tmp_path / "outside"
+    _write(data / "a.png", _image_bytes((8, 8), "red"))
+    _write(data / "b.png", _image_bytes((8, 8), "green"))
+    _write(data / "in.png", _image_bytes((8, 8), "white"))
+    _write(outside / "secret.png", _image_bytes((8, 8), "blue"))
+    _write(outside / "secret.txt", "private text")
+    _write(outside / "dir" / "c.png", _image_bytes((8, 8), "black"))
+    os.symlink(outside / "secret.png", data / "stolen.png")  # an image leading out
+    os.symlink(outside / "secret.txt", data / "b.txt")  # a caption leading out: b.png is left out with it
+    os.symlink(outside / "dir", data / "5_linked")  # a folder leading out
+    os.symlink("../outside/secret.png", data / "rel.png")  # relative, still out
+    os.symlink(data / "in.png", data / "alias.png")  # stays inside: followed
+    for threads in (1, 4):
+        listing = list_folder(data, threads=threads)
+        assert [i.relpath for i in listing.images] == ["a.png", "alias.png", "in.png"]
+        failures = {f.relpath: f.reason for f in listing.failures}
+        assert sorted(failures) == ["5_linked", "b.png", "b.txt", "rel.png", "stolen.png"]
+        for name in ("5_linked", "b.txt", "rel.png", "stolen.png"):
+            assert "symbolic link to" in failures[name] and "outside the dataset folder" in failures[name]
+            assert str(outside) in failures[name]
+        assert "its caption b.txt is a symbolic link outside the dataset folder" in failures["b.png"]
+    result = scan_folder(data, threads=1)
+    assert [i.relpath for i in result.images] == ["a.png", "alias.png", "in.png"]
+    assert "private text" not in repr(result)
+
+
+def test_a_folder_given_through_a_link_reads_what_is_inside_its_target(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    _write(real / "a.png", _image_bytes((8, 8), "red"))
+    _write(real / "a.txt", "inside")
+    os.symlink(real / "a.png", real / "alias.png")
+    os.symlink(real, tmp_path / "via_link")
+    listing = list_folder(tmp_path / "via_link")
+    assert [i.relpath for i in listing.images] == ["a.png", "alias.png"] and not listing.failures
 
 
 def test_extensions_are_case_insensitive(tmp_path: Path) -> None:
