@@ -337,6 +337,15 @@ def test_a_full_disk_is_named_and_a_rerun_encodes_only_the_rest(mod: ModuleType,
         assert len(reader.dataset("default")) == 5 and reader.verify() == []
 
 
+def _latent_shapes(handle: Any) -> set[tuple[int, ...]]:
+    """The distinct latent shapes of a stored dataset, from shard headers."""
+    reader, samples = handle.open()
+    try:
+        return {tuple(reader.tensor_shapes(s.latent)["samples"]) for s in samples}
+    finally:
+        reader.close()
+
+
 def test_small_images_are_not_upscaled_unless_asked_and_old_prompts_run_without_the_input(
         mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str]) -> None:
     vae, clip = encoders
@@ -346,20 +355,12 @@ def test_small_images_are_not_upscaled_unless_asked_and_old_prompts_run_without_
                   bucket_step=32)
     assert "upscale" not in old["10"]["inputs"]  # as a workflow saved before the input existed
     handle, report, _ = Run(mod, old).queue(vae, clip)
-    reader, samples = handle.open()
-    try:
-        shapes = {tuple(reader.tensor_shapes(s.latent)["samples"]) for s in samples}
-    finally:
-        reader.close()
+    shapes = _latent_shapes(handle)
     assert max(h * w for _, _, h, w in shapes) <= (96 // 8) * (96 // 8)  # the folder's images are 64-96 px
     up = _prompt(names[0], names[1] + "_up", tiny_models.name("vae"), tiny_models.name("clip"), resolution=512,
                  bucket_step=32, upscale=True)
     handle, _, _ = Run(mod, up).queue(vae, clip)
-    reader, samples = handle.open()
-    try:
-        shapes = {tuple(reader.tensor_shapes(s.latent)["samples"]) for s in samples}
-    finally:
-        reader.close()
+    shapes = _latent_shapes(handle)
     assert min(h * w for _, _, h, w in shapes) > (96 // 8) * (96 // 8)  # covered buckets of area up to 512²
 
 
