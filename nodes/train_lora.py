@@ -102,6 +102,7 @@ class TrainLoRA(io.ComfyNode):
                 io.Combo.Input("loss_function", options=list(LOSS_FUNCTIONS), default="MSE",
                                tooltip="How the denoised prediction is compared with the clean latent."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF,
+                             control_after_generate=io.ControlAfterGenerate.fixed,  # a re-queue reuses the LoRA
                              tooltip="Decides the batch order, caption variants, noise, timesteps and the LoRA's "
                              "initial weights: the same seed and inputs train the same LoRA."),
                 io.Combo.Input("training_dtype", options=["bf16", "fp32", "none"], default="bf16",

@@ -134,6 +134,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     assert inputs["algorithm"].options == list(adapter_maps)
     assert "[None]" in inputs["existing_lora"].options
     assert [o.get_io_type() for o in schema.outputs] == ["LORA_MODEL", "LOSS_MAP", "INT"]
+    seed = info["input"]["required"]["seed"]
+    assert seed[1]["control_after_generate"] == "fixed"  # the front end would randomize any other `seed`
 
 
 # ----------------------------------------------------------------------------------------------------- training

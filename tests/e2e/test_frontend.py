@@ -236,6 +236,9 @@ def test_live_loss_curve_and_panels_in_the_real_front_end(browser_tools: str, co
                      f"{ARTIFACTS / 'frontend.png'}, {ARTIFACTS / 'frontend-loss-curve.png'}, "
                      f"{ARTIFACTS / 'frontend-live.png'}\n")
 
+    # a freshly added Train LoRA keeps its seed: re-queueing reuses ComfyUI's cache instead of training again
+    assert result["freshSeedControl"] == "fixed", result["freshSeedControl"]
+
     # the extension added its panels; the page's API prompt is the one intended (panels are not serialized)
     panels = {p["id"]: p for p in result["panels"]}
     assert all(panels[n]["panel"] for n in (ENCODE, TRAIN, INFO)), panels

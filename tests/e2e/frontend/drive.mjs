@@ -45,6 +45,16 @@ try {
   mark("page_ready");
   await page.keyboard.press("Escape"); // any first-run dialog
 
+  // a Train LoRA node as a user adds it: which "control after generate" mode its seed starts with
+  result.freshSeedControl = await page.evaluate(() => {
+    const app = window.comfyAPI.app.app;
+    const node = window.LiteGraph.createNode("StreamCache_TrainLoRA");
+    app.graph.add(node);
+    const control = (node.widgets ?? []).find((w) => w.name === "control_after_generate");
+    const value = control ? control.value : null;
+    app.graph.remove(node);
+    return value;
+  });
   await page.evaluate(async (workflow) => {
     await window.comfyAPI.app.app.loadGraphData(workflow);
   }, cfg.workflow);
