@@ -66,6 +66,24 @@ def test_every_template_has_an_equal_api_twin(client: ComfyClient) -> None:
         assert _bare(converted) == _bare(twin), path.name
 
 
+SAVED_BY_0_1_0 = sorted((Path(__file__).parent / "data" / "saved_by_0.1.0").glob("*.json"))
+"""The templates as version 0.1.0 saved them, before Encode Dataset had its ``upscale`` input (users' saved
+workflows look like these)."""
+
+
+@pytest.mark.parametrize("old", SAVED_BY_0_1_0, ids=lambda p: p.stem)
+def test_workflows_saved_by_the_previous_version_load_as_the_current_templates(old: Path, client: ComfyClient
+                                                                              ) -> None:
+    """Read the way the front end reads them (a widget the file lacks takes its default), the old files give the
+    prompts the current templates give, so a saved workflow keeps working and encodes as it did (no upscale)."""
+    info = client.object_info()
+    converted = ui_to_api(json.loads(old.read_text(encoding="utf-8")), info)
+    current = json.loads((API_DIR / old.name).read_text(encoding="utf-8"))
+    assert _bare(converted) == _bare(current), old.name
+    assert all(n["inputs"].get("upscale") is False for n in converted.values()
+               if n["class_type"] == "StreamCache_EncodeDataset")
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_template_links_and_widgets_are_consistent(path: Path, client: ComfyClient) -> None:
     """What the frontend needs to load a template as saved: every link joins existing slots of matching types, and

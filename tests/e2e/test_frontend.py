@@ -39,7 +39,7 @@ from support.datasets import Subset, make_kohya_folder
 from support.paths import PACK_ROOT
 from support.server import ComfyServer
 from support.tiny_models import TinyModels
-from support.workflow import _widget_inputs, ui_to_api
+from support.workflow import _widget_inputs, input_default, is_optional_input, ui_to_api
 
 FRONTEND = Path(__file__).resolve().parent / "frontend"
 DRIVER = FRONTEND / "drive.mjs"
@@ -93,7 +93,7 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
         str(ENCODE): {"class_type": "StreamCache_EncodeDataset", "inputs": {
             "folder": folder, "cache": cache, "dataset": "default", "vae": [str(VAE), 0], "clip": [str(CLIP), 0],
             "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
-            "batch_size": 2, "on_failure": "skip"}},
+            "batch_size": 2, "on_failure": "skip", "upscale": False}},
         str(TRAIN): {"class_type": "StreamCache_TrainLoRA", "inputs": {
             "model": [str(UNET), 0], "dataset": [str(ENCODE), 0], "batch_size": 1, "grad_accumulation_steps": 1,
             "steps": STEPS, "learning_rate": 0.0005, "rank": 4, "optimizer": "AdamW", "loss_function": "MSE",
@@ -135,7 +135,8 @@ def api_to_ui(prompt: dict[str, Any], object_info: dict[str, Any]) -> dict[str, 
         x, y, w, h = LAYOUT[int(node_id)]
         values: list[Any] = []
         for name, has_control in _widget_inputs(info):
-            values.append(entry["inputs"][name])
+            values.append(entry["inputs"][name] if name in entry["inputs"] or not is_optional_input(info, name)
+                          else input_default(info, name))
             if has_control or _frontend_adds_control(info, name):
                 values.append("fixed")
         widget_names = {name for name, _ in _widget_inputs(info)}

@@ -49,6 +49,21 @@ def _widget_inputs(info: dict[str, Any]) -> list[tuple[str, bool]]:
     return out
 
 
+def is_optional_input(info: dict[str, Any], name: str) -> bool:
+    """Whether ``name`` is an optional input of the node whose ``/object_info`` entry is ``info``."""
+    return name in info.get("input", {}).get("optional", {})
+
+
+def input_default(info: dict[str, Any], name: str) -> Any:
+    """The value the front end gives a widget that a workflow does not mention (its spec's default)."""
+    inputs = info.get("input", {})
+    spec = inputs.get("required", {}).get(name) or inputs.get("optional", {}).get(name) or [None]
+    options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    if "default" in options:
+        return options["default"]
+    return spec[0][0] if isinstance(spec[0], list) and spec[0] else None
+
+
 def ui_to_api(workflow: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:
     """Convert a UI workflow to an API prompt using the server's ``/object_info``.
 
@@ -75,6 +90,10 @@ def ui_to_api(workflow: dict[str, Any], object_info: dict[str, Any]) -> dict[str
             position = 0
             for name, has_control in _widget_inputs(object_info[kind]):
                 if position >= len(values):
+                    # a workflow saved before an optional input was added: the front end shows its default
+                    if is_optional_input(object_info[kind], name):
+                        inputs[name] = input_default(object_info[kind], name)
+                        continue
                     raise WorkflowError(f"node {node_id} ({kind}): no widget value for input {name!r}")
                 inputs[name] = values[position]
                 position += 2 if has_control else 1

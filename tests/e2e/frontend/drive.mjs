@@ -50,8 +50,10 @@ try {
     const app = window.comfyAPI.app.app;
     const node = window.LiteGraph.createNode("StreamCache_TrainLoRA");
     app.graph.add(node);
-    const control = (node.widgets ?? []).find((w) => w.name === "control_after_generate");
-    const value = control ? control.value : null;
+    const seed = (node.widgets ?? []).find((w) => w.name === "seed");
+    const control = (seed?.linkedWidgets ?? [])[0]
+      ?? (node.widgets ?? []).find((w) => w.name === "control_after_generate");
+    const value = control ? control.value : JSON.stringify((node.widgets ?? []).map((w) => [w.name, w.value]));
     app.graph.remove(node);
     return value;
   });
