@@ -414,11 +414,11 @@ class EncodeDataset(io.ComfyNode):
                                "fixed per image (seeded by its content)."),
                 io.String.Input("caption_prefix", default="",
                                 tooltip="Put before every caption line, e.g. a trigger word `ohwx, `."),
-                io.String.Input("caption_suffix", default="", tooltip="Put after every caption line."),
-                io.Int.Input("batch_size", default=4, min=1, max=256,
+                io.String.Input("caption_suffix", advanced=True, default="", tooltip="Put after every caption line."),
+                io.Int.Input("batch_size", advanced=True, default=4, min=1, max=256,
                              tooltip="Images or captions per encoder call; each batch is saved when done, so "
                              "Cancel keeps everything finished."),
-                io.Combo.Input("on_failure", options=list(FAILURE_POLICIES), default="skip",
+                io.Combo.Input("on_failure", advanced=True, options=list(FAILURE_POLICIES), default="skip",
                                tooltip="An unreadable image or caption: skip it (listed in the report) or "
                                "stop with an error naming the file."),
                 io.Boolean.Input("upscale", default=False, optional=True, advanced=True,
@@ -437,12 +437,9 @@ class EncodeDataset(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, folder: str | None = None, cache: str | None = None,
-                        dataset: str | None = None, resolution: int | None = None,
-                        bucket_step: int | None = None) -> bool | str:
-        if resolution is not None and bucket_step is not None:
-            problem = _bucket_problem(resolution, bucket_step)
-            if problem:
-                return problem
+                        dataset: str | None = None) -> bool | str:
+        # resolution / bucket_step are checked when the plan is made (_settings): an input named here loses
+        # ComfyUI's own min/max check
         try:
             if folder is not None:
                 resolve_folder(folder)

@@ -351,6 +351,7 @@ def test_small_images_are_not_upscaled_unless_asked_and_old_prompts_run_without_
     vae, clip = encoders
     schema = {i.id: i for i in mod.EncodeDataset.define_schema().inputs}
     assert schema["upscale"].default is False and schema["upscale"].optional and schema["upscale"].advanced
+    assert {k for k, i in schema.items() if i.advanced} == {"caption_suffix", "batch_size", "on_failure", "upscale"}
     old = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), resolution=512,
                   bucket_step=32)
     assert "upscale" not in old["10"]["inputs"]  # as a workflow saved before the input existed
@@ -364,12 +365,21 @@ def test_small_images_are_not_upscaled_unless_asked_and_old_prompts_run_without_
     assert min(h * w for _, _, h, w in shapes) > (96 // 8) * (96 // 8)  # covered buckets of area up to 512²
 
 
-def test_a_bucket_step_larger_than_the_resolution_says_what_is_allowed(mod: ModuleType) -> None:
-    assert mod.EncodeDataset.validate_inputs(resolution=64, bucket_step=512) == (
-        "bucket_step 512 is larger than resolution 64, so no bucket fits: use a bucket_step from 8 to 64 "
-        "(a multiple of 8), or raise the resolution")
-    assert "use a multiple of 8" in mod.EncodeDataset.validate_inputs(resolution=512, bucket_step=12)
-    assert mod.EncodeDataset.validate_inputs(resolution=8192, bucket_step=512) is True
+def test_a_bucket_step_larger_than_the_resolution_says_what_is_allowed(mod: ModuleType, kohya: Any,
+                                                                       tiny_models: TinyModels,
+                                                                       names: tuple[str, str]) -> None:
+    import inspect
+
+    # not in validate_inputs: an input named there loses ComfyUI's own min/max check
+    assert {"resolution", "bucket_step"}.isdisjoint(inspect.signature(mod.EncodeDataset.validate_inputs).parameters)
+    bad = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), resolution=64,
+                  bucket_step=512)
+    with pytest.raises(ValueError, match=r"bucket_step 512 is larger than resolution 64, so no bucket fits: use a "
+                                         r"bucket_step from 8 to 64 \(a multiple of 8\), or raise the resolution"):
+        Run(mod, bad).lazy()  # before any model is asked for
+    with pytest.raises(ValueError, match="use a multiple of 8"):
+        mod._settings(resolution=512, bucket_step=12, crop="center", caption_prefix="", caption_suffix="",
+                      batch_size=1, on_failure="skip")
 
 
 def test_a_caption_longer_than_225_tokens_is_encoded_in_three_windows_and_the_report_says_so(
