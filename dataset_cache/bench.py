@@ -547,11 +547,12 @@ def _calibrate_matmul(target_s: float) -> Callable[[], None]:
 
 LOADER_CONFIGS = ((0, 0, False), (2, 1, True), (2, 1, False), (2, 2, True))
 """(prefetch batches, loader threads, read hints); (0, 0, _): reads inside next(); hints off: the A/B of the
-worker hinting the next batch's reads (``CacheReader.will_read``)."""
+worker announcing the next batch's read plan (``CacheReader.announce``)."""
 
 
 class _WithoutHints:
-    """The reader without ``will_read``: what the loader does with a reader that cannot hint."""
+    """The reader as a plain ``BatchReader`` (no ``plan``/``announce``): what the loader does with a reader that
+    cannot announce a batch ahead."""
 
     def __init__(self, reader: Any) -> None:
         self._reader = reader
@@ -906,9 +907,9 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - one linear script
         "first batch excluded. Goals (issue #5): with a step at least as long as a read (≥ 1×), the wait is under "
         "5% of the serial read time; with reads slower than steps (0.5× standalone), the throughput is at least 90% of the "
         "loader's standalone rate. Prefetch off = the read runs inside `next()` (the reference). *Hints*: a "
-        "worker starting a batch first asks the kernel for the next batch's rows (`CacheReader.will_read`, "
+        "worker starting a batch first asks the kernel for the next batch's rows (`CacheReader.announce`, "
         "`posix_fadvise(WILLNEED)` while reads come from the disk), so two batches are in flight on the disk; "
-        "*off* = the same loader over a reader without `will_read` (the A/B). This machine has 2 CPUs, so a "
+        "*off* = the same loader over a reader that cannot announce (the A/B). This machine has 2 CPUs, so a "
         "second loader thread competes with a matmul step for a core.",
         "",
         "| step | step length | step ms | prefetch | threads | hints | ms per batch | wait ms per batch "

@@ -1,41 +1,23 @@
-"""The prefetching loader: batch N+1..N+k are read while the consumer trains on batch N.
+"""The prefetching loader: batches N+1..N+k are read while the consumer trains on batch N.
 
-Intent: hide cache reads behind the training step without multiprocessing. Reads are mostly coalesced ``preadv``
-calls, which release the GIL, so a thread or two keep up with a GPU step; no dataset is pickled, nothing is
-re-imported per epoch, and it works the same on Windows and on a one-CPU container.
+Threads, not processes: reads are coalesced ``preadv`` calls that release the GIL, so a thread or two keep up with
+a GPU step, nothing is pickled, and it works the same on Windows and in a one-CPU container.
 
-How it works:
-
-* The consumer's thread alone walks the sampler (:meth:`BucketSampler.plans`) and submits up to
-  ``prefetch_batches`` read jobs ahead of the batch it is waiting for; worker threads run the jobs. Each job owns
+* The consumer's thread alone walks the sampler and submits up to ``prefetch_batches`` jobs ahead; each job owns
   its result slot, so batches come out in sampler order whatever the number of threads.
-* Host memory held by the loader is bounded by ``(prefetch_batches + 1) × batch bytes``, whatever the dataset
-  size. CPU target: at most ``prefetch_batches + 1`` jobs are in flight or waiting, and each batch is read into a
-  buffer that its tensors are views of (the reader leaves a batch's latents back to back: no copy at all), taken
-  from a small pool only once nothing refers to its memory any more (torch's storage use count), so a batch you
-  keep never changes under you and nothing is copied twice (measured faster than reusing one buffer and copying
-  out; and reading into a kept buffer spares the page faults of a fresh one, ~11% of a warm 32-sample batch on a
-  worker thread here). CUDA target: the batches live on the device; the host holds one reused pinned buffer per
-  worker thread (``threads <= prefetch_batches``; pinning is expensive, so it is done once).
-* A worker starting a job first hints the next job's reads to the reader (``will_read``; the plans are drawn one
-  ahead, so every job knows its successor). While reads come from the disk, the kernel then fetches batch N+1
-  while batch N is read: two batches in flight instead of one. One thread's cold reads of 32 SD1.5 samples went
-  from 9.4 to 6.9 ms a batch in the L4 benchmark here, faster than a serial read (10.2 ms), so a step as long as a
-  read no longer waits. From the page cache the reader ignores the hints.
-* CUDA target: host-to-device copies run on ONE side stream created with the loader (a fresh stream per epoch
-  strands the caching allocator's blocks, timm PR #2784). Before copying, the side stream waits on an event of the
-  consumer's stream taken when the job was submitted; before a pinned buffer is refilled, the worker waits for the
-  previous copy out of it; on delivery the consumer's current stream waits on the copy and every device tensor is
-  ``record_stream``-ed on it, so the allocator does not hand its memory back to the side stream too early.
-* A worker's exception reaches the consumer at the batch that failed, as :class:`LoaderWorkerError` chained to the
-  original (whose traceback shows the worker's frames).
-* Threads are started on first iteration and stopped and joined by :meth:`PrefetchLoader.close`, by ``with``, when
-  the loader is garbage collected, and whenever an iteration is abandoned (``break`` or an exception in the
-  consumer's loop); an iteration that runs to its end keeps them for the next epoch.
+* Each job carries its read plan. A worker starting job N first plans and announces job N+1 (the plans are drawn
+  one ahead, so every job knows its successor), so while reads come from the disk two batches are in flight.
+* Host memory is bounded by ``(prefetch_batches + 1) x batch bytes``. CPU target: a batch is made of views of the
+  buffer it was read into, and a buffer is reused only once nothing refers to its memory (``_BufferPool``), so a
+  batch you keep never changes. CUDA target: one reused pinned buffer per worker, copies on ONE side stream,
+  ordered against the consumer's stream with events and ``record_stream``.
+* A worker's exception reaches the consumer at the batch that failed, as :class:`LoaderWorkerError`.
+* Threads start on first iteration and stop on :meth:`PrefetchLoader.close`, ``with``, garbage collection, or an
+  abandoned iteration.
 
-Non-goals: worker processes, decoding or augmenting images (the cache holds encoded latents), and ComfyUI progress or
-interrupt calls from worker threads. Those belong to the consumer's thread (ComfyUI's execution context does not
-propagate into threads); pass ``on_wait`` to run such a check while the consumer waits for data.
+Not here: worker processes, decoding or augmenting images, and ComfyUI calls from worker threads (pass ``on_wait``
+to run an interrupt check while the consumer waits). Design history: docs/ARCHITECTURE.md; figures:
+docs/BENCHMARKS.md (L3, L4).
 """
 
 from __future__ import annotations
@@ -55,6 +37,7 @@ import torch
 
 from .constants import DEFAULT_PREFETCH_BATCHES
 from .errors import CacheError
+from .reading import BatchReader, PlannedReader
 from .sampler import BatchPlan, BucketSampler
 from .threads import available_cpus, resolve_threads
 
@@ -145,7 +128,9 @@ class _Job:
     error: BaseException | None = None
     read_s: float = 0.0
     started: bool = False
-    successor: _Job | None = None  # the next job in batch order (drawn before it is submitted): hinted at our start
+    successor: _Job | None = None  # the next job in batch order (drawn before it is submitted): announced at our start
+    read_plan: Any = None  # the reader's plan of this read (PlannedReader), made by the first worker that needs it
+    announced: bool = False  # the reader announced read_plan to the kernel ahead of the read
 
 
 def _entry_keys(plan: BatchPlan) -> list[str]:
@@ -170,13 +155,14 @@ class _Slot:
 class _Context:
     """What workers need; deliberately holds no reference to the loader, so an unclosed loader can be collected."""
 
-    reader: Any
+    reader: Any  # a BatchReader, or a PlannedReader when `planned`
     device: torch.device
     pin: bool
     side_stream: Any
     slots: list[_Slot]
     pool: _BufferPool | None = None  # CPU target: reusable read buffers
-    will_read: Callable[[list[str]], None] | None = None  # the reader's read-ahead hint, when it has one
+    planned: bool = False  # the reader is a PlannedReader: jobs carry their plan, the next one is announced
+    read_ahead: bool = False  # announce the next job's reads (only with worker threads)
 
 
 def _new_buffer(pin: bool) -> Any:
@@ -352,24 +338,28 @@ def _run_job(job: _Job, ctx: _Context, slot: _Slot) -> None:
     t0 = time.perf_counter()
     job.started = True
     try:
-        plan = job.plan
-        keys = _entry_keys(plan)
+        reader = ctx.reader
+        keys = _entry_keys(job.plan)
         nxt = job.successor
-        if ctx.will_read is not None and nxt is not None and not nxt.started and not nxt.cancelled:
-            ctx.will_read(_entry_keys(nxt.plan))  # its bytes come off the disk while this batch is read
+        if ctx.read_ahead and nxt is not None and not nxt.started and not nxt.cancelled:
+            _announce(nxt, reader)  # its bytes come off the disk while this batch is read
         if slot.copy_done is not None:  # the previous batch's copy may still read this pinned buffer
             slot.copy_done.synchronize()
             slot.copy_done = None
         if slot.buffer is None and ctx.device.type == "cuda":
             slot.buffer = _new_buffer(ctx.pin)
-        if ctx.pool is not None:
-            buffer = ctx.pool.take()
-            try:
-                values = dict(zip(keys, ctx.reader.read(keys, out=buffer)))
-            finally:
+        buffer = ctx.pool.take() if ctx.pool is not None else slot.buffer
+        try:
+            if ctx.planned:
+                if job.read_plan is None:
+                    job.read_plan = reader.plan(keys)
+                got = reader.read_plan(job.read_plan, pin_memory=ctx.pin, out=buffer, announced=job.announced)
+            else:
+                got = reader.read(keys, pin_memory=ctx.pin, out=buffer)
+        finally:
+            if ctx.pool is not None:
                 ctx.pool.give_back(buffer)  # from here on, the batch's views keep it from being taken again
-        else:
-            values = dict(zip(keys, ctx.reader.read(keys, pin_memory=ctx.pin, out=slot.buffer)))
+        values = dict(zip(keys, got))
         if ctx.device.type == "cuda":
             with torch.cuda.device(ctx.device), torch.cuda.stream(ctx.side_stream):
                 if job.consumer_event is not None:  # never overwrite memory the consumer's queued work still uses
@@ -388,6 +378,17 @@ def _run_job(job: _Job, ctx: _Context, slot: _Slot) -> None:
     finally:
         job.read_s = time.perf_counter() - t0
         job.done.set()
+
+
+def _announce(job: _Job, reader: PlannedReader) -> None:
+    """Plan ``job``'s read (its worker reuses the plan) and announce it; never raises: the read reports errors."""
+    try:
+        plan = job.read_plan
+        if plan is None:
+            plan = job.read_plan = reader.plan(_entry_keys(job.plan))
+        job.announced = reader.announce(plan)
+    except (KeyError, CacheError):
+        return
 
 
 class _Upcoming:
@@ -486,7 +487,8 @@ class PrefetchLoader:
     after the one being trained. Use it as a context manager or call :meth:`close`.
 
     Args:
-        reader: an open cache reader (``read(keys, pin_memory=..., out=...)``).
+        reader: an open cache reader (a :class:`~dataset_cache.reading.BatchReader`; a
+            :class:`~dataset_cache.reading.PlannedReader` such as ``CacheReader`` also gets the next batch announced).
         sampler: the batch order.
         prefetch_batches: batches read ahead of the one being consumed (0: read in the consumer's thread).
         threads: worker threads; default: 2 when ``prefetch_batches`` >= 2 and the process may use 3 or more CPUs,
@@ -505,7 +507,7 @@ class PrefetchLoader:
 
     def __init__(
         self,
-        reader: Any,
+        reader: BatchReader,
         sampler: BucketSampler,
         *,
         prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
@@ -545,8 +547,9 @@ class PrefetchLoader:
             n_threads = resolve_threads(wanted, purpose="loader threads", maximum=self._depth)
         side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # ONE side stream for the loader's life
         pool = _BufferPool(self._depth + 2) if dev.type == "cpu" else None
+        planned = isinstance(reader, PlannedReader)
         self._ctx = _Context(reader, dev, pin, side, [_Slot() for _ in range(max(1, n_threads))], pool,
-                             getattr(reader, "will_read", None) if n_threads else None)
+                             planned=planned, read_ahead=planned and n_threads > 0)
         self._workers = _Workers(n_threads, self._ctx) if n_threads else None
         self._finalizer = weakref.finalize(self, _Workers.stop, self._workers) if self._workers else None
         self._pending: deque[_Job] = deque()

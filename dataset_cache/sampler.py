@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .dataset import Sample, check_epoch_size
+from .reading import EntryHeaders
 
 __all__ = ["BatchPlan", "BucketSampler", "buckets_from_reader", "fit_batch_size"]
 
@@ -82,7 +83,7 @@ class _Epoch:
     variants: list[int]  # caption variant of each sample
 
 
-def buckets_from_reader(reader: Any, samples: Sequence[Sample]) -> list[tuple[int, ...]]:
+def buckets_from_reader(reader: EntryHeaders, samples: Sequence[Sample]) -> list[tuple[int, ...]]:
     """Return each sample's bucket: its latent's shape without the leading 1 — ``(C, H, W)`` for images,
     ``(C, T, H, W)`` for video VAEs — read from headers only (no tensor I/O). Rows of one bucket stack.
 

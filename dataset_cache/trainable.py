@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .dataset import Sample
+from .reading import EntryHeaders
 
 __all__ = ["UNTRAINABLE_CONDITIONING_KEYS", "check_trainable", "non_finite_entries"]
 
@@ -43,7 +44,7 @@ def _where(i: int, s: Sample) -> str:
     return f"sample {i} ({s.source or s.latent})"
 
 
-def check_trainable(reader: Any, samples: Sequence[Sample]) -> None:
+def check_trainable(reader: EntryHeaders, samples: Sequence[Sample]) -> None:
     """Refuse a dataset whose latents or conditionings a trainer would use wrongly; reads headers only.
 
     Args:

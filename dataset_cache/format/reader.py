@@ -4,20 +4,22 @@ Opening a cache reads the manifest, the journal and each shard's header — neve
 entry's skeleton as unparsed JSON text until the entry is used, so opening 100k entries takes well under a
 second and little memory. A batch read places all requested rows in one preallocated ``uint8`` buffer (pinned on
 request; rows of one dtype and shape side by side, in the order asked), fills it with positional reads (rows
-adjacent in the file and in the buffer share one) and returns tensors that are views into it. No memory map is ever held (on Windows a mapped file
-cannot be replaced, which would block compaction by another process); on POSIX the shard files stay open
-between reads until :meth:`CacheReader.close` (see ``_ShardFiles``), on Windows each read opens its own.
+adjacent in the file and in the buffer share one) and returns tensors that are views into it. No memory map is
+ever held (on Windows a mapped file cannot be replaced, which would block compaction by another process).
+
+A read is three steps, each its own method: :meth:`CacheReader.plan` (a :class:`~.read_plan.ReadPlan`, from the
+headers alone), :meth:`CacheReader.announce` (ask the kernel for its bytes ahead of time) and
+:meth:`CacheReader.read_plan`; :meth:`CacheReader.read` does all three. The files themselves and the read-ahead
+policy live in :mod:`.shard_files`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 import weakref
 from itertools import count, repeat
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,22 +34,16 @@ from ..refs import LazyTensor
 from . import skeleton
 from .layout import check_no_links
 from .manifest import MANIFEST, CacheState, load_dataset, read_state
+from .read_plan import ReadPlan, RowRef, plan_read, plan_rows
+from .shard import ShardIndex, open_shard
 from .safetensors_io import open_regular
-from .shard import Column, ShardIndex, open_shard
+from .shard_files import ShardFiles, read_exact, unreadable
 
 __all__ = ["open_cache", "CacheReader", "ReadBuffer"]
 
 log = logging.getLogger("dataset_cache.format.reader")
 _VERIFY_CHUNK = 64 << 20
 _OPEN_RETRIES = 5
-_HAVE_PREADV = hasattr(os, "preadv")
-_KEEP_FILES_OPEN = os.name == "posix" and _HAVE_PREADV
-_CAN_ADVISE = _KEEP_FILES_OPEN and hasattr(os, "posix_fadvise")
-_COLD_BYTES_PER_S = 2e9  # a batch slower than this came (partly) from the disk: announce the next one's ranges
-_WARM_HINT_S_PER_RANGE = 4e-6  # a hint quicker than this per range plus per byte found its pages in the page cache:
-_WARM_HINT_BYTES_PER_S = 10e9  # ~2 µs a range and ~20 GB/s measured warm here, 20-30 µs a range cold
-_MAX_HINTED = 64  # hinted batches remembered at once (a loader has a few batches in flight)
-_MAX_KEPT_FILES = 512  # beyond this many shards, the rest are opened per read (stays far below ulimit -n)
 
 
 class ReadBuffer:
@@ -133,11 +129,6 @@ def _open_once(root: str | os.PathLike, verify: bool, strict: bool) -> CacheRead
         return CacheReader(state, shards, verify=verify, problems=problems)
 
 
-_Plan = tuple[list[tuple[int, int, int]], list[tuple[int, int, Column]],
-              list[tuple[int, Column, list[tuple[int, int, int]]]], list[list[int]], int]
-"""A planned batch read: ``(order, placed, groups, ranges, total)``, see ``CacheReader._plan``."""
-
-
 class CacheReader:
     """A read-only snapshot of a cache (the state when it was opened).
 
@@ -156,8 +147,7 @@ class CacheReader:
         self._shards = shards
         self._verify = verify
         self._problems = list(problems or [])
-        self._files = _ShardFiles(shards)
-        self._hinted_plans: dict[tuple[str, ...], tuple[Any, Any, _Plan]] = {}  # will_read's, until read
+        self._files = ShardFiles(shards)
         self._finalizer = weakref.finalize(self, self._files.close)  # a reader dropped without close()
         self._index: dict[str, tuple[int, int]] = {}
         for s, sh in enumerate(shards):
@@ -205,70 +195,55 @@ class CacheReader:
         return sh.skeleton(i, lambda c, row: sh.columns[c].row_shape)
 
     # ----------------------------------------------------------------------------------------- reads
-    def read(self, keys: Sequence[str], *, pin_memory: bool = False, out: ReadBuffer | None = None) -> list[Any]:
+    def read(self, keys: Iterable[str], *, pin_memory: bool = False, out: ReadBuffer | None = None) -> list[Any]:
         """Materialize many entries with few large reads; returns their values in the order of ``keys``.
 
-        Tensors are views into one buffer (``out`` when given, reused by the next read into it).
+        The same as ``read_plan(plan(keys))``. Tensors are views into one buffer (``out`` when given, reused by
+        the next read into it).
 
         Raises:
             KeyError: a key is not in the cache.
             CacheCorruptError: a shard is missing or truncated, or a checksum does not match (nothing is returned).
         """
-        keys = tuple(keys)  # iterated more than once below (a generator would be spent by the first pass)
-        hinted = self._hinted_plans.pop(keys, None) if self._hinted_plans else None
-        if hinted is not None:  # planned by will_read: the snapshot has not changed since
-            templates, rows, plan = hinted
-        else:
-            templates, rows = self._rows_of(keys)
-            plan = None
-        tensors = self._read_rows(rows, None, pin_memory, out, keys, plan)
+        return self.read_plan(self.plan(keys), pin_memory=pin_memory, out=out)
+
+    def plan(self, keys: Iterable[str]) -> ReadPlan:
+        """Plan reading ``keys`` (duplicates allowed): buffer layout and positional reads, from the headers only.
+
+        Raises:
+            KeyError: a key is not in the cache.
+            CacheCorruptError: an entry's skeleton is malformed or points outside its shard (naming the entry).
+        """
+        keys = tuple(keys)  # iterated again by _explain (a generator would be spent by the first pass)
+        try:
+            return plan_read(self._shards, self._index, keys)
+        except (KeyError, skeleton.SkeletonError, CacheCorruptError):
+            self._explain(keys)  # the precise error: the unknown key, or the entry whose skeleton is bad
+            raise
+
+    def announce(self, plan: ReadPlan) -> bool:
+        """Tell the kernel that ``plan`` will be read soon, so its bytes come off the disk while other work runs.
+
+        Only while reads come from the disk (see :class:`~dataset_cache.format.shard_files.ReadAhead`), and only
+        while the files are kept open (not after :meth:`close`, not on Windows); never raises: a damaged or
+        missing shard is reported by the read. Returns whether the ranges were announced; pass that to
+        :meth:`read_plan` as ``announced``.
+        """
+        return self._files.announce_ahead(plan.ranges)
+
+    def read_plan(self, plan: ReadPlan, *, pin_memory: bool = False, out: ReadBuffer | None = None,
+                  announced: bool = False) -> list[Any]:
+        """Read a plan of this reader's: the values of ``plan.keys`` in order (see :meth:`read`).
+
+        ``announced``: :meth:`announce` returned ``True`` for this plan (its ranges are not announced again).
+        """
+        tensors = self._read_rows(plan, None, pin_memory, out, announced)
         values, at = [], 0
         fill = skeleton.fill
-        for template, n in templates:
+        for template, n in plan.templates:
             values.append(fill(template, tensors[at:at + n]))
             at += n
         return values
-
-    def will_read(self, keys: Sequence[str]) -> None:
-        """Hint that ``keys`` will be read soon, so that their bytes come off the disk while other work runs.
-
-        When the recent reads came from the disk (the same test that makes a read announce its own ranges; see
-        ``_ShardFiles``), every range of these entries is announced to the kernel with
-        ``posix_fadvise(WILLNEED)``, which starts the reads and returns at once. A loader that hints batch N+1
-        while it reads batch N keeps the disk busy with two batches instead of one: cold batches of 32 SD1.5
-        samples came 36% faster on one thread here (9.8 → 6.3 ms). It does nothing while the page cache serves
-        the reads (the hints would only add syscalls), after :meth:`close`, and where ``posix_fadvise`` does not
-        exist (Windows, macOS). A hint never fails: an unknown key or a damaged entry is reported by the read.
-        The read of exactly these keys reuses the hint's plan (~0.5 ms of Python for 32 SD1.5 samples here).
-        """
-        if not self._files.cold:
-            return
-        keys = tuple(keys)
-        try:
-            templates, rows = self._rows_of(keys)
-            plan = self._plan(rows, keys)
-        except (KeyError, CacheError, skeleton.SkeletonError):
-            return
-        if len(self._hinted_plans) >= _MAX_HINTED:  # hinted batches that were never read (an abandoned iteration)
-            self._hinted_plans.clear()
-        self._hinted_plans[keys] = (templates, rows, plan)  # the read reuses it: planning is ~0.5 ms a batch
-        self._files.hint(plan[3])
-
-    def _rows_of(self, keys: Sequence[str]) -> tuple[list[tuple[Any, int]], list[tuple[int, int, int]]]:
-        """Each entry's template and reference count, and all their ``(shard, column, row)`` in key order."""
-        templates: list[tuple[Any, int]] = []
-        rows: list[tuple[int, int, int]] = []
-        index, shards, split = self._index, self._shards, skeleton.split
-        try:  # the loader's inner loop: references are range-checked where rows are planned (_plan)
-            for key in keys:
-                s, i = index[key]
-                template, refs = split(shards[s].skeletons[i])
-                templates.append((template, len(refs)))
-                rows += [(s, c, r) for c, r in refs]
-        except (KeyError, skeleton.SkeletonError):
-            self._explain(keys)
-            raise
-        return templates, rows
 
     def _explain(self, keys: Sequence[str]) -> None:
         """Raise the precise error (unknown key, or which entry's skeleton is bad) for a read that failed."""
@@ -284,94 +259,39 @@ class CacheReader:
 
     def _read_lazy(self, lazies: Sequence[LazyTensor]) -> list[torch.Tensor]:
         locs = [lz._loc for lz in lazies]
-        return self._read_rows([(r.shard, r.column, r.row) for r in locs], [r.entry for r in locs], False, None)
+        plan = plan_rows(self._shards, [(r.shard, r.column, r.row) for r in locs])
+        return self._read_rows(plan, [r.entry for r in locs], False, None, False)
 
-    def _read_rows(self, rows: Sequence[tuple[int, int, int]], owners: Sequence[str] | None, pin_memory: bool,
-                   out: ReadBuffer | None, keys: Sequence[str] = (), plan: _Plan | None = None) -> list[torch.Tensor]:
-        """Read ``rows`` (``(shard, column, row)``, duplicates allowed) and return one tensor view per row.
+    def _read_rows(self, plan: ReadPlan, owners: Sequence[str] | None, pin_memory: bool, out: ReadBuffer | None,
+                   announced: bool) -> list[torch.Tensor]:
+        """Read ``plan`` and return one tensor view per reference in ``plan.rows``.
 
         ``owners`` names the entry of each row for error messages; when ``None``, they are looked up among
-        ``keys`` only if a checksum fails (building the list costs more than the check on the fast path).
-
-        Rows of the same dtype and shape are placed side by side in the buffer in the order asked for (see
-        :meth:`_plan`), so the latents of a batch come out as consecutive views of one ``[B, ...]`` block that
-        a loader can use without stacking them again. This path is the loader's inner loop, so it keeps Python
-        work per row to a few operations.
+        ``plan.keys`` only if a checksum fails (building the list costs more than the check on the fast path).
+        Rows of one dtype and shape are side by side in the buffer in the order asked for, so a batch's latents
+        come out as consecutive views of one ``[B, ...]`` block that a loader uses without stacking them again.
+        This is the loader's inner loop: Python work per row is kept to a few operations.
         """
-        order, placed, groups, ranges, total = plan or self._plan(rows, keys)
+        total = plan.nbytes
         buf = (out or ReadBuffer(pin_memory=pin_memory)).ensure(total)
         mv = memoryview(buf.numpy()) if total else memoryview(bytearray(0))
-        self._files.read(ranges, mv, hinted=plan is not None)  # a plan given here came from will_read
+        self._files.read(plan.ranges, mv, announced=announced)
         if self._verify:
-            bad = [i for i, (a, r, col) in enumerate(placed)
-                   if checksum64(mv[a:a + col.row_nbytes]) != col.checksums[16 * r:16 * r + 16]]
+            bad = [ref for ref, a, col in plan.placed
+                   if checksum64(mv[a:a + col.row_nbytes]) != col.checksums[16 * ref[2]:16 * ref[2] + 16]]
             if bad:
-                self._raise_corrupt([order[i] for i in bad], rows, owners, keys)
-        views: dict[tuple[int, int, int], torch.Tensor] = {}
-        for start, col, members in groups:
-            stacked = buf[start:start + len(members) * col.row_nbytes].view(col.dtype)
+                self._raise_corrupt(bad, plan, owners)
+        views: dict[RowRef, torch.Tensor] = {}
+        for group in plan.groups:
+            col, members = group.column, group.rows
+            stacked = buf[group.start:group.start + len(members) * col.row_nbytes].view(col.dtype)
             views.update(zip(members, stacked.view(len(members), *col.row_shape).unbind(0)))
-        return [views[key] for key in rows]
+        return [views[ref] for ref in plan.rows]
 
-    def _plan(self, rows: Sequence[tuple[int, int, int]], keys: Sequence[str]) -> _Plan:
-        """Where each unique row goes in the buffer and which positional reads fill it.
-
-        Returns ``(order, placed, groups, ranges, total)``: the unique rows in buffer order, each one's ``(buffer
-        position, row, column)``, the groups ``(buffer start, a column of the group, rows)`` (one per dtype and
-        row shape, 64-byte aligned, rows in the order asked for), the reads ``[shard, file begin, file end,
-        buffer position]`` (rows adjacent both in the file and in the buffer share one) and the buffer size.
-        A reference outside its shard's columns is corrupt (the error names the entry).
-        """
-        shards = self._shards
-        members: dict[int, list[tuple[int, int, int]]] = {}
-        col_of: dict[tuple[int, int, int], Column] = {}  # each unique row's column (also: rows already seen)
-        for key in rows:
-            if key in col_of:
-                continue
-            s, c, r = key
-            cols = shards[s].columns
-            if not 0 <= c < len(cols) or not 0 <= r < cols[c].rows:
-                self._explain(keys)  # a skeleton points outside its shard's columns: name the entry
-                raise CacheCorruptError(str(shards[s].path), f"tensor reference [{c}, {r}] outside the columns")
-            col = col_of[key] = cols[c]
-            g = members.get(col.group)
-            if g is None:
-                g = members[col.group] = []
-            g.append(key)
-        order: list[tuple[int, int, int]] = []
-        placed: list[tuple[int, int, Column]] = []
-        groups: list[tuple[int, Column, list[tuple[int, int, int]]]] = []
-        at: dict[tuple[int, int, int], int] = {}
-        total = 0
-        for keys_in in members.values():
-            total = -(-total // 64) * 64  # each group 64-byte aligned: its rows are aligned for any dtype
-            groups.append((total, col_of[keys_in[0]], keys_in))
-            for key in keys_in:
-                col = col_of[key]
-                at[key] = total
-                order.append(key)
-                placed.append((total, key[2], col))
-                total += col.row_nbytes
-        ranges: list[list[int]] = []
-        last: list[int] = [-1, 0, 0, 0]
-        for key in sorted(at):  # file order: rows next to each other in the file and in the buffer share a read
-            s, _c, r = key
-            col = col_of[key]
-            n = col.row_nbytes
-            b = col.offset + r * n
-            p = at[key]
-            if s == last[0] and b == last[2] and p == last[3] + last[2] - last[1]:
-                last[2] = b + n
-            else:
-                last = [s, b, b + n, p]
-                ranges.append(last)
-        return order, placed, groups, ranges, total
-
-    def _raise_corrupt(self, bad: Sequence[tuple[int, int, int]], rows: Sequence[tuple[int, int, int]],
-                       owners: Sequence[str] | None, keys: Sequence[str]) -> None:
+    def _raise_corrupt(self, bad: Sequence[RowRef], plan: ReadPlan, owners: Sequence[str] | None) -> None:
         if owners is None:
-            owners = [k for k in keys for _ in self._shards[self._index[k][0]].parse(self._index[k][1])[1]]
-        owner = dict(zip(rows, owners))
+            owners = [k for k in plan.keys for _ in self._shards[self._index[k][0]].parse(self._index[k][1])[1]]
+        owner = dict(zip(plan.rows, owners))
         errors = [CacheCorruptError(str(self._shards[s].path),
                                     f"checksum mismatch in {self._shards[s].columns[c].tensor} row {row}",
                                     entry=owner[(s, c, row)]) for s, c, row in bad]
@@ -476,195 +396,6 @@ class CacheReader:
         return f"CacheReader({str(self.root)!r}, entries={len(self)}, shards={len(self._shards)})"
 
 
-class _ShardFiles:
-    """Positional reads from a reader's shard files, each file opened once and kept open until the reader closes.
-
-    Opening, checking and closing a shard file for every batch cost more than reading a random batch of small
-    rows. A kept descriptor also pins the snapshot: a compaction by another process that deletes a shard we
-    opened cannot change or remove the bytes we read (POSIX keeps an unlinked file alive while it is open).
-    Windows cannot delete or replace a file that is open, and a cleaner there must not be blocked by an idle
-    reader, so there (and after :meth:`close`, and beyond ``_MAX_KEPT_FILES``) each read opens and closes its
-    files as before. Thread-safe: ``preadv`` is positional, and descriptors are closed only when no read is in
-    flight.
-
-    When the previous batch came slower than ``_COLD_BYTES_PER_S`` (its rows were not in the page cache: a dataset
-    larger than RAM, or a first epoch), every range of the next batch is announced with
-    ``posix_fadvise(WILLNEED)`` before it is read, so the kernel fetches them concurrently instead of one disk
-    round trip per row: a cold batch of 32 SD1.5 samples took 12 ms instead of 23-28 ms here. From the page cache
-    the hints would only add syscalls, so fast batches switch them off again.
-
-    :meth:`hint` announces a batch that will be read later (``CacheReader.will_read``). Its read is then fast
-    because of the hint, not because the page cache held it, so a fast hinted read does not switch the hints off
-    (that made them alternate on and off, and lose the gain); the hint measures instead: the kernel accepts a
-    hint for pages it already holds ~10× faster than one that must go to the disk.
-    """
-
-    def __init__(self, shards: list[ShardIndex]) -> None:
-        self._shards = shards
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
-        self._keep = _KEEP_FILES_OPEN
-        self._active = 0
-        self._advise = _CAN_ADVISE  # start as if cold; the first fast batch turns the hints off
-
-    @property
-    def cold(self) -> bool:
-        """Whether reads are announced: the last batch read came from the disk, and the files are kept open."""
-        return self._advise and self._keep
-
-    def read(self, ranges: Sequence[tuple[int, int, int, int]], mv: memoryview, *, hinted: bool = False) -> None:
-        """Fill ``mv[pos:pos + end - begin]`` from shard ``s``'s bytes ``[begin, end)`` for each range.
-
-        ``hinted``: these ranges were announced by :meth:`hint` already (not again, and a fast read proves nothing).
-        """
-        if not self._keep:
-            self._read_transient(ranges, mv)
-            return
-        with self._lock:
-            self._active += 1
-        try:
-            fds = self._fds
-            if not hinted and self._advise and len(ranges) > 1:
-                self.announce(ranges)
-            t0 = time.perf_counter()
-            for s, begin, end, pos in ranges:
-                fd = fds.get(s)
-                if fd is None:
-                    fd = self._open_kept(s)
-                    if fd is None:  # over the limit of kept files, or closed meanwhile
-                        self._read_transient([(s, begin, end, pos)], mv)
-                        continue
-                view = mv[pos:pos + end - begin]
-                try:
-                    got = os.preadv(fd, [view], begin)
-                except OSError as exc:
-                    raise _unreadable(self._shards[s], exc) from None
-                if got != len(view):
-                    _read_exact(fd, view, begin, str(self._shards[s].path))  # short read: finish or raise
-            if _CAN_ADVISE and len(ranges) > 1:
-                seconds = time.perf_counter() - t0
-                slow = sum(e - b for _, b, e, _ in ranges) < _COLD_BYTES_PER_S * seconds
-                if slow or not hinted:  # a fast hinted read says nothing about the page cache
-                    self._advise = slow
-        finally:
-            with self._lock:
-                self._active -= 1
-                if not self._keep and not self._active:
-                    self._close_all()
-
-    def hint(self, ranges: Sequence[tuple[int, int, int, int]]) -> None:
-        """Announce the ranges of a read that will come later; a quick answer means the page cache holds them."""
-        if not ranges:
-            return
-        t0 = time.perf_counter()
-        self.announce(ranges)
-        seconds = time.perf_counter() - t0
-        nbytes = sum(e - b for _, b, e, _ in ranges)
-        if len(ranges) > 1 and seconds < len(ranges) * _WARM_HINT_S_PER_RANGE + nbytes / _WARM_HINT_BYTES_PER_S:
-            self._advise = False
-
-    def announce(self, ranges: Sequence[tuple[int, int, int, int]]) -> None:
-        """Ask the kernel to start reading every range now (asynchronously; a hint, never an error)."""
-        fds = self._fds
-        try:
-            for s, begin, end, _pos in ranges:
-                fd = fds.get(s)
-                if fd is None:
-                    fd = self._open_kept(s)  # a missing shard is reported by the read, not here
-                if fd is not None:
-                    os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
-        except (OSError, CacheError):
-            return
-
-    def _open_kept(self, s: int) -> int | None:
-        with self._lock:
-            if not self._keep or len(self._fds) >= _MAX_KEPT_FILES:
-                return None
-            fd = self._fds.get(s)
-            if fd is None:
-                fd = self._fds[s] = _open_checked(self._shards[s])
-            return fd
-
-    def _read_transient(self, ranges: Sequence[tuple[int, int, int, int]], mv: memoryview) -> None:
-        i = 0
-        while i < len(ranges):
-            s = ranges[i][0]
-            sh = self._shards[s]
-            fd = _open_checked(sh)
-            try:
-                while i < len(ranges) and ranges[i][0] == s:
-                    _, begin, end, pos = ranges[i]
-                    _read_exact(fd, mv[pos:pos + end - begin], begin, str(sh.path))
-                    i += 1
-            finally:
-                os.close(fd)
-
-    def close(self) -> None:
-        """Stop keeping files open; descriptors close now, or when the last read in flight ends."""
-        with self._lock:
-            self._keep = False
-            if not self._active:
-                self._close_all()
-
-    def _close_all(self) -> None:
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _open_checked(sh: ShardIndex) -> int:
-    """Open a shard file for reading and check it still has the size it had when the cache was opened."""
-    p = str(sh.path)
-    try:
-        fd = open_regular(p)
-    except FileNotFoundError:
-        raise CacheCorruptError(p, "shard file is missing (deleted, or the cache was compacted since it was "
-                                   "opened); reopen the cache, and run verify if it persists") from None
-    except CacheUnreadableError:
-        raise
-    except OSError as exc:
-        raise _unreadable(sh, exc) from None
-    size = os.fstat(fd).st_size
-    if size != sh.size:
-        os.close(fd)
-        raise CacheCorruptError(p, f"shard is now {size} bytes, {sh.size} when opened (truncated or replaced); "
-                                   "reopen the cache, and run verify if it persists")
-    return fd
-
-
-def _unreadable(sh: ShardIndex, exc: OSError) -> CacheError:
-    """The error for an ``OSError`` on a shard: not damage, unless it was no regular file (``errno`` None)."""
-    if exc.errno is None:
-        return CacheCorruptError(str(sh.path), f"cannot open shard ({exc.strerror})")
-    return CacheUnreadableError(str(sh.path), f"cannot read the shard ({exc.strerror or exc})", errno=exc.errno)
-
-
-def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
-    """Fill ``view`` from ``fd`` at ``offset``; a file that ends first is a truncated shard."""
-    try:
-        _read_exact_raw(fd, view, offset, path)
-    except CacheError:
-        raise
-    except OSError as exc:
-        raise CacheUnreadableError(path, f"cannot read the shard ({exc.strerror or exc})", errno=exc.errno) from None
-
-
-def _read_exact_raw(fd: int, view: memoryview, offset: int, path: str) -> None:
-    got = 0
-    n = len(view)
-    while got < n:
-        if _HAVE_PREADV:
-            k = os.preadv(fd, [view[got:]], offset + got)
-        else:  # Windows, macOS < 11: the descriptor is private to this call, so seek + read is safe
-            os.lseek(fd, offset + got, os.SEEK_SET)
-            chunk = os.read(fd, min(n - got, 16 << 20))
-            k = len(chunk)
-            view[got:got + k] = chunk
-        if not k:
-            raise CacheCorruptError(path, f"file ends before byte {offset + n} (truncated)")
-        got += k
-
-
 def _verify_shard(sh: ShardIndex) -> list[CacheError]:
     p = str(sh.path)
     problems: list[CacheError] = []
@@ -681,7 +412,7 @@ def _verify_shard(sh: ShardIndex) -> list[CacheError]:
     except CacheUnreadableError as exc:
         return problems + [exc]
     except OSError as exc:
-        return problems + [_unreadable(sh, exc)]
+        return problems + [unreadable(sh, exc)]
     with f:
         if os.fstat(f.fileno()).st_size != sh.size:
             return problems + [CacheCorruptError(p, "shard size changed since the cache was opened")]
@@ -692,7 +423,7 @@ def _verify_shard(sh: ShardIndex) -> list[CacheError]:
                 buf = bytearray(n * col.row_nbytes)
                 mv = memoryview(buf)
                 try:
-                    _read_exact(f.fileno(), mv, col.row_range(start)[0], p)
+                    read_exact(f.fileno(), mv, col.row_range(start)[0], p)
                 except (CacheCorruptError, CacheUnreadableError) as exc:
                     problems.append(exc)
                     break

@@ -185,7 +185,7 @@ def test_save_bad_inputs(save_mod: ModuleType, made: tuple) -> None:
 
 def test_load_lists_caches_and_reads_no_tensor_bytes(load_mod: ModuleType, pack: ModuleType, cache_root: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    reader_mod = importlib.import_module(f"{pack.__name__}.dataset_cache.format.reader")
+    shard_files = importlib.import_module(f"{pack.__name__}.dataset_cache.format.shard_files")
     _make_cache(pack, cache_root / "group" / "lazy_one")
     assert "group/lazy_one" in load_mod.list_caches()
     schema = load_mod.LoadLazyCache.define_schema()
@@ -197,7 +197,7 @@ def test_load_lists_caches_and_reads_no_tensor_bytes(load_mod: ModuleType, pack:
         reads.append("tensor read")
         raise AssertionError("Load Lazy Cache read tensor bytes")
 
-    monkeypatch.setattr(reader_mod._ShardFiles, "read", refuse)  # every batch read of tensor bytes goes here
+    monkeypatch.setattr(shard_files.ShardFiles, "read", refuse)  # every batch read of tensor bytes goes here
     counted = {"n": 0}
     real_preadv = os.preadv
 

@@ -436,15 +436,30 @@ def test_read_ahead_is_bounded_by_prefetch_depth():
 
 
 class HintingReader(FakeReader):
-    """A FakeReader with ``will_read``: records each hint with the number of reads started before it."""
+    """A FakeReader whose reads are planned (a ``PlannedReader``): records each plan made, and each announcement
+    with the number of reads started before it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hints: list[tuple[tuple[str, ...], int]] = []
+        self.plans: list[tuple[str, ...]] = []
+        self.announced_reads: list[bool] = []
 
-    def will_read(self, keys) -> None:
+    def plan(self, keys) -> tuple[str, ...]:
         with self.lock:
-            self.hints.append((tuple(keys), len(self.reads)))
+            self.plans.append(tuple(keys))
+        return tuple(keys)
+
+    def announce(self, plan) -> bool:
+        with self.lock:
+            self.hints.append((plan, len(self.reads)))
+        return True
+
+    def read_plan(self, plan, *, pin_memory: bool = False, out: ReadBuffer | None = None,
+                  announced: bool = False) -> list[Any]:
+        with self.lock:
+            self.announced_reads.append(announced)
+        return self.read(plan, pin_memory=pin_memory, out=out)
 
 
 def _keys_of(plan) -> tuple[str, ...]:
@@ -463,6 +478,8 @@ def test_a_worker_hints_the_next_batchs_reads_before_reading_its_own():
     # one thread: job k hints job k + 1 before its own read (k reads started), the last job hints nothing
     assert reader.hints == [(_keys_of(plans[k + 1]), k) for k in range(len(plans) - 1)]
     assert reader.reads == [_keys_of(p) for p in plans]
+    assert sorted(reader.plans) == sorted(_keys_of(p) for p in plans)  # each batch planned once: its job keeps it
+    assert reader.announced_reads == [False] + [True] * (len(plans) - 1)
 
 
 def test_no_hints_without_read_ahead():
@@ -472,6 +489,7 @@ def test_no_hints_without_read_ahead():
     with PrefetchLoader(reader, sampler, prefetch_batches=0) as loader:
         assert len(list(loader)) == len(sampler)
     assert reader.hints == [] and len(reader.reads) == len(sampler)
+    assert reader.announced_reads == [False] * len(sampler)
 
 
 def test_stats_report_read_and_wait_times():

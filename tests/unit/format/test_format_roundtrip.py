@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 from dataset_cache.dataset import Sample
 from dataset_cache.errors import CacheNotFoundError, UnstorableValueError
 from dataset_cache.format import CacheWriter, ReadBuffer, open_cache
+from dataset_cache.format.read_plan import plan_rows
+from dataset_cache.format.shard_files import ReadAhead
 from dataset_cache.refs import LazyTensor, is_lazy
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -105,7 +107,8 @@ def test_every_shard_is_valid_safetensors_with_our_columns(cache):
                 assert torch.equal(t.view(torch.uint8), loaded[col.tensor].view(torch.uint8))
                 assert t.dtype == col.dtype and tuple(t.shape) == (col.rows, *col.row_shape)
                 s = r._shards.index(sh)
-                ours = r._read_rows([(s, c, i) for i in range(col.rows)], ["x"] * col.rows, False, None)
+                ours = r._read_rows(plan_rows(r.shards, [(s, c, i) for i in range(col.rows)]), ["x"] * col.rows,
+                                    False, None, False)
                 for i, v in enumerate(ours):
                     assert torch.equal(v.reshape(-1).view(torch.uint8), t[i].reshape(-1).view(torch.uint8))
                 n += 1
@@ -289,9 +292,9 @@ def test_reader_dropped_without_close_releases_its_files(tmp_path):
 
 def test_windows_friendly_no_open_handles_after_read(tmp_path, monkeypatch):
     """Where a kept handle would block replacing the file (Windows), every read opens and closes its files."""
-    from dataset_cache.format import reader as reader_mod
+    from dataset_cache.format import shard_files
 
-    monkeypatch.setattr(reader_mod, "_KEEP_FILES_OPEN", False)
+    monkeypatch.setattr(shard_files, "KEEP_FILES_OPEN", False)
     with CacheWriter(tmp_path) as w:
         w.add("a", [torch.ones(3)])
     r = open_cache(tmp_path)
@@ -368,13 +371,13 @@ def test_ranges_are_announced_to_the_kernel_only_while_batches_come_slowly(tmp_p
                         lambda fd, off, n, advice: (calls.append((off, n, advice)), real(fd, off, n, advice)))
     r = open_cache(tmp_path)
     keys = ["k1", "k5"]
-    monkeypatch.setattr(reader_mod, "_COLD_BYTES_PER_S", 1e18)  # every batch counts as slow (from the disk)
+    monkeypatch.setattr(ReadAhead, "COLD_BYTES_PER_S", 1e18)  # every batch counts as slow (from the disk)
     r.read(keys)  # a new reader starts as if cold
     assert len(calls) == 4 and {a for *_, a in calls} == {os.POSIX_FADV_WILLNEED}  # 2 entries x 2 rows
     calls.clear()
     (v,) = r.read(["one"])  # a single range: nothing to overlap, no hint
     assert calls == [] and torch.equal(v, torch.ones(5))
-    monkeypatch.setattr(reader_mod, "_COLD_BYTES_PER_S", 0.0)  # from now on batches count as fast (page cache)
+    monkeypatch.setattr(ReadAhead, "COLD_BYTES_PER_S", 0.0)  # from now on batches count as fast (page cache)
     r.read(keys)  # announced (the previous multi-range batch was slow), measured fast
     assert len(calls) == 4
     calls.clear()
@@ -390,10 +393,10 @@ def _hint_cache(tmp_path, monkeypatch, *, quick_hints: bool):
     from dataset_cache.format import reader as reader_mod
 
     if quick_hints:
-        monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 10.0)
+        monkeypatch.setattr(ReadAhead, "WARM_S_PER_RANGE", 10.0)
     else:
-        monkeypatch.setattr(reader_mod, "_WARM_HINT_S_PER_RANGE", 0.0)
-        monkeypatch.setattr(reader_mod, "_WARM_HINT_BYTES_PER_S", float("inf"))
+        monkeypatch.setattr(ReadAhead, "WARM_S_PER_RANGE", 0.0)
+        monkeypatch.setattr(ReadAhead, "WARM_BYTES_PER_S", float("inf"))
 
     with CacheWriter(tmp_path) as w:
         for i in range(8):
@@ -407,77 +410,78 @@ def _hint_cache(tmp_path, monkeypatch, *, quick_hints: bool):
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
 def test_a_hinted_batch_is_announced_once_and_its_quick_read_keeps_the_hints_on(tmp_path, monkeypatch):
-    reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch, quick_hints=False)  # no hint counts as quick
-    monkeypatch.setattr(reader_mod, "_COLD_BYTES_PER_S", 0.0)  # and every read as fast
+    _reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch, quick_hints=False)  # no hint counts as quick
+    monkeypatch.setattr(ReadAhead, "COLD_BYTES_PER_S", 0.0)  # and every read as fast
     keys = ["k1", "k5"]
-    r.will_read(keys)  # a new reader starts as if cold
+    plan = r.plan(keys)
+    assert r.announce(plan)  # a new reader starts as if cold
     assert len(calls) == 4 and {a for *_, a in calls} == {os.POSIX_FADV_WILLNEED}  # 2 entries x 2 rows
     calls.clear()
-    a, b = r.read(keys)
-    assert calls == []  # already announced by the hint
+    a, b = r.read_plan(plan, announced=True)
+    assert calls == []  # already announced
     assert torch.equal(a[0], torch.full((20000,), 1.0)) and torch.equal(b[0], torch.full((20000,), 5.0))
-    r.will_read(["k2", "k6"])  # the fast read was hinted: it says nothing about the page cache, hints stay on
+    other = r.plan(["k2", "k6"])
+    assert r.announce(other)  # the fast read was announced: it says nothing about the page cache, hints stay on
     assert len(calls) == 4
-    r.read(["k2", "k6"])
+    r.read_plan(other, announced=True)
     calls.clear()
-    r.read(keys)  # not hinted: announced by the read itself, and measured fast
+    r.read(keys)  # not announced ahead: announced by the read itself, and measured fast
     assert len(calls) == 4
     calls.clear()
-    r.will_read(keys)  # an unhinted fast read means the page cache serves: hints are off
-    r.read(keys)
+    assert not r.announce(plan)  # an unannounced fast read means the page cache serves: hints are off
+    r.read_plan(plan, announced=False)
     assert calls == []
     r.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
-def test_the_read_of_a_hinted_batch_reuses_the_hints_plan(tmp_path, monkeypatch):
-    reader_mod, r, _calls = _hint_cache(tmp_path, monkeypatch, quick_hints=False)
+def test_a_plan_is_made_once_announced_and_read_without_planning_again(tmp_path, monkeypatch):
+    reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch, quick_hints=False)
     planned = []
-    real_plan = reader_mod.CacheReader._plan
-    monkeypatch.setattr(reader_mod.CacheReader, "_plan", lambda self, rows, keys: (planned.append(tuple(keys)),
-                                                                                   real_plan(self, rows, keys))[1])
-    r.will_read(["k5", "k1", "k5"])
-    assert planned == [("k5", "k1", "k5")]
-    a, b, c = r.read(["k5", "k1", "k5"])  # planned once, by the hint
-    assert planned == [("k5", "k1", "k5")]
+    real_plan = reader_mod.plan_read
+    monkeypatch.setattr(reader_mod, "plan_read", lambda shards, index, keys: (planned.append(tuple(keys)),
+                                                                            real_plan(shards, index, keys))[1])
+    plan = r.plan(["k5", "k1", "k5"])
+    assert planned == [("k5", "k1", "k5")] and plan.keys == ("k5", "k1", "k5")
+    assert r.announce(plan) and len(calls) == 4
+    calls.clear()
+    a, b, c = r.read_plan(plan, announced=True)  # not planned again, not announced again
+    assert planned == [("k5", "k1", "k5")] and calls == []
     assert torch.equal(a[0], torch.full((20000,), 5.0)) and torch.equal(b[0], torch.full((20000,), 1.0))
     assert torch.equal(c[0], a[0])
-    r.will_read(k for k in ["k2", "k6"])  # any iterable of keys, for the hint as for the read
+    assert [float(v[0][0]) for v in r.read_plan(plan)] == [5.0, 1.0, 5.0]  # a plan can be read again
+    assert r.plan(k for k in ["k2", "k6"]).keys == ("k2", "k6")  # any iterable of keys, to plan as to read
     assert [float(v[0][0]) for v in r.read(k for k in ["k2", "k6"])] == [2.0, 6.0]
     assert r.read([]) == [] and r.read(k for k in []) == []
-    planned.clear()
-    r.read(["k5", "k1", "k5"])  # a hint serves one read
-    r.read(["k1", "k5"])  # other keys: planned by the read
-    assert planned == [("k5", "k1", "k5"), ("k1", "k5")]
     r.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
 def test_a_quick_hint_means_the_page_cache_holds_the_batch(tmp_path, monkeypatch):
     _reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch, quick_hints=True)
-    r.will_read(["k1", "k5"])
+    assert r.announce(r.plan(["k1", "k5"]))
     assert len(calls) == 4
     calls.clear()
-    r.will_read(["k2", "k6"])
+    assert not r.announce(r.plan(["k2", "k6"]))
     assert calls == []
     r.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise") or os.name != "posix", reason="POSIX readahead hints")
-def test_hints_never_fail_and_stay_bounded(tmp_path, monkeypatch):
-    reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch, quick_hints=False)
-    monkeypatch.setattr(reader_mod, "_MAX_HINTED", 3)
-    r.will_read(["k1", "no such entry"])  # the read reports unknown keys, not the hint
+def test_announcements_never_fail_and_leave_nothing_behind(tmp_path, monkeypatch):
+    _reader_mod, r, calls = _hint_cache(tmp_path, monkeypatch, quick_hints=False)
+    with pytest.raises(KeyError, match="no such entry"):
+        r.plan(["k1", "no such entry"])  # planning names the unknown key; nothing is announced
     assert calls == []
-    for i in range(7):  # hinted batches that are never read (an abandoned iteration) are forgotten
-        r.will_read([f"k{i}", f"k{(i + 4) % 8}"])
-    assert len(calls) == 7 * 4 and len(r._hinted_plans) <= 3
+    for i in range(7):  # announced batches that are never read (an abandoned iteration): the reader keeps nothing
+        assert r.announce(r.plan([f"k{i}", f"k{(i + 4) % 8}"]))
+    assert len(calls) == 7 * 4 and not hasattr(r, "_hinted_plans")  # a plan is the caller's value, not the reader's
     with pytest.raises(KeyError, match="no such entry"):
         r.read(["k1", "no such entry"])
+    plan = r.plan(["k1", "k5"])
     r.close()
     calls.clear()
-    r.will_read(["k1", "k5"])  # closed: files are no longer kept, nothing to hint
-    assert calls == []
+    assert not r.announce(plan) and calls == []  # closed: files are no longer kept, nothing to announce
     assert [float(v[0][0]) for v in r.read(["k1", "k5"])] == [1.0, 5.0]
 
 
@@ -493,9 +497,8 @@ def test_a_refused_hint_does_not_fail_the_read(tmp_path, monkeypatch):
         raise OSError(22, "Invalid argument")
 
     monkeypatch.setattr(reader_mod.os, "posix_fadvise", refuse, raising=False)
-    monkeypatch.setattr(reader_mod, "_CAN_ADVISE", True)
     r = open_cache(tmp_path)
-    r._files._advise = True
+    r._files.read_ahead = ReadAhead(enabled=True)
     values = r.read(["k0", "k2"])
     assert [float(v[0][0]) for v in values] == [0.0, 2.0]
     r.close()
