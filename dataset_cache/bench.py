@@ -106,9 +106,18 @@ class Entries:
 
 
 def keys_of(i: int) -> tuple[str, str]:
-    from .hashing import content_key
+    """Synthetic entry keys of sample ``i`` (xxh3-128 of the length-prefixed kind and number: stable across versions,
+    so benchmarks of two source trees read one cache)."""
+    import xxhash
 
-    return content_key("latent", str(i)), content_key("cond", str(i))
+    def key(kind: str) -> str:
+        h = xxhash.xxh3_128()
+        for part in (kind.encode(), str(i).encode()):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+        return h.hexdigest()
+
+    return key("latent"), key("cond")
 
 
 # ------------------------------------------------------------------------------------------------ writers

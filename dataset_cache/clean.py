@@ -214,7 +214,7 @@ def _shard_fills(reader: CacheReader, live: set[str]) -> tuple[list[ShardFill], 
     fills: list[ShardFill] = []
     entry_bytes: dict[str, int] = {}
     seen: set[str] = set()
-    for sh in reader._shards:  # noqa: SLF001 - the reader has no public per-shard view yet
+    for sh in reader.shards:
         cols = sh.columns
         data = live_bytes = live_n = 0
         for i, key in enumerate(sh.keys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from dataset_cache.hashing import checksum64, content_key, hash_file, tensor_bytes, tensor_checksum
+from dataset_cache.hashing import checksum64, tensor_bytes, tensor_checksum
 
 
 def test_checksum64_is_xxh3_64_hex():
@@ -19,14 +19,3 @@ def test_tensor_checksum_over_stored_bytes_for_every_dtype():
         assert tensor_checksum(t) == tensor_checksum(t.t().contiguous().t())  # same values, same bytes (C order)
     assert tensor_checksum(torch.empty(0, 3)) == checksum64(b"")
     assert len(bytes(tensor_bytes(torch.tensor(1.5)))) == 4
-
-
-def test_content_key_is_128_bit_and_length_prefixed():
-    k = content_key("ab", "c")
-    assert len(k) == 32 and k == k.lower() and k != content_key("a", "bc") and k == content_key(b"ab", b"c")
-
-
-def test_hash_file(tmp_path):
-    p = tmp_path / "f"
-    p.write_bytes(b"x" * 10_000)
-    assert hash_file(p, chunk_bytes=999) == xxhash.xxh3_128_hexdigest(b"x" * 10_000)
