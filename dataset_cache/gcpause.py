@@ -4,9 +4,7 @@ Validating a 100k-file folder or opening a cache of 100k entries allocates a few
 stat results and directory entries. Every 700 allocations start a collection of the young generation, and a
 fast-growing heap soon starts full ones, which walk every object of the process — in ComfyUI, models and graphs,
 millions of objects — to find nothing: what is built here holds no reference cycles, so reference counting frees
-it. Pausing the collector around those phases cut the validation of 100k unchanged files by ~20% here
-(1227 → 986 ms, alternating runs), a third of an unchanged 100k-image folder's plan, and ~12% of opening a
-5k-sample cache.
+it, so pausing the collector around those phases saves that walk (figures: docs/BENCHMARKS.md).
 
 The pause is process-wide (the collector has one switch) and covers bookkeeping only: planning an encode
 (validating the folder, hashing new files, keys), and opening a cache; never encoding or training. Pauses nest and

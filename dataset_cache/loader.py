@@ -185,8 +185,7 @@ class _BufferPool:
     A CPU batch is made of views of the buffer it was read into, so a buffer is taken again only when its
     storage has no user but the pool (torch's storage use count: every tensor, view or numpy array over the
     memory holds one). A consumer that keeps batches therefore never sees them change; the pool then reads into
-    new buffers, which it does not keep. Reading every batch into a fresh buffer instead cost ~0.35 ms per 5 MB
-    batch on a worker thread here (the first touch of each page), a fifth of a warm 32-sample read.
+    new buffers, which it does not keep. Reusing a buffer spares the page faults of a fresh one.
 
     At most ``limit`` buffers are kept: ``depth + 2``, for the ``depth`` batches read ahead, the batch being
     trained, and the one before it, which a consumer still holds while it asks for the next (``for i, batch in
@@ -240,8 +239,8 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy ``src`` into ``dst`` (contiguous CPU tensors of equal size) with numpy: one thread, GIL released.
 
-    ``torch``'s own copy would fan out to the intra-op thread pool, which the consumer's thread uses too; on a
-    busy machine waking that pool cost 30-70 ms a batch in ``bench/bench_loader.py``, against 0.3 ms here.
+    ``torch``'s own copy would fan out to the intra-op thread pool, which the consumer's thread uses too; waking
+    it on a busy machine cost far more than the copy (docs/ARCHITECTURE.md, the read path).
     """
     np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
 
@@ -393,8 +392,7 @@ def _announce(job: _Job, reader: PlannedReader) -> None:
 
 class _Upcoming:
     """An iteration's plans as jobs, drawn one ahead, so that a job knows its successor before that one is
-    submitted: a worker starting a job hints the successor's reads (its bytes come off the disk meanwhile). Without
-    the draw ahead, the successor was usually submitted just after the worker had started: no hint at all.
+    submitted: a worker starting a job announces the successor's read (its bytes come off the disk meanwhile).
     Drawing a plan does not move the sampler (the loader moves it on delivery)."""
 
     def __init__(self, plans: Iterator[BatchPlan]) -> None:
@@ -491,10 +489,9 @@ class PrefetchLoader:
             :class:`~dataset_cache.reading.PlannedReader` such as ``CacheReader`` also gets the next batch announced).
         sampler: the batch order.
         prefetch_batches: batches read ahead of the one being consumed (0: read in the consumer's thread).
-        threads: worker threads; default: 2 when ``prefetch_batches`` >= 2 and the process may use 3 or more CPUs,
-            else 1 (a second read in flight cut the per-batch time by ~25% on a dataset larger than RAM in the L4
-            benchmark, and one CPU is left to the training thread). Clamped to ``prefetch_batches`` and to the
-            CPUs this process may use.
+        threads: worker threads; default: 2 when ``prefetch_batches`` >= 2 and the process may use 3 or more CPUs
+            (two reads in flight, one CPU left to the training thread), else 1. Clamped to ``prefetch_batches`` and
+            to the CPUs this process may use.
         device: target device of the batches (default CPU).
         pin_memory: read into pinned host buffers; default: when ``device`` is CUDA. Needs a CUDA device.
         epochs: epochs one iteration spans (``None``: endless; stop with ``break``).
