@@ -175,7 +175,7 @@ class BucketConfig:
     def buckets(self) -> tuple[tuple[int, int], ...]:
         """The sorted ``(width, height)`` buckets (one when ``fixed``)."""
         if self.fixed is not None:
-            return (tuple(self.fixed),)
+            return ((self.fixed[0], self.fixed[1]),)
         return make_buckets(
             self.resolution, step=self.step, min_side=self.min_side, max_side=self.max_side,
             max_aspect=self.max_aspect,

@@ -155,11 +155,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _report_bad(problems: Sequence[CacheCorruptError]) -> None:
-    for exc in problems:
-        entry = f"entry {exc.entry}" if exc.entry else "(no entry)"
-        sys.stdout.write(f"BAD {entry} in {exc.path}: {exc.reason}\n")
-    entries = {exc.entry for exc in problems if exc.entry}
+def _report_bad(problems: Sequence[CacheError]) -> None:
+    entries: set[str] = set()
+    for exc in problems:  # CacheCorruptError or CacheUnreadableError: both name a path, a reason and the entry
+        entry = getattr(exc, "entry", None)
+        where = f"entry {entry}" if entry else "(no entry)"
+        sys.stdout.write(f"BAD {where} in {getattr(exc, 'path', '?')}: {getattr(exc, 'reason', exc)}\n")
+        if entry:
+            entries.add(entry)
     sys.stderr.write(f"verify failed: {len(problems)} problem(s), {len(entries)} bad entr"
                      f"{'y' if len(entries) == 1 else 'ies'}; re-encode them or rebuild the cache\n")
 

@@ -31,7 +31,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

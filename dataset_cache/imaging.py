@@ -149,10 +149,12 @@ def apply_plan(img: Image.Image, plan: CropPlan, *, path: str = "<image>") -> Im
             f"{plan.source[0]}x{plan.source[1]}; the file changed since the scan — scan the folder again",
         )
     method = RESIZE_METHODS[plan.method]
-    if img.size != tuple(plan.resize):
-        img = img.resize(tuple(plan.resize), resample=method)
-    if tuple(plan.crop) != (0, 0, *plan.resize):
-        img = img.crop(tuple(plan.crop))
+    width, height = plan.resize
+    if img.size != (width, height):
+        img = img.resize((width, height), resample=method)
+    left, top, right, bottom = plan.crop
+    if (left, top, right, bottom) != (0, 0, width, height):
+        img = img.crop((left, top, right, bottom))
     if plan.flip:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return img

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from types import TracebackType
@@ -32,7 +33,7 @@ log = logging.getLogger("dataset_cache.lock")
 WRITE_LOCK = ".write.lock"
 READ_LOCK = ".read.lock"
 
-try:  # POSIX
+if sys.platform != "win32":  # POSIX
     import fcntl
 
     def _try_lock(fd: int, exclusive: bool) -> bool:
@@ -45,7 +46,7 @@ try:  # POSIX
     def _unlock(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
-except ImportError:  # pragma: no cover - Windows
+else:  # pragma: no cover - Windows
     import msvcrt
 
     def _try_lock(fd: int, exclusive: bool) -> bool:  # Windows has no shared byte-range lock via msvcrt

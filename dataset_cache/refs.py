@@ -124,7 +124,7 @@ _REFUSED = (
 )
 for _n in _REFUSED:
     setattr(LazyTensor, _n, _make_refusal(_n))
-LazyTensor.__hash__ = object.__hash__  # __eq__ above would otherwise reset it
+setattr(LazyTensor, "__hash__", object.__hash__)  # noqa: B010 - __eq__ above would otherwise reset it
 
 
 def is_lazy(value: Any) -> bool:

@@ -205,7 +205,7 @@ class BucketSampler:
         self._bucket_ids, self._bucket_members = self._group(samples, bucket_of)
         self._repeats = torch.tensor([s.repeats for s in samples], dtype=torch.int64)
         self._n_captions = torch.tensor([len(s.captions) for s in samples], dtype=torch.int64)
-        self._occurrences = [self._repeats[m].sum().item() for m in self._bucket_members]
+        self._occurrences = [int(self._repeats[m].sum().item()) for m in self._bucket_members]
         if self.batch_size > max(self._occurrences):  # every row past that would be a copy: memory for nothing
             raise ValueError(
                 f"batch_size {self.batch_size} is larger than the largest bucket ({max(self._occurrences)} "

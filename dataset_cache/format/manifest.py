@@ -441,8 +441,9 @@ def load_dataset(root: Path, info: DatasetInfo) -> list[Sample]:
     if d.get("format") != FORMAT_NAME or d.get("version") != FORMAT_VERSION:
         raise CacheFormatError(f"{p}: dataset file of format {d.get('format')!r:.40} version "
                                f"{d.get('version')!r:.20}; this library reads {FORMAT_NAME} {FORMAT_VERSION}")
-    lat, caps, reps, srcs = (d.get(k) for k in ("latent", "captions", "repeats", "source"))
-    if not all(type(c) is list and len(c) == info.samples for c in (lat, caps, reps, srcs)):
+    columns = [d.get(k) for k in ("latent", "captions", "repeats", "source")]
+    lat, caps, reps, srcs = [c if type(c) is list and len(c) == info.samples else None for c in columns]
+    if lat is None or caps is None or reps is None or srcs is None:
         raise CacheCorruptError(p, f"latent, captions, repeats and source must be lists of {info.samples} items")
     out: list[Sample] = []
     for i, (la, ca, re_, so) in enumerate(zip(lat, caps, reps, srcs)):

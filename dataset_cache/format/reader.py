@@ -274,7 +274,7 @@ class CacheReader:
         """
         total = plan.nbytes
         buf = (out or ReadBuffer(pin_memory=pin_memory)).ensure(total)
-        mv = memoryview(buf.numpy()) if total else memoryview(bytearray(0))
+        mv = buf.numpy().data if total else memoryview(bytearray(0))
         self._files.read(plan.ranges, mv, announced=announced)
         if self._verify:
             bad = [ref for ref, a, col in plan.placed
@@ -402,7 +402,8 @@ def _verify_shard(sh: ShardIndex) -> list[CacheError]:
     owner: dict[tuple[int, int], str] = {}
     for i, key in enumerate(sh.keys):
         try:
-            sh.skeleton(i, lambda c, row, key=key: owner.setdefault((c, row), key))
+            for c, row in sh.parse(i)[1]:
+                owner.setdefault((c, row), key)
         except CacheCorruptError as exc:
             problems.append(exc)
     try:

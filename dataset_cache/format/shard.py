@@ -184,8 +184,8 @@ def _parse_columns(p: str, cols: Any, head: Any) -> list[Column]:
         if type(c) is not dict:
             raise CacheCorruptError(p, f"column {i} is not an object")
         name, rows, cks = c.get("tensor"), c.get("rows"), c.get("checksums")
-        span = head.tensors.get(name) if type(name) is str else None
-        if span is None or name in seen:
+        span = head.tensors.get(name) if isinstance(name, str) else None
+        if not isinstance(name, str) or span is None or name in seen:
             raise CacheCorruptError(p, f"column {i} names no (or an already used) safetensors tensor")
         seen.add(name)
         row_shape = list(span.shape[1:])

@@ -354,7 +354,7 @@ class CacheWriter:
         check_no_links(self.root)
         reader = open_cache(self.root, strict=False)
         problems: list[CacheError] = list(reader.verify() if repair else reader.problems)
-        unreadable = [p for p in problems if isinstance(p, CacheUnreadableError)]
+        unreadable: list[CacheError] = [p for p in problems if isinstance(p, CacheUnreadableError)]
         damaged = [p for p in problems if not isinstance(p, CacheUnreadableError)]
         order = _dataset_order(reader)
         present = set(reader.keys())  # entries of shards that could not be opened are not copied: they stay there
