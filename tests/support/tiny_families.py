@@ -77,6 +77,8 @@ class Family:
         fixed_tokens: whether the encoder pads every prompt to one length (CLIP, T5 in ComfyUI) or not (LLMs).
         train: Train LoRA options the family needs (Flux needs gradient checkpointing: see families-notes).
         heavy: the tiny model is still hundreds of MB (ComfyUI fixes its width); built once per test module.
+        builtin_fails: how ComfyUI's own ``TrainLoraNode`` fails on this family ("": it trains it); the tests
+            check it still fails that way, so a ComfyUI that fixes it shows up.
     """
 
     name: str
@@ -87,6 +89,7 @@ class Family:
     fixed_tokens: bool = True
     train: dict[str, Any] = field(default_factory=dict)
     heavy: bool = False
+    builtin_fails: str = ""
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -116,7 +119,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Flux Kontext (edit): the same model; the conditioning carries the image to edit as reference latents.
     Family("flux_kontext", "Flux", FLUX_CONFIG, (1, 16, 8, 8),
            _cond(256, 4096, pooled_output=_pooled(768), guidance=2.5, reference_latents=_reference((1, 16, 8, 8))),
-           train={"gradient_checkpointing": True}),
+           train={"gradient_checkpointing": True},
+           # its process_cond_list walks into lists of tensors (the reference latents) down to 0-d tensors
+           builtin_fails="iteration over a 0-d tensor"),
     # WAN 2.1 t2v: heads = width / 128; one block at width 128; UMT5 prompts are padded to 512 tokens.
     Family("wan21", "WAN21", {
         "image_model": "wan2.1", "model_type": "t2v", "dim": 128, "out_dim": 16, "num_heads": 1, "ffn_dim": 256,
