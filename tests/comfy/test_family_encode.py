@@ -26,7 +26,7 @@ from support.tiny_models import TinyModels
 
 from .test_encode_dataset import Run, _encoded, _prompt
 
-VAE_NAMES = {"taesd": "TAESD", "taesd16": "16-channel TAESD (TAEF1's shape)", "wan21": "WAN 2.1 VAE"}
+VAE_NAMES = {"taesd": "TAESD", "taesd16": "16-ch TAESD", "wan21": "WAN 2.1 VAE"}
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +84,10 @@ def test_encode_dataset_gives_the_familys_latents(
         shutil.rmtree(folder, ignore_errors=True)
     shape = list(fam.latent)
     if fam.text_encoders == "CLIP-L":
-        cell.passed(f"images and captions, tiny {VAE_NAMES[fam.vae]} + CLIP-L: latents {shape} equal to the VAE's "
-                    "own encode, conditionings [1, 77, 768]")
+        cell.passed(f"images and captions (tiny {VAE_NAMES[fam.vae]} + CLIP-L): latents {shape} = the VAE's own "
+                    "encode, conditionings [1, 77, 768]")
     else:
-        extra = "; Encode Dataset has no input for reference images" if "reference_latents" in str(
+        extra = "; no input for reference images" if "reference_latents" in str(
             fam.conditioning(torch.Generator(), 4)[0][1]) else ""
-        cell.passed(f"VAE only, tiny {VAE_NAMES[fam.vae]}: latents {shape} equal to the VAE's own encode; "
-                    f"text not run (needs {fam.text_encoders}){extra}")
+        cell.passed(f"VAE only (tiny {VAE_NAMES[fam.vae]}): latents {shape} = the VAE's own encode; text not run "
+                    f"({fam.text_encoders}){extra}")
