@@ -321,7 +321,7 @@ def test_one_step_gives_the_loss_and_gradients_of_comfyuis_own_training(
     same = f"loss {loss:.5f} = {expected:.5f}" if loss == expected else \
         f"loss {loss:.5f} vs {expected:.5f} (|Δ| {abs(loss - expected):.0e})"
     grads = "equal" if worst == 0 else f"within {worst:.0e} of the largest"
-    cell.passed(f"{same}; {nonzero}/{len(keys)} LoRA gradients {grads}{theirs['route']}")
+    cell.passed(f"{same}; all {len(keys)} LoRA gradients {grads} ({nonzero} non-zero){theirs['route']}")
 
 
 def test_comfyuis_builtin_train_lora_node_trains_the_family(
