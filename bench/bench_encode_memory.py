@@ -8,7 +8,7 @@ fixes it) and the tiny Flux diffusion model of ``tests/support/tiny_families``. 
 after the phase and the phase's peak (``VmHWM``, reset between phases through ``/proc/self/clear_refs``), and which
 models ComfyUI's model management lists as loaded, and where, when the encode ends and at training's first step.
 
-    /opt/comfyui-dev/venv/bin/python bench/bench_encode_memory.py              # 16 images of 1024 px
+    /opt/comfyui-dev/venv/bin/python bench/bench_encode_memory.py              # 8 images of 1024 px
     /opt/comfyui-dev/venv/bin/python bench/bench_encode_memory.py --images 4 --size 512
     /opt/comfyui-dev/venv/bin/python bench/bench_encode_memory.py --write      # rewrite its docs/BENCHMARKS.md part
 """
@@ -204,7 +204,7 @@ def render(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=16)
+    parser.add_argument("--images", type=int, default=8)
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
