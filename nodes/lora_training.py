@@ -522,11 +522,7 @@ class _Loop:
     def _fwd_bwd(self, batch: Batch, index: int) -> float:
         ms = self.model_sampling
         latents = self.mp.model.process_latent_in(batch.latents.to(self.device, torch.float32))
-        n = latents.shape[0]
-        g = _generator(self.settings.seed, index, "noise")
-        u = torch.rand(n, generator=g, dtype=torch.float64).clamp(_SIGMA_EDGE, 1 - _SIGMA_EDGE)
-        sigma = torch.tensor([float(ms.percent_to_sigma(float(p))) for p in u], dtype=torch.float32)
-        noise = torch.randn(latents.shape, generator=g, dtype=torch.float32)
+        sigma, noise = self._draw(tuple(latents.shape), index)
         sigma, noise = sigma.to(self.device), noise.to(self.device)
         xt = ms.noise_scaling(sigma, noise, latents, False)
         x0 = ms.noise_scaling(torch.zeros_like(sigma), torch.zeros_like(noise), latents, False)
@@ -544,6 +540,17 @@ class _Loop:
         scaled = loss / self.settings.grad_accumulation_steps
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return float(loss.detach())
+
+    def _draw(self, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmas (one per row) and noise of batch ``index``, on the CPU.
+
+        They depend on the seed and the batch number alone, so a run is reproducible and a continued run draws what
+        an uninterrupted one would; the parity test with ComfyUI's trainer replaces this one method.
+        """
+        g = _generator(self.settings.seed, index, "noise")
+        u = torch.rand(shape[0], generator=g, dtype=torch.float64).clamp(_SIGMA_EDGE, 1 - _SIGMA_EDGE)
+        sigma = torch.tensor([float(self.model_sampling.percent_to_sigma(float(p))) for p in u], dtype=torch.float32)
+        return sigma, torch.randn(shape, generator=g, dtype=torch.float32)
 
     def _autocast(self) -> Any:
         """Autocast to the training dtype as the built-in trainer does; none for fp32 (CPU autocast refuses it)."""

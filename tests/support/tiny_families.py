@@ -19,7 +19,7 @@ from typing import Any
 
 from .tiny_models import UNET_CONFIG
 
-__all__ = ["FAMILIES", "Family", "WAN21_VAE_CONFIG", "save_family_model", "save_wan21_vae"]
+__all__ = ["FAMILIES", "Family", "WAN21_VAE_CONFIG", "save_family_model", "save_taesd16", "save_wan21_vae"]
 
 
 def _cond(tokens: int, width: int, **extra: Any) -> Callable[[Any, int], list]:
@@ -77,6 +77,13 @@ class Family:
         fixed_tokens: whether the encoder pads every prompt to one length (CLIP, T5 in ComfyUI) or not (LLMs).
         train: Train LoRA options the family needs (Flux needs gradient checkpointing: see families-notes).
         heavy: the tiny model is still hundreds of MB (ComfyUI fixes its width); built once per test module.
+        vae: which tiny VAE stands for the family's in the encode test (``"taesd"``: the 4-channel TAESD of
+            :mod:`support.tiny_models`; ``"taesd16"``: a 16-channel TAESD, the shape of TAEF1/TAESD3; ``"wan21"``:
+            :data:`WAN21_VAE_CONFIG`).
+        text_encoders: the family's real text encoders (what an encode of its captions needs).
+        title: the family's name in the README's matrix.
+        builtin_fails: how ComfyUI's own ``TrainLoraNode`` fails on this family ("": it trains it); the tests
+            check it still fails that way, so a ComfyUI that fixes it shows up.
     """
 
     name: str
@@ -87,11 +94,16 @@ class Family:
     fixed_tokens: bool = True
     train: dict[str, Any] = field(default_factory=dict)
     heavy: bool = False
+    vae: str = "taesd16"
+    text_encoders: str = ""
+    builtin_fails: str = ""
+    title: str = ""
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     # SD1.5: the set of support.tiny_models (width 320 and context 768 fixed, one level). 13.6M params.
-    Family("sd15", "BaseModel", UNET_CONFIG, (1, 4, 8, 8), _cond(77, 768)),
+    Family("sd15", "BaseModel", UNET_CONFIG, (1, 4, 8, 8), _cond(77, 768), vae="taesd", text_encoders="CLIP-L",
+           title="SD1.5"),
     # SDXL: detection reads every UNet dimension but only matches configs ComfyUI lists; Segmind Vega's
     # (SDXL's architecture, conditioning and model class with transformer depths [0,0,1,1,2,2]) is the
     # smallest. Width 320 and context 2048 are fixed; output blocks may carry no transformer. 75M params.
@@ -102,36 +114,44 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         "transformer_depth": [0, 0, 1, 1, 2, 2], "transformer_depth_output": [0] * 9,
         "transformer_depth_middle": -2, "use_linear_in_transformer": True, "context_dim": 2048,
         "num_head_channels": 64, "use_temporal_resblock": False, "use_temporal_attention": False,
-    }, (1, 4, 8, 8), _cond(77, 2048, pooled_output=_pooled(1280))),
+    }, (1, 4, 8, 8), _cond(77, 2048, pooled_output=_pooled(1280)), vae="taesd", text_encoders="CLIP-L + CLIP-G",
+           title="SDXL (Segmind Vega's layout of the SDXL UNet)"),
     # SD3 (MMDiT): width = 64 * depth, read from the weights; 2 blocks, width 128. 2.4M params.
     Family("sd3", "SD3", {
         "in_channels": 16, "out_channels": 16, "patch_size": 2, "depth": 2, "input_size": None,
         "adm_in_channels": 2048, "pos_embed_max_size": 64, "num_patches": 64 * 64,
         "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 4096, "out_features": 128}},
         "pos_embed_scaling_factor": None, "x_block_self_attn_layers": [],
-    }, (1, 16, 8, 8), _cond(154, 4096, pooled_output=_pooled(2048))),
+    }, (1, 16, 8, 8), _cond(154, 4096, pooled_output=_pooled(2048)), text_encoders="CLIP-L + CLIP-G + T5-XXL",
+           title="SD3"),
     # Flux: see FLUX_CONFIG. Guidance is a per-sample value in the conditioning, as FluxGuidance sets it.
     Family("flux", "Flux", FLUX_CONFIG, (1, 16, 8, 8), _cond(256, 4096, pooled_output=_pooled(768), guidance=3.5),
-        train={"gradient_checkpointing": True}),
+           train={"gradient_checkpointing": True}, text_encoders="CLIP-L + T5-XXL", title="Flux"),
     # Flux Kontext (edit): the same model; the conditioning carries the image to edit as reference latents.
     Family("flux_kontext", "Flux", FLUX_CONFIG, (1, 16, 8, 8),
            _cond(256, 4096, pooled_output=_pooled(768), guidance=2.5, reference_latents=_reference((1, 16, 8, 8))),
-           train={"gradient_checkpointing": True}),
+           train={"gradient_checkpointing": True}, text_encoders="CLIP-L + T5-XXL",
+           title="Flux Kontext (reference latents in the conditioning)",
+           # its process_cond_list walks into lists of tensors (the reference latents) down to 0-d tensors
+           builtin_fails="iteration over a 0-d tensor"),
     # WAN 2.1 t2v: heads = width / 128; one block at width 128; UMT5 prompts are padded to 512 tokens.
     Family("wan21", "WAN21", {
         "image_model": "wan2.1", "model_type": "t2v", "dim": 128, "out_dim": 16, "num_heads": 1, "ffn_dim": 256,
         "num_layers": 1, "patch_size": (1, 2, 2), "freq_dim": 256, "window_size": (-1, -1), "qk_norm": True,
         "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16,
-    }, (1, 16, 1, 8, 8), _cond(512, 4096)),
+    }, (1, 16, 1, 8, 8), _cond(512, 4096), vae="wan21", text_encoders="UMT5-XXL",
+           title="WAN 2.1 (images as one-frame clips)"),
     # Qwen-Image: only the block count and input channels are read; width 3072 is fixed. 380M params.
     Family("qwen_image", "QwenImage", {"image_model": "qwen_image", "in_channels": 64, "num_layers": 1},
-           (1, 16, 1, 8, 8), _cond(0, 3584), fixed_tokens=False, heavy=True),
+           (1, 16, 1, 8, 8), _cond(0, 3584), fixed_tokens=False, heavy=True, vae="wan21",
+           text_encoders="Qwen2.5-VL-7B", title="Qwen-Image"),
     # Lumina 2: width is tied to Gemma2-2B's 2304 (the detection keys its head layout on it). 427M params.
     Family("lumina2", "Lumina2", {
         "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 2304, "cap_feat_dim": 2304,
         "n_layers": 1, "qk_norm": True, "n_heads": 24, "n_kv_heads": 8, "axes_dims": [32, 32, 32],
         "axes_lens": [300, 512, 512], "rope_theta": 10000.0, "ffn_dim_multiplier": 4.0,
-    }, (1, 16, 8, 8), _cond(0, 2304, attention_mask=_mask), fixed_tokens=False, heavy=True),
+    }, (1, 16, 8, 8), _cond(0, 2304, attention_mask=_mask), fixed_tokens=False, heavy=True,
+           text_encoders="Gemma2-2B", title="Lumina 2"),
 )}
 
 
@@ -172,6 +192,23 @@ def save_wan21_vae(folder: Path, name: str = "tiny_wan21_vae.safetensors", seed:
     from .tiny_models import _fill
 
     module = comfy.ldm.wan.vae.WanVAE(**WAN21_VAE_CONFIG)
+    state = _fill(module.state_dict(), seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path),
+              metadata={"generator": "comfyui-streamcache tests/support/tiny_families.py"})
+    return path
+
+
+def save_taesd16(folder: Path, name: str = "tiny_taesd16.safetensors", seed: int = 6) -> Path:
+    """Write a 16-channel TAESD (the shape of TAEF1, Flux's and Lumina 2's tiny VAE, and of TAESD3) that
+    ``VAELoader`` accepts into ``folder``; ComfyUI reads the latent channels from the weights. 2.4M params."""
+    from comfy.taesd.taesd import TAESD
+    from safetensors.torch import save_file
+
+    from .tiny_models import _fill
+
+    module = TAESD(latent_channels=16)
     state = _fill(module.state_dict(), seed)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name

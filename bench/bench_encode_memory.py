@@ -1,0 +1,225 @@
+"""Benchmark: memory of a Flux-shaped Encode Dataset then Train LoRA on the CPU (#15 item 6).
+
+Runs under ComfyUI's python (CPU, ``args.cpu = True``) with the real nodes and tiny random-weight models read by
+ComfyUI's own loaders: a 16-channel TAESD (the shape of TAEF1, Flux's tiny VAE; Flux latents ``[1, 16, h/8, w/8]``),
+the tiny CLIP-L of ``tests/support/tiny_models`` (CLIP-L is Flux's small text encoder, at its real size: ComfyUI
+fixes it) and the tiny Flux diffusion model of ``tests/support/tiny_families``. Flux's T5-XXL (4.9 GB in fp8,
+9.5 GB in fp16) is not run: nothing here can build it smaller. Per phase it reports the resident set (``VmRSS``)
+after the phase and the phase's peak (``VmHWM``, reset between phases through ``/proc/self/clear_refs``), and which
+models ComfyUI's model management lists as loaded, and where, when the encode ends and at training's first step.
+
+    /opt/comfyui-dev/venv/bin/python bench/bench_encode_memory.py              # 8 images of 1024 px
+    /opt/comfyui-dev/venv/bin/python bench/bench_encode_memory.py --images 4 --size 512
+    /opt/comfyui-dev/venv/bin/python bench/bench_encode_memory.py --write      # rewrite its docs/BENCHMARKS.md part
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from support.comfy_env import find_comfyui, skip_reason  # noqa: E402
+
+START, END = "<!-- bench-encode-memory:start -->", "<!-- bench-encode-memory:end -->"
+
+
+def _status(field: str) -> float:
+    """A ``/proc/self/status`` memory field in MiB."""
+    text = Path("/proc/self/status").read_text()
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+    return int(match.group(1)) / 1024 if match else float("nan")
+
+
+def _reset_peak() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux ``clear_refs`` 5); False where the kernel refuses."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class Phases:
+    """Collects (phase, RSS after, peak during) rows; each phase starts with the peak reset."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, float, float, float]] = []
+        self.resettable = _reset_peak()
+        self.t = time.perf_counter()
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.rows.append((name, _status("VmRSS"), _status("VmHWM"), now - self.t))
+        _reset_peak()
+        self.t = time.perf_counter()
+
+
+def _loaded() -> list[str]:
+    import comfy.model_management
+
+    return [f"{type(lm.model.model).__name__} on {lm.device}" for lm in comfy.model_management.current_loaded_models
+            if lm.model is not None]
+
+
+def _param_mib(module: Any) -> float:
+    return sum(p.numel() * p.element_size() for p in module.state_dict().values()) / 2**20
+
+
+def _images(folder: Path, n: int, size: int) -> None:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    for i in range(n):
+        base = rng.integers(0, 255, (size // 16, size // 16, 3), dtype=np.uint8)
+        Image.fromarray(base).resize((size, size), Image.BILINEAR).save(folder / f"img_{i:03d}.png")
+        (folder / f"img_{i:03d}.txt").write_text(f"a photo of thing {i}, studio light", encoding="utf-8")
+
+
+def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:  # noqa: C901 - one linear script
+    install = find_comfyui()
+    if install is None:
+        raise SystemExit(skip_reason())
+    if str(install.path) not in sys.path:
+        sys.path.insert(0, str(install.path))
+    from comfy.cli_args import args
+
+    args.cpu = True
+    phases = Phases()
+    import folder_paths
+    import torch
+    from support.pack import import_pack
+    from support.tiny_families import FAMILIES, save_family_model, save_taesd16
+    from support.tiny_models import ensure_tiny_models
+
+    tiny = ensure_tiny_models(install.path, install.python)
+    work = Path(tempfile.mkdtemp(prefix="bench_encode_memory_"))
+    for sub in ("output", "input", "temp", "models/streamcache"):
+        (work / sub).mkdir(parents=True)
+    folder_paths.models_dir = str(work / "models")
+    folder_paths.set_output_directory(str(work / "output"))
+    folder_paths.set_input_directory(str(work / "input"))
+    folder_paths.set_temp_directory(str(work / "temp"))
+    for name in ("text_encoders", "vae"):
+        folder_paths.add_model_folder_path(name, str(tiny.root / name), is_default=True)
+    vae_file = save_taesd16(work / "vae")
+    unet_file = save_family_model(FAMILIES["flux"], work / "diffusion_models")
+    folder_paths.add_model_folder_path("vae", str(work / "vae"))
+    folder_paths.add_model_folder_path("diffusion_models", str(work / "diffusion_models"))
+    _images(work / "input" / "flux_set", images, size)
+    import nodes as comfy_nodes
+
+    pack = import_pack()
+    from comfy_api.latest import io
+    from comfy_execution.graph import DynamicPrompt
+
+    encode = sys.modules[f"{pack.__name__}.nodes.encode_dataset"]
+    training = sys.modules[f"{pack.__name__}.nodes.lora_training"]
+    phases.done("ComfyUI and the pack imported")
+
+    (vae,) = comfy_nodes.VAELoader().load_vae(vae_file.name)
+    (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny.name("clip"), "flux")
+    sizes = {"VAE (16-ch TAESD)": _param_mib(vae.first_stage_model),
+             "CLIP-L (Flux's clip_l)": _param_mib(clip.cond_stage_model)}
+    phases.done("VAE and CLIP-L loaded (ComfyUI loaders)")
+
+    inputs = {"folder": "flux_set", "cache": "flux_set", "dataset": "default", "resolution": size,
+              "bucket_step": 64, "crop": "center", "caption_prefix": "", "caption_suffix": "", "batch_size": batch,
+              "on_failure": "skip"}
+    prompt = {"1": {"class_type": "VAELoader", "inputs": {"vae_name": vae_file.name}},
+              "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": tiny.name("clip"), "type": "flux",
+                                                           "device": "default"}},
+              "10": {"class_type": "StreamCache_EncodeDataset", "inputs": {**inputs, "vae": ["1", 0],
+                                                                           "clip": ["2", 0]}}}
+    node = encode.EncodeDataset.PREPARE_CLASS_CLONE(
+        {"hidden_inputs": {io.Hidden.dynprompt: DynamicPrompt(prompt), io.Hidden.unique_id: "10"}})
+    with torch.inference_mode():
+        handle, report = node.execute(vae=vae, clip=clip, **inputs).result
+    loaded_after_encode = _loaded()
+    phases.done(f"Encode Dataset: {images} images of {size} px, batch {batch}")
+
+    (model,) = comfy_nodes.UNETLoader().load_unet(unet_file.name, "default")
+    sizes["Flux diffusion model (tiny)"] = _param_mib(model.model.diffusion_model)
+    phases.done("tiny Flux diffusion model loaded")
+
+    at_first_step: list[str] = []
+
+    def on_step(step: Any) -> None:
+        if step.step == 1:
+            at_first_step.extend(_loaded())
+
+    # CLIP-L alone gives [1, 77, 768]; Flux's model needs T5-XXL's [1, 256, 4096] too, which is not run here: the
+    # training cache holds the encoded latents with conditionings of T5's shape (as tests/comfy/test_families.py)
+    writer_mod = sys.modules[f"{pack.__name__}.dataset_cache.format.writer"]
+    dataset_mod = sys.modules[f"{pack.__name__}.dataset_cache.dataset"]
+    handles = sys.modules[f"{pack.__name__}.nodes.handles"]
+    encoded_reader, encoded = handle.open()
+    gen = torch.Generator().manual_seed(2)
+    with torch.inference_mode(), writer_mod.CacheWriter(work / "models" / "streamcache" / "flux_train") as writer:
+        rows = []
+        for i, s in enumerate(encoded):
+            writer.add(s.latent, encoded_reader.read([s.latent])[0], kind="latent")
+            writer.add(f"{i:032x}", FAMILIES["flux"].conditioning(gen, 256), kind="conditioning")
+            rows.append(dataset_mod.Sample(s.latent, (f"{i:032x}",), source=s.source))
+        writer.set_dataset("default", rows)
+    encoded_reader.close()
+    reader, samples = handles.StreamDatasetHandle(str(work / "models" / "streamcache" / "flux_train"),
+                                                  "default").open()
+    try:
+        settings = training.TrainSettings(steps=steps, batch_size=1, rank=4, learning_rate=1e-4, training_dtype="fp32",
+                                          lora_dtype="fp32", gradient_checkpointing=True, seed=1)
+        with torch.inference_mode():
+            training.train_lora(model, reader, samples, settings, on_step=on_step)
+    finally:
+        reader.close()
+    phases.done(f"Train LoRA: {steps} steps, batch 1 (encoders still referenced by the graph)")
+    return {"rows": phases.rows, "resettable": phases.resettable, "sizes": sizes, "report": report.splitlines()[0],
+            "after_encode": loaded_after_encode, "at_first_step": at_first_step, "images": images, "size": size,
+            "comfy": (install.path / "comfyui_version.py").read_text().split('"')[1], "torch": torch.__version__}
+
+
+def render(res: dict[str, Any]) -> str:
+    lines = [START, "",
+             f"Run of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: ComfyUI {res['comfy']}, torch "
+             f"{res['torch']}, CPU (`bench/bench_encode_memory.py --images {res['images']} --size {res['size']}`). "
+             "Peak = the phase's `VmHWM`" + ("" if res["resettable"] else " (not resettable here: process peak)")
+             + ".", "",
+             "| phase | RSS after (MiB) | peak in the phase (MiB) | seconds |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {name} | {rss:.0f} | {peak:.0f} | {secs:.1f} |" for name, rss, peak, secs in res["rows"]]
+    lines += ["", "Model weights (fp32/fp16 as stored by ComfyUI): " + ", ".join(
+        f"{k} {v:.0f} MiB" for k, v in res["sizes"].items()) + ".", "",
+        f"Loaded models (ComfyUI's `current_loaded_models`) when the encode ended: {', '.join(res['after_encode'])}; "
+        f"at training's first step: {', '.join(res['at_first_step'])}.", "", END]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=8)
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--write", action="store_true", help="replace the section in docs/BENCHMARKS.md")
+    a = parser.parse_args(argv)
+    text = render(run(a.images, a.size, a.batch, a.steps))
+    print(text)
+    if a.write:
+        doc = ROOT / "docs" / "BENCHMARKS.md"
+        old = doc.read_text(encoding="utf-8")
+        if START not in old or END not in old:
+            raise SystemExit(f"{doc}: no {START} ... {END} section to replace")
+        doc.write_text(old[:old.index(START)] + text + old[old.index(END) + len(END):], encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
