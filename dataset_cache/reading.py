@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["EntryHeaders", "BatchReader", "PlannedReader"]
+__all__ = ["EntryHeaders", "BatchReader", "PlannedReader", "DatasetReader"]
 
 
 class EntryHeaders(Protocol):
@@ -47,3 +47,7 @@ class PlannedReader(BatchReader, Protocol):
                   announced: bool = False) -> list[Any]:
         """Read a plan made by :meth:`plan`: the values of its keys in order."""
         ...
+
+
+class DatasetReader(EntryHeaders, BatchReader, Protocol):
+    """What training from a dataset needs: headers for buckets and checks, batch reads for the loader."""

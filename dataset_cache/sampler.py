@@ -40,6 +40,7 @@ import torch
 
 from .dataset import Sample, check_epoch_size
 from .reading import EntryHeaders
+from .seeding import seeded_generator
 
 __all__ = ["BatchPlan", "BucketSampler", "buckets_from_reader", "fit_batch_size"]
 
@@ -133,18 +134,6 @@ def fit_batch_size(samples: Sequence[Sample], bucket_of: Sequence[Hashable], bat
     for s, b in zip(samples, bucket_of):
         occurrences[b] = occurrences.get(b, 0) + s.repeats
     return max(1, min(int(batch_size), max(occurrences.values(), default=1)))
-
-
-def _derive_seed(*parts: object) -> int:
-    """Mix ``parts`` into a 63-bit seed; stable across processes and Python versions (unlike ``hash()``)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def _generator(*parts: object) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(_derive_seed(*parts))
-    return g
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -289,14 +278,14 @@ class BucketSampler:
         return cached
 
     def _build(self, epoch: int) -> _Epoch:
-        g = _generator(self.seed, epoch, "captions")
+        g = seeded_generator(self.seed, epoch, "captions")
         variants = (torch.rand(len(self.samples), generator=g, dtype=torch.float64) * self._n_captions).long()
         rows: list[torch.Tensor] = []
         row_bucket: list[int] = []
         for b, members in enumerate(self._bucket_members):
             occ = torch.repeat_interleave(members, self._repeats[members])
             if self.shuffle:
-                occ = occ[torch.randperm(len(occ), generator=_generator(self.seed, epoch, "bucket", b))]
+                occ = occ[torch.randperm(len(occ), generator=seeded_generator(self.seed, epoch, "bucket", b))]
             n_batches = self._per_bucket[b]
             need = n_batches * self.batch_size
             if need > len(occ):  # "wrap": complete the last batch with this epoch's first occurrences
@@ -306,7 +295,7 @@ class BucketSampler:
         all_rows = torch.cat(rows)
         buckets = torch.tensor(row_bucket, dtype=torch.int64)
         if self.shuffle:
-            perm = torch.randperm(len(all_rows), generator=_generator(self.seed, epoch, "order"))
+            perm = torch.randperm(len(all_rows), generator=seeded_generator(self.seed, epoch, "order"))
             all_rows, buckets = all_rows[perm], buckets[perm]
         take = torch.arange(self._per_rank, dtype=torch.int64) * self._world + self._rank
         take = take % len(all_rows)  # "wrap" pads the order with its own first batches

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import importlib
 import logging
 import math
@@ -49,6 +48,8 @@ from comfy.weight_adapter import adapter_maps
 
 from ..dataset_cache.dataset import Sample
 from ..dataset_cache.loader import Batch, PrefetchLoader
+from ..dataset_cache.reading import DatasetReader
+from ..dataset_cache.seeding import derive_seed, seeded_generator
 from ..dataset_cache.sampler import BucketSampler, buckets_from_reader, fit_batch_size
 from ..dataset_cache.trainable import check_trainable, non_finite_entries
 
@@ -213,16 +214,6 @@ def nodes_train_module() -> ModuleType:
     return module
 
 
-def _mix_seed(*parts: object) -> int:
-    """A 63-bit seed from ``parts``, stable across processes (``hash()`` is salted)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def _generator(*parts: object) -> torch.Generator:
-    return torch.Generator().manual_seed(_mix_seed(*parts))
-
-
 def _load_existing_lora(name: str) -> tuple[dict[str, torch.Tensor], int]:
     """Weights and step count of a LoRA in the ``loras`` folder (``"[None]"``: none).
 
@@ -346,7 +337,7 @@ def _release(mp: Any) -> None:
 # ----------------------------------------------------------------------------------------------- training
 def train_lora(
     model: Any,
-    reader: Any,
+    reader: DatasetReader,
     samples: Sequence[Sample],
     settings: TrainSettings,
     *,
@@ -393,7 +384,7 @@ def train_lora(
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device.type == "cuda" else []
         with torch.random.fork_rng(devices=rng_devices):  # seeded adapter init, the caller's RNG untouched
-            torch.manual_seed(_mix_seed(settings.seed, "adapters"))
+            torch.manual_seed(derive_seed(settings.seed, "adapters"))
             lora_sd, adapters = train._setup_lora_adapters(
                 mp, existing, settings.algorithm, adapter_dtype, settings.rank)
         _resume_exactly(lora_sd, existing)
@@ -526,7 +517,7 @@ class _Loop:
         sigma, noise = sigma.to(self.device), noise.to(self.device)
         xt = ms.noise_scaling(sigma, noise, latents, False)
         x0 = ms.noise_scaling(torch.zeros_like(sigma), torch.zeros_like(noise), latents, False)
-        groups = self.conditioner(batch.conditioning, noise, latents, _mix_seed(self.settings.seed, index))
+        groups = self.conditioner(batch.conditioning, noise, latents, derive_seed(self.settings.seed, index))
         with self._autocast():
             # inputs require grad as in the built-in trainer: its offload checkpointing only records a graph then
             xt, sigma = xt.requires_grad_(True), sigma.requires_grad_(True)
@@ -547,7 +538,7 @@ class _Loop:
         They depend on the seed and the batch number alone, so a run is reproducible and a continued run draws what
         an uninterrupted one would; the parity test with ComfyUI's trainer replaces this one method.
         """
-        g = _generator(self.settings.seed, index, "noise")
+        g = seeded_generator(self.settings.seed, index, "noise")
         u = torch.rand(shape[0], generator=g, dtype=torch.float64).clamp(_SIGMA_EDGE, 1 - _SIGMA_EDGE)
         sigma = torch.tensor([float(self.model_sampling.percent_to_sigma(float(p))) for p in u], dtype=torch.float32)
         return sigma, torch.randn(shape, generator=g, dtype=torch.float32)
