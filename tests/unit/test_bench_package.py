@@ -12,6 +12,7 @@ import ast
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.comfy_env import find_comfyui
@@ -73,7 +74,8 @@ def test_the_detector_sees_an_edit(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ ComfyUI report
 @pytest.fixture
-def comfy_run():  # type: ignore[no-untyped-def]
+def comfy_run() -> Any:
+    """A ComfyRun with two open sizes, two training sizes, the bound, a failed built-in run and C5."""
     from bench.comfyui import ComfyRun
     from bench.common import machine_info
 
@@ -97,7 +99,7 @@ def comfy_run():  # type: ignore[no-untyped-def]
                     open=opened, save_s={1000: 3.2, 5000: 15.9}, train=train, reencode=reencode, seconds=300.0)
 
 
-def test_comfy_section_renders_every_table(comfy_run) -> None:  # type: ignore[no-untyped-def]
+def test_comfy_section_renders_every_table(comfy_run: Any) -> None:
     from bench.comfyui import render
 
     text = render(comfy_run, "scripts/bench-comfy --quick", "bench_comfy.png")
@@ -117,7 +119,7 @@ def test_comfy_section_renders_every_table(comfy_run) -> None:  # type: ignore[n
     assert lines[-1] == "![open and training memory vs N](bench_comfy.png)"
 
 
-def test_comfy_chart_only_with_more_than_one_size_and_c5(comfy_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_comfy_chart_only_with_more_than_one_size_and_c5(comfy_run: Any, tmp_path: Path) -> None:
     from bench.comfyui import plot_panels, render
     from bench.report import line_plot
 
