@@ -1,10 +1,12 @@
 """A/B of the read path: the L3 and L4 figures of two source trees, measured alternately in one run.
 
 Refactors of the reader and the loader must not make them slower; on a shared, noisy machine only figures taken
-side by side say that. Each measurement runs in a fresh subprocess whose ``PYTHONPATH`` is one tree, the trees
-alternate run by run, and both read the same caches (written once, by the newer tree).
+side by side say that. Each measurement runs in a fresh subprocess that loads ``dataset_cache`` from one tree
+(registered from ``TREE/dataset_cache`` with importlib before anything imports it; the measuring code is this
+package's, the same for both), the trees alternate run by run, and both read the same caches (written once, by
+the newer tree).
 
-    .venv/bin/python bench/ab_read_path.py --old /tmp/old-checkout --new . [--runs 5]
+    .venv/bin/python -m bench.ab_read_path --old /tmp/old-checkout --new . [--runs 5]    # from the pack root
 
 Prints a Markdown table of medians (min-max) per figure and tree, and the new/old ratio.
 """
@@ -12,48 +14,62 @@ Prints a Markdown table of medians (min-max) per figure and tree, and the new/ol
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from .common import PROFILES, Entries, evict, random_batches, read_ours, run_json_child, write_ours
+
 L3_N, L3_BATCHES, L3_BATCH = 5000, 150, 4
 L4_N, L4_BATCHES, L4_BATCH = 2000, 20, 32
 
 
+def _use_library_of(tree: Path) -> None:
+    """Make ``import dataset_cache`` load ``tree``'s library in this (fresh) process."""
+    if "dataset_cache" in sys.modules:
+        raise RuntimeError("dataset_cache was imported before the tree under test was chosen")
+    folder = tree.resolve() / "dataset_cache"
+    spec = importlib.util.spec_from_file_location("dataset_cache", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{tree}: no dataset_cache package there")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["dataset_cache"] = module
+    spec.loader.exec_module(module)
+
+
 def _child(kind: str, cache: Path, seed: int) -> dict[str, Any]:
-    """One measurement with the ``dataset_cache`` found on ``PYTHONPATH``."""
+    """One measurement with the ``dataset_cache`` registered by :func:`_use_library_of`."""
     import torch
 
-    from dataset_cache import bench
     from dataset_cache.format import ReadBuffer, open_cache
     from dataset_cache.loader import PrefetchLoader
     from dataset_cache.sampler import BucketSampler
 
     torch.set_num_threads(1)
-    prof = bench.PROFILES["sd15"]
+    prof = PROFILES["sd15"]
     if kind == "write":
-        bench.write_ours(cache / "l3", L3_N, bench.Entries(prof))
-        bench.write_ours(cache / "l4", L4_N, bench.Entries(prof))
+        write_ours(cache / "l3", L3_N, Entries(prof))
+        write_ours(cache / "l4", L4_N, Entries(prof))
         return {}
     if kind in ("l3_warm", "l3_cold"):
-        plan = bench._plan(L3_N, L3_BATCH, L3_BATCHES, seed)
+        plan = random_batches(L3_N, L3_BATCH, L3_BATCHES, seed)
         if kind == "l3_warm":
-            bench.read_ours(cache / "l3", plan)  # the page cache now holds these rows
+            read_ours(cache / "l3", plan)  # the page cache now holds these rows
         else:
-            bench.evict(cache / "l3")
-        seconds = bench.read_ours(cache / "l3", plan)
+            evict(cache / "l3")
+        seconds = read_ours(cache / "l3", plan)
         return {"MB/s": L3_BATCHES * L3_BATCH * prof.sample_bytes / seconds / 1e6}
     root = cache / "l4"
     with open_cache(root) as reader:
         samples = reader.dataset("bench")
         sampler = BucketSampler(samples, [0] * len(samples), L4_BATCH, seed=seed)
-        bench.evict(root)
+        evict(root)
         plans = sampler.plans(epochs=None)
         buf, reads = ReadBuffer(), []
         for _ in range(L4_BATCHES):
@@ -66,7 +82,7 @@ def _child(kind: str, cache: Path, seed: int) -> dict[str, Any]:
         out: dict[str, Any] = {"serial read ms": serial * 1e3}
         for threads in (1, 2):
             for step in (0.0, serial):
-                bench.evict(root)
+                evict(root)
                 with PrefetchLoader(reader, sampler, prefetch_batches=2, threads=threads, epochs=None) as loader:
                     it = iter(loader)
                     next(it)
@@ -86,12 +102,10 @@ def _child(kind: str, cache: Path, seed: int) -> dict[str, Any]:
 
 
 def _run_child(tree: Path, kind: str, cache: Path, seed: int) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
-    proc = subprocess.run([sys.executable, __file__, "--child", kind, str(cache), str(seed)], env=env,
-                          capture_output=True, text=True, cwd=tree)
-    if proc.returncode != 0:
-        raise SystemExit(f"child {kind} in {tree} failed:\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        return run_json_child("bench.ab_read_path", ["--child", str(tree.resolve()), kind, str(cache), str(seed)])
+    except RuntimeError as exc:
+        raise SystemExit(f"child {kind} in {tree} failed:\n{exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--old", type=Path, help="the tree before the change")
     p.add_argument("--new", type=Path, help="the tree after the change")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        kind, cache, seed = args.child
+        tree, kind, cache, seed = args.child
+        _use_library_of(Path(tree))
         print(json.dumps(_child(kind, Path(cache), int(seed))))
         return 0
     if args.old is None or args.new is None:

@@ -11,8 +11,8 @@ Measured:
   not), per-tensor ``safe_open().get_tensor()`` on the baseline files, and raw ``preadv`` of exactly the same
   byte ranges of our shard files (no parsing, no checksums: the limit), warm and cold.
 
-Usage: ``python bench/bench_format.py --quick`` (N=2000) or ``python bench/bench_format.py --n 100000``
-(needs ~2 x 15 GB free under --dir). Prints a markdown table.
+Usage, from the pack root: ``python -m bench.bench_format --quick`` (N=2000) or
+``python -m bench.bench_format --n 100000`` (needs ~2 x 15 GB free under --dir). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -23,20 +23,18 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dataset_cache.format import ReadBuffer, open_cache
+from dataset_cache.hashing import tensor_checksum
 
-from dataset_cache.bench import PROFILES, LazyReader, evict, keys_of, write_ours  # noqa: E402
-from dataset_cache.bench import Entries as _ProfileEntries  # noqa: E402
-from dataset_cache.bench import write_lazy as write_baseline  # noqa: E402
-from dataset_cache.format import ReadBuffer, open_cache  # noqa: E402
-from dataset_cache.hashing import tensor_checksum  # noqa: E402
+from .common import PROFILES, LazyReader, evict, keys_of, run_json_child, write_ours
+from .common import Entries as _ProfileEntries
+from .common import write_lazy as write_baseline
 
 SAMPLE_BYTES = 2 * (4 * 64 * 64 + 77 * 768 + 768)
 
@@ -48,7 +46,7 @@ def rss_bytes() -> int:
 
 class BaselineReader(LazyReader):
     """Opens like ``_ShardReader`` (skeleton pickle + own header parse); realizes as the lazy branch did, with a
-    fresh ``safe_open`` per tensor (``dataset_cache.bench.LazyReader`` keeps one handle per shard instead)."""
+    fresh ``safe_open`` per tensor (``bench.common.LazyReader`` keeps one handle per shard instead)."""
 
     def realize_per_tensor(self, i: int, hashed: bool):
         """``get_tensor`` may return a lazily mapped tensor; hashing (= our verification work) or cloning it
@@ -87,9 +85,7 @@ def measure_open_child(kind: str, root: str) -> None:
 def measure_open(kind: str, root: Path, cold: bool) -> dict:
     if cold:
         evict(root)
-    out = subprocess.run([sys.executable, __file__, "--_open", kind, str(root)], check=True, capture_output=True,
-                         text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_json_child("bench.bench_format", ["--_open", kind, str(root)])
 
 
 def batches(n: int, count: int, seed: int = 0) -> list[list[int]]:

@@ -25,8 +25,8 @@ cheap so bookkeeping shows) is generated, then:
 
 Prints markdown tables.
 
-    .venv/bin/python bench/bench_incremental.py                       # 1k and 10k
-    .venv/bin/python bench/bench_incremental.py --sizes 1000,10000,100000
+    .venv/bin/python -m bench.bench_incremental                       # from the pack root; 1k and 10k
+    .venv/bin/python -m bench.bench_incremental --sizes 1000,10000,100000
 """
 
 from __future__ import annotations
@@ -44,11 +44,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dataset_cache.buckets import BucketConfig  # noqa: E402
-from dataset_cache.incremental import EncodeSettings, plan_encode, run_encode, sources_record_path  # noqa: E402
-from dataset_cache.sources import load_record, validate_sources  # noqa: E402
+from dataset_cache.buckets import BucketConfig
+from dataset_cache.incremental import EncodeSettings, plan_encode, run_encode, sources_record_path
+from dataset_cache.sources import load_record, validate_sources
 
 MARKER = ".bench-incremental"
 _LATENT = torch.zeros(1, 4, 8, 8)

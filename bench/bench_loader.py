@@ -12,8 +12,8 @@ Three measurements, printed as markdown tables:
    time), so only the loader's and sampler's own memory is measured. Goal: flat in the dataset size.
 4. With ``--real``: the same overlap measurement over a real on-disk cache (``dataset_cache.format``).
 
-    .venv/bin/python bench/bench_loader.py
-    .venv/bin/python bench/bench_loader.py --read-ms 20 --step-ms 25 --batches 100 --real
+    .venv/bin/python -m bench.bench_loader              # from the pack root
+    .venv/bin/python -m bench.bench_loader --read-ms 20 --step-ms 25 --batches 100 --real
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,11 +29,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dataset_cache.dataset import Sample
+from dataset_cache.loader import PrefetchLoader
+from dataset_cache.sampler import BucketSampler
 
-from dataset_cache.dataset import Sample  # noqa: E402
-from dataset_cache.loader import PrefetchLoader  # noqa: E402
-from dataset_cache.sampler import BucketSampler  # noqa: E402
+from .common import run_json_child
 
 LATENT = (4, 64, 64)  # SD1.5 at 512 px: 64 KiB fp32
 COND = (1, 77, 768)  # CLIP-L: 231 KiB fp32
@@ -167,13 +165,12 @@ def bench_rss(args: argparse.Namespace, real: bool = False) -> list[str]:
     batch_bytes = args.batch_size * 4 * (torch.Size(latent).numel() + torch.Size(cond).numel())
     for n in (1_000, 10_000, 100_000):
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, __file__, "--rss-child", str(n), "--rss-batches", str(args.rss_batches),
+            cmd = ["--rss-child", str(n), "--rss-batches", str(args.rss_batches),
                    "--batch-size", str(args.batch_size), "--prefetch", str(args.prefetch)]
             if real:
                 make_real_cache(Path(tmp) / "cache", n, latent, cond)
                 cmd += ["--rss-real-dir", str(Path(tmp) / "cache")]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+            r = run_json_child("bench.bench_loader", cmd)
         rows.append(
             f"| {'real' if real else 'synthetic'} | {n:,} | {r['sampler'] / 2**20:.1f} MiB | "
             f"{r['loader'] / 2**20:.1f} MiB "

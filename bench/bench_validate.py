@@ -6,8 +6,8 @@ times :func:`dataset_cache.sources.validate_sources` on the unchanged folder wit
 median of ``--runs`` runs (>= 5) and the per-file cost, plus the costs around it (listing only, record load/save,
 full re-hash). Goal: < 1 s for 100k files.
 
-    .venv/bin/python bench/bench_validate.py            # 100k files in /tmp
-    .venv/bin/python bench/bench_validate.py --n 20000 --runs 9
+    .venv/bin/python -m bench.bench_validate            # from the pack root; 100k files in /tmp
+    .venv/bin/python -m bench.bench_validate --n 20000 --runs 9
 """
 
 from __future__ import annotations
@@ -16,16 +16,13 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dataset_cache.scan import list_folder  # noqa: E402
-from dataset_cache.sources import build_record, load_record, save_record, validate_sources  # noqa: E402
+from dataset_cache.scan import list_folder
+from dataset_cache.sources import build_record, load_record, save_record, validate_sources
 
 MARKER = ".bench-validate"
 

@@ -13,7 +13,9 @@ Subcommands:
 * ``bench [--quick|--smoke] [--sd15 N,N] [--flux N,N] [--runs R] [--no-doc]`` — library benchmarks on synthetic
   SD1.5- and Flux-sized caches (open vs the lazy-branch design, batch reads vs safe_open and raw reads, prefetch
   overlap, incremental encode, validation, scaling); prints markdown tables and rewrites the library section of
-  ``docs/BENCHMARKS.md`` (:mod:`.bench`). Figures that need ComfyUI come from ``scripts/bench-comfy``.
+  ``docs/BENCHMARKS.md``. The benchmarks are the repository's ``bench`` package (``bench/library.py``), not part
+  of the library: this command only hands its arguments over, from the pack root of a git checkout (an install
+  from the registry has no ``bench/``: exit 2). Figures that need ComfyUI come from ``scripts/bench-comfy``.
 
 Exit codes: 0 success; 1 ``verify`` found damage; 2 bad usage or input (missing path, not a cache, damaged
 source). Expected errors print one ``error: ...`` line on stderr, never a traceback; anything else is a bug
@@ -90,10 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "damaged/ (never deleted); without it damaged shards are only reported")
     p.set_defaults(run=_cmd_clean)
 
-    from .bench import add_arguments as _bench_arguments
-
-    p = sub.add_parser("bench", help="run the library benchmarks and update docs/BENCHMARKS.md")
-    _bench_arguments(p)
+    # Every argument after ``bench`` goes to the benchmark's own parser (its options and --help live there, in the
+    # repository's bench/ package): no prefix character is one, so argparse takes them all as bench_args.
+    p = sub.add_parser("bench", help="run the library benchmarks and update docs/BENCHMARKS.md "
+                                     "(from a git checkout; `bench --help` for its options)",
+                       add_help=False, prefix_chars="\0")
+    p.add_argument("bench_args", nargs="*", metavar="ARGS")
     p.set_defaults(run=_cmd_bench)
     return parser
 
@@ -190,9 +194,25 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run
+    """Hand over to ``bench.library.main`` (imported only here: the library does not depend on its benchmarks)."""
+    import importlib
 
-    return run(args)
+    try:
+        bench = importlib.import_module("bench.library")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("bench", "bench.library"):
+            raise  # a dependency of the benchmarks is missing: its own error says which
+        raise CacheError(
+            "the benchmarks are not here: `python -m dataset_cache bench` runs the repository's bench/ package, "
+            "which an installed pack does not have (the registry archive leaves it out); run it from the root "
+            "folder of a git checkout of ComfyUI-StreamCache") from None
+    try:
+        return int(bench.main(args.bench_args))
+    except SystemExit as exc:  # the benchmark's parser printed usage (code 2) or help (code 0)
+        if isinstance(exc.code, str):
+            sys.stderr.write(f"error: {exc.code}\n")
+            return EXIT_USAGE
+        return int(exc.code or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,9 @@ suites that import ComfyUI, so instead:
 * :func:`import_library` registers ``dataset_cache`` as a top-level package loaded from the pack (no ComfyUI
   needed);
 * :func:`import_pack` imports the whole pack the way ComfyUI does (a package whose ``__init__`` is the pack
-  root's), under the name ``comfyui_streamcache``, so relative imports inside it work (needs ComfyUI).
+  root's), under the name ``comfyui_streamcache``, so relative imports inside it work (needs ComfyUI);
+* :func:`import_bench` registers the repository's benchmarks (``bench/``) as the top-level package ``bench``
+  (``scripts/bench-comfy`` runs them under ComfyUI's python this way, see ``bench/run_comfyui.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from types import ModuleType
 
 from .paths import PACK_ROOT
 
-__all__ = ["PACK_MODULE", "import_library", "import_pack"]
+__all__ = ["PACK_MODULE", "import_bench", "import_library", "import_pack"]
 
 PACK_MODULE = "comfyui_streamcache"
 
@@ -54,3 +56,10 @@ def import_pack() -> ModuleType:
     pack = _load_package(PACK_MODULE, PACK_ROOT)
     importlib.import_module(f"{PACK_MODULE}.nodes")
     return pack
+
+
+def import_bench() -> ModuleType:
+    """The repository's ``bench`` package, importable afterwards as ``import bench`` (with ``dataset_cache``, which
+    its modules import)."""
+    import_library()
+    return _load_package("bench", PACK_ROOT / "bench")

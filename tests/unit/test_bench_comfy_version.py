@@ -1,12 +1,12 @@
-"""scripts/bench_comfy.py reads ComfyUI's version by parsing comfyui_version.py, never by running it.
+"""bench/comfyui.py (``scripts/bench-comfy``) reads ComfyUI's version by parsing comfyui_version.py, never by
+running it.
 
-(``comfy node validate`` flags ``exec``; the registry will refuse it. The script is loaded here without ComfyUI:
-its top level needs only ``support`` and the library.)
+(``comfy node validate`` flags ``exec``; the registry will refuse it. The module is imported here without ComfyUI:
+its top level needs only the ``bench`` package.)
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
@@ -16,11 +16,9 @@ from support.paths import PACK_ROOT
 
 @pytest.fixture(scope="module")
 def bench_comfy() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_comfy_under_test", PACK_ROOT / "scripts" / "bench_comfy.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from bench import comfyui
+
+    return comfyui
 
 
 def test_version_is_read_without_running_the_file(bench_comfy: ModuleType, tmp_path: Path) -> None:

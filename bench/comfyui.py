@@ -14,6 +14,12 @@ Runs under ComfyUI's python and calls ComfyUI's own functions in-process (CPU, `
 
     scripts/bench-comfy            # defaults (see --help), ~6-8 min on 2 cores
     scripts/bench-comfy --quick    # small N, for iteration
+
+How it runs: ``scripts/bench-comfy`` starts :mod:`bench.run_comfyui` by path with ComfyUI's python, which loads
+``support`` (tests/support), ``dataset_cache`` and this package from their folders and calls :func:`main` (the
+pack root must stay off ``sys.path``: its ``nodes/`` would shadow ComfyUI's ``nodes.py``). Each fresh-interpreter
+measurement starts the same runner with ``--child``. :func:`measure` returns a :class:`ComfyRun` of plain
+figures; :func:`render` and :func:`plot_panels` turn it into the doc's section and chart.
 """
 
 from __future__ import annotations
@@ -28,18 +34,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from .common import (
+    DOC, PACK_ROOT, PROFILES, Entries, LazyReader, Machine, keys_of, machine_info, med, rss_mib, write_lazy,
+    write_ours,
+)
+from .report import growth, line_plot, machine_lines, stat, update_doc
 
-from support.comfy_env import find_comfyui, skip_reason  # noqa: E402
-from support.pack import import_library  # noqa: E402
+__all__ = ["main", "measure", "render", "plot_panels", "ComfyRun", "comfy_version"]
 
-import_library()  # ``dataset_cache`` importable without the pack root on sys.path (its nodes/ shadows ComfyUI's)
-
-from dataset_cache import bench as B  # noqa: E402
+PROG = "scripts/bench-comfy"
+RUNNER = Path(__file__).resolve().parent / "run_comfyui.py"
 
 TRAIN_LATENT = (1, 4, 16, 16)  # 128 px: the tiny UNet's step stays well under a second on a CPU core
 TRAIN_OPTS = {"batch_size": 4, "grad_accumulation_steps": 1, "learning_rate": 1e-4, "rank": 4,
@@ -51,10 +60,12 @@ TRAIN_OPTS = {"batch_size": 4, "grad_accumulation_steps": 1, "learning_rate": 1e
 # ------------------------------------------------------------------------------------------------ comfy setup
 def comfy_setup(work: Path) -> Any:
     """ComfyUI importable in-process on the CPU, its folders private to ``work``; returns the install."""
+    from support.comfy_env import find_comfyui, skip_reason
+
     install = find_comfyui()
     if install is None:
         raise SystemExit(skip_reason())
-    if str(install.path) not in sys.path:
+    if str(install.path) not in sys.path:  # ComfyUI's own tree, as its main.py runs with it: never the pack root
         sys.path.insert(0, str(install.path))
     from comfy.cli_args import args
 
@@ -88,7 +99,7 @@ def comfy_version(path: Path) -> str:
 
 
 def rss_now() -> float:
-    return B.rss_mib()[0]
+    return rss_mib()[0]
 
 
 # ------------------------------------------------------------------------------------------------ C1 prep + child
@@ -98,7 +109,7 @@ def prep_open(work: Path, n: int) -> dict[str, str]:
 
     import comfy_extras.nodes_dataset as nd
 
-    entries = B.Entries(B.PROFILES["sd15"])
+    entries = Entries(PROFILES["sd15"])
     name = f"builtin-{n}"
     latents, conds = [], []
     for i in range(n):
@@ -112,8 +123,8 @@ def prep_open(work: Path, n: int) -> dict[str, str]:
     del latents, conds
     gc.collect()
     ours, lazy = work / f"ours-{n}", work / f"lazy-{n}"
-    B.write_ours(ours, n, entries)
-    B.write_lazy(lazy, n, entries)
+    write_ours(ours, n, entries)
+    write_lazy(lazy, n, entries)
     import folder_paths
 
     return {"builtin": name, "builtin_dir": os.path.join(folder_paths.get_output_directory(), name),
@@ -139,11 +150,11 @@ def child_open(kind: str, target: str, work: Path) -> dict[str, float]:
         reader = open_cache(target)
         n = len(reader.dataset("bench"))
     else:
-        reader = B.LazyReader(Path(target))
+        reader = LazyReader(Path(target))
         n = len(reader)
     dt = time.perf_counter() - t
     gc.collect()
-    r1, peak = B.rss_mib()
+    r1, peak = rss_mib()
     return {"open_s": dt, "growth_mib": r1 - r0, "rss_mib": r1, "peak_mib": peak, "samples": n}
 
 
@@ -168,7 +179,7 @@ def prep_train(work: Path, n: int, clip_cond: Any) -> dict[str, str]:
             c = base_c.clone()
             c.view(-1)[:2] = torch.tensor([i & 0xFFF, i >> 12], dtype=c.dtype) * 1e-3
             cond = [[c, {"pooled_output": base_p.clone()}]]
-            lk, ck = B.keys_of(i)
+            lk, ck = keys_of(i)
             w.add(lk, lat, kind="latent")
             w.add(ck, cond, kind="conditioning")
             samples.append(Sample(lk, (ck,)))
@@ -181,7 +192,7 @@ def prep_train(work: Path, n: int, clip_cond: Any) -> dict[str, str]:
 
 
 def child_train(kind: str, target: str, steps: int, work: Path, models: str) -> dict[str, Any]:
-    install = comfy_setup(work)
+    comfy_setup(work)
     import torch
 
     import folder_paths
@@ -231,6 +242,8 @@ def child_train(kind: str, target: str, steps: int, work: Path, models: str) -> 
                 ends.append(time.perf_counter())
                 return out
 
+            # TODO(#18): time steps through a public per-step hook of the trainer once nodes/lora_training.py has
+            # one; until then this replaces the private ``_Loop._fwd_bwd`` (kept in step with that file by hand).
             lt._Loop._fwd_bwd = _fwd_bwd
             if kind == "bound":
                 real_loader = lt.PrefetchLoader
@@ -259,7 +272,7 @@ def child_train(kind: str, target: str, steps: int, work: Path, models: str) -> 
                 reader.close()
     wall = time.perf_counter() - t0
     gc.collect()
-    r1, peak = B.rss_mib()
+    r1, peak = rss_mib()
     steps_dt = [b - a for a, b in zip(ends, ends[1:])]
     return {"first_s": ends[0] - t0 if ends else None, "steps": len(ends), "step_s": steps_dt[2:],
             "wall_s": wall, "peak_mib": peak, "r0_mib": r0, "rss_end_mib": r1}
@@ -329,10 +342,46 @@ def clip_template(models: str) -> Any:
     return c.detach().to(torch.float16).clone(), extra["pooled_output"].detach().to(torch.float16).clone()
 
 
+# ------------------------------------------------------------------------------------------------ figures
+@dataclass
+class ComfyRun:
+    """Everything one run measured, plus what the report says about the run itself."""
+
+    mode: str
+    runs: int
+    steps: int
+    machine: Machine
+    open: dict[int, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
+    """C1: N → "builtin" / "ours" / "lazy" → "open_s" / "growth_mib" / "rss_mib" → one value per run."""
+    save_s: dict[int, float] = field(default_factory=dict)
+    """C1: N → seconds of the built-in ``SaveTrainingDataset`` writing the samples."""
+    train: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    """C2: ("ours" / "bound" / "builtin", N) → :func:`child_train`'s figures, or ``{"error": text}``."""
+    reencode: dict[str, Any] = field(default_factory=dict)
+    """C5: :func:`builtin_reencode`'s counts and times (empty when not run)."""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run measures, resolved from the options."""
+
+    mode: str
+    runs: int
+    steps: int
+    open_sizes: list[int]
+    train_sizes: list[int]
+    builtin_train_sizes: list[int]
+    bound_sizes: list[int]
+    reencode_n: int
+    sections: frozenset[str]
+
+
 # ------------------------------------------------------------------------------------------------ orchestration
 def _child(args_list: list[str], timeout: float = 900) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, __file__, *args_list], capture_output=True, text=True, timeout=timeout,
-                          cwd=str(ROOT))
+    """One measurement in a fresh interpreter (the runner again, with ``--child``): its last JSON line."""
+    proc = subprocess.run([sys.executable, str(RUNNER), *args_list], capture_output=True, text=True,
+                          timeout=timeout, cwd=str(PACK_ROOT))
     if proc.returncode != 0:
         raise RuntimeError(f"child {args_list} failed:\n{proc.stderr[-4000:]}")
     for line in reversed(proc.stdout.splitlines()):
@@ -341,8 +390,53 @@ def _child(args_list: list[str], timeout: float = 900) -> dict[str, Any]:
     raise RuntimeError(f"child {args_list} printed no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
 
 
-def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear script
-    ap = argparse.ArgumentParser(prog="scripts/bench-comfy", description=__doc__,
+def measure(s: Settings, work: Path, models: str, machine: Machine, say: Callable[[str], None]) -> ComfyRun:
+    """Run the ComfyUI benchmarks in the scratch folder ``work`` (ComfyUI set up, tiny models in ``models``) and
+    return the figures (no Markdown here)."""
+    run = ComfyRun(mode=s.mode, runs=s.runs, steps=s.steps, machine=machine)
+    open_sizes = s.open_sizes if "c1" in s.sections else []
+    train_sizes, btrain, bound_sizes = s.train_sizes, s.builtin_train_sizes, s.bound_sizes
+    if "c2" not in s.sections:
+        train_sizes, btrain, bound_sizes = [], [], []
+    for n in open_sizes:
+        say(f"C1 N={n}: writing built-in / ours / lazy")
+        paths = prep_open(work, n)
+        run.save_s[n] = paths["save_s"]
+        res: dict[str, dict[str, list[float]]] = {}
+        for _ in range(s.runs):  # interleaved: machine noise hits all three alike
+            for kind in ("builtin", "ours", "lazy"):
+                r = _child(["--child", "open", kind, paths[kind], str(work)])
+                d = res.setdefault(kind, {"open_s": [], "growth_mib": [], "rss_mib": []})
+                for k in d:
+                    d[k].append(r[k])
+        run.open[n] = res
+        say(f"C1 N={n}: built-in {med(res['builtin']['open_s']):.2f}s, ours {med(res['ours']['open_s']):.4f}s")
+        shutil.rmtree(paths["builtin_dir"], ignore_errors=True)
+        shutil.rmtree(paths["ours"], ignore_errors=True)
+        shutil.rmtree(paths["lazy"], ignore_errors=True)
+
+    if "c5" in s.sections:
+        say("C5: built-in MakeTrainingDataset re-encode")
+        run.reencode = builtin_reencode(work, models, s.reencode_n)
+    template = clip_template(models) if train_sizes or btrain else None
+    for n in sorted(set(train_sizes) | set(btrain)):
+        say(f"C2 N={n}: writing training datasets")
+        paths = prep_train(work, n, template)
+        kinds = (["ours"] if n in train_sizes else []) + (["bound"] if n in bound_sizes else []) \
+            + (["builtin"] if n in btrain else [])
+        for kind in kinds:
+            say(f"C2 N={n}: {kind}")
+            target = paths["builtin"] if kind == "builtin" else paths["ours"]
+            try:
+                run.train[(kind, n)] = _child(["--child", "train", kind, target, str(s.steps), models, str(work)])
+            except Exception as exc:  # report, keep the other figures
+                run.train[(kind, n)] = {"error": str(exc)[-600:]}
+                say(f"  failed: {str(exc)[-300:]}")
+    return run
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small N for iteration")
     ap.add_argument("--open-sizes", default=None, help="SD1.5 N for C1 (default 1000,5000; --quick 1000)")
@@ -356,10 +450,32 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     ap.add_argument("--reencode-n", type=int, default=None, help="images for C5 (default 100; --quick 20)")
     ap.add_argument("--sections", default="c1,c2,c5", help="which sections to run (default: %(default)s)")
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: temporary, deleted)")
-    ap.add_argument("--doc", type=Path, default=B.DOC, help="markdown file to update (default: %(default)s)")
+    ap.add_argument("--doc", type=Path, default=DOC, help="markdown file to update (default: %(default)s)")
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def settings_from(a: argparse.Namespace) -> Settings:
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    train_sizes = ints(a.train_sizes) if a.train_sizes else ([500, 2000] if a.quick else [1000, 5000])
+    return Settings(
+        mode="--quick" if a.quick else "default",
+        runs=max(5, a.runs),
+        steps=a.steps or (12 if a.quick else 20),
+        open_sizes=ints(a.open_sizes) if a.open_sizes else ([1000] if a.quick else [1000, 5000]),
+        train_sizes=train_sizes,
+        builtin_train_sizes=ints(a.builtin_train_sizes) if a.builtin_train_sizes else ([500] if a.quick else [1000]),
+        bound_sizes=ints(a.bound_sizes) if a.bound_sizes else train_sizes[:1],
+        reencode_n=a.reencode_n or (20 if a.quick else 100),
+        sections=frozenset(a.sections.lower().split(",")),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure, print the Markdown section, and rewrite it (and its chart) in the doc unless ``--no-doc``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = _parser().parse_args(argv)
     if a.child:
         work = Path(a.child[-1])
         if a.child[0] == "open":
@@ -369,96 +485,107 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         return 0
 
     t_start = time.perf_counter()
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    open_sizes = ints(a.open_sizes) if a.open_sizes else ([1000] if a.quick else [1000, 5000])
-    train_sizes = ints(a.train_sizes) if a.train_sizes else ([500, 2000] if a.quick else [1000, 5000])
-    btrain = ints(a.builtin_train_sizes) if a.builtin_train_sizes else ([500] if a.quick else [1000])
-    bound_sizes = ints(a.bound_sizes) if a.bound_sizes else train_sizes[:1]
-    steps = a.steps or (12 if a.quick else 20)
-    reencode_n = a.reencode_n or (20 if a.quick else 100)
-    runs = max(5, a.runs)
-    mode = "--quick" if a.quick else "default"
+    s = settings_from(a)
     own = a.dir is None
     work = Path(tempfile.mkdtemp(prefix="streamcache-bench-comfy-")) if own else a.dir
     work.mkdir(parents=True, exist_ok=True)
     say = lambda m: sys.stderr.write(f"[bench-comfy {time.perf_counter() - t_start:6.1f}s] {m}\n")  # noqa: E731
-    install = comfy_setup(work)
-    from support.tiny_models import ensure_tiny_models
-
-    models = str(ensure_tiny_models(install.path, install.python).root)
-    open_res: dict[int, dict[str, dict[str, list[float]]]] = {}
-    train_res: dict[tuple[str, int], dict[str, Any]] = {}
-    save_s: dict[int, float] = {}
-    sections = set(a.sections.lower().split(","))
-    open_sizes = open_sizes if "c1" in sections else []
-    if "c2" not in sections:
-        train_sizes, btrain, bound_sizes = [], [], []
-    reenc: dict[str, Any] = {}
     try:
-        for n in open_sizes:
-            say(f"C1 N={n}: writing built-in / ours / lazy")
-            paths = prep_open(work, n)
-            save_s[n] = paths["save_s"]
-            res: dict[str, dict[str, list[float]]] = {}
-            for _ in range(runs):  # interleaved: machine noise hits all three alike
-                for kind in ("builtin", "ours", "lazy"):
-                    r = _child(["--child", "open", kind, paths[kind], str(work)])
-                    d = res.setdefault(kind, {"open_s": [], "growth_mib": [], "rss_mib": []})
-                    for k in d:
-                        d[k].append(r[k])
-            open_res[n] = res
-            say(f"C1 N={n}: built-in {B.med(res['builtin']['open_s']):.2f}s, ours {B.med(res['ours']['open_s']):.4f}s")
-            shutil.rmtree(paths["builtin_dir"], ignore_errors=True)
-            shutil.rmtree(paths["ours"], ignore_errors=True)
-            shutil.rmtree(paths["lazy"], ignore_errors=True)
+        install = comfy_setup(work)
+        from support.tiny_models import ensure_tiny_models
 
-        if "c5" in sections:
-            say("C5: built-in MakeTrainingDataset re-encode")
-            reenc = builtin_reencode(work, models, reencode_n)
-        template = clip_template(models) if train_sizes or btrain else None
-        for n in sorted(set(train_sizes) | set(btrain)):
-            say(f"C2 N={n}: writing training datasets")
-            paths = prep_train(work, n, template)
-            kinds = (["ours"] if n in train_sizes else []) + (["bound"] if n in bound_sizes else []) \
-                + (["builtin"] if n in btrain else [])
-            for kind in kinds:
-                say(f"C2 N={n}: {kind}")
-                target = paths["builtin"] if kind == "builtin" else paths["ours"]
-                try:
-                    train_res[(kind, n)] = _child(["--child", "train", kind, target, str(steps), models, str(work)])
-                except Exception as exc:  # report, keep the other figures
-                    train_res[(kind, n)] = {"error": str(exc)[-600:]}
-                    say(f"  failed: {str(exc)[-300:]}")
+        models = str(ensure_tiny_models(install.path, install.python).root)
+        machine = machine_info({"ComfyUI": f"{comfy_version(install.path)} ({install.path})"},
+                               root=Path(tempfile.gettempdir()))
+        run = measure(s, work, models, machine, say)
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
+    run.seconds = time.perf_counter() - t_start
 
-    total = time.perf_counter() - t_start
-    out = render(a, mode, runs, total, open_res, save_s, train_res, steps, reenc, install)
+    cmd = " ".join([PROG, *(x for x in argv if x != "--no-doc")])  # as typed, to regenerate
+    plot_name = None
+    panels = [] if a.no_doc else plot_panels(run)
+    if panels:
+        plot = a.doc.parent / "bench_comfy.png"
+        line_plot(plot, panels, "ComfyUI: built-in vs StreamCache (log-log unless noted)")
+        plot_name = plot.name
+    out = render(run, cmd, plot_name)
     sys.stdout.write(out)
     if not a.no_doc:
-        B.update_doc(a.doc, "comfy", out)
+        update_doc(a.doc, "comfy", out)
     return 0
 
 
-def render(a: Any, mode: str, runs: int, total: float, open_res: dict, save_s: dict, train_res: dict,
-           steps: int, reenc: dict, install: Any) -> str:
-    med, stat = B.med, B.stat
-    shown = [x for x in sys.argv[1:] if x != "--no-doc"]
-    cmd = " ".join(["scripts/bench-comfy", *shown])
+# ------------------------------------------------------------------------------------------------ render
+def _open_series(run: ComfyRun) -> tuple[dict[str, list], dict[str, list]]:
+    """C1 medians over N per design: open ms, RSS growth MiB (floored at 0.01 for the log scale)."""
+    plot_t: dict[str, list] = {}
+    plot_m: dict[str, list] = {}
+    for n, res in run.open.items():
+        for name, kind in (("built-in", "builtin"), ("ours", "ours"), ("lazy", "lazy")):
+            d = res[kind]
+            plot_t.setdefault(name, []).append((n, med(d["open_s"]) * 1e3))
+            plot_m.setdefault(name, []).append((n, max(med(d["growth_mib"]), 0.01)))
+    return plot_t, plot_m
+
+
+_TRAINERS = ["ours", "bound", "builtin"]
+_LABELS = {"ours": "ours (StreamCache)", "bound": "bound (in memory)", "builtin": "built-in TrainLoraNode"}
+
+
+def _train_order(run: ComfyRun) -> list[tuple[str, int]]:
+    return sorted(run.train, key=lambda k: (k[1], _TRAINERS.index(k[0])))
+
+
+def _peaks(run: ComfyRun) -> dict[str, list]:
+    """C2 peak RSS over N per trainer ("ours", "bound", "built-in"), failed runs left out."""
+    peaks: dict[str, list] = {}
+    for (kind, n) in _train_order(run):
+        r = run.train[(kind, n)]
+        if "error" not in r:
+            label = _LABELS[kind]
+            peaks.setdefault(label.split(" (")[0] if kind != "builtin" else "built-in", []).append((n, r["peak_mib"]))
+    return peaks
+
+
+def plot_panels(run: ComfyRun) -> list[dict[str, Any]]:
+    """The panels of ``bench_comfy.png``: C1 over N (with > 1 open size) and C2 peak RSS over N; none when C5 did
+    not run (the section then ends before the chart) or when nothing has more than one N."""
+    peaks = _peaks(run)
+    if not run.reencode or not (len(run.open) > 1 or len(peaks.get("ours", [])) > 1):
+        return []
+    plot_t, plot_m = _open_series(run)
+    panels: list[dict[str, Any]] = []
+    if len(run.open) > 1:
+        panels += [{"title": "Open a dataset (SD1.5), ms", "xlabel": "N samples", "ylabel": "ms",
+                    "series": plot_t},
+                   {"title": "RSS growth after open, MiB", "xlabel": "N samples", "ylabel": "MiB",
+                    "series": plot_m}]
+    if any(len(v) > 1 for v in peaks.values()):
+        panels.append({"title": "Training peak RSS, MiB", "xlabel": "N samples", "ylabel": "MiB",
+                       "series": peaks, "logy": False})
+    return panels
+
+
+def render(run: ComfyRun, cmd: str, plot_name: str | None = None) -> str:  # noqa: C901 - one document
+    """The ComfyUI section of docs/BENCHMARKS.md for ``run``; ``cmd`` is the command shown to regenerate it and
+    ``plot_name`` the chart (beside the doc) to link, if one was drawn."""
+    open_res, save_s, train_res, steps, reenc = run.open, run.save_s, run.train, run.steps, run.reencode
     o: list[str] = [
         "## ComfyUI benchmarks (`scripts/bench-comfy`)",
         "",
-        f"Regenerate: `{cmd}` (this run: mode {mode}, took {total / 60:.1f} min). Runs under ComfyUI's python and "
+        f"Regenerate: `{cmd}` (this run: mode {run.mode}, took {run.seconds / 60:.1f} min). "
+        "Runs under ComfyUI's python and "
         "calls ComfyUI's own node functions in-process on the CPU (`args.cpu = True`).",
         "",
-        *B.machine_info({"ComfyUI": f"{comfy_version(install.path)} ({install.path})"}, root=Path(tempfile.gettempdir())),
+        *machine_lines(run.machine),
         "",
         "### C1. Open a dataset: ours vs the built-in `LoadTrainingDataset` vs the lazy-branch design",
         "",
         "The same SD1.5-sized samples (latent 4×64×64 fp16, conditioning 77×768 fp16 + pooled 768; ≈150 KB) "
         "written by the built-in `SaveTrainingDataset.execute` (shard_size 1000), by our `CacheWriter` and in the "
-        f"lazy-branch layout. Each open in a fresh interpreter, {runs} runs interleaved, page cache warm. "
+        f"lazy-branch layout. Each open in a fresh interpreter, {run.runs} runs interleaved, page cache warm. "
         "*Built-in*: `LoadTrainingDataset.execute(folder)` (this ComfyUI version `torch.load`s every shard: every "
         "tensor is read into RAM). *Ours*: `open_cache` + the dataset's sample list. *Lazy*: skeleton pickles + "
         "safetensors headers. RSS growth = RSS after opening (output alive) − RSS before, after imports. "
@@ -468,8 +595,7 @@ def render(a: Any, mode: str, runs: int, total: float, open_res: dict, save_s: d
         "| lazy open ms | lazy RSS growth MiB | built-in / ours time | built-in / ours memory | goals |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    plot_t: dict[str, list] = {}
-    plot_m: dict[str, list] = {}
+    plot_t, plot_m = _open_series(run)
     for n, res in open_res.items():
         b, u, lz = res["builtin"], res["ours"], res["lazy"]
         tr = med(b["open_s"]) / med(u["open_s"])
@@ -483,14 +609,11 @@ def render(a: Any, mode: str, runs: int, total: float, open_res: dict, save_s: d
                  f"| {stat(u['open_s'], 1e3, '.2f')} | {stat(u['growth_mib'], fmt='.2f')} "
                  f"| {stat(lz['open_s'], 1e3, '.2f')} | {stat(lz['growth_mib'], fmt='.2f')} | {tr:.0f}× | {mem_note} "
                  f"| {'; '.join(goals)} |")
-        for name, d in (("built-in", b), ("ours", u), ("lazy", lz)):
-            plot_t.setdefault(name, []).append((n, med(d["open_s"]) * 1e3))
-            plot_m.setdefault(name, []).append((n, max(med(d["growth_mib"]), 0.01)))
     ns = list(open_res)
     if len(ns) > 1:
         o += ["", "Growth with N (first to last N): " + "; ".join(
-            f"{name} time {B.growth(ns, [y for _, y in pts])}" for name, pts in plot_t.items()) + "; " + "; ".join(
-            f"{name} memory {B.growth(ns, [y for _, y in pts])}" for name, pts in plot_m.items()) + "."]
+            f"{name} time {growth(ns, [y for _, y in pts])}" for name, pts in plot_t.items()) + "; " + "; ".join(
+            f"{name} memory {growth(ns, [y for _, y in pts])}" for name, pts in plot_m.items()) + "."]
 
     o += [
         "",
@@ -511,10 +634,9 @@ def render(a: Any, mode: str, runs: int, total: float, open_res: dict, save_s: d
         "| N | trainer | first step s | steady step ms | steps/s | vs bound | peak RSS MiB | goal |",
         "|---:|---|---:|---:|---:|---:|---:|---|",
     ]
-    peaks: dict[str, list] = {}
-    for (kind, n) in sorted(train_res, key=lambda k: (k[1], ["ours", "bound", "builtin"].index(k[0]))):
+    for (kind, n) in _train_order(run):
         r = train_res[(kind, n)]
-        label = {"ours": "ours (StreamCache)", "bound": "bound (in memory)", "builtin": "built-in TrainLoraNode"}[kind]
+        label = _LABELS[kind]
         if "error" in r:
             o.append(f"| {n} | {label} | failed | | | | | {r['error'][-200:].replace('|', '/').splitlines()[-1]} |")
             continue
@@ -528,12 +650,12 @@ def render(a: Any, mode: str, runs: int, total: float, open_res: dict, save_s: d
                 goal = "within 5%: " + ("met" if ratio >= 0.95 else "NOT met")
         o.append(f"| {n} | {label} | {r['first_s']:.2f} | {stat(r['step_s'], 1e3, '.0f')} | {sps:.2f} | {vs} "
                  f"| {r['peak_mib']:.0f} | {goal} |")
-        peaks.setdefault(label.split(" (")[0] if kind != "builtin" else "built-in", []).append((n, r["peak_mib"]))
+    peaks = _peaks(run)
     if peaks.get("ours") and len(peaks["ours"]) > 1:
         xs = [x for x, _ in peaks["ours"]]
         o += ["", "Peak RSS growth with N: " + "; ".join(
-            f"{k} {B.growth([x for x, _ in v], [y for _, y in v])}" for k, v in peaks.items() if len(v) > 1)
-            + f" (goal for ours: flat — {'met' if B.growth(xs, [y for _, y in peaks['ours']]).startswith('flat') else 'NOT met'})."]
+            f"{k} {growth([x for x, _ in v], [y for _, y in v])}" for k, v in peaks.items() if len(v) > 1)
+            + f" (goal for ours: flat — {'met' if growth(xs, [y for _, y in peaks['ours']]).startswith('flat') else 'NOT met'})."]
 
     if not reenc:
         return "\n".join(o) + "\n"
@@ -551,21 +673,10 @@ def render(a: Any, mode: str, runs: int, total: float, open_res: dict, save_s: d
         f"| after the edit | {reenc['n'] + reenc['added']} | {reenc['edit_vae']} | {reenc['edit_clip']} "
         f"| {reenc['edit_s']:.2f} |",
     ]
-    if not a.no_doc and (len(open_res) > 1 or len(peaks.get("ours", [])) > 1):
-        plot = a.doc.parent / "bench_comfy.png"
-        panels = []
-        if len(open_res) > 1:
-            panels += [{"title": "Open a dataset (SD1.5), ms", "xlabel": "N samples", "ylabel": "ms",
-                        "series": plot_t},
-                       {"title": "RSS growth after open, MiB", "xlabel": "N samples", "ylabel": "MiB",
-                        "series": plot_m}]
-        if any(len(v) > 1 for v in peaks.values()):
-            panels.append({"title": "Training peak RSS, MiB", "xlabel": "N samples", "ylabel": "MiB",
-                           "series": peaks, "logy": False})
-        B.line_plot(plot, panels, "ComfyUI: built-in vs StreamCache (log-log unless noted)")
-        o += ["", f"![open and training memory vs N]({plot.name})"]
+    if plot_name:
+        o += ["", f"![open and training memory vs N]({plot_name})"]
     return "\n".join(o) + "\n"
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit("run it with scripts/bench-comfy (bench/run_comfyui.py under ComfyUI's python)")

@@ -1,0 +1,54 @@
+"""What ``scripts/bench-comfy`` runs with ComfyUI's python: :func:`bench.comfyui.main`, with the pack off ``sys.path``.
+
+Why a file run by path rather than ``python -m bench.comfyui``: ``-m`` puts the current folder, the pack root,
+first on ``sys.path``, where the pack's ``nodes/`` package shadows ComfyUI's ``nodes.py`` (and the root
+``__init__.py`` is not meant to be imported that way). Run by path, Python puts only this file's folder
+(``bench/``) on ``sys.path``; the module names there shadow nothing ComfyUI imports (``tests/unit`` checks them
+against the standard library and ComfyUI's top-level names). The packages the benchmark needs are then registered
+from their folders with importlib, as the test suites do (``tests/support/pack.py``): ``support`` (tests/support:
+locating ComfyUI, the tiny models, importing the pack the way ComfyUI does), ``dataset_cache`` and ``bench``.
+Nothing of the pack is added to ``sys.path``; ComfyUI's own tree is (:func:`bench.comfyui.comfy_setup`), as when
+ComfyUI runs.
+
+    "$COMFYUI_PYTHON" bench/run_comfyui.py [options]      # what scripts/bench-comfy does; --help for options
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+PACK_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_package(name: str, folder: Path) -> ModuleType:
+    """Import the package in ``folder`` under ``name`` (its submodules found in that folder)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    assert spec is not None and spec.loader is not None, f"cannot load {folder}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def main() -> int:
+    _load_package("support", PACK_ROOT / "tests" / "support")
+    from support.pack import import_bench
+
+    import_bench()  # and dataset_cache, which it imports
+    from bench.comfyui import main as bench_main
+
+    return bench_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
