@@ -235,16 +235,6 @@ def child_train(kind: str, target: str, steps: int, work: Path, models: str) -> 
 
             lt = importlib.import_module(f"{pack.__name__}.nodes.lora_training")
             handles = importlib.import_module(f"{pack.__name__}.nodes.handles")
-            orig = lt._Loop._fwd_bwd
-
-            def _fwd_bwd(self: Any, *a: Any, **k: Any) -> Any:
-                out = orig(self, *a, **k)
-                ends.append(time.perf_counter())
-                return out
-
-            # TODO(#18): time steps through a public per-step hook of the trainer once nodes/lora_training.py has
-            # one; until then this replaces the private ``_Loop._fwd_bwd`` (kept in step with that file by hand).
-            lt._Loop._fwd_bwd = _fwd_bwd
             if kind == "bound":
                 real_loader = lt.PrefetchLoader
 
@@ -267,7 +257,9 @@ def child_train(kind: str, target: str, steps: int, work: Path, models: str) -> 
             reader, samples = handles.StreamDatasetHandle(target, "train").open()
             try:
                 settings = lt.TrainSettings(steps=steps, prefetch_batches=2, loader_threads=0, **TRAIN_OPTS)
-                lt.train_lora(model, reader, samples, settings)
+                # the trainer's public per-step callback marks the end of each step (one batch a step here)
+                lt.train_lora(model, reader, samples, settings,
+                              on_step=lambda _report: ends.append(time.perf_counter()))
             finally:
                 reader.close()
     wall = time.perf_counter() - t0

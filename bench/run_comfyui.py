@@ -11,6 +11,7 @@ Nothing of the pack is added to ``sys.path``; ComfyUI's own tree is (:func:`benc
 ComfyUI runs.
 
     "$COMFYUI_PYTHON" bench/run_comfyui.py [options]      # what scripts/bench-comfy does; --help for options
+    "$COMFYUI_PYTHON" bench/run_comfyui.py encode-memory [options]   # bench/encode_memory.py
 """
 
 from __future__ import annotations
@@ -45,9 +46,14 @@ def main() -> int:
     from support.pack import import_bench
 
     import_bench()  # and dataset_cache, which it imports
+    argv = sys.argv[1:]
+    if argv[:1] == ["encode-memory"]:
+        from bench.encode_memory import main as encode_memory_main
+
+        return encode_memory_main(argv[1:])
     from bench.comfyui import main as bench_main
 
-    return bench_main(sys.argv[1:])
+    return bench_main(argv)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ fixes it) and the tiny Flux diffusion model of ``tests/support/tiny_families``. 
 after the phase and the phase's peak (``VmHWM``, reset between phases through ``/proc/self/clear_refs``), and which
 models ComfyUI's model management lists as loaded, and where, when the encode ends and at training's first step.
 
-    /opt/comfyui-dev/venv/bin/python bench/bench_encode_memory.py              # 8 images of 1024 px
-    /opt/comfyui-dev/venv/bin/python bench/bench_encode_memory.py --images 4 --size 512
-    /opt/comfyui-dev/venv/bin/python bench/bench_encode_memory.py --write      # rewrite its docs/BENCHMARKS.md part
+    scripts/bench-comfy encode-memory                      # 8 images of 1024 px
+    scripts/bench-comfy encode-memory --images 4 --size 512
+    scripts/bench-comfy encode-memory --write              # rewrite its docs/BENCHMARKS.md part
+
+Run through ``bench/run_comfyui.py`` (what ``scripts/bench-comfy`` does), which registers ``support`` (tests/support)
+and keeps the pack root off ``sys.path``.
 """
 
 from __future__ import annotations
@@ -23,10 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from .comfyui import comfy_setup
 
-from support.comfy_env import find_comfyui, skip_reason  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 START, END = "<!-- bench-encode-memory:start -->", "<!-- bench-encode-memory:end -->"
 
@@ -86,15 +88,10 @@ def _images(folder: Path, n: int, size: int) -> None:
 
 
 def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:  # noqa: C901 - one linear script
-    install = find_comfyui()
-    if install is None:
-        raise SystemExit(skip_reason())
-    if str(install.path) not in sys.path:
-        sys.path.insert(0, str(install.path))
-    from comfy.cli_args import args
-
-    args.cpu = True
+    work = Path(tempfile.mkdtemp(prefix="bench_encode_memory_"))
+    (work / "models" / "streamcache").mkdir(parents=True)
     phases = Phases()
+    install = comfy_setup(work)  # ComfyUI on the CPU, its folders private to ``work``
     import folder_paths
     import torch
     from support.pack import import_pack
@@ -102,13 +99,7 @@ def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:  # no
     from support.tiny_models import ensure_tiny_models
 
     tiny = ensure_tiny_models(install.path, install.python)
-    work = Path(tempfile.mkdtemp(prefix="bench_encode_memory_"))
-    for sub in ("output", "input", "temp", "models/streamcache"):
-        (work / sub).mkdir(parents=True)
     folder_paths.models_dir = str(work / "models")
-    folder_paths.set_output_directory(str(work / "output"))
-    folder_paths.set_input_directory(str(work / "input"))
-    folder_paths.set_temp_directory(str(work / "temp"))
     for name in ("text_encoders", "vae"):
         folder_paths.add_model_folder_path(name, str(tiny.root / name), is_default=True)
     vae_file = save_taesd16(work / "vae")
@@ -190,7 +181,7 @@ def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:  # no
 def render(res: dict[str, Any]) -> str:
     lines = [START, "",
              f"Run of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: ComfyUI {res['comfy']}, torch "
-             f"{res['torch']}, CPU (`bench/bench_encode_memory.py --images {res['images']} --size {res['size']}`). "
+             f"{res['torch']}, CPU (`scripts/bench-comfy encode-memory --images {res['images']} --size {res['size']}`). "
              "Peak = the phase's `VmHWM`" + ("" if res["resettable"] else " (not resettable here: process peak)")
              + ".", "",
              "| phase | RSS after (MiB) | peak in the phase (MiB) | seconds |", "| --- | ---: | ---: | ---: |"]
