@@ -218,7 +218,7 @@ def _open(path: str | os.PathLike[str] | Any, name: str) -> Any:
             raise SourceError(name, f"is a {container.format.name!r} file, not an MP4/MOV/WebM/MKV video; "
                                     "convert it (e.g. ffmpeg -i in -c:v libx264 out.mp4)")
         if not container.streams.video:
-            raise SourceError(name, "holds no video stream")
+            raise SourceError(name, "holds no video stream (is it an audio file, or truncated?)")
     except BaseException:
         container.close()
         raise
