@@ -517,7 +517,7 @@ def _finish(run: _Run, plan: EncodePlan) -> tuple[Sample, ...]:
     run.report.skipped += len(plan.samples) - len(samples)
     if not samples:
         first = run.report.failures[0] if run.report.failures else None
-        raise DatasetFolderError(plan.folder, "no image could be encoded" + (
+        raise DatasetFolderError(plan.folder, "no image or clip could be encoded" + (
             f"; first problem: {first.relpath}: {first.reason}" if first else ""))
     return samples
 
