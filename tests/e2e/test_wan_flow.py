@@ -169,3 +169,25 @@ def test_wan_encode_train_save_load_and_sample_over_http(case: str, comfy_server
     images = run.outputs()["13"]["images"]
     assert len(images) == (1 if case == "image" else 5)  # VAE Decode gives back the sampled frames
     assert run.deferred == ["13"]  # the sampling branch waited for the LoRA file
+
+
+def test_clip_folders_re_encode_only_what_changed_over_http(comfy_server: ComfyServer, tiny_models: TinyModels,
+                                                           wan: tuple[str, str]) -> None:
+    """One frame of one clip edited → that clip's latent only; one caption edited → its conditioning only."""
+    client = comfy_server.client()
+    folder, cache = "wan_incremental_src", "wan_incremental_cache"
+    root = comfy_server.input_dir / folder
+    root.mkdir(parents=True, exist_ok=True)
+    _clip_folder(root)
+    first = _encode(client, tiny_models, wan, folder, cache)
+    assert (first["encoded_latents"], first["encoded_conditionings"]) == (first["samples"], first["samples"])
+
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(root / "jump.frames" / "2.png")
+    edited = _encode(client, tiny_models, wan, folder, cache)
+    assert (edited["encoded_latents"], edited["encoded_conditionings"]) == (1, 0)
+    assert edited["changed"] == 1 and edited["vae_loaded"] and not edited["clip_loaded"]
+
+    (root / "walk.txt").write_text("a slow walk", encoding="utf-8")
+    caption = _encode(client, tiny_models, wan, folder, cache)
+    assert (caption["encoded_latents"], caption["encoded_conditionings"]) == (0, 1)
+    assert caption["clip_loaded"] and not caption["vae_loaded"]  # the clips' keys need no VAE: none is loaded
