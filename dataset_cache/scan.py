@@ -108,7 +108,8 @@ class SourceFailure:
 
 
 class ListedImage(NamedTuple):
-    """One image found by :func:`list_folder`, with its caption file's stat when it has one."""
+    """One image found by :func:`list_folder`, with its caption file's stat when it has one. Videos and the
+    frames of ``.frames`` folders are listed the same way (a frame carries its clip's caption)."""
 
     relpath: str
     size: int

@@ -19,7 +19,8 @@ same way, and so lands in a bucket of its own: buckets are ``(frames, height, wi
 Decoding never holds a whole clip: frames are decoded in order up to the last one sampled, and only sampled
 frames are converted, resized and cropped, straight into the clip's row of the batch (``[T, H, W, 3]`` at the
 bucket's size). Only the container formats listed in :data:`OPEN_FORMATS` are opened, whatever the file is named,
-so a renamed file can never reach another demuxer.
+so a renamed file can never reach another demuxer. A video's rotation metadata (phone videos' display matrix) is
+not applied: frames are taken as stored, and sized from the header that says so.
 """
 
 from __future__ import annotations
