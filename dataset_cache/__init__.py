@@ -6,7 +6,8 @@ The library behind ComfyUI-StreamCache, usable without ComfyUI:
   a manifest and an append-only journal; entries come back as lazy structures (:class:`LazyTensor`) and are
   read in batches with few large reads and checksums verified.
 * :func:`plan_encode` / :func:`run_encode` — encode an image+caption folder incrementally: only entries whose
-  content key is missing are encoded, each batch committed durably.
+  content key is missing are encoded, each batch committed durably. Video clips (files, or ``<name>.frames``
+  folders) are samples too, their frames picked by :class:`FrameSettings`.
 * :class:`BucketSampler` / :class:`PrefetchLoader` — deterministic bucketed batch order with resume and rank
   sharding, read ahead on background threads (pinned buffers and side-stream copies on CUDA).
 * :func:`preview_clean` / :func:`clean` — reclaim entries no dataset references.
@@ -33,6 +34,7 @@ from .incremental import EncodePlan, EncodeReport, EncodeSettings, plan_encode, 
 from .loader import Batch, LoaderStats, LoaderWorkerError, PrefetchLoader
 from .refs import LazyTensor, is_lazy, materialize
 from .sampler import BatchPlan, BucketSampler, buckets_from_reader
+from .video import FrameSettings
 
 __version__ = "0.1.0"
 
@@ -54,6 +56,7 @@ __all__ = [
     "EncodePlan",
     "EncodeReport",
     "EncodeSettings",
+    "FrameSettings",
     "LazyTensor",
     "LoaderStats",
     "LoaderWorkerError",

@@ -41,15 +41,17 @@ from .format.layout import MANIFEST, check_new_cache_location, check_no_links, i
 from .format.manifest import check_dataset_name
 from .format.reader import open_cache
 from .gcpause import gc_paused
-from .keys import canonical_bytes, conditioning_key, latent_key
-from .scan import DatasetFolderError, SourceFailure, scan_folder
+from .keys import canonical_bytes, conditioning_key, hash_bytes, latent_key
+from .scan import DatasetFolderError, SourceClip, SourceFailure, scan_folder
 from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
+from .video import MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_folder_of
 
 __all__ = [
     "FAILURE_POLICIES",
     "SOURCES_DIR",
     "EncodeSettings",
     "LatentJob",
+    "ClipJob",
     "EncodePlan",
     "plan_encode",
     "sources_record_path",
@@ -94,6 +96,8 @@ class EncodeSettings:
         encode_threads: image decode threads working ahead of the encoder; ``None`` chooses from the CPUs this
             process may use.
         shard_bytes: target size of the cache's shard files.
+        video: which frames a clip (video file or ``.frames`` folder) gives, and the VAE's temporal compression
+            (see :class:`.video.FrameSettings`); images ignore it.
     """
 
     bucket: BucketConfig = field(default_factory=BucketConfig)
@@ -103,8 +107,11 @@ class EncodeSettings:
     failure_policy: str = "skip"
     encode_threads: int | None = None
     shard_bytes: int = DEFAULT_SHARD_BYTES
+    video: FrameSettings = field(default_factory=FrameSettings)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.video, FrameSettings):
+            raise TypeError(f"EncodeSettings.video must be a FrameSettings, got {type(self.video).__name__}")
         if not isinstance(self.bucket, BucketConfig):
             raise TypeError(f"EncodeSettings.bucket must be a BucketConfig, got {type(self.bucket).__name__}")
         for name in ("caption_prefix", "caption_suffix"):
@@ -129,8 +136,23 @@ class EncodeSettings:
         return {
             "bucket": self.bucket.describe(), "caption_prefix": self.caption_prefix,
             "caption_suffix": self.caption_suffix, "batch_size": self.batch_size,
-            "failure_policy": self.failure_policy, "shard_bytes": self.shard_bytes,
+            "failure_policy": self.failure_policy, "shard_bytes": self.shard_bytes, "video": self.video.describe(),
         }
+
+
+@dataclass(frozen=True)
+class ClipJob:
+    """What makes a latent job a clip: which frames, and for a frame folder the frame files.
+
+    Attributes:
+        indices: source frame indices to decode, in order (their count is the clip's frame count).
+        frames: a ``.frames`` folder's frame files (absolute, in order; ``indices`` index them); empty for a video.
+        frame_hashes: the content hash of each frame file, re-checked when it is decoded.
+    """
+
+    indices: tuple[int, ...]
+    frames: tuple[str, ...] = ()
+    frame_hashes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -143,7 +165,8 @@ class LatentJob:
         relpath: path relative to the dataset folder (reports).
         source_hash: xxh3-128 of the image bytes the key was computed from; the encoder re-checks it, so a file
             edited after planning can never be stored under the old content's key.
-        plan: how the image becomes the bucket's pixels.
+        plan: how the image becomes the bucket's pixels (each frame's, for a clip).
+        clip: for a clip, its frames (``None`` for an image).
     """
 
     key: str
@@ -151,6 +174,7 @@ class LatentJob:
     relpath: str
     source_hash: str
     plan: CropPlan
+    clip: ClipJob | None = None
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -173,7 +197,8 @@ class EncodePlan:
         failures: unusable files (file + reason), sorted by path; their samples are not in ``samples``.
         skipped: listed images left out of ``samples`` because of a failure.
         samples: the dataset as it will be once encoded (scan order).
-        missing_latents: bucket -> latents to encode (one job per distinct key, sorted by path).
+        missing_latents: bucket -> latents of images to encode (one job per distinct key, sorted by path).
+        missing_clips: latents of clips to encode, by bucket ``(frames, height, width)`` then path.
         missing_conditionings: key -> final caption text to encode (each distinct text once).
         reused: distinct entries the samples need that the cache already has.
         dataset_current: the cache already holds this dataset with exactly these samples (by the
@@ -204,11 +229,12 @@ class EncodePlan:
     sourceless: bool = False
     validation: Validation | None = None
     notes: tuple[str, ...] = ()
+    missing_clips: tuple[LatentJob, ...] = ()
 
     @property
     def needs_vae(self) -> bool:
         """Whether any latent must be encoded (load the VAE only then)."""
-        return any(self.missing_latents.values())
+        return any(self.missing_latents.values()) or bool(self.missing_clips)
 
     @property
     def needs_text_encoder(self) -> bool:
@@ -218,7 +244,7 @@ class EncodePlan:
     @property
     def latent_count(self) -> int:
         """Number of latents to encode."""
-        return sum(len(jobs) for jobs in self.missing_latents.values())
+        return sum(len(jobs) for jobs in self.missing_latents.values()) + len(self.missing_clips)
 
     @property
     def up_to_date(self) -> bool:
@@ -372,9 +398,11 @@ def samples_digest(samples: Sequence[Sample]) -> str:
 
 def _output_settings(described: Mapping[str, Any]) -> dict[str, Any]:
     """The described settings that change stored values (not batch size, threads, shard size or policy)."""
-    out = {k: described.get(k) for k in ("bucket", "caption_prefix", "caption_suffix")}
+    out = {k: described.get(k) for k in ("bucket", "caption_prefix", "caption_suffix", "video")}
     if isinstance(out["bucket"], Mapping) and "upscale" not in out["bucket"]:
         out["bucket"] = {**out["bucket"], "upscale": True}  # datasets stored before the setting always upscaled
+    if out["video"] is None:
+        out["video"] = FrameSettings().describe()  # datasets stored before clips: the defaults (no clip in them)
     return out
 
 
@@ -457,7 +485,8 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     scan = scan_folder(validation.listing, known_sizes=record.image_sizes(), known_captions=record.caption_lines(),
                        threads=threads)
     if validation.hashed or validation.captions_added or not validation.clean:  # else the record is current
-        save_record(record.with_image_sizes(scan.images), record_path)  # before any encode: never re-hash
+        frames = [f for clip in scan.clips for f in clip.frames]
+        save_record(record.with_image_sizes([*scan.images, *frames]), record_path)  # before any encode: never re-hash
 
     samples: list[Sample] = []
     latents: dict[str, LatentJob] = {}
@@ -503,6 +532,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
             ckeys.append(ckey)
         samples.append(Sample(lkey, tuple(ckeys), img.repeats, img.relpath))
 
+    clips = _plan_clips(scan.clips, record, settings, vae_fingerprint, keys, samples, texts, unplannable, cut, many)
     try:
         check_epoch_size(samples, f"dataset {dataset!r}")
     except ValueError as exc:  # before any encode: the dataset could never be stored
@@ -514,6 +544,8 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         if job.key not in have:
             by_bucket.setdefault(job.bucket, []).append(job)
     missing_texts = {k: t for k, t in texts.items() if k not in have}
+    missing_clips = tuple(sorted((j for j in clips.values() if j.key not in have),
+                                 key=lambda j: (len(j.clip.indices), j.bucket[1], j.bucket[0], j.relpath)))
     unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures, *unplannable)}
     counts = validation.counts()
     return EncodePlan(
@@ -523,10 +555,106 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         failures=tuple(unique[k] for k in sorted(unique)), samples=tuple(samples),
         missing_latents={b: tuple(sorted(jobs, key=lambda j: j.relpath)) for b, jobs in sorted(by_bucket.items())},
         missing_conditionings=missing_texts,
-        reused=sum(k in have for k in latents) + sum(k in have for k in texts),
+        reused=sum(k in have for k in latents) + sum(k in have for k in clips) + sum(k in have for k in texts),
         dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
-        skipped=len(validation.listing.images) - len(samples), notes=_caption_notes(cut, many),
+        skipped=_listed_samples(validation) - len(samples), notes=_caption_notes(cut, many) + _clip_notes(settings),
+        missing_clips=missing_clips,
     )
+
+
+def _listed_samples(validation: Validation) -> int:
+    """Samples the listing holds: images and videos, and one per ``.frames`` folder (not one per frame)."""
+    folders = set()
+    n = 0
+    for item in validation.listing.images:
+        folder = clip_folder_of(item.relpath)
+        if folder is None:
+            n += 1
+        elif folder not in folders:
+            folders.add(folder)
+            n += 1
+    return n
+
+
+def _clip_notes(settings: EncodeSettings) -> tuple[str, ...]:
+    video = settings.video
+    if video.stride and video.stride > 1 and video.effective_frames != video.frames:
+        return (f"frame count {video.frames} is taken as {video.effective_frames}: the VAE compresses time by "
+                f"{video.stride}, so it encodes 1 + {video.stride}·m frames without dropping any",)
+    return ()
+
+
+def _caption_keys(captions: Sequence[str], relpath: str, settings: EncodeSettings, keys: _Keys,
+                  texts: dict[str, str], cut: list[str], many: list[str]) -> tuple[str, ...]:
+    if len(captions) > CAPTION_VARIANTS_NOTE:
+        many.append(relpath)
+    out = []
+    for line in captions:
+        if len(line) > MAX_CAPTION_CHARS:
+            cut.append(relpath)
+            line = line[:MAX_CAPTION_CHARS]
+        text = settings.caption_text(line)
+        ckey = keys.conditioning(text)
+        texts.setdefault(ckey, text)
+        out.append(ckey)
+    return tuple(out)
+
+
+def _plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: EncodeSettings, vae_fp: str,
+                keys: _Keys, samples: list[Sample], texts: dict[str, str], unplannable: list[SourceFailure],
+                cut: list[str], many: list[str]) -> dict[str, LatentJob]:
+    """Key every clip (its bytes, or its frames' in order, plus the crop plan and the frame settings), add its
+    sample; return the latent jobs by key. Clips that cannot be planned are added to ``unplannable``."""
+    jobs: dict[str, LatentJob] = {}
+    video = settings.video
+    for clip in clips:
+        if video.stride == 0:
+            unplannable.append(SourceFailure(clip.relpath, clip.path, (
+                "is a video clip, but the VAE encodes still images only (it reads a batch as separate images); "
+                "connect a video VAE (e.g. WAN's) or move the clip out of the folder")))
+            continue
+        if len(clip.captions) > MAX_CAPTION_VARIANTS:
+            unplannable.append(SourceFailure(clip.relpath, clip.path, f"its caption file has {len(clip.captions)} "
+                                             f"lines (variants), above the limit of {MAX_CAPTION_VARIANTS}"))
+            continue
+        if clip.kind == "video":
+            entry = record.get(clip.relpath)
+            if entry is None:  # could not be hashed: already a validation failure
+                continue
+            source_hash = entry.hash
+            frame_paths: tuple[str, ...] = ()
+            frame_hashes: tuple[str, ...] = ()
+        else:
+            entries = [record.get(f.relpath) for f in clip.frames]
+            if any(e is None for e in entries):
+                continue
+            frame_hashes = tuple(e.hash for e in entries if e is not None)
+            names = [f.relpath.rpartition("/")[2] for f in clip.frames]
+            # the frames' names (within the folder) and contents in order: moving the folder keeps the key
+            source_hash = hash_bytes("\n".join(f"{n}\t{h}" for n, h in zip(names, frame_hashes)).encode("utf-8",
+                                                                                                 "surrogatepass"))
+            frame_paths = tuple(f.path for f in clip.frames)
+        try:
+            plan = settings.bucket.plan(clip.width, clip.height, token=source_hash)
+        except ValueError as exc:
+            unplannable.append(SourceFailure(clip.relpath, clip.path, str(exc)))
+            continue
+        indices = video.indices(clip.frame_count, clip.rate)
+        width, height = plan.bucket
+        need = len(indices) * width * height * 3 * 4
+        if need > MAX_CLIP_PIXEL_BYTES:
+            unplannable.append(SourceFailure(clip.relpath, clip.path, (
+                f"{len(indices)} frames at {width}x{height} take {need / (1 << 30):.1f} GiB of pixels to encode, "
+                f"above the limit of {MAX_CLIP_PIXEL_BYTES >> 30} GiB; lower the frame count or the resolution")))
+            continue
+        extra = {"clip": {**video.key_fields(), "kind": clip.kind, "indices": list(indices)}}
+        lkey = latent_key(source_hash, plan.key_fields(), vae_fp, extra=extra)
+        if lkey not in jobs:
+            jobs[lkey] = LatentJob(lkey, clip.path, clip.relpath, source_hash, plan,
+                                   ClipJob(indices, frame_paths, frame_hashes))
+        ckeys = _caption_keys(clip.captions, clip.relpath, settings, keys, texts, cut, many)
+        samples.append(Sample(lkey, ckeys, clip.repeats, clip.relpath))
+    return jobs
 
 
 def _caption_notes(cut: Sequence[str], many: Sequence[str]) -> tuple[str, ...]:

@@ -53,11 +53,12 @@ from .encode_plan import (
 from .errors import CacheLockedError, SourceError
 from .format.writer import LOG_SYNC_SECONDS, CacheWriter, CompactReport
 from .imaging import load_image
-from .keys import hash_bytes
+from .keys import hash_bytes, hash_file
 from .lock import READ_LOCK, WRITE_LOCK, CacheLock
 from .scan import DatasetFolderError, SourceFailure
 from .threads import resolve_threads
 from .units import format_bytes
+from .video import load_clip
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -95,7 +96,17 @@ memory stays bounded at ``(LOOKAHEAD_BATCHES + 1) * batch_size`` decoded images.
 
 _LOCK_POLL_S = 0.2
 
+CLIP_LOOKAHEAD = 1
+"""Clips decoded ahead of the one being encoded: a clip is up to :data:`.video.MAX_CLIP_PIXEL_BYTES` of pixels,
+so host memory stays at two clips while the decode of the next one hides behind the encode of this one."""
+
+WHOLE_VIDEO_BYTES = 64 << 20
+"""Videos up to this size are read once into memory, re-hashed and decoded from those very bytes; larger ones are
+re-hashed from the file, then decoded from it in a stream (memory stays flat; an edit in between is the
+source-record's ordinary trust window)."""
+
 ImageEncoder = Callable[[torch.Tensor], Sequence[Any]]
+ClipEncoder = Callable[[torch.Tensor], Any]
 TextEncoder = Callable[[list[str]], Sequence[Any]]
 
 
@@ -197,6 +208,35 @@ def _decode(job: LatentJob, out: torch.Tensor, row: int) -> tuple[torch.Tensor |
             out[row].copy_(pixels)
             return None, time.perf_counter() - start
         return pixels, time.perf_counter() - start
+    except SourceError as exc:
+        return exc, time.perf_counter() - start
+
+
+def _decode_clip(job: LatentJob, out: torch.Tensor) -> tuple[SourceError | None, float]:
+    """Read, re-hash and decode one clip's sampled frames into ``out`` (worker thread); the error, and the seconds."""
+    start = time.perf_counter()
+    clip = job.clip
+    assert clip is not None
+    try:
+        with torch.inference_mode(out.is_inference()):  # see _decode_rows
+            if clip.frames:
+                load_clip(None, clip.indices, job.plan, out, name=job.path, frames=clip.frames,
+                          frame_hashes=clip.frame_hashes)
+                return None, time.perf_counter() - start
+            try:
+                size = os.stat(job.path).st_size
+                if size <= WHOLE_VIDEO_BYTES:
+                    with open(job.path, "rb") as f:
+                        data: bytes | None = f.read()
+                    digest = hash_bytes(data)  # type: ignore[arg-type]
+                else:
+                    data, digest = None, hash_file(job.path)
+            except OSError as exc:
+                raise SourceError(job.path, f"cannot read video: {exc.strerror or exc}") from exc
+            if digest != job.source_hash:
+                raise SourceError(job.path, "the file changed after the folder was scanned; run the encode again")
+            load_clip(io.BytesIO(data) if data is not None else job.path, clip.indices, job.plan, out, name=job.path)
+        return None, time.perf_counter() - start
     except SourceError as exc:
         return exc, time.perf_counter() - start
 
@@ -367,6 +407,47 @@ class _Run:
                     for f in futures:
                         f.cancel()
 
+    def encode_clips(self, encode: ClipEncoder, jobs: Sequence[LatentJob], threads: int) -> None:
+        """Encode clips one per encoder call, the next :data:`CLIP_LOOKAHEAD` decoding meanwhile."""
+        pending: deque[tuple[LatentJob, torch.Tensor, Future]] = deque()
+        source = iter(jobs)
+        with ThreadPoolExecutor(max(1, min(threads, CLIP_LOOKAHEAD + 1)), thread_name_prefix="encode-clip") as pool:
+            def submit_next() -> None:
+                job = next(source, None)
+                if job is not None:
+                    assert job.clip is not None
+                    width, height = job.bucket
+                    out = torch.empty((len(job.clip.indices), height, width, 3), dtype=torch.float32)
+                    pending.append((job, out, pool.submit(_decode_clip, job, out)))
+
+            try:
+                for _ in range(CLIP_LOOKAHEAD + 1):
+                    submit_next()
+                while pending:
+                    self.check_stop()
+                    job, out, future = pending.popleft()
+                    start = time.perf_counter()
+                    error, seconds = future.result()
+                    self.t["decode_wait"] += time.perf_counter() - start
+                    self.t["decode_cpu"] += seconds
+                    submit_next()
+                    if error is not None:
+                        if self.plan.settings.failure_policy == "stop":
+                            raise error
+                        log.warning("skipping %s: %s", job.relpath, error.reason)
+                        self.report.failures.append(SourceFailure(job.relpath, job.path, error.reason))
+                        self.bad_latents.add(job.key)
+                        self.tick(1)
+                        continue
+                    start = time.perf_counter()
+                    value = encode(out)
+                    self.t["encoder"] += time.perf_counter() - start
+                    del out
+                    self.hand_over([job.key], [value], "latent", 1)
+            finally:
+                for _, _, future in pending:
+                    future.cancel()
+
     def encode_batch(self, encode: ImageEncoder, batch: Sequence[LatentJob], out: torch.Tensor,
                      pixels: list[torch.Tensor | SourceError | None]) -> None:
         """Encode one decoded batch: ``pixels[i]`` is None when image ``i`` is in ``out[i]`` (see :func:`_decode`)."""
@@ -436,7 +517,7 @@ def _finish(run: _Run, plan: EncodePlan) -> tuple[Sample, ...]:
     run.report.skipped += len(plan.samples) - len(samples)
     if not samples:
         first = run.report.failures[0] if run.report.failures else None
-        raise DatasetFolderError(plan.folder, "no image could be encoded" + (
+        raise DatasetFolderError(plan.folder, "no image or clip could be encoded" + (
             f"; first problem: {first.relpath}: {first.reason}" if first else ""))
     return samples
 
@@ -451,6 +532,7 @@ def run_encode(
     min_commit_seconds: float = 0.0,
     sync_seconds: float = LOG_SYNC_SECONDS,
     background_commits: bool = True,
+    encode_clips: ClipEncoder | None = None,
 ) -> EncodeReport:
     """Encode what ``plan`` lists as missing, checkpoint it batch by batch, store the dataset and compact.
 
@@ -459,6 +541,8 @@ def run_encode(
         encode_images: takes a float32 ``[B, H, W, 3]`` batch (0..1, one bucket) and returns ``B`` latent values
             (ComfyUI latent dicts ``{"samples": Tensor[1, C, h, w]}``); may be ``None`` when
             ``plan.needs_vae`` is false.
+        encode_clips: takes one clip's frames, float32 ``[T, H, W, 3]``, and returns its latent value (ComfyUI
+            ``{"samples": Tensor[1, C, T', h, w]}`` from a video VAE); needed only when ``plan.missing_clips``.
         encode_texts: takes a list of texts and returns one conditioning per text (ComfyUI
             ``[[Tensor[1, T, D], {"pooled_output": ...}]]``); may be ``None`` when ``plan.needs_text_encoder`` is
             false.
@@ -532,6 +616,13 @@ def run_encode(
                                     f"batch_size {settings.batch_size} (the {w}x{h} ones "
                                     f"{images_per_call((w, h), settings.batch_size)} per call): more would pass "
                                     f"{format_bytes(MAX_PIXEL_BATCH_BYTES)} of pixels per call")
+            clips = [j for j in plan.missing_clips if not writer.has(j.key)]
+            if clips and settings.video.stride is None:
+                raise ValueError(f"dataset {plan.dataset!r}: {len(clips)} clips must be encoded but the VAE's "
+                                 "temporal compression (FrameSettings.stride) is unknown; plan with the loaded VAE")
+            if clips and encode_clips is None:
+                raise ValueError(f"dataset {plan.dataset!r}: {len(clips)} clips must be encoded but encode_clips "
+                                 "is None (connect a video VAE)")
             if batches and encode_images is None:
                 raise ValueError(f"dataset {plan.dataset!r}: {sum(map(len, batches))} latents must be encoded but "
                                  "encode_images is None (connect a VAE)")
@@ -540,7 +631,7 @@ def run_encode(
                                  "encode_texts is None (connect a text encoder)")
             run = _Run(plan, writer, report, progress, should_stop)
             run.min_commit_seconds = max(0.0, float(min_commit_seconds))
-            run.total = len(texts) + sum(map(len, batches))
+            run.total = len(texts) + sum(map(len, batches)) + len(clips)
             if progress is not None:
                 progress(0, run.total)
             if background_commits:
@@ -550,9 +641,11 @@ def run_encode(
                     run.encode_texts(encode_texts, texts)  # type: ignore[arg-type]
                     run.wait_for_commit()
                     writer.sync_log()  # the VAE may take a while to load: no checkpoint should wait unsynced
+                threads = resolve_threads(settings.encode_threads, purpose="encode threads", maximum=16)
                 if batches:
-                    threads = resolve_threads(settings.encode_threads, purpose="encode threads", maximum=16)
                     run.encode_images(encode_images, batches, threads)  # type: ignore[arg-type]
+                if clips:
+                    run.encode_clips(encode_clips, clips, threads)  # type: ignore[arg-type]
             except _Stopped:
                 report.stopped = True
             except BaseException:

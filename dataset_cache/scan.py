@@ -20,6 +20,9 @@ Layout rules:
 * Repeats: a folder directly under the root named ``<repeats>_<name>`` (e.g. ``10_mychar``) gives every image
   below it, at any depth, that repeat count; images elsewhere repeat once. Deeper folder names never set repeats,
   so a nested ``2024_photos`` is just a folder. ``0_<name>`` folders are reported and skipped (nothing to train).
+* Clips (:mod:`.video`): a video file (``.mp4 .webm .mov .mkv``) is one sample, listed like an image; a folder
+  named ``<stem>.frames`` is one sample whose frames are its images (its subfolders and text files are ignored,
+  and its name never sets repeats). Their caption is ``<stem>.txt`` beside the video or the folder.
 * Captions: ``<stem>.txt`` (any case of ``.txt``) next to the image, decoded as UTF-8 (a BOM is allowed). Each
   non-empty line, stripped, is one caption variant (duplicates kept: they weight that line). A missing or empty
   caption file means one empty-prompt variant. An undecodable caption is a failure and its image is left out.
@@ -34,6 +37,7 @@ import os
 import re
 import time
 from collections.abc import Iterator, Mapping
+from fractions import Fraction
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -42,6 +46,7 @@ from .dataset import MAX_REPEATS
 from .errors import CacheError, SourceError
 from .imaging import read_image_size
 from .threads import resolve_threads
+from .video import FRAMES_SUFFIX, VIDEO_EXTENSIONS, clip_folder_of, frame_order, probe_video
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -51,6 +56,7 @@ __all__ = [
     "ListedImage",
     "FolderListing",
     "SourceImage",
+    "SourceClip",
     "ScanResult",
     "list_folder",
     "scan_folder",
@@ -102,7 +108,8 @@ class SourceFailure:
 
 
 class ListedImage(NamedTuple):
-    """One image found by :func:`list_folder`, with its caption file's stat when it has one."""
+    """One image found by :func:`list_folder`, with its caption file's stat when it has one. Videos and the
+    frames of ``.frames`` folders are listed the same way (a frame carries its clip's caption)."""
 
     relpath: str
     size: int
@@ -173,6 +180,41 @@ class SourceImage:
 
 
 @dataclass(frozen=True)
+class SourceClip:
+    """One usable clip (see :mod:`.video`): a video file or a ``.frames`` folder, and its caption variants.
+
+    Attributes:
+        relpath: the video's or the folder's path relative to the dataset folder.
+        path: absolute path.
+        kind: ``"video"`` or ``"frames"``.
+        width: frame width (a video's from its header; a folder's, which all its frames share).
+        height: frame height.
+        frame_count: frames in the clip.
+        rate: a video's frame rate (``None`` for a folder, or a video that states none).
+        repeats: kohya repeat count (>= 1).
+        caption_relpath: the caption file, or ``None`` when there is none.
+        captions: caption variants (>= 1).
+        frames: a folder's frames in order (empty for a video).
+        size: a video's size in bytes (0 for a folder: its frames carry theirs).
+        mtime_ns: a video's modification time (0 for a folder).
+    """
+
+    relpath: str
+    path: str
+    kind: str
+    width: int
+    height: int
+    frame_count: int
+    rate: Fraction | None
+    repeats: int
+    caption_relpath: str | None
+    captions: tuple[str, ...]
+    frames: tuple[SourceImage, ...] = ()
+    size: int = 0
+    mtime_ns: int = 0
+
+
+@dataclass(frozen=True)
 class ScanResult:
     """What :func:`scan_folder` found.
 
@@ -180,11 +222,17 @@ class ScanResult:
         root: the dataset folder, absolute.
         images: usable images, sorted by ``relpath``.
         failures: unusable files (unreadable image header, undecodable caption, unlistable folder), sorted.
+        clips: usable clips (videos and ``.frames`` folders), sorted by ``relpath``.
     """
 
     root: str
     images: tuple[SourceImage, ...]
     failures: tuple[SourceFailure, ...]
+    clips: tuple[SourceClip, ...] = ()
+
+    def sample_count(self) -> int:
+        """Samples found: images and clips."""
+        return len(self.images) + len(self.clips)
 
 
 def _check_root(root: str | os.PathLike[str]) -> str:
@@ -201,7 +249,9 @@ def _repeats_of(dirname: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-_Pending = tuple[str, int, frozenset[tuple[int, int]]]  # (reldir, repeats, (st_dev, st_ino) of it and its ancestors)
+_Caption = tuple[str, int, int]  # (relpath, size, mtime_ns) of a caption file
+_Pending = tuple[str, int, frozenset[tuple[int, int]], _Caption | None]
+"""(reldir, repeats, (st_dev, st_ino) of it and its ancestors, the caption of a ``.frames`` folder)"""
 
 
 def _link_outside(path: str, real_root: str) -> str | None:
@@ -212,9 +262,11 @@ def _link_outside(path: str, real_root: str) -> str | None:
     return None if inside else target
 
 
-def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: frozenset[tuple[int, int]]
-              ) -> tuple[list[ListedImage], list[SourceFailure], list[_Pending]]:
-    """List one directory: its images (with caption stats), failures, and subfolders still to list."""
+def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: frozenset[tuple[int, int]],
+              clip_caption: _Caption | None = None) -> tuple[list[ListedImage], list[SourceFailure], list[_Pending]]:
+    """List one directory: its images (with caption stats), failures, and subfolders still to list. A
+    ``.frames`` folder lists its images only, each with the clip's caption ``clip_caption``."""
+    frames_dir = clip_folder_of(reldir + "/x") is not None if reldir else False
     absdir = os.path.join(root, *reldir.split("/")) if reldir else root
     prefix = reldir + "/" if reldir else ""
     images: list[tuple[str, str, os.DirEntry[str]]] = []  # (name, stem, entry)
@@ -243,14 +295,15 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
                                 refused_captions.add(name[:dot])
                             continue
                     if entry.is_dir():
-                        _add_subdir(entry, reldir, prefix, repeats, ancestors, failures, subdirs)
+                        if not frames_dir:  # a clip's folder holds frames only
+                            _add_subdir(entry, reldir, prefix, repeats, ancestors, failures, subdirs)
                         continue
                 except OSError as exc:
                     failures.append(SourceFailure(prefix + name, entry.path, f"cannot inspect: {exc.strerror}"))
                     continue
-                if ext in IMAGE_EXTENSIONS:
+                if ext in IMAGE_EXTENSIONS or (ext in VIDEO_EXTENSIONS and not frames_dir):
                     images.append((name, name[:dot], entry))
-                elif ext == CAPTION_EXTENSION:
+                elif ext == CAPTION_EXTENSION and not frames_dir:
                     stem = name[:dot]
                     # a.txt wins over a.TXT; otherwise the first name in sorted order, so the choice is stable
                     if stem not in captions or _caption_rank(name) < _caption_rank(captions[stem].name):
@@ -259,6 +312,35 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
         failures.append(SourceFailure(reldir or ".", absdir, f"cannot list folder: {exc.strerror or exc}"))
         return out, failures, subdirs
     new = tuple.__new__  # builds the NamedTuple without its Python-level __new__: ~1 us less per image
+    if frames_dir:
+        cap_rel, cap_size, cap_mtime = clip_caption if clip_caption is not None else (None, 0, 0)
+        for name, _stem, entry in images:
+            try:
+                st = entry.stat()
+            except OSError as exc:
+                failures.append(SourceFailure(prefix + name, entry.path, f"cannot stat: {exc.strerror or exc}"))
+                continue
+            out.append(new(ListedImage, (prefix + name, st.st_size, st.st_mtime_ns, repeats, cap_rel, cap_size,
+                                         cap_mtime)))
+        return out, failures, subdirs
+    for i, (sub, sub_repeats, sub_ancestors, _) in enumerate(subdirs):  # a clip folder's caption is beside it
+        folder = sub.rpartition("/")[2]
+        if folder.lower().endswith(FRAMES_SUFFIX):
+            stem = folder[:-len(FRAMES_SUFFIX)]
+            if stem in refused_captions:
+                failures.append(SourceFailure(sub, os.path.join(absdir, folder), (
+                    f"left out: its caption {prefix}{stem}{CAPTION_EXTENSION} is a symbolic link outside the "
+                    "dataset folder (see that file's line)")))
+                subdirs[i] = ("", 0, sub_ancestors, None)  # dropped below
+                continue
+            cap = captions.get(stem)
+            if cap is not None:
+                try:
+                    cst = cap.stat()
+                    subdirs[i] = (sub, sub_repeats, sub_ancestors, (prefix + cap.name, cst.st_size, cst.st_mtime_ns))
+                except OSError as exc:
+                    failures.append(SourceFailure(prefix + cap.name, cap.path, f"cannot stat: {exc.strerror or exc}"))
+    subdirs[:] = [s for s in subdirs if s[0]]
     for name, stem, entry in images:
         if stem in refused_captions:
             failures.append(SourceFailure(prefix + name, entry.path, (
@@ -292,7 +374,7 @@ def _add_subdir(entry: os.DirEntry[str], reldir: str, prefix: str, repeats: int,
     if st.st_ino and ident in ancestors:  # only loops are cut: the result never depends on directory order
         log.warning("%s: links back to a folder that contains it (symlink loop); skipped", entry.path)
         return
-    if not reldir:  # only folders directly under the root set repeats (kohya)
+    if not reldir and not entry.name.lower().endswith(FRAMES_SUFFIX):  # only folders under the root set repeats
         count = _repeats_of(entry.name)
         if count == 0:
             failures.append(SourceFailure(entry.name, entry.path,
@@ -304,7 +386,7 @@ def _add_subdir(entry: os.DirEntry[str], reldir: str, prefix: str, repeats: int,
                                           "images are skipped; rename the folder with a smaller count"))
             return
         repeats = count if count is not None else 1
-    subdirs.append((prefix + entry.name, repeats, ancestors | {ident}))
+    subdirs.append((prefix + entry.name, repeats, ancestors | {ident}, None))
 
 
 def _walk(root: str, threads: int) -> tuple[list[ListedImage], list[SourceFailure]]:
@@ -312,7 +394,7 @@ def _walk(root: str, threads: int) -> tuple[list[ListedImage], list[SourceFailur
     release the GIL, which pays off on network filesystems and cold caches)."""
     st = os.stat(root)
     real_root = os.path.realpath(root)
-    first: _Pending = ("", 1, frozenset({(st.st_dev, st.st_ino)}))
+    first: _Pending = ("", 1, frozenset({(st.st_dev, st.st_ino)}), None)
     out: list[ListedImage] = []
     failures: list[SourceFailure] = []
     if threads <= 1:
@@ -356,8 +438,9 @@ def list_folder(root: str | os.PathLike[str], *, threads: int | None = 1) -> Fol
         detail = f" ({len(failures)} entries could not be read, first: {failures[0].reason})" if failures else ""
         raise DatasetFolderError(
             path,
-            f"no images found{detail}; put .png/.jpg/.jpeg/.webp/.bmp/.tiff files (with optional same-name .txt "
-            "captions) in it or in <repeats>_<name> subfolders",
+            f"no images found{detail}; put .png/.jpg/.jpeg/.webp/.bmp/.tiff files, videos (.mp4/.webm/.mov/.mkv) "
+            "or <name>.frames folders of frames (with optional same-name .txt captions) in it or in "
+            "<repeats>_<name> subfolders",
         )
     out.sort()  # relpaths are unique, so tuple order is relpath order (and cheaper than a key function)
     failures.sort(key=lambda f: f.relpath)
@@ -406,11 +489,16 @@ def _join(root: str, relpath: str) -> str:
 
 
 def _scan_one(root: str, item: ListedImage, known: Mapping[str, tuple[int, int, int, int]] | None,
-              known_captions: Mapping[str, tuple[int, int, tuple[str, ...]]] | None) -> SourceImage | SourceFailure:
+              known_captions: Mapping[str, tuple[int, int, tuple[str, ...]]] | None
+              ) -> SourceImage | SourceClip | SourceFailure:
     abspath = _join(root, item.relpath)
+    video = item.relpath[item.relpath.rfind("."):].lower() in VIDEO_EXTENSIONS
     try:
-        hit = known.get(item.relpath) if known else None
-        if hit is not None and hit[0] == item.size and hit[1] == item.mtime_ns:
+        hit = known.get(item.relpath) if known and not video else None
+        info = probe_video(abspath) if video else None
+        if info is not None:
+            width, height = info.width, info.height
+        elif hit is not None and hit[0] == item.size and hit[1] == item.mtime_ns:
             width, height = hit[2], hit[3]
         else:
             width, height = read_image_size(abspath)
@@ -426,6 +514,9 @@ def _scan_one(root: str, item: ListedImage, known: Mapping[str, tuple[int, int, 
                 return SourceFailure(item.caption_relpath, exc.path, exc.reason)
     except SourceError as exc:
         return SourceFailure(item.relpath, abspath, exc.reason)
+    if info is not None:
+        return SourceClip(item.relpath, abspath, "video", width, height, info.frames, info.rate, item.repeats,
+                          item.caption_relpath, captions, size=item.size, mtime_ns=item.mtime_ns)
     return SourceImage(item.relpath, abspath, item.size, item.mtime_ns, width, height, item.repeats,
                        item.caption_relpath, captions)
 
@@ -469,7 +560,7 @@ def scan_folder(
     listing = root if isinstance(root, FolderListing) else list_folder(root)
     n = resolve_threads(threads, purpose="scan threads", per_cpu=2.0, maximum=16)
     items = listing.images
-    def scan_chunk(chunk: tuple[ListedImage, ...]) -> list[SourceImage | SourceFailure]:
+    def scan_chunk(chunk: tuple[ListedImage, ...]) -> list[SourceImage | SourceClip | SourceFailure]:
         return [_scan_one(listing.root, item, known_sizes, known_captions) for item in chunk]
 
     # items whose size and captions are all known open no file: threads would only contend for the GIL
@@ -484,14 +575,56 @@ def scan_folder(
                     for r_item, r in zip(chunk, part)}
         results = [read[item.relpath] if item.relpath in read else _scan_one(listing.root, item, sizes, caps)
                    for item in items]
-    images = tuple(r for r in results if isinstance(r, SourceImage))
+    found: list[SourceFailure] = [*listing.failures, *(r for r in results if isinstance(r, SourceFailure))]
+    images, clips = _group_clips(listing, results, found)
     # a caption shared by a.png and a.jpg fails once, not twice
-    found = (*listing.failures, *(r for r in results if isinstance(r, SourceFailure)))
     unique = {(f.relpath, f.reason): f for f in found}
     failures = [unique[k] for k in sorted(unique)]
-    if not images:
+    if not images and not clips:
         raise DatasetFolderError(
             listing.root,
             f"none of the {len(items)} images is usable; first problem: {failures[0].relpath}: {failures[0].reason}",
         )
-    return ScanResult(listing.root, images, tuple(failures))
+    return ScanResult(listing.root, images, tuple(failures), clips)
+
+
+def _group_clips(listing: FolderListing, results: list[SourceImage | SourceClip | SourceFailure],
+                 failures: list[SourceFailure]) -> tuple[tuple[SourceImage, ...], tuple[SourceClip, ...]]:
+    """Split scan results into images and clips: the frames of each ``.frames`` folder become one clip (left
+    out, with a failure naming it, when a frame failed or the frames differ in size)."""
+    images: list[SourceImage] = []
+    clips: list[SourceClip] = []
+    folders: dict[str, list[SourceImage]] = {}
+    for r in results:
+        if isinstance(r, SourceClip):
+            clips.append(r)
+        elif isinstance(r, SourceImage):
+            folder = clip_folder_of(r.relpath)
+            if folder is None:
+                images.append(r)
+            else:
+                folders.setdefault(folder, []).append(r)
+    broken = {f.relpath: f for f in failures if clip_folder_of(f.relpath) is not None}
+    for f in broken.values():
+        folder = clip_folder_of(f.relpath)
+        assert folder is not None
+        if folder not in folders or folders[folder]:
+            failures.append(SourceFailure(folder, listing.abspath(folder), (
+                f"clip left out: its frame {f.relpath.rpartition('/')[2]} cannot be used ({f.reason})")))
+            folders[folder] = []  # dropped
+    for folder, frames in sorted(folders.items()):
+        if not frames:
+            continue
+        frames.sort(key=lambda img: frame_order(img.relpath.rpartition("/")[2]))
+        first = frames[0]
+        odd = next((img for img in frames if (img.width, img.height) != (first.width, first.height)), None)
+        if odd is not None:
+            failures.append(SourceFailure(folder, listing.abspath(folder), (
+                f"clip left out: its frames differ in size ({first.relpath.rpartition('/')[2]} is "
+                f"{first.width}x{first.height}, {odd.relpath.rpartition('/')[2]} is {odd.width}x{odd.height}); "
+                "give every frame of a clip one size")))
+            continue
+        clips.append(SourceClip(folder, listing.abspath(folder), "frames", first.width, first.height, len(frames),
+                                None, first.repeats, first.caption_relpath, first.captions, tuple(frames)))
+    clips.sort(key=lambda c: c.relpath)
+    return tuple(images), tuple(clips)

@@ -60,6 +60,7 @@ from .imaging import read_image_size
 from .keys import hash_file, is_key
 from .scan import FolderListing, SourceFailure, SourceImage, decode_captions, list_folder
 from .threads import resolve_threads
+from .video import VIDEO_EXTENSIONS
 
 __all__ = [
     "RECORD_FORMAT",
@@ -305,7 +306,7 @@ def _read_image(path: str) -> tuple[str, None, tuple[int, int] | None]:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     try:
         size = os.fstat(fd).st_size
-        if size > _WHOLE_IMAGE_BYTES:
+        if size > _WHOLE_IMAGE_BYTES or path[path.rfind("."):].lower() in VIDEO_EXTENSIONS:  # a video: no image size
             return hash_file(path), None, None
         raw = _read_whole(fd, size)
     finally:

@@ -61,6 +61,7 @@ from ..dataset_cache.format.reader import open_cache
 from ..dataset_cache.format.writer import CacheWriter
 from ..dataset_cache.incremental import EncodeReport, run_encode
 from ..dataset_cache.lock import WRITE_LOCK, CacheLock
+from ..dataset_cache.video import MAX_CLIP_FRAMES, SAMPLING_MODES, FrameSettings
 from .fingerprints import (
     OwnWrites,
     cache_identity,
@@ -85,6 +86,9 @@ TRUST_UPSTREAM_ENV = "STREAMCACHE_TRUST_UPSTREAM"
 """Set to ``0`` to always load the encoders instead of assuming recorded fingerprints."""
 RECORD_KEY = "upstream_encoders"
 """Dataset-info key of the ``{"vae"|"clip": {upstream identity: fingerprint}}`` record."""
+STRIDE_KEY = "vae_frame_stride"
+"""Key, inside the ``RECORD_KEY`` record, of ``{vae fingerprint: temporal compression}``: a warm re-run of a clip
+folder keys its clips without loading the VAE (frame counts depend on its temporal compression)."""
 RECORD_LIMIT = 8
 """Identities remembered per encoder: switching between a few VAEs or text encoders stays load-free."""
 EVENT = "streamcache.encode"
@@ -132,14 +136,18 @@ def resolve_folder(folder: str) -> Path:
 
 
 def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str, caption_suffix: str,
-              batch_size: int, on_failure: str, upscale: bool = False) -> EncodeSettings:
+              batch_size: int, on_failure: str, upscale: bool = False, frame_count: int = 17,
+              frame_sampling: str = "first", frame_step: int = 2, fps: float = 0.0,
+              frame_stride: int | None = None) -> EncodeSettings:
     problem = _bucket_problem(resolution, bucket_step)
     if problem:
         raise ValueError(problem)
     min_side = max(bucket_step, resolution // 2 // bucket_step * bucket_step)  # kohya: 256 for 512
     bucket = BucketConfig(resolution=resolution, step=bucket_step, min_side=min_side, crop=crop, upscale=upscale)
+    video = FrameSettings(frames=frame_count, sampling=frame_sampling, every=frame_step, fps=float(fps),
+                          stride=frame_stride)
     return EncodeSettings(bucket=bucket, caption_prefix=caption_prefix, caption_suffix=caption_suffix,
-                          batch_size=batch_size, failure_policy=on_failure)
+                          batch_size=batch_size, failure_policy=on_failure, video=video)
 
 
 def _bucket_problem(resolution: Any, bucket_step: Any) -> str | None:
@@ -168,6 +176,7 @@ class _Encoders:
     vae_loaded: bool
     clip_loaded: bool
     record: dict[str, dict[str, str]]
+    frame_stride: int | None = None
 
 
 def _recorded(root: Path, dataset: str) -> dict[str, dict[str, str]]:
@@ -200,14 +209,39 @@ def _encoders(cls: type, root: Path, dataset: str, vae: Any, clip: Any) -> _Enco
         assumed = (trusted.get(name) or {}).get(ids[name]) if ids[name] else None
         return assumed if isinstance(assumed, str) and assumed else _UNRESOLVED.format(name)
 
-    return _Encoders(pick("vae", vae, vae_fingerprint), pick("clip", clip, clip_fingerprint), ids["vae"],
-                     ids["clip"], vae is not None, clip is not None, record)
+    vae_fp = pick("vae", vae, vae_fingerprint)
+    if vae is not None:
+        stride: int | None = frame_stride(vae)
+    else:  # assumed fingerprint: its recorded stride (None: unknown, so clips ask for the VAE)
+        recorded = (trusted.get(STRIDE_KEY) or {}).get(vae_fp)
+        stride = recorded if type(recorded) is int and recorded >= 0 else None
+    return _Encoders(vae_fp, pick("clip", clip, clip_fingerprint), ids["vae"],
+                     ids["clip"], vae is not None, clip is not None, record, stride)
 
 
 def reads_batch_as_frames(vae: Any) -> bool:
     """Whether ComfyUI's ``VAE`` treats a batch of images as the frames of one clip (a video VAE such as WAN's),
     as its own ``VAE.encode`` decides: ``latent_dim == 3`` unless ``not_video``."""
     return getattr(vae, "latent_dim", 2) == 3 and not getattr(vae, "not_video", False)
+
+
+def frame_stride(vae: Any) -> int:
+    """How a clip's frame count must step for ``vae``: its temporal compression as ComfyUI's VAE reports it
+    (``temporal_compression_decode()``: 4 for WAN, so clips of ``1 + 4m`` frames), 1 for a video VAE that reports
+    none, and 0 for an image VAE (it cannot encode a clip)."""
+    if not reads_batch_as_frames(vae):
+        return 0
+    try:
+        value = vae.temporal_compression_decode()
+    except Exception:  # noqa: BLE001 - an older or foreign VAE object: any count
+        value = None
+    return int(value) if isinstance(value, (int, float)) and value >= 1 else 1
+
+
+def _clip_encoder(vae: Any) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
+    def encode(frames: torch.Tensor) -> dict[str, torch.Tensor]:  # [T, H, W, 3]: one clip → [1, C, T', h, w]
+        return {"samples": vae.encode(frames[:, :, :, :3])}
+    return encode
 
 
 def _image_encoder(vae: Any) -> Callable[[torch.Tensor], list[dict[str, torch.Tensor]]]:
@@ -285,6 +319,10 @@ def _store_record(root: Path, dataset: str, enc: _Encoders) -> None:
     for name, ident, fp in loaded:
         entries = {ident: fp, **{i: f for i, f in record.get(name, {}).items() if i != ident}}
         record[name] = dict(list(entries.items())[:RECORD_LIMIT])
+    if enc.vae_loaded and enc.frame_stride is not None:  # 0 too: an image VAE refuses clips without loading
+        strides = {enc.vae_fp: enc.frame_stride, **{f: v for f, v in record.get(STRIDE_KEY, {}).items()
+                                                    if f != enc.vae_fp}}
+        record[STRIDE_KEY] = dict(list(strides.items())[:RECORD_LIMIT])
     if not record:
         return
     with CacheLock(root, WRITE_LOCK, purpose="record encoder identities"):
@@ -343,6 +381,7 @@ def _run(plan: EncodePlan, vae: Any, clip: Any, node_id: str | None = None,
     try:
         report = run_encode(plan, encode_images=_image_encoder(vae) if vae is not None else None,
                             encode_texts=_text_encoder(clip, cut_texts) if clip is not None else None,
+                            encode_clips=_clip_encoder(vae) if vae is not None else None,
                             progress=progress, should_stop=comfy.model_management.processing_interrupted)
     finally:
         _release(*(e for e in (vae, clip) if e is not None))
@@ -425,6 +464,18 @@ class EncodeDataset(io.ComfyNode):
                                  tooltip="Off (kohya's bucket_no_upscale): an image smaller than its bucket keeps "
                                  "its own size, rounded down to bucket_step, so a large resolution never blows a "
                                  "small image up. On: every image is resized to cover its bucket."),
+                io.Int.Input("frame_count", default=17, min=1, max=MAX_CLIP_FRAMES, optional=True,
+                             tooltip="Clips (videos, <name>.frames folders): frames per clip. Rounded down to what "
+                             "the VAE takes (WAN: 1 + 4m, e.g. 17, 33, 81); a shorter clip gives what it has. "
+                             "Images ignore it."),
+                io.Combo.Input("frame_sampling", options=list(SAMPLING_MODES), default="first", optional=True,
+                               tooltip="Which frames of a clip: the first N, N spread uniformly over it, or every "
+                               "k-th from the start (k = frame_step)."),
+                io.Int.Input("frame_step", default=2, min=1, max=MAX_CLIP_FRAMES, optional=True, advanced=True,
+                             tooltip="k of frame_sampling every_k: take every k-th frame."),
+                io.Float.Input("fps", default=0.0, min=0.0, max=1000.0, step=0.5, optional=True, advanced=True,
+                               tooltip="Resample videos to this frame rate before sampling; 0 keeps each video's "
+                               "own rate. Frame folders are taken as they are."),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),
@@ -463,7 +514,7 @@ class EncodeDataset(io.ComfyNode):
               options: dict[str, Any]) -> tuple[EncodePlan, _Encoders, Path]:
         root, src = resolve_cache_to_write(cache), resolve_folder(folder)
         enc = _encoders(cls, root, dataset, vae, clip)
-        plan = plan_encode(src, root, dataset=dataset, settings=_settings(**options),
+        plan = plan_encode(src, root, dataset=dataset, settings=_settings(**options, frame_stride=enc.frame_stride),
                            vae_fingerprint=enc.vae_fp, text_fingerprint=enc.text_fp)
         return plan, enc, root
 

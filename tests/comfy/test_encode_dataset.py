@@ -351,7 +351,8 @@ def test_small_images_are_not_upscaled_unless_asked_and_old_prompts_run_without_
     vae, clip = encoders
     schema = {i.id: i for i in mod.EncodeDataset.define_schema().inputs}
     assert schema["upscale"].default is False and schema["upscale"].optional and schema["upscale"].advanced
-    assert {k for k, i in schema.items() if i.advanced} == {"caption_suffix", "batch_size", "on_failure", "upscale"}
+    assert {k for k, i in schema.items() if i.advanced} == {"caption_suffix", "batch_size", "on_failure", "upscale",
+                                                            "frame_step", "fps"}
     old = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), resolution=512,
                   bucket_step=32)
     assert "upscale" not in old["10"]["inputs"]  # as a workflow saved before the input existed

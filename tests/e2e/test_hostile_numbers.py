@@ -118,3 +118,32 @@ def test_resolution_and_batch_size_at_their_maximum_do_not_blow_small_images_up(
         shapes = {tuple(reader.tensor_shapes(s.latent)["samples"]) for s in reader.dataset("default")}
     assert shapes == {(1, 4, 8, 8)}  # 64 px images keep their size: not 8192 px buckets
     _alive(client)
+
+
+def test_frame_inputs_at_their_maximum_refuse_a_clip_by_name_or_take_what_it_has(
+        capped_server: ComfyServer, comfy_install: ComfyInstall, tiny_models: TinyModels) -> None:
+    """Clips: frame_count 4097, frame_step 4097 and fps 1000 (the maxima) at resolution 8192 with upscale on: the
+    7-frame clip gives 5 frames (WAN's VAE takes 1 + 4m) of 8192², 3.8 GiB of pixels, so it is refused before
+    anything is decoded, naming the clip and the limit. At a small resolution the same frame_count takes the 5."""
+    from support.clips import make_frames_folder
+    from support.tiny_wan import ensure_wan_models
+
+    from dataset_cache.format.reader import open_cache
+
+    wan_vae, _ = ensure_wan_models(tiny_models.root, comfy_install.path, comfy_install.python)
+    make_frames_folder(capped_server.input_dir / "hostile_clips" / "jump.frames", 7, width=64, height=64)
+    client = capped_server.client()
+    hostile = {"frame_count": 4097, "frame_sampling": "first", "frame_step": 4097, "fps": 1000.0}
+    with pytest.raises(PromptError) as info:
+        client.run(encode_prompt(wan_vae, tiny_models.name("clip"), "hostile_clips", "hostile_clips",
+                                 resolution=8192, bucket_step=64, upscale=True, **hostile), timeout=600)
+    text = json.dumps(info.value.details)
+    assert "jump.frames" in text and "GiB of pixels" in text
+    _alive(client)
+    result = client.run(encode_prompt(wan_vae, tiny_models.name("clip"), "hostile_clips", "hostile_clips_small",
+                                      frame_count=4097, frame_sampling="first"), timeout=600)
+    assert result.status == "success"
+    with open_cache(capped_server.streamcache_dir / "hostile_clips_small") as reader:
+        shapes = {tuple(reader.tensor_shapes(s.latent)["samples"]) for s in reader.dataset("default")}
+    assert shapes == {(1, 16, 2, 8, 8)}
+    _alive(client)

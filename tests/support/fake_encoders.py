@@ -28,6 +28,8 @@ class FakeEncoders:
         self.batch_sizes: list[int] = []  # images per encode_images call
         self.texts: list[str] = []
         self.threads: set[int] = set()
+        self.clips: list[tuple[int, ...]] = []  # shape of each clip given to encode_clip
+        self.clip_pixels: list[torch.Tensor] = []  # each clip's first pixel of every frame (what was decoded)
 
     def _call(self) -> None:
         self.threads.add(threading.get_ident())
@@ -56,8 +58,20 @@ class FakeEncoders:
             out.append([[cond, {"pooled_output": cond[:, 0].clone()}]])
         return out
 
+    def encode_clip(self, frames: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A video VAE stand-in: ``[T, H, W, 3]`` → ``{"samples": [1, 4, 1 + (T - 1) // 4, H/8, W/8]}``."""
+        assert frames.dtype == torch.float32 and frames.ndim == 4 and frames.shape[-1] == 3
+        self._call()
+        self.clips.append(tuple(frames.shape))
+        self.clip_pixels.append(frames[:, 0, 0, 0].clone())
+        x = F.avg_pool2d(frames.permute(0, 3, 1, 2), 8)  # [T, 3, h, w]
+        x = torch.cat([x, x.mean(1, keepdim=True)], 1)  # [T, 4, h, w]
+        keep = x[::4]  # 1 + (T - 1) // 4 latent frames
+        return {"samples": keep.permute(1, 0, 2, 3)[None].contiguous()}
+
     def kw(self) -> dict[str, Any]:
-        return {"encode_images": self.encode_images, "encode_texts": self.encode_texts}
+        return {"encode_images": self.encode_images, "encode_texts": self.encode_texts,
+                "encode_clips": self.encode_clip}
 
 
 def age(root: Path) -> None:

@@ -1,0 +1,364 @@
+"""Video clips as samples: frame settings, which frames a clip gives, and streaming their pixels.
+
+A clip is one training sample made of frames. Two kinds are found by :mod:`.scan`:
+
+* a video file (``.mp4 .webm .mov .mkv``, any case), read with PyAV (``av``), which ComfyUI itself requires;
+  the library imports it only when a video is met and names the file when it is missing;
+* a folder of frames whose name ends in ``.frames`` (``walk.frames/0001.png``, ``0002.png``...): its images, in
+  natural name order (``2.png`` before ``10.png``), are the clip's frames. Its caption is ``walk.txt`` beside the
+  folder, as for a video ``walk.mp4``. The suffix keeps every folder of an existing image dataset an image folder.
+
+:class:`FrameSettings` says which frames a clip gives: ``frames`` of them, taken ``first`` (the first N),
+``uniform`` (evenly spread over the clip, as ComfyUI's Sample Video Frame node does) or ``every_k`` (every k-th
+from the start), optionally after resampling a video to ``fps`` frames a second. A video VAE compresses time:
+WAN's gives ``1 + (T - 1) // 4`` latent frames for T frames, so only counts ``1 + 4m`` use every frame;
+``stride`` (the VAE's temporal compression, as ComfyUI's ``VAE.temporal_compression_decode()`` reports it)
+rounds every count down to such a number. A clip too short for ``frames`` gives as many as it has, rounded the
+same way, and so lands in a bucket of its own: buckets are ``(frames, height, width)``.
+
+Decoding never holds a whole clip: frames are decoded in order up to the last one sampled, and only sampled
+frames are converted, resized and cropped, straight into the clip's row of the batch (``[T, H, W, 3]`` at the
+bucket's size). Only the container formats listed in :data:`OPEN_FORMATS` are opened, whatever the file is named,
+so a renamed file can never reach another demuxer. A video's rotation metadata (phone videos' display matrix) is
+not applied: frames are taken as stored, and sized from the header that says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .errors import SourceError
+
+if TYPE_CHECKING:
+    from .buckets import CropPlan
+
+__all__ = [
+    "VIDEO_EXTENSIONS",
+    "FRAMES_SUFFIX",
+    "SAMPLING_MODES",
+    "MAX_CLIP_FRAMES",
+    "MAX_CLIP_PIXEL_BYTES",
+    "VIDEO_RULES",
+    "OPEN_FORMATS",
+    "FrameSettings",
+    "VideoInfo",
+    "clip_folder_of",
+    "frame_order",
+    "probe_video",
+    "load_clip",
+]
+
+VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mov", ".mkv"})
+"""Video file extensions (compared lowercased)."""
+
+FRAMES_SUFFIX = ".frames"
+"""A folder whose name ends in this (any case) is one clip: its images are the frames."""
+
+SAMPLING_MODES = ("first", "uniform", "every_k")
+"""How a clip's frames are picked (see :class:`FrameSettings`)."""
+
+MAX_CLIP_FRAMES = 4097
+"""Frames one clip may give: 1 + 4 * 1024, far above what a video model trains on (WAN: 81)."""
+
+MAX_CLIP_PIXEL_BYTES = 2 << 30
+"""Decoded float32 pixels of one clip at its bucket size (2 GiB: 81 frames at 1280×720 take 0.9 GiB). A clip
+above it is left out as a failure naming it, before anything is decoded."""
+
+MAX_VIDEO_PIXELS = 1 << 26
+"""Width × height a video header may claim (8192×8192): a header claiming more is refused, never allocated."""
+
+VIDEO_RULES = "av:rgb24,decode-order,resize-then-crop;v1"
+"""Names the decode rules of :func:`load_clip` inside every clip's latent key (see ``PIXEL_RULES``)."""
+
+OPEN_FORMATS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm"})
+"""FFmpeg demuxer names a video may open with (MP4/MOV and Matroska/WebM)."""
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def clip_folder_of(relpath: str) -> str | None:
+    """The relative path of the ``.frames`` folder holding file ``relpath``, or ``None`` when it is not a frame."""
+    parent = relpath.rpartition("/")[0]
+    name = parent.rpartition("/")[2]
+    return parent if name.lower().endswith(FRAMES_SUFFIX) and len(name) > len(FRAMES_SUFFIX) else None
+
+
+def frame_order(name: str) -> tuple[Any, ...]:
+    """Sort key of a frame's file name: digit runs compare as numbers (``2.png`` before ``10.png``), ties by
+    name, so the order never depends on zero padding or on the directory listing."""
+    parts = _DIGITS.split(name.lower())
+    return (tuple((0, int(p), p) if i % 2 else (1, 0, p) for i, p in enumerate(parts)), name)
+
+
+@dataclass(frozen=True)
+class FrameSettings:
+    """Which frames a clip gives. Every field reaches the latent key of each clip.
+
+    Attributes:
+        frames: frames per clip (at most; a shorter clip gives fewer, see the module docstring).
+        sampling: ``first``, ``uniform`` or ``every_k`` (see :data:`SAMPLING_MODES`).
+        every: k of ``every_k`` (ignored by the other modes).
+        fps: resample a video to this many frames a second before sampling; ``0`` keeps its own rate. Frame
+            folders have no rate: they are taken as they are.
+        stride: the VAE's temporal compression (WAN: 4): frame counts are rounded down to ``1 + stride * m``.
+            ``1`` takes any count; ``0`` means the VAE encodes still images only, so clips are refused; ``None``
+            means not known yet (the VAE was not loaded): clip keys are then marked unresolved, so the VAE is
+            asked for, and such a plan cannot be encoded.
+    """
+
+    frames: int = 17
+    sampling: str = "first"
+    every: int = 1
+    fps: float = 0.0
+    stride: int | None = 1
+
+    def __post_init__(self) -> None:
+        if type(self.frames) is not int or not 1 <= self.frames <= MAX_CLIP_FRAMES:
+            raise ValueError(f"frame count must be an int from 1 to {MAX_CLIP_FRAMES}, got {self.frames!r}")
+        if self.sampling not in SAMPLING_MODES:
+            raise ValueError(f"frame sampling must be one of {SAMPLING_MODES}, got {self.sampling!r}")
+        if type(self.every) is not int or not 1 <= self.every <= MAX_CLIP_FRAMES:
+            raise ValueError(f"frame step (k of every_k) must be an int from 1 to {MAX_CLIP_FRAMES}, "
+                             f"got {self.every!r}")
+        if isinstance(self.fps, bool) or not isinstance(self.fps, (int, float)) or not (
+                math.isfinite(self.fps) and 0 <= self.fps <= 1000):
+            raise ValueError(f"fps must be a number from 0 (the video's own rate) to 1000, got {self.fps!r}")
+        if self.stride is not None and (type(self.stride) is not int or not 0 <= self.stride <= 64):
+            raise ValueError(f"frame stride (the VAE's temporal compression) must be None or an int from 0 to 64, "
+                             f"got {self.stride!r}")
+
+    def fit(self, count: int) -> int:
+        """Round a frame count down to ``1 + stride * m`` (unchanged for stride 0, 1 or unknown)."""
+        step = self.stride or 1
+        return 1 + (count - 1) // step * step
+
+    @property
+    def effective_frames(self) -> int:
+        """``frames`` rounded to what the VAE takes (see :meth:`fit`)."""
+        return self.fit(self.frames)
+
+    def indices(self, total: int, rate: Fraction | None = None) -> tuple[int, ...]:
+        """Return the source frame indices (in decode order) a clip of ``total`` frames gives.
+
+        Args:
+            total: the clip's frame count (>= 1).
+            rate: the video's frame rate; with :attr:`fps` set the clip is first resampled to it (frame ``j`` of
+                the resampled clip is source frame ``floor(j * rate / fps)``).
+        """
+        if type(total) is not int or total < 1:
+            raise ValueError(f"a clip needs at least one frame, got {total!r}")
+        step = Fraction(1)
+        length = total
+        if self.fps and rate is not None and rate > 0:
+            step = Fraction(rate) / Fraction(self.fps).limit_denominator(1_000_000)
+            length = max(1, math.ceil(total / step))
+        if self.sampling == "every_k":
+            n = min(self.frames, 1 + (length - 1) // self.every)
+        else:
+            n = min(self.frames, length)
+        n = self.fit(n)
+        if self.sampling == "first":
+            virtual = range(n)
+        elif self.sampling == "every_k":
+            virtual = range(0, n * self.every, self.every)
+        elif n == 1:
+            virtual = range(length // 2, length // 2 + 1)
+        else:  # evenly spread, exact integer rounding of i * (length - 1) / (n - 1)
+            virtual = [(2 * i * (length - 1) + (n - 1)) // (2 * (n - 1)) for i in range(n)]
+        return tuple(min(total - 1, math.floor(j * step)) for j in virtual)
+
+    def key_fields(self) -> dict[str, Any]:
+        """The settings as key fields (the stride too: it decides the counts)."""
+        return {"frames": self.frames, "sampling": self.sampling, "every": self.every, "fps": float(self.fps),
+                "stride": self.stride, "rules": VIDEO_RULES}
+
+    def describe(self) -> dict[str, Any]:
+        """The user's settings as plain JSON (a dataset's info); the stride comes from the VAE, not the user."""
+        return {"frames": self.frames, "sampling": self.sampling, "every": self.every, "fps": float(self.fps)}
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What a video's header says: size of its frames, their count and rate (``None`` when it has none)."""
+
+    width: int
+    height: int
+    frames: int
+    rate: Fraction | None
+
+
+def _av(path: str) -> Any:
+    try:
+        import av  # noqa: PLC0415 - optional: only videos need it, and ComfyUI installs it
+    except ImportError as exc:
+        raise SourceError(path, "reading a video needs PyAV (the `av` package, which ComfyUI installs with its "
+                                "requirements); install it in this Python (`pip install av`), or give the clip as "
+                                "a folder of frames (<name>.frames/)") from exc
+    return av
+
+
+def _open(path: str | os.PathLike[str] | Any, name: str) -> Any:
+    av = _av(name)
+    try:
+        container = av.open(path, mode="r", metadata_errors="ignore")
+    except Exception as exc:  # PyAV raises many types for hostile input; all mean "not a usable video"
+        raise SourceError(name, f"not a readable video ({type(exc).__name__}: {exc})") from exc
+    try:
+        if container.format.name not in OPEN_FORMATS:
+            raise SourceError(name, f"is a {container.format.name!r} file, not an MP4/MOV/WebM/MKV video; "
+                                    "convert it (e.g. ffmpeg -i in -c:v libx264 out.mp4)")
+        if not container.streams.video:
+            raise SourceError(name, "holds no video stream (is it an audio file, or truncated?)")
+    except BaseException:
+        container.close()
+        raise
+    return container
+
+
+_probes: dict[tuple[str, int, int], VideoInfo] = {}
+_probes_lock = threading.Lock()
+_PROBES_KEPT = 4096
+
+
+def probe_video(path: str) -> VideoInfo:
+    """Return a video's frame size, frame count and rate from its header (packets are counted, not decoded,
+    when the header gives no count).
+
+    Results are remembered in this process by path, size and mtime, so the two or three plans of one ComfyUI run
+    open an unchanged video once.
+
+    Raises:
+        SourceError: PyAV is missing, or the file is not a readable MP4/MOV/WebM/MKV video, claims an empty or
+            oversized frame, or holds no frame.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise SourceError(path, f"cannot stat video: {exc.strerror or exc}") from exc
+    memo = (path, st.st_size, st.st_mtime_ns)
+    with _probes_lock:
+        hit = _probes.get(memo)
+    if hit is not None:
+        return hit
+    with _open(path, path) as container:
+        stream = container.streams.video[0]
+        width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
+        if width <= 0 or height <= 0:
+            raise SourceError(path, f"video header claims an empty frame size {width}x{height}")
+        if width * height > MAX_VIDEO_PIXELS:
+            raise SourceError(path, f"video frames are {width}x{height}, above the limit of {MAX_VIDEO_PIXELS} "
+                                    "pixels; scale the video down first")
+        count = int(stream.frames or 0)
+        if count <= 0:
+            try:
+                count = sum(1 for packet in container.demux(stream) if packet.size)
+            except Exception as exc:  # a truncated or corrupt stream
+                raise SourceError(path, f"video stream is corrupt or truncated ({type(exc).__name__}: {exc})"
+                                  ) from exc
+        rate = stream.average_rate or stream.guessed_rate
+        rate = Fraction(rate) if rate else None
+    if count <= 0:
+        raise SourceError(path, "video holds no frame")
+    info = VideoInfo(width, height, count, rate)
+    with _probes_lock:
+        if len(_probes) >= _PROBES_KEPT:
+            _probes.clear()
+        _probes[memo] = info
+    return info
+
+
+def _put(out: torch.Tensor, rows: Sequence[int], img: Any, plan: CropPlan, name: str) -> None:
+    from .imaging import apply_plan  # noqa: PLC0415 - imaging imports Pillow; keep this module light
+
+    arr = np.asarray(apply_plan(img, plan, path=name), dtype=np.uint8)
+    pixels = torch.from_numpy(arr.copy()).to(torch.float32).div_(255.0)
+    for row in rows:
+        out[row].copy_(pixels)
+
+
+def load_clip(source: str | os.PathLike[str] | Any, indices: Sequence[int], plan: CropPlan, out: torch.Tensor, *,
+              name: str, frames: Sequence[str] | None = None, frame_hashes: Sequence[str] | None = None) -> None:
+    """Decode the frames ``indices`` of one clip into ``out`` (``[len(indices), H, W, 3]`` float32, 0..1).
+
+    Args:
+        source: the video (a path or a file object); ignored for a frame folder.
+        indices: source frame indices, non-decreasing (a resampled clip may repeat one).
+        plan: the spatial crop plan, made for the clip's frame size.
+        out: where the frames go, row by row.
+        name: the clip's path, named in errors.
+        frames: for a frame folder, the frame files in order (``indices`` index them).
+        frame_hashes: the content hash each frame's key was planned from; a frame edited since is refused.
+
+    Raises:
+        SourceError: the clip is unreadable, corrupt, truncated (fewer frames than it claimed), or changed.
+    """
+    wanted: dict[int, list[int]] = {}
+    for row, index in enumerate(indices):
+        wanted.setdefault(index, []).append(row)
+    if frames is not None:
+        _load_frames(frames, wanted, plan, out, frame_hashes)
+        return
+    last = max(wanted)
+    found = 0
+    with _open(source, name) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        try:
+            for index, frame in enumerate(container.decode(stream)):
+                rows = wanted.get(index)
+                if rows is not None:  # only sampled frames are converted: the rest are dropped as decoded
+                    _put(out, rows, frame.to_image(), plan, name)
+                    found += 1
+                if index >= last:
+                    break
+        except SourceError:
+            raise
+        except Exception as exc:
+            raise SourceError(name, f"video stream is corrupt or truncated ({type(exc).__name__}: {exc})") from exc
+    if found < len(wanted):
+        raise SourceError(name, f"video ends before frame {last + 1} (it decodes to fewer frames than its header "
+                                "claims: truncated?); re-encode or re-download it")
+
+
+def _load_frames(frames: Sequence[str], wanted: Mapping[int, list[int]], plan: CropPlan, out: torch.Tensor,
+                 frame_hashes: Sequence[str] | None) -> None:
+    import io  # noqa: PLC0415
+
+    from .imaging import decode_image  # noqa: PLC0415
+    from .keys import hash_bytes  # noqa: PLC0415
+
+    for index, rows in sorted(wanted.items()):
+        path = frames[index]
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise SourceError(path, f"cannot read frame: {exc.strerror or exc}") from exc
+        if frame_hashes is not None and hash_bytes(data) != frame_hashes[index]:
+            raise SourceError(path, "the frame changed after the folder was scanned; run the encode again")
+        try:
+            img = decode_image(io.BytesIO(data))  # type: ignore[arg-type]
+        except SourceError as exc:
+            raise SourceError(path, exc.reason) from exc
+        _put(out, rows, img, plan, path)
+
+
+@functools.lru_cache(maxsize=1)
+def has_av() -> bool:
+    """Whether PyAV can be imported (for tests and reports)."""
+    try:
+        import av  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
