@@ -10,8 +10,8 @@ is its own, ``--runs`` (>= 5) times:
 
 Reports median (min–max) seconds and peak RSS growth. Needs PyAV (ComfyUI's python has it).
 
-    /opt/comfyui-dev/venv/bin/python bench/bench_clips.py
-    /opt/comfyui-dev/venv/bin/python bench/bench_clips.py --frames 600 --size 1280x720 --take 33
+    /opt/comfyui-dev/venv/bin/python -m bench.bench_clips          # from the pack root
+    /opt/comfyui-dev/venv/bin/python -m bench.bench_clips --frames 600 --size 1280x720 --take 33
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def write_video(path: Path, frames: int, width: int, height: int) -> None:
@@ -100,8 +99,8 @@ def main() -> int:
         results: dict[str, list[dict[str, float]]] = {"sampled": [], "whole": []}
         for _ in range(args.runs):
             for mode in results:  # interleaved: both see the same machine load
-                out = subprocess.run([sys.executable, __file__, "--child", mode, str(path), str(args.take)],
-                                     capture_output=True, text=True, check=True, env={**os.environ})
+                out = subprocess.run([sys.executable, "-m", "bench.bench_clips", "--child", mode, str(path),
+                                      str(args.take)], capture_output=True, text=True, check=True, cwd=ROOT)
                 results[mode].append(json.loads(out.stdout))
         print(f"clip: {args.frames} frames {width}x{height} ({path.stat().st_size / 1e6:.1f} MB), {args.take} "
               f"frames taken uniformly at a 256-side bucket; load {os.getloadavg()[0]:.2f}")
