@@ -473,18 +473,14 @@ class EncodeDataset(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, folder: str | None = None, cache: str | None = None,
-                        dataset_name: str | None = None) -> bool | str:
-        # resolution / bucket_step are checked when the plan is made (_settings): an input named here loses
-        # ComfyUI's own min/max check. ComfyUI shows a message returned here on each input named in this
-        # signature, so every message starts with the input it is about.
+    def validate_inputs(cls, cache: str | None = None) -> bool | str:
+        # Only `cache`: ComfyUI shows a message returned here on every input this signature names, so a folder
+        # problem would also be marked on the cache. `folder` gets ComfyUI's own list check (a dropdown) and, with
+        # dataset_name, is checked when the node starts (check_lazy_status, before any model loads);
+        # resolution / bucket_step are checked there too (named here, they would lose ComfyUI's min/max check).
         try:
-            if folder is not None:
-                _check_folder(folder)
             if cache is not None:
                 resolve_cache_to_write(cache)
-            if dataset_name is not None:
-                _check_dataset_name(dataset_name)
         except ValueError as exc:
             return str(exc)
         return True

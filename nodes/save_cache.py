@@ -196,14 +196,13 @@ class SaveCache(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, cache: Any = None, dataset_name: Any = None) -> bool | str:
-        # ComfyUI shows a message returned here on both inputs: each message starts with the one it is about
+    def validate_inputs(cls, cache: Any = None) -> bool | str:
+        # only `cache`: ComfyUI shows a message returned here on every input this signature names;
+        # dataset_name is checked when the node runs, before anything is written
         try:
-            cache, dataset_name = _one(cache, "cache"), _one(dataset_name, "dataset_name")
+            cache = _one(cache, "cache")
             if cache is not None:
                 resolve_cache_to_write(cache)
-            if dataset_name is not None:
-                _check_dataset_name(dataset_name)
         except ValueError as exc:
             return str(exc)
         return True

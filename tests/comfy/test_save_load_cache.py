@@ -174,10 +174,10 @@ def test_save_bad_inputs(save_mod: ModuleType, made: tuple) -> None:
     with pytest.raises(ValueError, match="no StreamCache cache"):
         _save(save_mod, cache="bad", dataset_name="d", dataset=StreamDatasetHandle("/nowhere", "default"))
     node = save_mod.SaveCache
-    assert "must not contain '..'" in node.validate_inputs(cache=["../escape"], dataset_name=["d"])
-    assert "dataset_name is empty" in node.validate_inputs(cache=["ok"], dataset_name=[" "])
-    assert node.validate_inputs(cache=["ok"], dataset_name=["d"]) is True
-    assert node.validate_inputs(cache=[None], dataset_name=[None]) is True
+    assert "must not contain '..'" in node.validate_inputs(cache=["../escape"])
+    assert node.validate_inputs(cache=["ok"]) is True and node.validate_inputs(cache=[None]) is True
+    with pytest.raises(ValueError, match="dataset_name is empty"):
+        _save(save_mod, cache="ok", dataset_name=" ", latents=latents, conditioning=conditioning)
 
 
 # ------------------------------------------------------------------------------------------------ LoadLazyCache

@@ -91,7 +91,8 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
                                                            "type": "stable_diffusion", "device": "default"}},
         str(VAE): {"class_type": "VAELoader", "inputs": {"vae_name": tiny_models.name("vae")}},
         str(ENCODE): {"class_type": "StreamCache_EncodeDataset", "inputs": {
-            "folder": folder, "cache": cache, "dataset": "default", "vae": [str(VAE), 0], "clip": [str(CLIP), 0],
+            "folder": folder, "cache": cache, "dataset_name": "default", "vae": [str(VAE), 0],
+            "clip": [str(CLIP), 0],
             "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
             "batch_size": 2, "on_failure": "skip", "upscale": False}},
         str(TRAIN): {"class_type": "StreamCache_TrainLoRA", "inputs": {
@@ -99,7 +100,8 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "steps": STEPS, "learning_rate": 0.0005, "rank": 4, "optimizer": "AdamW", "loss_function": "MSE",
             "seed": 0, "training_dtype": "fp32", "lora_dtype": "fp32", "algorithm": "LoRA",
             "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-            "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0}},
+            "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
+            "bypass_mode": False}},
         str(SAVE): {"class_type": "SaveLoRA", "inputs": {"lora": [str(TRAIN), 0], "prefix": "loras/streamcache_fe",
                                                          "steps": [str(TRAIN), 2]}},
         str(INFO): {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": damaged}},
