@@ -10,6 +10,7 @@ from .encode_dataset import EncodeDataset
 from .load_cache import LoadLazyCache
 from .save_cache import SaveCache
 from .train_lora import TrainLoRA
+from .inputs import register_prompt_upgrade
 from .paths import register_cache_folder
 
 __all__ = ["NODES", "StreamCacheExtension"]
@@ -19,10 +20,12 @@ NODES: tuple[type[io.ComfyNode], ...] = (EncodeDataset, SaveCache, LoadLazyCache
 
 
 class StreamCacheExtension(ComfyExtension):
-    """Registers the ``streamcache`` model folder on load and lists :data:`NODES`."""
+    """Registers the ``streamcache`` model folder and the renaming of old input names in API prompts on load, and
+    lists :data:`NODES`."""
 
     async def on_load(self) -> None:
         register_cache_folder()
+        register_prompt_upgrade()
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return list(NODES)

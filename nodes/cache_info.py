@@ -10,6 +10,7 @@ from comfy_api.latest import io
 
 from ..dataset_cache.errors import CacheNotFoundError
 from ..dataset_cache.units import format_bytes
+from .inputs import NO_CACHE_YET, cache_choices, no_cache_yet_message
 from .paths import resolve_cache
 from .ui_output import TextWithData
 
@@ -93,17 +94,20 @@ class CacheInfo(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
+        choices = cache_choices()
         return io.Schema(
             node_id="StreamCache_CacheInfo",
             display_name="Cache Info",
             category="StreamCache",
             description="Shows what a StreamCache cache holds: format version, entries, shards, bytes and datasets.",
             inputs=[
-                io.String.Input(
+                io.Combo.Input(
                     "cache",
-                    default="my_dataset",
-                    tooltip="Cache name: a folder inside models/streamcache (or another folder registered as "
-                    "`streamcache` in extra_model_paths.yaml), or an absolute path inside one of them.",
+                    options=choices,
+                    default=choices[0],
+                    tooltip="The cache to describe: the caches in models/streamcache (and in other folders "
+                    "registered as `streamcache` in extra_model_paths.yaml). Press R to refresh the list. An API "
+                    "prompt may also give an absolute path inside one of those folders.",
                 ),
             ],
             outputs=[io.String.Output(display_name="report", tooltip="The same report as shown on the node.")],
@@ -112,8 +116,12 @@ class CacheInfo(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, cache: str | None) -> bool | str:
+        # naming `cache` here also lets a name the list does not hold yet through (the report then says
+        # "no cache at ..."), as a saved workflow or an API prompt may name a cache made after the list was built
         if cache is None:  # linked input: the value is only known at run time
             return True
+        if cache == NO_CACHE_YET:
+            return no_cache_yet_message("cache")
         try:
             resolve_cache(cache)
         except ValueError as exc:

@@ -7,16 +7,29 @@ saying why) while an encode or a training run uses the cache.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from comfy_api.latest import io, ui
 
 from ..dataset_cache.clean import clean
 from ..dataset_cache.format.manifest import MANIFEST
+from .inputs import NO_CACHE_YET, cache_choices, no_cache_yet_message
 from .load_cache import list_caches
 from .paths import resolve_cache
 
 __all__ = ["CleanCache"]
+
+
+def _existing_cache(cache: str) -> Path:
+    """The folder of an existing cache, or a ValueError naming the input, the value and the caches there are."""
+    if cache == NO_CACHE_YET:
+        raise ValueError(no_cache_yet_message("cache"))
+    root = resolve_cache(cache)
+    if not (root / MANIFEST).is_file():
+        raise ValueError(f"cache {cache!r}: unknown cache (no cache at {root}); available: "
+                         f"{', '.join(list_caches()) or 'none'}. Pick one of those (press R to refresh the list)")
+    return root
 
 
 class CleanCache(io.ComfyNode):
@@ -24,7 +37,7 @@ class CleanCache(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
-        choices = list_caches()
+        choices = cache_choices()
         return io.Schema(
             node_id="StreamCache_CleanCache",
             display_name="Clean Cache",
@@ -32,8 +45,9 @@ class CleanCache(io.ComfyNode):
             description="Shows how much of a cache no dataset uses (old encodes, removed images, replaced "
                         "captions) and, with dry_run off, removes it and compacts the shards.",
             inputs=[
-                io.Combo.Input("name", options=choices or [""], default=choices[0] if choices else "",
-                               tooltip="The cache to clean (a folder in models/streamcache)."),
+                io.Combo.Input("cache", options=choices, default=choices[0],
+                               tooltip="The cache to clean (a folder in models/streamcache). Press R to refresh "
+                               "the list."),
                 io.Boolean.Input("dry_run", default=True,
                                  tooltip="On: only report what would be removed. Off: remove it (refused while "
                                  "an encode or a training run uses the cache)."),
@@ -50,15 +64,13 @@ class CleanCache(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, name: str | None = None) -> bool | str:
-        if name is None:
+    def validate_inputs(cls, cache: str | None = None) -> bool | str:
+        if cache is None:
             return True
         try:
-            root = resolve_cache(name)
+            _existing_cache(cache)
         except ValueError as exc:
             return str(exc)
-        if not (root / MANIFEST).is_file():
-            return f"unknown cache {name!r} (no cache at {root}); available: {', '.join(list_caches()) or 'none'}"
         return True
 
     @classmethod
@@ -66,11 +78,8 @@ class CleanCache(io.ComfyNode):
         return float("nan")  # the cache changes under the same name, and a clean must act every time it is asked
 
     @classmethod
-    def execute(cls, name: str, dry_run: bool, repair: bool = False) -> io.NodeOutput:
-        root = resolve_cache(name)
-        if not (root / MANIFEST).is_file():
-            raise ValueError(f"unknown cache {name!r} (no cache at {root}); available: "
-                             f"{', '.join(list_caches()) or 'none'}")
+    def execute(cls, cache: str, dry_run: bool, repair: bool = False) -> io.NodeOutput:
+        root = _existing_cache(cache)
         report = clean(root, dry_run=dry_run, repair=repair)
         text = report.summary()
         if report.compaction is not None:

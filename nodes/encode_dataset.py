@@ -72,6 +72,7 @@ from .fingerprints import (
 )
 from .handles import StreamDatasetHandle
 from ..dataset_cache.format.manifest import check_dataset_name
+from .inputs import NO_FOLDER_YET, existing_caches_hint, input_folders
 from .paths import explain_disk_full, resolve_cache, resolve_cache_to_write
 from .ui_output import EventSender, TextWithData
 
@@ -121,16 +122,16 @@ def resolve_folder(folder: str) -> Path:
     how = (f"Give a folder inside ComfyUI's input directory ({base}), e.g. `my_dataset` or `people/alice`; "
            f"absolute folders elsewhere need {ALLOW_ABSOLUTE_ENV}=1 in ComfyUI's environment.")
     if not folder:
-        raise ValueError(f"dataset folder is empty. {how}")
+        raise ValueError(f"folder is empty. {how}")
     if "\x00" in folder:
-        raise ValueError(f"dataset folder {folder!r} contains a NUL character. {how}")
+        raise ValueError(f"folder {folder!r} contains a NUL character. {how}")
     if ".." in re.split(r"[\\/]+", folder):
-        raise ValueError(f"dataset folder {folder!r} must not contain '..'. {how}")
+        raise ValueError(f"folder {folder!r} must not contain '..'. {how}")
     if os.path.isabs(folder):
         path = os.path.normpath(folder)
         inside = os.path.commonpath([path, base]) == base
         if not inside and not _flag(ALLOW_ABSOLUTE_ENV, False):
-            raise ValueError(f"dataset folder {folder!r} is outside ComfyUI's input directory. {how}")
+            raise ValueError(f"folder {folder!r} is outside ComfyUI's input directory. {how}")
         return Path(path)
     return Path(os.path.normpath(os.path.join(base, folder)))
 
@@ -415,6 +416,42 @@ def _key(root: Path, dataset: str) -> tuple[str, str]:
     return str(root), dataset
 
 
+
+def _check_folder(folder: str) -> None:
+    """Refuse the folder dropdown's "nothing yet" entry and what :func:`resolve_folder` refuses."""
+    if folder == NO_FOLDER_YET:
+        raise ValueError(f"folder: ComfyUI's input directory ({folder_paths.get_input_directory()}) has no folder "
+                         "yet. Put your images (and .txt captions) into a folder there, then press R to refresh "
+                         "the list and pick it")
+    resolve_folder(folder)
+
+
+def _check_dataset_name(dataset_name: str) -> None:
+    """The dataset name's problem, naming the input (the library's message names only the value)."""
+    if not str(dataset_name).strip():
+        raise ValueError("dataset_name is empty; give the dataset a name, e.g. `default`")
+    try:
+        check_dataset_name(dataset_name)
+    except ValueError as exc:
+        raise ValueError(f"dataset_name: {exc}") from exc
+
+
+def _folder_input() -> io.Input:
+    """``folder``: a dropdown of the input directory's folders, like ComfyUI's own "Load Image (from Folder)"; a
+    text field while absolute folders are allowed (:data:`ALLOW_ABSOLUTE_ENV`), since those are typed."""
+    about = ("The image folder (kohya `<repeats>_<name>` subfolders allowed; captions in same-name .txt files, "
+             "one variant per line).")
+    if _flag(ALLOW_ABSOLUTE_ENV, False):
+        return io.String.Input("folder", default="my_dataset",
+                               tooltip=f"{about} A folder inside ComfyUI's input directory, or an absolute path "
+                               f"({ALLOW_ABSOLUTE_ENV} is set).")
+    folders = input_folders() or [NO_FOLDER_YET]
+    return io.Combo.Input("folder", options=folders, default=folders[0],
+                          tooltip=f"{about} The folders of ComfyUI's input directory (press R after adding one); "
+                          "a folder kept elsewhere can be offered by a symbolic link in input/, or typed as an "
+                          f"absolute path once ComfyUI runs with {ALLOW_ABSOLUTE_ENV}=1.")
+
+
 # ------------------------------------------------------------------------------------------------ the node
 
 
@@ -432,14 +469,14 @@ class EncodeDataset(io.ComfyNode):
                         "Only new or changed files are encoded; when nothing changed, the VAE and CLIP loaders "
                         "do not even run.",
             inputs=[
-                io.String.Input("folder", default="my_dataset",
-                                tooltip="The image folder, relative to ComfyUI's input directory (kohya "
-                                "`<repeats>_<name>` subfolders allowed; captions in same-name .txt files, one "
-                                f"variant per line). Absolute paths elsewhere need {ALLOW_ABSOLUTE_ENV}=1."),
+                _folder_input(),
                 io.String.Input("cache", default="my_dataset",
-                                tooltip="Cache name: a folder inside models/streamcache (created if missing)."),
-                io.String.Input("dataset", default="default",
-                                tooltip="Name of the dataset inside the cache (a cache can hold several)."),
+                                tooltip="The cache to encode into: a folder name inside models/streamcache, "
+                                "created if missing; an existing cache only gets what it lacks. "
+                                + existing_caches_hint()),
+                io.String.Input("dataset_name", default="default",
+                                tooltip="Name of the dataset inside the cache (a cache can hold several; "
+                                "encoding again under the same name updates it)."),
                 io.Vae.Input("vae", lazy=True, tooltip="VAE for the latents; only loaded when a latent is missing."),
                 io.Clip.Input("clip", lazy=True,
                               tooltip="Text encoder for the captions; only loaded when a caption is missing."),
@@ -487,42 +524,41 @@ class EncodeDataset(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, folder: str | None = None, cache: str | None = None,
-                        dataset: str | None = None) -> bool | str:
-        # resolution / bucket_step are checked when the plan is made (_settings): an input named here loses
-        # ComfyUI's own min/max check
+    def validate_inputs(cls, cache: str | None = None) -> bool | str:
+        # Only `cache`: ComfyUI shows a message returned here on every input this signature names, so a folder
+        # problem would also be marked on the cache. `folder` gets ComfyUI's own list check (a dropdown) and, with
+        # dataset_name, is checked when the node starts (check_lazy_status, before any model loads);
+        # resolution / bucket_step are checked there too (named here, they would lose ComfyUI's min/max check).
         try:
-            if folder is not None:
-                resolve_folder(folder)
             if cache is not None:
                 resolve_cache_to_write(cache)
-            if dataset is not None:
-                if not dataset.strip():
-                    return "dataset name is empty; use e.g. `default`"
-                check_dataset_name(dataset)
         except ValueError as exc:
             return str(exc)
         return True
 
     @classmethod
-    def fingerprint_inputs(cls, folder: str, cache: str, dataset: str, **_: Any) -> str:
+    def fingerprint_inputs(cls, folder: str, cache: str, dataset_name: str, **_: Any) -> str:
         root, src = resolve_cache(cache), resolve_folder(folder)
-        return _OWN_WRITES.fingerprint(_key(root, dataset), _source_state(src), cache_identity(root, dataset))
+        return _OWN_WRITES.fingerprint(_key(root, dataset_name), _source_state(src),
+                                       cache_identity(root, dataset_name))
 
     @classmethod
-    def _plan(cls, folder: str, cache: str, dataset: str, vae: Any, clip: Any,
+    def _plan(cls, folder: str, cache: str, dataset_name: str, vae: Any, clip: Any,
               options: dict[str, Any]) -> tuple[EncodePlan, _Encoders, Path]:
+        _check_folder(folder)
+        _check_dataset_name(dataset_name)
         root, src = resolve_cache_to_write(cache), resolve_folder(folder)
-        enc = _encoders(cls, root, dataset, vae, clip)
-        plan = plan_encode(src, root, dataset=dataset, settings=_settings(**options, frame_stride=enc.frame_stride),
+        enc = _encoders(cls, root, dataset_name, vae, clip)
+        plan = plan_encode(src, root, dataset=dataset_name,
+                           settings=_settings(**options, frame_stride=enc.frame_stride),
                            vae_fingerprint=enc.vae_fp, text_fingerprint=enc.text_fp)
         return plan, enc, root
 
     @classmethod
-    def check_lazy_status(cls, folder: str, cache: str, dataset: str, vae: Any = None, clip: Any = None,
+    def check_lazy_status(cls, folder: str, cache: str, dataset_name: str, vae: Any = None, clip: Any = None,
                           **options: Any) -> list[str]:
-        plan, _, root = cls._plan(folder, cache, dataset, vae, clip, options)
-        _PENDING_CHANGES.setdefault(_key(root, dataset), Counter()).update(
+        plan, _, root = cls._plan(folder, cache, dataset_name, vae, clip, options)
+        _PENDING_CHANGES.setdefault(_key(root, dataset_name), Counter()).update(
             {f: getattr(plan, f) for f in _CHANGE_FIELDS})
         if plan.failures and plan.settings.failure_policy == "stop":
             return []  # execute raises the failure; no model needs loading for that
@@ -534,9 +570,10 @@ class EncodeDataset(io.ComfyNode):
         return needed
 
     @classmethod
-    def execute(cls, folder: str, cache: str, dataset: str, vae: Any = None, clip: Any = None,
+    def execute(cls, folder: str, cache: str, dataset_name: str, vae: Any = None, clip: Any = None,
                 **options: Any) -> io.NodeOutput:
-        plan, enc, root = cls._plan(folder, cache, dataset, vae, clip, options)
+        plan, enc, root = cls._plan(folder, cache, dataset_name, vae, clip, options)
+        dataset = dataset_name
         earlier = _PENDING_CHANGES.pop(_key(root, dataset), Counter())
         if plan.failures and plan.settings.failure_policy == "stop":
             raise plan.failures[0].error()

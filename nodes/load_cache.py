@@ -1,6 +1,6 @@
 """Node "Load Lazy Cache": a cache's dataset as a ``STREAM_DATASET`` handle, reading no tensor bytes.
 
-The ``name`` list offers every cache under the StreamCache folders and every dataset folder that ComfyUI's
+The ``cache`` list offers every cache under the StreamCache folders and every dataset folder that ComfyUI's
 built-in ``SaveTrainingDataset`` wrote into the output directory (``comfy:<folder>``). Picking a ComfyUI
 folder converts it, once, into a cache under ``<first StreamCache folder>/from_comfyui/<folder>``
 (:func:`dataset_cache.interop.convert_comfy_dataset`, which never unpickles code); it is converted again only
@@ -22,12 +22,13 @@ import folder_paths
 import xxhash
 from comfy_api.latest import io
 
-from ..dataset_cache.errors import CacheNotFoundError
+from ..dataset_cache.errors import CacheError, CacheNotFoundError
 from ..dataset_cache.format.manifest import MANIFEST, read_state
 from ..dataset_cache.format.reader import CacheReader
 from ..dataset_cache.interop import convert_comfy_dataset, detect_comfy_dataset, inspect_comfy_dataset
 from .fingerprints import cache_identity
 from .handles import StreamDatasetHandle
+from .inputs import NO_CACHE_YET, cache_choices, no_cache_yet_message
 from .paths import cache_roots, resolve_cache
 from .ui_output import TextWithData
 
@@ -37,7 +38,7 @@ __all__ = ["COMFY_PREFIX", "CONVERTED_FOLDER", "LoadLazyCache", "list_caches", "
 log = logging.getLogger("streamcache.load_cache")
 
 COMFY_PREFIX = "comfy:"
-"""Marks a ``name`` choice that is a ComfyUI ``SaveTrainingDataset`` folder of the output directory."""
+"""Marks a ``cache`` choice that is a ComfyUI ``SaveTrainingDataset`` folder of the output directory."""
 CONVERTED_FOLDER = "from_comfyui"
 """Folder (inside the first StreamCache folder) that receives converted ComfyUI datasets."""
 _COMFY_SUBFOLDERS = ("datasets", "training_datasets")
@@ -86,30 +87,33 @@ def _comfy_folder(name: str) -> str:
     """The folder (relative to the output directory) named by a ``comfy:`` choice, checked not to escape it."""
     rel = name[len(COMFY_PREFIX):].strip().replace("\\", "/").strip("/")
     if not rel or ".." in rel.split("/") or os.path.isabs(rel) or "\x00" in rel:
-        raise ValueError(f"{name!r}: give a folder of ComfyUI's output directory after `{COMFY_PREFIX}`, "
+        raise ValueError(f"cache {name!r}: give a folder of ComfyUI's output directory after `{COMFY_PREFIX}`, "
                          "without '..' or an absolute path")
     return rel
 
 
 def resolve_source(name: str) -> tuple[Path, Path | None]:
-    """Return ``(cache root, ComfyUI source folder or None)`` of a ``name`` choice.
+    """Return ``(cache root, ComfyUI source folder or None)`` of a ``cache`` choice.
 
     Raises:
         ValueError: the name escapes its folder, or names no cache and no ComfyUI dataset (the message lists the
             available ones).
     """
+    if name == NO_CACHE_YET:
+        raise ValueError(no_cache_yet_message("cache"))
     if name.startswith(COMFY_PREFIX):
         rel = _comfy_folder(name)
         src = Path(folder_paths.get_output_directory()) / rel
         if not src.is_dir() or detect_comfy_dataset(src) is None:
-            raise ValueError(f"{name!r}: {src} is not a ComfyUI SaveTrainingDataset folder; available: "
+            raise ValueError(f"cache {name!r}: {src} is not a ComfyUI SaveTrainingDataset folder; available: "
                              f"{', '.join(list_comfy_datasets()) or 'none'}")
         return cache_roots()[0] / CONVERTED_FOLDER / rel, src
     root = resolve_cache(name)
     if not (root / MANIFEST).is_file():
-        raise ValueError(f"unknown cache {name!r} (no cache at {root}); available: "
-                         f"{', '.join(list_caches() + list_comfy_datasets()) or 'none'} — encode one with "
-                         "Encode Dataset or save one with Save Streamable Cache")
+        raise ValueError(f"cache {name!r}: unknown cache (no cache at {root}); available: "
+                         f"{', '.join(list_caches() + list_comfy_datasets()) or 'none'}. Pick one of those (press R "
+                         "to refresh the list), or encode one with Encode Dataset or save one with Save Streamable "
+                         "Cache")
     return root, None
 
 
@@ -191,7 +195,7 @@ class LoadLazyCache(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
-        choices = list_caches() + list_comfy_datasets()
+        choices = cache_choices(list_comfy_datasets())
         return io.Schema(
             node_id="StreamCache_LoadLazyCache",
             display_name="Load Lazy Cache",
@@ -199,11 +203,13 @@ class LoadLazyCache(io.ComfyNode):
             description="Opens a dataset of a StreamCache cache for training without reading any tensor "
                         "(training streams them). ComfyUI dataset folders (comfy:...) are converted once.",
             inputs=[
-                io.Combo.Input("name", options=choices or [""], default=choices[0] if choices else "",
-                               tooltip="A cache in models/streamcache, or comfy:<folder> for a folder written by "
-                               "ComfyUI's Save Training Dataset (converted into a cache on first use)."),
-                io.String.Input("dataset", default="default",
-                                tooltip="The dataset inside the cache (`default` unless you named it)."),
+                io.Combo.Input("cache", options=choices, default=choices[0],
+                               tooltip="The cache to read: one in models/streamcache, or comfy:<folder> for a "
+                               "folder written by ComfyUI's Save Training Dataset (converted into a cache on first "
+                               "use). Press R to refresh the list."),
+                io.String.Input("dataset_name", default="default",
+                                tooltip="The dataset inside the cache (`default` unless you named it; Cache Info "
+                                "lists a cache's datasets)."),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The dataset, for training nodes."),
@@ -213,19 +219,20 @@ class LoadLazyCache(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, name: str | None = None, dataset: str | None = None) -> bool | str:
+    def validate_inputs(cls, cache: str | None = None) -> bool | str:
+        # only `cache`: ComfyUI shows a message returned here on every input this signature names, and a cache
+        # problem is not the dataset name's; dataset_name is checked when the node runs
         try:
-            if name is not None:
-                resolve_source(name)
+            if cache is not None:
+                resolve_source(cache)
         except ValueError as exc:
             return str(exc)
-        if dataset is not None and not dataset.strip():
-            return "dataset name is empty; use e.g. `default`"
         return True
 
     @classmethod
-    def fingerprint_inputs(cls, name: str, dataset: str) -> str:
-        root, src = resolve_source(name)
+    def fingerprint_inputs(cls, cache: str, dataset_name: str) -> str:
+        root, src = resolve_source(cache)
+        dataset = dataset_name
         if src is None:
             state = cache_identity(root, dataset)
         else:  # the converted cache follows its source; our own conversion must not count as a change
@@ -233,11 +240,20 @@ class LoadLazyCache(io.ComfyNode):
         return xxhash.xxh3_128_hexdigest(f"{root}\0{dataset}\0{state}".encode())
 
     @classmethod
-    def execute(cls, name: str, dataset: str) -> io.NodeOutput:
-        root, src = resolve_source(name)
+    def execute(cls, cache: str, dataset_name: str) -> io.NodeOutput:
+        dataset = dataset_name
+        if not (dataset or "").strip():
+            raise ValueError("dataset_name is empty; give the dataset's name (`default` unless you named it; "
+                             "Cache Info lists a cache's datasets)")
+        root, src = resolve_source(cache)
         converted = src is not None and _ensure_converted(root, src, dataset)
         handle = StreamDatasetHandle(str(root), dataset)
-        reader, _samples = handle.open()  # headers + the sample list: checks the dataset exists
+        try:
+            reader, _samples = handle.open()  # headers + the sample list: checks the dataset exists
+        except CacheError:  # a damaged cache: its own message names the file and what to do
+            raise
+        except ValueError as exc:  # the dataset is not in the cache
+            raise ValueError(f"dataset_name: {exc}") from exc
         try:
             fields = dataset_fields(reader, dataset)
         finally:

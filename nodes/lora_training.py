@@ -106,6 +106,8 @@ class TrainSettings:
     existing_lora: str = "[None]"
     prefetch_batches: int = 2
     loader_threads: int = 0
+    quantized_backward: bool = False
+    bypass_mode: bool = False
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -383,10 +385,15 @@ def train_lora(
         device = mp.load_device
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device.type == "cuda" else []
+        bypass = None
         with torch.random.fork_rng(devices=rng_devices):  # seeded adapter init, the caller's RNG untouched
             torch.manual_seed(derive_seed(settings.seed, "adapters"))
-            lora_sd, adapters = train._setup_lora_adapters(
-                mp, existing, settings.algorithm, adapter_dtype, settings.rank)
+            if settings.bypass_mode:
+                lora_sd, adapters, bypass = _bypass_setup(train)(
+                    mp, existing, settings.algorithm, adapter_dtype, settings.rank)
+            else:
+                lora_sd, adapters = train._setup_lora_adapters(
+                    mp, existing, settings.algorithm, adapter_dtype, settings.rank)
         _resume_exactly(lora_sd, existing)
         optimizer = train._create_optimizer(settings.optimizer, lora_sd.values(), settings.learning_rate)
         loss_fn = train._create_loss_function(settings.loss_function)
@@ -403,7 +410,10 @@ def train_lora(
             threads=settings.loader_threads or None, device=loader_device, epochs=None,
             on_wait=comfy.model_management.throw_exception_if_processing_interrupted,
         )
+        injections: list[Any] = []
+        fp8_bwd = getattr(comfy.model_management, "training_fp8_bwd", False)
         try:
+            comfy.model_management.training_fp8_bwd = settings.quantized_backward  # as the built-in node
             if settings.gradient_checkpointing:
                 for m in train.find_modules_at_depth(mp.model.diffusion_model, depth=settings.checkpoint_depth):
                     train.patch(m, offloading=settings.offloading)
@@ -412,6 +422,10 @@ def train_lora(
             comfy.model_management.load_models_gpu([mp], memory_required=1e20,
                                                    force_full_load=not settings.offloading)
             comfy.samplers.cast_to_load_options(model_options, device=device, dtype=mp.model_dtype())
+            if bypass is not None:  # adapters as forward hooks: the (quantized) weights are never rewritten
+                for injection in bypass.create_injections(mp.model):
+                    injection.inject(mp)
+                    injections.append(injection)
             mp.pre_run()
             comfy.model_management.in_training = True
             loop = _Loop(mp, settings, dtype, loss_fn, optimizer, scaler, _Forward(mp, model_options),
@@ -419,7 +433,10 @@ def train_lora(
             losses, seconds, rows, waited = loop.run(iter(loader), on_step)
         finally:
             comfy.model_management.in_training = False
+            comfy.model_management.training_fp8_bwd = fp8_bwd
             loader.close()
+            for injection in reversed(injections):
+                injection.eject(mp)
             for m in mp.model.modules():
                 train.unpatch(m)
             mp.cleanup()
@@ -450,6 +467,17 @@ class NonFiniteLossError(ValueError):
                          f"{' ...' if len(plan.latent_keys) > 4 else ''}); {cause}. No LoRA was written")
         self.step = step
         self.entries = bad
+
+
+def _bypass_setup(train: ModuleType) -> Callable[..., tuple[dict[str, torch.Tensor], list[Any], Any]]:
+    """ComfyUI's bypass-mode adapter setup (adapters applied by forward hooks), or a ValueError naming the input
+    when this ComfyUI has none."""
+    setup = getattr(train, "_setup_lora_adapters_bypass", None)
+    if setup is None:
+        raise ValueError("bypass_mode is on, but this ComfyUI's training code has no bypass mode "
+                         "(comfy_extras/nodes_train.py _setup_lora_adapters_bypass): update ComfyUI or turn "
+                         "bypass_mode off")
+    return setup
 
 
 class _Loop:

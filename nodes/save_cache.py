@@ -32,6 +32,7 @@ from ..dataset_cache.lock import WRITE_LOCK, CacheLock
 from .fingerprints import OwnWrites, cache_identity
 from .handles import StreamDatasetHandle
 from ..dataset_cache.format.manifest import check_dataset_name
+from .inputs import existing_caches_hint
 from .paths import explain_disk_full, resolve_cache, resolve_cache_to_write
 
 __all__ = ["SaveCache", "save_dataset", "save_lists"]
@@ -145,6 +146,17 @@ def _one(value: Any, name: str) -> Any:
     return value
 
 
+def _check_dataset_name(value: Any) -> None:
+    """Refuse an empty or unstorable dataset name, naming the input."""
+    name = str(value).strip()
+    if not name:
+        raise ValueError("dataset_name is empty; give the dataset a name, e.g. `default`")
+    try:
+        check_dataset_name(name)
+    except ValueError as exc:
+        raise ValueError(f"dataset_name: {exc}") from exc
+
+
 def _connected(value: Any) -> list[Any]:
     """The items of an optional list input, or [] when it is not connected (``None`` / ``[None]``)."""
     if value is None:
@@ -173,8 +185,10 @@ class SaveCache(io.ComfyNode):
                                 tooltip="ComfyUI latents (list), e.g. from Make Training Dataset."),
                 io.Conditioning.Input("conditioning", optional=True,
                                       tooltip="ComfyUI conditionings (list), one per latent or one for all."),
-                io.String.Input("name", default="my_dataset",
-                                tooltip="Cache name: a folder inside models/streamcache (created if missing)."),
+                io.String.Input("cache", default="my_dataset",
+                                tooltip="The cache to save into: a folder name inside models/streamcache, created "
+                                "if missing (best a new one: the saved cache then holds only this dataset). "
+                                + existing_caches_hint()),
                 io.String.Input("dataset_name", default="default",
                                 tooltip="Name of the dataset inside the cache (replaced if it exists)."),
             ],
@@ -182,29 +196,27 @@ class SaveCache(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, name: Any = None, dataset_name: Any = None) -> bool | str:
+    def validate_inputs(cls, cache: Any = None) -> bool | str:
+        # only `cache`: ComfyUI shows a message returned here on every input this signature names;
+        # dataset_name is checked when the node runs, before anything is written
         try:
-            name, dataset_name = _one(name, "name"), _one(dataset_name, "dataset_name")
-            if name is not None:
-                resolve_cache_to_write(name)
-            if dataset_name is not None:
-                if not str(dataset_name).strip():
-                    return "dataset_name is empty; use e.g. `default`"
-                check_dataset_name(str(dataset_name).strip())
+            cache = _one(cache, "cache")
+            if cache is not None:
+                resolve_cache_to_write(cache)
         except ValueError as exc:
             return str(exc)
         return True
 
     @classmethod
-    def fingerprint_inputs(cls, name: Any, dataset_name: Any, **_: Any) -> str:
-        root, ds_name = resolve_cache(_one(name, "name")), str(_one(dataset_name, "dataset_name")).strip()
+    def fingerprint_inputs(cls, cache: Any, dataset_name: Any, **_: Any) -> str:
+        root, ds_name = resolve_cache(_one(cache, "cache")), str(_one(dataset_name, "dataset_name")).strip()
         return _OWN_WRITES.fingerprint((str(root), ds_name), "", cache_identity(root, ds_name))
 
     @classmethod
-    def execute(cls, name: Any, dataset_name: Any, dataset: Any = None, latents: Any = None,
+    def execute(cls, cache: Any, dataset_name: Any, dataset: Any = None, latents: Any = None,
                 conditioning: Any = None) -> io.NodeOutput:
-        root, ds_name = resolve_cache_to_write(_one(name, "name")), str(_one(dataset_name, "dataset_name")).strip()
-        check_dataset_name(ds_name)
+        root, ds_name = resolve_cache_to_write(_one(cache, "cache")), str(_one(dataset_name, "dataset_name")).strip()
+        _check_dataset_name(ds_name)
         with explain_disk_full(root, "saving the cache"):
             return cls._save(root, ds_name, dataset, latents, conditioning)
 

@@ -125,6 +125,16 @@ class TrainLoRA(io.ComfyNode):
                              tooltip="Batches read ahead while the model trains (0: read in the training loop)."),
                 io.Int.Input("loader_threads", advanced=True, default=0, min=0, max=32,
                              tooltip="Threads reading batches (0: automatic)."),
+                io.Boolean.Input("quantized_backward", default=False, optional=True, advanced=True,
+                                 tooltip="For a quantized model (e.g. fp8 weights) trained with training_dtype "
+                                 "'none': the backward pass also uses the quantized matmul (less memory, coarser "
+                                 "gradients), as in ComfyUI's own Train LoRA. Off: the backward pass is computed "
+                                 "at full precision. No effect on models that are not quantized."),
+                io.Boolean.Input("bypass_mode", default=False, optional=True, advanced=True,
+                                 tooltip="Apply the adapters as forward hooks instead of patching the model's "
+                                 "weights, as in ComfyUI's own Train LoRA: for quantized models, whose weights "
+                                 "cannot be patched. The saved LoRA is the same either way. Off: weights are "
+                                 "patched."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -156,6 +166,8 @@ class TrainLoRA(io.ComfyNode):
         existing_lora: str,
         prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
         loader_threads: int = 0,
+        quantized_backward: bool = False,
+        bypass_mode: bool = False,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -163,6 +175,7 @@ class TrainLoRA(io.ComfyNode):
             training_dtype=training_dtype, lora_dtype=lora_dtype, algorithm=algorithm,
             gradient_checkpointing=gradient_checkpointing, checkpoint_depth=checkpoint_depth, offloading=offloading,
             existing_lora=existing_lora, prefetch_batches=prefetch_batches, loader_threads=loader_threads,
+            quantized_backward=bool(quantized_backward), bypass_mode=bool(bypass_mode),
         )
         settings.validate()  # before opening anything: a typo fails fast
         if not callable(getattr(dataset, "open", None)):

@@ -39,17 +39,17 @@ def test_dry_run_then_clean(mod: ModuleType, pack: ModuleType, cache_root: Path)
     _cache(pack, root)
     assert mod.CleanCache.define_schema().inputs[1].default is True
     assert "to_clean" in mod.CleanCache.define_schema().inputs[0].options
-    (dry,) = mod.CleanCache.execute(name="to_clean", dry_run=True).result
+    (dry,) = mod.CleanCache.execute(cache="to_clean", dry_run=True).result
     assert "unreferenced: 3 entries" in dry and "dry run: nothing was changed" in dry
     assert len(open_cache(root)) == 6
-    out = mod.CleanCache.execute(name="to_clean", dry_run=False)
+    out = mod.CleanCache.execute(cache="to_clean", dry_run=False)
     (report,) = out.result
     assert out.ui.as_dict() == {"text": (report,)}
     assert "removed 3 entries" in report and "shards compacted:" in report
     with open_cache(root) as reader:
         assert len(reader) == 3 and reader.stats()["shards"] == 1
         assert reader.verify() == []
-    value = mod.CleanCache.fingerprint_inputs(name="to_clean", dry_run=True)
+    value = mod.CleanCache.fingerprint_inputs(cache="to_clean", dry_run=True)
     assert value != value  # NaN: a clean always runs when asked
 
 
@@ -57,16 +57,16 @@ def test_bad_names_and_busy_cache(mod: ModuleType, pack: ModuleType, cache_root:
     from comfyui_streamcache.dataset_cache.errors import CacheLockedError
     from comfyui_streamcache.dataset_cache.lock import READ_LOCK, CacheLock
 
-    assert "must not contain '..'" in mod.CleanCache.validate_inputs(name="../x")
-    assert "unknown cache 'nothing'" in mod.CleanCache.validate_inputs(name="nothing")
-    assert mod.CleanCache.validate_inputs(name=None) is True
-    with pytest.raises(ValueError, match="unknown cache 'nothing'"):
-        mod.CleanCache.execute(name="nothing", dry_run=True)
+    assert "must not contain '..'" in mod.CleanCache.validate_inputs(cache="../x")
+    assert "cache 'nothing': unknown cache" in mod.CleanCache.validate_inputs(cache="nothing")
+    assert mod.CleanCache.validate_inputs(cache=None) is True
+    with pytest.raises(ValueError, match="cache 'nothing': unknown cache"):
+        mod.CleanCache.execute(cache="nothing", dry_run=True)
     _cache(pack, cache_root / "busy")
     with CacheLock(cache_root / "busy", READ_LOCK, exclusive=False, purpose="training"):
         with pytest.raises(CacheLockedError):
-            mod.CleanCache.execute(name="busy", dry_run=False)
-        (dry,) = mod.CleanCache.execute(name="busy", dry_run=True).result  # a preview needs no lock
+            mod.CleanCache.execute(cache="busy", dry_run=False)
+        (dry,) = mod.CleanCache.execute(cache="busy", dry_run=True).result  # a preview needs no lock
         assert "unreferenced: 3 entries" in dry
 
 
@@ -84,8 +84,8 @@ def test_repair_is_an_advanced_optional_input_that_moves_damaged_shards_aside(mo
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    (kept,) = mod.CleanCache.execute(name="to_repair", dry_run=False).result  # as a workflow without `repair`
+    (kept,) = mod.CleanCache.execute(cache="to_repair", dry_run=False).result  # as a workflow without `repair`
     assert victim.is_file() and "kept as they are" in kept
-    (repaired,) = mod.CleanCache.execute(name="to_repair", dry_run=False, repair=True).result
+    (repaired,) = mod.CleanCache.execute(cache="to_repair", dry_run=False, repair=True).result
     assert (root / "damaged" / victim.name).is_file() and not victim.exists()
     assert "moved 1 shard file(s) to damaged/" in repaired and "re-encode it" in repaired

@@ -53,7 +53,7 @@ def names(request: pytest.FixtureRequest) -> tuple[str, str]:
 
 
 def _prompt(folder: str, cache: str, vae_name: str, clip_name: str, **settings: Any) -> dict[str, Any]:
-    inputs = {"folder": folder, "cache": cache, "dataset": "default", **SETTINGS, **settings,
+    inputs = {"folder": folder, "cache": cache, "dataset_name": "default", **SETTINGS, **settings,
               "vae": ["1", 0], "clip": ["2", 0]}
     return {
         "1": {"class_type": "VAELoader", "inputs": {"vae_name": vae_name}},
@@ -278,13 +278,18 @@ def test_failures_skip_or_stop(mod: ModuleType, encoders: tuple, kohya: Any, tin
 def test_bad_folders_are_named(mod: ModuleType, input_dir: Path, names: tuple[str, str], tiny_models: TinyModels,
                                monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     node = mod.EncodeDataset
-    assert "must not contain '..'" in node.validate_inputs(folder="../secrets", cache="c", dataset="default")
-    assert "must not contain '..'" in node.validate_inputs(folder="a", cache="../c", dataset="default")
-    assert "outside ComfyUI's input directory" in node.validate_inputs(folder=str(tmp_path), cache="c")
-    assert node.validate_inputs(folder=str(input_dir / "x"), cache="c", dataset="default") is True
-    assert node.validate_inputs(folder=None, cache=None, dataset=None) is True
-    assert "dataset name is empty" in node.validate_inputs(folder="a", cache="c", dataset=" ")
+    assert "must not contain '..'" in node.validate_inputs(cache="../c")
+    assert node.validate_inputs(cache="c") is True and node.validate_inputs(cache=None) is True
     base = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"))
+    # the folder and the dataset name are checked when the node starts, before any model is asked for
+    for inputs, message in (({"folder": "../secrets"}, "folder '../secrets' must not contain '..'"),
+                            ({"folder": str(tmp_path)}, "outside ComfyUI's input directory"),
+                            ({"folder": mod.NO_FOLDER_YET}, "folder: ComfyUI's input directory .* has no folder"),
+                            ({"dataset_name": " "}, "dataset_name is empty")):
+        run = Run(mod, base)
+        run.inputs.update(inputs)
+        with pytest.raises(ValueError, match=message):
+            run.lazy()
     with pytest.raises(ValueError, match="must not contain '..'"):
         Run(mod, base).node.execute(**{**Run(mod, base).inputs, "folder": "a/../../b"})
     with pytest.raises(ValueError, match="does not exist"):
@@ -295,7 +300,6 @@ def test_bad_folders_are_named(mod: ModuleType, input_dir: Path, names: tuple[st
         Run(mod, base).lazy()
     monkeypatch.setenv(mod.ALLOW_ABSOLUTE_ENV, "1")
     outside = make_kohya_folder(tmp_path / "outside")
-    assert node.validate_inputs(folder=str(outside.root), cache="c", dataset="default") is True
     assert Run(mod, _prompt(str(outside.root), names[1], tiny_models.name("vae"),
                             tiny_models.name("clip"))).lazy() == ["clip", "vae"]
     shutil.rmtree(input_dir / names[0])

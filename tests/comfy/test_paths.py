@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from types import ModuleType
 
@@ -115,9 +117,11 @@ def test_encode_and_save_validate_each_input_with_one_message(pack: ModuleType) 
         else pack.nodes.save_cache.SaveCache
     assert encode.validate_inputs(cache="x/shards") == \
         "cache name 'x/shards': 'shards' is the name of a folder inside every cache; choose a name without it"
-    long = encode.validate_inputs(dataset="d" * 201)
-    assert isinstance(long, str) and "(201 characters): use 1-200 printable characters" in long
-    assert encode.validate_inputs(dataset=" ") == "dataset name is empty; use e.g. `default`"
-    assert "(1 characters): use 1-200 printable" in encode.validate_inputs(dataset="\x07")
-    assert "(201 characters)" in save.validate_inputs(name="ok", dataset_name="d" * 201)
-    assert encode.validate_inputs(folder=None, cache="fine", dataset="default") is True
+    for name, message in (("d" * 201, "(201 characters): use 1-200 printable characters"),
+                          (" ", "dataset_name is empty; give the dataset a name, e.g. `default`"),
+                          ("\x07", "(1 characters): use 1-200 printable")):  # checked when the nodes start
+        with pytest.raises(ValueError, match=re.escape(message)):
+            encode.check_lazy_status(folder="x", cache="fine", dataset_name=name)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            save.execute(cache=["fine"], dataset_name=[name])
+    assert encode.validate_inputs(cache="fine") is True and save.validate_inputs(cache=["fine"]) is True

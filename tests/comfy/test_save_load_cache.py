@@ -89,11 +89,11 @@ def _make_cache(pack: ModuleType, root: Path, name: str = "default") -> tuple[li
 
 def test_save_lists_from_make_training_dataset(save_mod: ModuleType, made: tuple, cache_root: Path) -> None:
     latents, conditioning = made
-    before = save_mod.SaveCache.fingerprint_inputs(name=["saved_lists"], dataset_name=["default"])
-    handle, text = _save(save_mod, name="saved_lists", dataset_name="default", latents=latents,
+    before = save_mod.SaveCache.fingerprint_inputs(cache=["saved_lists"], dataset_name=["default"])
+    handle, text = _save(save_mod, cache="saved_lists", dataset_name="default", latents=latents,
                          conditioning=conditioning)
     # the node's own write does not count as a change of the cache (ComfyUI keeps its output, and downstream's)
-    assert save_mod.SaveCache.fingerprint_inputs(name=["saved_lists"], dataset_name=["default"]) == before
+    assert save_mod.SaveCache.fingerprint_inputs(cache=["saved_lists"], dataset_name=["default"]) == before
     assert handle.cache_root == str(cache_root / "saved_lists") and handle.name == "default"
     assert "3 samples" in text and "stored 5 new entries" in text  # 3 latents + 2 distinct captions
     reader, samples = handle.open()
@@ -110,7 +110,7 @@ def test_save_lists_from_make_training_dataset(save_mod: ModuleType, made: tuple
     from comfyui_streamcache.nodes.fingerprints import cache_identity
 
     state = cache_identity(cache_root / "saved_lists", "default")
-    _handle, again = _save(save_mod, name="saved_lists", dataset_name="default", latents=latents,
+    _handle, again = _save(save_mod, cache="saved_lists", dataset_name="default", latents=latents,
                            conditioning=conditioning)
     assert "stored 0 new entries" in again
     assert cache_identity(cache_root / "saved_lists", "default") == state  # saving the same again writes nothing
@@ -119,7 +119,7 @@ def test_save_lists_from_make_training_dataset(save_mod: ModuleType, made: tuple
 def test_save_splits_batches_and_shares_one_conditioning(save_mod: ModuleType, made: tuple) -> None:
     _latents, conditioning = made
     batch = {"samples": torch.randn(3, 4, 8, 8)}
-    handle, text = _save(save_mod, name="saved_batch", dataset_name="b", latents=[batch],
+    handle, text = _save(save_mod, cache="saved_batch", dataset_name="b", latents=[batch],
                          conditioning=[conditioning[0]])
     reader, samples = handle.open()
     try:
@@ -138,7 +138,7 @@ def test_save_copies_a_dataset_self_contained_in_bucket_order(save_mod: ModuleTy
 
     src = cache_root / "copy_source"
     samples, values = _make_cache(pack, src)
-    handle, text = _save(save_mod, dataset=StreamDatasetHandle(str(src), "default"), name="copy_target",
+    handle, text = _save(save_mod, dataset=StreamDatasetHandle(str(src), "default"), cache="copy_target",
                          dataset_name="copied")
     assert "copied 6 entries" in text and "compacted" in text
     shutil.rmtree(src)  # the copy must not need its source
@@ -161,23 +161,23 @@ def test_save_bad_inputs(save_mod: ModuleType, made: tuple) -> None:
 
     latents, conditioning = made
     with pytest.raises(ValueError, match="3 latents but 2 conditionings"):
-        _save(save_mod, name="bad", dataset_name="d", latents=latents, conditioning=conditioning[:2])
+        _save(save_mod, cache="bad", dataset_name="d", latents=latents, conditioning=conditioning[:2])
     with pytest.raises(ValueError, match="not both"):
-        _save(save_mod, name="bad", dataset_name="d", latents=latents, conditioning=conditioning,
+        _save(save_mod, cache="bad", dataset_name="d", latents=latents, conditioning=conditioning,
               dataset=StreamDatasetHandle("/nowhere", "default"))
     with pytest.raises(ValueError, match="nothing to save"):
-        _save(save_mod, name="bad", dataset_name="d")
+        _save(save_mod, cache="bad", dataset_name="d")
     hooked = [[conditioning[0][0][0], {"pooled_output": conditioning[0][0][1]["pooled_output"],
                                         "hooks": object()}]]
     with pytest.raises(UnstorableValueError, match=r"conditioning\[0\].*hooks"):
-        _save(save_mod, name="bad", dataset_name="d", latents=latents[:1], conditioning=[hooked])
+        _save(save_mod, cache="bad", dataset_name="d", latents=latents[:1], conditioning=[hooked])
     with pytest.raises(ValueError, match="no StreamCache cache"):
-        _save(save_mod, name="bad", dataset_name="d", dataset=StreamDatasetHandle("/nowhere", "default"))
+        _save(save_mod, cache="bad", dataset_name="d", dataset=StreamDatasetHandle("/nowhere", "default"))
     node = save_mod.SaveCache
-    assert "must not contain '..'" in node.validate_inputs(name=["../escape"], dataset_name=["d"])
-    assert "dataset_name is empty" in node.validate_inputs(name=["ok"], dataset_name=[" "])
-    assert node.validate_inputs(name=["ok"], dataset_name=["d"]) is True
-    assert node.validate_inputs(name=[None], dataset_name=[None]) is True
+    assert "must not contain '..'" in node.validate_inputs(cache=["../escape"])
+    assert node.validate_inputs(cache=["ok"]) is True and node.validate_inputs(cache=[None]) is True
+    with pytest.raises(ValueError, match="dataset_name is empty"):
+        _save(save_mod, cache="ok", dataset_name=" ", latents=latents, conditioning=conditioning)
 
 
 # ------------------------------------------------------------------------------------------------ LoadLazyCache
@@ -206,7 +206,7 @@ def test_load_lists_caches_and_reads_no_tensor_bytes(load_mod: ModuleType, pack:
         return real_preadv(*args)
 
     monkeypatch.setattr(os, "preadv", preadv)
-    out = load_mod.LoadLazyCache.execute(name="group/lazy_one", dataset="default")
+    out = load_mod.LoadLazyCache.execute(cache="group/lazy_one", dataset_name="default")
     handle, info = out.result
     assert reads == [] and counted["n"] == 0
     assert handle.cache_root == str(cache_root / "group" / "lazy_one") and handle.name == "default"
@@ -221,32 +221,32 @@ def test_load_lists_caches_and_reads_no_tensor_bytes(load_mod: ModuleType, pack:
 def test_load_fingerprint_follows_the_cache(load_mod: ModuleType, pack: ModuleType, cache_root: Path) -> None:
     _make_cache(pack, cache_root / "fp_cache")
     node = load_mod.LoadLazyCache
-    first = node.fingerprint_inputs(name="fp_cache", dataset="default")
-    assert node.fingerprint_inputs(name="fp_cache", dataset="default") == first
+    first = node.fingerprint_inputs(cache="fp_cache", dataset_name="default")
+    assert node.fingerprint_inputs(cache="fp_cache", dataset_name="default") == first
     with _writer(pack)(cache_root / "fp_cache") as w:
         w.add("f" * 32, {"samples": torch.ones(1, 4, 8, 8)}, kind="latent")
-    assert node.fingerprint_inputs(name="fp_cache", dataset="default") != first
+    assert node.fingerprint_inputs(cache="fp_cache", dataset_name="default") != first
 
 
 def test_load_bad_inputs(load_mod: ModuleType, pack: ModuleType, cache_root: Path) -> None:
     from comfyui_streamcache.dataset_cache.errors import CacheCorruptError
 
     node = load_mod.LoadLazyCache
-    assert "unknown cache 'nope'" in node.validate_inputs(name="nope", dataset="default")
-    assert "must not contain '..'" in node.validate_inputs(name="../../etc", dataset="default")
-    assert "without '..'" in node.validate_inputs(name="comfy:../x", dataset="default")
-    assert "not a ComfyUI SaveTrainingDataset folder" in node.validate_inputs(name="comfy:nothing", dataset="d")
-    assert node.validate_inputs(name=None, dataset=None) is True
-    with pytest.raises(ValueError, match="unknown cache 'nope'"):
-        node.execute(name="nope", dataset="default")
+    assert "cache 'nope': unknown cache" in node.validate_inputs(cache="nope")
+    assert "must not contain '..'" in node.validate_inputs(cache="../../etc")
+    assert "without '..'" in node.validate_inputs(cache="comfy:../x")
+    assert "not a ComfyUI SaveTrainingDataset folder" in node.validate_inputs(cache="comfy:nothing")
+    assert node.validate_inputs(cache=None) is True
+    with pytest.raises(ValueError, match="cache 'nope': unknown cache"):
+        node.execute(cache="nope", dataset_name="default")
     _make_cache(pack, cache_root / "broken_cache")
-    with pytest.raises(ValueError, match="dataset 'other' is not in the cache"):
-        node.execute(name="broken_cache", dataset="other")
+    with pytest.raises(ValueError, match="dataset_name: dataset 'other' is not in the cache"):
+        node.execute(cache="broken_cache", dataset_name="other")
     shard = next((cache_root / "broken_cache" / "shards").glob("*.safetensors"))
     with open(shard, "r+b") as f:
         f.truncate(100)
     with pytest.raises(CacheCorruptError, match=shard.name):
-        node.execute(name="broken_cache", dataset="default")
+        node.execute(cache="broken_cache", dataset_name="default")
 
 
 def test_load_converts_a_comfyui_dataset_once(load_mod: ModuleType, comfy_dataset_nodes: ModuleType, made: tuple,
@@ -258,8 +258,8 @@ def test_load_converts_a_comfyui_dataset_once(load_mod: ModuleType, comfy_datase
                                                     folder_name=["training_dataset"], shard_size=[2])
     assert "comfy:training_dataset" in load_mod.list_comfy_datasets()
     node = load_mod.LoadLazyCache
-    assert node.validate_inputs(name="comfy:training_dataset", dataset="default") is True
-    handle, info = node.execute(name="comfy:training_dataset", dataset="default").result
+    assert node.validate_inputs(cache="comfy:training_dataset") is True
+    handle, info = node.execute(cache="comfy:training_dataset", dataset_name="default").result
     assert handle.cache_root == str(cache_root / load_mod.CONVERTED_FOLDER / "training_dataset")
     assert "samples: 3" in info and "(just now)" in info
     reader, samples = handle.open()
@@ -267,15 +267,15 @@ def test_load_converts_a_comfyui_dataset_once(load_mod: ModuleType, comfy_datase
         assert torch.equal(reader.read([samples[1].latent])[0]["samples"], latents[1]["samples"])
     finally:
         reader.close()
-    fp = node.fingerprint_inputs(name="comfy:training_dataset", dataset="default")
-    _handle, again = node.execute(name="comfy:training_dataset", dataset="default").result
+    fp = node.fingerprint_inputs(cache="comfy:training_dataset", dataset_name="default")
+    _handle, again = node.execute(cache="comfy:training_dataset", dataset_name="default").result
     assert "(earlier)" in again
-    assert node.fingerprint_inputs(name="comfy:training_dataset", dataset="default") == fp
+    assert node.fingerprint_inputs(cache="comfy:training_dataset", dataset_name="default") == fp
     comfy_dataset_nodes.SaveTrainingDataset.execute(latents=latents[:2], conditioning=conditioning[:2],
                                                     folder_name=["training_dataset"], shard_size=[2])
     out_dir = Path(folder_paths.get_output_directory()) / "training_dataset"
     future = os.stat(out_dir / "metadata.json").st_mtime_ns + 5 * 10**9  # mtime resolution can be coarse
     os.utime(out_dir / "metadata.json", ns=(future, future))
-    assert node.fingerprint_inputs(name="comfy:training_dataset", dataset="default") != fp
-    _handle, third = node.execute(name="comfy:training_dataset", dataset="default").result
+    assert node.fingerprint_inputs(cache="comfy:training_dataset", dataset_name="default") != fp
+    _handle, third = node.execute(cache="comfy:training_dataset", dataset_name="default").result
     assert "samples: 2" in third and "(just now)" in third

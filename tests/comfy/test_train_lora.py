@@ -26,7 +26,8 @@ FAST = {  # the options every run shares unless a test says otherwise
     "batch_size": 2, "grad_accumulation_steps": 1, "steps": 6, "learning_rate": 3e-3, "rank": 4,
     "optimizer": "AdamW", "loss_function": "MSE", "seed": 7, "training_dtype": "fp32", "lora_dtype": "fp32",
     "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0,
+    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
+    "bypass_mode": False,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -138,7 +139,11 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     assert seed[1]["control_after_generate"] == "fixed"  # the front end would randomize any other `seed`
     # expert inputs fold away in the new front end; what the built-in node shows stays in view
     assert {i.id for i in schema.inputs if i.advanced} == {"checkpoint_depth", "offloading", "lora_dtype",
-                                                           "prefetch_batches", "loader_threads"}
+                                                           "prefetch_batches", "loader_threads",
+                                                           "quantized_backward", "bypass_mode"}
+    # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
+    for name in ("quantized_backward", "bypass_mode"):
+        assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -237,6 +242,56 @@ def test_defaults_bf16_checkpointing_and_accumulation(node: type, models: tuple,
     assert all(torch.isfinite(torch.tensor(loss_map["loss"])))
     assert {t.dtype for t in lora.values()} == {torch.bfloat16}
     assert any(t.abs().sum() > 0 for k, t in lora.items() if k.endswith("lora_up.weight"))  # it did train
+
+
+def test_bypass_mode_trains_the_same_lora_through_forward_hooks(pack: ModuleType, node: type, models: tuple,
+                                                              dataset: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bypass_mode (ComfyUI's, for quantized weights that cannot be patched) applies the adapters as forward hooks:
+    the same seed trains the same LoRA as weight patching, the base model is untouched, no hook is left."""
+    training = _module(pack, "nodes.lora_training")
+    hooks: list[int] = []
+    step = training._Loop._optimizer_step
+
+    def record(self: Any) -> None:  # modules whose forward is replaced by a hook while training runs
+        hooks.append(sum("forward" in vars(m) for m in self.mp.model.diffusion_model.modules()))
+        step(self)
+
+    monkeypatch.setattr(training._Loop, "_optimizer_step", record)
+    model = models[0]
+    before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
+    patched = _train(node, model, dataset, steps=3)
+    assert hooks == [0, 0, 0]
+    hooked = _train(node, model, dataset, steps=3, bypass_mode=True)
+    assert min(hooks[3:]) > 10, hooks
+    assert sorted(hooked.result[0]) == sorted(patched.result[0])
+    assert hooked.result[1]["loss"] == pytest.approx(patched.result[1]["loss"], rel=1e-3)
+    assert all(torch.allclose(hooked.result[0][k], patched.result[0][k], rtol=1e-3, atol=1e-5)
+               for k in patched.result[0])
+    after = model.model.diffusion_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not [n for n, m in model.model.diffusion_model.named_modules() if "forward" in vars(m)]
+
+
+def test_quantized_backward_is_set_for_the_run_only(pack: ModuleType, node: type, models: tuple, dataset: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantized_backward sets ComfyUI's training_fp8_bwd switch (read by its quantized layers' backward) while
+    this node trains, as the built-in node does, and puts the previous value back afterwards."""
+    import comfy.model_management
+
+    training = _module(pack, "nodes.lora_training")
+    seen: list[bool] = []
+    step = training._Loop._optimizer_step
+
+    def record(self: Any) -> None:
+        seen.append(comfy.model_management.training_fp8_bwd)
+        step(self)
+
+    monkeypatch.setattr(training._Loop, "_optimizer_step", record)
+    assert comfy.model_management.training_fp8_bwd is False
+    _train(node, models[0], dataset, steps=2, quantized_backward=True)
+    assert seen == [True, True] and comfy.model_management.training_fp8_bwd is False
+    _train(node, models[0], dataset, steps=1)
+    assert seen[-1] is False
 
 
 def test_existing_lora_is_continued(node: type, models: tuple, dataset: Any, trained: Any, tmp_path: Path,

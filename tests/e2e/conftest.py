@@ -21,7 +21,7 @@ _TESTS = str(Path(__file__).resolve().parents[1])
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-from support.client import ComfyClient  # noqa: E402
+from support.client import SEEN_NODE_ERRORS, ComfyClient  # noqa: E402
 from support.collection import (  # noqa: E402
     add_marker_under,
     drop_suite,
@@ -31,6 +31,7 @@ from support.collection import (  # noqa: E402
     skip_pack_root_setup,
 )
 from support.comfy_env import ComfyInstall, find_comfyui, skip_reason  # noqa: E402
+from support.messages import why_bare  # noqa: E402
 from support.server import ComfyServer  # noqa: E402
 from support.tiny_models import TinyModels, ensure_tiny_models  # noqa: E402
 
@@ -83,3 +84,26 @@ def comfy_server(comfy_install: ComfyInstall, tiny_models: TinyModels,
 def client(comfy_server: ComfyServer) -> ComfyClient:
     """A fresh client (own websocket client id) for the session's server."""
     return comfy_server.client()
+
+
+def bare_node_errors() -> list[str]:
+    """The errors the pack's nodes reported to this session's clients that are bare Python messages (for
+    validation errors, the messages of the nodes' own checks: ComfyUI's built-in checks word theirs)."""
+    bad = []
+    for seen in SEEN_NODE_ERRORS:
+        if seen["kind"] == "validation" and seen["type"] != "custom_validation_failed":
+            continue
+        why = why_bare(seen["type"] if seen["kind"] == "execution" else "", seen["message"])
+        if why:
+            bad.append(f"{seen['node_type']} ({seen['kind']}, {seen['type']}): {seen['message'][:200]!r}: {why}")
+    return bad
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _every_error_is_written_for_the_user() -> Iterator[None]:
+    """After the session: no error that a test provoked from the pack's nodes over HTTP was a bare Python message
+    (each names the input, its value and what to do; a bare one means an input reached unchecked code)."""
+    yield
+    bad = bare_node_errors()
+    if bad:
+        pytest.fail(f"{len(bad)} error(s) of the pack's nodes are bare Python messages:\n" + "\n".join(bad))

@@ -43,7 +43,7 @@ def _drop_node_cache_afterwards(comfy_server: ComfyServer) -> Iterator[None]:
 
 def _train_from_cache(tiny_models: TinyModels, cache: str, dataset: str = "default") -> dict[str, Any]:
     return {
-        "1": {"class_type": "StreamCache_LoadLazyCache", "inputs": {"name": cache, "dataset": dataset}},
+        "1": {"class_type": "StreamCache_LoadLazyCache", "inputs": {"cache": cache, "dataset_name": dataset}},
         "2": {"class_type": "UNETLoader", "inputs": {"unet_name": tiny_models.name("unet"),
                                                      "weight_dtype": "default"}},
         "3": {"class_type": "StreamCache_TrainLoRA", "inputs": {"model": ["2", 0], "dataset": ["1", 0], **TRAIN}},

@@ -61,9 +61,9 @@ def test_a_cache_with_a_linked_shards_folder_is_refused_and_the_target_is_untouc
     before = _snapshot(outside)
 
     _refused(client, {"1": {"class_type": "StreamCache_CleanCache",
-                            "inputs": {"name": "e2e_linked", "dry_run": False}}}, "shards is a symbolic link")
+                            "inputs": {"cache": "e2e_linked", "dry_run": False}}}, "shards is a symbolic link")
     _refused(client, {"1": {"class_type": "StreamCache_LoadLazyCache",
-                            "inputs": {"name": "e2e_linked", "dataset": "default"}},
+                            "inputs": {"cache": "e2e_linked", "dataset_name": "default"}},
                       "2": {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": "e2e_linked"}}},
              "symbolic link")
     assert _snapshot(outside) == before

@@ -111,3 +111,68 @@ def test_example_workflow_runs(path: Path, client: ComfyClient) -> None:
     run = run_example(client, prompt)
     assert all(r.status == "success" for r in run.results)
     assert run.outputs(), f"{path.name} produced no output"
+
+
+SAVED_BEFORE_RENAMES = Path(__file__).parent / "data" / "saved_by_0.2.0-pre"
+"""The templates, their API twins and a workflow with every node (``front-end/``: added fresh in the real front end,
+saved with its own serializer, and the API prompt it queued), all as the pack saved them before 0.2.0 renamed
+inputs: Save Streamable Cache ``name``, Load Lazy Cache ``name`` + ``dataset``, Clean Cache ``name`` and Encode
+Dataset ``dataset`` (now ``cache`` and ``dataset_name``), and before Train LoRA had ``quantized_backward`` and
+``bypass_mode``."""
+RENAMED = {
+    "StreamCache_EncodeDataset": {"dataset": "dataset_name"},
+    "StreamCache_SaveCache": {"name": "cache"},
+    "StreamCache_LoadLazyCache": {"name": "cache", "dataset": "dataset_name"},
+    "StreamCache_CleanCache": {"name": "cache"},
+}
+"""What the renames are, written out here as the contract (not imported from the pack)."""
+
+
+def _with_current_names(prompt: dict[str, Any]) -> dict[str, Any]:
+    return {k: {"class_type": v["class_type"],
+                "inputs": {RENAMED.get(v["class_type"], {}).get(name, name): value
+                           for name, value in v["inputs"].items()}} for k, v in prompt.items()}
+
+
+@pytest.mark.parametrize("old", sorted(SAVED_BEFORE_RENAMES.glob("*.json")), ids=lambda p: p.stem)
+def test_templates_saved_before_the_renames_load_as_the_current_templates(old: Path, client: ComfyClient) -> None:
+    """A UI workflow stores widget values by position, and the renamed inputs kept theirs: read as the front end
+    reads it (the browser side is in test_frontend.py), the old file gives the current template's prompt."""
+    info = client.object_info()
+    converted = ui_to_api(json.loads(old.read_text(encoding="utf-8")), info)
+    current = json.loads((API_DIR / old.name).read_text(encoding="utf-8"))
+    assert _bare(converted) == _bare(current), old.name
+    old_api = json.loads((SAVED_BEFORE_RENAMES / "api" / old.name).read_text(encoding="utf-8"))
+    new_train = {"quantized_backward": False, "bypass_mode": False}  # added since, optional, off as before
+    expected = {k: {**v, "inputs": {**v["inputs"], **(new_train if v["class_type"] == "StreamCache_TrainLoRA"
+                                                        else {})}} for k, v in _with_current_names(old_api).items()}
+    assert _bare(current) == expected, f"{old.name}: the current twin is not the old one under the new names"
+
+
+def test_api_prompts_saved_before_the_renames_still_run_over_http(client: ComfyClient,
+                                                                comfy_server: Any) -> None:
+    """The old input names are accepted in an API prompt: POST /prompt with the prompt the front end queued
+    before the renames (every node with a renamed input, names as they were) encodes, saves, loads, copies,
+    cleans and describes, exactly as with the new names."""
+    from support.examples import make_example_folder
+
+    make_example_folder(comfy_server.input_dir)
+    old = json.loads((SAVED_BEFORE_RENAMES / "front-end" / "Every node, queued by the front end (API).json")
+                     .read_text(encoding="utf-8"))
+    assert any(name in n["inputs"] for n in old.values() for name in RENAMED.get(n["class_type"], {}))
+    run = run_example(client, old)
+    assert all(r.status == "success" for r in run.results)
+    outputs = run.outputs()
+    kinds = {k: v["class_type"] for k, v in old.items()}
+    by_kind = {kinds[k]: v for k, v in outputs.items()}
+    assert by_kind["StreamCache_EncodeDataset"]["streamcache_report"][0]["dataset"] == "old_default"
+    saved = [outputs[k]["text"][0] for k in outputs if kinds[k] == "StreamCache_SaveCache"]
+    assert any("saved dataset 'old_saved'" in t and "old_names_saved" in t for t in saved), saved
+    assert any("saved dataset 'old_copy'" in t and "old_names_copy" in t for t in saved), saved
+    assert "unreferenced" in by_kind["StreamCache_CleanCache"]["text"][0]
+    loaded = [n for n, k in kinds.items() if k == "StreamCache_LoadLazyCache"]
+    assert loaded and all(n in run.executed() for n in loaded)
+    # the same prompt under the new names runs too, on the same caches and datasets
+    again = client.run(_with_current_names(old))
+    assert again.status == "success"
+    assert "no cache" not in again.outputs[next(k for k in kinds if kinds[k] == "StreamCache_CacheInfo")]["text"][0]

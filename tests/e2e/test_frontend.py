@@ -91,7 +91,8 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
                                                            "type": "stable_diffusion", "device": "default"}},
         str(VAE): {"class_type": "VAELoader", "inputs": {"vae_name": tiny_models.name("vae")}},
         str(ENCODE): {"class_type": "StreamCache_EncodeDataset", "inputs": {
-            "folder": folder, "cache": cache, "dataset": "default", "vae": [str(VAE), 0], "clip": [str(CLIP), 0],
+            "folder": folder, "cache": cache, "dataset_name": "default", "vae": [str(VAE), 0],
+            "clip": [str(CLIP), 0],
             "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
             "batch_size": 2, "on_failure": "skip", "upscale": False}},
         str(TRAIN): {"class_type": "StreamCache_TrainLoRA", "inputs": {
@@ -99,7 +100,8 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "steps": STEPS, "learning_rate": 0.0005, "rank": 4, "optimizer": "AdamW", "loss_function": "MSE",
             "seed": 0, "training_dtype": "fp32", "lora_dtype": "fp32", "algorithm": "LoRA",
             "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-            "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0}},
+            "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
+            "bypass_mode": False}},
         str(SAVE): {"class_type": "SaveLoRA", "inputs": {"lora": [str(TRAIN), 0], "prefix": "loras/streamcache_fe",
                                                          "steps": [str(TRAIN), 2]}},
         str(INFO): {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": damaged}},
@@ -306,3 +308,121 @@ def test_panel_data_reaches_the_websocket_and_history_without_a_browser(client: 
     (fields,) = info.outputs["9"]["streamcache_info"]
     assert fields["samples"] == 2 and fields["entries"] == 5 and fields["problems"] == []
     assert fields["verified"] == "full"
+
+
+# ------------------------------------------------------------------------------------------------ every node, fresh
+
+LAYOUT_DRIVER = FRONTEND / "layout.mjs"
+SAVED = Path(__file__).resolve().parent / "data"
+RENAMED = {  # the inputs renamed in 0.2.0 (the contract; test_example_workflows.py holds the same table)
+    "StreamCache_EncodeDataset": {"dataset": "dataset_name"},
+    "StreamCache_SaveCache": {"name": "cache"},
+    "StreamCache_LoadLazyCache": {"name": "cache", "dataset": "dataset_name"},
+    "StreamCache_CleanCache": {"name": "cache"},
+}
+
+
+def _overlaps(boxes: list[tuple[str, float, float]]) -> list[str]:
+    """Names of vertically overlapping (name, top, bottom) boxes, in drawing order."""
+    bad = []
+    ordered = sorted(boxes, key=lambda b: b[1])
+    for (a, _, a_bottom), (b, b_top, _) in zip(ordered, ordered[1:]):
+        if b_top < a_bottom - 0.5:
+            bad.append(f"{a} / {b}")
+    return bad
+
+
+def test_every_node_fresh_and_old_workflows_in_the_real_front_end(browser_tools: str, comfy_server: ComfyServer,
+                                                                   client: ComfyClient) -> None:
+    """Each node as a user adds it: one widget per widget input, in the schema's order, none hidden, none
+    overlapping another or a socket, all inside the node; the same names on every node (``cache``,
+    ``dataset_name``, the ``dataset`` socket). Workflows saved before the renames (by the front end itself, and the
+    templates) load with the new input names, no stale slot, and the page queues the current templates' prompts."""
+    object_info = client.object_info()
+    types = sorted(k for k in object_info if k.startswith("StreamCache_"))
+    assert len(types) >= 6
+    workflows = {
+        "front end": json.loads((SAVED / "saved_by_0.2.0-pre" / "front-end" / "Every node, saved by the front end.json")
+                                .read_text(encoding="utf-8")),
+        **{f"0.2.0-pre {p.stem}": json.loads(p.read_text(encoding="utf-8"))
+           for p in sorted((SAVED / "saved_by_0.2.0-pre").glob("*.json"))},
+        **{f"0.1.0 {p.stem}": json.loads(p.read_text(encoding="utf-8"))
+           for p in sorted((SAVED / "saved_by_0.1.0").glob("*.json"))},
+    }
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    config = {"url": comfy_server.url, "chromium": browser_tools, "out": str(ARTIFACTS), "types": types,
+              "workflows": workflows}
+    proc = subprocess.run(["node", str(LAYOUT_DRIVER), json.dumps(config)], cwd=FRONTEND, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"layout.mjs failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not result.get("error"), f"layout.mjs: {result['error']}"
+    sys.stderr.write(f"\n[frontend] every node fresh: {ARTIFACTS / 'frontend-every-node.png'}\n")
+
+    for node in result["fresh"]:
+        kind, info = node["type"], object_info[node["type"]]
+        where = f"{kind} (fresh)"
+        widgets = [w for w in node["widgets"] if w["serialize"]]
+        expected = [name for name, has_control in _widget_inputs(info) for name in [name] + ["control"] * has_control]
+        assert len(widgets) == len(expected) and \
+            [w["name"] if n != "control" else "control" for w, n in zip(widgets, expected)] == expected, \
+            f"{where}: widgets {[w['name'] for w in widgets]}"
+        assert not [w["name"] for w in node["widgets"] if w["hidden"]], f"{where}: hidden widgets"
+        width, height = node["size"]
+        boxes = [(w["name"], w["y"], w["y"] + w["h"]) for w in node["widgets"]]
+        assert all(y is not None and h for _, y, h in boxes), f"{where}: a widget was not laid out: {boxes}"
+        assert not _overlaps(boxes), f"{where}: overlapping widgets {_overlaps(boxes)}"
+        assert max(bottom for _, _, bottom in boxes) <= height + 0.5, f"{where}: a widget below the node's edge"
+        assert all((w["width"] or width) <= width + 0.5 for w in node["widgets"]), f"{where}: a widget too wide"
+        top = min(y for _, y, _ in boxes)
+        sockets = [s for s in node["inputs"] if s["widget"] is None] + node["outputs"]
+        assert all(s["pos"] and 0 < s["pos"][1] < top for s in sockets), \
+            f"{where}: a socket is drawn over the widgets: {[(s['name'], s['pos']) for s in sockets]} (top {top})"
+        for slot in node["inputs"]:  # a widget's own input dot sits on its widget's row
+            if slot["widget"] is not None:
+                (row,) = [b for b in boxes if b[0] == slot["widget"]]
+                assert row[1] <= slot["pos"][1] <= row[2], f"{where}: {slot['name']} dot off its row"
+        # every input of the schema is on the node: a widget or a socket
+        declared = [n for section in ("required", "optional") for n in info["input_order"].get(section, [])]
+        shown = {w["name"] for w in widgets} | {s["name"] for s in node["inputs"]}
+        assert not [n for n in declared if n not in shown], f"{where}: inputs not shown"
+
+    # one name per concept on every node
+    names = {n["type"]: {s["name"] for s in n["inputs"]} for n in result["fresh"]}
+    for kind, inputs in names.items():
+        assert not inputs & {"name"}, f"{kind} still has an input called name"
+    for kind in ("StreamCache_EncodeDataset", "StreamCache_SaveCache", "StreamCache_LoadLazyCache",
+                 "StreamCache_CleanCache", "StreamCache_CacheInfo"):
+        assert "cache" in names[kind], kind
+    for kind in ("StreamCache_EncodeDataset", "StreamCache_SaveCache", "StreamCache_LoadLazyCache"):
+        assert "dataset_name" in names[kind], kind
+    widget_kind = {(n["type"], w["name"]): w["type"] for n in result["fresh"] for w in n["widgets"]}
+    for kind in ("StreamCache_LoadLazyCache", "StreamCache_CleanCache", "StreamCache_CacheInfo"):
+        assert widget_kind[(kind, "cache")] == "combo", f"{kind}: an existing cache is picked from a list"
+    for kind in ("StreamCache_EncodeDataset", "StreamCache_SaveCache"):
+        assert widget_kind[(kind, "cache")] == "text", f"{kind}: a cache to create is typed"
+    assert widget_kind[("StreamCache_EncodeDataset", "folder")] == "combo"
+
+    # old workflows: new names, no stale slot, and the page queues the current prompt
+    for label, loaded in result["loaded"].items():
+        for node in loaded["nodes"]:
+            old = set(RENAMED.get(node["type"], {}))
+            slots = [s["name"] for s in node["inputs"]]
+            assert len(slots) == len(set(slots)), f"{label}: {node['type']} has a slot twice: {slots}"
+            stale = [s for s in node["inputs"] if s["widget"] is not None and s["widget"] not in node["widgets"]]
+            assert not stale, f"{label}: {node['type']} keeps slots of widgets it has no more: {stale}"
+            assert not [s for s in node["inputs"] if s["widget"] in old], f"{label}: old names on {node['type']}"
+        page = {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in loaded["prompt"].items()}
+        if label == "front end":
+            queued = json.loads((SAVED / "saved_by_0.2.0-pre" / "front-end" /
+                                 "Every node, queued by the front end (API).json").read_text(encoding="utf-8"))
+            want = {k: {"class_type": v["class_type"],
+                        "inputs": {RENAMED.get(v["class_type"], {}).get(n, n): x for n, x in v["inputs"].items()}}
+                    for k, v in queued.items()}
+        else:
+            stem = label.split(" ", 1)[1]
+            want = {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in json.loads(
+                (PACK_ROOT / "example_workflows" / "api" / f"{stem}.json").read_text(encoding="utf-8")).items()}
+        assert page == want, f"{label}: the page queues another prompt"
+
+    assert not _console_problems(result), _console_problems(result)

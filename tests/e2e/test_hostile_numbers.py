@@ -62,7 +62,7 @@ def small_cache(capped_server: ComfyServer, tiny_models: TinyModels) -> str:
 
 def _train(tiny_models: TinyModels, cache: str, **options: Any) -> dict[str, Any]:
     return {
-        "1": {"class_type": "StreamCache_LoadLazyCache", "inputs": {"name": cache, "dataset": "default"}},
+        "1": {"class_type": "StreamCache_LoadLazyCache", "inputs": {"cache": cache, "dataset_name": "default"}},
         "2": {"class_type": "UNETLoader", "inputs": {"unet_name": tiny_models.name("unet"),
                                                      "weight_dtype": "default"}},
         "3": {"class_type": "StreamCache_TrainLoRA", "inputs": {"model": ["2", 0], "dataset": ["1", 0],

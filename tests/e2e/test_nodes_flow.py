@@ -20,7 +20,7 @@ SMALL = (Subset(3, "red", ((64, 64), (96, 64)), "png"), Subset(1, "blue", ((64, 
 
 
 def _encode_prompt(tiny_models: TinyModels, folder: str, cache: str, **settings: Any) -> dict[str, Any]:
-    inputs = {"folder": folder, "cache": cache, "dataset": "default", "vae": ["1", 0], "clip": ["2", 0],
+    inputs = {"folder": folder, "cache": cache, "dataset_name": "default", "vae": ["1", 0], "clip": ["2", 0],
               "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
               "batch_size": 4, "on_failure": "skip", **settings}
     return {
@@ -92,10 +92,10 @@ def test_second_prompt_loads_the_cache_lazily(encoded: dict[str, Any], client: C
                                               comfy_server: ComfyServer) -> None:
     assert encoded["result"].status == "success"
     spec = client.get("/object_info/StreamCache_LoadLazyCache")["StreamCache_LoadLazyCache"]
-    assert "e2e_cache" in spec["input"]["required"]["name"][1]["options"]  # the list is rebuilt per request
+    assert "e2e_cache" in spec["input"]["required"]["cache"][1]["options"]  # the list is rebuilt per request
     result = client.run({
-        "1": {"class_type": "StreamCache_LoadLazyCache", "inputs": {"name": "e2e_cache", "dataset": "default"}},
-        "2": {"class_type": "StreamCache_SaveCache", "inputs": {"dataset": ["1", 0], "name": "e2e_copy",
+        "1": {"class_type": "StreamCache_LoadLazyCache", "inputs": {"cache": "e2e_cache", "dataset_name": "default"}},
+        "2": {"class_type": "StreamCache_SaveCache", "inputs": {"dataset": ["1", 0], "cache": "e2e_copy",
                                                                 "dataset_name": "default"}},
     })
     text = _text(result, "2")
@@ -117,7 +117,7 @@ def test_builtin_dataset_nodes_feed_save_cache(client: ComfyClient, comfy_server
         "5": {"class_type": "MakeTrainingDataset", "inputs": {"images": ["4", 0], "texts": ["4", 1],
                                                               "vae": ["1", 0], "clip": ["2", 0]}},
         "6": {"class_type": "StreamCache_SaveCache", "inputs": {"latents": ["5", 0], "conditioning": ["5", 1],
-                                                                "name": "e2e_builtin", "dataset_name": "default"}},
+                                                                "cache": "e2e_builtin", "dataset_name": "default"}},
     })
     text = _text(client.run(prompt), "6")
     assert "saved dataset 'default' (2 samples)" in text and "stored 4 new entries" in text
@@ -125,18 +125,18 @@ def test_builtin_dataset_nodes_feed_save_cache(client: ComfyClient, comfy_server
 
 def test_bad_inputs_are_node_errors_and_the_server_survives(client: ComfyClient, comfy_server: ComfyServer,
                                                             tiny_models: TinyModels) -> None:
-    with pytest.raises(PromptError, match="must not contain '..'"):
-        client.queue_prompt(_encode_prompt(tiny_models, "../../etc", "c"))
+    with pytest.raises(PromptError, match=r"value_not_in_list[\s\S]*folder: '\.\./\.\./etc' not in"):
+        client.queue_prompt(_encode_prompt(tiny_models, "../../etc", "c"))  # folder is a list of input/'s folders
     with pytest.raises(PromptError, match="must not contain '..'"):
         client.queue_prompt(_encode_prompt(tiny_models, "x", "../c"))
-    with pytest.raises(PromptError, match="unknown cache 'no_such_cache'"):
+    with pytest.raises(PromptError, match="cache 'no_such_cache': unknown cache"):
         client.queue_prompt({"1": {"class_type": "StreamCache_LoadLazyCache",
-                                   "inputs": {"name": "no_such_cache", "dataset": "default"}},
+                                   "inputs": {"cache": "no_such_cache", "dataset_name": "default"}},
                              "2": {"class_type": "StreamCache_SaveCache",
-                                   "inputs": {"dataset": ["1", 0], "name": "x", "dataset_name": "d"}}})
+                                   "inputs": {"dataset": ["1", 0], "cache": "x", "dataset_name": "d"}}})
 
-    missing = client.run(_encode_prompt(tiny_models, "e2e_missing", "e2e_bad"), check=False)
-    assert "does not exist" in _error(missing) and "e2e_missing" in _error(missing)
+    with pytest.raises(PromptError, match="folder: 'e2e_missing' not in"):
+        client.queue_prompt(_encode_prompt(tiny_models, "e2e_missing", "e2e_bad"))
     (comfy_server.input_dir / "e2e_empty").mkdir()
     empty = client.run(_encode_prompt(tiny_models, "e2e_empty", "e2e_bad"), check=False)
     assert "no images found" in _error(empty)
@@ -157,9 +157,9 @@ def test_bad_inputs_are_node_errors_and_the_server_survives(client: ComfyClient,
         with open(shard, "r+b") as f:
             f.truncate(64)
         corrupt = client.run({
-            "1": {"class_type": "StreamCache_LoadLazyCache", "inputs": {"name": "e2e_damaged",
-                                                                        "dataset": "default"}},
-            "2": {"class_type": "StreamCache_SaveCache", "inputs": {"dataset": ["1", 0], "name": "x",
+            "1": {"class_type": "StreamCache_LoadLazyCache", "inputs": {"cache": "e2e_damaged",
+                                                                        "dataset_name": "default"}},
+            "2": {"class_type": "StreamCache_SaveCache", "inputs": {"dataset": ["1", 0], "cache": "x",
                                                                     "dataset_name": "d"}},
         }, check=False)
         assert "CacheCorruptError" in _error(corrupt) and shard.name in _error(corrupt)

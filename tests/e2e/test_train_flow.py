@@ -130,7 +130,7 @@ def test_encode_save_then_load_lazy_cache_and_train(comfy_server: ComfyServer, c
     prompt = _api(SAVE_THEN_TRAIN_TEMPLATE)
     save, load = _node(prompt, "StreamCache_SaveCache"), _node(prompt, "StreamCache_LoadLazyCache")
     train = _node(prompt, "StreamCache_TrainLoRA")
-    saved = comfy_server.streamcache_dir / prompt[save]["inputs"]["name"]
+    saved = comfy_server.streamcache_dir / prompt[save]["inputs"]["cache"]
     assert not saved.exists(), "this test expects to create the saved cache"
     run = run_example(client, prompt, timeout=900)
     assert len(run.results) == 2 and all(r.status == "success" for r in run.results)

@@ -14,7 +14,32 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ComfyClient", "PromptError", "PromptResult"]
+__all__ = ["ComfyClient", "PromptError", "PromptResult", "SEEN_NODE_ERRORS", "record_node_errors"]
+
+PACK_PREFIX = "StreamCache_"
+SEEN_NODE_ERRORS: list[dict[str, str]] = []
+"""Every error a node of the pack reported to a client of this process: ``{"kind": "validation" | "execution",
+"node_type", "type", "message"}`` (the e2e suite checks that none is a bare Python message)."""
+
+
+def record_node_errors(reply: Any) -> None:
+    """Keep the pack's validation errors of a ``/prompt`` reply (``node_errors``) in :data:`SEEN_NODE_ERRORS`."""
+    node_errors = reply.get("node_errors") if isinstance(reply, dict) else None
+    for entry in (node_errors or {}).values():
+        if not isinstance(entry, dict) or not str(entry.get("class_type", "")).startswith(PACK_PREFIX):
+            continue
+        for error in entry.get("errors", []):
+            SEEN_NODE_ERRORS.append({"kind": "validation", "node_type": entry["class_type"],
+                                     "type": str(error.get("type", "")),
+                                     "message": str(error.get("details") or error.get("message", ""))})
+
+
+def _record_execution_errors(entry: dict[str, Any]) -> None:
+    for kind, data in entry.get("status", {}).get("messages", []):
+        if kind == "execution_error" and str(data.get("node_type", "")).startswith(PACK_PREFIX):
+            SEEN_NODE_ERRORS.append({"kind": "execution", "node_type": data["node_type"],
+                                     "type": str(data.get("exception_type", "")),
+                                     "message": str(data.get("exception_message", ""))})
 
 
 class PromptError(RuntimeError):
@@ -74,14 +99,17 @@ class ComfyClient:
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST a ``/prompt`` body; returns ComfyUI's reply or raises :class:`PromptError` with its details."""
         try:
-            return self.post("/prompt", body)
+            reply = self.post("/prompt", body)
         except urllib.error.HTTPError as exc:
             text = exc.read().decode(errors="replace")
             try:
                 details: Any = json.loads(text)
             except ValueError:
                 details = text
+            record_node_errors(details)
             raise PromptError(f"ComfyUI refused the prompt (HTTP {exc.code})", details) from exc
+        record_node_errors(reply)
+        return reply
 
     def queue_prompt(self, prompt: dict[str, Any]) -> str:
         """POST ``/prompt``; returns the prompt id or raises :class:`PromptError` with ComfyUI's node errors."""
@@ -132,6 +160,7 @@ class ComfyClient:
         finally:
             if ws is not None:
                 ws.close()
+        _record_execution_errors(entry)
         result = PromptResult(prompt_id, entry, events)
         if check and result.status != "success":
             errors = [m for m in entry.get("status", {}).get("messages", []) if m[0] == "execution_error"]

@@ -68,7 +68,7 @@ def encode_prompt(vae: str, clip: str, folder: str, cache: str, **inputs: Any) -
         "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": clip, "type": "stable_diffusion",
                                                      "device": "default"}},
         "3": {"class_type": "StreamCache_EncodeDataset", "inputs": {
-            "folder": folder, "cache": cache, "dataset": "default", "vae": ["1", 0], "clip": ["2", 0],
+            "folder": folder, "cache": cache, "dataset_name": "default", "vae": ["1", 0], "clip": ["2", 0],
             "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
             "batch_size": 4, "on_failure": "skip", **inputs}},
     }

@@ -12,6 +12,12 @@
 //  * Load Lazy Cache / Cache Info: size, samples, buckets, encoders and a warning badge when the check found
 //    problems, from the UI output `streamcache_info`.
 //
+// It also renames, when a saved workflow is loaded, the inputs that older versions of the pack called otherwise
+// (RENAMED_INPUTS, the same table as nodes/inputs.py RENAMED_INPUTS; API prompts are renamed by the server).
+// Widget values are stored by position and the renamed inputs kept theirs; what must change is the name of the
+// node's input slot for each widget (and of a widget turned into a linked input), which the front end matches by
+// name: left as it was, the old slot would stay on the node as a dangling extra input.
+//
 // Each panel is a DOM widget with serialize:false, added after the node's own widgets, so workflows and API
 // prompts are unchanged. The panels expose their figures as data-* attributes (used by tests/e2e).
 import { app } from "../../../scripts/app.js";
@@ -23,6 +29,13 @@ const INFO_NODES = new Set(["StreamCache_LoadLazyCache", "StreamCache_CacheInfo"
 const SMOOTHING = 0.1; // nodes/lora_training.py _SMOOTHING: weight of the newest loss in the moving average
 const MAX_POINTS = 4000; // a live curve keeps at most this many points (every other one is dropped beyond)
 const PANEL = "streamcache_panel";
+
+const RENAMED_INPUTS = {
+  StreamCache_EncodeDataset: { dataset: "dataset_name" },
+  StreamCache_SaveCache: { name: "cache" },
+  StreamCache_LoadLazyCache: { name: "cache", dataset: "dataset_name" },
+  StreamCache_CleanCache: { name: "cache" },
+};
 
 let currentPrompt = null; // prompt id of the run in progress (from `execution_start`)
 
@@ -382,6 +395,34 @@ class InfoPanel {
   }
 }
 
+// ------------------------------------------------------------------------------------------------ old names
+
+// Rename, in a node's saved data, the widget slots an older version named otherwise (before configure reads it).
+// Only widget slots: Save Streamable Cache's `dataset` socket keeps its name.
+function renameSavedInputs(info, renamed) {
+  if (!info || !renamed) return info;
+  const names = new Set((info.inputs ?? []).map((slot) => slot?.name));
+  for (const slot of info.inputs ?? []) {
+    const next = slot && renamed[slot.name];
+    if (!next || !slot.widget || names.has(next)) continue;
+    if (slot.label === slot.name) delete slot.label;
+    if (slot.localized_name === slot.name) slot.localized_name = next;
+    if (slot.widget.name === slot.name) slot.widget.name = next;
+    slot.name = next;
+    names.add(next);
+  }
+  const values = info.widgets_values;
+  if (values && typeof values === "object" && !Array.isArray(values)) {
+    for (const [old, next] of Object.entries(renamed)) {
+      if (old in values && !(next in values)) {
+        values[next] = values[old];
+        delete values[old];
+      }
+    }
+  }
+  return info;
+}
+
 // ------------------------------------------------------------------------------------------------ registration
 
 const PANELS = {
@@ -413,6 +454,15 @@ app.registerExtension({
   },
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
+    const renamed = RENAMED_INPUTS[nodeData?.name];
+    if (renamed) {
+      const configure = nodeType.prototype.configure;
+      nodeType.prototype.configure = function (info, ...rest) {
+        guard(`${nodeData.name} old input names`, () => renameSavedInputs(info, renamed)).call(this);
+        return configure.apply(this, [info, ...rest]);
+      };
+    }
+
     const spec = PANELS[nodeData?.name];
     if (!spec) return;
 
