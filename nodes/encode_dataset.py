@@ -70,7 +70,7 @@ from .fingerprints import (
     upstream_identity,
     vae_fingerprint,
 )
-from .handles import StreamDatasetHandle
+from .handles import StreamDataset, StreamDatasetHandle
 from ..dataset_cache.format.manifest import check_dataset_name
 from .inputs import NO_FOLDER_YET, existing_caches_hint, input_folders
 from .paths import explain_disk_full, resolve_cache, resolve_cache_to_write
@@ -96,7 +96,6 @@ EVENT = "streamcache.encode"
 """Websocket event of the live encode report (at most two a second, plus the first and the last): ``{"node",
 "phase": "encoding", "done", "total", "samples", "new", "changed", "unchanged", "removed", "failed"}``."""
 _UNRESOLVED = "unresolved:{}"  # a fingerprint no entry was ever keyed with: every key it yields is missing
-StreamDataset = io.Custom("STREAM_DATASET")
 
 _OWN_WRITES = OwnWrites()
 # (cache root, dataset) -> source changes seen by check_lazy_status's plans since the last execute: each plan saves

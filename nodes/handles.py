@@ -9,11 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from comfy_api.latest import io
+
 from ..dataset_cache.dataset import Sample
 from ..dataset_cache.errors import CacheNotFoundError
 from ..dataset_cache.format.reader import CacheReader, open_cache
 
-__all__ = ["StreamDatasetHandle"]
+__all__ = ["StreamDataset", "StreamDatasetHandle"]
+
+StreamDataset = io.Custom("STREAM_DATASET")
+"""The socket type that carries a :class:`StreamDatasetHandle` between the pack's nodes."""
 
 
 @dataclass(frozen=True)

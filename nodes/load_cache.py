@@ -27,7 +27,7 @@ from ..dataset_cache.format.manifest import MANIFEST, read_state
 from ..dataset_cache.format.reader import CacheReader
 from ..dataset_cache.interop import convert_comfy_dataset, detect_comfy_dataset, inspect_comfy_dataset
 from .fingerprints import cache_identity
-from .handles import StreamDatasetHandle
+from .handles import StreamDataset, StreamDatasetHandle
 from .inputs import NO_CACHE_YET, cache_choices, no_cache_yet_message
 from .paths import cache_roots, resolve_cache
 from .ui_output import TextWithData
@@ -44,7 +44,6 @@ CONVERTED_FOLDER = "from_comfyui"
 _COMFY_SUBFOLDERS = ("datasets", "training_datasets")
 """Output subfolders searched one level deeper for ComfyUI datasets (others are not descended into: the output
 directory can hold many image folders, and this list is rebuilt whenever the node list is)."""
-StreamDataset = io.Custom("STREAM_DATASET")
 
 
 def list_caches() -> list[str]:

@@ -30,7 +30,7 @@ from ..dataset_cache.interop import split_batch, value_key
 from ..dataset_cache.incremental import compact_if_unread
 from ..dataset_cache.lock import WRITE_LOCK, CacheLock
 from .fingerprints import OwnWrites, cache_identity
-from .handles import StreamDatasetHandle
+from .handles import StreamDataset, StreamDatasetHandle
 from ..dataset_cache.format.manifest import check_dataset_name
 from .inputs import existing_caches_hint
 from .paths import explain_disk_full, resolve_cache, resolve_cache_to_write
@@ -43,7 +43,6 @@ COPY_BATCH = 64
 """Entries read per batch when copying a dataset: one coalesced read each, bounded memory."""
 LOCK_TIMEOUT_S = 60.0
 """How long to wait for another writer of the same cache before failing with a clear error."""
-StreamDataset = io.Custom("STREAM_DATASET")
 _OWN_WRITES = OwnWrites()
 
 

@@ -19,7 +19,7 @@ import folder_paths
 
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
 from ..dataset_cache.lock import READ_LOCK, CacheLock
-from .handles import StreamDatasetHandle
+from .handles import StreamDataset, StreamDatasetHandle
 from .lora_training import LOSS_FUNCTIONS, OPTIMIZERS, StepReport, TrainSettings, train_lora
 
 __all__ = ["EVENT", "TrainLoRA"]
@@ -32,7 +32,6 @@ EVENT = "streamcache.train"
 _EVENT_INTERVAL_S = 0.5
 """At most two events a second (plus the last step): enough for a live chart, light on the socket."""
 
-StreamDataset = io.Custom("STREAM_DATASET")
 LoraModel = io.Custom("LORA_MODEL")
 LossMap = io.Custom("LOSS_MAP")
 
