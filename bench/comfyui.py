@@ -6,7 +6,7 @@ Runs under ComfyUI's python and calls ComfyUI's own functions in-process (CPU, `
   by our ``CacheWriter`` and in the lazy-branch layout; then, each in a fresh interpreter, the built-in
   ``LoadTrainingDataset.execute`` vs ``open_cache`` + the sample list vs the lazy-branch open: wall time and RSS.
 * **C2. Training**: time to the first training step, steady steps/s and peak RSS of our trainer
-  (``nodes/lora_training.train_lora``, what ``StreamCache_TrainLoRA`` runs) vs the built-in ``LoadTrainingDataset``
+  (``nodes/training_loop.train_lora``, what ``StreamCache_TrainLoRA`` runs) vs the built-in ``LoadTrainingDataset``
   → ``ResolutionBucket`` → ``TrainLoraNode(bucket_mode=True)``, same batch size, steps and options, with the tiny
   SD1.5-shaped model; and the upper bound: our loop with every batch already in (CPU) device memory.
 * **C5. Built-in re-encode**: ComfyUI's ``MakeTrainingDataset`` with the tiny VAE and CLIP on a small folder,
@@ -233,7 +233,7 @@ def child_train(kind: str, target: str, steps: int, work: Path, models: str) -> 
             pack = import_pack()
             import importlib
 
-            lt = importlib.import_module(f"{pack.__name__}.nodes.lora_training")
+            lt = importlib.import_module(f"{pack.__name__}.nodes.training_loop")
             handles = importlib.import_module(f"{pack.__name__}.nodes.handles")
             if kind == "bound":
                 real_loader = lt.PrefetchLoader

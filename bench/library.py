@@ -384,7 +384,8 @@ def incremental_bench(work: Path, n: int, runs: int) -> IncrementalFigures | str
     re-planning the unchanged folder takes; a string saying why when it fails (the other tables still run)."""
     try:
         from dataset_cache.buckets import BucketConfig
-        from dataset_cache.incremental import EncodeSettings, plan_encode, run_encode, sources_record_path
+        from dataset_cache.encode_plan import EncodeSettings, plan_encode, sources_record_path
+        from dataset_cache.encode_run import run_encode
         from dataset_cache.sources import load_record, validate_sources
 
         from . import bench_incremental as mod  # here, not at the top: the L1 child must not import it

@@ -30,7 +30,8 @@ from .errors import (
     UnstorableValueError,
 )
 from .format import CacheReader, CacheWriter, CompactReport, ReadBuffer, open_cache
-from .incremental import EncodePlan, EncodeReport, EncodeSettings, plan_encode, run_encode
+from .encode_plan import EncodePlan, EncodeSettings, plan_encode
+from .encode_run import EncodeReport, run_encode
 from .loader import Batch, LoaderStats, LoaderWorkerError, PrefetchLoader
 from .refs import LazyTensor, is_lazy, materialize
 from .sampler import BatchPlan, BucketSampler, buckets_from_reader

@@ -1,4 +1,4 @@
-"""Planning an incremental encode: what a dataset folder needs that the cache does not have yet.
+"""The first half of encoding: what a dataset folder needs that the cache does not have yet (no encoder needed).
 
 :func:`plan_encode` needs no encoder. The ComfyUI node calls it first to decide whether to load the VAE and the
 text encoder at all: when nothing is missing neither is loaded. Steps:
@@ -11,7 +11,7 @@ text encoder at all: when nothing is missing neither is loaded. Steps:
 3. bucket every image (:class:`.buckets.BucketConfig`) and compute its latent key from the source content hash,
    the crop plan and the VAE fingerprint, and one conditioning key per caption variant from the final caption
    text (prefix + line + suffix) and the text encoder fingerprint (:mod:`.keys`);
-4. look the keys up in the cache: what is absent is what :func:`.incremental.run_encode` encodes.
+4. look the keys up in the cache: what is absent is what :func:`.encode_run.run_encode` encodes.
 
 Keys are content addressed, so a caption line shared by 100 images is one conditioning to encode, renamed or
 touched files cost nothing, and a new VAE fingerprint re-encodes latents but no conditioning.

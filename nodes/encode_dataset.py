@@ -1,6 +1,6 @@
 """Node "Encode Dataset": an image + caption folder → entries in a cache, encoding only what is missing.
 
-The work is the library's (:func:`dataset_cache.encode_plan.plan_encode`, :func:`dataset_cache.incremental.
+The work is the library's (:func:`dataset_cache.encode_plan.plan_encode`, :func:`dataset_cache.encode_run.
 run_encode`); this node resolves the folder and cache names, wraps ComfyUI's VAE and CLIP as encoder callables,
 reports progress, honours Cancel and turns the result into a ``STREAM_DATASET`` handle plus a report.
 
@@ -59,7 +59,7 @@ from ..dataset_cache.errors import CacheError, CacheNotFoundError
 from ..dataset_cache.format.manifest import read_state
 from ..dataset_cache.format.reader import open_cache
 from ..dataset_cache.format.writer import CacheWriter
-from ..dataset_cache.incremental import EncodeReport, run_encode
+from ..dataset_cache.encode_run import EncodeReport, run_encode
 from ..dataset_cache.lock import WRITE_LOCK, CacheLock
 from ..dataset_cache.video import MAX_CLIP_FRAMES, SAMPLING_MODES, FrameSettings
 from .fingerprints import (

@@ -27,7 +27,7 @@ from ..dataset_cache.dataset import Sample
 from ..dataset_cache.format.reader import open_cache
 from ..dataset_cache.format.writer import CacheWriter, CompactReport
 from ..dataset_cache.interop import split_batch, value_key
-from ..dataset_cache.incremental import compact_if_unread
+from ..dataset_cache.encode_run import compact_if_unread
 from ..dataset_cache.lock import WRITE_LOCK, CacheLock
 from .fingerprints import OwnWrites, cache_identity
 from .handles import StreamDataset, StreamDatasetHandle

@@ -2,7 +2,7 @@
 
 The outputs are the built-in trainer's (``LORA_MODEL``, ``LOSS_MAP``, steps), so ComfyUI's "Save LoRA Weights",
 "Plot Loss Graph" and "Load LoRA Model" take them unchanged. The training itself lives in
-:mod:`.lora_training`; this file is the ComfyUI face of it: inputs, progress events and the node's UI output.
+:mod:`.training_loop`; this file is the ComfyUI face of it: inputs, progress events and the node's UI output.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import folder_paths
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
 from ..dataset_cache.lock import READ_LOCK, CacheLock
 from .handles import StreamDataset, StreamDatasetHandle
-from .lora_training import LOSS_FUNCTIONS, OPTIMIZERS, StepReport, TrainSettings, train_lora
+from .training_loop import LOSS_FUNCTIONS, OPTIMIZERS, StepReport, TrainSettings, train_lora
 
 __all__ = ["EVENT", "TrainLoRA"]
 

@@ -119,7 +119,7 @@ def test_family_trains_and_its_lora_applies_with_every_key(
     keys_cell.passed(f"{part}: all {applied} modules")
 
     sample_cell.note(f"{part}: a 1-step KSampler with the LoRA")
-    train_nodes = _module(pack, "nodes.lora_training").nodes_train_module()
+    train_nodes = _module(pack, "nodes.training_loop").nodes_train_module()
     with torch.inference_mode():
         (with_lora,) = train_nodes.LoraModelLoader.execute(model, lora, 1.0).result
         cond = fam.conditioning(torch.Generator().manual_seed(1), 9)
@@ -277,7 +277,7 @@ def test_one_step_gives_the_loss_and_gradients_of_comfyuis_own_training(
     Where the node fails on the family (``Family.builtin_fails``), its guider and ``fwd_bwd`` are run directly."""
     fam, model = family
     cell = matrix(fam.name, "parity")
-    training = _module(pack, "nodes.lora_training")
+    training = _module(pack, "nodes.training_loop")
     builtin = training.nodes_train_module()
     gen = torch.Generator().manual_seed(21)
     latent = torch.randn(fam.latent, generator=gen)
@@ -334,7 +334,7 @@ def test_comfyuis_builtin_train_lora_node_trains_the_family(
 
     fam, model = family
     cell = matrix(fam.name, "builtin")
-    builtin = _module(pack, "nodes.lora_training").nodes_train_module()
+    builtin = _module(pack, "nodes.training_loop").nodes_train_module()
     gen = torch.Generator().manual_seed(5)
     latents = [torch.randn(fam.latent, generator=gen) for _ in range(2)]
     conditionings = [fam.conditioning(gen, tokens) for tokens in (7, 12)]

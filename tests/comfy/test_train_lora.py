@@ -175,7 +175,7 @@ def test_loss_falls(trained: Any, untrained: list[float]) -> None:
 def test_trained_lora_lowers_a_fixed_evaluation_loss(trained: Any, models: tuple, dataset: Any,
                                                       comfy_nodes: ModuleType, pack: ModuleType) -> None:
     """Independent of the training curve's noise: the same sigmas and noise before and after, via LoraModelLoader."""
-    train_module = _module(pack, "nodes.lora_training").nodes_train_module()
+    train_module = _module(pack, "nodes.training_loop").nodes_train_module()
     reader, samples = dataset.open()
     try:
         values = reader.read([s.latent for s in samples] + [s.captions[0] for s in samples])
@@ -206,7 +206,7 @@ def test_outputs_work_with_the_builtin_lora_nodes(trained: Any, models: tuple, p
         patches = comfy.lora.load_lora(lora, comfy.lora.model_lora_keys_unet(model.model, {}))
     assert "lora key not loaded" not in caplog.text
     assert len(patches) > 0
-    train_module = _module(pack, "nodes.lora_training").nodes_train_module()
+    train_module = _module(pack, "nodes.training_loop").nodes_train_module()
     train_module.SaveLoRA.execute(lora, "loras/streamcache_test", steps)
     saved = sorted(Path(folder_paths.get_output_directory(), "loras").glob(f"streamcache_test_{steps}_steps_*"))
     assert saved, "SaveLoRA wrote no file"
@@ -248,7 +248,7 @@ def test_bypass_mode_trains_the_same_lora_through_forward_hooks(pack: ModuleType
                                                               dataset: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """bypass_mode (ComfyUI's, for quantized weights that cannot be patched) applies the adapters as forward hooks:
     the same seed trains the same LoRA as weight patching, the base model is untouched, no hook is left."""
-    training = _module(pack, "nodes.lora_training")
+    training = _module(pack, "nodes.training_loop")
     hooks: list[int] = []
     step = training._Loop._optimizer_step
 
@@ -278,7 +278,7 @@ def test_quantized_backward_is_set_for_the_run_only(pack: ModuleType, node: type
     this node trains, as the built-in node does, and puts the previous value back afterwards."""
     import comfy.model_management
 
-    training = _module(pack, "nodes.lora_training")
+    training = _module(pack, "nodes.training_loop")
     seen: list[bool] = []
     step = training._Loop._optimizer_step
 
@@ -340,7 +340,7 @@ def test_continuing_a_lora_reproduces_an_uninterrupted_run(node: type, models: t
 
 def test_every_row_is_paired_with_its_own_caption(pack: ModuleType, models: tuple) -> None:
     """The built-in trainer averages every caption over the whole batch; here row i sees caption i only."""
-    training = _module(pack, "nodes.lora_training")
+    training = _module(pack, "nodes.training_loop")
     model = models[0]
     short = torch.randn(1, 77, 768)
     long = torch.randn(1, 154, 768)
@@ -357,7 +357,7 @@ def test_every_row_is_paired_with_its_own_caption(pack: ModuleType, models: tupl
 def test_rows_whose_conditionings_cannot_be_joined_run_as_separate_groups(pack: ModuleType, models: tuple) -> None:
     """77 and 100 CLIP tokens have no small common multiple, so ComfyUI's sampler would not batch them: neither
     does the trainer. Each group's prediction equals the prediction of its rows alone."""
-    training = _module(pack, "nodes.lora_training")
+    training = _module(pack, "nodes.training_loop")
     model = models[0]
     gen = torch.Generator().manual_seed(3)
     conds = [[[torch.randn(1, n, 768, generator=gen), {}]] for n in (77, 100, 77)]
@@ -373,7 +373,7 @@ def test_progress_events_reach_the_server_throttled(pack: ModuleType, monkeypatc
     import types
 
     node_module = _module(pack, "nodes.train_lora")
-    report = _module(pack, "nodes.lora_training").StepReport
+    report = _module(pack, "nodes.training_loop").StepReport
     events = node_module._Events("12")
     monkeypatch.delitem(sys.modules, "server", raising=False)
     events(report(1, 3, 0.5, 0.5, 2.0, 1.0, 0))  # no server: a no-op
@@ -466,7 +466,7 @@ def test_a_nan_latent_stops_training_at_its_first_batch_naming_it(pack: ModuleTy
     bad = torch.randn(1, 4, 8, 8)
     bad[0, 1, 2, 3] = float("nan")
     dataset = _poisoned(pack, handles, tmp_path / "nan_cache", bad)
-    training = _module(pack, "nodes.lora_training")
+    training = _module(pack, "nodes.training_loop")
     with pytest.raises(training.NonFiniteLossError) as info:
         _train(node, models[0], dataset, batch_size=1, steps=8, seed=3)
     message = str(info.value)
@@ -478,7 +478,7 @@ def test_an_integer_latent_is_refused_before_any_step(pack: ModuleType, node: ty
                                                       handles: ModuleType, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     dataset = _poisoned(pack, handles, tmp_path / "int_cache", torch.zeros(1, 4, 8, 8, dtype=torch.int16))
-    training = _module(pack, "nodes.lora_training")
+    training = _module(pack, "nodes.training_loop")
     steps: list[int] = []
     real_fwd_bwd = training._Loop._fwd_bwd
     monkeypatch.setattr(training._Loop, "_fwd_bwd", lambda self, b, i: steps.append(i) or real_fwd_bwd(self, b, i))

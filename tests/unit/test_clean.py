@@ -15,7 +15,7 @@ from dataset_cache.dataset import Sample
 from dataset_cache.errors import CacheLockedError, CacheNotFoundError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.format.writer import CacheWriter
-from dataset_cache.incremental import sources_record_path
+from dataset_cache.encode_plan import sources_record_path
 from dataset_cache.lock import READ_LOCK, WRITE_LOCK, CacheLock
 from support.paths import TESTS_DIR
 

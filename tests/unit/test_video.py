@@ -21,7 +21,8 @@ from dataset_cache.buckets import BucketConfig
 from dataset_cache.encode_plan import EncodeSettings
 from dataset_cache.errors import SourceError
 from dataset_cache.format.reader import open_cache
-from dataset_cache.incremental import plan_encode, run_encode
+from dataset_cache.encode_plan import plan_encode
+from dataset_cache.encode_run import run_encode
 from dataset_cache.scan import DatasetFolderError, list_folder, scan_folder
 from dataset_cache.video import (MAX_CLIP_FRAMES, FrameSettings, clip_folder_of, frame_order, has_av, load_clip,
                                  probe_video)

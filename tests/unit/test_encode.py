@@ -1,4 +1,4 @@
-"""Tests of dataset_cache.encode_plan and dataset_cache.incremental: encode only what is missing, resumably.
+"""Tests of dataset_cache.encode_plan and dataset_cache.encode_run: encode only what is missing, resumably.
 
 Every test counts encoder calls with a pure-torch fake encoder (latent = 8x downsampled image plus its channel
 mean, ``{"samples": Tensor[1, 4, h/8, w/8]}``; conditioning = a tensor seeded by a hash of the text) on folders
@@ -29,7 +29,8 @@ from dataset_cache.errors import CacheLinkError, SourceError, UnstorableValueErr
 from dataset_cache.format.layout import CacheNestingError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.format.writer import CacheWriter
-from dataset_cache.incremental import EncodeSettings, plan_encode, run_encode, sources_record_path
+from dataset_cache.encode_plan import EncodeSettings, plan_encode, sources_record_path
+from dataset_cache.encode_run import run_encode
 from dataset_cache.lock import WRITE_LOCK, CacheLock
 from dataset_cache.scan import DatasetFolderError
 from support.datasets import make_kohya_folder
@@ -384,7 +385,8 @@ import_library()
 import importlib.util
 spec = importlib.util.spec_from_file_location("ti", {module!r})
 ti = importlib.util.module_from_spec(spec); spec.loader.exec_module(ti)
-from dataset_cache.incremental import plan_encode, run_encode
+from dataset_cache.encode_plan import plan_encode
+from dataset_cache.encode_run import run_encode
 logging.basicConfig(level=logging.WARNING)
 folder, cache, dataset, delay, marker = sys.argv[1:6]
 enc = ti.FakeEncoders(delay=float(delay))
@@ -686,7 +688,7 @@ def test_an_encode_whose_compaction_cannot_read_a_shard_keeps_it_and_says_so(fol
 
 
 def test_images_per_call_keeps_a_vae_call_s_pixels_bounded() -> None:
-    from dataset_cache.incremental import MAX_PIXEL_BATCH_BYTES, images_per_call
+    from dataset_cache.encode_run import MAX_PIXEL_BATCH_BYTES, images_per_call
 
     assert images_per_call((512, 512), 4) == 4
     assert images_per_call((8192, 8192), 256) == 1  # 805 MB for one image: never more than one
@@ -696,7 +698,7 @@ def test_images_per_call_keeps_a_vae_call_s_pixels_bounded() -> None:
 
 def test_large_buckets_are_encoded_fewer_per_call_and_the_report_says_so(folder: Path, cache: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import dataset_cache.incremental as inc
+    import dataset_cache.encode_run as inc
 
     monkeypatch.setattr(inc, "MAX_PIXEL_BATCH_BYTES", 64 * 64 * 12)  # one 64×64 image per call
     enc = FakeEncoders()

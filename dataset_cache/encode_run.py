@@ -1,6 +1,6 @@
-"""Encoding only what is missing, in bucket batches, committing each batch durably.
+"""The second half of encoding: encode only what is missing, in bucket batches, committing each batch durably.
 
-:func:`.encode_plan.plan_encode` says what a folder needs; :func:`run_encode` encodes exactly that:
+The first half, :func:`.encode_plan.plan_encode`, says what a folder needs; :func:`run_encode` encodes exactly that:
 
 * conditionings first (each distinct caption text once), then latents bucket by bucket, ``batch_size`` per
   encoder call, so each model is needed in one stretch;
@@ -41,15 +41,7 @@ from typing import Any
 import torch
 
 from .dataset import Sample
-from .encode_plan import (
-    FAILURE_POLICIES,
-    EncodePlan,
-    EncodeSettings,
-    LatentJob,
-    plan_encode,
-    samples_digest,
-    sources_record_path,
-)
+from .encode_plan import EncodePlan, LatentJob, samples_digest
 from .errors import CacheLockedError, SourceError
 from .format.writer import LOG_SYNC_SECONDS, CacheWriter, CompactReport
 from .imaging import load_image
@@ -61,18 +53,12 @@ from .units import format_bytes
 from .video import load_clip
 
 __all__ = [
-    "FAILURE_POLICIES",
     "LOOKAHEAD_BATCHES",
-    "EncodeSettings",
-    "EncodePlan",
-    "LatentJob",
     "EncodeReport",
-    "plan_encode",
     "run_encode",
     "compact_if_unread",
     "images_per_call",
     "MAX_PIXEL_BATCH_BYTES",
-    "sources_record_path",
 ]
 
 log = logging.getLogger("dataset_cache.encode")
