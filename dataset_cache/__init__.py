@@ -30,11 +30,14 @@ from .errors import (
     UnstorableValueError,
 )
 from .format import CacheReader, CacheWriter, CompactReport, ReadBuffer, open_cache
+from .format.layout import is_cache_folder
+from .format.manifest import CacheState, check_dataset_name, read_state
 from .encode_plan import EncodePlan, EncodeSettings, plan_encode
 from .encode_run import EncodeReport, run_encode
 from .loader import Batch, LoaderStats, LoaderWorkerError, PrefetchLoader
 from .refs import LazyTensor, is_lazy, materialize
 from .sampler import BatchPlan, BucketSampler, buckets_from_reader
+from .saving import SaveResult, copy_dataset, read_dataset_info, save_latent_lists, update_dataset_info
 from .video import FrameSettings
 
 __version__ = "0.1.0"
@@ -42,6 +45,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch",
     "BatchPlan",
+    "buckets_from_reader",
     "BucketSampler",
     "CacheCorruptError",
     "CacheError",
@@ -49,30 +53,38 @@ __all__ = [
     "CacheLockedError",
     "CacheNotFoundError",
     "CacheReader",
+    "CacheState",
     "CacheWriter",
+    "check_dataset_name",
+    "clean",
     "CleanPreview",
     "CleanReport",
     "CompactReport",
+    "copy_dataset",
     "DatasetInfo",
     "EncodePlan",
     "EncodeReport",
     "EncodeSettings",
     "FrameSettings",
+    "is_cache_folder",
+    "is_lazy",
     "LazyTensor",
     "LoaderStats",
     "LoaderWorkerError",
-    "MaterializeRequired",
-    "PrefetchLoader",
-    "ReadBuffer",
-    "Sample",
-    "SourceError",
-    "UnstorableValueError",
-    "buckets_from_reader",
-    "clean",
-    "is_lazy",
     "materialize",
+    "MaterializeRequired",
     "open_cache",
     "plan_encode",
+    "PrefetchLoader",
     "preview_clean",
+    "read_dataset_info",
+    "read_state",
+    "ReadBuffer",
     "run_encode",
+    "Sample",
+    "save_latent_lists",
+    "SaveResult",
+    "SourceError",
+    "UnstorableValueError",
+    "update_dataset_info",
 ]

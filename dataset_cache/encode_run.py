@@ -33,13 +33,14 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .batching import batched
 from .dataset import Sample
 from .encode_plan import EncodePlan, LatentJob, samples_digest
 from .errors import CacheLockedError, SourceError
@@ -239,11 +240,6 @@ def _decode_rows(jobs: Sequence[LatentJob], out: torch.Tensor, first: int
         return [_decode(job, out, first + i) for i, job in enumerate(jobs)]
 
 
-def _batches(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i:i + n]
-
-
 def _shard_sizes(root: str) -> dict[str, int]:
     out: dict[str, int] = {}
     try:
@@ -351,7 +347,7 @@ class _Run:
             self._committer = None
 
     def encode_texts(self, encode: TextEncoder, todo: list[tuple[str, str]]) -> None:
-        for batch in _batches(todo, self.plan.settings.batch_size):
+        for batch in batched(todo, self.plan.settings.batch_size):
             self.check_stop()
             texts = [text for _, text in batch]
             start = time.perf_counter()
@@ -593,7 +589,7 @@ def run_encode(
             report.reused = sum(1 for k in needed if writer.has(k))
             texts = [(k, t) for k, t in plan.missing_conditionings.items() if not writer.has(k)]
             batches = [b for bucket, jobs in plan.missing_latents.items()
-                       for b in _batches([j for j in jobs if not writer.has(j.key)],
+                       for b in batched([j for j in jobs if not writer.has(j.key)],
                                          images_per_call(bucket, settings.batch_size))]
             smaller = [b for b in plan.missing_latents if images_per_call(b, settings.batch_size) < settings.batch_size]
             if smaller:

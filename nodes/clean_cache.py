@@ -12,8 +12,7 @@ from typing import Any
 
 from comfy_api.latest import io, ui
 
-from ..dataset_cache.clean import clean
-from ..dataset_cache.format.manifest import MANIFEST
+from ..dataset_cache import clean, is_cache_folder
 from .inputs import NO_CACHE_YET, cache_choices, no_cache_yet_message
 from .load_cache import list_caches
 from .paths import resolve_cache
@@ -26,7 +25,7 @@ def _existing_cache(cache: str) -> Path:
     if cache == NO_CACHE_YET:
         raise ValueError(no_cache_yet_message("cache"))
     root = resolve_cache(cache)
-    if not (root / MANIFEST).is_file():
+    if not is_cache_folder(root):
         raise ValueError(f"cache {cache!r}: unknown cache (no cache at {root}); available: "
                          f"{', '.join(list_caches()) or 'none'}. Pick one of those (press R to refresh the list)")
     return root

@@ -55,12 +55,9 @@ from comfy_api.latest import io
 
 from ..dataset_cache.buckets import CROP_MODES, BucketConfig
 from ..dataset_cache.encode_plan import FAILURE_POLICIES, EncodePlan, EncodeSettings, plan_encode
-from ..dataset_cache.errors import CacheError, CacheNotFoundError
-from ..dataset_cache.format.manifest import read_state
-from ..dataset_cache.format.reader import open_cache
-from ..dataset_cache.format.writer import CacheWriter
+from ..dataset_cache import check_dataset_name, read_dataset_info, update_dataset_info
 from ..dataset_cache.encode_run import EncodeReport, run_encode
-from ..dataset_cache.lock import WRITE_LOCK, CacheLock
+from ..dataset_cache.errors import CacheError
 from ..dataset_cache.video import MAX_CLIP_FRAMES, SAMPLING_MODES, FrameSettings
 from .fingerprints import (
     OwnWrites,
@@ -71,7 +68,6 @@ from .fingerprints import (
     vae_fingerprint,
 )
 from .handles import StreamDataset, StreamDatasetHandle
-from ..dataset_cache.format.manifest import check_dataset_name
 from .inputs import NO_FOLDER_YET, existing_caches_hint, input_folders
 from .paths import explain_disk_full, resolve_cache, resolve_cache_to_write
 from .ui_output import EventSender, TextWithData
@@ -182,9 +178,7 @@ class _Encoders:
 def _recorded(root: Path, dataset: str) -> dict[str, dict[str, str]]:
     """The ``{encoder: {identity: fingerprint}}`` record of the dataset (empty when there is none)."""
     try:
-        current = read_state(root).datasets.get(dataset)
-    except CacheNotFoundError:
-        return {}
+        current = read_dataset_info(root, dataset)
     except CacheError as exc:
         log.warning("%s: cannot read the encoder record (%s); encoders will be loaded", root, exc)
         return {}
@@ -323,18 +317,8 @@ def _store_record(root: Path, dataset: str, enc: _Encoders) -> None:
         strides = {enc.vae_fp: enc.frame_stride, **{f: v for f, v in record.get(STRIDE_KEY, {}).items()
                                                     if f != enc.vae_fp}}
         record[STRIDE_KEY] = dict(list(strides.items())[:RECORD_LIMIT])
-    if not record:
-        return
-    with CacheLock(root, WRITE_LOCK, purpose="record encoder identities"):
-        writer = CacheWriter(root, create=False)
-        try:
-            current = writer.datasets().get(dataset)
-            if current is None or current.info.get(RECORD_KEY) == record:
-                return
-            samples = open_cache(root, verify=False).dataset(dataset)
-            writer.set_dataset(dataset, samples, info={**current.info, RECORD_KEY: record})
-        finally:
-            writer.close()
+    if record:
+        update_dataset_info(root, dataset, RECORD_KEY, record)
 
 
 def _format(report: EncodeReport, enc: _Encoders) -> str:

@@ -46,8 +46,7 @@ import folder_paths
 import torch
 import xxhash
 
-from ..dataset_cache.errors import CacheError, CacheNotFoundError
-from ..dataset_cache.format.manifest import read_state
+from ..dataset_cache import CacheError, CacheNotFoundError, read_state
 from ..dataset_cache.keys import fingerprint
 from ..dataset_cache.scan import list_folder
 

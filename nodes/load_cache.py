@@ -22,9 +22,7 @@ import folder_paths
 import xxhash
 from comfy_api.latest import io
 
-from ..dataset_cache.errors import CacheError, CacheNotFoundError
-from ..dataset_cache.format.manifest import MANIFEST, read_state
-from ..dataset_cache.format.reader import CacheReader
+from ..dataset_cache import CacheError, CacheReader, is_cache_folder, read_dataset_info
 from ..dataset_cache.interop import convert_comfy_dataset, detect_comfy_dataset, inspect_comfy_dataset
 from .fingerprints import cache_identity
 from .handles import StreamDataset, StreamDatasetHandle
@@ -51,7 +49,7 @@ def list_caches() -> list[str]:
     found: set[str] = set()
     for root in cache_roots():
         for rel in _subdirs(root, depth=2):
-            if (root / rel / MANIFEST).is_file():
+            if is_cache_folder(root / rel):
                 found.add(rel)
     return sorted(found)
 
@@ -77,7 +75,7 @@ def _subdirs(root: Path, depth: int) -> list[str]:
         return out
     for name in dirs:
         out.append(name)
-        if depth > 1 and not (root / name / MANIFEST).is_file():  # no caches inside a cache
+        if depth > 1 and not is_cache_folder(root / name):  # no caches inside a cache
             out.extend(f"{name}/{sub}" for sub in _subdirs(root / name, depth - 1))
     return out
 
@@ -108,7 +106,7 @@ def resolve_source(name: str) -> tuple[Path, Path | None]:
                              f"{', '.join(list_comfy_datasets()) or 'none'}")
         return cache_roots()[0] / CONVERTED_FOLDER / rel, src
     root = resolve_cache(name)
-    if not (root / MANIFEST).is_file():
+    if not is_cache_folder(root):
         raise ValueError(f"cache {name!r}: unknown cache (no cache at {root}); available: "
                          f"{', '.join(list_caches() + list_comfy_datasets()) or 'none'}. Pick one of those (press R "
                          "to refresh the list), or encode one with Encode Dataset or save one with Save Streamable "
@@ -124,11 +122,7 @@ def _source_files(src: Path) -> list[os.stat_result]:
 def _ensure_converted(root: Path, src: Path, dataset: str) -> bool:
     """Convert ``src`` into ``root`` unless the converted dataset is newer than every source file."""
     newest = max(st.st_mtime_ns for st in _source_files(src))
-    try:
-        state = read_state(root)
-    except CacheNotFoundError:
-        state = None
-    current = state.datasets.get(dataset) if state is not None else None
+    current = read_dataset_info(root, dataset)
     if (current is not None and current.info.get("source") == str(src.resolve())
             and (root / current.file).stat().st_mtime_ns > newest):
         return False

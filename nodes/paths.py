@@ -23,11 +23,10 @@ import folder_paths
 from ..dataset_cache.units import format_bytes
 from ..dataset_cache.format.layout import (
     INTERNAL_DIRS,
-    MANIFEST,
     CacheNestingError,
     check_new_cache_location,
     enclosing_cache,
-    is_regular_file,
+    is_cache_folder,
 )
 
 __all__ = ["FOLDER_NAME", "cache_roots", "register_cache_folder", "resolve_cache", "resolve_cache_to_write",
@@ -131,7 +130,7 @@ def resolve_cache_to_write(name: str) -> Path:
     if outer is not None:
         raise ValueError(f"cache name {name!r} lies inside the cache {outer.name!r} ({outer}); a cache inside a "
                          "cache would be deleted by the outer one's next compaction. Choose a name outside it")
-    if not is_regular_file(path / MANIFEST):
+    if not is_cache_folder(path):
         try:
             check_new_cache_location(path)
         except CacheNestingError as exc:

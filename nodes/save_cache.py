@@ -17,21 +17,17 @@ training run is reading it at that moment. The cache's write lock keeps a concur
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from comfy_api.latest import io, ui
 
-from ..dataset_cache.dataset import Sample
-from ..dataset_cache.format.reader import open_cache
-from ..dataset_cache.format.writer import CacheWriter, CompactReport
-from ..dataset_cache.interop import split_batch, value_key
-from ..dataset_cache.encode_run import compact_if_unread
-from ..dataset_cache.lock import WRITE_LOCK, CacheLock
+from ..dataset_cache import check_dataset_name
+from ..dataset_cache.format.writer import CompactReport
+from ..dataset_cache.saving import copy_dataset, save_latent_lists
 from .fingerprints import OwnWrites, cache_identity
 from .handles import StreamDataset, StreamDatasetHandle
-from ..dataset_cache.format.manifest import check_dataset_name
 from .inputs import existing_caches_hint
 from .paths import explain_disk_full, resolve_cache, resolve_cache_to_write
 
@@ -39,99 +35,30 @@ __all__ = ["SaveCache", "save_dataset", "save_lists"]
 
 log = logging.getLogger("streamcache.save_cache")
 
-COPY_BATCH = 64
-"""Entries read per batch when copying a dataset: one coalesced read each, bounded memory."""
-LOCK_TIMEOUT_S = 60.0
-"""How long to wait for another writer of the same cache before failing with a clear error."""
 _OWN_WRITES = OwnWrites()
 
 
-def _set_dataset(writer: CacheWriter, root: Path, name: str, samples: list[Sample], info: dict[str, Any]) -> None:
-    """Store the dataset unless the cache already holds exactly it (saving again then leaves the cache as is)."""
-    current = writer.datasets().get(name)
-    if current is not None and current.info == info:
-        with open_cache(root, verify=False) as reader:
-            if reader.dataset(name) == samples:
-                return
-    writer.set_dataset(name, samples, info=info)
-
-
-def _batches(items: Sequence[str], n: int) -> Iterator[Sequence[str]]:
-    for i in range(0, len(items), n):
-        yield items[i:i + n]
-
-
 def save_dataset(handle: StreamDatasetHandle, root: Path, name: str) -> tuple[int, int, CompactReport | None]:
-    """Copy ``handle``'s dataset into the cache at ``root`` as dataset ``name``, bucket by bucket.
+    """Copy ``handle``'s dataset into the cache at ``root`` as dataset ``name`` (:func:`copy_dataset`).
 
-    Returns ``(samples, entries copied, compaction report)``. Raises what the library raises: ``ValueError`` for
-    a missing cache or dataset, ``CacheCorruptError`` naming a damaged shard of the source.
+    Returns ``(samples, entries copied, compaction report)``.
     """
-    reader, samples = handle.open()
+    reader, _samples = handle.open()
     try:
-        def bucket(s: Sample) -> str:
-            shapes = reader.tensor_shapes(s.latent)
-            shape = shapes.get("samples") if isinstance(shapes, dict) else None
-            return "x".join(map(str, shape)) if shape is not None else ""
-
-        order = dict.fromkeys(k for s in sorted(samples, key=bucket) for k in (s.latent, *s.captions))
-        info = dict(reader.datasets()[handle.name].info)
-        with CacheLock(root, WRITE_LOCK, timeout=LOCK_TIMEOUT_S, purpose="save"), CacheWriter(root) as writer:
-            todo = [k for k in order if not writer.has(k)]
-            for batch in _batches(todo, COPY_BATCH):
-                for key, value in zip(batch, reader.read(batch)):
-                    writer.add(key, value, kind=reader.kind(key), name=f"entry {key}")
-                writer.commit()
-            info["copied_from"] = {"cache": handle.cache_root, "dataset": handle.name}
-            _set_dataset(writer, root, name, samples, info)
-            compaction = compact_if_unread(writer, root, purpose="compaction after save")
+        result = copy_dataset(reader, handle.name, root, name, source_label=handle.cache_root)
     finally:
         reader.close()
-    return len(samples), len(todo), compaction
-
-
-def _pairs(latents: Sequence[Any], conditioning: Sequence[Any]) -> list[tuple[Any, Any]]:
-    if len(conditioning) == 1 and len(latents) > 1:
-        conditioning = list(conditioning) * len(latents)
-    if len(latents) != len(conditioning):
-        raise ValueError(f"{len(latents)} latents but {len(conditioning)} conditionings; connect lists of equal "
-                         "length (as Make Training Dataset gives) or a single conditioning for all latents")
-    if not latents:
-        raise ValueError("the latents list is empty: nothing to save")
-    return list(zip(latents, conditioning))
+    return result.samples, result.added, result.compaction
 
 
 def save_lists(latents: Sequence[Any], conditioning: Sequence[Any], root: Path, name: str
                ) -> tuple[int, int, CompactReport | None]:
-    """Store ComfyUI latent dicts and conditioning lists as dataset ``name`` of the cache at ``root``.
+    """Store ComfyUI's latent and conditioning lists as dataset ``name`` (:func:`save_latent_lists`).
 
     Returns ``(samples, new entries, compaction report)``.
-
-    Raises:
-        ValueError: the lists do not pair up, or a latent is not a dict with a ``samples`` tensor.
-        UnstorableValueError: a value holds something the cache cannot store (e.g. hooks); the message names the
-            list index and the path inside the value.
     """
-    pairs = _pairs(latents, conditioning)
-    samples: list[Sample] = []
-    added = 0
-    with CacheLock(root, WRITE_LOCK, timeout=LOCK_TIMEOUT_S, purpose="save"), CacheWriter(root) as writer:
-        for i, (latent, cond) in enumerate(pairs):
-            rows = split_batch(latent, cond, f"latents[{i}]")
-            for r, (lat, con) in enumerate(rows):
-                where = f"[{i}]" + (f" row {r}" if len(rows) > 1 else "")
-                keys = []
-                for value, kind, label in ((lat, "latent", "latents"), (con, "conditioning", "conditioning")):
-                    key = value_key(value, name=f"{label}{where}")
-                    if not writer.has(key):
-                        writer.add(key, value, kind=kind, name=f"{label}{where}")
-                        added += 1
-                    keys.append(key)
-                samples.append(Sample(keys[0], (keys[1],), source=f"latents{where}"))
-        _set_dataset(writer, root, name, samples, {"source": "ComfyUI latent + conditioning lists",
-                                                   "source_samples": len(pairs)})
-        compaction = compact_if_unread(writer, root, purpose="compaction after save")
-    return len(samples), added, compaction
+    result = save_latent_lists(latents, conditioning, root, name)
+    return result.samples, result.added, result.compaction
 
 
 def _one(value: Any, name: str) -> Any:

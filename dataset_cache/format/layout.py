@@ -19,6 +19,7 @@ from ..constants import FORMAT_NAME
 from ..errors import CacheError, CacheLinkError
 
 __all__ = [
+    "is_cache_folder",
     "MANIFEST",
     "SHARDS_DIR",
     "DATASETS_DIR",
@@ -80,6 +81,11 @@ def is_regular_file(path: str | os.PathLike[str]) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def is_cache_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a cache: its manifest is a regular file there (a link is not followed)."""
+    return is_regular_file(Path(path) / MANIFEST)
 
 
 def _is_cache(folder: Path) -> bool:

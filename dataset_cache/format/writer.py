@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -28,6 +28,7 @@ from typing import Any
 
 from ..constants import DEFAULT_SHARD_BYTES
 from ..dataset import DatasetInfo, Sample, check_epoch_size
+from ..batching import batched
 from ..errors import CacheCorruptError, CacheError, CacheNotFoundError, CacheUnreadableError
 from .layout import (
     DAMAGED_DIR,
@@ -420,7 +421,7 @@ class CacheWriter:
         pending = list(dict.fromkeys(keys))
         builder, records = ShardBuilder(), []
         failed: dict[str, CacheError] = {}
-        for batch in _batches(pending, 64):
+        for batch in batched(pending, 64):
             for k, v in _read_or_skip(reader, batch, failed):
                 builder.add(k, reader.kind(k), v, "value")
                 if builder.nbytes >= self.shard_bytes:
@@ -572,11 +573,6 @@ def _read_or_skip(reader: CacheReader, keys: Sequence[str], failed: dict[str, Ca
             log.warning("compaction could not copy entry %s: %s", k, exc)
             failed[k] = CacheUnreadableError(str(reader.root), f"cannot read entry {k} ({exc})", errno=exc.errno)
     return out
-
-
-def _batches(items: Sequence[str], n: int) -> Iterable[Sequence[str]]:
-    for i in range(0, len(items), n):
-        yield items[i:i + n]
 
 
 def _unlink(p: Path) -> int:
