@@ -23,7 +23,6 @@ Entries stay in the cache until ``clean`` removes what no dataset references.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -41,7 +40,7 @@ from .format.layout import MANIFEST, check_new_cache_location, check_no_links, i
 from .format.manifest import check_dataset_name
 from .format.reader import open_cache
 from .gcpause import gc_paused
-from .keys import canonical_bytes, conditioning_key, hash_bytes, latent_key
+from .keys import PlanKeys, hash_bytes, latent_key
 from .scan import DatasetFolderError, SourceClip, SourceFailure, scan_folder
 from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
 from .video import MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_folder_of
@@ -284,71 +283,6 @@ def sources_record_path(cache_root: str | os.PathLike[str], dataset: str) -> Pat
     return Path(cache_root) / SOURCES_DIR / f"{slug}-{xxhash.xxh3_64_hexdigest(dataset.encode('utf-8'))}.json"
 
 
-class _Keys:
-    """Computes latent and conditioning keys exactly as :mod:`.keys` does, ~10x faster on big folders.
-
-    Only the source hash (latent) or the text (conditioning) varies between the keys of one plan, so the canonical
-    bytes are built once per crop plan / fingerprint around a sentinel and the varying part is spliced in. The first
-    key made from each template is compared with :func:`.keys.latent_key` / :func:`.keys.conditioning_key`; on any
-    difference (a future change of the key derivation) the slow path is used for good.
-    """
-
-    _HASH = "0f" * 16
-    _TEXT = "\x00streamcache-sentinel\x00"
-
-    def __init__(self, vae_fingerprint: str, text_fingerprint: str) -> None:
-        self.vae, self.text = vae_fingerprint, text_fingerprint
-        self._latent: dict[CropPlan, tuple[bytes, bytes] | None] = {}
-        self._cond: tuple[bytes, bytes] | None = None
-        self._cond_checked = False
-        self._texts: dict[str, str] = {}
-
-    @staticmethod
-    def _split(doc: bytes, sentinel: bytes) -> tuple[bytes, bytes] | None:
-        parts = doc.split(sentinel)
-        return (parts[0], parts[1]) if len(parts) == 2 else None
-
-    def latent(self, source_hash: str, plan: CropPlan) -> str:
-        if plan not in self._latent:
-            fields = {"source": self._HASH, "pixels": plan.key_fields(), "vae": self.vae, "extra": {}}
-            tpl = self._split(canonical_bytes("latent", fields), self._HASH.encode())
-            key = latent_key(source_hash, plan.key_fields(), self.vae)
-            if tpl is None or xxhash.xxh3_128_hexdigest(tpl[0] + source_hash.encode() + tpl[1]) != key:
-                tpl = None
-            self._latent[plan] = tpl
-            return key
-        tpl = self._latent[plan]
-        if tpl is None or len(source_hash) != 32:
-            return latent_key(source_hash, plan.key_fields(), self.vae)
-        return xxhash.xxh3_128_hexdigest(tpl[0] + source_hash.encode("ascii") + tpl[1])
-
-    def conditioning(self, text: str) -> str:
-        key = self._texts.get(text)
-        if key is not None:
-            return key
-        if not self._cond_checked:
-            fields = {"text": self._TEXT, "encoder": self.text, "settings": {}}
-            self._cond = self._split(canonical_bytes("conditioning", fields), json.dumps(self._TEXT).encode())
-            key = conditioning_key(text, self.text)
-            if self._cond is None or self._fast_text(text) != key:
-                self._cond = None
-            self._cond_checked = True
-        elif self._cond is None:
-            key = conditioning_key(text, self.text)
-        else:
-            key = self._fast_text(text)
-        self._texts[text] = key
-        return key
-
-    def _fast_text(self, text: str) -> str:
-        assert self._cond is not None
-        if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
-            quoted = f'"{text}"'  # what json.dumps gives for printable ASCII without quotes or backslashes
-        else:
-            quoted = json.dumps(text)
-        return xxhash.xxh3_128_hexdigest(self._cond[0] + quoted.encode("ascii") + self._cond[1])
-
-
 def _check_cache_location(root: str) -> None:
     """Refuse, before the sources record is written, a cache with linked parts or one that would nest."""
     if not is_regular_file(os.path.join(root, MANIFEST)):
@@ -491,7 +425,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     samples: list[Sample] = []
     latents: dict[str, LatentJob] = {}
     texts: dict[str, str] = {}
-    keys = _Keys(vae_fingerprint, text_fingerprint)
+    keys = PlanKeys(vae_fingerprint, text_fingerprint)
     bucket = settings.bucket
     center: dict[tuple[int, int], CropPlan] = {}  # a center crop depends on the size alone
     unplannable: list[SourceFailure] = []
@@ -584,7 +518,7 @@ def _clip_notes(settings: EncodeSettings) -> tuple[str, ...]:
     return ()
 
 
-def _caption_keys(captions: Sequence[str], relpath: str, settings: EncodeSettings, keys: _Keys,
+def _caption_keys(captions: Sequence[str], relpath: str, settings: EncodeSettings, keys: PlanKeys,
                   texts: dict[str, str], cut: list[str], many: list[str]) -> tuple[str, ...]:
     if len(captions) > CAPTION_VARIANTS_NOTE:
         many.append(relpath)
@@ -601,7 +535,7 @@ def _caption_keys(captions: Sequence[str], relpath: str, settings: EncodeSetting
 
 
 def _plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: EncodeSettings, vae_fp: str,
-                keys: _Keys, samples: list[Sample], texts: dict[str, str], unplannable: list[SourceFailure],
+                keys: PlanKeys, samples: list[Sample], texts: dict[str, str], unplannable: list[SourceFailure],
                 cut: list[str], many: list[str]) -> dict[str, LatentJob]:
     """Key every clip (its bytes, or its frames' in order, plus the crop plan and the frame settings), add its
     sample; return the latent jobs by key. Clips that cannot be planned are added to ``unplannable``."""

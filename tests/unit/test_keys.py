@@ -193,3 +193,18 @@ def test_hash_file_without_readv(tmp_path: Path, monkeypatch) -> None:
     p.write_bytes(data)
     monkeypatch.setattr(keys_mod, "_readv", None)
     assert hash_file(p, chunk_bytes=1024) == hash_bytes(data)
+
+
+def test_plan_keys_are_exactly_the_reference_keys() -> None:
+    """PlanKeys (the planner's fast path) gives the keys latent_key / conditioning_key give, for every kind of text."""
+    from dataset_cache.keys import PlanKeys
+
+    keys = PlanKeys(VAE, TE)
+    cfgs = [BucketConfig(resolution=256, min_side=64), BucketConfig(resolution=256, min_side=64, flip=True)]
+    for i in range(40):
+        digest = hash_bytes(str(i).encode())
+        plan = cfgs[i % 2].plan(40 + i, 30 + 2 * i, token=digest)
+        assert keys.latent(digest, plan) == latent_key(digest, plan.key_fields(), VAE)
+    for text in ["a photo", "", 'say "hi"', "back\\slash", "tab\there", "é ü ß", "日本語", "emoji 🙂", "a" * 3000,
+                 "line\nbreak", "\x00nul", "a photo"]:
+        assert keys.conditioning(text) == conditioning_key(text, TE), repr(text[:20])
