@@ -18,6 +18,7 @@ import pytest
 from support.client import ComfyClient
 from support.examples import MAIN_TEMPLATE, SAVE_THEN_TRAIN_TEMPLATE, run_example
 from support.paths import PACK_ROOT
+from support.renames import RENAMED, as_current
 from support.server import PACK_LINK_NAME
 from support.workflow import _widget_inputs, ui_to_api
 
@@ -119,19 +120,6 @@ saved with its own serializer, and the API prompt it queued), all as the pack sa
 inputs: Save Streamable Cache ``name``, Load Lazy Cache ``name`` + ``dataset``, Clean Cache ``name`` and Encode
 Dataset ``dataset`` (now ``cache`` and ``dataset_name``), and before Train LoRA had ``quantized_backward`` and
 ``bypass_mode``."""
-RENAMED = {
-    "StreamCache_EncodeDataset": {"dataset": "dataset_name"},
-    "StreamCache_SaveCache": {"name": "cache"},
-    "StreamCache_LoadLazyCache": {"name": "cache", "dataset": "dataset_name"},
-    "StreamCache_CleanCache": {"name": "cache"},
-}
-"""What the renames are, written out here as the contract (not imported from the pack)."""
-
-
-def _with_current_names(prompt: dict[str, Any]) -> dict[str, Any]:
-    return {k: {"class_type": v["class_type"],
-                "inputs": {RENAMED.get(v["class_type"], {}).get(name, name): value
-                           for name, value in v["inputs"].items()}} for k, v in prompt.items()}
 
 
 @pytest.mark.parametrize("old", sorted(SAVED_BEFORE_RENAMES.glob("*.json")), ids=lambda p: p.stem)
@@ -143,10 +131,8 @@ def test_templates_saved_before_the_renames_load_as_the_current_templates(old: P
     current = json.loads((API_DIR / old.name).read_text(encoding="utf-8"))
     assert _bare(converted) == _bare(current), old.name
     old_api = json.loads((SAVED_BEFORE_RENAMES / "api" / old.name).read_text(encoding="utf-8"))
-    new_train = {"quantized_backward": False, "bypass_mode": False}  # added since, optional, off as before
-    expected = {k: {**v, "inputs": {**v["inputs"], **(new_train if v["class_type"] == "StreamCache_TrainLoRA"
-                                                        else {})}} for k, v in _with_current_names(old_api).items()}
-    assert _bare(current) == expected, f"{old.name}: the current twin is not the old one under the new names"
+    expected = as_current(old_api, info)  # renamed inputs under their new names, inputs added since at defaults
+    assert _bare(current) == _bare(expected), f"{old.name}: the current twin is not the old one under the new names"
 
 
 def test_api_prompts_saved_before_the_renames_still_run_over_http(client: ComfyClient,
@@ -173,6 +159,6 @@ def test_api_prompts_saved_before_the_renames_still_run_over_http(client: ComfyC
     loaded = [n for n, k in kinds.items() if k == "StreamCache_LoadLazyCache"]
     assert loaded and all(n in run.executed() for n in loaded)
     # the same prompt under the new names runs too, on the same caches and datasets
-    again = client.run(_with_current_names(old))
+    again = client.run(as_current(old, client.object_info()))
     assert again.status == "success"
     assert "no cache" not in again.outputs[next(k for k in kinds if kinds[k] == "StreamCache_CacheInfo")]["text"][0]

@@ -37,6 +37,7 @@ import pytest
 from support.client import ComfyClient
 from support.datasets import Subset, make_kohya_folder
 from support.paths import PACK_ROOT
+from support.renames import RENAMED, as_current
 from support.server import ComfyServer
 from support.tiny_models import TinyModels
 from support.workflow import _widget_inputs, input_default, is_optional_input, ui_to_api
@@ -94,7 +95,8 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "folder": folder, "cache": cache, "dataset_name": "default", "vae": [str(VAE), 0],
             "clip": [str(CLIP), 0],
             "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
-            "batch_size": 2, "on_failure": "skip", "upscale": False}},
+            "batch_size": 2, "on_failure": "skip", "upscale": False, "frame_count": 17, "frame_sampling": "first",
+            "frame_step": 2, "fps": 0.0}},
         str(TRAIN): {"class_type": "StreamCache_TrainLoRA", "inputs": {
             "model": [str(UNET), 0], "dataset": [str(ENCODE), 0], "batch_size": 1, "grad_accumulation_steps": 1,
             "steps": STEPS, "learning_rate": 0.0005, "rank": 4, "optimizer": "AdamW", "loss_function": "MSE",
@@ -314,12 +316,6 @@ def test_panel_data_reaches_the_websocket_and_history_without_a_browser(client: 
 
 LAYOUT_DRIVER = FRONTEND / "layout.mjs"
 SAVED = Path(__file__).resolve().parent / "data"
-RENAMED = {  # the inputs renamed in 0.2.0 (the contract; test_example_workflows.py holds the same table)
-    "StreamCache_EncodeDataset": {"dataset": "dataset_name"},
-    "StreamCache_SaveCache": {"name": "cache"},
-    "StreamCache_LoadLazyCache": {"name": "cache", "dataset": "dataset_name"},
-    "StreamCache_CleanCache": {"name": "cache"},
-}
 
 
 def _overlaps(boxes: list[tuple[str, float, float]]) -> list[str]:
@@ -416,9 +412,7 @@ def test_every_node_fresh_and_old_workflows_in_the_real_front_end(browser_tools:
         if label == "front end":
             queued = json.loads((SAVED / "saved_by_0.2.0-pre" / "front-end" /
                                  "Every node, queued by the front end (API).json").read_text(encoding="utf-8"))
-            want = {k: {"class_type": v["class_type"],
-                        "inputs": {RENAMED.get(v["class_type"], {}).get(n, n): x for n, x in v["inputs"].items()}}
-                    for k, v in queued.items()}
+            want = as_current(queued, object_info)
         else:
             stem = label.split(" ", 1)[1]
             want = {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in json.loads(

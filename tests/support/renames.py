@@ -1,0 +1,37 @@
+"""The node inputs renamed or added since workflows in ``tests/e2e/data/saved_by_0.2.0-pre`` were saved: the contract
+old workflows and API prompts are checked against (written out here, not imported from the pack)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .workflow import input_default
+
+__all__ = ["RENAMED", "ADDED", "as_current"]
+
+RENAMED = {
+    "StreamCache_EncodeDataset": {"dataset": "dataset_name"},
+    "StreamCache_SaveCache": {"name": "cache"},
+    "StreamCache_LoadLazyCache": {"name": "cache", "dataset": "dataset_name"},
+    "StreamCache_CleanCache": {"name": "cache"},
+}
+"""Old input name -> current name, per node (0.2.0)."""
+
+ADDED = {
+    "StreamCache_TrainLoRA": ("quantized_backward", "bypass_mode"),
+    "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps"),
+}
+"""Optional inputs added since; a prompt without them runs with their defaults (off, or images only)."""
+
+
+def as_current(prompt: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:
+    """``prompt`` (API format, saved before the renames) under the current names, the added inputs at the
+    defaults ``/object_info`` gives: what the front end queues for it today."""
+    out = {}
+    for node_id, node in prompt.items():
+        kind = node["class_type"]
+        inputs = {RENAMED.get(kind, {}).get(name, name): value for name, value in node["inputs"].items()}
+        for name in ADDED.get(kind, ()):
+            inputs.setdefault(name, input_default(object_info[kind], name))
+        out[node_id] = {"class_type": kind, "inputs": inputs}
+    return out
