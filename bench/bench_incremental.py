@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         total = n + added
         print(f"| {n} | {edited} | {added} | {lat} | {txt} | {total} | {total} | {(lat + txt) / (2 * total):.2%} "
               f"| {wall:.2f} |")
-    print("\n### 3. Unchanged folder (median of {} runs)\n".format(args.runs))
+    print(f"\n### 3. Unchanged folder (median of {args.runs} runs)\n")
     print("| images | files | validate_sources s | plan_encode s (validate + captions + keys + cache lookup) |")
     print("|---:|---:|---:|---:|")
     for n, tv, tp in rows3:

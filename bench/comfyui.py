@@ -560,7 +560,7 @@ def plot_panels(run: ComfyRun) -> list[dict[str, Any]]:
     return panels
 
 
-def render(run: ComfyRun, cmd: str, plot_name: str | None = None) -> str:  # noqa: C901 - one document
+def render(run: ComfyRun, cmd: str, plot_name: str | None = None) -> str:
     """The ComfyUI section of docs/BENCHMARKS.md for ``run``; ``cmd`` is the command shown to regenerate it and
     ``plot_name`` the chart (beside the doc) to link, if one was drawn."""
     open_res, save_s, train_res, steps, reenc = run.open, run.save_s, run.train, run.steps, run.reencode
@@ -647,7 +647,8 @@ def render(run: ComfyRun, cmd: str, plot_name: str | None = None) -> str:  # noq
         xs = [x for x, _ in peaks["ours"]]
         o += ["", "Peak RSS growth with N: " + "; ".join(
             f"{k} {growth([x for x, _ in v], [y for _, y in v])}" for k, v in peaks.items() if len(v) > 1)
-            + f" (goal for ours: flat — {'met' if growth(xs, [y for _, y in peaks['ours']]).startswith('flat') else 'NOT met'})."]
+            + f" (goal for ours: flat — "
+              f"{'met' if growth(xs, [y for _, y in peaks['ours']]).startswith('flat') else 'NOT met'})."]
 
     if not reenc:
         return "\n".join(o) + "\n"

@@ -87,7 +87,7 @@ def _images(folder: Path, n: int, size: int) -> None:
         (folder / f"img_{i:03d}.txt").write_text(f"a photo of thing {i}, studio light", encoding="utf-8")
 
 
-def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:  # noqa: C901 - one linear script
+def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench_encode_memory_"))
     (work / "models" / "streamcache").mkdir(parents=True)
     phases = Phases()
@@ -181,7 +181,8 @@ def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:  # no
 def render(res: dict[str, Any]) -> str:
     lines = [START, "",
              f"Run of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: ComfyUI {res['comfy']}, torch "
-             f"{res['torch']}, CPU (`scripts/bench-comfy encode-memory --images {res['images']} --size {res['size']}`). "
+             f"{res['torch']}, CPU (`scripts/bench-comfy encode-memory --images {res['images']} "
+             f"--size {res['size']}`). "
              "Peak = the phase's `VmHWM`" + ("" if res["resettable"] else " (not resettable here: process peak)")
              + ".", "",
              "| phase | RSS after (MiB) | peak in the phase (MiB) | seconds |", "| --- | ---: | ---: | ---: |"]

@@ -328,7 +328,7 @@ def prefetch_bench(root: Path, runs: int, batches: int, batch_size: int) -> Pref
         sampler = BucketSampler(samples, [0] * len(samples), batch_size, seed=0)
         buf = ReadBuffer()
         reads = []
-        for r in range(runs):
+        for _ in range(runs):
             evict(root)
             plans = sampler.plans(epochs=None)
             for _ in range(batches):
@@ -573,7 +573,7 @@ def plot_panels(run: LibraryRun) -> list[dict[str, Any]]:
     return panels
 
 
-def render(run: LibraryRun, cmd: str, plot_name: str | None = None) -> str:  # noqa: C901 - one document
+def render(run: LibraryRun, cmd: str, plot_name: str | None = None) -> str:
     """The library section of docs/BENCHMARKS.md for ``run``; ``cmd`` is the command shown to regenerate it and
     ``plot_name`` the chart (beside the doc) to link, if one was drawn."""
     pf = run.prefetch
@@ -642,7 +642,8 @@ def render(run: LibraryRun, cmd: str, plot_name: str | None = None) -> str:  # n
         "Random batches (150 of 4 for SD1.5, 15 of 2 for Flux) at the largest N. *Ours*: `CacheReader.read` with "
         "a reused `ReadBuffer`, checksums verified. *Floor*: the same rows with nothing but one `preadv` per row "
         "into one buffer, files open and every offset computed before the clock starts (what this layout allows "
-        "with zero Python work); *floor + xxh3*: the same plus the per-row checksum ours verifies. *safe_open*: the lazy-branch files, one `safe_open` handle per shard kept open "
+        "with zero Python work); *floor + xxh3*: the same plus the per-row checksum ours verifies. *safe_open*: "
+        "the lazy-branch files, one `safe_open` handle per shard kept open "
         "(as that branch does), `get_tensor(...).clone()` per tensor (`get_tensor` returns a view of a memory "
         "map: the clone is what reads the bytes). *Raw*: sequential `readinto` (8 MiB) of the same number of "
         "bytes of our shard files, no parsing or checksums: the limit of the disk/page cache. Goals (issue #3): "
@@ -656,15 +657,18 @@ def render(run: LibraryRun, cmd: str, plot_name: str | None = None) -> str:  # n
         "",
         "### L4. Prefetch overlap (the consumer's wait for data)",
         "",
-        f"`PrefetchLoader` over a real SD1.5 cache of {pf.samples} samples, batches of {pf.batch}, {pf.batches} batches a run, the "
+        f"`PrefetchLoader` over a real SD1.5 cache of {pf.samples} samples, batches of {pf.batch}, "
+        f"{pf.batches} batches a run, the "
         "cache's page cache dropped before every run (each read waits for the disk, as with a dataset larger than "
         f"RAM). *Serial read*: one thread reads a batch (`CacheReader.read` + `torch.cat` of the latents), no "
         f"loader: {read_s * 1e3:.2f} ms (median). *Standalone*: the loader with the same setting iterated with no "
         "step (its own best rate). The consumer then runs a simulated step of 1×/2× the serial read time, or of "
-        "0.5× the standalone time of the same setting (reads slower than steps): a torch matmul loop on one thread (releases the GIL, competes for the CPU like a CPU training step) or a "
+        "0.5× the standalone time of the same setting (reads slower than steps): a torch matmul loop on one thread "
+        "(releases the GIL, competes for the CPU like a CPU training step) or a "
         "`time.sleep` (like a GPU step: the CPU is free). *Wait* = the consumer's time in `next()` per batch, "
         "first batch excluded. Goals (issue #5): with a step at least as long as a read (≥ 1×), the wait is under "
-        "5% of the serial read time; with reads slower than steps (0.5× standalone), the throughput is at least 90% of the "
+        "5% of the serial read time; with reads slower than steps (0.5× standalone), the throughput is at least "
+        "90% of the "
         "loader's standalone rate. Prefetch off = the read runs inside `next()` (the reference). *Hints*: a "
         "worker starting a batch first asks the kernel for the next batch's rows (`CacheReader.announce`, "
         "`posix_fadvise(WILLNEED)` while reads come from the disk), so two batches are in flight on the disk; "
@@ -687,7 +691,8 @@ def render(run: LibraryRun, cmd: str, plot_name: str | None = None) -> str:  # n
         elif depth >= 1 and kind != "none":
             goal = "met" if med(rate) >= 0.90 else "NOT met"
         alone_row = kind == "none"
-        out.append(f"| {'none (standalone)' if alone_row else kind} | {'—' if alone_row else f'{factor:g}× ' + ('standalone' if factor < 1 else 'serial read')} "
+        length = "—" if alone_row else f"{factor:g}× " + ("standalone" if factor < 1 else "serial read")
+        out.append(f"| {'none (standalone)' if alone_row else kind} | {length} "
                    f"| {'—' if alone_row else f'{step_s * 1e3:.2f}'} | {depth if depth else 'off'} "
                    f"| {threads if depth else '—'} | {('on' if hints else 'off') if depth else '—'} "
                    f"| {stat(per, 1e3, '.2f')} "
@@ -754,8 +759,10 @@ def render(run: LibraryRun, cmd: str, plot_name: str | None = None) -> str:  # n
 # ------------------------------------------------------------------------------------------------ command
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the command (also those of ``python -m dataset_cache bench``, which hands them over)."""
-    p.add_argument("--quick", action="store_true", help="smaller sizes for iteration (SD1.5 1k,5k; Flux 100; validation 1k,10k; incremental 200)")
-    p.add_argument("--smoke", action="store_true", help="functional check (tests): tiny sizes, one run each, no doc unless --doc; not figures")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller sizes for iteration (SD1.5 1k,5k; Flux 100; validation 1k,10k; incremental 200)")
+    p.add_argument("--smoke", action="store_true",
+                   help="functional check (tests): tiny sizes, one run each, no doc unless --doc; not figures")
     p.add_argument("--sd15", default=None, metavar="N,N",
                    help="SD1.5 dataset sizes (default: 1000,5000; --quick 1000,5000; 20000 needs ~6.5 GB and minutes)")
     p.add_argument("--flux", default=None, metavar="N,N",

@@ -50,7 +50,7 @@ EXIT_INTERRUPTED = 130
 class _CurrentStderr(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at emit time (tests and callers may swap it)."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stderr
 
@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a ComfyUI SaveTrainingDataset folder into a cache")
     p.add_argument("src", type=Path, help="ComfyUI dataset folder (shard_*.pkl or shard_*.safetensors)")
     p.add_argument("dst", type=Path, help="cache directory (created if missing; existing entries are reused)")
-    p.add_argument("--name", default="default", help="name of the dataset written into the cache (default: %(default)s)")
+    p.add_argument("--name", default="default",
+                   help="name of the dataset written into the cache (default: %(default)s)")
     p.add_argument("--shard-mb", type=int, default=DEFAULT_SHARD_BYTES >> 20, metavar="MB",
                    help="target size of new cache shards in MiB (default: %(default)s)")
     p.set_defaults(run=_cmd_convert)

@@ -479,7 +479,8 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
             by_bucket.setdefault(job.bucket, []).append(job)
     missing_texts = {k: t for k, t in texts.items() if k not in have}
     missing_clips = tuple(sorted((j for j in clips.values() if j.key not in have),
-                                 key=lambda j: (len(j.clip.indices), j.bucket[1], j.bucket[0], j.relpath)))
+                                 key=lambda j: (len(j.clip.indices) if j.clip else 0, j.bucket[1], j.bucket[0],
+                                                j.relpath)))
     unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures, *unplannable)}
     counts = validation.counts()
     return EncodePlan(

@@ -338,7 +338,7 @@ class _Run:
             return
         try:
             self.wait_for_commit()
-        except Exception as exc:  # noqa: BLE001 - only while another exception is on its way out
+        except Exception as exc:
             if not failing:
                 raise
             log.warning("%s: the last encoded batch could not be checkpointed (%s)", self.plan.cache_root, exc)
@@ -450,13 +450,13 @@ class _Run:
                 images = torch.stack([out[i] if px is None else px
                                       for i, px in enumerate(pixels) if not isinstance(px, SourceError)])
             start = time.perf_counter()
-            out = list(encode(images))
+            latents = list(encode(images))
             self.t["encoder"] += time.perf_counter() - start
             del images
-            if len(out) != len(good):
-                raise ValueError(f"encode_images returned {len(out)} values for a batch of {len(good)} images; "
+            if len(latents) != len(good):
+                raise ValueError(f"encode_images returned {len(latents)} values for a batch of {len(good)} images; "
                                  "it must return one latent per image")
-            self.hand_over([job.key for job, _ in good], out, "latent", len(batch))
+            self.hand_over([job.key for job, _ in good], latents, "latent", len(batch))
         else:
             self.tick(len(batch))
 
@@ -653,7 +653,7 @@ def run_encode(
             # Entries already added are finished encodes (the failing batch never reached add), so keep them.
             try:
                 writer.commit()
-            except Exception as exc:  # noqa: BLE001 - the original error matters more
+            except Exception as exc:
                 log.warning("%s: could not commit finished entries after an error (%s)", plan.cache_root, exc)
                 writer.abort()
             raise

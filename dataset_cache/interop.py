@@ -287,7 +287,7 @@ def load_skeleton_pickle(path: str | Path) -> Any:
         ) from None
     except OSError:
         raise
-    except Exception as e:  # noqa: BLE001 - any failure inside pickle means the bytes are bad
+    except Exception as e:
         raise CacheCorruptError(str(path), f"not a readable pickle ({type(e).__name__}: {e})") from e
 
 
@@ -311,7 +311,7 @@ def _load_pickle_shard(path: Path) -> tuple[list[Any], list[Any]]:
         raise CacheCorruptError(str(path), f"not a readable torch.save file ({' '.join(detail.split())})") from None
     except OSError:
         raise
-    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/KeyError/EOFError for bad bytes
+    except Exception as e:
         raise CacheCorruptError(str(path), f"not a readable torch.save file ({type(e).__name__}: {e})") from e
     if not (isinstance(data, dict) and isinstance(data.get("latents"), list)
             and isinstance(data.get("conditioning"), list)):

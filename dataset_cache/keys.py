@@ -197,7 +197,8 @@ def hash_file(path: str | os.PathLike[str], *, chunk_bytes: int = HASH_CHUNK_BYT
     """Return the xxh3-128 hex digest of a file's content, read in ``chunk_bytes`` pieces.
 
     Streaming keeps memory flat for large images. Reads go into one reused buffer per thread with plain
-    ``os.open``/``os.readv`` where available (no file object, no allocation per file): hashing 100k small captions is dominated
+    ``os.open``/``os.readv`` where available (no file object, no allocation per file): hashing 100k small captions is
+    dominated
     by the open/read/close syscalls, not by Python. Safe to call from several threads.
 
     Raises:

@@ -143,5 +143,5 @@ class CacheLock:
     def __del__(self) -> None:  # a forgotten lock must not outlive its owner object
         try:
             self.release()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:
             pass

@@ -21,8 +21,8 @@ never wrong).
 Cost when nothing changed: one ``os.scandir`` per folder, one ``DirEntry.stat()`` per file and a dict lookup; no
 file is opened. Changed files are hashed on a small thread pool (caption files are read whole, hashed and parsed
 in one go; images are read whole, hashed, and their width and height read from the same bytes, so the scan does
-not open them again). Trusted caption files recorded without variants (a version-1 record, or a caption that is not UTF-8)
-are read once more to store them when their content still has the recorded hash.
+not open them again). Trusted caption files recorded without variants (a version-1 record, or a caption that is not
+UTF-8) are read once more to store them when their content still has the recorded hash.
 
 Storage: JSON with one list per field (columnar: compact, fast to load; ``captions`` holds a list of variants
 for caption files and ``null`` otherwise; version-1 records, which lack it, still load), written atomically (temp
@@ -515,10 +515,11 @@ def _check_doc(doc: Any, path: str) -> int:
     if not _is_count(doc.get("scanned_ns")) or not (doc.get("root") is None or isinstance(doc.get("root"), str)):
         raise SourcesRecordError(path, "field scanned_ns must be an int >= 0 and root a str or null")
     names = _COLUMNS + ((_CAPTIONS,) if doc["version"] >= 2 else ())
-    cols = [doc.get(c) for c in names]
-    bad = [c for c, v in zip(names, cols) if not isinstance(v, list)]
+    values = [doc.get(c) for c in names]
+    bad = [c for c, v in zip(names, values) if not isinstance(v, list)]
     if bad:
         raise SourcesRecordError(path, f"column(s) {', '.join(bad)} missing or not lists")
+    cols: list[list[Any]] = [v for v in values if isinstance(v, list)]
     n = len(cols[0])
     if any(len(v) != n for v in cols):
         lengths = ", ".join(f"{c}={len(v)}" for c, v in zip(names, cols))

@@ -168,6 +168,7 @@ class FrameSettings:
         else:
             n = min(self.frames, length)
         n = self.fit(n)
+        virtual: Sequence[int]
         if self.sampling == "first":
             virtual = range(n)
         elif self.sampling == "every_k":
@@ -200,7 +201,7 @@ class VideoInfo:
 
 def _av(path: str) -> Any:
     try:
-        import av  # noqa: PLC0415 - optional: only videos need it, and ComfyUI installs it
+        import av
     except ImportError as exc:
         raise SourceError(path, "reading a video needs PyAV (the `av` package, which ComfyUI installs with its "
                                 "requirements); install it in this Python (`pip install av`), or give the clip as "
@@ -279,7 +280,7 @@ def probe_video(path: str) -> VideoInfo:
 
 
 def _put(out: torch.Tensor, rows: Sequence[int], img: Any, plan: CropPlan, name: str) -> None:
-    from .imaging import apply_plan  # noqa: PLC0415 - imaging imports Pillow; keep this module light
+    from .imaging import apply_plan
 
     arr = np.asarray(apply_plan(img, plan, path=name), dtype=np.uint8)
     pixels = torch.from_numpy(arr.copy()).to(torch.float32).div_(255.0)
@@ -333,10 +334,10 @@ def load_clip(source: str | os.PathLike[str] | Any, indices: Sequence[int], plan
 
 def _load_frames(frames: Sequence[str], wanted: Mapping[int, list[int]], plan: CropPlan, out: torch.Tensor,
                  frame_hashes: Sequence[str] | None) -> None:
-    import io  # noqa: PLC0415
+    import io
 
-    from .imaging import decode_image  # noqa: PLC0415
-    from .keys import hash_bytes  # noqa: PLC0415
+    from .imaging import decode_image
+    from .keys import hash_bytes
 
     for index, rows in sorted(wanted.items()):
         path = frames[index]
@@ -358,7 +359,7 @@ def _load_frames(frames: Sequence[str], wanted: Mapping[int, list[int]], plan: C
 def has_av() -> bool:
     """Whether PyAV can be imported (for tests and reports)."""
     try:
-        import av  # noqa: F401, PLC0415
+        import av  # noqa: F401
     except ImportError:
         return False
     return True

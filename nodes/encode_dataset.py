@@ -227,7 +227,7 @@ def frame_stride(vae: Any) -> int:
         return 0
     try:
         value = vae.temporal_compression_decode()
-    except Exception:  # noqa: BLE001 - an older or foreign VAE object: any count
+    except Exception:
         value = None
     return int(value) if isinstance(value, (int, float)) and value >= 1 else 1
 

@@ -232,7 +232,7 @@ class _Slot:
 
 
 _SLOT_COLUMN = 1 << 62  # no real column index can be this large (a shard has a handful of columns)
-_SLOT_TEXT = '{"$tensor":[%d,0]}' % _SLOT_COLUMN
+_SLOT_TEXT = f'{{"$tensor":[{_SLOT_COLUMN},0]}}'
 _templates: dict[tuple[str, ...], Any] = {}  # keyed by the text around the references
 
 

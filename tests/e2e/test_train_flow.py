@@ -1,9 +1,11 @@
 """The shipped training workflows on the session's real server, over HTTP and the websocket.
 
-* the main job, ``example_workflows/api/Train a LoRA from an image folder.json`` as shipped (the API twin of the UI template):
+* the main job, ``example_workflows/api/Train a LoRA from an image folder.json`` as shipped (the API twin of the UI
+  template):
   folder → Encode Dataset → Train LoRA (30 steps on 4 images) → Save LoRA Weights + Plot Loss Graph, then Load
   LoRA with the saved file → KSampler → VAE Decode → Save Image; the loss falls; progress reaches the websocket;
-* ``example_workflows/api/Encode a folder into a cache then train from it.json``: Encode → Save Streamable Cache, then, in a second prompt,
+* ``example_workflows/api/Encode a folder into a cache then train from it.json``: Encode → Save Streamable Cache,
+  then, in a second prompt,
   Load Lazy Cache → Train LoRA;
 * incremental encoding over HTTP: one caption line edited and one image added → one latent and only the new
   caption lines are encoded (the unchanged re-queue is covered by test_nodes_flow.py).

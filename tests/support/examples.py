@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .client import ComfyClient, PromptResult
+from .client import ComfyClient, PromptError, PromptResult
 
-__all__ = ["EXAMPLE_FOLDER", "EXAMPLE_SIZES", "MAIN_TEMPLATE", "SAVE_THEN_TRAIN_TEMPLATE", "ExampleRun", "drop_node_cache", "encode_prompt", "lora_names",
-           "make_example_folder", "run_example", "run_prompt"]
+__all__ = ["EXAMPLE_FOLDER", "EXAMPLE_SIZES", "MAIN_TEMPLATE", "SAVE_THEN_TRAIN_TEMPLATE", "ExampleRun",
+           "drop_node_cache", "encode_prompt", "lora_names", "make_example_folder", "run_example", "run_prompt"]
 
 EXAMPLE_FOLDER = "streamcache_example"
 """The dataset folder (inside ComfyUI's input directory) that the example workflows encode."""

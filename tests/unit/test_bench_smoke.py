@@ -15,7 +15,8 @@ PACK_ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_smoke_writes_every_table(tmp_path: Path) -> None:
     doc = tmp_path / "BENCHMARKS.md"
-    doc.write_text("# Benchmarks\n\nhand-written text\n\n<!-- bench:library:begin -->\nold\n<!-- bench:library:end -->\n"
+    doc.write_text("# Benchmarks\n\nhand-written text\n\n"
+                   "<!-- bench:library:begin -->\nold\n<!-- bench:library:end -->\n"
                    "\n<!-- bench:comfy:begin -->\nkept\n<!-- bench:comfy:end -->\n")
     env = {**os.environ, "PYTHONPATH": str(PACK_ROOT)}
     proc = subprocess.run(

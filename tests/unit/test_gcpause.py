@@ -93,5 +93,6 @@ def test_an_encode_plan_runs_paused_and_restores_the_collector(tmp_path, monkeyp
     monkeypatch.setattr(sources, "list_folder", spy)
     gc.enable()
     plan = plan_encode(tmp_path / "data", tmp_path / "cache", dataset="d", vae_fingerprint="v",
-                       text_fingerprint="t", settings=EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32)))
+                       text_fingerprint="t",
+                       settings=EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32)))
     assert len(plan.samples) == 1 and seen == [False] and gc.isenabled()

@@ -113,8 +113,10 @@ def assert_same(a: Any, b: Any, where: str = "value") -> None:
     """Exact equality: types (list vs tuple), dict key order, dtypes, shapes, tensor bits, float bits."""
     assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), where
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        a_bytes, b_bytes = (t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
+        assert torch.equal(a_bytes, b_bytes), where
     elif isinstance(a, dict):
         assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
         for k in a:
@@ -268,7 +270,8 @@ def test_pickle_shard_with_hook_objects_is_refused(tmp_path: Path) -> None:
     latents, conds = make_samples(1)
     conds[0][0][1]["hooks"] = _Hook()
     folder = save_comfy_pickle(tmp_path / "ds", latents, conds, 1)
-    with pytest.raises(CacheFormatError, match=r"shard_0000\.pkl: torch\.load\(weights_only=True\) refused global .*_Hook"):
+    with pytest.raises(CacheFormatError,
+                       match=r"shard_0000\.pkl: torch\.load\(weights_only=True\) refused global .*_Hook"):
         list(iter_comfy_dataset(folder))
 
 
@@ -434,7 +437,8 @@ def test_convert_round_trips_exactly(tmp_path: Path, layout: str) -> None:
     assert (rep.layout, rep.dataset, rep.source_samples, rep.samples) == (layout, "default", 7, 7)
     assert rep.new_entries == 7 + 3 and rep.reused_entries == 4  # three distinct captions
     samples, values = _read_dataset(tmp_path / "cache")
-    assert [s.source for s in samples] == [f"shard_{i // 3:04d}.{'pkl' if layout == COMFY_PICKLE else 'safetensors'}#{i % 3}"
+    ext = "pkl" if layout == COMFY_PICKLE else "safetensors"
+    assert [s.source for s in samples] == [f"shard_{i // 3:04d}.{ext}#{i % 3}"
                                            for i in range(7)]
     for i, (lat, cond) in enumerate(values):
         assert_same(lat, latents[i], f"latent {i}")
@@ -500,7 +504,8 @@ def test_convert_refuses_unpairable_batches(tmp_path: Path, layout: str) -> None
     lat = {"samples": torch.zeros(3, 4, 2, 2)}
     cond = [[torch.zeros(1, 2, 2), {}], [torch.zeros(1, 2, 2), {}]]
     src = save(layout, tmp_path / "src", [lat], [cond], 1)
-    with pytest.raises(CacheFormatError, match=r"shard_0000\.\w+ sample 0: latent batch of 3 rows but conditioning has 2"):
+    with pytest.raises(CacheFormatError,
+                       match=r"shard_0000\.\w+ sample 0: latent batch of 3 rows but conditioning has 2"):
         convert_comfy_dataset(src, tmp_path / "cache")
     src2 = save(layout, tmp_path / "src2", [{"latent": torch.zeros(1)}], [cond], 1)
     with pytest.raises(CacheFormatError, match="not a dict with a 'samples' tensor"):

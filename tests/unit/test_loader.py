@@ -8,7 +8,6 @@ tests independent of the on-disk format; ``test_with_the_real_reader`` runs the 
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 import textwrap
@@ -367,7 +366,7 @@ def test_exception_in_the_consumer_loop_stops_the_threads():
     with pytest.raises(ZeroDivisionError):
         for i, _ in enumerate(loader):
             if i == 2:
-                1 / 0
+                raise ZeroDivisionError("the consumer's step failed")
     assert live_threads() == before
     reads = len(reader.reads)
     time.sleep(0.03)

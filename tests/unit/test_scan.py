@@ -158,7 +158,7 @@ def test_read_captions_rules(tmp_path: Path) -> None:
     assert read_captions(str(p)) == ("one", "two", "three")
     p.write_bytes(b"\n \n\t\n")
     assert read_captions(str(p)) == ("",)
-    p.write_bytes("dup\ndup\n".encode())
+    p.write_bytes(b"dup\ndup\n")
     assert read_captions(str(p)) == ("dup", "dup")
 
 

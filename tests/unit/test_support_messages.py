@@ -11,6 +11,6 @@ def test_bare_python_messages_are_told_from_messages_for_users() -> None:
     assert why_bare("RuntimeError", "'NoneType' object has no attribute 'shape'")
     assert why_bare("ValueError", "list index out of range")
     assert why_bare("ValueError", "bad value")
-    assert why_bare("comfyui_streamcache.dataset_cache.errors.UnstorableValueError",
-                    "conditioning[0]: hooks cannot be stored; remove the hook nodes before Make Training Dataset") is None
+    hooks = "conditioning[0]: hooks cannot be stored; remove the hook nodes before Make Training Dataset"
+    assert why_bare("comfyui_streamcache.dataset_cache.errors.UnstorableValueError", hooks) is None
     assert why_bare("", "cache 'nope': unknown cache (no cache at /m/nope); available: a. Pick one of those") is None

@@ -335,7 +335,7 @@ def test_kept_files_are_shared_safely_by_threads(tmp_path):
                 i = (seed * 31 + j * 7) % 64
                 (v,) = r.read([f"k{i}"])
                 assert torch.equal(v["x"], torch.full((100,), float(i)))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]

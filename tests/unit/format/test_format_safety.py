@@ -118,7 +118,8 @@ def test_damaged_shard_is_kept_without_repair_and_moved_aside_with_it(tmp_path: 
     with CacheWriter(tmp_path, shard_bytes=1 << 20) as w:
         report = w.compact(repair=True)
     assert not victim.exists() and (tmp_path / "damaged" / victim.name).is_file()
-    assert report.quarantined == (f"damaged/{victim.name}",) and "moved 1 shard file(s) to damaged/" in report.findings()
+    assert report.quarantined == (f"damaged/{victim.name}",)
+    assert "moved 1 shard file(s) to damaged/" in report.findings()
     assert "k1" not in open_cache(tmp_path) and open_cache(tmp_path).verify() == []
     _assert_same(healthy, _readable(tmp_path))
 
