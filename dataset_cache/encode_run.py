@@ -176,7 +176,7 @@ def _decode(job: LatentJob, out: torch.Tensor, row: int) -> tuple[torch.Tensor |
 
     Returns ``None`` (the pixels are in ``out[row]``), the pixels when they do not fit there, or the error; and the
     seconds taken. Copying into the batch here, on the workers, spares the calling thread a ``torch.stack`` of
-    the whole batch (tens of ms for eight 1024² images) between encoder calls.
+    the whole batch between encoder calls.
     """
     start = time.perf_counter()
     try:
@@ -535,14 +535,14 @@ def run_encode(
             most the batch in flight. A positive value checkpoints a finished batch only when this long has passed
             since the last checkpoint, losing up to that much finished work on a ``kill -9``; a stop request or an
             exception still commits everything finished. (A checkpoint is one append to a log, so this is rarely
-            worth it; it mattered when every batch was a commit with three fsyncs.)
+            worth it.)
         sync_seconds: the recovery log is fsynced by the first checkpoint at least this long after the previous
             fsync (default :data:`.format.writer.LOG_SYNC_SECONDS`, 1 s); ``0`` fsyncs every checkpoint, so a power
             loss too loses at most the batch in flight. Process death (Cancel, exception, ``kill -9``) never needs
             the fsync.
         background_commits: ``True`` (default) adds and checkpoints each encoded batch on one background thread
-            while the encoder runs the next batch, so the encoder does not wait for the bookkeeping (it hid 180 µs
-            per image here, 3% of an SD1.5-speed build). One batch is pending at most; a stop request or an
+            while the encoder runs the next batch, so the encoder does not wait for the bookkeeping (figures:
+            docs/BENCHMARKS.md). One batch is pending at most; a stop request or an
             exception waits for it, so they still lose only the batch in flight. A ``kill -9`` during the first
             moments of an encoder call (a batch's checkpoint takes about a millisecond) can also lose the batch
             before it; ``False`` checkpoints on the calling thread before the next encoder call, so a ``kill -9``

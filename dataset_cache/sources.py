@@ -333,10 +333,9 @@ def _hash_chunk(root: str, items: list[tuple[str, bool]]) -> list[_Read]:
 
 _PROBE_FILES = 32
 _POOL_MIN_SECONDS_PER_FILE = 150e-6
-"""Files that hash faster than this on one thread (small files from the page cache: ~20 µs) are hashed on the
-calling thread: a pool made them 2-3× slower here, every ``open``/``read`` handing the GIL to another worker.
-Slower files (large images: ~0.4 ms per 2 MB; a cold disk; a network share) go to the pool, whose reads overlap:
-2 MB JPEG/PNG files 1.5× faster with two threads here."""
+"""Files that hash faster than this on one thread (small files from the page cache) are hashed on the calling
+thread, where a pool only hands the GIL around; slower ones (large images, a cold disk, a network share) go to the
+pool, whose reads overlap (figures: docs/BENCHMARKS.md)."""
 
 
 def _hash_all(root: str, items: list[tuple[str, bool]], threads: int | None) -> list[_Read]:

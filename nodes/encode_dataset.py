@@ -4,32 +4,11 @@ The work is the library's (:func:`dataset_cache.encode_plan.plan_encode`, :func:
 run_encode`); this node resolves the folder and cache names, wraps ComfyUI's VAE and CLIP as encoder callables,
 reports progress, honours Cancel and turns the result into a ``STREAM_DATASET`` handle plus a report.
 
-**Warm re-runs load no model.** ``vae`` and ``clip`` are lazy inputs: in ``check_lazy_status`` the node plans the
-encode against the cache *before* any loader runs and asks ComfyUI for ``vae`` only when a latent is missing and
-for ``clip`` only when a conditioning is. But entry keys contain the encoders' fingerprints, which need the
-loaded objects. The way out: after every run that did load an encoder, the dataset's info records
-``{upstream identity: fingerprint}`` per encoder, where the *upstream identity*
-(:func:`.fingerprints.upstream_identity`) describes how the input is produced — the linked node's class and
-constant inputs, recursively, plus size and mtime of every model file they name. When the identity of the
-current graph is recorded, its fingerprint is assumed and the input is requested only if that fingerprint's
-keys are missing; an unknown identity (new graph, another model file, a changed LoRA strength) requests the
-input. When a real object arrives, its real fingerprint is used to compute the keys, so a wrong assumption can
-never store an entry under the wrong key.
-
-Trade-off: an assumption is only as good as the identity. Editing a model file in place keeps its name but
-changes size or mtime, so it is noticed; an upstream node whose output changes without any input or named file
-changing (e.g. a loader that reads a fixed path) is not, and the old entries are reused until its identity
-changes. Identities use file sizes and mtimes, so a cache copied to another machine loads the encoders once
-there, then records that machine's identity too (:data:`RECORD_LIMIT` identities per encoder are kept). Set
-``STREAMCACHE_TRUST_UPSTREAM=0`` to always load the encoders (every run then checks the real fingerprints, at the
-cost of loading the models). The price of deciding before loading is planning twice or three times per run
-(``check_lazy_status`` is asked again after each input it requested arrives); planning trusts unchanged files
-by their stat, so that is a few directory listings.
-
-**ComfyUI's node cache.** ``fingerprint_inputs`` digests the folder listing (stat only) and the cache's committed
-state. The node's own encode changes that state, so the identity right after a run is remembered (per process)
-as equivalent to the one before it: re-queuing an unchanged graph hits ComfyUI's cache, and so does everything
-downstream (training), while a file edit, a clean or another process writing the cache re-runs it.
+Warm re-runs load no model: ``vae`` and ``clip`` are lazy inputs, requested only when the plan lacks an entry
+they make, with the encoders' fingerprints assumed from the identity of the upstream loader nodes recorded by an
+earlier run (a wrong assumption can never store an entry under a wrong key). ``fingerprint_inputs`` lets ComfyUI's
+node cache skip an unchanged folder and cache. How and why, with the trade-offs: docs/ARCHITECTURE.md ("Encode
+Dataset: deciding before loading").
 
 Folders are resolved inside ComfyUI's input directory; absolute folders elsewhere need
 ``STREAMCACHE_ALLOW_ABSOLUTE_FOLDERS=1`` in ComfyUI's environment (workflows are shared files: a node must not
