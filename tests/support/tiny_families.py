@@ -187,31 +187,26 @@ the image channels from the weights and fixes the rest, so only ``dim`` shrinks.
 def save_wan21_vae(folder: Path, name: str = "tiny_wan21_vae.safetensors", seed: int = 5) -> Path:
     """Write a tiny WAN 2.1 VAE that ``VAELoader`` accepts into ``folder``; return its path."""
     import comfy.ldm.wan.vae
-    from safetensors.torch import save_file
 
-    from .tiny_models import _fill
-
-    module = comfy.ldm.wan.vae.WanVAE(**WAN21_VAE_CONFIG)
-    state = _fill(module.state_dict(), seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path),
-              metadata={"generator": "comfyui-streamcache tests/support/tiny_families.py"})
-    return path
+    return _save_filled(comfy.ldm.wan.vae.WanVAE(**WAN21_VAE_CONFIG), folder / name, seed)
 
 
 def save_taesd16(folder: Path, name: str = "tiny_taesd16.safetensors", seed: int = 6) -> Path:
     """Write a 16-channel TAESD (the shape of TAEF1, Flux's and Lumina 2's tiny VAE, and of TAESD3) that
     ``VAELoader`` accepts into ``folder``; ComfyUI reads the latent channels from the weights. 2.4M params."""
     from comfy.taesd.taesd import TAESD
+
+    return _save_filled(TAESD(latent_channels=16), folder / name, seed)
+
+
+def _save_filled(module: Any, path: Path, seed: int) -> Path:
+    """Fill ``module``'s weights deterministically (``tiny_models._fill``) and save them as ``path``."""
     from safetensors.torch import save_file
 
     from .tiny_models import _fill
 
-    module = TAESD(latent_channels=16)
     state = _fill(module.state_dict(), seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path),
               metadata={"generator": "comfyui-streamcache tests/support/tiny_families.py"})
     return path
