@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import PROFILES, Entries, evict, random_batches, read_ours, run_json_child, write_ours
+from .common import PROFILES, Entries, evict, random_batches, read_ours, run_json_child, serial_reads, write_ours
 
 L3_N, L3_BATCHES, L3_BATCH = 5000, 150, 4
 L4_N, L4_BATCHES, L4_BATCH = 2000, 20, 32
@@ -70,15 +70,7 @@ def _child(kind: str, cache: Path, seed: int) -> dict[str, Any]:
         samples = reader.dataset("bench")
         sampler = BucketSampler(samples, [0] * len(samples), L4_BATCH, seed=seed)
         evict(root)
-        plans = sampler.plans(epochs=None)
-        buf, reads = ReadBuffer(), []
-        for _ in range(L4_BATCHES):
-            p = next(plans)
-            t = time.perf_counter()
-            v = reader.read(list(dict.fromkeys(p.latent_keys + p.caption_keys)), out=buf)
-            torch.cat([v[j]["samples"] for j in range(len(p.latent_keys))])
-            reads.append(time.perf_counter() - t)
-        serial = statistics.median(reads)
+        serial = statistics.median(serial_reads(reader, sampler.plans(epochs=None), L4_BATCHES, ReadBuffer()))
         out: dict[str, Any] = {"serial read ms": serial * 1e3}
         for threads in (1, 2):
             for step in (0.0, serial):

@@ -30,7 +30,6 @@ import gc
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import (
-    DOC, PACK_ROOT, PROFILES, Entries, LazyReader, Machine, keys_of, machine_info, med, rss_mib, write_lazy,
+    DOC, PROFILES, Entries, LazyReader, Machine, keys_of, last_json_result, machine_info, med, rss_mib, write_lazy,
     write_ours,
 )
 from .report import growth, line_plot, machine_lines, stat, update_doc
@@ -372,14 +371,7 @@ class Settings:
 # ------------------------------------------------------------------------------------------------ orchestration
 def _child(args_list: list[str], timeout: float = 900) -> dict[str, Any]:
     """One measurement in a fresh interpreter (the runner again, with ``--child``): its last JSON line."""
-    proc = subprocess.run([sys.executable, str(RUNNER), *args_list], capture_output=True, text=True,
-                          timeout=timeout, cwd=str(PACK_ROOT))
-    if proc.returncode != 0:
-        raise RuntimeError(f"child {args_list} failed:\n{proc.stderr[-4000:]}")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise RuntimeError(f"child {args_list} printed no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return last_json_result([sys.executable, str(RUNNER), *args_list], timeout=timeout)
 
 
 def measure(s: Settings, work: Path, models: str, machine: Machine, say: Callable[[str], None]) -> ComfyRun:
@@ -618,8 +610,9 @@ def render(run: ComfyRun, cmd: str, plot_name: str | None = None) -> str:
         "clock starts). *Ours*: `train_lora` (what `StreamCache_TrainLoRA` runs), prefetch 2, from the cache. "
         "*Built-in*: `LoadTrainingDataset` → `ResolutionBucket` → `TrainLoraNode(bucket_mode=True)`, same options. "
         "*Bound*: our loop with every batch read into (CPU) device memory before the clock of the first step. "
-        "First step = clock start → end of the first forward/backward (includes opening/loading the dataset). "
-        "Steady step = time between consecutive forward/backward ends, steps 3.. (median (min–max)). "
+        "First step = clock start → end of the first step (includes opening/loading the dataset; ours: "
+        "`train_lora`'s `on_step` after the optimizer step, built-in: the end of its forward/backward). "
+        "Steady step = time between consecutive step ends, steps 3.. (median (min–max)). "
         "Peak RSS = the process's VmHWM (includes ComfyUI, torch and the model). "
         "Goals: ours' steady steps/s within 5% of the bound; ours' peak RSS flat in N.",
         "",

@@ -245,14 +245,35 @@ def run_json_child(module: str, args: Sequence[str], *, timeout: float | None = 
     """Run ``python -m <module> ARGS`` in a fresh interpreter from the pack root and return the last JSON object it
     printed (a measurement that must not share this process: RSS, cold imports). ``-m`` from the pack root makes
     ``bench`` and ``dataset_cache`` importable there without touching ``sys.path``."""
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=str(PACK_ROOT), env=env)
+    return last_json_result([sys.executable, "-m", module, *args], timeout=timeout, env=env)
+
+
+def last_json_result(command: Sequence[str], *, timeout: float | None = None,
+                     env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``command`` from the pack root and return the last JSON object line it printed; a failure or no result
+    raises ``RuntimeError`` with the end of its output."""
+    proc = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout, cwd=str(PACK_ROOT), env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"{module} {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    raise RuntimeError(f"{module} {' '.join(args)} printed no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    raise RuntimeError(f"{' '.join(command)} printed no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+
+
+def serial_reads(reader: Any, plans: Any, batches: int, buf: Any) -> list[float]:
+    """Seconds of each of ``batches`` batch reads on this thread, no loader: ``reader.read`` of a plan's entries
+    into ``buf`` plus the ``torch.cat`` of its latents (the reference the loader figures are measured against)."""
+    import torch
+
+    reads = []
+    for _ in range(batches):
+        p = next(plans)
+        t = time.perf_counter()
+        v = reader.read(list(dict.fromkeys(p.latent_keys + p.caption_keys)), out=buf)
+        torch.cat([v[j]["samples"] for j in range(len(p.latent_keys))])
+        reads.append(time.perf_counter() - t)
+    return reads
 
 
 # ------------------------------------------------------------------------------------------------ the machine

@@ -48,7 +48,7 @@ from typing import Any
 
 from .common import (
     DOC, MIB, PACK_ROOT, PROFILES, Entries, LazyReader, Machine, evict, keys_of, machine_info, med, random_batches,
-    read_ours, rss_mib, run_json_child, write_lazy, write_ours,
+    read_ours, rss_mib, run_json_child, serial_reads, write_lazy, write_ours,
 )
 from .report import growth, line_plot, machine_lines, stat, update_doc
 
@@ -330,13 +330,7 @@ def prefetch_bench(root: Path, runs: int, batches: int, batch_size: int) -> Pref
         reads = []
         for _ in range(runs):
             evict(root)
-            plans = sampler.plans(epochs=None)
-            for _ in range(batches):
-                p = next(plans)
-                t = time.perf_counter()
-                v = reader.read(list(dict.fromkeys(p.latent_keys + p.caption_keys)), out=buf)
-                torch.cat([v[j]["samples"] for j in range(len(p.latent_keys))])
-                reads.append(time.perf_counter() - t)
+            reads += serial_reads(reader, sampler.plans(epochs=None), batches, buf)
         read_s = med(reads)
 
         def measure(depth: int, threads: int, hints: bool,
