@@ -386,7 +386,7 @@ def _announce(job: _Job, reader: PlannedReader) -> None:
         if plan is None:
             plan = job.read_plan = reader.plan(_entry_keys(job.plan))
         job.announced = reader.announce(plan)
-    except (KeyError, CacheError):
+    except (KeyError, ValueError, CacheError):  # an unknown key, a bad skeleton: job's own read names it
         return
 
 

@@ -52,10 +52,11 @@ def _set_dataset(writer: CacheWriter, root: Path, name: str, samples: list[Sampl
 
 
 def copy_dataset(reader: CacheReader, source_name: str, root: str | os.PathLike[str], name: str, *,
-                 source_label: str | None = None) -> SaveResult:
+                 samples: Sequence[Sample] | None = None, source_label: str | None = None) -> SaveResult:
     """Copy dataset ``source_name`` of ``reader``'s cache into the cache at ``root`` as dataset ``name``.
 
-    The copy's info records where it came from (``source_label``, default the source cache's folder).
+    ``samples``: the dataset's sample list when the caller has loaded it already (else it is read here). The
+    copy's info records where it came from (``source_label``, default the source cache's folder).
 
     Latents are copied grouped by bucket (latent shape), each followed by its captions, so the new cache is
     self-contained and its shards hold each bucket's rows next to each other.
@@ -64,7 +65,7 @@ def copy_dataset(reader: CacheReader, source_name: str, root: str | os.PathLike[
         KeyError: no such dataset in the source; CacheCorruptError: a damaged source shard (named).
     """
     root = Path(root)
-    samples = reader.dataset(source_name)
+    samples = list(samples) if samples is not None else reader.dataset(source_name)
 
     def bucket(s: Sample) -> str:
         shapes = reader.tensor_shapes(s.latent)

@@ -43,9 +43,9 @@ def save_dataset(handle: StreamDatasetHandle, root: Path, name: str) -> tuple[in
 
     Returns ``(samples, entries copied, compaction report)``.
     """
-    reader, _samples = handle.open()
+    reader, samples = handle.open()
     try:
-        result = copy_dataset(reader, handle.name, root, name, source_label=handle.cache_root)
+        result = copy_dataset(reader, handle.name, root, name, samples=samples, source_label=handle.cache_root)
     finally:
         reader.close()
     return result.samples, result.added, result.compaction
