@@ -204,8 +204,7 @@ def _referenced(reader: CacheReader) -> set[str]:
                                     "references is unknown; nothing was cleaned. Re-encode or remove that dataset "
                                     "first") from exc
         for s in samples:
-            keys.add(s.latent)
-            keys.update(s.captions)
+            keys.update(s.keys())
     return keys
 
 

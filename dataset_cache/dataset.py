@@ -42,15 +42,25 @@ class Sample:
     Attributes:
         latent: key of the latent entry (a ComfyUI latent dict, ``{"samples": Tensor[1, C, H, W], ...}``;
             ``[1, C, T, H, W]`` from a video VAE).
-        captions: keys of the conditioning entries, one per caption variant; training picks one per epoch.
+        captions: keys of the conditioning entries, one per caption variant (each caption line, and each line's
+            shuffled-tag variants); training picks one per epoch.
         repeats: how many times the sample appears in an epoch (kohya ``<repeats>_<name>`` folders).
         source: the source image's path relative to the dataset folder, for reports only.
+        mirror: key of the latent of the horizontally mirrored image (``flip="random"``); training picks the
+            latent or its mirror per epoch. ``None``: no mirror is cached.
+        mask: key of the loss-mask entry (``{"mask": Tensor[1, 1, h, w]}`` at latent resolution, for ``latent``;
+            the mirror's mask is its mirror image). ``None``: every element weighs the same.
+        empty_caption: key of the empty caption's conditioning (same text encoder as ``captions``), which caption
+            dropout trains with. ``None``: not encoded, so the sample cannot be dropped.
     """
 
     latent: str
     captions: tuple[str, ...]
     repeats: int = 1
     source: str | None = None
+    mirror: str | None = None
+    mask: str | None = None
+    empty_caption: str | None = None
 
     def __post_init__(self) -> None:
         if not self.captions:
@@ -58,6 +68,26 @@ class Sample:
         if type(self.repeats) is not int or not 1 <= self.repeats <= MAX_REPEATS:
             raise ValueError(f"sample {self.source or self.latent}: repeats must be an int from 1 to {MAX_REPEATS}, "
                              f"got {self.repeats!r:.40}")
+        for name in ("mirror", "mask", "empty_caption"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not str or not value):
+                raise ValueError(f"sample {self.source or self.latent}: {name} must be an entry key or None, "
+                                 f"got {value!r:.40}")
+
+    def keys(self) -> tuple[str, ...]:
+        """Every entry key the sample references (latent, mirror, mask, captions, empty caption), each once.
+
+        What a dataset keeps alive: ``clean`` keeps these, ``verify`` checks them, a copy copies them.
+        """
+        keys = [self.latent]
+        if self.mirror is not None:
+            keys.append(self.mirror)
+        if self.mask is not None:
+            keys.append(self.mask)
+        keys.extend(self.captions)
+        if self.empty_caption is not None:
+            keys.append(self.empty_caption)
+        return tuple(dict.fromkeys(keys))
 
 
 @dataclass(frozen=True)

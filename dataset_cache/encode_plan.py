@@ -326,7 +326,10 @@ def samples_digest(samples: Sequence[Sample]) -> str:
     """
     h = xxhash.xxh3_128()
     for s in samples:
-        h.update(f"{s.latent}|{','.join(s.captions)}|{s.repeats}|{s.source or ''}\n".encode("utf-8", "surrogatepass"))
+        line = f"{s.latent}|{','.join(s.captions)}|{s.repeats}|{s.source or ''}"
+        if s.mirror is not None or s.mask is not None or s.empty_caption is not None:  # else as before variants
+            line += f"|{s.mirror or ''}|{s.mask or ''}|{s.empty_caption or ''}"
+        h.update(f"{line}\n".encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
 

@@ -585,7 +585,7 @@ def run_encode(
                              sync_seconds=sync_seconds)
         try:
             # another process may have stored some of it since the plan was made: encode only what is still absent
-            needed = {k for s in plan.samples for k in (s.latent, *s.captions)}
+            needed = {k for s in plan.samples for k in s.keys()}
             report.reused = sum(1 for k in needed if writer.has(k))
             texts = [(k, t) for k, t in plan.missing_conditionings.items() if not writer.has(k)]
             batches = [b for bucket, jobs in plan.missing_latents.items()

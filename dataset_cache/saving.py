@@ -72,7 +72,7 @@ def copy_dataset(reader: CacheReader, source_name: str, root: str | os.PathLike[
         shape = shapes.get("samples") if isinstance(shapes, dict) else None
         return "x".join(map(str, shape)) if shape is not None else ""
 
-    order = dict.fromkeys(k for s in sorted(samples, key=bucket) for k in (s.latent, *s.captions))
+    order = dict.fromkeys(k for s in sorted(samples, key=bucket) for k in s.keys())
     info = dict(reader.datasets()[source_name].info)
     with CacheLock(root, WRITE_LOCK, timeout=LOCK_TIMEOUT_S, purpose="save"), CacheWriter(root) as writer:
         todo = [k for k in order if not writer.has(k)]

@@ -59,14 +59,16 @@ def check_trainable(reader: EntryHeaders, samples: Sequence[Sample]) -> None:
     """
     seen: set[str] = set()
     for i, s in enumerate(samples):
-        if s.latent not in seen:
-            seen.add(s.latent)
-            value = reader.get(s.latent)
+        for latent in (s.latent,) if s.mirror is None else (s.latent, s.mirror):
+            if latent in seen:
+                continue
+            seen.add(latent)
+            value = reader.get(latent)
             leaf = value.get("samples") if isinstance(value, dict) else None  # shape problems: buckets_from_reader
             if leaf is not None and not leaf.dtype.is_floating_point:
-                raise ValueError(f"{_where(i, s)}: latent entry {s.latent} holds {leaf.dtype} samples; a latent must "
+                raise ValueError(f"{_where(i, s)}: latent entry {latent} holds {leaf.dtype} samples; a latent must "
                                  "be floating point (the cache was written wrongly: re-encode the dataset)")
-        for key in s.captions:
+        for key in s.captions if s.empty_caption is None else (*s.captions, s.empty_caption):
             if key in seen:
                 continue
             seen.add(key)

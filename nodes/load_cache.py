@@ -146,7 +146,7 @@ def dataset_fields(reader: CacheReader, name: str) -> dict:
         latent = reader.tensor_shapes(s.latent)
         shape = latent.get("samples") if isinstance(latent, dict) else None
         shapes["x".join(map(str, shape)) if shape is not None else "?"] += 1
-        missing += sum(1 for c in s.captions if c not in reader)
+        missing += sum(1 for k in s.keys()[1:] if k not in reader)
     stats = reader.stats()
     problems = [str(p) for p in reader.problems]
     if missing:

@@ -46,6 +46,15 @@ __all__ = [
     "MAX_DATASET_NAME",
 ]
 
+DATASET_VERSION_PLAIN = 1
+"""Version of a dataset file without variants: latent, captions, repeats and source columns only."""
+
+DATASET_VERSION = 2
+"""Version of a dataset file with variants: optional ``mirror`` and ``mask`` columns and an ``empty_caption``."""
+
+DATASET_VERSIONS = (DATASET_VERSION_PLAIN, DATASET_VERSION)
+"""Dataset file versions this library reads."""
+
 MAX_GENERATION = 10**18 - 1
 """The largest manifest generation: its journal name still has the 18 digits ``JOURNAL_RE`` accepts. The
 generation after it is 1 (:func:`next_generation`), so a writer never names a journal its reader refuses."""
@@ -403,19 +412,37 @@ def _slug(name: str) -> str:
 def write_dataset(root: Path, name: str, samples: Sequence[Sample], info: Mapping[str, Any] | None) -> DatasetInfo:
     """Write ``datasets/<name>-<id>.json`` atomically (columnar JSON) and return its manifest record.
 
-    The file is immutable; publishing it is the caller's job (a journal line naming it).
+    A dataset without variants (no mirror, mask or empty caption) is written as version 1, byte for byte what
+    earlier releases wrote, so they still open it; one with variants is version 2, which they refuse rather than
+    train without its masks. The file is immutable; publishing it is the caller's job (a journal line naming it).
+
+    Raises:
+        ValueError: the name, samples or info cannot be stored (e.g. samples with different empty captions).
     """
     check_dataset_name(name)
     info = dict(info or {})
-    doc = {
+    doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": DATASET_VERSION_PLAIN,
         "name": name,
         "latent": [s.latent for s in samples],
         "captions": [list(s.captions) for s in samples],
         "repeats": [s.repeats for s in samples],
         "source": [s.source for s in samples],
     }
+    empties = {s.empty_caption for s in samples}
+    if len(empties) > 1:
+        raise ValueError(f"dataset {name!r:.80}: its samples name {len(empties)} different empty captions; a dataset "
+                         "has one (encoded by one text encoder): store datasets of different encoders separately")
+    empty = next(iter(empties), None)
+    if any(s.mirror is not None for s in samples):
+        doc["mirror"] = [s.mirror for s in samples]
+    if any(s.mask is not None for s in samples):
+        doc["mask"] = [s.mask for s in samples]
+    if empty is not None:
+        doc["empty_caption"] = empty
+    if "mirror" in doc or "mask" in doc or "empty_caption" in doc:
+        doc["version"] = DATASET_VERSION
     try:
         raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
         json.dumps(info, allow_nan=False)
@@ -438,22 +465,38 @@ def load_dataset(root: Path, info: DatasetInfo) -> list[Sample]:
     except OSError as exc:
         raise _read_error(p, "the dataset file", exc) from None
     d = _loads(p, raw)
-    if d.get("format") != FORMAT_NAME or d.get("version") != FORMAT_VERSION:
+    version = d.get("version")
+    if d.get("format") != FORMAT_NAME or type(version) is not int or version not in DATASET_VERSIONS:
         raise CacheFormatError(f"{p}: dataset file of format {d.get('format')!r:.40} version "
-                               f"{d.get('version')!r:.20}; this library reads {FORMAT_NAME} {FORMAT_VERSION}")
+                               f"{d.get('version')!r:.20}; this library reads {FORMAT_NAME} versions "
+                               f"{', '.join(map(str, DATASET_VERSIONS))}: update the pack to open it")
     columns = [d.get(k) for k in ("latent", "captions", "repeats", "source")]
     lat, caps, reps, srcs = [c if type(c) is list and len(c) == info.samples else None for c in columns]
     if lat is None or caps is None or reps is None or srcs is None:
         raise CacheCorruptError(p, f"latent, captions, repeats and source must be lists of {info.samples} items")
+    none_column: list[Any] = [None] * info.samples
+    mirrors, masks, empty = none_column, none_column, None
+    if version >= 2:
+        mirrors, masks = (d.get(k, none_column) for k in ("mirror", "mask"))
+        empty = d.get("empty_caption")
+        if type(mirrors) is not list or type(masks) is not list or len(mirrors) != info.samples \
+                or len(masks) != info.samples:
+            raise CacheCorruptError(p, f"mirror and mask must be lists of {info.samples} items")
+        if empty is not None and type(empty) is not str:
+            raise CacheCorruptError(p, "empty_caption must be an entry key or null")
     out: list[Sample] = []
-    for i, (la, ca, re_, so) in enumerate(zip(lat, caps, reps, srcs)):
+    for i, (la, ca, re_, so, mi, ma) in enumerate(zip(lat, caps, reps, srcs, mirrors, masks)):
         if (type(la) is not str or type(ca) is not list or not ca or any(type(c) is not str for c in ca)
-                or type(re_) is not int or re_ < 1 or (so is not None and type(so) is not str)):
+                or type(re_) is not int or re_ < 1 or (so is not None and type(so) is not str)
+                or (mi is not None and type(mi) is not str) or (ma is not None and type(ma) is not str)):
             raise CacheCorruptError(p, f"sample {i} is malformed")
         if re_ > MAX_REPEATS:  # before the sampler allocates per occurrence
             raise CacheCorruptError(p, f"sample {i} ({so or la}) repeats {re_} times, above the limit of "
                                        f"{MAX_REPEATS}; re-encode or re-save the dataset with sensible repeats")
-        out.append(Sample(la, tuple(ca), re_, so))
+        try:
+            out.append(Sample(la, tuple(ca), re_, so, mi, ma, empty))
+        except ValueError as exc:
+            raise CacheCorruptError(p, f"sample {i} is malformed ({exc})") from None
     try:
         check_epoch_size(out, f"dataset {info.name!r}")
     except ValueError as exc:

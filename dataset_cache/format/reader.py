@@ -349,7 +349,7 @@ class CacheReader:
                 problems.append(exc if isinstance(exc, (CacheCorruptError, CacheUnreadableError))
                                 else CacheCorruptError(str(self.root / info.file), str(exc)))
                 continue
-            missing = [k for s in samples for k in (s.latent, *s.captions) if k not in self._index]
+            missing = [k for s in samples for k in s.keys() if k not in self._index]
             if missing:
                 problems.append(CacheCorruptError(str(self.root / info.file),
                                                   f"{len(missing)} sample entries are not in the cache",

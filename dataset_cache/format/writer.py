@@ -310,7 +310,7 @@ class CacheWriter:
         """
         self._check_open()
         check_epoch_size(samples, f"dataset {name!r:.80}")
-        missing = [k for s in samples for k in (s.latent, *s.captions) if not self.has(k)]
+        missing = [k for s in samples for k in s.keys() if not self.has(k)]
         if missing and self._unreadable:  # they may well be in the shard that could not be read
             first = self._unreadable[0]
             raise CacheUnreadableError(first.path, f"{first.reason}, so {len(missing)} entries of dataset "
@@ -550,9 +550,8 @@ def _dataset_order(reader: CacheReader) -> list[str]:
     order: dict[str, None] = {}
     for name in reader.datasets():
         for s in reader.dataset(name):
-            order.setdefault(s.latent, None)
-            for c in s.captions:
-                order.setdefault(c, None)
+            for key in s.keys():
+                order.setdefault(key, None)
     return list(order)
 
 
