@@ -64,6 +64,8 @@ class Batch:
         latent_extras: per row, the latent dict's other keys (e.g. ``"noise_mask"``), or ``None`` if no row has any.
         copy_events: CUDA only: timing events recorded on the loader's side stream before and after this batch's
             host-to-device copies (for profiling: ``start.elapsed_time(end)``); ``None`` on CPU.
+        masks: the rows' loss masks, ``[B, 1, h, w]`` float32 in [0, 1] (1: full weight) at the latents' spatial
+            size, a mirrored row's mask flipped with it, rows without a mask all ones; ``None`` when no row has one.
     """
 
     plan: BatchPlan
@@ -71,6 +73,7 @@ class Batch:
     conditioning: list[Any]
     latent_extras: list[dict[str, Any]] | None = None
     copy_events: tuple[Any, Any] | None = None
+    masks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,11 @@ class BatchPlan:
         latent_keys: latent entry key of each row.
         caption_keys: conditioning entry key of each row (the epoch's caption variant of that sample).
         bucket: the bucket id shared by every row.
+        mirrored: per row, whether ``latent_keys`` holds the sample's mirror latent (empty: no row is mirrored).
+        dropped: per row, whether caption dropout replaced the caption by the empty caption (empty: none was).
+        mask_keys: per row, the key of the sample's loss-mask entry or ``None`` (empty: no row has a mask). The
+            mask belongs to the unmirrored latent; a mirrored row's mask is flipped when the batch is assembled.
+        weights: per row, the loss weight of the dataset the row comes from (empty: every row weighs 1.0).
     """
 
     epoch: int
@@ -72,6 +77,10 @@ class BatchPlan:
     latent_keys: tuple[str, ...]
     caption_keys: tuple[str, ...]
     bucket: Hashable = None
+    mirrored: tuple[bool, ...] = ()
+    dropped: tuple[bool, ...] = ()
+    mask_keys: tuple[str | None, ...] = ()
+    weights: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
