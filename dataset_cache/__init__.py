@@ -38,6 +38,7 @@ from .loader import Batch, LoaderStats, LoaderWorkerError, PrefetchLoader
 from .refs import LazyTensor, is_lazy, materialize
 from .sampler import BatchPlan, BucketSampler, buckets_from_reader
 from .saving import SaveResult, copy_dataset, read_dataset_info, save_latent_lists, update_dataset_info
+from .variants import VariantSummary, summarize_variants
 from .video import FrameSettings
 
 __version__ = "0.1.0"
@@ -86,5 +87,7 @@ __all__ = [
     "SaveResult",
     "SourceError",
     "UnstorableValueError",
+    "summarize_variants",
     "update_dataset_info",
+    "VariantSummary",
 ]

@@ -2,7 +2,8 @@
 
 Subcommands:
 
-* ``info PATH`` — JSON summary of a cache (format version, entries, shards, bytes, datasets), or of a ComfyUI
+* ``info PATH`` — JSON summary of a cache (format version, entries, shards, bytes, datasets and each dataset's
+  variants: entries and bytes per role, :mod:`.variants`), or of a ComfyUI
   ``SaveTrainingDataset`` folder (which layout it is, how many samples and shards).
 * ``verify PATH`` — reads every stored tensor and checks every checksum; exit 1 naming each bad entry and its
   shard file, exit 0 with a one-line summary when the cache is healthy.
@@ -123,13 +124,20 @@ def _cmd_info(args: argparse.Namespace) -> int:
         })
         return EXIT_OK
     from .format.reader import open_cache
+    from .variants import summarize_variants
 
     try:
         reader = open_cache(args.path, verify=False)
     except CacheNotFoundError as exc:
         raise CacheNotFoundError(f"{exc} (nor is it a ComfyUI SaveTrainingDataset folder)") from None
     with reader:
-        _print_json({"type": "streamcache", **reader.stats()})
+        variants: dict[str, Any] = {}
+        for name, record in reader.datasets().items():
+            try:
+                variants[name] = summarize_variants(reader, reader.dataset(name), record.info).describe()
+            except CacheError as exc:  # a damaged dataset file is reported, the rest of the summary still printed
+                variants[name] = {"error": str(exc)}
+        _print_json({"type": "streamcache", **reader.stats(), "variants": variants})
     return EXIT_OK
 
 

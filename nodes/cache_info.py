@@ -8,8 +8,9 @@ from typing import Any
 
 from comfy_api.latest import io
 
-from ..dataset_cache.errors import CacheNotFoundError
+from ..dataset_cache.errors import CacheError, CacheNotFoundError
 from ..dataset_cache.units import format_bytes
+from ..dataset_cache.variants import summarize_variants
 from .inputs import NO_CACHE_YET, cache_choices, no_cache_yet_message
 from .paths import resolve_cache
 from .ui_output import TextWithData
@@ -29,6 +30,24 @@ def _open_cache_function() -> Any | None:
             return None
         raise
     return module.open_cache
+
+
+def _dataset_variants(reader: Any) -> tuple[list[str], dict[str, Any]]:
+    """Each dataset's variants (entries and bytes per role) as report lines and JSON fields; a dataset file
+    that cannot be read is named instead (the check lists it as a problem too)."""
+    lines: list[str] = []
+    fields: dict[str, Any] = {}
+    for name, info in reader.datasets().items():
+        try:
+            summary = summarize_variants(reader, reader.dataset(name), info.info)
+        except CacheError as exc:
+            lines.append(f"  dataset {name!r}: cannot be read ({exc})")
+            fields[name] = {"error": str(exc)}
+            continue
+        fields[name] = summary.describe()
+        lines.append(f"  dataset {name!r}: {summary.samples} samples")
+        lines += [f"    {line}" for line in summary.lines()]
+    return lines, fields
 
 
 def _human_bytes(n: int) -> str:
@@ -70,14 +89,15 @@ def inspect_cache(path: Path) -> tuple[str, dict[str, Any]]:
         stats = reader.stats()
         full = stats["bytes"] <= VERIFY_LIMIT_BYTES
         problems = [str(p) for p in (reader.verify() if full else reader.problems)]
+        variant_lines, variants = _dataset_variants(reader)
     finally:
         reader.close()
     verified = "full" if full else "headers"
     fields = {"kind": "cache", "root": str(path), "exists": True, "entries": stats["entries"],
               "shards": stats["shards"], "bytes": stats["bytes"], "datasets": stats["datasets"],
               "samples": sum(stats["datasets"].values()), "kinds": stats["kinds"], "version": stats["version"],
-              "verified": verified, "problems": problems}
-    lines = [f"StreamCache cache at {path}", *_format(stats, indent=1)]
+              "verified": verified, "problems": problems, "variants": variants}
+    lines = [f"StreamCache cache at {path}", *_format(stats, indent=1), *variant_lines]
     check = "every row and dataset checked" if full else f"headers checked (over {_human_bytes(VERIFY_LIMIT_BYTES)})"
     lines.append(f"  verify: {len(problems)} problem(s), {check}" if problems else f"  verify: ok, {check}")
     lines += [f"  PROBLEM: {p}" for p in problems]

@@ -62,3 +62,23 @@ def test_folder_without_manifest_is_not_a_cache(node: type, cache_root: Path) ->
     (cache_root / "just_images" / "a.png").write_bytes(b"")
     (report,) = node.execute(cache="just_images").result
     assert report == f"no cache at {cache_root / 'just_images'}"
+
+
+def test_variants_are_reported_per_dataset(node: type, cache_root: Path) -> None:
+    """The golden cache with a version-2 dataset: one mirror, one mask, the empty caption and two caption
+    variants, each role with its entries and bytes (item 7 of #16)."""
+    import shutil
+
+    shutil.copytree(PACK_ROOT / "tests" / "unit" / "format" / "data" / "v1-variants", cache_root / "variants")
+    out = node.execute(cache="variants")
+    (report,) = out.result
+    info = out.ui.as_dict()["streamcache_info"][0]["variants"]["variants"]
+    assert info["samples"] == 2
+    assert {r: (info[r]["entries"], info[r]["missing"]) for r in ("latents", "mirrors", "masks", "captions",
+                                                                  "empty_caption")} == {
+        "latents": (2, 0), "mirrors": (1, 0), "masks": (1, 0), "captions": (2, 0), "empty_caption": (1, 0)}
+    assert info["mirrors"]["bytes"] == 2 * 3 * 4 * 2  # one [1, 2, 3, 4] fp16 latent
+    assert info["masks"]["bytes"] == 3 * 4  # one [1, 1, 3, 4] uint8 mask
+    assert "dataset 'variants': 2 samples" in report
+    assert "mirrors: 1 entry, 48 B" in report and "masks: 1 entry, 12 B" in report
+    assert "empty caption: 1 entry" in report

@@ -1,0 +1,117 @@
+"""What a dataset's variants are and what they cost: counts and tensor bytes per role, from headers alone.
+
+A sample names its latent, possibly a mirrored latent and a loss mask, its caption variants (lines and their
+shuffled-tag variants) and the empty caption of caption dropout. Every one is an ordinary content-keyed entry, so
+"what do my flips cost" is a question about which keys play which role; this module answers it for reports
+(Encode Dataset, Cache Info, ``python -m dataset_cache info``) without reading any tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .dataset import Sample
+from .units import format_bytes
+
+__all__ = ["ROLES", "RoleSummary", "VariantSummary", "summarize_variants"]
+
+ROLES = ("latents", "mirrors", "masks", "captions", "empty_caption")
+"""The roles an entry plays in a dataset, in the order a key is attributed (a key in two roles counts once, in
+the first: a caption that is itself empty is a caption, not the dropout's empty caption)."""
+
+
+class _Sizes(Protocol):
+    def __contains__(self, key: object) -> bool: ...
+
+    def entry_nbytes(self, key: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class RoleSummary:
+    """Distinct entries of one role, the tensor bytes they take, and how many of them the cache lacks."""
+
+    entries: int = 0
+    bytes: int = 0
+    missing: int = 0
+
+
+@dataclass(frozen=True)
+class VariantSummary:
+    """The entries of one dataset by role (see :data:`ROLES`).
+
+    Attributes:
+        samples: samples in the dataset.
+        roles: role -> its distinct entries, bytes and missing entries.
+        settings: the variant settings the dataset was encoded with, from its info (``flip``, ``shuffle_variants``,
+            ``keep_tokens``, ``masks``, ``empty_caption``), for the report; absent ones are at their defaults.
+    """
+
+    samples: int
+    roles: Mapping[str, RoleSummary]
+    settings: Mapping[str, Any]
+
+    @property
+    def has_variants(self) -> bool:
+        """Whether any sample names a mirror, a mask or the empty caption, or has several caption variants."""
+        return any(self.roles[r].entries for r in ("mirrors", "masks", "empty_caption")) or (
+            self.roles["captions"].entries > self.samples)
+
+    def describe(self) -> dict[str, Any]:
+        """Plain JSON: ``{"samples", "settings", <role>: {"entries", "bytes", "missing"}}``."""
+        return {"samples": self.samples, "settings": dict(self.settings),
+                **{r: vars(self.roles[r]).copy() for r in ROLES}}
+
+    def lines(self) -> list[str]:
+        """One line per role present, e.g. ``mirrors: 120 entries, 7.5 MiB``."""
+        out = []
+        for role in ROLES:
+            s = self.roles[role]
+            if not s.entries:
+                continue
+            noun = "entry" if s.entries == 1 else "entries"
+            text = f"{role.replace('_', ' ')}: {s.entries} {noun}, {format_bytes(s.bytes)}"
+            out.append(text + (f" ({s.missing} not in the cache)" if s.missing else ""))
+        return out
+
+
+_SETTING_NAMES = ("flip", "shuffle_variants", "keep_tokens", "masks", "empty_caption")
+
+
+def _role_keys(samples: Sequence[Sample]) -> dict[str, Iterable[str]]:
+    return {
+        "latents": (s.latent for s in samples),
+        "mirrors": (s.mirror for s in samples if s.mirror is not None),
+        "masks": (s.mask for s in samples if s.mask is not None),
+        "captions": (k for s in samples for k in s.captions),
+        "empty_caption": (s.empty_caption for s in samples if s.empty_caption is not None),
+    }
+
+
+def summarize_variants(reader: _Sizes, samples: Sequence[Sample], info: Mapping[str, Any] | None = None
+                       ) -> VariantSummary:
+    """Count each role's distinct entries and their tensor bytes (``reader.entry_nbytes``: headers only).
+
+    Args:
+        reader: an open cache (:class:`~dataset_cache.format.reader.CacheReader`).
+        samples: the dataset's samples.
+        info: the dataset's info (its ``settings`` name the variant settings it was encoded with).
+    """
+    seen: set[str] = set()
+    roles: dict[str, RoleSummary] = {}
+    for role, keys in _role_keys(samples).items():
+        entries = nbytes = missing = 0
+        for key in keys:
+            if key in seen:
+                continue
+            seen.add(key)
+            entries += 1
+            if key in reader:
+                nbytes += reader.entry_nbytes(key)
+            else:
+                missing += 1
+        roles[role] = RoleSummary(entries, nbytes, missing)
+    stored = (info or {}).get("settings") or {}
+    settings = {k: stored[k] for k in _SETTING_NAMES if isinstance(stored, Mapping) and k in stored}
+    return VariantSummary(len(samples), roles, settings)
