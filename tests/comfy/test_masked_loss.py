@@ -223,6 +223,27 @@ def test_masked_loss_off_ignores_the_masks(training: ModuleType, model: Any, cac
     assert all(torch.equal(g, ref) for g, ref in zip(off.lora_grads, plain.lora_grads))
 
 
+def test_masks_on_the_node(pack: ModuleType, training: ModuleType, model: Any, cache: Any,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Train LoRA's masked_loss and unmasked_weight reach the training step."""
+    node = _module(pack, "nodes.train_lora").TrainLoRA
+    handles = _module(pack, "nodes.handles")
+    base = {"checkpoint_depth": 1, "offloading": False, "existing_lora": "[None]"}
+
+    def run(mdl: Any, dataset: str, settings: dict[str, Any]) -> list[float]:
+        with torch.inference_mode():
+            out = node.execute(mdl, handles.StreamDatasetHandle(str(cache), dataset), **{**base, **settings})
+        return out.result[1]["loss"]
+
+    on = _step(training, model, cache, monkeypatch, masks=_half_mask, run=run, unmasked_weight=0.0)
+    off = _step(training, model, cache, monkeypatch, masks=_half_mask, run=run, masked_loss=False)
+    w = on.pred.shape[-1]
+    assert torch.count_nonzero(on.pred_grad[..., : w // 2]) == 0 < torch.count_nonzero(off.pred_grad[..., : w // 2])
+    default = _step(training, model, cache, monkeypatch, masks=_half_mask, run=run)  # unmasked_weight 0.1
+    torch.testing.assert_close(default.pred_grad[..., : w // 2], 0.1 * off.pred_grad[..., : w // 2],
+                               rtol=1e-5, atol=0)
+
+
 def test_masks_go_to_the_training_dtype(training: ModuleType, model: Any, cache: Any,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Masks in another dtype (float64 here) weigh the fp32 loss as float32 masks do."""
