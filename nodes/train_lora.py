@@ -134,6 +134,14 @@ class TrainLoRA(io.ComfyNode):
                                  "weights, as in ComfyUI's own Train LoRA: for quantized models, whose weights "
                                  "cannot be patched. The saved LoRA is the same either way. Off: weights are "
                                  "patched."),
+                io.Boolean.Input("masked_loss", default=True, optional=True, advanced=True,
+                                 tooltip="Weigh each image's loss by its mask where the dataset has masks (Encode "
+                                 "Dataset's 'masks' input): areas a mask leaves out count unmasked_weight. No "
+                                 "effect on a dataset without masks. Off: masks are ignored."),
+                io.Float.Input("unmasked_weight", default=0.1, min=0.0, max=1.0, step=0.01, optional=True,
+                               advanced=True,
+                               tooltip="Loss weight of the areas a mask leaves out (mask 0), between 0 (not "
+                               "trained at all) and 1 (the mask has no effect); masked areas weigh 1."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -167,6 +175,8 @@ class TrainLoRA(io.ComfyNode):
         loader_threads: int = 0,
         quantized_backward: bool = False,
         bypass_mode: bool = False,
+        masked_loss: bool = True,
+        unmasked_weight: float = 0.1,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -175,6 +185,7 @@ class TrainLoRA(io.ComfyNode):
             gradient_checkpointing=gradient_checkpointing, checkpoint_depth=checkpoint_depth, offloading=offloading,
             existing_lora=existing_lora, prefetch_batches=prefetch_batches, loader_threads=loader_threads,
             quantized_backward=bool(quantized_backward), bypass_mode=bool(bypass_mode),
+            masked_loss=bool(masked_loss), unmasked_weight=float(unmasked_weight),
         )
         settings.validate()  # before opening anything: a typo fails fast
         if not callable(getattr(dataset, "open", None)):

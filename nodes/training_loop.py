@@ -22,6 +22,7 @@ Only the execution thread calls ComfyUI's progress and interrupt functions; the 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib
 import logging
@@ -86,7 +87,8 @@ class TrainSettings:
 
     Attributes mirror ComfyUI's "Train LoRA" inputs; ``steps`` counts optimizer steps, each made of
     ``grad_accumulation_steps`` batches of ``batch_size`` rows. ``prefetch_batches`` batches are read ahead by
-    ``loader_threads`` threads (0: the loader's default).
+    ``loader_threads`` threads (0: the loader's default). ``masked_loss`` weighs the loss by the batch's masks
+    where the dataset has any (``unmasked_weight``: the weight where a mask is 0); see :meth:`_Loop._loss`.
     """
 
     steps: int = 16
@@ -96,6 +98,8 @@ class TrainSettings:
     rank: int = 8
     optimizer: str = "AdamW"
     loss_function: str = "MSE"
+    masked_loss: bool = True
+    unmasked_weight: float = 0.1
     seed: int = 0
     training_dtype: str = "bf16"
     lora_dtype: str = "bf16"
@@ -127,6 +131,9 @@ class TrainSettings:
             raise ValueError("prefetch_batches and loader_threads must be >= 0")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        if not 0.0 <= self.unmasked_weight <= 1.0:  # also refuses NaN
+            raise ValueError(f"unmasked_weight must be between 0 and 1 (the loss weight where a mask is 0; 1: masks "
+                             f"have no effect), got {self.unmasked_weight}")
 
 
 @dataclass(frozen=True)
@@ -501,6 +508,7 @@ class _Loop:
         self.conditioner = conditioner
         self.device = device
         self.model_sampling = mp.model.model_sampling
+        self._elementwise: Any = None  # the per-element form of loss_fn, made when a batch first needs it
 
     def run(self, batches: Any, on_step: Callable[[StepReport], None] | None
             ) -> tuple[list[float], float, int, float]:
@@ -555,10 +563,78 @@ class _Loop:
                 order = torch.tensor([i for rows, _ in groups for i in rows], device=self.device)
                 parts = [self.forward(xt[rows], sigma[rows], kwargs) for rows, kwargs in groups]
                 pred = torch.cat(parts)[torch.argsort(order)]
-            loss = self.loss_fn(pred.float(), x0.float())
+            loss = self._loss(pred.float(), x0.float(), batch)
         scaled = loss / self.settings.grad_accumulation_steps
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return float(loss.detach())
+
+    def _loss(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The batch's loss: ComfyUI's loss module as it is, or its per-element form weighted by masks and rows.
+
+        Without a weight to apply (no masks or ``masked_loss`` off, no row weight other than 1) this is exactly the
+        call ComfyUI's own trainer makes, so the parity test with its ``TrainLoraNode`` stays bit-identical. With
+        weights, the same loss class with the same parameters (a copy of ComfyUI's module with ``reduction="none"``)
+        gives the per-element loss, which is multiplied by ``_loss_weight`` and averaged over every element, as
+        kohya's trainer does (the mean over each row times the row's weight, averaged over the rows: rows of a batch
+        share one shape). Not divided by the sum of the weights: then a row's weight ``w`` scales its own
+        contribution by exactly ``w`` whatever the other rows weigh, a row of weight 0 adds nothing, and a mask
+        that keeps a quarter of an image keeps a quarter of its loss (kohya's and OneTrainer's default).
+        """
+        weight = self._loss_weight(batch, pred)
+        if weight is None:
+            return self.loss_fn(pred, target)
+        per_element = self._per_element_loss()(pred, target)
+        if per_element.shape != pred.shape:
+            raise RuntimeError(f"ComfyUI's {self.settings.loss_function} loss with reduction='none' returned shape "
+                               f"{tuple(per_element.shape)} for a prediction of {tuple(pred.shape)}: masked and "
+                               "weighted losses need a per-element loss; turn masked_loss off and use rows of weight 1")
+        return (per_element * weight).mean()
+
+    def _loss_weight(self, batch: Batch, pred: torch.Tensor) -> torch.Tensor | None:
+        """Per-element loss weight of the batch (broadcastable to ``pred``, fp32 on the training device), or
+        ``None`` when every element weighs 1.
+
+        A mask ``m`` gives ``unmasked_weight + (1 - unmasked_weight) * m``, the same for every channel; video
+        latents (``[B, C, T, h, w]``) have no masks (the loader gives clips none; any it gives are ignored). A row
+        weight (``BatchPlan.weights``: a regularization dataset's loss weight) multiplies the whole row.
+        """
+        s = self.settings
+        rows = pred.shape[0]
+        weight: torch.Tensor | None = None
+        masks = batch.masks
+        if s.masked_loss and masks is not None and s.unmasked_weight != 1.0 and pred.ndim == 4:
+            expected = (rows, 1, *pred.shape[-2:])
+            if tuple(masks.shape) != expected:
+                raise ValueError(
+                    f"the loss masks of batch {batch.plan.index} of epoch {batch.plan.epoch} have shape "
+                    f"{tuple(masks.shape)}, its latents need {expected} (latents "
+                    f"{', '.join(batch.plan.latent_keys[:4])}): the masks were encoded for other latents; encode "
+                    "the dataset's masks again, or turn masked_loss off")
+            masks = masks.to(self.device, torch.float32)
+            weight = s.unmasked_weight + (1.0 - s.unmasked_weight) * masks
+        row_weights = batch.plan.weights
+        if row_weights and any(w != 1.0 for w in row_weights):
+            if len(row_weights) != rows:
+                raise ValueError(f"batch {batch.plan.index} of epoch {batch.plan.epoch} has {rows} rows but "
+                                 f"{len(row_weights)} loss weights: the sampler's plan does not match its batch")
+            per_row = torch.tensor(row_weights, dtype=torch.float32, device=self.device)
+            per_row = per_row.view(rows, *([1] * (pred.ndim - 1)))
+            weight = per_row if weight is None else weight * per_row
+        return weight
+
+    def _per_element_loss(self) -> Any:
+        """ComfyUI's loss module (from ``_create_loss_function``) with ``reduction="none"``: the same class and
+        parameters (Huber's delta, SmoothL1's beta), made once per run."""
+        if self._elementwise is None:
+            if not isinstance(self.loss_fn, torch.nn.Module) or not isinstance(
+                    getattr(self.loss_fn, "reduction", None), str):
+                raise RuntimeError(
+                    f"ComfyUI's {self.settings.loss_function} loss ({type(self.loss_fn).__name__}) has no "
+                    "'reduction' setting, so it cannot be weighted per element: this ComfyUI changed its training "
+                    "losses; turn masked_loss off (and train without loss weights) or update ComfyUI-StreamCache")
+            self._elementwise = copy.deepcopy(self.loss_fn)
+            self._elementwise.reduction = "none"
+        return self._elementwise
 
     def _draw(self, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmas (one per row) and noise of batch ``index``, on the CPU.

@@ -27,7 +27,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "optimizer": "AdamW", "loss_function": "MSE", "seed": 7, "training_dtype": "fp32", "lora_dtype": "fp32",
     "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
     "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
-    "bypass_mode": False,
+    "bypass_mode": False, "masked_loss": True, "unmasked_weight": 0.1,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -140,10 +140,14 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # expert inputs fold away in the new front end; what the built-in node shows stays in view
     assert {i.id for i in schema.inputs if i.advanced} == {"checkpoint_depth", "offloading", "lora_dtype",
                                                            "prefetch_batches", "loader_threads",
-                                                           "quantized_backward", "bypass_mode"}
+                                                           "quantized_backward", "bypass_mode",
+                                                           "masked_loss", "unmasked_weight"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
+    for name, default in (("masked_loss", True), ("unmasked_weight", 0.1)):  # no effect on a dataset without masks
+        assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
+    assert (inputs["unmasked_weight"].min, inputs["unmasked_weight"].max) == (0.0, 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------- training
