@@ -137,7 +137,9 @@ class _Job:
 
 
 def _entry_keys(plan: BatchPlan) -> list[str]:
-    return list(dict.fromkeys(plan.latent_keys + plan.caption_keys))
+    """Every entry one batch reads, each once: latents, conditionings and loss masks in ONE read."""
+    masks = tuple(k for k in plan.mask_keys if k is not None)
+    return list(dict.fromkeys(plan.latent_keys + plan.caption_keys + masks))
 
 
 def default_loader_threads(prefetch_batches: int) -> int:
@@ -304,6 +306,44 @@ def _stack(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return out
 
 
+def _mask_rows(plan: BatchPlan, values: dict[str, Any], latents: torch.Tensor) -> list[torch.Tensor | None]:
+    """Each row's stored ``uint8`` mask (``[1, 1, h, w]``, checked against its latent's size), ``None`` without."""
+    h, w = latents.shape[-2:]
+    out: list[torch.Tensor | None] = []
+    for key, latent in zip(plan.mask_keys, plan.latent_keys):
+        if key is None:
+            out.append(None)
+            continue
+        value = values[key]
+        mask = value.get("mask") if isinstance(value, dict) else None
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[:2] != (1, 1):
+            raise ValueError(f"mask entry {key} is not a mask dict with a [1, 1, h, w] 'mask' tensor (got "
+                             f"{type(mask).__name__ if not isinstance(mask, torch.Tensor) else list(mask.shape)}); "
+                             "re-encode the dataset's masks")
+        if tuple(mask.shape[-2:]) != (h, w):
+            raise ValueError(f"mask entry {key} is {list(mask.shape[-2:])} but its latent {latent} is "
+                             f"{[h, w]} (height, width): the mask was made for another crop or resolution; "
+                             "re-encode the dataset's masks")
+        out.append(mask)
+    return out
+
+
+def _masks(plan: BatchPlan, rows: list[torch.Tensor | None], move: Callable[[torch.Tensor], torch.Tensor],
+           device: torch.device, shape: torch.Size) -> torch.Tensor:
+    """``[B, 1, h, w]`` float32 loss masks on ``device``: stored bytes / 255, mirrored rows flipped, ones without.
+
+    The bytes travel as they were read (``move``: from the pinned read buffer on the side stream on CUDA) and
+    are widened on the target device, so a mask costs one byte a cell on the bus."""
+    out = torch.ones((len(rows), 1, shape[-2], shape[-1]), dtype=torch.float32, device=device)
+    mirrored = plan.mirrored or (False,) * len(rows)
+    for i, (mask, flip) in enumerate(zip(rows, mirrored)):
+        if mask is None:
+            continue
+        m = move(mask)[0].to(torch.float32).div_(255.0)
+        out[i] = m.flip(-1) if flip else m
+    return out
+
+
 def _assemble(job: _Job, ctx: _Context, values: dict[str, Any]) -> Batch:
     """Build the batch on the target device from the values of one batch read."""
     plan = job.plan
@@ -319,7 +359,12 @@ def _assemble(job: _Job, ctx: _Context, values: dict[str, Any]) -> Batch:
         conds = {k: _map_tensors(values[k], move) for k in dict.fromkeys(plan.caption_keys)}
     extras = [{k: v for k, v in values[key].items() if k != "samples"} for key in plan.latent_keys]
     extras_out = ([e if move is _keep else _map_tensors(e, move) for e in extras] if any(extras) else None)
-    return Batch(plan, latents, [conds[k] for k in plan.caption_keys], extras_out)
+    masks = None
+    if any(k is not None for k in plan.mask_keys):
+        masks = _masks(plan, _mask_rows(plan, values, latents), move, ctx.device, latents.shape)
+        if ctx.device.type == "cuda":
+            job.device_tensors.append(masks)  # made on the side stream: the consumer's stream takes it over
+    return Batch(plan, latents, [conds[k] for k in plan.caption_keys], extras_out, masks=masks)
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
