@@ -11,6 +11,9 @@ a GPU step, nothing is pickled, and it works the same on Windows and in a one-CP
   buffer it was read into, and a buffer is reused only once nothing refers to its memory (``_BufferPool``), so a
   batch you keep never changes. CUDA target: one reused pinned buffer per worker, copies on ONE side stream,
   ordered against the consumer's stream with events and ``record_stream``.
+* Loss masks (``BatchPlan.mask_keys``) are read in the batch's one read, travel as stored (one byte a cell, on
+  CUDA from the pinned buffer on the side stream) and become ``Batch.masks`` on the target device: float in
+  [0, 1], mirrored rows flipped, ones for rows without a mask; a mask not at its latent's size is named.
 * A worker's exception reaches the consumer at the batch that failed, as :class:`LoaderWorkerError`.
 * Threads start on first iteration and stop on :meth:`PrefetchLoader.close`, ``with``, garbage collection, or an
   abandoned iteration.

@@ -10,7 +10,11 @@ came next.
 An epoch, for a given ``(seed, epoch)``:
 
 1. every sample appears ``repeats`` times (its *occurrences*) and uses ONE caption variant for the whole epoch,
-   drawn with the epoch's generator;
+   drawn with the epoch's generator, and, when it has a mirror latent, the mirror or not for the whole epoch
+   (probability 1/2, its own ``"flip"`` stream); with a regularization set (:class:`Regularization`), each bucket
+   also receives its fixed share of the epoch's ``round(ratio × main occurrences)`` regularization occurrences
+   (shares by largest remainder over the buckets' regularization occurrences; which ones fill a share is drawn per
+   epoch), so the number of batches is the same every epoch;
 2. the occurrences of each bucket (same latent shape, so they stack) are permuted and cut into batches of
    ``batch_size``; every batch holds occurrences of one bucket only;
 3. the tail of each bucket follows ``tail``: ``"drop"`` drops the last incomplete batch (the dropped occurrences
@@ -18,10 +22,16 @@ An epoch, for a given ``(seed, epoch)``:
    occurrences of the same epoch (cyclically, so a bucket smaller than a batch still trains, with repeats);
 4. the batches of all buckets are shuffled together (``shuffle=False`` keeps buckets in order of first appearance
    and each bucket's samples in dataset order);
-5. with ``world_size`` ranks, every rank gets the same number of batches: rank ``r`` takes batches
+5. caption dropout is drawn per occurrence over that whole order (its own ``"dropout"`` stream), before:
+6. with ``world_size`` ranks, every rank gets the same number of batches: rank ``r`` takes batches
    ``r, r + world_size, ...``. Under ``"drop"`` the last ``total % world_size`` batches of the shuffled order are
    dropped, so shares are disjoint; under ``"wrap"`` the order is padded with its own first batches, so the few
    padding batches are seen twice. Either way the union over ranks is the epoch up to that documented tail.
+
+Every draw has its own labelled generator, so with no mirror, no dropout and no regularization set the plans (and
+the resume fingerprint) are exactly those of the versions before them. Several datasets train together as a
+:class:`DatasetMix` (:func:`mix_datasets`: concatenated, each dataset's repeats multiplied in). docs/ARCHITECTURE.md
+("The sampler") has the rules and the reasons.
 
 Non-goals: weighting buckets, curriculum orders, changing ``batch_size`` or ``world_size`` mid-run (a state saved
 under one configuration is refused by another, because "the next batch" would mean something else).

@@ -28,6 +28,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
     "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
     "bypass_mode": False,
+    "caption_dropout": 0.0, "reg_dataset": None, "reg_ratio": 1.0, "reg_weight": 1.0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -144,6 +145,9 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
+    for name, default in (("caption_dropout", 0.0), ("reg_ratio", 1.0), ("reg_weight", 1.0)):  # #16
+        assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
+    assert inputs["reg_dataset"].optional and inputs["reg_dataset"].get_io_type() == "STREAM_DATASET"
 
 
 # ----------------------------------------------------------------------------------------------------- training
