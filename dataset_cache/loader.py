@@ -331,20 +331,25 @@ def _mask_rows(plan: BatchPlan, values: dict[str, Any], latents: torch.Tensor) -
     return out
 
 
-def _masks(plan: BatchPlan, rows: list[torch.Tensor | None], move: Callable[[torch.Tensor], torch.Tensor],
-           device: torch.device, shape: torch.Size) -> torch.Tensor:
+def _masks(plan: BatchPlan, rows: list[torch.Tensor | None], device: torch.device, shape: torch.Size
+           ) -> torch.Tensor:
     """``[B, 1, h, w]`` float32 loss masks on ``device``: stored bytes / 255, mirrored rows flipped, ones without.
 
-    The bytes travel as they were read (``move``: from the pinned read buffer on the side stream on CUDA) and
-    are widened on the target device, so a mask costs one byte a cell on the bus."""
-    out = torch.ones((len(rows), 1, shape[-2], shape[-1]), dtype=torch.float32, device=device)
-    mirrored = plan.mirrored or (False,) * len(rows)
-    for i, (mask, flip) in enumerate(zip(rows, mirrored)):
+    The bytes are gathered as they were read (on CUDA: copied from the pinned read buffer on the side stream, one
+    byte a cell on the bus), then widened, scaled and flipped once for the whole batch on the target device."""
+    gathered = torch.full((len(rows), 1, shape[-2], shape[-1]), 255, dtype=torch.uint8, device=device)
+    for i, mask in enumerate(rows):
         if mask is None:
             continue
-        m = move(mask)[0].to(torch.float32).div_(255.0)
-        out[i] = m.flip(-1) if flip else m
-    return out
+        if device.type == "cuda":
+            gathered[i].copy_(mask[0], non_blocking=True)
+        else:
+            _copy_bytes(gathered[i], mask[0].contiguous())
+    flipped = [i for i, (mask, flip) in enumerate(zip(rows, plan.mirrored)) if flip and mask is not None]
+    if flipped:
+        index = torch.tensor(flipped, device=device)
+        gathered[index] = gathered[index].flip(-1)
+    return gathered.to(torch.float32).div_(255.0)
 
 
 def _assemble(job: _Job, ctx: _Context, values: dict[str, Any]) -> Batch:
@@ -364,7 +369,7 @@ def _assemble(job: _Job, ctx: _Context, values: dict[str, Any]) -> Batch:
     extras_out = ([e if move is _keep else _map_tensors(e, move) for e in extras] if any(extras) else None)
     masks = None
     if any(k is not None for k in plan.mask_keys):
-        masks = _masks(plan, _mask_rows(plan, values, latents), move, ctx.device, latents.shape)
+        masks = _masks(plan, _mask_rows(plan, values, latents), ctx.device, latents.shape)
         if ctx.device.type == "cuda":
             job.device_tensors.append(masks)  # made on the side stream: the consumer's stream takes it over
     return Batch(plan, latents, [conds[k] for k in plan.caption_keys], extras_out, masks=masks)

@@ -114,7 +114,7 @@ class _Epoch:
     row_bucket: list[int]  # bucket number of each batch
     variants: list[int]  # caption variant of each sample
     flips: list[bool] | None = None  # per sample: trains its mirror this epoch (None: no sample has one)
-    dropped: list[list[bool]] | None = None  # [batches][batch_size]: caption dropped (None: dropout is off)
+    dropped: torch.Tensor | None = None  # bool [batches, batch_size]: caption dropped (None: dropout is off)
 
 
 @dataclass(frozen=True)
@@ -555,8 +555,7 @@ class BucketSampler:
             g = seeded_generator(self.seed, epoch, "flip")
             drawn = torch.rand(len(self.samples), generator=g, dtype=torch.float64) < FLIP_PROBABILITY
             flips = (drawn & self._has_mirror).tolist()
-        return _Epoch(epoch, all_rows[take].tolist(), buckets[take].tolist(), variants.tolist(), flips,
-                      None if dropped is None else dropped.tolist())
+        return _Epoch(epoch, all_rows[take].tolist(), buckets[take].tolist(), variants.tolist(), flips, dropped)
 
     def _reg_draw(self, epoch: int, b: int) -> torch.Tensor:
         """Bucket ``b``'s regularization occurrences of ``epoch``: its fixed share, drawn without replacement from
@@ -578,7 +577,7 @@ class BucketSampler:
         samples = self.samples
         flips = ep.flips
         mirrored = tuple(flips[i] for i in idx) if flips is not None else ()
-        dropped = tuple(ep.dropped[index]) if ep.dropped is not None else ()
+        dropped = tuple(ep.dropped[index].tolist()) if ep.dropped is not None else ()
         captions = tuple(samples[i].captions[variants[i]] for i in idx)
         if dropped:
             captions = tuple(str(samples[i].empty_caption) if d else c  # present: checked in __init__
