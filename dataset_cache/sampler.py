@@ -405,8 +405,8 @@ class BucketSampler:
         for k in rest[: wanted - sum(quota)]:
             quota[k] += 1
         slot = {b: i for i, b in enumerate(self._bucket_ids)}
-        for bucket in ids:
-            if bucket not in slot:  # a shape only the regularization set has: a bucket of its own
+        for bucket, q in zip(ids, quota):
+            if bucket not in slot and q:  # a shape only the regularization set has: a bucket of its own
                 slot[bucket] = len(self._bucket_ids)
                 self._bucket_ids.append(bucket)
                 self._bucket_members.append(torch.zeros(0, dtype=torch.int64))
@@ -414,6 +414,8 @@ class BucketSampler:
         self._reg_members = [torch.zeros(0, dtype=torch.int64) for _ in self._bucket_ids]
         self._reg_quota = [0] * len(self._bucket_ids)
         for bucket, m, q in zip(ids, members, quota):
+            if not q:  # no share (a tiny ratio): the bucket's samples sit this run out
+                continue
             self._reg_members[slot[bucket]] = m + self._n_main
             self._reg_quota[slot[bucket]] = q
             self._occurrences[slot[bucket]] += q

@@ -316,6 +316,19 @@ def test_largest_remainder_shares_and_a_shape_only_the_reg_set_has_gets_its_own_
             assert all(i >= 4 for i in p.sample_indices)
 
 
+def test_a_ratio_too_small_for_a_share_adds_no_empty_bucket_and_zero_adds_nothing():
+    main = variant_samples(4, mirror=False, mask=False)  # 6 occurrences
+    rs = variant_samples(3, prefix="r", mirror=False, mask=False)
+    reg = Regularization(rs, [(4, 8, 8), (4, 24, 8), (4, 24, 8)], ratio=0.1)  # round(0.6) = 1: to the 3-pool
+    s = sampler(main, reg=reg, bucket_of=shapes(main), tail="drop", batch_size=1)
+    assert s.reg_buckets == {(4, 24, 8): 1} and (4, 24, 8) in s.buckets
+    none = sampler(main, reg=Regularization(rs, [(4, 40, 8)] * 3, ratio=0.0), bucket_of=shapes(main), batch_size=1)
+    assert none.reg_buckets == {} and (4, 40, 8) not in none.buckets
+    assert [p.sample_indices for p in none.epoch_plans(0)] == \
+        [p.sample_indices for p in sampler(main, bucket_of=shapes(main), batch_size=1).epoch_plans(0)]
+    assert {w for p in none.epoch_plans(0) for w in p.weights} == {1.0}
+
+
 def test_a_large_ratio_on_a_tiny_regularization_set_cycles_it_evenly():
     main = variant_samples(10, mirror=False, mask=False)  # 15 occurrences
     rs = [Sample("rl0", ("rc0",)), Sample("rl1", ("rc1",))]
