@@ -11,6 +11,9 @@ a GPU step, nothing is pickled, and it works the same on Windows and in a one-CP
   buffer it was read into, and a buffer is reused only once nothing refers to its memory (``_BufferPool``), so a
   batch you keep never changes. CUDA target: one reused pinned buffer per worker, copies on ONE side stream,
   ordered against the consumer's stream with events and ``record_stream``.
+* Loss masks (``BatchPlan.mask_keys``) are read in the batch's one read, travel as stored (one byte a cell, on
+  CUDA from the pinned buffer on the side stream) and become ``Batch.masks`` on the target device: float in
+  [0, 1], mirrored rows flipped, ones for rows without a mask; a mask not at its latent's size is named.
 * A worker's exception reaches the consumer at the batch that failed, as :class:`LoaderWorkerError`.
 * Threads start on first iteration and stop on :meth:`PrefetchLoader.close`, ``with``, garbage collection, or an
   abandoned iteration.
@@ -137,7 +140,9 @@ class _Job:
 
 
 def _entry_keys(plan: BatchPlan) -> list[str]:
-    return list(dict.fromkeys(plan.latent_keys + plan.caption_keys))
+    """Every entry one batch reads, each once: latents, conditionings and loss masks in ONE read."""
+    masks = tuple(k for k in plan.mask_keys if k is not None)
+    return list(dict.fromkeys(plan.latent_keys + plan.caption_keys + masks))
 
 
 def default_loader_threads(prefetch_batches: int) -> int:
@@ -304,6 +309,49 @@ def _stack(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return out
 
 
+def _mask_rows(plan: BatchPlan, values: dict[str, Any], latents: torch.Tensor) -> list[torch.Tensor | None]:
+    """Each row's stored ``uint8`` mask (``[1, 1, h, w]``, checked against its latent's size), ``None`` without."""
+    h, w = latents.shape[-2:]
+    out: list[torch.Tensor | None] = []
+    for key, latent in zip(plan.mask_keys, plan.latent_keys):
+        if key is None:
+            out.append(None)
+            continue
+        value = values[key]
+        mask = value.get("mask") if isinstance(value, dict) else None
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[:2] != (1, 1):
+            raise ValueError(f"mask entry {key} is not a mask dict with a [1, 1, h, w] 'mask' tensor (got "
+                             f"{type(mask).__name__ if not isinstance(mask, torch.Tensor) else list(mask.shape)}); "
+                             "re-encode the dataset's masks")
+        if tuple(mask.shape[-2:]) != (h, w):
+            raise ValueError(f"mask entry {key} is {list(mask.shape[-2:])} but its latent {latent} is "
+                             f"{[h, w]} (height, width): the mask was made for another crop or resolution; "
+                             "re-encode the dataset's masks")
+        out.append(mask)
+    return out
+
+
+def _masks(plan: BatchPlan, rows: list[torch.Tensor | None], device: torch.device, shape: torch.Size
+           ) -> torch.Tensor:
+    """``[B, 1, h, w]`` float32 loss masks on ``device``: stored bytes / 255, mirrored rows flipped, ones without.
+
+    The bytes are gathered as they were read (on CUDA: copied from the pinned read buffer on the side stream, one
+    byte a cell on the bus), then widened, scaled and flipped once for the whole batch on the target device."""
+    gathered = torch.full((len(rows), 1, shape[-2], shape[-1]), 255, dtype=torch.uint8, device=device)
+    for i, mask in enumerate(rows):
+        if mask is None:
+            continue
+        if device.type == "cuda":
+            gathered[i].copy_(mask[0], non_blocking=True)
+        else:
+            _copy_bytes(gathered[i], mask[0].contiguous())
+    flipped = [i for i, (mask, flip) in enumerate(zip(rows, plan.mirrored)) if flip and mask is not None]
+    if flipped:
+        index = torch.tensor(flipped, device=device)
+        gathered[index] = gathered[index].flip(-1)
+    return gathered.to(torch.float32).div_(255.0)
+
+
 def _assemble(job: _Job, ctx: _Context, values: dict[str, Any]) -> Batch:
     """Build the batch on the target device from the values of one batch read."""
     plan = job.plan
@@ -319,7 +367,12 @@ def _assemble(job: _Job, ctx: _Context, values: dict[str, Any]) -> Batch:
         conds = {k: _map_tensors(values[k], move) for k in dict.fromkeys(plan.caption_keys)}
     extras = [{k: v for k, v in values[key].items() if k != "samples"} for key in plan.latent_keys]
     extras_out = ([e if move is _keep else _map_tensors(e, move) for e in extras] if any(extras) else None)
-    return Batch(plan, latents, [conds[k] for k in plan.caption_keys], extras_out)
+    masks = None
+    if any(k is not None for k in plan.mask_keys):
+        masks = _masks(plan, _mask_rows(plan, values, latents), ctx.device, latents.shape)
+        if ctx.device.type == "cuda":
+            job.device_tensors.append(masks)  # made on the side stream: the consumer's stream takes it over
+    return Batch(plan, latents, [conds[k] for k in plan.caption_keys], extras_out, masks=masks)
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,11 @@ came next.
 An epoch, for a given ``(seed, epoch)``:
 
 1. every sample appears ``repeats`` times (its *occurrences*) and uses ONE caption variant for the whole epoch,
-   drawn with the epoch's generator;
+   drawn with the epoch's generator, and, when it has a mirror latent, the mirror or not for the whole epoch
+   (probability 1/2, its own ``"flip"`` stream); with a regularization set (:class:`Regularization`), each bucket
+   also receives its fixed share of the epoch's ``round(ratio × main occurrences)`` regularization occurrences
+   (shares by largest remainder over the buckets' regularization occurrences; which ones fill a share is drawn per
+   epoch), so the number of batches is the same every epoch;
 2. the occurrences of each bucket (same latent shape, so they stack) are permuted and cut into batches of
    ``batch_size``; every batch holds occurrences of one bucket only;
 3. the tail of each bucket follows ``tail``: ``"drop"`` drops the last incomplete batch (the dropped occurrences
@@ -18,10 +22,16 @@ An epoch, for a given ``(seed, epoch)``:
    occurrences of the same epoch (cyclically, so a bucket smaller than a batch still trains, with repeats);
 4. the batches of all buckets are shuffled together (``shuffle=False`` keeps buckets in order of first appearance
    and each bucket's samples in dataset order);
-5. with ``world_size`` ranks, every rank gets the same number of batches: rank ``r`` takes batches
+5. caption dropout is drawn per occurrence over that whole order (its own ``"dropout"`` stream), before:
+6. with ``world_size`` ranks, every rank gets the same number of batches: rank ``r`` takes batches
    ``r, r + world_size, ...``. Under ``"drop"`` the last ``total % world_size`` batches of the shuffled order are
    dropped, so shares are disjoint; under ``"wrap"`` the order is padded with its own first batches, so the few
    padding batches are seen twice. Either way the union over ranks is the epoch up to that documented tail.
+
+Every draw has its own labelled generator, so with no mirror, no dropout and no regularization set the plans (and
+the resume fingerprint) are exactly those of the versions before them. Several datasets train together as a
+:class:`DatasetMix` (:func:`mix_datasets`: concatenated, each dataset's repeats multiplied in). docs/ARCHITECTURE.md
+("The sampler") has the rules and the reasons.
 
 Non-goals: weighting buckets, curriculum orders, changing ``batch_size`` or ``world_size`` mid-run (a state saved
 under one configuration is refused by another, because "the next batch" would mean something else).
@@ -33,16 +43,25 @@ import hashlib
 import logging
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from .dataset import Sample, check_epoch_size
+from .dataset import MAX_EPOCH_OCCURRENCES, MAX_REPEATS, Sample, check_epoch_size
 from .reading import EntryHeaders
 from .seeding import seeded_generator
 
-__all__ = ["BatchPlan", "BucketSampler", "buckets_from_reader", "fit_batch_size"]
+__all__ = [
+    "BatchPlan",
+    "BucketSampler",
+    "DatasetMix",
+    "DatasetPart",
+    "Regularization",
+    "buckets_from_reader",
+    "fit_batch_size",
+    "mix_datasets",
+]
 
 log = logging.getLogger("dataset_cache.sampler")
 
@@ -51,6 +70,8 @@ LATENT_RANKS = (4, 5)
 
 _STATE_VERSION = 1
 _TAILS = ("drop", "wrap")
+FLIP_PROBABILITY = 0.5
+"""Chance that a sample with a cached mirror trains mirrored in an epoch (``flip="random"``)."""
 
 
 @dataclass(frozen=True)
@@ -85,12 +106,101 @@ class BatchPlan:
 
 @dataclass(frozen=True)
 class _Epoch:
-    """One epoch of this rank: rows of sample indices (one row per batch) and each sample's caption variant."""
+    """One epoch of this rank: rows of sample indices (one row per batch), each sample's caption variant and
+    mirror choice, and each row's caption dropout."""
 
     epoch: int
     rows: list[list[int]]  # [batches][batch_size] sample indices
     row_bucket: list[int]  # bucket number of each batch
     variants: list[int]  # caption variant of each sample
+    flips: list[bool] | None = None  # per sample: trains its mirror this epoch (None: no sample has one)
+    dropped: torch.Tensor | None = None  # bool [batches, batch_size]: caption dropped (None: dropout is off)
+
+
+@dataclass(frozen=True)
+class DatasetPart:
+    """One dataset of a mix (kohya's ``[[datasets.subsets]]`` with ``num_repeats``).
+
+    Attributes:
+        name: the dataset's name, for messages.
+        samples: its samples.
+        repeats: multiplies every sample's own repeats (1: as encoded).
+    """
+
+    name: str
+    samples: Sequence[Sample]
+    repeats: int = 1
+
+
+@dataclass(frozen=True)
+class DatasetMix:
+    """Samples of one or more datasets trained together: the parts concatenated in order, each part's repeats
+    multiplied into its samples' repeats. Made by :func:`mix_datasets`; :class:`BucketSampler` takes it wherever it
+    takes a sample list, and names the part a sample comes from in its messages.
+
+    Attributes:
+        samples: every part's samples, in order.
+        parts: ``(name, number of samples)`` of each part, in order.
+    """
+
+    samples: tuple[Sample, ...]
+    parts: tuple[tuple[str, int], ...]
+
+    def name_of(self, index: int) -> str:
+        """The name of the dataset that ``samples[index]`` comes from."""
+        at = 0
+        for name, count in self.parts:
+            at += count
+            if index < at:
+                return name
+        raise IndexError(f"sample index {index} is past the mix's {at} samples")
+
+
+def mix_datasets(parts: Sequence[DatasetPart]) -> DatasetMix:
+    """Concatenate datasets with per-dataset repeats, refusing what no sampler could hold.
+
+    Raises:
+        ValueError: no part, a part's repeats not an int from 1 to ``MAX_REPEATS``, a sample whose repeats times its
+            dataset's reach past ``MAX_REPEATS``, or an epoch past ``MAX_EPOCH_OCCURRENCES`` (each names the dataset).
+    """
+    if not parts:
+        raise ValueError("no dataset to train on: give at least one")
+    out: list[Sample] = []
+    for part in parts:
+        if type(part.repeats) is not int or not 1 <= part.repeats <= MAX_REPEATS:
+            raise ValueError(f"dataset {part.name!r}: repeats must be an int from 1 to {MAX_REPEATS}, got "
+                             f"{part.repeats!r:.40}")
+        for sample in part.samples:
+            total = sample.repeats * part.repeats
+            if total > MAX_REPEATS:
+                raise ValueError(
+                    f"dataset {part.name!r}: sample {sample.source or sample.latent} repeats {sample.repeats} times "
+                    f"(its folder's count) × {part.repeats} (the dataset's repeats) = {total}, above the limit of "
+                    f"{MAX_REPEATS}; lower the dataset's repeats")
+            out.append(sample if part.repeats == 1 else replace(sample, repeats=total))
+    check_epoch_size(out, "the datasets " + " + ".join(f"{p.name!r}×{p.repeats}" for p in parts))
+    return DatasetMix(tuple(out), tuple((p.name, len(p.samples)) for p in parts))
+
+
+@dataclass(frozen=True)
+class Regularization:
+    """A second set of samples mixed into every epoch at a ratio, with its own loss weight (kohya's reg folders,
+    DreamBooth's prior preservation).
+
+    Attributes:
+        samples: the regularization samples (a list or a :class:`DatasetMix`).
+        bucket_of: their buckets, as :class:`BucketSampler`'s ``bucket_of`` (their own latents' shapes).
+        ratio: regularization occurrences per occurrence of the main dataset in an epoch (rounded to an integer
+            count per epoch; 0: none).
+        weight: loss weight of a regularization row (a main row weighs 1.0).
+        name: the dataset's name, for messages.
+    """
+
+    samples: Sequence[Sample] | DatasetMix
+    bucket_of: Callable[[Sample], Hashable] | Sequence[Hashable]
+    ratio: float = 1.0
+    weight: float = 1.0
+    name: str = "the regularization dataset"
 
 
 def buckets_from_reader(reader: EntryHeaders, samples: Sequence[Sample]) -> list[tuple[int, ...]]:
@@ -145,6 +255,30 @@ def fit_batch_size(samples: Sequence[Sample], bucket_of: Sequence[Hashable], bat
     return max(1, min(int(batch_size), max(occurrences.values(), default=1)))
 
 
+def _unmix(samples: Sequence[Sample] | DatasetMix, name: str
+           ) -> tuple[Sequence[Sample], tuple[tuple[str, int, int], ...]]:
+    """The sample list and ``(dataset name, first index, end index)`` of each of its datasets."""
+    if isinstance(samples, DatasetMix):
+        spans, at = [], 0
+        for part, count in samples.parts:
+            spans.append((part, at, at + count))
+            at += count
+        return samples.samples, tuple(spans)
+    return samples, ((name, 0, len(samples)),)
+
+
+def _check_fraction(value: float, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{what} must be a number from 0 to 1, got {value!r:.40}")
+    return float(value)
+
+
+def _check_ratio(value: float, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value and math.isfinite(value)):
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r:.40}")
+    return float(value)
+
+
 def _dist_rank_world() -> tuple[int, int]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -161,7 +295,7 @@ class BucketSampler:
     walks successive epochs.
 
     Args:
-        samples: the dataset's samples (entry keys only).
+        samples: the dataset's samples (entry keys only), or a :class:`DatasetMix` of several datasets.
         bucket_of: the bucket of each sample: a callable ``bucket_of(sample) -> hashable`` or a sequence with one
             hashable id per sample (e.g. :func:`buckets_from_reader`). Samples of one batch always share a bucket.
         batch_size: rows per batch (>= 1).
@@ -170,6 +304,9 @@ class BucketSampler:
         rank: this process's rank; default: ``torch.distributed``'s when initialised, else 0.
         world_size: number of ranks; default: ``torch.distributed``'s when initialised, else 1.
         shuffle: shuffle samples within buckets and batches across buckets (``False`` keeps dataset order).
+        caption_dropout: chance (0..1) that an occurrence trains with its sample's empty caption.
+        reg: regularization samples mixed into every epoch (see :class:`Regularization`); ``None``: none.
+        name: the dataset's name in messages (a :class:`DatasetMix` names its parts itself).
 
     Raises:
         ValueError: bad arguments, or no rank would get a single batch.
@@ -177,7 +314,7 @@ class BucketSampler:
 
     def __init__(
         self,
-        samples: Sequence[Sample],
+        samples: Sequence[Sample] | DatasetMix,
         bucket_of: Callable[[Sample], Hashable] | Sequence[Hashable],
         batch_size: int,
         seed: int = 0,
@@ -186,24 +323,45 @@ class BucketSampler:
         rank: int | None = None,
         world_size: int | None = None,
         shuffle: bool = True,
+        caption_dropout: float = 0.0,
+        reg: Regularization | None = None,
+        name: str = "the dataset",
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if tail not in _TAILS:
             raise ValueError(f"tail must be one of {_TAILS}, got {tail!r}")
-        if not samples:
+        main, self._names = _unmix(samples, name)
+        if not main:
             raise ValueError("the dataset has no samples; nothing to sample")
-        check_epoch_size(samples, "the sampler's dataset")  # one index per occurrence is allocated below
+        check_epoch_size(main, "the sampler's dataset")  # one index per occurrence is allocated below
         self._rank, self._world = self._resolve_ranks(rank, world_size)
-        self.samples: Sequence[Sample] = samples
+        self._n_main = len(main)
+        self.reg = reg
+        reg_samples: Sequence[Sample] = ()
+        if reg is not None:
+            reg_samples, reg_names = _unmix(reg.samples, reg.name)
+            self._names += tuple((n, start + self._n_main, stop + self._n_main) for n, start, stop in reg_names)
+            self.samples: Sequence[Sample] = [*main, *reg_samples]
+        else:
+            self.samples = main
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.tail = tail
         self.shuffle = bool(shuffle)
-        self._bucket_ids, self._bucket_members = self._group(samples, bucket_of)
-        self._repeats = torch.tensor([s.repeats for s in samples], dtype=torch.int64)
-        self._n_captions = torch.tensor([len(s.captions) for s in samples], dtype=torch.int64)
+        self.caption_dropout = _check_fraction(caption_dropout, "caption_dropout")
+        self._bucket_ids, self._bucket_members = self._group(main, bucket_of)
+        self._repeats = torch.tensor([s.repeats for s in self.samples], dtype=torch.int64)
+        self._n_captions = torch.tensor([len(s.captions) for s in self.samples], dtype=torch.int64)
         self._occurrences = [int(self._repeats[m].sum().item()) for m in self._bucket_members]
+        self._reg_members: list[torch.Tensor] = []
+        self._reg_quota: list[int] = []
+        if reg is not None:
+            self._add_reg(reg, reg_samples)
+        self._check_dropout()
+        self._has_mirror = torch.tensor([s.mirror is not None for s in self.samples], dtype=torch.bool)
+        self._any_mirror = bool(self._has_mirror.any())
+        self._any_mask = any(s.mask is not None for s in self.samples)
         if self.batch_size > max(self._occurrences):  # every row past that would be a copy: memory for nothing
             raise ValueError(
                 f"batch_size {self.batch_size} is larger than the largest bucket ({max(self._occurrences)} "
@@ -223,6 +381,67 @@ class BucketSampler:
         self._epoch = 0
         self._index = 0
         self._cache: dict[int, _Epoch] = {}
+
+    def _add_reg(self, reg: Regularization, reg_samples: Sequence[Sample]) -> None:
+        """Bucket the regularization samples by their own latents and fix each bucket's share of an epoch."""
+        ratio = _check_ratio(reg.ratio, f"{reg.name}: ratio")
+        _check_ratio(reg.weight, f"{reg.name}: loss weight")
+        if not reg_samples:
+            raise ValueError(f"{reg.name} has no samples; encode a folder of regularization images or leave the "
+                             "regularization dataset unconnected")
+        main_total = int(self._repeats[: self._n_main].sum().item())
+        wanted = math.floor(ratio * main_total + 0.5)  # per epoch; half rounds up
+        if main_total + wanted > MAX_EPOCH_OCCURRENCES:
+            raise ValueError(f"{reg.name}: ratio {ratio} × {main_total} occurrences of the main dataset makes "
+                             f"{main_total + wanted} occurrences per epoch, above the limit of "
+                             f"{MAX_EPOCH_OCCURRENCES}; lower the ratio or the repeats")
+        ids, members = self._group(reg_samples, reg.bucket_of)
+        pools = [int(self._repeats[m + self._n_main].sum().item()) for m in members]
+        pool_total = sum(pools)
+        # Largest remainder: each bucket gets wanted × its share of the pool, rounded down; the units left go to
+        # the largest fractional parts (ties: the bucket that appeared first). Constant from epoch to epoch.
+        quota = [wanted * n // pool_total for n in pools]
+        rest = sorted(range(len(pools)), key=lambda k: (-(wanted * pools[k] % pool_total), k))
+        for k in rest[: wanted - sum(quota)]:
+            quota[k] += 1
+        slot = {b: i for i, b in enumerate(self._bucket_ids)}
+        for bucket, q in zip(ids, quota):
+            if bucket not in slot and q:  # a shape only the regularization set has: a bucket of its own
+                slot[bucket] = len(self._bucket_ids)
+                self._bucket_ids.append(bucket)
+                self._bucket_members.append(torch.zeros(0, dtype=torch.int64))
+                self._occurrences.append(0)
+        self._reg_members = [torch.zeros(0, dtype=torch.int64) for _ in self._bucket_ids]
+        self._reg_quota = [0] * len(self._bucket_ids)
+        for bucket, m, q in zip(ids, members, quota):
+            if not q:  # no share (a tiny ratio): the bucket's samples sit this run out
+                continue
+            self._reg_members[slot[bucket]] = m + self._n_main
+            self._reg_quota[slot[bucket]] = q
+            self._occurrences[slot[bucket]] += q
+
+    def _check_dropout(self) -> None:
+        if self.caption_dropout <= 0:
+            return
+        used = [range(self._n_main)]
+        if any(self._reg_quota):  # regularization rows train too
+            used.append(range(self._n_main, len(self.samples)))
+        for indices in used:
+            for i in indices:
+                if self.samples[i].empty_caption is None:
+                    s = self.samples[i]
+                    raise ValueError(
+                        f"caption_dropout {self.caption_dropout} trains some samples with the empty caption, but "
+                        f"dataset {self.name_of(i)!r} has no empty caption encoded (sample {s.source or s.latent}); "
+                        "re-encode it with Encode Dataset's empty_caption enabled (only the empty caption is "
+                        "encoded), or set caption_dropout to 0")
+
+    def name_of(self, index: int) -> str:
+        """The name of the dataset that ``samples[index]`` comes from (for messages)."""
+        for name, start, stop in self._names:
+            if start <= index < stop:
+                return name
+        raise IndexError(f"sample index {index} out of range: the sampler has {len(self.samples)} samples")
 
     # ----------------------------------------------------------------------------------------------- construction
     @staticmethod
@@ -268,7 +487,11 @@ class BucketSampler:
             )
 
     def _fingerprint(self) -> str:
-        """Hash of everything that decides what "batch i of epoch e" is, except the seed and the rank."""
+        """Hash of everything that decides what "batch i of epoch e" is, except the seed and the rank.
+
+        The variants and regularization are hashed only when used, so a sampler without them keeps the fingerprint
+        (and accepts the resume states) of the versions before them.
+        """
         h = hashlib.blake2b(digest_size=16)
         h.update(repr((_STATE_VERSION, self.batch_size, self.tail, self.shuffle, self._world)).encode())
         for b, members in zip(self._bucket_ids, self._bucket_members):
@@ -276,6 +499,16 @@ class BucketSampler:
             h.update(members.numpy().tobytes())
         for s in self.samples:
             h.update(f"{s.latent}|{','.join(s.captions)}|{s.repeats}\n".encode())
+        extra: list[Any] = []
+        if self.caption_dropout > 0:
+            extra.append(("caption_dropout", self.caption_dropout.hex()))
+        if self.reg is not None:
+            extra.append(("reg", self._n_main, float(self.reg.ratio).hex(), float(self.reg.weight).hex(),
+                          self._reg_quota, [m.tolist() for m in self._reg_members]))
+        if any(s.mirror or s.mask or s.empty_caption for s in self.samples):
+            extra.append([(s.mirror, s.mask, s.empty_caption) for s in self.samples])
+        if extra:
+            h.update(repr(extra).encode())
         return h.hexdigest()
 
     # --------------------------------------------------------------------------------------------- epoch contents
@@ -287,12 +520,19 @@ class BucketSampler:
         return cached
 
     def _build(self, epoch: int) -> _Epoch:
+        n_main = self._n_main
         g = seeded_generator(self.seed, epoch, "captions")
-        variants = (torch.rand(len(self.samples), generator=g, dtype=torch.float64) * self._n_captions).long()
+        variants = (torch.rand(n_main, generator=g, dtype=torch.float64) * self._n_captions[:n_main]).long()
+        if len(self.samples) > n_main:  # regularization samples: their own stream, so the main draws stay put
+            g = seeded_generator(self.seed, epoch, "reg-captions")
+            reg = torch.rand(len(self.samples) - n_main, generator=g, dtype=torch.float64) * self._n_captions[n_main:]
+            variants = torch.cat([variants, reg.long()])
         rows: list[torch.Tensor] = []
         row_bucket: list[int] = []
         for b, members in enumerate(self._bucket_members):
             occ = torch.repeat_interleave(members, self._repeats[members])
+            if self._reg_quota and self._reg_quota[b]:
+                occ = torch.cat([occ, self._reg_draw(epoch, b)])
             if self.shuffle:
                 occ = occ[torch.randperm(len(occ), generator=seeded_generator(self.seed, epoch, "bucket", b))]
             n_batches = self._per_bucket[b]
@@ -308,7 +548,26 @@ class BucketSampler:
             all_rows, buckets = all_rows[perm], buckets[perm]
         take = torch.arange(self._per_rank, dtype=torch.int64) * self._world + self._rank
         take = take % len(all_rows)  # "wrap" pads the order with its own first batches
-        return _Epoch(epoch, all_rows[take].tolist(), buckets[take].tolist(), variants.tolist())
+        dropped = None
+        if self.caption_dropout > 0:  # per occurrence of the whole epoch, before sharding: every rank agrees
+            g = seeded_generator(self.seed, epoch, "dropout")
+            dropped = (torch.rand(all_rows.shape, generator=g, dtype=torch.float64) < self.caption_dropout)[take]
+        flips: list[bool] | None = None
+        if self._any_mirror:  # per sample, like the caption variant
+            g = seeded_generator(self.seed, epoch, "flip")
+            drawn = torch.rand(len(self.samples), generator=g, dtype=torch.float64) < FLIP_PROBABILITY
+            flips = (drawn & self._has_mirror).tolist()
+        return _Epoch(epoch, all_rows[take].tolist(), buckets[take].tolist(), variants.tolist(), flips, dropped)
+
+    def _reg_draw(self, epoch: int, b: int) -> torch.Tensor:
+        """Bucket ``b``'s regularization occurrences of ``epoch``: its fixed share, drawn without replacement from
+        the bucket's occurrences (each reg sample × its repeats) in an order seeded per epoch and bucket, cycling
+        through them again when the share is larger."""
+        members = self._reg_members[b]
+        pool = torch.repeat_interleave(members, self._repeats[members])
+        order = torch.randperm(len(pool), generator=seeded_generator(self.seed, epoch, "reg", b))
+        quota = self._reg_quota[b]
+        return pool[order.repeat(math.ceil(quota / len(pool)))[:quota]]
 
     def plan(self, epoch: int, index: int) -> BatchPlan:
         """Return batch ``index`` of ``epoch`` on this rank (pure: does not move the position)."""
@@ -317,13 +576,27 @@ class BucketSampler:
         ep = self._epoch_of(epoch)
         idx = tuple(ep.rows[index])
         variants = ep.variants
+        samples = self.samples
+        flips = ep.flips
+        mirrored = tuple(flips[i] for i in idx) if flips is not None else ()
+        dropped = tuple(ep.dropped[index].tolist()) if ep.dropped is not None else ()
+        captions = tuple(samples[i].captions[variants[i]] for i in idx)
+        if dropped:
+            captions = tuple(str(samples[i].empty_caption) if d else c  # present: checked in __init__
+                             for i, c, d in zip(idx, captions, dropped))
+        weight = float(self.reg.weight) if self.reg is not None else 1.0
         return BatchPlan(
             epoch=epoch,
             index=index,
             sample_indices=idx,
-            latent_keys=tuple(self.samples[i].latent for i in idx),
-            caption_keys=tuple(self.samples[i].captions[variants[i]] for i in idx),
+            latent_keys=tuple(str(samples[i].mirror) if flips is not None and flips[i] else samples[i].latent
+                              for i in idx),  # a flip is drawn only for a sample with a mirror
+            caption_keys=captions,
             bucket=self._bucket_ids[ep.row_bucket[index]],
+            mirrored=mirrored,
+            dropped=dropped,
+            mask_keys=tuple(samples[i].mask for i in idx) if self._any_mask else (),
+            weights=tuple(1.0 if i < self._n_main else weight for i in idx) if self.reg is not None else (),
         )
 
     def epoch_plans(self, epoch: int) -> list[BatchPlan]:
@@ -375,8 +648,19 @@ class BucketSampler:
 
     @property
     def buckets(self) -> dict[Hashable, int]:
-        """Bucket id -> occurrences per epoch (samples × repeats), in order of first appearance."""
+        """Bucket id -> occurrences per epoch (samples × repeats, plus the bucket's regularization share), in order
+        of first appearance (the main dataset's buckets first)."""
         return dict(zip(self._bucket_ids, self._occurrences))
+
+    @property
+    def main_samples(self) -> int:
+        """How many of :attr:`samples` are the main dataset's (the regularization samples follow them)."""
+        return self._n_main
+
+    @property
+    def reg_buckets(self) -> dict[Hashable, int]:
+        """Bucket id -> regularization occurrences it holds in every epoch (empty without regularization)."""
+        return {b: q for b, q in zip(self._bucket_ids, self._reg_quota) if q}
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch (like ``DistributedSampler.set_epoch``)."""
@@ -392,7 +676,7 @@ class BucketSampler:
 
     def state_dict(self) -> dict[str, Any]:
         """Return a JSON-serialisable resume state: ``{"version", "epoch", "batch", "seed", "fingerprint"}``."""
-        return {
+        state: dict[str, Any] = {
             "version": _STATE_VERSION,
             "epoch": self._epoch,
             "batch": self._index,
@@ -400,6 +684,16 @@ class BucketSampler:
             "fingerprint": self.fingerprint,
             "batches_per_epoch": self._per_rank,
         }
+        state.update(self._settings())  # only the settings in use: a state without them reads as "off"
+        return state
+
+    def _settings(self) -> dict[str, float]:
+        out = {}
+        if self.caption_dropout > 0:
+            out["caption_dropout"] = self.caption_dropout
+        if self.reg is not None:
+            out["reg_ratio"], out["reg_weight"] = float(self.reg.ratio), float(self.reg.weight)
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the batch after the one trained when ``state`` was taken.
@@ -415,11 +709,21 @@ class BucketSampler:
             raise ValueError(f"sampler state is malformed ({exc!r}); expected the dict of state_dict()") from exc
         if version != _STATE_VERSION:
             raise ValueError(f"sampler state version {version} is not supported; expected {_STATE_VERSION}")
+        mine = self._settings()
+        for key, default in (("caption_dropout", 0.0), ("reg_ratio", None), ("reg_weight", None)):
+            saved = state.get(key, default)
+            if saved != mine.get(key, default):
+                def said(v: object) -> str:
+                    return "none (no regularization dataset)" if v is None else repr(v)
+                raise ValueError(
+                    f"sampler state was saved with {key}={said(saved)} but this sampler has "
+                    f"{key}={said(mine.get(key, default))}: the batches would differ; resume with the same setting, "
+                    "or start a new run without the state")
         if fingerprint != self.fingerprint:
             raise ValueError(
                 "sampler state was saved for a different dataset or configuration (samples, buckets, batch_size, "
-                f"tail, shuffle or world_size differ: fingerprint {fingerprint} != {self.fingerprint}); resume with "
-                "the same dataset and settings, or start a new run without the state"
+                f"tail, shuffle, world_size, variants or regularization samples differ: fingerprint {fingerprint} != "
+                f"{self.fingerprint}); resume with the same dataset and settings, or start a new run without the state"
             )
         if seed != self.seed:
             raise ValueError(

@@ -6,6 +6,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from .cache_info import CacheInfo
 from .clean_cache import CleanCache
+from .combine_datasets import CombineDatasets
 from .encode_dataset import EncodeDataset
 from .load_cache import LoadLazyCache
 from .save_cache import SaveCache
@@ -15,7 +16,8 @@ from .paths import register_cache_folder
 
 __all__ = ["NODES", "StreamCacheExtension"]
 
-NODES: tuple[type[io.ComfyNode], ...] = (EncodeDataset, SaveCache, LoadLazyCache, TrainLoRA, CleanCache, CacheInfo)
+NODES: tuple[type[io.ComfyNode], ...] = (EncodeDataset, SaveCache, LoadLazyCache, CombineDatasets, TrainLoRA,
+                                         CleanCache, CacheInfo)
 """Every node of the pack; ids start with ``StreamCache_`` and the category is ``StreamCache``."""
 
 

@@ -19,8 +19,16 @@ import folder_paths
 
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
 from ..dataset_cache.lock import READ_LOCK, CacheLock
-from .handles import StreamDataset, StreamDatasetHandle
-from .training_loop import LOSS_FUNCTIONS, OPTIMIZERS, StepReport, TrainSettings, train_lora
+from .handles import CombinedDatasetHandle, StreamDataset, StreamDatasetHandle, same_cache
+from .training_loop import (
+    LOSS_FUNCTIONS,
+    MAX_REG_RATIO,
+    MAX_REG_WEIGHT,
+    OPTIMIZERS,
+    StepReport,
+    TrainSettings,
+    train_lora,
+)
 
 __all__ = ["EVENT", "TrainLoRA"]
 
@@ -142,6 +150,21 @@ class TrainLoRA(io.ComfyNode):
                                advanced=True,
                                tooltip="Loss weight of the areas a mask leaves out (mask 0), between 0 (not "
                                "trained at all) and 1 (the mask has no effect); masked areas weigh 1."),
+                # training-time variety (#16)
+                io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
+                               tooltip="Chance that an image trains with the empty caption instead of its own "
+                               "(decided by the seed, so a continued run drops what an uninterrupted one would). "
+                               "Needs a dataset encoded with Encode Dataset's empty_caption on. 0: never."),
+                StreamDataset.Input("reg_dataset", optional=True,
+                                    tooltip="Regularization (class) images mixed into every epoch, as kohya's reg "
+                                    "folders or DreamBooth's prior preservation. Must be in the same cache as "
+                                    "dataset. Not connected: none."),
+                io.Float.Input("reg_ratio", default=1.0, min=0.0, max=MAX_REG_RATIO, step=0.05, optional=True,
+                               tooltip="Regularization images per image of dataset in each epoch (1: as many, "
+                               "kohya's default); which ones changes from epoch to epoch. Only with reg_dataset."),
+                io.Float.Input("reg_weight", default=1.0, min=0.0, max=MAX_REG_WEIGHT, step=0.05, optional=True,
+                               tooltip="Loss weight of a regularization image (kohya's prior_loss_weight); an image "
+                               "of dataset weighs 1. Only with reg_dataset."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -177,6 +200,10 @@ class TrainLoRA(io.ComfyNode):
         bypass_mode: bool = False,
         masked_loss: bool = True,
         unmasked_weight: float = 0.1,
+        caption_dropout: float = 0.0,
+        reg_dataset: Any = None,
+        reg_ratio: float = 1.0,
+        reg_weight: float = 1.0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -186,30 +213,46 @@ class TrainLoRA(io.ComfyNode):
             existing_lora=existing_lora, prefetch_batches=prefetch_batches, loader_threads=loader_threads,
             quantized_backward=bool(quantized_backward), bypass_mode=bool(bypass_mode),
             masked_loss=bool(masked_loss), unmasked_weight=float(unmasked_weight),
+            caption_dropout=float(caption_dropout), reg_ratio=float(reg_ratio), reg_weight=float(reg_weight),
         )
         settings.validate()  # before opening anything: a typo fails fast
-        if not callable(getattr(dataset, "open", None)):
-            raise ValueError(
-                f"dataset: expected a STREAM_DATASET from a StreamCache node, got {type(dataset).__name__}")
+        for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset)):
+            if handle is not None and not isinstance(handle, (StreamDatasetHandle, CombinedDatasetHandle)):
+                raise ValueError(
+                    f"{what}: expected a STREAM_DATASET from a StreamCache node, got {type(handle).__name__}")
+        if dataset is None:
+            raise ValueError("dataset: connect a StreamCache dataset (Encode Dataset, Load Lazy Cache, ...)")
+        if reg_dataset is not None:  # one reader serves the run: both in one cache
+            same_cache(dataset, reg_dataset, "reg_dataset")
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
         # A shared read lock for the whole run: Clean Cache (and compaction after an encode) refuse to delete shard
         # files while anybody trains from them.
         with CacheLock(dataset.cache_root, READ_LOCK, exclusive=False, purpose="training"):
-            result, samples = cls._train(model, dataset, settings, node_id)
-        summary = f"dataset {getattr(dataset, 'name', '?')!r} ({len(samples)} samples): {result.summary()}"
+            result, samples, reg_count = cls._train(model, dataset, settings, node_id, reg_dataset)
+        summary = f"dataset {dataset.name!r} ({samples} samples)"
+        if reg_dataset is not None:
+            summary += (f", regularization {reg_dataset.name!r} ({reg_count} samples, ratio {settings.reg_ratio:g}, "
+                        f"weight {settings.reg_weight:g})")
+        summary += f": {result.summary()}"
         log.info("Train LoRA (Stream Cache): %s", summary)
         return io.NodeOutput(result.lora, {"loss": result.losses}, result.steps,
                              ui={"loss": result.losses, "text": [summary]})
 
     @classmethod
-    def _train(cls, model: Any, dataset: Any, settings: TrainSettings, node_id: str | None) -> tuple[Any, list]:
-        reader, samples = dataset.open()
+    def _train(cls, model: Any, dataset: StreamDatasetHandle | CombinedDatasetHandle, settings: TrainSettings,
+               node_id: str | None, reg_dataset: StreamDatasetHandle | CombinedDatasetHandle | None = None,
+               ) -> tuple[Any, int, int]:
+        """Train; returns the result and how many main and regularization samples it drew from."""
+        reader, mix = dataset.open_mix()
         try:
-            if not samples:
-                raise ValueError(
-                    f"dataset {getattr(dataset, 'name', '?')!r} in the cache at {getattr(dataset, 'cache_root', '?')} "
-                    "is empty (0 samples): there is nothing to train on; encode a folder that holds images")
-            result = train_lora(model, reader, samples, settings, on_step=_Events(node_id))
+            reg = reg_dataset.load_mix(reader) if reg_dataset is not None else None
+            for what, handle, loaded in (("dataset", dataset, mix), ("reg_dataset", reg_dataset, reg)):
+                if handle is not None and loaded is not None and not loaded.samples:
+                    raise ValueError(
+                        f"{what} {handle.name!r} in the cache at {handle.cache_root} is empty (0 samples): there "
+                        "is nothing to train on; encode a folder that holds images")
+            result = train_lora(model, reader, mix, settings, on_step=_Events(node_id), reg=reg,
+                                reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "")
         finally:
             reader.close()
-        return result, samples
+        return result, len(mix.samples), len(reg.samples) if reg is not None else 0

@@ -51,7 +51,7 @@ from ..dataset_cache.dataset import Sample
 from ..dataset_cache.loader import Batch, PrefetchLoader
 from ..dataset_cache.reading import DatasetReader
 from ..dataset_cache.seeding import derive_seed, seeded_generator
-from ..dataset_cache.sampler import BucketSampler, buckets_from_reader, fit_batch_size
+from ..dataset_cache.sampler import BucketSampler, DatasetMix, Regularization, buckets_from_reader, fit_batch_size
 from ..dataset_cache.trainable import check_trainable, non_finite_entries
 
 __all__ = [
@@ -79,6 +79,10 @@ _SIGMA_EDGE = 1e-5
 """Timestep percentages are drawn in ``[1e-5, 1 - 1e-5]``: ``percent_to_sigma(0)`` is a 1e9 sentinel, not a sigma."""
 _SMOOTHING = 0.1
 """Weight of the newest loss in the exponential moving average reported as ``loss_smooth``."""
+MAX_REG_RATIO = 16.0
+"""Regularization occurrences per main occurrence: kohya's default is 1; past 16 the main dataset is noise."""
+MAX_REG_WEIGHT = 16.0
+"""Loss weight of a regularization row (kohya's ``prior_loss_weight``, usually 1)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,10 @@ class TrainSettings:
     loader_threads: int = 0
     quantized_backward: bool = False
     bypass_mode: bool = False
+    # training-time variety (#16): the sampler's caption dropout and the regularization set's share and weight
+    caption_dropout: float = 0.0
+    reg_ratio: float = 1.0
+    reg_weight: float = 1.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -134,6 +142,10 @@ class TrainSettings:
         if not 0.0 <= self.unmasked_weight <= 1.0:  # also refuses NaN
             raise ValueError(f"unmasked_weight must be between 0 and 1 (the loss weight where a mask is 0; 1: masks "
                              f"have no effect), got {self.unmasked_weight}")
+        for name, top in (("caption_dropout", 1.0), ("reg_ratio", MAX_REG_RATIO), ("reg_weight", MAX_REG_WEIGHT)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0.0 <= value <= top):
+                raise ValueError(f"{name} must be a number from 0 to {top:g}, got {value!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -347,10 +359,12 @@ def _release(mp: Any) -> None:
 def train_lora(
     model: Any,
     reader: DatasetReader,
-    samples: Sequence[Sample],
+    samples: Sequence[Sample] | DatasetMix,
     settings: TrainSettings,
     *,
     on_step: Callable[[StepReport], None] | None = None,
+    reg: Sequence[Sample] | DatasetMix | None = None,
+    reg_name: str = "the regularization dataset",
 ) -> TrainResult:
     """Train a LoRA (or LoHa/LoKr/OFT) on ``model`` over the cached ``samples`` and return its weights.
 
@@ -361,23 +375,36 @@ def train_lora(
     Args:
         model: a ComfyUI ``ModelPatcher`` (the ``MODEL`` socket's value).
         reader: the open cache reader of the dataset.
-        samples: the dataset's samples.
+        samples: the dataset's samples, or a :class:`~dataset_cache.sampler.DatasetMix` of several datasets.
         settings: the options; validated here.
         on_step: called after every optimizer step on this thread (progress, websocket events).
+        reg: regularization samples (same cache), mixed in at ``settings.reg_ratio`` with loss weight
+            ``settings.reg_weight``; ``None``: none.
+        reg_name: the regularization dataset's name, for messages.
 
     Raises:
         ValueError: bad settings, an empty dataset, or latents the model cannot take.
         comfy.model_management.InterruptProcessingException: the user cancelled the run.
     """
     settings.validate()
-    if not samples:
+    main = samples.samples if isinstance(samples, DatasetMix) else samples
+    if not main:
         raise ValueError("the dataset has no samples; encode a folder with images first")
     train = nodes_train_module()
     existing, existing_steps = _load_existing_lora(settings.existing_lora)
-    buckets = buckets_from_reader(reader, samples)
-    check_trainable(reader, samples)  # integer latents, combined or area conditionings: refused before any step
+    buckets = buckets_from_reader(reader, main)
+    check_trainable(reader, main)  # integer latents, combined or area conditionings: refused before any step
+    regularization = None
+    if reg is not None:
+        reg_samples = reg.samples if isinstance(reg, DatasetMix) else reg
+        reg_buckets = buckets_from_reader(reader, reg_samples)
+        check_trainable(reader, reg_samples)
+        regularization = Regularization(reg, reg_buckets, settings.reg_ratio, settings.reg_weight, name=reg_name)
+        buckets_seen = [*buckets, *reg_buckets]
+    else:
+        buckets_seen = buckets
     notes: list[str] = []
-    fitted = fit_batch_size(samples, buckets, settings.batch_size)
+    fitted = fit_batch_size(main, buckets, settings.batch_size)
     if fitted < settings.batch_size:  # the rest of each batch would be copies: clamp, and say so on the node
         notes.append(f"batch_size {settings.batch_size} is larger than this dataset's largest bucket ({fitted} "
                      f"images × repeats per epoch): trained with batch_size {fitted}")
@@ -387,7 +414,7 @@ def train_lora(
     with torch.inference_mode(False):
         mp = model.clone(force_deepcopy=True)
         dtype, adapter_dtype, use_scaler = _dtypes(mp, settings.training_dtype, settings.lora_dtype)
-        _check_latent_channels(mp, buckets)
+        _check_latent_channels(mp, buckets_seen)
         mp.model.requires_grad_(False).train()
         device = mp.load_device
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
@@ -407,7 +434,7 @@ def train_lora(
         scaler = torch.amp.GradScaler() if use_scaler else None
         model_options = comfy.model_patcher.create_model_options_clone(mp.model_options)
         sampler = BucketSampler(samples, buckets, settings.batch_size, settings.seed, tail="wrap",
-                                rank=0, world_size=1)
+                                rank=0, world_size=1, caption_dropout=settings.caption_dropout, reg=regularization)
         first_batch = existing_steps * settings.grad_accumulation_steps  # continuing: where the last run stopped
         if first_batch and len(sampler):
             sampler.seek(first_batch // len(sampler), first_batch % len(sampler))

@@ -18,7 +18,8 @@ RENAMED = {
 """Old input name -> current name, per node (0.2.0)."""
 
 ADDED = {
-    "StreamCache_TrainLoRA": ("quantized_backward", "bypass_mode", "masked_loss", "unmasked_weight"),
+    "StreamCache_TrainLoRA": ("quantized_backward", "bypass_mode", "masked_loss", "unmasked_weight",
+                              "caption_dropout", "reg_ratio", "reg_weight"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps"),
 }
 """Optional inputs added since; a prompt without them runs with their defaults (off, or images only)."""

@@ -128,3 +128,23 @@ def test_copies_overlap_compute():
     step_ms = sum(se - ss for ss, se in steps) / len(steps)
     print(f"\ncopy {copy_ms:.2f} ms/batch, step {step_ms:.2f} ms, overlapped {overlapped}/{len(copies) - 1}")
     assert overlapped >= (len(copies) - 1) // 2
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_masks_on_device_equal_the_cpu_reference(threads):
+    """Masks travel from the pinned buffer on the side stream and are widened on the device (#16)."""
+    import test_loader_masks as masks
+
+    samples, entries = masks.dataset(12)
+    reader = cpu.FakeReader(entries)
+    sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 4, seed=3, tail="wrap")
+    with PrefetchLoader(reader, sampler, device="cpu", epochs=2) as ref_loader:
+        ref = list(ref_loader)
+    sampler.set_epoch(0)
+    with PrefetchLoader(reader, sampler, device="cuda", prefetch_batches=3, threads=threads, epochs=2) as loader:
+        got = list(loader)
+    torch.cuda.synchronize()
+    for g, r in zip(got, ref, strict=True):
+        assert g.plan == r.plan and r.masks is not None
+        assert g.masks.device.type == "cuda" and g.masks.dtype == torch.float32
+        assert torch.equal(g.masks.cpu(), r.masks)

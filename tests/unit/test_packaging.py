@@ -22,7 +22,8 @@ from support.paths import PACK_ROOT
 tomllib = pytest.importorskip("tomllib")
 
 NODE_IDS = ("StreamCache_EncodeDataset", "StreamCache_SaveCache", "StreamCache_LoadLazyCache",
-            "StreamCache_TrainLoRA", "StreamCache_CleanCache", "StreamCache_CacheInfo")
+            "StreamCache_TrainLoRA", "StreamCache_CleanCache", "StreamCache_CacheInfo",
+            "StreamCache_CombineDatasets")
 # comfy-cli's registry/config_parser.py: the only accelerator values the registry takes
 REGISTRY_ACCELERATORS = {"GPU :: NVIDIA CUDA", "GPU :: AMD ROCm", "GPU :: Intel Arc", "NPU :: Huawei Ascend",
                          "GPU :: Apple Metal"}

@@ -1,0 +1,69 @@
+"""Node "Combine Datasets": several datasets of one cache trained together, each with its own repeats.
+
+kohya's dataset config lists subsets with ``num_repeats``; here each pair of sockets adds one dataset and its
+repeats, and the node chains (its output into another one's ``dataset_a``) for any number of datasets. The output
+only names the datasets (:class:`~.handles.CombinedDatasetHandle`); Train LoRA opens them and the library's
+:func:`~dataset_cache.sampler.mix_datasets` multiplies the repeats in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from comfy_api.latest import io, ui
+
+from ..dataset_cache.dataset import MAX_REPEATS
+from .handles import CombinedDatasetHandle, StreamDataset, StreamDatasetHandle, combine
+
+__all__ = ["CombineDatasets"]
+
+
+def _handle(value: Any, what: str) -> StreamDatasetHandle | CombinedDatasetHandle:
+    if not isinstance(value, (StreamDatasetHandle, CombinedDatasetHandle)):
+        raise ValueError(f"{what}: expected a STREAM_DATASET from a StreamCache node (Encode Dataset, Load Lazy "
+                         f"Cache, Save Streamable Cache or Combine Datasets), got {type(value).__name__}")
+    return value
+
+
+def _repeats(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REPEATS:
+        raise ValueError(f"{what} must be a whole number from 1 to {MAX_REPEATS}, got {value!r:.40}")
+    return value
+
+
+class CombineDatasets(io.ComfyNode):
+    """Names several datasets of one cache, with repeats, as one ``STREAM_DATASET`` for Train LoRA."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="StreamCache_CombineDatasets",
+            display_name="Combine Datasets",
+            category="StreamCache",
+            description=(
+                "Trains several datasets of one cache together, each repeated its own number of times per epoch "
+                "(as kohya's dataset config). Chain the node for more than two datasets. Only Train LoRA takes "
+                "the result."
+            ),
+            inputs=[
+                StreamDataset.Input("dataset_a", tooltip="A dataset, or the output of another Combine Datasets."),
+                io.Int.Input("repeats_a", default=1, min=1, max=MAX_REPEATS,
+                             tooltip="How many times each image of dataset_a appears per epoch, multiplied with "
+                             "its folder's own repeats (kohya's <repeats>_<name>)."),
+                StreamDataset.Input("dataset_b", optional=True,
+                                    tooltip="A second dataset of the same cache (optional)."),
+                io.Int.Input("repeats_b", default=1, min=1, max=MAX_REPEATS, optional=True,
+                             tooltip="How many times each image of dataset_b appears per epoch (times its "
+                             "folder's repeats)."),
+            ],
+            outputs=[StreamDataset.Output(display_name="dataset",
+                                          tooltip="The combined datasets, for Train LoRA (Stream Cache).")],
+        )
+
+    @classmethod
+    def execute(cls, dataset_a: Any, repeats_a: int, dataset_b: Any = None, repeats_b: int = 1) -> io.NodeOutput:
+        a = _handle(dataset_a, "dataset_a")
+        b = None if dataset_b is None else _handle(dataset_b, "dataset_b")
+        combined = combine(a, _repeats(repeats_a, "repeats_a"), b, _repeats(repeats_b, "repeats_b"))
+        text = f"{combined.name} (cache {combined.cache_root})"
+        return io.NodeOutput(combined, ui=ui.PreviewText(text))

@@ -1,0 +1,178 @@
+"""Combine Datasets and Train LoRA's caption_dropout / reg_dataset on the real ComfyUI (CPU, tiny SD1.5 models).
+
+The cache holds "people" (4 images, 64×64, with the empty caption encoded), "style" (2 images, 64×64, without
+it) and "reg" (3 images, 96×64: a bucket of their own). Encoders are ComfyUI's own VAEEncode and CLIPTextEncode.
+A spy around the training loop's per-batch step records every plan the run trained (it calls the real step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import math
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from support.tiny_models import TinyModels
+
+FAST = {
+    "batch_size": 2, "grad_accumulation_steps": 1, "steps": 4, "learning_rate": 3e-3, "rank": 4,
+    "optimizer": "AdamW", "loss_function": "MSE", "seed": 7, "training_dtype": "fp32", "lora_dtype": "fp32",
+    "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
+    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0,
+}
+
+
+def _module(pack: ModuleType, name: str) -> ModuleType:
+    return importlib.import_module(f"{pack.__name__}.{name}")
+
+
+def _key(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def models(comfy_nodes: ModuleType, tiny_models: TinyModels) -> tuple[Any, Any, Any]:
+    (model,) = comfy_nodes.UNETLoader().load_unet(tiny_models.name("unet"), "default")
+    (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny_models.name("clip"), "stable_diffusion")
+    (vae,) = comfy_nodes.VAELoader().load_vae(tiny_models.name("vae"))
+    return model, clip, vae
+
+
+@pytest.fixture(scope="module")
+def handles(pack: ModuleType) -> ModuleType:
+    return _module(pack, "nodes.handles")
+
+
+@pytest.fixture(scope="module")
+def cache(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, tmp_path_factory: pytest.TempPathFactory
+          ) -> Path:
+    writer_mod = _module(pack, "dataset_cache.format.writer")
+    sample_cls = _module(pack, "dataset_cache.dataset").Sample
+    _, clip, vae = models
+    root = tmp_path_factory.mktemp("combine") / "cache"
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode(), writer_mod.CacheWriter(root) as writer:
+        (empty,) = comfy_nodes.CLIPTextEncode().encode(clip, "")
+        writer.add(_key("empty"), empty, kind="conditioning")
+        for name, count, (h, w), with_empty in (("people", 4, (64, 64), True), ("style", 2, (64, 64), False),
+                                                ("reg", 3, (96, 64), True)):
+            samples = []
+            for i in range(count):
+                (latent,) = comfy_nodes.VAEEncode().encode(vae, torch.rand(1, h, w, 3, generator=gen))
+                (cond,) = comfy_nodes.CLIPTextEncode().encode(clip, f"a photo of {name} {i}")
+                writer.add(_key(f"{name}l{i}"), latent, kind="latent")
+                writer.add(_key(f"{name}c{i}"), cond, kind="conditioning")
+                samples.append(sample_cls(_key(f"{name}l{i}"), (_key(f"{name}c{i}"),), source=f"{name}{i}.png",
+                                          empty_caption=_key("empty") if with_empty else None))
+            writer.set_dataset(name, samples)
+    return root
+
+
+@pytest.fixture()
+def trained_plans(pack: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every BatchPlan the next runs train, recorded around the real per-batch step."""
+    loop = _module(pack, "nodes.training_loop")._Loop
+    real = loop._fwd_bwd
+    plans: list[Any] = []
+
+    def spy(self: Any, batch: Any, index: int) -> float:
+        plans.append(batch.plan)
+        return real(self, batch, index)
+
+    monkeypatch.setattr(loop, "_fwd_bwd", spy)
+    return plans
+
+
+def _combine(pack: ModuleType, a: Any, ra: int, b: Any = None, rb: int = 1) -> Any:
+    node = _module(pack, "nodes.combine_datasets").CombineDatasets
+    return node.execute(a, ra, b, rb).result[0]
+
+
+def _train(pack: ModuleType, model: Any, dataset: Any, **options: Any) -> Any:
+    node = _module(pack, "nodes.train_lora").TrainLoRA
+    with torch.inference_mode():
+        return node.execute(model, dataset, **{**FAST, **options})
+
+
+def test_combined_datasets_with_a_regularization_set_train_a_real_model(
+        pack: ModuleType, handles: ModuleType, models: tuple, cache: Path, trained_plans: list[Any]) -> None:
+    people, style, reg = (handles.StreamDatasetHandle(str(cache), n) for n in ("people", "style", "reg"))
+    combined = _combine(pack, people, 2, style, 1)
+    assert combined.parts == (("people", 2), ("style", 1))
+    out = _train(pack, models[0], combined, reg_dataset=reg, reg_ratio=0.5, reg_weight=0.25, steps=6)
+    lora, loss_map, steps = out.result
+    assert steps == 6 and len(loss_map["loss"]) == 6 and all(math.isfinite(x) for x in loss_map["loss"])
+    assert lora and all(torch.isfinite(t).all() for t in lora.values())
+    summary = out.ui["text"][0]
+    # 4 × 2 + 2 = 10 main occurrences; ratio 0.5: 5 regularization occurrences, in their own 96×64 bucket
+    assert "'people×2 + style' (6 samples)" in summary and "regularization 'reg' (3 samples" in summary
+    assert "[4, 8, 8]×10" in summary and "[4, 12, 8]×5" in summary
+    reg_rows = [(p.latent_keys[r], p.weights[r]) for p in trained_plans for r in range(len(p.sample_indices))
+                if p.sample_indices[r] >= 6]
+    main_rows = [p.weights[r] for p in trained_plans for r in range(len(p.sample_indices))
+                 if p.sample_indices[r] < 6]
+    assert reg_rows and {w for _, w in reg_rows} == {0.25} and set(main_rows) == {1.0}
+    assert {k for k, _ in reg_rows} <= {_key(f"regl{i}") for i in range(3)}
+
+
+def test_the_same_seed_repeats_a_run_with_dropout_and_regularization(
+        pack: ModuleType, handles: ModuleType, models: tuple, cache: Path, trained_plans: list[Any]) -> None:
+    people, reg = handles.StreamDatasetHandle(str(cache), "people"), handles.StreamDatasetHandle(str(cache), "reg")
+    opts = {"reg_dataset": reg, "caption_dropout": 0.5, "steps": 4}
+    a = _train(pack, models[0], people, **opts).result
+    first = list(trained_plans)
+    b = _train(pack, models[0], people, **opts).result
+    assert trained_plans[len(first):] == first
+    assert a[1]["loss"] == b[1]["loss"]
+    assert all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+    dropped = [p.caption_keys[r] for p in first for r in range(len(p.dropped)) if p.dropped[r]]
+    kept = [p.caption_keys[r] for p in first for r in range(len(p.dropped)) if not p.dropped[r]]
+    assert set(dropped) == {_key("empty")} and kept and _key("empty") not in kept
+
+
+def test_caption_dropout_without_the_empty_caption_names_the_dataset(
+        pack: ModuleType, handles: ModuleType, models: tuple, cache: Path) -> None:
+    style = handles.StreamDatasetHandle(str(cache), "style")
+    with pytest.raises(ValueError, match=r"dataset 'style' has no empty caption.*Encode Dataset's empty_caption"):
+        _train(pack, models[0], style, caption_dropout=0.1)
+    out = _train(pack, models[0], style, caption_dropout=0.0, steps=1)  # off: trains as before
+    assert len(out.result[1]["loss"]) == 1
+
+
+def test_datasets_of_two_caches_are_refused_naming_both(
+        pack: ModuleType, handles: ModuleType, models: tuple, cache: Path, tmp_path: Path) -> None:
+    here = handles.StreamDatasetHandle(str(cache), "people")
+    there = handles.StreamDatasetHandle(str(tmp_path / "other"), "people")
+    for call in (lambda: _combine(pack, here, 1, there, 1),
+                 lambda: _train(pack, models[0], here, reg_dataset=there)):
+        with pytest.raises(ValueError, match=rf"ONE cache.*{cache}.*other.*Save Streamable Cache"):
+            call()
+
+
+def test_single_dataset_nodes_refuse_a_combination_and_repeats_past_the_limit_are_named(
+        pack: ModuleType, handles: ModuleType, cache: Path, tmp_path: Path) -> None:
+    people = handles.StreamDatasetHandle(str(cache), "people")
+    combined = _combine(pack, people, 100)
+    save = _module(pack, "nodes.save_cache")
+    with pytest.raises(ValueError, match=r"takes one dataset, but a combination .*people×100"):
+        save.save_dataset(combined, tmp_path / "copy", "copy")
+    assert not (tmp_path / "copy").exists()
+    with pytest.raises(ValueError, match=r"dataset 'people': repeats 100 × 101 = 10100, above the limit"):
+        _combine(pack, combined, 101)
+    for bad in (0, 10_001, True):
+        with pytest.raises(ValueError, match="repeats_a must be a whole number"):
+            _combine(pack, people, bad)
+    with pytest.raises(ValueError, match="dataset_b: expected a STREAM_DATASET"):
+        _combine(pack, people, 1, "people", 1)
+
+
+def test_a_missing_dataset_in_a_combination_is_named(
+        pack: ModuleType, handles: ModuleType, models: tuple, cache: Path) -> None:
+    combined = _combine(pack, handles.StreamDatasetHandle(str(cache), "people"), 1,
+                        handles.StreamDatasetHandle(str(cache), "nope"), 1)
+    with pytest.raises(ValueError, match=r"dataset 'nope' is not in the cache .*\['people', 'reg', 'style'\]"):
+        _train(pack, models[0], combined)
