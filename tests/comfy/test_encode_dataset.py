@@ -448,9 +448,11 @@ def test_masks_are_made_at_the_real_vaes_latent_size_and_a_mask_edit_loads_no_mo
     info = mod.read_dataset_info(root, "default").info
     assert info[mod.RECORD_KEY][mod.FACTOR_KEY] == {mod.vae_fingerprint(vae): factor}
 
-    # the mask edited: the mask alone is made, and neither the VAE nor CLIP is asked for
+    # the mask edited: ComfyUI's node cache sees it, the mask alone is made, neither the VAE nor CLIP is asked for
+    before = Run(mod, prompt).fingerprint()
     _half_mask(mask_path, img.size, left=False)
     run = Run(mod, prompt)
+    assert run.fingerprint() != before
     assert run.lazy() == []
     _handle, report, asked = run.queue(vae, clip)
     assert asked == [] and _encoded(report) == (0, 0) and "made 1 masks" in report, report
