@@ -377,7 +377,8 @@ class EncodePlan:
     @property
     def up_to_date(self) -> bool:
         """True when there is nothing to encode and the dataset is already stored as planned."""
-        return not self.needs_vae and not self.needs_text_encoder and self.dataset_current
+        return (not self.needs_vae and not self.needs_text_encoder and not self.missing_masks
+                and self.dataset_current)
 
     def counts(self) -> dict[str, int]:
         """Source file counts and work to do, for logs and the dataset's info."""

@@ -389,6 +389,8 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
                     failures.append(SourceFailure(prefix + cap.name, cap.path, f"cannot stat: {exc.strerror or exc}"))
     subdirs[:] = [s for s in subdirs if s[0]]
     for name, stem, _entry in images if (mask_entries or refused_masks) else ():
+        if name[len(stem):].lower() not in IMAGE_EXTENSIONS:  # a video: clips get no mask
+            continue
         if stem in refused_masks:
             masks[2].append(prefix + name)
         elif stem in mask_entries:

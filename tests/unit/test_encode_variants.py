@@ -208,6 +208,9 @@ def test_masks_are_cached_at_latent_resolution_and_a_mask_edit_encodes_only_the_
     b = mask_b["mask"][0, 0].int()
     assert (b[:, : w // 2 - 1] == 0).all() and (b[:, w // 2 + 1:] == 255).all()
     assert (b[:, w // 2 - 1] < 32).all() and (b[:, w // 2] > 223).all()
+    warm = _plan(folder, cache, settings)  # mask files are trusted by their stat, like images: none is opened
+    assert warm.up_to_date and warm.validation.hashed == 0 and warm.validation.unchanged == (
+        "a-masklabel.png", "a.png", "a.txt", "b-masklabel.png", "b.png", "b.txt", "c.png", "c.txt")
     # a mask edit: one mask, no latent, no conditioning, no VAE needed
     _half_mask(folder / "a-masklabel.png", (64, 64), left_white=False)
     plan = _plan(folder, cache, settings)
@@ -241,6 +244,20 @@ def test_mask_files_never_become_samples(folder: Path, cache: Path) -> None:
     plan = _plan(folder, cache, replace(BASE, masks="masklabel"))
     assert plan.unused_masks == 1 and any("belong to no image" in n for n in plan.notes)
     assert any("masks is none" in n for n in _plan(folder, cache).notes)
+
+
+def test_mask_files_of_clips_are_unused_and_never_frames(tmp_path: Path) -> None:
+    root = tmp_path / "clips"
+    (root / "jump.frames").mkdir(parents=True)
+    for i in range(2):
+        _image(root / "jump.frames" / f"{i:04d}.png", (32, 32), i)
+        _half_mask(root / "jump.frames" / f"{i:04d}-masklabel.png", (32, 32))
+    (root / "walk.mp4").write_bytes(b"listing opens no file")
+    _half_mask(root / "walk-masklabel.png", (32, 32))
+    listing = list_folder(root)
+    assert [i.relpath for i in listing.images] == ["jump.frames/0000.png", "jump.frames/0001.png", "walk.mp4"]
+    assert listing.mask_of == {} and len(listing.unused_masks) == 3
+    assert {m[0] for m in listing.masks} == set(listing.unused_masks)
 
 
 def test_alpha_masks(folder: Path, cache: Path) -> None:
