@@ -166,8 +166,8 @@ class EncodeReport:
         v = self.variants
         parts = []
         if v.get("shuffle_variants"):
-            parts.append(f"{v['shuffle_variants']} tag shuffles per caption line ({v.get('captions', 0)} caption "
-                         "texts in the dataset)")
+            parts.append(f"{v['shuffle_variants']} tag shuffles per caption line ({v.get('captions', 0)} distinct "
+                         "caption texts in the dataset)")
         if v.get("mirrors") or self.encoded_mirrors:
             parts.append(f"mirrors: {self.encoded_mirrors} encoded, {v.get('mirrors', 0)} in the dataset")
         if v.get("masks") or self.encoded_masks:
