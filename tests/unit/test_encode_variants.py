@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_plan import EncodeSettings, plan_encode, shuffle_tags
+from dataset_cache.encode_plan import EncodeSettings, plan_encode, samples_digest, shuffle_tags
 from dataset_cache.encode_run import run_encode
 from dataset_cache.errors import SourceError
 from dataset_cache.format.reader import open_cache
@@ -317,7 +317,11 @@ def test_datasets_encoded_without_variants_stay_current(folder: Path, cache: Pat
     assert not {"shuffle_variants", "keep_tokens", "empty_caption", "masks"} & set(info["settings"])
     assert info["settings"]["bucket"]["flip"] is False
     plan = _plan(folder, cache, BASE)  # the defaults of every new setting
-    assert plan.up_to_date and plan.dataset_current
+    assert plan.up_to_date and plan.dataset_current and samples_digest(plan.samples) == info["samples_digest"]
+    report, enc = _build(folder, cache, BASE)
+    assert enc.calls == 0 and report.encoded == 0
+    with open_cache(cache) as reader:
+        assert reader.datasets()["ds"].info == info  # not even rewritten
     assert all(s.mirror is None and s.mask is None and s.empty_caption is None for s in plan.samples)
     # a sourceless dataset refuses settings it was not built with, accepts those it was
     folder.rename(folder.parent / "gone")
