@@ -14,6 +14,7 @@ sorted order; resize sizes use exact integer rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -21,10 +22,14 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["CROP_MODES", "PIXEL_RULES", "BucketConfig", "CropPlan", "make_buckets", "nearest_bucket"]
+__all__ = ["CROP_MODES", "FLIP_MODES", "PIXEL_RULES", "BucketConfig", "CropPlan", "make_buckets", "nearest_bucket"]
 
 CROP_MODES = ("center", "random")
 """How the resized image is cut to its bucket."""
+
+FLIP_MODES = ("none", "always", "random")
+"""Horizontal flips: ``none``; ``always`` (every image stored mirrored); ``random`` (the image and its mirror are
+both cached, and training picks one per epoch: :attr:`.dataset.Sample.mirror`)."""
 
 PIXEL_RULES = "pil:exif-orient,rgb-drop-alpha,i16-scale,resize-then-crop;v1"
 """Names the decode rules of :mod:`.imaging` inside every latent key. Change it whenever those rules change the
@@ -136,7 +141,9 @@ class BucketConfig:
         fixed: ``(width, height)`` to disable bucketing: every image is resized and cropped to this size.
         crop: ``"center"`` or ``"random"`` (seeded per image: same seed and token give the same crop).
         seed: seed of random crops.
-        flip: mirror every image horizontally (stored flipped, part of the key).
+        flip: ``"none"``, ``"always"`` (every image is stored mirrored; part of the key) or ``"random"`` (the
+            plan is the unflipped one, and :meth:`mirror_plan` gives the mirrored one, cached beside it);
+            ``False`` / ``True`` are taken as ``"none"`` / ``"always"``, as before the modes.
         method: resize method: lanczos, bicubic, bilinear, box, hamming or nearest.
         upscale: resize an image smaller than its bucket up to cover it. ``False`` (kohya's
             ``bucket_no_upscale``) gives such an image a bucket of its own size instead, rounded down to ``step``,
@@ -152,12 +159,16 @@ class BucketConfig:
     fixed: tuple[int, int] | None = None
     crop: str = "center"
     seed: int = 0
-    flip: bool = False
+    flip: bool | str = "none"
     method: str = "lanczos"
     upscale: bool = True
 
     def __post_init__(self) -> None:
         _check_positive("step", self.step)
+        if self.flip is True or self.flip is False:  # the bool of earlier versions
+            object.__setattr__(self, "flip", "always" if self.flip else "none")
+        if self.flip not in FLIP_MODES:
+            raise ValueError(f"bucket flip must be one of {FLIP_MODES} (or a bool), got {self.flip!r}")
         if self.crop not in CROP_MODES:
             raise ValueError(f"bucket crop must be one of {CROP_MODES}, got {self.crop!r}")
         if self.method not in _RESIZE_METHOD_NAMES:
@@ -212,13 +223,26 @@ class BucketConfig:
             left, top = draw % (rw - bw + 1), (draw >> 32) % (rh - bh + 1)
         return CropPlan(
             source=(width, height), bucket=(bw, bh), resize=(rw, rh), crop=(left, top, left + bw, top + bh),
-            flip=self.flip, method=self.method,
+            flip=self.flip == "always", method=self.method,
         )
+
+    def mirror_plan(self, plan: CropPlan) -> CropPlan:
+        """Return ``plan`` mirrored: the plan of the image's mirror for ``flip="random"`` (its key fields are
+        those of ``flip="always"``, so a switch between the modes re-encodes nothing already cached)."""
+        return dataclasses.replace(plan, flip=not plan.flip)
 
     def describe(self) -> dict[str, Any]:
         """Return the settings as plain JSON (for a dataset's info, so reports can say how it was bucketed)."""
         return {
             "resolution": self.resolution, "step": self.step, "min_side": self.min_side, "max_side": self.max_side,
             "max_aspect": self.max_aspect, "fixed": list(self.fixed) if self.fixed else None, "crop": self.crop,
-            "seed": self.seed, "flip": self.flip, "method": self.method, "upscale": self.upscale,
+            "seed": self.seed, "flip": _described_flip(self.flip), "method": self.method, "upscale": self.upscale,
         }
+
+
+def _described_flip(mode: str | bool) -> bool | str:
+    """The flip as a dataset's info states it: ``False`` / ``True`` for none / always (as written before the
+    modes, so the info of datasets encoded before stays as it was), ``"random"`` for random."""
+    if mode == "none" or mode == "always":
+        return mode == "always"
+    return mode

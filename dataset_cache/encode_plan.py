@@ -16,6 +16,19 @@ text encoder at all: when nothing is missing neither is loaded. Steps:
 Keys are content addressed, so a caption line shared by 100 images is one conditioning to encode, renamed or
 touched files cost nothing, and a new VAE fingerprint re-encodes latents but no conditioning.
 
+Variants (issue #16), each an entry of its own key, planned here and encoded by :mod:`.encode_run`:
+
+* tag shuffles (``shuffle_variants`` > 0): each caption line gives that many shuffled-tag texts
+  (:meth:`EncodeSettings.caption_texts`), keyed like any caption text, so only a changed line's variants are new;
+* the empty caption (``empty_caption``): the text ``""`` (no prefix or suffix), one conditioning per text encoder,
+  named by every sample's ``empty_caption``;
+* mirrors (``bucket.flip == "random"``): the mirrored crop plan's latent (the key ``flip="always"`` gives), named
+  by ``Sample.mirror``; ``Sample.latent`` stays the key ``flip="none"`` gives, so switching modes re-encodes only
+  what is new;
+* loss masks (``masks``): a :class:`MaskJob` per image with a mask, keyed by :func:`.keys.mask_key` (the mask's
+  source hash, mode, the latent's crop plan and the VAE's spatial factor), so an edited mask file re-encodes the
+  mask alone, and encoding one needs no VAE once the factor is known (``mask_factor``).
+
 Sourceless datasets: when the folder no longer exists but the cache holds the dataset, the plan reports every
 recorded source as removed, needs no encoder, and keeps the dataset as it is (training reads the cache alone).
 Entries stay in the cache until ``clean`` removes what no dataset references.
@@ -25,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +49,14 @@ import xxhash
 from .buckets import BucketConfig, CropPlan
 from .constants import DEFAULT_SHARD_BYTES
 from .dataset import Sample, check_epoch_size
-from .errors import CacheError, CacheNotFoundError
+from .errors import CacheError, CacheNotFoundError, SourceError
 from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file
 from .format.manifest import check_dataset_name
 from .format.reader import open_cache
 from .gcpause import gc_paused
-from .keys import PlanKeys, hash_bytes, latent_key
-from .scan import DatasetFolderError, SourceClip, SourceFailure, scan_folder
+from .imaging import MASK_MODES, mask_aspect_problem, read_image_size
+from .keys import PlanKeys, content_key, hash_bytes, latent_key, mask_key
+from .scan import DatasetFolderError, FolderListing, SourceClip, SourceFailure, SourceImage, scan_folder
 from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
 from .video import MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_folder_of
 
@@ -51,6 +66,9 @@ __all__ = [
     "EncodeSettings",
     "LatentJob",
     "ClipJob",
+    "MaskJob",
+    "MAX_SHUFFLE_VARIANTS",
+    "shuffle_tags",
     "EncodePlan",
     "plan_encode",
     "sources_record_path",
@@ -75,6 +93,34 @@ MAX_CAPTION_VARIANTS = 256
 """Caption lines of one image above which the image is left out as a failure naming its caption file (a file of
 thousands of lines is a log or a list pasted by mistake, and each line would be encoded)."""
 
+MAX_SHUFFLE_VARIANTS = 64
+"""Shuffled-tag variants per caption line: each is a conditioning to encode and store (a few MB each for large
+text encoders), and past a few dozen epochs more variants add nothing the sampler would use."""
+
+MAX_KEEP_TOKENS = 255
+
+
+def shuffle_tags(line: str, variants: int, keep_tokens: int = 0) -> tuple[str, ...]:
+    """Return ``variants`` shuffled-tag versions of one caption line (kohya's ``shuffle_caption`` with
+    ``keep_tokens``), before prefix and suffix.
+
+    The line is split on ``,``; each tag is stripped and empty tags dropped; the first ``keep_tokens`` tags stay
+    in place and the rest are shuffled; tags are joined with ``", "``. Variant ``i``'s order is drawn by a private
+    ``random.Random`` seeded with the xxh64 of ``"<i>\\0<line>"`` (UTF-8), so the texts depend on the line and the
+    index alone: the same on every machine and run, and a changed line changes only its own variants. Duplicates
+    are not removed here (a line of fewer tags than variants repeats texts; :func:`plan_encode` keeps each text
+    of a sample once).
+    """
+    tags = [t for t in (part.strip() for part in line.split(",")) if t]
+    fixed, rest = tags[:keep_tokens], tags[keep_tokens:]
+    out = []
+    for i in range(variants):
+        order = list(rest)
+        random.Random(xxhash.xxh64_intdigest(f"{i}\0{line}".encode("utf-8", "surrogatepass"))).shuffle(order)
+        out.append(", ".join(fixed + order))
+    return tuple(out)
+
+
 SOURCES_DIR = "sources"
 """Folder of the cache that holds one sources record per dataset name."""
 
@@ -97,6 +143,17 @@ class EncodeSettings:
         shard_bytes: target size of the cache's shard files.
         video: which frames a clip (video file or ``.frames`` folder) gives, and the VAE's temporal compression
             (see :class:`.video.FrameSettings`); images ignore it.
+        shuffle_variants: ``0`` (off) or how many shuffled-tag texts each caption line gives (kohya's
+            ``shuffle_caption``, see :func:`shuffle_tags`); the unshuffled line itself is then not encoded.
+        keep_tokens: with shuffling, the leading comma-separated tags that stay in place (kohya's
+            ``keep_tokens``, e.g. 1 for a trigger word at the start of every caption).
+        empty_caption: also encode the empty caption ``""`` (one conditioning per text encoder), which caption
+            dropout in training uses (``Sample.empty_caption``).
+        masks: loss masks: ``"none"``, ``"masklabel"`` (``<stem>-masklabel.<ext>`` beside the image) or
+            ``"alpha"`` (the image's alpha channel); see :func:`.imaging.load_mask`. Images only.
+        mask_factor: the VAE's spatial compression (8 for SD/SDXL/Flux), which sets a mask's latent resolution;
+            a property of the VAE, not a user setting (not described). ``None``: unknown (the VAE was not
+            loaded): mask keys are then unresolved, so the VAE is asked for, and such a plan cannot be encoded.
     """
 
     bucket: BucketConfig = field(default_factory=BucketConfig)
@@ -107,8 +164,26 @@ class EncodeSettings:
     encode_threads: int | None = None
     shard_bytes: int = DEFAULT_SHARD_BYTES
     video: FrameSettings = field(default_factory=FrameSettings)
+    shuffle_variants: int = 0
+    keep_tokens: int = 0
+    empty_caption: bool = False
+    masks: str = "none"
+    mask_factor: int | None = None
 
     def __post_init__(self) -> None:
+        if type(self.shuffle_variants) is not int or not 0 <= self.shuffle_variants <= MAX_SHUFFLE_VARIANTS:
+            raise ValueError(f"EncodeSettings.shuffle_variants must be an int from 0 (off) to "
+                             f"{MAX_SHUFFLE_VARIANTS}, got {self.shuffle_variants!r}")
+        if type(self.keep_tokens) is not int or not 0 <= self.keep_tokens <= MAX_KEEP_TOKENS:
+            raise ValueError(f"EncodeSettings.keep_tokens must be an int from 0 to {MAX_KEEP_TOKENS}, "
+                             f"got {self.keep_tokens!r}")
+        if type(self.empty_caption) is not bool:
+            raise TypeError(f"EncodeSettings.empty_caption must be a bool, got {self.empty_caption!r}")
+        if self.masks not in MASK_MODES:
+            raise ValueError(f"EncodeSettings.masks must be one of {MASK_MODES}, got {self.masks!r}")
+        if self.mask_factor is not None and (type(self.mask_factor) is not int or not 1 <= self.mask_factor <= 64):
+            raise ValueError(f"EncodeSettings.mask_factor must be None or an int from 1 to 64, "
+                             f"got {self.mask_factor!r}")
         if not isinstance(self.video, FrameSettings):
             raise TypeError(f"EncodeSettings.video must be a FrameSettings, got {type(self.video).__name__}")
         if not isinstance(self.bucket, BucketConfig):
@@ -130,13 +205,33 @@ class EncodeSettings:
         """Return the text encoded for one caption line: ``(prefix + line + suffix).strip()``."""
         return (self.caption_prefix + line + self.caption_suffix).strip()
 
+    def caption_texts(self, line: str) -> tuple[str, ...]:
+        """Return the texts encoded for one caption line: ``(caption_text(line),)``, or with shuffling the
+        :func:`shuffle_tags` variants, each through :meth:`caption_text` (duplicates kept)."""
+        if not self.shuffle_variants:
+            return (self.caption_text(line),)
+        return tuple(self.caption_text(t) for t in shuffle_tags(line, self.shuffle_variants, self.keep_tokens))
+
     def describe(self) -> dict[str, Any]:
-        """Return the settings as plain JSON (stored in the dataset's info)."""
-        return {
+        """Return the settings as plain JSON (stored in the dataset's info).
+
+        The variant settings appear only when not at their defaults, so the info of a dataset encoded without
+        them is what it was before they existed.
+        """
+        out = {
             "bucket": self.bucket.describe(), "caption_prefix": self.caption_prefix,
             "caption_suffix": self.caption_suffix, "batch_size": self.batch_size,
             "failure_policy": self.failure_policy, "shard_bytes": self.shard_bytes, "video": self.video.describe(),
         }
+        if self.shuffle_variants:
+            out["shuffle_variants"] = self.shuffle_variants
+            if self.keep_tokens:
+                out["keep_tokens"] = self.keep_tokens
+        if self.empty_caption:
+            out["empty_caption"] = True
+        if self.masks != "none":
+            out["masks"] = self.masks
+        return out
 
 
 @dataclass(frozen=True)
@@ -174,11 +269,35 @@ class LatentJob:
     source_hash: str
     plan: CropPlan
     clip: ClipJob | None = None
+    mirror: bool = False
 
     @property
     def bucket(self) -> tuple[int, int]:
         """``(width, height)`` of the bucket."""
         return self.plan.bucket
+
+
+@dataclass(frozen=True)
+class MaskJob:
+    """One loss mask to make (no encoder: see :func:`.imaging.load_mask`).
+
+    Attributes:
+        key: the mask entry key (:func:`.keys.mask_key`).
+        path: the mask file (``masklabel``) or the image (``alpha``), absolute.
+        relpath: ``path`` relative to the dataset folder (reports).
+        source_hash: xxh3-128 of ``path``'s bytes, re-checked when it is read.
+        plan: the crop plan of the latent the mask belongs to.
+        mode: ``"masklabel"`` or ``"alpha"``.
+        factor: the VAE's spatial compression.
+    """
+
+    key: str
+    path: str
+    relpath: str
+    source_hash: str
+    plan: CropPlan
+    mode: str
+    factor: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -205,7 +324,11 @@ class EncodePlan:
         sourceless: the folder is gone and the dataset is served from the cache as it was.
         validation: the sources validation (``None`` when sourceless).
         notes: what the plan changed or wants the user to know (caption lines cut at :data:`MAX_CAPTION_CHARS`,
-            images with many caption variants), for the report.
+            images with many caption variants, images without a mask, unused mask files), for the report.
+        missing_masks: loss masks to make, sorted by path.
+        empty_caption: the empty caption's conditioning key (``settings.empty_caption``), else ``None``.
+        images_without_mask: with ``masks="masklabel"``, images that have no mask file (full weight).
+        unused_masks: mask files in the folder that no sample uses.
     """
 
     cache_root: str
@@ -229,11 +352,17 @@ class EncodePlan:
     validation: Validation | None = None
     notes: tuple[str, ...] = ()
     missing_clips: tuple[LatentJob, ...] = ()
+    missing_masks: tuple[MaskJob, ...] = ()
+    empty_caption: str | None = None
+    images_without_mask: int = 0
+    unused_masks: int = 0
 
     @property
     def needs_vae(self) -> bool:
-        """Whether any latent must be encoded (load the VAE only then)."""
-        return any(self.missing_latents.values()) or bool(self.missing_clips)
+        """Whether any latent must be encoded, or a mask while the VAE's spatial factor is unknown (load the VAE
+        only then: masks are made without it)."""
+        return (any(self.missing_latents.values()) or bool(self.missing_clips)
+                or (bool(self.missing_masks) and self.settings.mask_factor is None))
 
     @property
     def needs_text_encoder(self) -> bool:
@@ -248,7 +377,8 @@ class EncodePlan:
     @property
     def up_to_date(self) -> bool:
         """True when there is nothing to encode and the dataset is already stored as planned."""
-        return not self.needs_vae and not self.needs_text_encoder and self.dataset_current
+        return (not self.needs_vae and not self.needs_text_encoder and not self.missing_masks
+                and self.dataset_current)
 
     def counts(self) -> dict[str, int]:
         """Source file counts and work to do, for logs and the dataset's info."""
@@ -257,17 +387,37 @@ class EncodePlan:
             "failed": len(self.failures), "skipped": self.skipped, "samples": len(self.samples),
             "latents_to_encode": self.latent_count,
             "conditionings_to_encode": len(self.missing_conditionings), "reused": self.reused,
+            "masks_to_encode": len(self.missing_masks),
         }
+
+    def variants(self) -> dict[str, int]:
+        """What the planned dataset holds beyond one latent and caption per sample, for the report: distinct
+        caption conditionings, mirrors and masks, whether the empty caption is named (0/1), and the settings."""
+        return variant_counts(self.samples, self.settings)
 
     def summary(self) -> str:
         """A one-line description for logs and UI."""
         if self.sourceless:
             return (f"dataset {self.dataset!r}: source folder {self.folder} is gone; {len(self.samples)} samples "
                     f"are served from the cache ({self.removed} source files removed, nothing to encode)")
+        masks = f", {len(self.missing_masks)} masks" if self.missing_masks else ""
         return (f"dataset {self.dataset!r}: {len(self.samples)} samples; to encode {self.latent_count} latents "
-                f"and {len(self.missing_conditionings)} conditionings, {self.reused} entries reused; sources "
+                f"and {len(self.missing_conditionings)} conditionings{masks}, {self.reused} entries reused; sources "
                 f"{self.new} new, {self.changed} changed, {self.unchanged} unchanged, {self.removed} removed"
                 + (f"; {len(self.failures)} failed" if self.failures else ""))
+
+
+def variant_counts(samples: Sequence[Sample], settings: EncodeSettings | None = None) -> dict[str, int]:
+    """Distinct caption conditionings, mirrors and masks the samples name, and whether they name an empty
+    caption (0/1); with ``settings``, the shuffle count too (``shuffle_variants``)."""
+    captions = {k for s in samples for k in s.captions}
+    out = {"captions": len(captions), "mirrors": len({s.mirror for s in samples if s.mirror is not None}),
+           "masks": len({s.mask for s in samples if s.mask is not None}),
+           "masked_samples": sum(1 for s in samples if s.mask is not None),
+           "empty_caption": int(any(s.empty_caption is not None for s in samples))}
+    if settings is not None:
+        out["shuffle_variants"] = settings.shuffle_variants
+    return out
 
 
 def sources_record_path(cache_root: str | os.PathLike[str], dataset: str) -> Path:
@@ -340,6 +490,12 @@ def _output_settings(described: Mapping[str, Any]) -> dict[str, Any]:
         out["bucket"] = {**out["bucket"], "upscale": True}  # datasets stored before the setting always upscaled
     if out["video"] is None:
         out["video"] = FrameSettings().describe()  # datasets stored before clips: the defaults (no clip in them)
+    # variant settings: absent (as in datasets stored before them) means the default
+    shuffle = described.get("shuffle_variants", 0)
+    out["shuffle_variants"] = shuffle
+    out["keep_tokens"] = described.get("keep_tokens", 0) if shuffle else 0  # no effect without shuffling
+    out["empty_caption"] = described.get("empty_caption", False)
+    out["masks"] = described.get("masks", "none")
     return out
 
 
@@ -427,13 +583,20 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
 
     samples: list[Sample] = []
     latents: dict[str, LatentJob] = {}
+    masks: dict[str, MaskJob] = {}
     texts: dict[str, str] = {}
     keys = PlanKeys(vae_fingerprint, text_fingerprint)
     bucket = settings.bucket
     center: dict[tuple[int, int], CropPlan] = {}  # a center crop depends on the size alone
+    mirrors: dict[CropPlan, CropPlan] = {}
     unplannable: list[SourceFailure] = []
     cut: list[str] = []  # images with a caption line cut at MAX_CAPTION_CHARS
     many: list[str] = []  # images with more than CAPTION_VARIANTS_NOTE caption lines
+    no_mask: list[str] = []  # images without a mask file (masklabel)
+    empty = None
+    if settings.empty_caption:  # the text "" itself: no prefix or suffix (dropout trains with no caption)
+        empty = keys.conditioning("")
+        texts[empty] = ""
     for img in scan.images:
         entry = record.get(img.relpath)
         if entry is None:  # could not be hashed: already listed among the validation failures
@@ -453,23 +616,33 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         except ValueError as exc:  # e.g. smaller than one bucket step with upscale off: left out, named
             unplannable.append(SourceFailure(img.relpath, img.path, str(exc)))
             continue
+        mkey = None
+        if settings.masks != "none":
+            found = _mask_job(img, entry.hash, plan, settings, validation.listing, record)
+            if isinstance(found, SourceFailure):
+                unplannable.append(found)
+                continue
+            if found is None:
+                no_mask.append(img.relpath)
+            else:
+                mkey = found.key
+                masks.setdefault(mkey, found)
         lkey = keys.latent(entry.hash, plan)
         if lkey not in latents:
             latents[lkey] = LatentJob(lkey, img.path, img.relpath, entry.hash, plan)
-        if len(img.captions) > CAPTION_VARIANTS_NOTE:
-            many.append(img.relpath)
-        ckeys = []
-        for line in img.captions:
-            if len(line) > MAX_CAPTION_CHARS:
-                cut.append(img.relpath)
-                line = line[:MAX_CAPTION_CHARS]
-            text = settings.caption_text(line)
-            ckey = keys.conditioning(text)
-            texts.setdefault(ckey, text)
-            ckeys.append(ckey)
-        samples.append(Sample(lkey, tuple(ckeys), img.repeats, img.relpath))
+        mirror = None
+        if bucket.flip == "random":
+            mplan = mirrors.get(plan)
+            if mplan is None:
+                mplan = mirrors[plan] = bucket.mirror_plan(plan)
+            mirror = keys.latent(entry.hash, mplan)
+            if mirror not in latents:
+                latents[mirror] = LatentJob(mirror, img.path, img.relpath, entry.hash, mplan, mirror=True)
+        ckeys = _caption_keys(img.captions, img.relpath, settings, keys, texts, cut, many)
+        samples.append(Sample(lkey, ckeys, img.repeats, img.relpath, mirror=mirror, mask=mkey, empty_caption=empty))
 
-    clips = _plan_clips(scan.clips, record, settings, vae_fingerprint, keys, samples, texts, unplannable, cut, many)
+    clips = _plan_clips(scan.clips, record, settings, vae_fingerprint, keys, samples, texts, unplannable, cut, many,
+                        empty)
     try:
         check_epoch_size(samples, f"dataset {dataset!r}")
     except ValueError as exc:  # before any encode: the dataset could never be stored
@@ -481,6 +654,8 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         if job.key not in have:
             by_bucket.setdefault(job.bucket, []).append(job)
     missing_texts = {k: t for k, t in texts.items() if k not in have}
+    missing_masks = tuple(sorted((j for j in masks.values() if j.key not in have), key=lambda j: (j.relpath, j.key)))
+    unused = len(validation.listing.unused_masks) if settings.masks == "masklabel" else len(validation.listing.masks)
     missing_clips = tuple(sorted((j for j in clips.values() if j.key not in have),
                                  key=lambda j: (len(j.clip.indices) if j.clip else 0, j.bucket[1], j.bucket[0],
                                                 j.relpath)))
@@ -493,11 +668,73 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         failures=tuple(unique[k] for k in sorted(unique)), samples=tuple(samples),
         missing_latents={b: tuple(sorted(jobs, key=lambda j: j.relpath)) for b, jobs in sorted(by_bucket.items())},
         missing_conditionings=missing_texts,
-        reused=sum(k in have for k in latents) + sum(k in have for k in clips) + sum(k in have for k in texts),
+        reused=(sum(k in have for k in latents) + sum(k in have for k in clips) + sum(k in have for k in texts)
+                + sum(k in have for k in masks)),
         dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
-        skipped=_listed_samples(validation) - len(samples), notes=_caption_notes(cut, many) + _clip_notes(settings),
-        missing_clips=missing_clips,
+        skipped=_listed_samples(validation) - len(samples),
+        notes=(_caption_notes(cut, many) + _clip_notes(settings)
+               + _mask_notes(settings, no_mask, validation.listing, bool(scan.clips))),
+        missing_clips=missing_clips, missing_masks=missing_masks, empty_caption=empty,
+        images_without_mask=len(no_mask), unused_masks=unused,
     )
+
+
+def _mask_job(img: SourceImage, image_hash: str, plan: CropPlan, settings: EncodeSettings, listing: FolderListing,
+              record: SourcesRecord) -> MaskJob | SourceFailure | None:
+    """The mask of one image (``None``: it has no mask file), or why the image must be left out (a mask that is
+    a link out of the folder, unreadable, or of another aspect ratio: named, never a crash)."""
+    mode = settings.masks
+    if mode == "alpha":
+        path, relpath, source_hash = img.path, img.relpath, image_hash
+    else:
+        if img.relpath in listing.refused_masks:
+            return SourceFailure(img.relpath, img.path, "left out: its mask file is a symbolic link outside the "
+                                 "dataset folder (see that file's line)")
+        relpath = listing.mask_of.get(img.relpath)  # type: ignore[assignment]
+        if relpath is None:
+            return None
+        path = listing.abspath(relpath)
+        entry = record.get(relpath)
+        if entry is None:  # could not be hashed: listed among the validation failures
+            return SourceFailure(img.relpath, img.path, f"left out: its mask {relpath} cannot be read (see that "
+                                 "file's line)")
+        source_hash = entry.hash
+        if entry.width is not None and entry.height is not None:
+            size = (entry.width, entry.height)
+        else:
+            try:
+                size = read_image_size(path)
+            except SourceError as exc:
+                return SourceFailure(relpath, path, f"mask of {img.relpath}: {exc.reason}")
+        problem = mask_aspect_problem(size, (img.width, img.height))
+        if problem:
+            return SourceFailure(relpath, path, f"mask of {img.relpath}: {problem}")
+    factor = settings.mask_factor
+    if factor is None:  # unknown until the VAE is loaded: a key no stored mask has, so the VAE is asked for
+        key = content_key("mask-unresolved", {"source": source_hash, "mode": mode, "pixels": plan.key_fields()})
+        factor = 0
+    else:
+        key = mask_key(source_hash, mode, plan.key_fields(), factor)
+    return MaskJob(key, path, relpath, source_hash, plan, mode, factor)
+
+
+def _mask_notes(settings: EncodeSettings, no_mask: Sequence[str], listing: FolderListing, clips: bool
+                ) -> tuple[str, ...]:
+    notes = []
+    if settings.masks == "none":
+        if listing.masks:
+            notes.append(f"{len(listing.masks)} mask file(s) (<name>-masklabel.<ext>, e.g. {listing.masks[0][0]}) "
+                         "are in the folder but masks is none: they are not used (set masks to masklabel)")
+        return tuple(notes)
+    if no_mask:
+        notes.append(f"{len(no_mask)} image(s) have no mask file <name>-masklabel.<ext> and train at full weight "
+                     f"(first: {sorted(no_mask)[0]})")
+    unused = listing.unused_masks if settings.masks == "masklabel" else tuple(m[0] for m in listing.masks)
+    if unused:
+        notes.append(f"{len(unused)} mask file(s) belong to no image and are not used (first: {unused[0]})")
+    if clips:
+        notes.append("clips get no loss mask: masks apply to images only")
+    return tuple(notes)
 
 
 def _listed_samples(validation: Validation) -> int:
@@ -524,6 +761,8 @@ def _clip_notes(settings: EncodeSettings) -> tuple[str, ...]:
 
 def _caption_keys(captions: Sequence[str], relpath: str, settings: EncodeSettings, keys: PlanKeys,
                   texts: dict[str, str], cut: list[str], many: list[str]) -> tuple[str, ...]:
+    """The conditioning keys of one sample's caption lines (with shuffling, every line's variants, each text
+    once; without, one per line, duplicates kept: they weight that line); adds their texts to ``texts``."""
     if len(captions) > CAPTION_VARIANTS_NOTE:
         many.append(relpath)
     out = []
@@ -531,16 +770,16 @@ def _caption_keys(captions: Sequence[str], relpath: str, settings: EncodeSetting
         if len(line) > MAX_CAPTION_CHARS:
             cut.append(relpath)
             line = line[:MAX_CAPTION_CHARS]
-        text = settings.caption_text(line)
-        ckey = keys.conditioning(text)
-        texts.setdefault(ckey, text)
-        out.append(ckey)
-    return tuple(out)
+        for text in settings.caption_texts(line):
+            ckey = keys.conditioning(text)
+            texts.setdefault(ckey, text)
+            out.append(ckey)
+    return tuple(dict.fromkeys(out)) if settings.shuffle_variants else tuple(out)
 
 
 def _plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: EncodeSettings, vae_fp: str,
                 keys: PlanKeys, samples: list[Sample], texts: dict[str, str], unplannable: list[SourceFailure],
-                cut: list[str], many: list[str]) -> dict[str, LatentJob]:
+                cut: list[str], many: list[str], empty: str | None = None) -> dict[str, LatentJob]:
     """Key every clip (its bytes, or its frames' in order, plus the crop plan and the frame settings), add its
     sample; return the latent jobs by key. Clips that cannot be planned are added to ``unplannable``."""
     jobs: dict[str, LatentJob] = {}
@@ -590,8 +829,15 @@ def _plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: En
         if lkey not in jobs:
             jobs[lkey] = LatentJob(lkey, clip.path, clip.relpath, source_hash, plan,
                                    ClipJob(indices, frame_paths, frame_hashes))
+        mirror = None
+        if settings.bucket.flip == "random":
+            mplan = settings.bucket.mirror_plan(plan)
+            mirror = latent_key(source_hash, mplan.key_fields(), vae_fp, extra=extra)
+            if mirror not in jobs:
+                jobs[mirror] = LatentJob(mirror, clip.path, clip.relpath, source_hash, mplan,
+                                         ClipJob(indices, frame_paths, frame_hashes), mirror=True)
         ckeys = _caption_keys(clip.captions, clip.relpath, settings, keys, texts, cut, many)
-        samples.append(Sample(lkey, ckeys, clip.repeats, clip.relpath))
+        samples.append(Sample(lkey, ckeys, clip.repeats, clip.relpath, mirror=mirror, empty_caption=empty))
     return jobs
 
 

@@ -2,8 +2,10 @@
 
 The first half, :func:`.encode_plan.plan_encode`, says what a folder needs; :func:`run_encode` encodes exactly that:
 
-* conditionings first (each distinct caption text once), then latents bucket by bucket, ``batch_size`` per
-  encoder call, so each model is needed in one stretch;
+* conditionings first (each distinct caption text once, shuffled variants and the empty caption among them),
+  then loss masks (no encoder: decoded and averaged down to latent resolution on the decode threads,
+  :func:`.imaging.load_mask`), then latents bucket by bucket (mirrors among them), ``batch_size`` per encoder
+  call, so each model is needed in one stretch;
 * images are decoded, resized and cropped on a small thread pool up to :data:`LOOKAHEAD_BATCHES` batches ahead
   of the encoder, so the GPU does not wait on Pillow. Each image's bytes are re-hashed against the hash its key
   was planned from: a file edited after planning is reported, never stored under the old content's key;
@@ -42,10 +44,10 @@ import torch
 
 from .batching import batched
 from .dataset import Sample
-from .encode_plan import EncodePlan, LatentJob, samples_digest
+from .encode_plan import EncodePlan, LatentJob, MaskJob, samples_digest, variant_counts
 from .errors import CacheLockedError, SourceError
 from .format.writer import LOG_SYNC_SECONDS, CacheWriter, CompactReport
-from .imaging import load_image
+from .imaging import load_image, load_mask
 from .keys import hash_bytes, hash_file
 from .lock import READ_LOCK, WRITE_LOCK, CacheLock
 from .scan import DatasetFolderError, SourceFailure
@@ -121,6 +123,11 @@ class EncodeReport:
             the dataset and compacting (``finish``), and waiting for the write lock (``lock_wait``).
         log_syncs: fsyncs of the recovery log (each bounds what a power loss can take).
         notes: settings this run had to change, for the user (fewer images per VAE call for large buckets).
+        encoded_masks: loss masks this run made and committed.
+        encoded_mirrors: mirrored latents among ``encoded_latents``.
+        encoded_empty_caption: this run encoded the empty caption.
+        variants: what the stored dataset holds (:func:`.encode_plan.variant_counts`): distinct ``captions``,
+            ``mirrors``, ``masks``, ``masked_samples``, ``empty_caption`` (0/1) and ``shuffle_variants``.
     """
 
     dataset: str
@@ -143,11 +150,32 @@ class EncodeReport:
     timings: dict[str, float] = field(default_factory=dict)
     log_syncs: int = 0
     notes: list[str] = field(default_factory=list)
+    encoded_masks: int = 0
+    encoded_mirrors: int = 0
+    encoded_empty_caption: bool = False
+    variants: dict[str, int] = field(default_factory=dict)
 
     @property
     def encoded(self) -> int:
-        """Entries encoded by this run (latents + conditionings)."""
-        return self.encoded_latents + self.encoded_conditionings
+        """Entries encoded by this run (latents + conditionings + masks)."""
+        return self.encoded_latents + self.encoded_conditionings + self.encoded_masks
+
+    def variants_line(self) -> str | None:
+        """One line on the variants (shuffles, mirrors, masks, empty caption): made this run / in the dataset;
+        ``None`` when the dataset has none."""
+        v = self.variants
+        parts = []
+        if v.get("shuffle_variants"):
+            parts.append(f"{v['shuffle_variants']} tag shuffles per caption line ({v.get('captions', 0)} distinct "
+                         "caption texts in the dataset)")
+        if v.get("mirrors") or self.encoded_mirrors:
+            parts.append(f"mirrors: {self.encoded_mirrors} encoded, {v.get('mirrors', 0)} in the dataset")
+        if v.get("masks") or self.encoded_masks:
+            parts.append(f"masks: {self.encoded_masks} made, {v.get('masks', 0)} in the dataset "
+                         f"({v.get('masked_samples', 0)} of {self.samples} samples masked)")
+        if v.get("empty_caption") or self.encoded_empty_caption:
+            parts.append("empty caption: " + ("encoded" if self.encoded_empty_caption else "cached"))
+        return "variants: " + "; ".join(parts) if parts else None
 
     def summary(self) -> str:
         """A short human-readable account (a few lines) for logs and the UI."""
@@ -158,10 +186,14 @@ class EncodeReport:
         lines = [
             f"dataset {self.dataset!r}: {self.samples} samples" + (" (STOPPED: run again to encode the rest)"
                                                                     if self.stopped else ""),
-            f"encoded {self.encoded_latents} latents and {self.encoded_conditionings} conditionings, "
+            f"encoded {self.encoded_latents} latents and {self.encoded_conditionings} conditionings"
+            + (f" and made {self.encoded_masks} masks" if self.encoded_masks else "") + ", "
             f"reused {self.reused} cached entries, wrote {format_bytes(self.bytes_written)} in {self.seconds:.1f}s",
             f"sources: {self.new} new, {self.changed} changed, {self.unchanged} unchanged, {self.removed} removed",
         ]
+        variants = self.variants_line()
+        if variants:
+            lines.append(variants)
         if self.failures:
             lines.append(f"{self.failed} failed, {self.skipped} samples skipped; first: "
                          f"{self.failures[0].relpath}: {self.failures[0].reason}")
@@ -197,6 +229,23 @@ def _decode(job: LatentJob, out: torch.Tensor, row: int) -> tuple[torch.Tensor |
         return pixels, time.perf_counter() - start
     except SourceError as exc:
         return exc, time.perf_counter() - start
+
+
+def _make_mask(job: MaskJob) -> Any:
+    """Read, re-hash and reduce one mask (worker thread): its entry value ``{"mask": uint8 [1, 1, h, w]}``, or
+    the :class:`.SourceError` naming the file."""
+    try:
+        try:
+            with open(job.path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise SourceError(job.path, f"cannot read mask: {exc.strerror or exc}") from exc
+        if hash_bytes(data) != job.source_hash:
+            raise SourceError(job.path, "the file changed after the folder was scanned; run the encode again")
+        return {"mask": load_mask(io.BytesIO(data), job.mode, job.plan, job.factor,  # type: ignore[arg-type]
+                                  name=job.path)}
+    except SourceError as exc:
+        return exc
 
 
 def _decode_clip(job: LatentJob, out: torch.Tensor) -> tuple[SourceError | None, float]:
@@ -324,6 +373,8 @@ class _Run:
     def _checkpointed(self, kind: str, entries: int, items: int) -> None:
         if kind == "latent":
             self.report.encoded_latents += entries
+        elif kind == "mask":
+            self.report.encoded_masks += entries
         else:
             self.report.encoded_conditionings += entries
         self.tick(items)
@@ -357,6 +408,31 @@ class _Run:
                 raise ValueError(f"encode_texts returned {len(out)} values for {len(batch)} texts; "
                                  "it must return one conditioning per text")
             self.hand_over([k for k, _ in batch], out, "conditioning", len(batch))
+
+    def make_masks(self, jobs: Sequence[MaskJob], threads: int) -> None:
+        """Make loss masks on the decode threads (no encoder), committing them ``batch_size * 8`` at a time."""
+        step = max(1, self.plan.settings.batch_size * 8)
+        with ThreadPoolExecutor(threads, thread_name_prefix="encode-mask") as pool:
+            for batch in batched(list(jobs), step):
+                self.check_stop()
+                start = time.perf_counter()
+                values = list(pool.map(_make_mask, batch))
+                self.t["decode_cpu"] += time.perf_counter() - start
+                good_keys, good_values = [], []
+                for job, value in zip(batch, values):
+                    if isinstance(value, SourceError):
+                        if self.plan.settings.failure_policy == "stop":
+                            raise value
+                        log.warning("skipping %s: %s", job.relpath, value.reason)
+                        self.report.failures.append(SourceFailure(job.relpath, job.path, value.reason))
+                        self.bad_latents.add(job.key)
+                    else:
+                        good_keys.append(job.key)
+                        good_values.append(value)
+                if good_keys:
+                    self.hand_over(good_keys, good_values, "mask", len(batch))
+                else:
+                    self.tick(len(batch))
 
     def encode_images(self, encode: ImageEncoder, batches: list[Sequence[LatentJob]], threads: int) -> None:
         pending: deque[tuple[Sequence[LatentJob], torch.Tensor, list[Future]]] = deque()
@@ -495,7 +571,10 @@ def compact_if_unread(writer: CacheWriter, root: str | os.PathLike[str], *,
 
 def _finish(run: _Run, plan: EncodePlan) -> tuple[Sample, ...]:
     """Return the dataset's samples after encode-time failures, checking failures against the policy."""
-    samples = tuple(s for s in plan.samples if s.latent not in run.bad_latents)
+    bad = run.bad_latents  # latents, mirrors and masks that could not be made
+    samples = tuple(s for s in plan.samples
+                    if s.latent not in bad and (s.mirror is None or s.mirror not in bad)
+                    and (s.mask is None or s.mask not in bad))
     run.report.skipped += len(plan.samples) - len(samples)
     if not samples:
         first = run.report.failures[0] if run.report.failures else None
@@ -567,6 +646,7 @@ def run_encode(
     report.skipped = plan.skipped
     if plan.sourceless or plan.up_to_date:
         report.samples, report.reused = len(plan.samples), plan.reused
+        report.variants = variant_counts(plan.samples, None if plan.sourceless else settings)
         report.skipped = 0 if plan.sourceless else plan.skipped
         report.failed = len(report.failures)
         report.seconds = time.perf_counter() - start
@@ -599,6 +679,10 @@ def run_encode(
                                     f"{images_per_call((w, h), settings.batch_size)} per call): more would pass "
                                     f"{format_bytes(MAX_PIXEL_BATCH_BYTES)} of pixels per call")
             clips = [j for j in plan.missing_clips if not writer.has(j.key)]
+            masks = [j for j in plan.missing_masks if not writer.has(j.key)]
+            if masks and settings.mask_factor is None:
+                raise ValueError(f"dataset {plan.dataset!r}: {len(masks)} masks must be made but the VAE's spatial "
+                                 "compression (EncodeSettings.mask_factor) is unknown; plan with the loaded VAE")
             if clips and settings.video.stride is None:
                 raise ValueError(f"dataset {plan.dataset!r}: {len(clips)} clips must be encoded but the VAE's "
                                  "temporal compression (FrameSettings.stride) is unknown; plan with the loaded VAE")
@@ -613,7 +697,7 @@ def run_encode(
                                  "encode_texts is None (connect a text encoder)")
             run = _Run(plan, writer, report, progress, should_stop)
             run.min_commit_seconds = max(0.0, float(min_commit_seconds))
-            run.total = len(texts) + sum(map(len, batches)) + len(clips)
+            run.total = len(texts) + sum(map(len, batches)) + len(clips) + len(masks)
             if progress is not None:
                 progress(0, run.total)
             if background_commits:
@@ -624,6 +708,8 @@ def run_encode(
                     run.wait_for_commit()
                     writer.sync_log()  # the VAE may take a while to load: no checkpoint should wait unsynced
                 threads = resolve_threads(settings.encode_threads, purpose="encode threads", maximum=16)
+                if masks:
+                    run.make_masks(masks, threads)
                 if batches:
                     run.encode_images(encode_images, batches, threads)  # type: ignore[arg-type]
                 if clips:
@@ -638,6 +724,11 @@ def run_encode(
             writer.commit()  # publish the rest (the recovery log is deleted)
             report.timings["commit"] += time.perf_counter() - t_commit
             report.log_syncs = writer.log_syncs
+            report.encoded_mirrors = sum(1 for b in batches for j in b if j.mirror and j.key not in run.bad_latents
+                                         and writer.has(j.key)) + sum(
+                1 for j in clips if j.mirror and j.key not in run.bad_latents and writer.has(j.key))
+            report.encoded_empty_caption = plan.empty_caption is not None and any(
+                k == plan.empty_caption for k, _ in texts) and writer.has(plan.empty_caption)
             written = _shard_sizes(plan.cache_root)
             report.bytes_written = sum(size for name, size in written.items() if name not in before)
             if not report.stopped:
@@ -648,6 +739,7 @@ def run_encode(
                 if report.encoded:  # the run's last shard is partly filled: merge it with earlier small ones
                     report.compaction = compact_if_unread(writer, plan.cache_root)
                 report.samples = len(samples)
+                report.variants = variant_counts(samples, settings)
                 report.timings["finish"] = time.perf_counter() - t_finish
         except BaseException:
             # Entries already added are finished encodes (the failing batch never reached add), so keep them.

@@ -37,6 +37,8 @@ __all__ = [
     "decode_image",
     "apply_plan",
     "load_image",
+    "MASK_MODES",
+    "load_mask",
 ]
 
 OPEN_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "DIB", "TIFF")
@@ -158,6 +160,82 @@ def apply_plan(img: Image.Image, plan: CropPlan, *, path: str = "<image>") -> Im
     if plan.flip:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return img
+
+
+MASK_MODES = ("none", "masklabel", "alpha")
+"""Where a loss mask comes from: nowhere; a ``<stem>-masklabel.<ext>`` file beside the image (OneTrainer / kohya),
+its gray level the weight (white = full); or the image's own alpha channel (opaque = full weight)."""
+
+MASK_ASPECT_TOLERANCE = 0.01
+"""Relative difference of aspect ratio between a mask file and its image above which the mask is refused (a mask
+of another image, or cropped); a mask of the same shape at another size is resized to the image's size."""
+
+
+def mask_aspect_problem(mask_size: tuple[int, int], image_size: tuple[int, int]) -> str | None:
+    """What is wrong with a mask of ``mask_size`` for an image of ``image_size`` (``None``: nothing)."""
+    (mw, mh), (iw, ih) = mask_size, image_size
+    if mw <= 0 or mh <= 0:
+        return f"mask claims an empty size {mw}x{mh}"
+    if abs(mw * ih - mh * iw) > MASK_ASPECT_TOLERANCE * mh * iw:
+        return (f"mask is {mw}x{mh} but its image is {iw}x{ih}: another aspect ratio, so it cannot be the image's "
+                "mask; save the mask at the image's size")
+    return None
+
+
+def load_mask(path: str | os.PathLike[str], mode: str, plan: CropPlan, factor: int, *,
+              name: str | None = None) -> torch.Tensor:
+    """Return a loss mask at latent resolution: uint8 ``[1, 1, h, w]`` (255 = full weight, 0 = the floor).
+
+    Steps: decode (EXIF orientation applied); take the gray level (``masklabel``) or the alpha channel
+    (``alpha``; an image without alpha gives full weight everywhere); resize a mask file to its image's size
+    when it differs (same aspect ratio only); apply the image's crop plan (resize, crop, flip); crop to multiples
+    of ``factor`` as ComfyUI's VAE crops the pixels it encodes (centred); average each ``factor × factor`` cell
+    and round. Needs no VAE.
+
+    Args:
+        path: the mask file, or the image for ``alpha``.
+        mode: ``"masklabel"`` or ``"alpha"``.
+        plan: the crop plan of the latent the mask belongs to.
+        factor: the VAE's spatial compression.
+        name: the file to name in errors (default ``path``).
+
+    Raises:
+        SourceError: unreadable or corrupt, or of another aspect ratio than the image.
+    """
+    where = name or str(path)
+    with _open(path) as img:
+        orientation = exif_orientation(img)
+        try:
+            img.load()
+        except Exception as exc:
+            raise SourceError(where, f"mask data is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
+        if orientation in _TRANSPOSE:
+            img = img.transpose(_TRANSPOSE[orientation])
+        if mode == "alpha":
+            if "A" in img.getbands() or "transparency" in img.info:
+                gray = img.convert("RGBA").getchannel("A")
+            else:
+                gray = Image.new("L", img.size, 255)
+        elif mode == "masklabel":
+            gray = _to_rgb(img).convert("L") if img.mode != "L" else img.copy()
+        else:
+            raise ValueError(f"mask mode must be 'masklabel' or 'alpha', got {mode!r}")
+    source = tuple(plan.source)
+    if gray.size != source:
+        problem = mask_aspect_problem(gray.size, source)  # type: ignore[arg-type]
+        if problem:
+            raise SourceError(where, problem)
+        gray = gray.resize(source, resample=Image.Resampling.BILINEAR)
+    arr = np.asarray(apply_plan(gray, plan, path=where), dtype=np.uint32)
+    height, width = arr.shape
+    h, w = height // factor, width // factor
+    if h < 1 or w < 1:
+        raise SourceError(where, f"the bucket {width}x{height} is smaller than the VAE's factor {factor}")
+    top, left = (height % factor) // 2, (width % factor) // 2
+    cells = arr[top:top + h * factor, left:left + w * factor].reshape(h, factor, w, factor).sum(axis=(1, 3))
+    n = factor * factor
+    out = (cells + n // 2) // n  # exact integer rounding: the same on every machine
+    return torch.from_numpy(out.astype(np.uint8)).reshape(1, 1, h, w)
 
 
 def load_image(path: str | os.PathLike[str], plan: CropPlan) -> torch.Tensor:

@@ -47,6 +47,8 @@ __all__ = [
     "content_key",
     "latent_key",
     "conditioning_key",
+    "mask_key",
+    "MASK_RULES",
     "fingerprint",
     "hash_bytes",
     "hash_file",
@@ -160,6 +162,29 @@ def conditioning_key(
     _require_fingerprint(encoder_fingerprint, "encoder_fingerprint")
     fields = {"text": text, "encoder": encoder_fingerprint, "settings": dict(settings or {})}
     return content_key("conditioning", fields)
+
+
+MASK_RULES = "pil:exif-orient,L-or-alpha,resize-to-image,plan,center-crop-to-factor,area-mean,round;v1"
+"""Names the rules of :func:`.imaging.load_mask` inside every mask key; change it whenever they change a value."""
+
+
+def mask_key(source_hash: str, mode: str, pixels: Mapping[str, Any], factor: int) -> str:
+    """Return the key of a loss-mask entry (``{"mask": Tensor[1, 1, h, w] uint8}`` at latent resolution).
+
+    A mask is keyed by what makes its value, never by the latent's key or the VAE's identity, so an edited mask
+    file re-encodes only the mask, and a new VAE of the same spatial factor reuses every mask.
+
+    Args:
+        source_hash: :func:`hash_file` of the mask file (``mode="masklabel"``) or of the image (``"alpha"``).
+        mode: where the mask comes from: ``"masklabel"`` or ``"alpha"``.
+        pixels: the crop plan's key fields of the latent the mask belongs to (``CropPlan.key_fields()``).
+        factor: the VAE's spatial compression (pixels per latent cell along a side, 8 for SD/SDXL/Flux).
+    """
+    _require_key(source_hash, "source_hash")
+    if type(factor) is not int or factor < 1:
+        raise ValueError(f"mask factor (the VAE's spatial compression) must be an int >= 1, got {factor!r}")
+    fields = {"source": source_hash, "mode": mode, "pixels": dict(pixels), "factor": factor, "rules": MASK_RULES}
+    return content_key("mask", fields)
 
 
 def fingerprint(

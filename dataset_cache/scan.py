@@ -23,6 +23,14 @@ Layout rules:
 * Clips (:mod:`.video`): a video file (``.mp4 .webm .mov .mkv``) is one sample, listed like an image; a folder
   named ``<stem>.frames`` is one sample whose frames are its images (its subfolders and text files are ignored,
   and its name never sets repeats). Their caption is ``<stem>.txt`` beside the video or the folder.
+* Masks: ``<stem>-masklabel.<image ext>`` (OneTrainer / kohya; ``-masklabel`` in any case) is the loss mask of
+  the images named ``<stem>.<image ext>`` in the same folder. Mask files are never samples, whatever the
+  ``masks`` setting: they are listed apart (:attr:`FolderListing.masks`, paired with their images by
+  :attr:`FolderListing.mask_of`), so the sources record tracks them like any source file; a mask that matches no
+  image is unused (:attr:`FolderListing.unused_masks`, counted in the report). A mask that is a link out of the
+  folder is refused like a caption: the link is a failure and its images are listed in
+  :attr:`FolderListing.refused_masks` (left out when masks are used). Inside a ``.frames`` folder a mask file is
+  no frame (clips get no mask).
 * Captions: ``<stem>.txt`` (any case of ``.txt``) next to the image, decoded as UTF-8 (a BOM is allowed). Each
   non-empty line, stripped, is one caption variant (duplicates kept: they weight that line). A missing or empty
   caption file means one empty-prompt variant. An undecodable caption is a failure and its image is left out.
@@ -39,7 +47,7 @@ import time
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .dataset import MAX_REPEATS
@@ -51,6 +59,7 @@ from .video import FRAMES_SUFFIX, VIDEO_EXTENSIONS, clip_folder_of, frame_order,
 __all__ = [
     "IMAGE_EXTENSIONS",
     "CAPTION_EXTENSION",
+    "MASK_SUFFIX",
     "DatasetFolderError",
     "SourceFailure",
     "ListedImage",
@@ -71,6 +80,9 @@ IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tiff",
 
 CAPTION_EXTENSION = ".txt"
 """Caption file extension (compared lowercased)."""
+
+MASK_SUFFIX = "-masklabel"
+"""End of a mask file's stem (compared lowercased): ``a-masklabel.png`` is the loss mask of ``a.png``."""
 
 _REPEAT_DIR = re.compile(r"^(\d+)_(.+)$")
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
@@ -136,9 +148,13 @@ class FolderListing:
     images: tuple[ListedImage, ...]
     failures: tuple[SourceFailure, ...] = ()
     started_ns: int = 0
+    masks: tuple[tuple[str, int, int], ...] = ()
+    mask_of: Mapping[str, str] = field(default_factory=dict)
+    refused_masks: frozenset[str] = frozenset()
 
     def files(self) -> Iterator[tuple[str, int, int]]:
-        """Yield ``(relpath, size, mtime_ns)`` of every source file: each image, then its caption (if any)."""
+        """Yield ``(relpath, size, mtime_ns)`` of every source file: each image, then its caption (if any); then
+        every mask file."""
         seen: set[str] = set()
         for img in self.images:
             yield img.relpath, img.size, img.mtime_ns
@@ -146,6 +162,13 @@ class FolderListing:
             if cap is not None and cap not in seen:  # a.png and a.jpg share a.txt
                 seen.add(cap)
                 yield cap, img.caption_size, img.caption_mtime_ns
+        yield from self.masks
+
+    @property
+    def unused_masks(self) -> tuple[str, ...]:
+        """Mask files that are no image's mask (no image of their stem, or a second mask of one stem)."""
+        used = set(self.mask_of.values())
+        return tuple(m[0] for m in self.masks if m[0] not in used)
 
     def abspath(self, relpath: str) -> str:
         """Return the absolute path of a listed relative path."""
@@ -251,6 +274,8 @@ def _repeats_of(dirname: str) -> int | None:
 
 _Caption = tuple[str, int, int]  # (relpath, size, mtime_ns) of a caption file
 _Pending = tuple[str, int, frozenset[tuple[int, int]], _Caption | None]
+_Masks = tuple[list[_Caption], list[tuple[str, str]], list[str]]
+"""A folder's mask files, (image, mask) pairs, and images whose mask is a link out of the dataset folder."""
 """(reldir, repeats, (st_dev, st_ino) of it and its ancestors, the caption of a ``.frames`` folder)"""
 
 
@@ -262,10 +287,16 @@ def _link_outside(path: str, real_root: str) -> str | None:
     return None if inside else target
 
 
+def _is_mask_name(name: str, dot: int) -> bool:
+    return dot > len(MASK_SUFFIX) and name[dot - len(MASK_SUFFIX):dot].lower() == MASK_SUFFIX
+
+
 def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: frozenset[tuple[int, int]],
-              clip_caption: _Caption | None = None) -> tuple[list[ListedImage], list[SourceFailure], list[_Pending]]:
-    """List one directory: its images (with caption stats), failures, and subfolders still to list. A
-    ``.frames`` folder lists its images only, each with the clip's caption ``clip_caption``."""
+              clip_caption: _Caption | None = None
+              ) -> tuple[list[ListedImage], list[SourceFailure], list[_Pending], _Masks]:
+    """List one directory: its images (with caption stats), failures, subfolders still to list, and its mask
+    files paired with their images. A ``.frames`` folder lists its images only, each with the clip's caption
+    ``clip_caption`` (its mask files are unused)."""
     frames_dir = clip_folder_of(reldir + "/x") is not None if reldir else False
     absdir = os.path.join(root, *reldir.split("/")) if reldir else root
     prefix = reldir + "/" if reldir else ""
@@ -275,6 +306,10 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
     failures: list[SourceFailure] = []
     subdirs: list[_Pending] = []
     refused_captions: set[str] = set()  # stems whose caption is a link leading outside the folder
+    mask_entries: dict[str, os.DirEntry[str]] = {}  # image stem -> its mask file (the first name in order)
+    mask_files: list[_Caption] = []
+    refused_masks: set[str] = set()  # image stems whose mask is a link leading outside the folder
+    masks: _Masks = (mask_files, [], [])
     try:
         with os.scandir(absdir) as it:
             for entry in it:  # hot loop: one pass, d_type checks only, no syscall per entry
@@ -293,6 +328,8 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
                                 "ComfyUI): copy the file into the folder instead")))
                             if ext == CAPTION_EXTENSION:
                                 refused_captions.add(name[:dot])
+                            elif ext in IMAGE_EXTENSIONS and _is_mask_name(name, dot):
+                                refused_masks.add(name[:dot - len(MASK_SUFFIX)])
                             continue
                     if entry.is_dir():
                         if not frames_dir:  # a clip's folder holds frames only
@@ -301,7 +338,17 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
                 except OSError as exc:
                     failures.append(SourceFailure(prefix + name, entry.path, f"cannot inspect: {exc.strerror}"))
                     continue
-                if ext in IMAGE_EXTENSIONS or (ext in VIDEO_EXTENSIONS and not frames_dir):
+                if ext in IMAGE_EXTENSIONS and _is_mask_name(name, dot):  # never a sample
+                    try:
+                        mst = entry.stat()
+                    except OSError as exc:
+                        failures.append(SourceFailure(prefix + name, entry.path, f"cannot stat: {exc.strerror}"))
+                        continue
+                    mask_files.append((prefix + name, mst.st_size, mst.st_mtime_ns))
+                    stem = name[:dot - len(MASK_SUFFIX)]
+                    if not frames_dir and (stem not in mask_entries or name < mask_entries[stem].name):
+                        mask_entries[stem] = entry
+                elif ext in IMAGE_EXTENSIONS or (ext in VIDEO_EXTENSIONS and not frames_dir):
                     images.append((name, name[:dot], entry))
                 elif ext == CAPTION_EXTENSION and not frames_dir:
                     stem = name[:dot]
@@ -310,7 +357,7 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
                         captions[stem] = entry
     except OSError as exc:
         failures.append(SourceFailure(reldir or ".", absdir, f"cannot list folder: {exc.strerror or exc}"))
-        return out, failures, subdirs
+        return out, failures, subdirs, masks
     new = tuple.__new__  # builds the NamedTuple without its Python-level __new__: ~1 us less per image
     if frames_dir:
         cap_rel, cap_size, cap_mtime = clip_caption if clip_caption is not None else (None, 0, 0)
@@ -322,7 +369,7 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
                 continue
             out.append(new(ListedImage, (prefix + name, st.st_size, st.st_mtime_ns, repeats, cap_rel, cap_size,
                                          cap_mtime)))
-        return out, failures, subdirs
+        return out, failures, subdirs, masks
     for i, (sub, sub_repeats, sub_ancestors, _) in enumerate(subdirs):  # a clip folder's caption is beside it
         folder = sub.rpartition("/")[2]
         if folder.lower().endswith(FRAMES_SUFFIX):
@@ -341,6 +388,13 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
                 except OSError as exc:
                     failures.append(SourceFailure(prefix + cap.name, cap.path, f"cannot stat: {exc.strerror or exc}"))
     subdirs[:] = [s for s in subdirs if s[0]]
+    for name, stem, _entry in images if (mask_entries or refused_masks) else ():
+        if name[len(stem):].lower() not in IMAGE_EXTENSIONS:  # a video: clips get no mask
+            continue
+        if stem in refused_masks:
+            masks[2].append(prefix + name)
+        elif stem in mask_entries:
+            masks[1].append((prefix + name, prefix + mask_entries[stem].name))
     for name, stem, entry in images:
         if stem in refused_captions:
             failures.append(SourceFailure(prefix + name, entry.path, (
@@ -358,7 +412,7 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
                                              prefix + cap.name, cst.st_size, cst.st_mtime_ns)))
         except OSError as exc:  # broken symlink, or removed while listing
             failures.append(SourceFailure(prefix + name, entry.path, f"cannot stat: {exc.strerror or exc}"))
-    return out, failures, subdirs
+    return out, failures, subdirs, masks
 
 
 def _caption_rank(name: str) -> tuple[bool, str]:
@@ -389,7 +443,7 @@ def _add_subdir(entry: os.DirEntry[str], reldir: str, prefix: str, repeats: int,
     subdirs.append((prefix + entry.name, repeats, ancestors | {ident}, None))
 
 
-def _walk(root: str, threads: int) -> tuple[list[ListedImage], list[SourceFailure]]:
+def _walk(root: str, threads: int) -> tuple[list[ListedImage], list[SourceFailure], _Masks]:
     """List every folder under ``root``; with ``threads > 1`` folders are listed concurrently (their stat calls
     release the GIL, which pays off on network filesystems and cold caches)."""
     st = os.stat(root)
@@ -397,24 +451,32 @@ def _walk(root: str, threads: int) -> tuple[list[ListedImage], list[SourceFailur
     first: _Pending = ("", 1, frozenset({(st.st_dev, st.st_ino)}), None)
     out: list[ListedImage] = []
     failures: list[SourceFailure] = []
+    masks: _Masks = ([], [], [])
+
+    def add_masks(found: _Masks) -> None:
+        for mine, theirs in zip(masks, found):
+            mine += theirs  # type: ignore[operator]
+
     if threads <= 1:
         pending = [first]
         while pending:
-            imgs, fails, subs = _list_dir(root, real_root, *pending.pop())
+            imgs, fails, subs, found = _list_dir(root, real_root, *pending.pop())
             out += imgs
             failures += fails
             pending += subs
-        return out, failures
+            add_masks(found)
+        return out, failures, masks
     with ThreadPoolExecutor(threads, thread_name_prefix="list") as pool:
         running = {pool.submit(_list_dir, root, real_root, *first)}
         while running:
             done, running = wait(running, return_when=FIRST_COMPLETED)
             for fut in done:
-                imgs, fails, subs = fut.result()
+                imgs, fails, subs, found = fut.result()
                 out += imgs
                 failures += fails
+                add_masks(found)
                 running.update(pool.submit(_list_dir, root, real_root, *sub) for sub in subs)
-    return out, failures
+    return out, failures, masks
 
 
 def list_folder(root: str | os.PathLike[str], *, threads: int | None = 1) -> FolderListing:
@@ -433,7 +495,7 @@ def list_folder(root: str | os.PathLike[str], *, threads: int | None = 1) -> Fol
     started_ns = time.time_ns()
     path = _check_root(root)
     n = resolve_threads(threads, purpose="listing threads", per_cpu=2.0, maximum=8)
-    out, failures = _walk(path, n)
+    out, failures, (masks, pairs, refused) = _walk(path, n)
     if not out:
         detail = f" ({len(failures)} entries could not be read, first: {failures[0].reason})" if failures else ""
         raise DatasetFolderError(
@@ -444,7 +506,9 @@ def list_folder(root: str | os.PathLike[str], *, threads: int | None = 1) -> Fol
         )
     out.sort()  # relpaths are unique, so tuple order is relpath order (and cheaper than a key function)
     failures.sort(key=lambda f: f.relpath)
-    return FolderListing(path, tuple(out), tuple(failures), started_ns)
+    masks.sort()
+    return FolderListing(path, tuple(out), tuple(failures), started_ns, tuple(masks), dict(sorted(pairs)),
+                         frozenset(refused))
 
 
 def read_captions(path: str) -> tuple[str, ...]:

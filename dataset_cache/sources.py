@@ -1,9 +1,9 @@
 """The stat/hash record of a dataset folder's source files, and exact, fast validation against it.
 
-The record maps each source file (images and their caption files, by path relative to the folder) to its size,
-``mtime_ns``, xxh3-128 content hash and, for images, the scanned width and height, for caption files their caption
-variants (:func:`.scan.decode_captions`, parsed from the very bytes that were hashed), so that planning an
-unchanged folder opens no file at all. Validation checks every file of the folder, none sampled:
+The record maps each source file (images, their caption files and mask files, by path relative to the folder) to
+its size, ``mtime_ns``, xxh3-128 content hash and, for images and masks, the scanned width and height, for caption
+files their caption variants (:func:`.scan.decode_captions`, parsed from the very bytes that were hashed), so that
+planning an unchanged folder opens no file at all. Validation checks every file of the folder, none sampled:
 
 * same ``(size, mtime_ns)`` as recorded → trusted without reading the file;
 * different stat (or a new file) → the file is re-hashed; an unchanged hash only refreshes the stored stat, so a
@@ -404,6 +404,12 @@ def validate_sources(
             else:
                 pending[cap] = (cap_size, cap_mtime, old)
                 captions.add(cap)
+        for relpath, size, mtime_ns in listing.masks:  # mask files: hashed like images (their size is read too)
+            old = get(relpath)
+            if old is not None and old[0] == size and old[1] == mtime_ns and mtime_ns < trust_before:
+                entries[relpath] = old
+            else:
+                pending[relpath] = (size, mtime_ns, old)
     new, changed, refreshed, failures = [], [], [], list(listing.failures)
     hashes = _hash_all(listing.root, [(p, p in captions) for p in pending] + [(p, True) for p in fill], threads)
     added = 0

@@ -32,8 +32,15 @@ import folder_paths
 import torch
 from comfy_api.latest import io
 
-from ..dataset_cache.buckets import CROP_MODES, BucketConfig
-from ..dataset_cache.encode_plan import FAILURE_POLICIES, EncodePlan, EncodeSettings, plan_encode
+from ..dataset_cache.buckets import CROP_MODES, FLIP_MODES, BucketConfig
+from ..dataset_cache.encode_plan import (
+    FAILURE_POLICIES,
+    MAX_SHUFFLE_VARIANTS,
+    EncodePlan,
+    EncodeSettings,
+    plan_encode,
+)
+from ..dataset_cache.imaging import MASK_MODES
 from ..dataset_cache import check_dataset_name, read_dataset_info, update_dataset_info
 from ..dataset_cache.encode_run import EncodeReport, run_encode
 from ..dataset_cache.errors import CacheError
@@ -65,6 +72,9 @@ RECORD_KEY = "upstream_encoders"
 STRIDE_KEY = "vae_frame_stride"
 """Key, inside the ``RECORD_KEY`` record, of ``{vae fingerprint: temporal compression}``: a warm re-run of a clip
 folder keys its clips without loading the VAE (frame counts depend on its temporal compression)."""
+FACTOR_KEY = "vae_spatial_factor"
+"""Key, inside the ``RECORD_KEY`` record, of ``{vae fingerprint: spatial compression}``: a warm re-run whose only
+change is a mask file makes the mask (at the latent's resolution) without loading the VAE."""
 RECORD_LIMIT = 8
 """Identities remembered per encoder: switching between a few VAEs or text encoders stays load-free."""
 EVENT = "streamcache.encode"
@@ -113,16 +123,20 @@ def resolve_folder(folder: str) -> Path:
 def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str, caption_suffix: str,
               batch_size: int, on_failure: str, upscale: bool = False, frame_count: int = 17,
               frame_sampling: str = "first", frame_step: int = 2, fps: float = 0.0,
-              frame_stride: int | None = None) -> EncodeSettings:
+              frame_stride: int | None = None, flip: str = "none", shuffle_variants: int = 0, keep_tokens: int = 0,
+              empty_caption: bool = False, masks: str = "none", mask_factor: int | None = None) -> EncodeSettings:
     problem = _bucket_problem(resolution, bucket_step)
     if problem:
         raise ValueError(problem)
     min_side = max(bucket_step, resolution // 2 // bucket_step * bucket_step)  # kohya: 256 for 512
-    bucket = BucketConfig(resolution=resolution, step=bucket_step, min_side=min_side, crop=crop, upscale=upscale)
+    bucket = BucketConfig(resolution=resolution, step=bucket_step, min_side=min_side, crop=crop, upscale=upscale,
+                          flip=flip)
     video = FrameSettings(frames=frame_count, sampling=frame_sampling, every=frame_step, fps=float(fps),
                           stride=frame_stride)
     return EncodeSettings(bucket=bucket, caption_prefix=caption_prefix, caption_suffix=caption_suffix,
-                          batch_size=batch_size, failure_policy=on_failure, video=video)
+                          batch_size=batch_size, failure_policy=on_failure, video=video,
+                          shuffle_variants=shuffle_variants, keep_tokens=keep_tokens,
+                          empty_caption=bool(empty_caption), masks=masks, mask_factor=mask_factor)
 
 
 def _bucket_problem(resolution: Any, bucket_step: Any) -> str | None:
@@ -152,6 +166,7 @@ class _Encoders:
     clip_loaded: bool
     record: dict[str, dict[str, str]]
     frame_stride: int | None = None
+    mask_factor: int | None = None
 
 
 def _recorded(root: Path, dataset: str) -> dict[str, dict[str, str]]:
@@ -185,11 +200,25 @@ def _encoders(cls: type, root: Path, dataset: str, vae: Any, clip: Any) -> _Enco
     vae_fp = pick("vae", vae, vae_fingerprint)
     if vae is not None:
         stride: int | None = frame_stride(vae)
-    else:  # assumed fingerprint: its recorded stride (None: unknown, so clips ask for the VAE)
+        factor = spatial_factor(vae)
+    else:  # assumed fingerprint: its recorded stride and factor (None: unknown, so clips and masks ask for the VAE)
         recorded = (trusted.get(STRIDE_KEY) or {}).get(vae_fp)
         stride = recorded if type(recorded) is int and recorded >= 0 else None
+        recorded = (trusted.get(FACTOR_KEY) or {}).get(vae_fp)
+        factor = recorded if type(recorded) is int and 1 <= recorded <= 64 else None
     return _Encoders(vae_fp, pick("clip", clip, clip_fingerprint), ids["vae"],
-                     ids["clip"], vae is not None, clip is not None, record, stride)
+                     ids["clip"], vae is not None, clip is not None, record, stride, factor)
+
+
+def spatial_factor(vae: Any) -> int | None:
+    """Pixels per latent cell along a side for ``vae``, as ComfyUI's VAE reports it (``spacial_compression_encode``:
+    8 for SD/SDXL/Flux, 16 for some video VAEs); ``None`` when it reports nothing usable (masks then cannot be
+    made at its latent resolution, and the encode says so)."""
+    try:
+        value = vae.spacial_compression_encode()
+    except Exception:
+        return None
+    return int(value) if isinstance(value, int) and 1 <= value <= 64 else None
 
 
 def reads_batch_as_frames(vae: Any) -> bool:
@@ -296,6 +325,10 @@ def _store_record(root: Path, dataset: str, enc: _Encoders) -> None:
         strides = {enc.vae_fp: enc.frame_stride, **{f: v for f, v in record.get(STRIDE_KEY, {}).items()
                                                     if f != enc.vae_fp}}
         record[STRIDE_KEY] = dict(list(strides.items())[:RECORD_LIMIT])
+    if enc.vae_loaded and enc.mask_factor is not None:
+        factors = {enc.vae_fp: enc.mask_factor, **{f: v for f, v in record.get(FACTOR_KEY, {}).items()
+                                                   if f != enc.vae_fp}}
+        record[FACTOR_KEY] = dict(list(factors.items())[:RECORD_LIMIT])
     if record:
         update_dataset_info(root, dataset, RECORD_KEY, record)
 
@@ -367,6 +400,8 @@ def report_fields(report: EncodeReport, enc: _Encoders | None = None) -> dict[st
         "bytes_written": report.bytes_written, "seconds": round(report.seconds, 3), "stopped": report.stopped,
         "sourceless": report.sourceless,
         "failures": [f"{f.relpath}: {f.reason}" for f in report.failures[:5]],
+        "encoded_masks": report.encoded_masks, "encoded_mirrors": report.encoded_mirrors,
+        "encoded_empty_caption": report.encoded_empty_caption, "variants": dict(report.variants),
     }
     if enc is not None:
         fields.update(vae_loaded=enc.vae_loaded, clip_loaded=enc.clip_loaded, vae_fingerprint=enc.vae_fp,
@@ -475,6 +510,26 @@ class EncodeDataset(io.ComfyNode):
                 io.Float.Input("fps", default=0.0, min=0.0, max=1000.0, step=0.5, optional=True, advanced=True,
                                tooltip="Resample videos to this frame rate before sampling; 0 keeps each video's "
                                "own rate. Frame folders are taken as they are."),
+                io.Combo.Input("flip", options=list(FLIP_MODES), default="none", optional=True,
+                               tooltip="Horizontal flips: none; always (every image is stored mirrored); random "
+                               "(the image and its mirror are both cached and training picks one per epoch; "
+                               "switching from none encodes only the mirrors)."),
+                io.Int.Input("shuffle_variants", default=0, min=0, max=MAX_SHUFFLE_VARIANTS, optional=True,
+                             advanced=True,
+                             tooltip="Tag shuffling (kohya's shuffle_caption): 0 = off; N encodes N shuffled "
+                             "versions of every caption line (comma-separated tags) and training picks one per "
+                             "epoch. Only a changed line's versions are encoded again."),
+                io.Int.Input("keep_tokens", default=0, min=0, max=64, optional=True, advanced=True,
+                             tooltip="With tag shuffling: how many leading tags stay in place (kohya's "
+                             "keep_tokens), e.g. 1 for a trigger word at the start of every caption."),
+                io.Boolean.Input("empty_caption", default=False, optional=True, advanced=True,
+                                 tooltip="Also encode the empty caption, which Train LoRA's caption_dropout "
+                                 "trains with (one entry per text encoder)."),
+                io.Combo.Input("masks", options=list(MASK_MODES), default="none", optional=True,
+                               tooltip="Loss masks (images only): none; masklabel (<name>-masklabel.png beside "
+                               "the image, white = full weight, as OneTrainer and kohya); alpha (the image's "
+                               "alpha channel). Cached at latent resolution; a changed mask re-makes only "
+                               "the mask, without loading the VAE."),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),
@@ -512,7 +567,7 @@ class EncodeDataset(io.ComfyNode):
         root, src = resolve_cache_to_write(cache), resolve_folder(folder)
         enc = _encoders(cls, root, dataset_name, vae, clip)
         plan = plan_encode(src, root, dataset=dataset_name,
-                           settings=_settings(**options, frame_stride=enc.frame_stride),
+                           settings=_settings(**options, frame_stride=enc.frame_stride, mask_factor=enc.mask_factor),
                            vae_fingerprint=enc.vae_fp, text_fingerprint=enc.text_fp)
         return plan, enc, root
 

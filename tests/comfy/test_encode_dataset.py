@@ -356,7 +356,8 @@ def test_small_images_are_not_upscaled_unless_asked_and_old_prompts_run_without_
     schema = {i.id: i for i in mod.EncodeDataset.define_schema().inputs}
     assert schema["upscale"].default is False and schema["upscale"].optional and schema["upscale"].advanced
     assert {k for k, i in schema.items() if i.advanced} == {"caption_suffix", "batch_size", "on_failure", "upscale",
-                                                            "frame_step", "fps"}
+                                                            "frame_step", "fps", "shuffle_variants", "keep_tokens",
+                                                            "empty_caption"}
     old = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), resolution=512,
                   bucket_step=32)
     assert "upscale" not in old["10"]["inputs"]  # as a workflow saved before the input existed
@@ -404,3 +405,60 @@ def test_a_caption_longer_than_225_tokens_is_encoded_in_three_windows_and_the_re
     finally:
         reader.close()
     assert cond[0][0].shape == (1, 77 * mod.MAX_TOKEN_WINDOWS, 768)
+
+
+def _half_mask(path: Path, size: tuple[int, int], *, left: bool) -> None:
+    from PIL import Image
+
+    img = Image.new("L", size, 0)
+    half = (0, 0, size[0] // 2, size[1]) if left else (size[0] // 2, 0, size[0], size[1])
+    img.paste(255, half)
+    img.save(path)
+
+
+def test_masks_are_made_at_the_real_vaes_latent_size_and_a_mask_edit_loads_no_model(
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str],
+        cache_root: Path) -> None:
+    from comfyui_streamcache.dataset_cache.format.reader import open_cache
+
+    vae, clip = encoders
+    img = next(i for i in kohya.images if i.size[0] == i.size[1])
+    mask_path = img.path.with_name(img.path.stem + "-masklabel.png")
+    _half_mask(mask_path, img.size, left=True)
+    prompt = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), masks="masklabel",
+                     flip="random", empty_caption=True, shuffle_variants=2, keep_tokens=1)
+    _handle, report, asked = Run(mod, prompt).queue(vae, clip)
+    assert sorted(asked) == ["clip", "vae"]
+    assert "variants:" in report and "masks: 1 made" in report and "empty caption: encoded" in report, report
+    root = cache_root / names[1]
+    with open_cache(root) as reader:
+        samples = {s.source: s for s in reader.dataset("default")}
+        rel = img.path.relative_to(kohya.root).as_posix()
+        sample = samples[rel]
+        assert mask_path.name not in {Path(s).name for s in samples}  # a mask file is never a sample
+        assert all(s.mirror is not None and s.empty_caption is not None for s in samples.values())
+        latent, mirror, mask = reader.read([sample.latent, sample.mirror, sample.mask])
+    lat = latent["samples"]
+    factor = vae.spacial_compression_encode()
+    m = mask["mask"]
+    assert m.dtype == torch.uint8 and tuple(m.shape) == (1, 1, *lat.shape[-2:])  # the real VAE's latent size
+    w = m.shape[-1]
+    assert (m[..., : w // 2] == 255).all() and (m[..., w // 2:] == 0).all()
+    assert mirror["samples"].shape == lat.shape and not torch.equal(mirror["samples"], lat)
+    info = mod.read_dataset_info(root, "default").info
+    assert info[mod.RECORD_KEY][mod.FACTOR_KEY] == {mod.vae_fingerprint(vae): factor}
+
+    # the mask edited: ComfyUI's node cache sees it, the mask alone is made, neither the VAE nor CLIP is asked for
+    before = Run(mod, prompt).fingerprint()
+    _half_mask(mask_path, img.size, left=False)
+    run = Run(mod, prompt)
+    assert run.fingerprint() != before
+    assert run.lazy() == []
+    _handle, report, asked = run.queue(vae, clip)
+    assert asked == [] and _encoded(report) == (0, 0) and "made 1 masks" in report, report
+    assert "VAE not loaded" in report
+    with open_cache(root) as reader:
+        after = {s.source: s for s in reader.dataset("default")}[rel]
+        (mask,) = reader.read([after.mask])
+    assert after.latent == sample.latent and after.mirror == sample.mirror and after.mask != sample.mask
+    assert (mask["mask"][..., : w // 2] == 0).all() and (mask["mask"][..., w // 2:] == 255).all()

@@ -20,7 +20,8 @@ RENAMED = {
 ADDED = {
     "StreamCache_TrainLoRA": ("quantized_backward", "bypass_mode", "masked_loss", "unmasked_weight",
                               "caption_dropout", "reg_ratio", "reg_weight"),
-    "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps"),
+    "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
+                                  "keep_tokens", "empty_caption", "masks"),
 }
 """Optional inputs added since; a prompt without them runs with their defaults (off, or images only)."""
 

@@ -129,3 +129,20 @@ def test_plan_for_another_size_is_refused(tmp_path: Path) -> None:
 
 def test_source_error_is_a_value_error() -> None:
     assert issubclass(SourceError, ValueError)
+
+
+def test_load_mask_averages_cells_after_comfyuis_centred_crop_to_the_factor(tmp_path: Path) -> None:
+    from dataset_cache.imaging import load_mask
+
+    arr = np.zeros((64, 72), dtype=np.uint8)
+    arr[:, 4:20] = 255  # exactly the first 16-px column of cells once 72 px are centre-cropped to 64 (offset 4)
+    arr[:8, 20:36] = 255  # half of the first cell of the second column
+    path = tmp_path / "m.png"
+    Image.fromarray(arr, "L").save(path)
+    plan = CropPlan(source=(72, 64), bucket=(72, 64), resize=(72, 64), crop=(0, 0, 72, 64))
+    mask = load_mask(path, "masklabel", plan, 16)
+    assert mask.dtype == torch.uint8 and tuple(mask.shape) == (1, 1, 4, 4)
+    assert mask[0, 0, :, 0].tolist() == [255] * 4 and mask[0, 0, 0, 1].item() == 128  # 127.5 rounds half up
+    assert mask[0, 0, 1:, 1:].sum().item() == 0
+    flipped = load_mask(path, "masklabel", CropPlan((72, 64), (72, 64), (72, 64), (0, 0, 72, 64), flip=True), 16)
+    assert torch.equal(flipped, mask.flip(-1))
