@@ -90,8 +90,9 @@ CAPTION_VARIANTS_NOTE = 32
 """Caption lines (variants) of one image above which the report says so: each line is encoded on its own."""
 
 MAX_CAPTION_VARIANTS = 256
-"""Caption lines of one image above which the image is left out as a failure naming its caption file (a file of
-thousands of lines is a log or a list pasted by mistake, and each line would be encoded)."""
+"""Caption variants of one image (its lines, times the tag shuffles of each) above which the image is left out as a
+failure naming its caption file (a file of thousands of lines is a log or a list pasted by mistake, and each
+variant would be encoded)."""
 
 MAX_SHUFFLE_VARIANTS = 64
 """Shuffled-tag variants per caption line: each is a conditioning to encode and store (a few MB each for large
@@ -601,10 +602,9 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         entry = record.get(img.relpath)
         if entry is None:  # could not be hashed: already listed among the validation failures
             continue
-        if len(img.captions) > MAX_CAPTION_VARIANTS:
-            unplannable.append(SourceFailure(img.relpath, img.path, f"its caption file has {len(img.captions)} "
-                                             f"lines (variants), above the limit of {MAX_CAPTION_VARIANTS}; each "
-                                             "line is encoded separately: keep one caption per line"))
+        too_many = _too_many_variants(img.captions, settings)
+        if too_many:
+            unplannable.append(SourceFailure(img.relpath, img.path, too_many))
             continue
         try:
             if bucket.crop == "center":
@@ -759,6 +759,20 @@ def _clip_notes(settings: EncodeSettings) -> tuple[str, ...]:
     return ()
 
 
+def _too_many_variants(captions: Sequence[str], settings: EncodeSettings) -> str | None:
+    """Why a sample's caption variants (lines, times the shuffles of each) are too many to encode, or ``None``."""
+    lines = len(captions)
+    variants = lines * max(1, settings.shuffle_variants)
+    if variants <= MAX_CAPTION_VARIANTS:
+        return None
+    if settings.shuffle_variants:
+        return (f"its caption file has {lines} lines × {settings.shuffle_variants} tag shuffles = {variants} "
+                f"caption variants, above the limit of {MAX_CAPTION_VARIANTS}; each is encoded separately: lower "
+                "shuffle_variants or keep fewer caption lines")
+    return (f"its caption file has {lines} lines (variants), above the limit of {MAX_CAPTION_VARIANTS}; each "
+            "line is encoded separately: keep one caption per line")
+
+
 def _caption_keys(captions: Sequence[str], relpath: str, settings: EncodeSettings, keys: PlanKeys,
                   texts: dict[str, str], cut: list[str], many: list[str]) -> tuple[str, ...]:
     """The conditioning keys of one sample's caption lines (with shuffling, every line's variants, each text
@@ -790,9 +804,9 @@ def _plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: En
                 "is a video clip, but the VAE encodes still images only (it reads a batch as separate images); "
                 "connect a video VAE (e.g. WAN's) or move the clip out of the folder")))
             continue
-        if len(clip.captions) > MAX_CAPTION_VARIANTS:
-            unplannable.append(SourceFailure(clip.relpath, clip.path, f"its caption file has {len(clip.captions)} "
-                                             f"lines (variants), above the limit of {MAX_CAPTION_VARIANTS}"))
+        too_many = _too_many_variants(clip.captions, settings)
+        if too_many:
+            unplannable.append(SourceFailure(clip.relpath, clip.path, too_many))
             continue
         if clip.kind == "video":
             entry = record.get(clip.relpath)

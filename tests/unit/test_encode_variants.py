@@ -331,3 +331,20 @@ def test_datasets_encoded_without_variants_stay_current(folder: Path, cache: Pat
         with pytest.raises(DatasetFolderError, match="encoded with other"):
             _plan(folder, cache, changed)
     assert _plan(folder, cache, replace(BASE, keep_tokens=3)).sourceless  # no effect without shuffling
+
+
+def test_lines_times_shuffles_above_the_variant_limit_leave_the_image_out_by_name(folder: Path, cache: Path) -> None:
+    """5 lines × 64 shuffles would be 320 encodes for one image: above MAX_CAPTION_VARIANTS, the image is a failure
+    naming both numbers; 4 lines × 64 (256) still plan."""
+    from dataset_cache.encode_plan import MAX_CAPTION_VARIANTS, MAX_SHUFFLE_VARIANTS
+
+    tags = ", ".join(f"tag{i}" for i in range(12))
+    (folder / "a.txt").write_text("\n".join(f"{tags}, line{j}" for j in range(5)), encoding="utf-8")
+    (folder / "b.txt").write_text("\n".join(f"{tags}, line{j}" for j in range(4)), encoding="utf-8")
+    settings = replace(BASE, shuffle_variants=MAX_SHUFFLE_VARIANTS)
+    plan = _plan(folder, cache, settings)
+    assert [f.relpath for f in plan.failures] == ["a.png"]
+    assert f"5 lines × {MAX_SHUFFLE_VARIANTS} tag shuffles = 320 caption variants, above the limit of " \
+           f"{MAX_CAPTION_VARIANTS}" in plan.failures[0].reason
+    b = next(s for s in plan.samples if s.source == "b.png")
+    assert len(b.captions) == 4 * MAX_SHUFFLE_VARIANTS
