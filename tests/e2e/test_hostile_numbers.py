@@ -10,6 +10,9 @@ prompt's outcome and that the server still answers.
   their size (no upscale by default), so the encode finishes with 8×8 latents.
 * A dataset file edited to say ``repeats`` 10^12: Load Lazy Cache → Train LoRA fails naming the file and the
   limit, before the sampler allocates anything.
+* The variety inputs (#16) at their maxima: 64 tag shuffles keeping 64 tags, every variant on; caption dropout 1,
+  a regularization set at ratio 16 and weight 16, unmasked weight 1: encodes and trains; Combine Datasets at
+  10000 repeats chained twice is refused naming the limit.
 """
 
 from __future__ import annotations
@@ -146,4 +149,39 @@ def test_frame_inputs_at_their_maximum_refuse_a_clip_by_name_or_take_what_it_has
     with open_cache(capped_server.streamcache_dir / "hostile_clips_small") as reader:
         shapes = {tuple(reader.tensor_shapes(s.latent)["samples"]) for s in reader.dataset("default")}
     assert shapes == {(1, 16, 2, 8, 8)}
+    _alive(client)
+
+
+def test_variety_inputs_at_their_maximum_encode_and_train_or_are_refused_by_name(
+        capped_server: ComfyServer, tiny_models: TinyModels) -> None:
+    from dataset_cache.format.reader import open_cache
+
+    client = capped_server.client()
+    make_kohya_folder(capped_server.input_dir / "hostile_variety", (Subset(2, "v", ((64, 64), (96, 64))),))
+    encode = encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"), "hostile_variety", "hostile_variety",
+                           flip="random", shuffle_variants=64, keep_tokens=64, empty_caption=True, masks="alpha")
+    assert client.run(encode, timeout=600).status == "success"
+    with open_cache(capped_server.streamcache_dir / "hostile_variety") as reader:
+        samples = reader.dataset("default")
+    assert all(s.mirror and s.mask and s.empty_caption for s in samples)
+    # 64 kept tags leave nothing to shuffle: each line is its own single variant
+    assert sorted(len(s.captions) for s in samples) == [1, 2]
+
+    train = _train(tiny_models, "hostile_variety", caption_dropout=1.0, unmasked_weight=1.0, reg_ratio=16.0,
+                   reg_weight=16.0, reg_dataset=["1", 0])
+    result = client.run(train, timeout=600)
+    assert result.status == "success" and len(result.outputs["3"]["loss"]) == TRAIN["steps"]
+    assert Path(capped_server.log_path).read_text(errors="replace").count("Traceback") == 0
+
+    combine = {"5": {"class_type": "StreamCache_CombineDatasets", "inputs": {
+                   "dataset_a": ["1", 0], "repeats_a": 10_000, "dataset_b": ["1", 0], "repeats_b": 10_000}},
+               "6": {"class_type": "StreamCache_CombineDatasets", "inputs": {"dataset_a": ["5", 0],
+                                                                            "repeats_a": 10_000}}}
+    chained = _train(tiny_models, "hostile_variety")
+    chained.update(combine)
+    chained["3"]["inputs"]["dataset"] = ["6", 0]
+    with pytest.raises(PromptError) as info:
+        client.run(chained, timeout=600)
+    assert "repeats 10000 × 10000 = 100000000, above the limit of 10000" in json.dumps(info.value.details,
+                                                                                       ensure_ascii=False)
     _alive(client)
