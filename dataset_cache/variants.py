@@ -44,8 +44,9 @@ class VariantSummary:
     Attributes:
         samples: samples in the dataset.
         roles: role -> its distinct entries, bytes and missing entries.
-        settings: the variant settings the dataset was encoded with, from its info (``flip``, ``shuffle_variants``,
-            ``keep_tokens``, ``masks``, ``empty_caption``), for the report; absent ones are at their defaults.
+        settings: the variant settings the dataset was encoded with, from its info (``flip`` — ``"always"`` or
+            ``"random"`` —, ``shuffle_variants``, ``keep_tokens``, ``masks``, ``empty_caption``), for the report;
+            absent ones are at their defaults.
     """
 
     samples: int
@@ -64,8 +65,10 @@ class VariantSummary:
                 **{r: vars(self.roles[r]).copy() for r in ROLES}}
 
     def lines(self) -> list[str]:
-        """One line per role present, e.g. ``mirrors: 120 entries, 7.5 MiB``."""
+        """One line per role present, e.g. ``mirrors: 120 entries, 7.5 MiB``, after the variant settings if any."""
         out = []
+        if self.settings:
+            out.append("variant settings: " + ", ".join(f"{k} {v}" for k, v in self.settings.items()))
         for role in ROLES:
             s = self.roles[role]
             if not s.entries:
@@ -112,6 +115,10 @@ def summarize_variants(reader: _Sizes, samples: Sequence[Sample], info: Mapping[
             else:
                 missing += 1
         roles[role] = RoleSummary(entries, nbytes, missing)
-    stored = (info or {}).get("settings") or {}
-    settings = {k: stored[k] for k in _SETTING_NAMES if isinstance(stored, Mapping) and k in stored}
+    stored = (info or {}).get("settings")
+    stored = stored if isinstance(stored, Mapping) else {}
+    settings = {k: stored[k] for k in _SETTING_NAMES if k in stored}
+    bucket = stored.get("bucket")
+    if isinstance(bucket, Mapping) and bucket.get("flip") not in (None, False):  # Encode Dataset keeps it there
+        settings["flip"] = "always" if bucket["flip"] is True else bucket["flip"]
     return VariantSummary(len(samples), roles, settings)

@@ -121,3 +121,26 @@ def test_one_caption_edited_encodes_only_its_variants(variety: ExampleRun, comfy
     assert report["encoded_conditionings"] == SHUFFLES  # the edited line's variants, nothing else
     assert report["encoded_latents"] == 0 and report["encoded_mirrors"] == 0 and report["encoded_masks"] == 0
     assert not report["encoded_empty_caption"]
+
+
+def test_cache_info_and_clean_see_the_variants(variety: ExampleRun, client: ComfyClient,
+                                               comfy_server: ComfyServer) -> None:
+    """Cache Info lists each role's entries and bytes per dataset; after the caption edit above, Clean Cache finds
+    the edited line's four old variants unreferenced and removes them, and nothing the datasets name."""
+    info = client.run({"1": {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": CACHE}}})
+    (text,) = info.outputs["1"]["text"]
+    (fields,) = info.outputs["1"]["streamcache_info"]
+    default = fields["variants"]["default"]
+    assert (default["mirrors"]["entries"], default["masks"]["entries"], default["empty_caption"]["entries"]) == (
+        4, len(MASKED), 1)
+    assert default["captions"]["entries"] == 4 * SHUFFLES and default["mirrors"]["bytes"] > 0
+    assert "dataset 'default': 4 samples" in text and "mirrors: 4 entries" in text
+    assert "variant settings: shuffle_variants 4" in text
+
+    clean = {"1": {"class_type": "StreamCache_CleanCache", "inputs": {"cache": CACHE, "dry_run": False}}}
+    (summary,) = client.run(clean).outputs["1"]["text"]
+    assert f"unreferenced: {SHUFFLES} entries" in summary  # the edited line's old shuffles
+    with open_cache(comfy_server.streamcache_dir / CACHE) as reader:
+        assert reader.verify() == []
+        live = {k for name in ("default", "reg") for s in reader.dataset(name) for k in s.keys()}
+        assert live == set(reader.keys())

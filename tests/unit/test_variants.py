@@ -32,8 +32,8 @@ def _build(root, samples_of: dict[str, list[Sample]]) -> None:
             w.add(f"shuf{i}", _cond(-i), kind="conditioning")
         w.add("empty", _cond(0.5), kind="conditioning")
         for name, samples in samples_of.items():
-            w.set_dataset(name, samples, info={"settings": {"flip": "random", "shuffle_variants": 2,
-                                                            "batch_size": 4}})
+            w.set_dataset(name, samples, info={"settings": {"bucket": {"flip": "random", "step": 64},
+                                                            "shuffle_variants": 2, "batch_size": 4}})
 
 
 def _full(i: int) -> Sample:
@@ -53,6 +53,7 @@ def test_summary_counts_each_role_once_with_its_bytes(tmp_path):
     assert s.settings == {"flip": "random", "shuffle_variants": 2}  # variant settings only
     assert s.has_variants
     assert "mirrors: 2 entries, 2.0 KiB" in s.lines()
+    assert s.lines()[0] == "variant settings: shuffle_variants 2, flip random"
 
 
 def test_summary_counts_missing_entries_without_failing():
@@ -65,7 +66,7 @@ def test_summary_counts_missing_entries_without_failing():
 
     s = summarize_variants(Headers(), [Sample("lat", ("cap",), mirror="gone")])
     assert (s.roles["mirrors"].entries, s.roles["mirrors"].missing, s.roles["mirrors"].bytes) == (1, 1, 0)
-    assert "(1 not in the cache)" in s.lines()[1]
+    assert "(1 not in the cache)" in s.lines()[1] and "variant settings" not in s.lines()[0]
     assert not summarize_variants(Headers(), [Sample("lat", ("cap",))]).has_variants
 
 
