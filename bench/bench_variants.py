@@ -21,18 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from dataset_cache.buckets import BucketConfig  # noqa: E402
-from dataset_cache.encode_plan import EncodeSettings, plan_encode  # noqa: E402
-from dataset_cache.imaging import load_image, load_mask  # noqa: E402
+from dataset_cache.buckets import BucketConfig
+from dataset_cache.encode_plan import EncodeSettings, plan_encode
+from dataset_cache.imaging import load_image, load_mask
 
 OLD = 1_600_000_000  # dated long before the scan: trusted by stat
 

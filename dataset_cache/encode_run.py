@@ -203,6 +203,23 @@ class EncodeReport:
         return "\n".join(lines)
 
 
+def _read_source(path: str, source_hash: str, what: str) -> bytes:
+    """The bytes of a source file, checked against the hash its key was made from: a file edited after planning
+    must never be stored under the old content's key.
+
+    Raises:
+        SourceError: naming the file: it cannot be read, or it changed since the plan.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise SourceError(path, f"cannot read {what}: {exc.strerror or exc}") from exc
+    if hash_bytes(data) != source_hash:
+        raise SourceError(path, "the file changed after the folder was scanned; run the encode again")
+    return data
+
+
 def _decode(job: LatentJob, out: torch.Tensor, row: int) -> tuple[torch.Tensor | SourceError | None, float]:
     """Read, re-hash and decode one image (worker thread) into ``out[row]``.
 
@@ -212,13 +229,7 @@ def _decode(job: LatentJob, out: torch.Tensor, row: int) -> tuple[torch.Tensor |
     """
     start = time.perf_counter()
     try:
-        try:
-            with open(job.path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise SourceError(job.path, f"cannot read image: {exc.strerror or exc}") from exc
-        if hash_bytes(data) != job.source_hash:
-            raise SourceError(job.path, "the file changed after the folder was scanned; run the encode again")
+        data = _read_source(job.path, job.source_hash, "image")
         try:
             pixels = load_image(io.BytesIO(data), job.plan)  # type: ignore[arg-type]  # Pillow opens file objects
         except SourceError as exc:  # the message named the BytesIO; name the file
@@ -235,13 +246,7 @@ def _make_mask(job: MaskJob) -> Any:
     """Read, re-hash and reduce one mask (worker thread): its entry value ``{"mask": uint8 [1, 1, h, w]}``, or
     the :class:`.SourceError` naming the file."""
     try:
-        try:
-            with open(job.path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise SourceError(job.path, f"cannot read mask: {exc.strerror or exc}") from exc
-        if hash_bytes(data) != job.source_hash:
-            raise SourceError(job.path, "the file changed after the folder was scanned; run the encode again")
+        data = _read_source(job.path, job.source_hash, "mask")
         return {"mask": load_mask(io.BytesIO(data), job.mode, job.plan, job.factor,  # type: ignore[arg-type]
                                   name=job.path)}
     except SourceError as exc:

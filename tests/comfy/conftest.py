@@ -12,10 +12,12 @@ into the ComfyUI install.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -124,3 +126,19 @@ def cache_root(pack: ModuleType, comfy_folders: Path) -> Path:
     roots = pack.nodes.paths.cache_roots()
     assert roots == [comfy_folders / "streamcache"], roots
     return roots[0]
+
+
+@pytest.fixture(scope="module")
+def models(comfy_nodes: ModuleType, tiny_models: TinyModels) -> tuple[Any, Any, Any]:
+    """The tiny SD1.5 UNet, CLIP-L and TAESD, loaded by ComfyUI's own loader nodes (a model patcher, a CLIP, a
+    VAE), for the tests that encode and train with them."""
+    (model,) = comfy_nodes.UNETLoader().load_unet(tiny_models.name("unet"), "default")
+    (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny_models.name("clip"), "stable_diffusion")
+    (vae,) = comfy_nodes.VAELoader().load_vae(tiny_models.name("vae"))
+    return model, clip, vae
+
+
+@pytest.fixture(scope="module")
+def handles(pack: ModuleType) -> ModuleType:
+    """The pack's ``nodes.handles`` module (dataset handles), as ComfyUI loaded it."""
+    return importlib.import_module(f"{pack.__name__}.nodes.handles")

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from support.tiny_models import TinyModels
 
 FAST = {
     "batch_size": 2, "grad_accumulation_steps": 1, "steps": 4, "learning_rate": 3e-3, "rank": 4,
@@ -32,19 +31,6 @@ def _module(pack: ModuleType, name: str) -> ModuleType:
 
 def _key(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def models(comfy_nodes: ModuleType, tiny_models: TinyModels) -> tuple[Any, Any, Any]:
-    (model,) = comfy_nodes.UNETLoader().load_unet(tiny_models.name("unet"), "default")
-    (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny_models.name("clip"), "stable_diffusion")
-    (vae,) = comfy_nodes.VAELoader().load_vae(tiny_models.name("vae"))
-    return model, clip, vae
-
-
-@pytest.fixture(scope="module")
-def handles(pack: ModuleType) -> ModuleType:
-    return _module(pack, "nodes.handles")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from support.tiny_models import TinyModels
 
 STEPS = 20
 FAST = {  # the options every run shares unless a test says otherwise
@@ -40,19 +39,6 @@ def _module(pack: ModuleType, name: str) -> ModuleType:
 @pytest.fixture(scope="module")
 def node(pack: ModuleType) -> type:
     return _module(pack, "nodes.train_lora").TrainLoRA
-
-
-@pytest.fixture(scope="module")
-def handles(pack: ModuleType) -> ModuleType:
-    return _module(pack, "nodes.handles")
-
-
-@pytest.fixture(scope="module")
-def models(comfy_nodes: ModuleType, tiny_models: TinyModels) -> tuple[Any, Any, Any]:
-    (model,) = comfy_nodes.UNETLoader().load_unet(tiny_models.name("unet"), "default")
-    (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny_models.name("clip"), "stable_diffusion")
-    (vae,) = comfy_nodes.VAELoader().load_vae(tiny_models.name("vae"))
-    return model, clip, vae
 
 
 def _key(text: str) -> str:
