@@ -414,6 +414,15 @@ class _Run:
                                  "it must return one conditioning per text")
             self.hand_over([k for k, _ in batch], out, "conditioning", len(batch))
 
+    def leave_out(self, job: LatentJob | MaskJob, error: SourceError) -> None:
+        """A source that failed to decode: raise it under ``failure_policy="stop"``, else leave its sample out of
+        the dataset and report it."""
+        if self.plan.settings.failure_policy == "stop":
+            raise error
+        log.warning("skipping %s: %s", job.relpath, error.reason)
+        self.report.failures.append(SourceFailure(job.relpath, job.path, error.reason))
+        self.bad_latents.add(job.key)
+
     def make_masks(self, jobs: Sequence[MaskJob], threads: int) -> None:
         """Make loss masks on the decode threads (no encoder), committing them ``batch_size * 8`` at a time."""
         step = max(1, self.plan.settings.batch_size * 8)
@@ -426,11 +435,7 @@ class _Run:
                 good_keys, good_values = [], []
                 for job, value in zip(batch, values):
                     if isinstance(value, SourceError):
-                        if self.plan.settings.failure_policy == "stop":
-                            raise value
-                        log.warning("skipping %s: %s", job.relpath, value.reason)
-                        self.report.failures.append(SourceFailure(job.relpath, job.path, value.reason))
-                        self.bad_latents.add(job.key)
+                        self.leave_out(job, value)
                     else:
                         good_keys.append(job.key)
                         good_values.append(value)
@@ -495,11 +500,7 @@ class _Run:
                     self.t["decode_cpu"] += seconds
                     submit_next()
                     if error is not None:
-                        if self.plan.settings.failure_policy == "stop":
-                            raise error
-                        log.warning("skipping %s: %s", job.relpath, error.reason)
-                        self.report.failures.append(SourceFailure(job.relpath, job.path, error.reason))
-                        self.bad_latents.add(job.key)
+                        self.leave_out(job, error)
                         self.tick(1)
                         continue
                     start = time.perf_counter()
@@ -517,11 +518,7 @@ class _Run:
         good: list[tuple[LatentJob, torch.Tensor | None]] = []
         for job, px in zip(batch, pixels):
             if isinstance(px, SourceError):
-                if self.plan.settings.failure_policy == "stop":
-                    raise px
-                log.warning("skipping %s: %s", job.relpath, px.reason)
-                self.report.failures.append(SourceFailure(job.relpath, job.path, px.reason))
-                self.bad_latents.add(job.key)
+                self.leave_out(job, px)
             else:
                 good.append((job, px))
         if good:
