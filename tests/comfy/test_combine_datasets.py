@@ -120,6 +120,30 @@ def test_the_same_seed_repeats_a_run_with_dropout_and_regularization(
     assert set(dropped) == {_key("empty")} and kept and _key("empty") not in kept
 
 
+def test_continuing_a_lora_draws_the_drops_and_reg_rows_of_an_uninterrupted_run(
+        pack: ModuleType, handles: ModuleType, models: tuple, cache: Path, trained_plans: list[Any],
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """6 steps at once against 3 steps, saved, then 3 more from the saved LoRA (Train LoRA's existing_lora): the
+    continued run trains the very plans — samples, dropped captions, regularization rows — the uninterrupted run
+    trained from step 4 on (the sampler is resumed at the batch after the first run's last)."""
+    import folder_paths
+    from safetensors.torch import save_file
+
+    people, reg = handles.StreamDatasetHandle(str(cache), "people"), handles.StreamDatasetHandle(str(cache), "reg")
+    opts = {"reg_dataset": reg, "reg_ratio": 1.0, "reg_weight": 0.5, "caption_dropout": 0.3, "batch_size": 1,
+            "optimizer": "SGD"}
+    _train(pack, models[0], people, steps=6, **opts)
+    whole = list(trained_plans)
+    first = _train(pack, models[0], people, steps=3, **opts).result
+    save_file(first[0], str(tmp_path / "variety_3_steps_00001_.safetensors"))
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
+                        ([str(tmp_path)], set(folder_paths.supported_pt_extensions)))
+    del trained_plans[:]
+    _train(pack, models[0], people, steps=3, existing_lora="variety_3_steps_00001_.safetensors", **opts)
+    assert trained_plans == whole[3:]
+    assert any(p.dropped and any(p.dropped) for p in whole) and any(p.weights == (0.5,) for p in whole)
+
+
 def test_caption_dropout_without_the_empty_caption_names_the_dataset(
         pack: ModuleType, handles: ModuleType, models: tuple, cache: Path) -> None:
     style = handles.StreamDatasetHandle(str(cache), "style")
