@@ -157,6 +157,8 @@ def test_variety_inputs_at_their_maximum_encode_and_train_or_are_refused_by_name
     from dataset_cache.format.reader import open_cache
 
     client = capped_server.client()
+    log = Path(capped_server.log_path)
+    tracebacks = log.read_text(errors="replace").count("Traceback")  # the refusals of the tests before this one
     make_kohya_folder(capped_server.input_dir / "hostile_variety", (Subset(2, "v", ((64, 64), (96, 64))),))
     encode = encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"), "hostile_variety", "hostile_variety",
                            flip="random", shuffle_variants=64, keep_tokens=64, empty_caption=True, masks="alpha")
@@ -171,7 +173,7 @@ def test_variety_inputs_at_their_maximum_encode_and_train_or_are_refused_by_name
                    reg_weight=16.0, reg_dataset=["1", 0])
     result = client.run(train, timeout=600)
     assert result.status == "success" and len(result.outputs["3"]["loss"]) == TRAIN["steps"]
-    assert Path(capped_server.log_path).read_text(errors="replace").count("Traceback") == 0
+    assert log.read_text(errors="replace").count("Traceback") == tracebacks
 
     combine = {"5": {"class_type": "StreamCache_CombineDatasets", "inputs": {
                    "dataset_a": ["1", 0], "repeats_a": 10_000, "dataset_b": ["1", 0], "repeats_b": 10_000}},
