@@ -348,3 +348,31 @@ def test_lines_times_shuffles_above_the_variant_limit_leave_the_image_out_by_nam
            f"{MAX_CAPTION_VARIANTS}" in plan.failures[0].reason
     b = next(s for s in plan.samples if s.source == "b.png")
     assert len(b.captions) == 4 * MAX_SHUFFLE_VARIANTS
+
+
+def test_variants_survive_the_folder_going_away_and_clean(folder: Path, cache: Path) -> None:
+    """Sourceless training keeps every variant: with the folder gone, the plan serves the stored dataset (mirrors,
+    masks, shuffles, the empty caption), needs no encoder, and clean finds nothing of it unreferenced; asking for
+    other variant settings then is refused naming them (they cannot be encoded without the folder)."""
+    import shutil
+
+    from dataset_cache.clean import preview_clean
+
+    _half_mask(folder / "a-masklabel.png", (64, 64))
+    age(folder)
+    settings = replace(BASE, bucket=replace(BASE.bucket, flip="random"), shuffle_variants=2, keep_tokens=1,
+                       empty_caption=True, masks="masklabel")
+    _build(folder, cache, settings)
+    stored = _stored(cache)
+    assert all(s.mirror and s.empty_caption for s in stored) and any(s.mask for s in stored)
+    shutil.rmtree(folder)
+    plan = _plan(folder, cache, settings)
+    assert plan.sourceless and plan.up_to_date and not plan.needs_vae and not plan.needs_text_encoder
+    assert list(plan.samples) == stored
+    report = run_encode(plan, encode_images=None, encode_texts=None)
+    assert report.samples == len(stored) and _stored(cache) == stored
+    assert preview_clean(cache).unreferenced == ()
+    with pytest.raises(DatasetFolderError, match="shuffle_variants"):
+        _plan(folder, cache, replace(settings, shuffle_variants=3))
+    with pytest.raises(DatasetFolderError, match="empty_caption"):
+        _plan(folder, cache, replace(settings, empty_caption=False))
