@@ -31,7 +31,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -172,6 +172,41 @@ class StepReport:
 
 
 @dataclass
+class RowCounts:
+    """What the trained batch rows were: how many, and how many took each variant (caption dropout, a mirror, a
+    loss mask, a regularization image), so the summary shows that a setting did what it says."""
+
+    trained: int = 0
+    dropped: int = 0
+    mirrored: int = 0
+    masked: int = 0
+    regularization: int = 0
+
+    def add(self, plan: Any, main_samples: int) -> None:
+        """Count the rows of one batch plan (rows of samples from ``main_samples`` on are regularization rows)."""
+        self.trained += len(plan.sample_indices)
+        self.dropped += sum(plan.dropped)
+        self.mirrored += sum(plan.mirrored)
+        self.masked += sum(k is not None for k in plan.mask_keys)
+        self.regularization += sum(i >= main_samples for i in plan.sample_indices)
+
+    def describe(self) -> str:
+        """``"rows: 48 trained, 5 with the empty caption, ..."``, or ``""`` when no row took a variant."""
+        parts = [(self.dropped, "with the empty caption"), (self.mirrored, "mirrored"), (self.masked, "with a mask"),
+                 (self.regularization, "regularization")]
+        if not any(n for n, _ in parts):
+            return ""
+        return f"rows: {self.trained} trained, " + ", ".join(f"{n} {what}" for n, what in parts if n)
+
+
+def _counted(batches: Iterator[Batch], counts: RowCounts, main_samples: int) -> Iterator[Batch]:
+    """``batches``, counting each one's rows into ``counts`` as it is handed to the step loop."""
+    for batch in batches:
+        counts.add(batch.plan, main_samples)
+        yield batch
+
+
+@dataclass
 class TrainResult:
     """The trained adapter weights and what the run measured.
 
@@ -184,6 +219,7 @@ class TrainResult:
         data_wait_pct: share of the loop's time spent waiting for data, in percent.
         buckets: latent shape ``(C, H, W)`` (``(C, T, H, W)`` for video latents) → occurrences per epoch.
         notes: settings the run had to change, for the user (a batch size clamped to the largest bucket).
+        rows: the trained rows and how many took each variant.
     """
 
     lora: dict[str, torch.Tensor]
@@ -194,6 +230,7 @@ class TrainResult:
     data_wait_pct: float
     buckets: dict[Any, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    rows: RowCounts = field(default_factory=RowCounts)
 
     def summary(self) -> str:
         """One paragraph for the node's UI (what was changed from the settings first)."""
@@ -204,6 +241,7 @@ class TrainResult:
             f"{self.samples_per_s:.2f} samples/s, waited for data {self.data_wait_pct:.1f}% of the time; "
             f"loss {first:.4f} (first 5) → {last:.4f} (last 5); "
             f"buckets {', '.join(f'{list(b)}×{n}' for b, n in self.buckets.items())}"
+            + (f"; {self.rows.describe()}" if self.rows.describe() else "")
         )
 
 
@@ -462,9 +500,10 @@ def train_lora(
                     injections.append(injection)
             mp.pre_run()
             comfy.model_management.in_training = True
+            counts = RowCounts()
             loop = _Loop(mp, settings, dtype, loss_fn, optimizer, scaler, _Forward(mp, model_options),
                          _Conditioner(mp.model, device), device, first_batch=first_batch)
-            losses, seconds, rows, waited = loop.run(iter(loader), on_step)
+            losses, seconds, rows, waited = loop.run(_counted(iter(loader), counts, sampler.main_samples), on_step)
         finally:
             comfy.model_management.in_training = False
             comfy.model_management.training_fp8_bwd = fp8_bwd
@@ -482,7 +521,7 @@ def train_lora(
         del adapters, optimizer, lora_sd, mp
     wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
     return TrainResult(lora, losses, settings.steps + existing_steps, seconds, rows / seconds if seconds else 0.0,
-                       wait_pct, dict(sampler.buckets), tuple(notes))
+                       wait_pct, dict(sampler.buckets), tuple(notes), counts)
 
 
 class NonFiniteLossError(ValueError):

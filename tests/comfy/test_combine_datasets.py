@@ -103,13 +103,16 @@ def test_combined_datasets_with_a_regularization_set_train_a_real_model(
                  if p.sample_indices[r] < 6]
     assert reg_rows and {w for _, w in reg_rows} == {0.25} and set(main_rows) == {1.0}
     assert {k for k, _ in reg_rows} <= {_key(f"regl{i}") for i in range(3)}
+    rows = sum(len(p.sample_indices) for p in trained_plans)  # the summary counts what was trained
+    assert f"rows: {rows} trained, {len(reg_rows)} regularization" in summary
 
 
 def test_the_same_seed_repeats_a_run_with_dropout_and_regularization(
         pack: ModuleType, handles: ModuleType, models: tuple, cache: Path, trained_plans: list[Any]) -> None:
     people, reg = handles.StreamDatasetHandle(str(cache), "people"), handles.StreamDatasetHandle(str(cache), "reg")
     opts = {"reg_dataset": reg, "caption_dropout": 0.5, "steps": 4}
-    a = _train(pack, models[0], people, **opts).result
+    out = _train(pack, models[0], people, **opts)
+    a, text = out.result, out.ui["text"][0]
     first = list(trained_plans)
     b = _train(pack, models[0], people, **opts).result
     assert trained_plans[len(first):] == first
@@ -118,6 +121,7 @@ def test_the_same_seed_repeats_a_run_with_dropout_and_regularization(
     dropped = [p.caption_keys[r] for p in first for r in range(len(p.dropped)) if p.dropped[r]]
     kept = [p.caption_keys[r] for p in first for r in range(len(p.dropped)) if not p.dropped[r]]
     assert set(dropped) == {_key("empty")} and kept and _key("empty") not in kept
+    assert f"{len(dropped)} with the empty caption" in text
 
 
 def test_continuing_a_lora_draws_the_drops_and_reg_rows_of_an_uninterrupted_run(
