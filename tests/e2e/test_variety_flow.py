@@ -100,6 +100,10 @@ def test_encode_makes_every_variant(variety: ExampleRun, comfy_server: ComfyServ
 def test_training_ran_saved_and_sampled(variety: ExampleRun, comfy_server: ComfyServer) -> None:
     losses = variety.outputs()["5"]["loss"]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+    (summary,) = variety.outputs()["5"]["text"]
+    # batch 1 × 12 steps; the plans are seeded, so these counts are those of this seed
+    assert f"rows: {STEPS} trained, " in summary
+    assert all(f" {what}" in summary for what in ("mirrored", "with a mask", "regularization")), summary
     (saved,) = variety.new_loras
     assert saved.startswith(f"e2e_variety_{STEPS}_steps_") and variety.prompt["8"]["inputs"]["lora_name"] == saved
     from safetensors.torch import load_file
