@@ -9,7 +9,8 @@ The library behind ComfyUI-StreamCache, usable without ComfyUI:
   content key is missing are encoded, each batch committed durably. Video clips (files, or ``<name>.frames``
   folders) are samples too, their frames picked by :class:`FrameSettings`.
 * :class:`BucketSampler` / :class:`PrefetchLoader` — deterministic bucketed batch order with resume and rank
-  sharding, read ahead on background threads (pinned buffers and side-stream copies on CUDA).
+  sharding, read ahead on background threads (pinned buffers and side-stream copies on CUDA);
+  :class:`MultiCacheReader` trains datasets of several caches together.
 * :func:`preview_clean` / :func:`clean` — reclaim entries no dataset references.
 
 It never imports ComfyUI; ``python -m dataset_cache`` is its command line.
@@ -35,6 +36,7 @@ from .format.manifest import CacheState, check_dataset_name, read_state
 from .encode_plan import EncodePlan, EncodeSettings, plan_encode
 from .encode_run import EncodeReport, run_encode
 from .loader import Batch, LoaderStats, LoaderWorkerError, PrefetchLoader
+from .multi_reader import MultiCacheReader
 from .refs import LazyTensor, is_lazy, materialize
 from .sampler import BatchPlan, BucketSampler, buckets_from_reader
 from .saving import SaveResult, copy_dataset, read_dataset_info, save_latent_lists, update_dataset_info
@@ -74,6 +76,7 @@ __all__ = [
     "LoaderWorkerError",
     "materialize",
     "MaterializeRequired",
+    "MultiCacheReader",
     "open_cache",
     "plan_encode",
     "PrefetchLoader",
