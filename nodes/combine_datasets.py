@@ -1,4 +1,4 @@
-"""Node "Combine Datasets": several datasets of one cache trained together, each with its own repeats.
+"""Node "Combine Datasets": several datasets trained together, each with its own repeats, of one cache or several.
 
 kohya's dataset config lists subsets with ``num_repeats``; here each pair of sockets adds one dataset and its
 repeats, and the node chains (its output into another one's ``dataset_a``) for any number of datasets. The output
@@ -32,7 +32,7 @@ def _repeats(value: Any, what: str) -> int:
 
 
 class CombineDatasets(io.ComfyNode):
-    """Names several datasets of one cache, with repeats, as one ``STREAM_DATASET`` for Train LoRA."""
+    """Names several datasets (of any caches), with repeats, as one ``STREAM_DATASET`` for Train LoRA."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -41,9 +41,9 @@ class CombineDatasets(io.ComfyNode):
             display_name="Combine Datasets",
             category="StreamCache",
             description=(
-                "Trains several datasets of one cache together, each repeated its own number of times per epoch "
-                "(as kohya's dataset config). Chain the node for more than two datasets. Only Train LoRA takes "
-                "the result."
+                "Trains several datasets together, each repeated its own number of times per epoch (as kohya's "
+                "dataset config); they may be in different caches. Chain the node for more than two datasets. Only "
+                "Train LoRA takes the result."
             ),
             inputs=[
                 StreamDataset.Input("dataset_a", tooltip="A dataset, or the output of another Combine Datasets."),
@@ -51,7 +51,7 @@ class CombineDatasets(io.ComfyNode):
                              tooltip="How many times each image of dataset_a appears per epoch, multiplied with "
                              "its folder's own repeats (kohya's <repeats>_<name>)."),
                 StreamDataset.Input("dataset_b", optional=True,
-                                    tooltip="A second dataset of the same cache (optional)."),
+                                    tooltip="A second dataset, of this cache or another (optional)."),
                 io.Int.Input("repeats_b", default=1, min=1, max=MAX_REPEATS, optional=True,
                              tooltip="How many times each image of dataset_b appears per epoch (times its "
                              "folder's repeats)."),
@@ -65,5 +65,5 @@ class CombineDatasets(io.ComfyNode):
         a = _handle(dataset_a, "dataset_a")
         b = None if dataset_b is None else _handle(dataset_b, "dataset_b")
         combined = combine(a, _repeats(repeats_a, "repeats_a"), b, _repeats(repeats_b, "repeats_b"))
-        text = f"{combined.name} (cache {combined.cache_root})"
+        text = f"{combined.name} ({combined.where()})"
         return io.NodeOutput(combined, ui=ui.PreviewText(text))

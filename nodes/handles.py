@@ -3,25 +3,46 @@
 A handle names data; it never holds tensors, open files or threads, so ComfyUI can cache it, compare it and
 pass it between nodes for free, and a node that consumes it opens what it needs for the length of its own
 ``execute`` and closes it again. A socket carries either one dataset (:class:`StreamDatasetHandle`) or several
-datasets of one cache with repeats (:class:`CombinedDatasetHandle`, from Combine Datasets); nodes that train take
-both (``open_mix``), nodes that work on one dataset take the first and refuse the second by name.
+datasets with repeats, each with its own cache (:class:`CombinedDatasetHandle`, from Combine Datasets); nodes that
+train take both (:func:`open_caches` + ``load_mix``), nodes that work on one dataset take the first and refuse the
+second by name.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from comfy_api.latest import io
 
 from ..dataset_cache.dataset import MAX_REPEATS, Sample
 from ..dataset_cache.errors import CacheNotFoundError
+from ..dataset_cache.format.manifest import MANIFEST
 from ..dataset_cache.format.reader import CacheReader, open_cache
+from ..dataset_cache.multi_reader import MultiCacheReader
 from ..dataset_cache.sampler import DatasetMix, DatasetPart, mix_datasets
 
-__all__ = ["CombinedDatasetHandle", "StreamDataset", "StreamDatasetHandle", "combine", "same_cache"]
+__all__ = ["CombinedDatasetHandle", "DatasetRef", "StreamDataset", "StreamDatasetHandle", "cache_roots", "combine",
+           "open_caches", "require_caches", "training_reader"]
 
 StreamDataset = io.Custom("STREAM_DATASET")
 """The socket type that carries a :class:`StreamDatasetHandle` between the pack's nodes."""
+
+
+class DatasetRef(NamedTuple):
+    """One dataset of a handle: where it is, its name and its repeats.
+
+    Attributes:
+        cache_root: the cache directory (absolute path).
+        name: the dataset's name inside that cache.
+        repeats: how many times each of its samples appears per epoch (times its own repeats).
+    """
+
+    cache_root: str
+    name: str
+    repeats: int = 1
 
 
 @dataclass(frozen=True)
@@ -37,9 +58,18 @@ class StreamDatasetHandle:
     name: str
 
     @property
-    def parts(self) -> tuple[tuple[str, int], ...]:
-        """``(dataset name, repeats)`` of each dataset the handle names: this one, once."""
-        return ((self.name, 1),)
+    def parts(self) -> tuple[DatasetRef, ...]:
+        """Each dataset the handle names: this one, once."""
+        return (DatasetRef(self.cache_root, self.name, 1),)
+
+    @property
+    def cache_roots(self) -> tuple[str, ...]:
+        """The caches the handle's datasets are in: this one's."""
+        return (self.cache_root,)
+
+    def where(self) -> str:
+        """Where the dataset is, for messages: ``cache at <root>``."""
+        return f"cache at {self.cache_root}"
 
     def open(self) -> tuple[CacheReader, list[Sample]]:
         """Open the cache (headers only) and load the dataset's sample list.
@@ -58,32 +88,42 @@ class StreamDatasetHandle:
             raise
         return reader, samples
 
-    def open_mix(self) -> tuple[CacheReader, DatasetMix]:
-        """Open the cache and load the dataset as a one-part :class:`DatasetMix` (what training takes)."""
-        return _open_mix(self)
-
-    def load_mix(self, reader: CacheReader) -> DatasetMix:
-        """The dataset as a one-part :class:`DatasetMix`, from an already open reader of the same cache."""
-        return _load_mix(self, reader)
+    def load_mix(self, readers: Mapping[str, CacheReader]) -> DatasetMix:
+        """The dataset as a one-part :class:`DatasetMix` (what training takes), from the open reader of its cache
+        in ``readers`` (cache root → reader, as :func:`open_caches` gives)."""
+        return _load_mix(self, readers)
 
 
 @dataclass(frozen=True)
 class CombinedDatasetHandle:
-    """Several datasets of ONE cache trained together, each with its repeats: a ``STREAM_DATASET`` from Combine
-    Datasets. One cache, because a training run reads every entry through one reader.
+    """Several datasets trained together, each with its repeats and its own cache: a ``STREAM_DATASET`` from
+    Combine Datasets. Datasets of several caches are read through one
+    :class:`~dataset_cache.multi_reader.MultiCacheReader` (keys are content addresses, so caches never disagree).
 
     Attributes:
-        cache_root: the cache directory (absolute path).
-        parts: ``(dataset name, repeats)`` of each dataset, in order; a dataset may appear more than once.
+        parts: each dataset (cache, name, repeats), in order; a dataset may appear more than once.
     """
 
-    cache_root: str
-    parts: tuple[tuple[str, int], ...]
+    parts: tuple[DatasetRef, ...]
 
     @property
     def name(self) -> str:
         """The combination for messages, e.g. ``people×2 + pets``."""
-        return " + ".join(n if r == 1 else f"{n}×{r}" for n, r in self.parts)
+        return " + ".join(p.name if p.repeats == 1 else f"{p.name}×{p.repeats}" for p in self.parts)
+
+    @property
+    def cache_roots(self) -> tuple[str, ...]:
+        """The caches the datasets are in, each once, in the order of the parts."""
+        return tuple(dict.fromkeys(p.cache_root for p in self.parts))
+
+    def where(self) -> str:
+        """Where the datasets are, for messages: ``cache at <root>``, or each cache with its datasets."""
+        roots = self.cache_roots
+        if len(roots) == 1:
+            return f"cache at {roots[0]}"
+        return "caches at " + "; ".join(
+            f"{root} ({', '.join(dict.fromkeys(p.name for p in self.parts if p.cache_root == root))})"
+            for root in roots)
 
     def open(self) -> tuple[CacheReader, list[Sample]]:
         """Refused: a node that works on ONE dataset (Save Streamable Cache) cannot take a combination.
@@ -96,55 +136,81 @@ class CombinedDatasetHandle:
             "Combine Datasets) was connected; connect one dataset (Load Lazy Cache or Encode Dataset) directly, "
             "or use the combination with Train LoRA")
 
-    def open_mix(self) -> tuple[CacheReader, DatasetMix]:
-        """Open the cache and load every dataset, repeats multiplied in (:func:`mix_datasets`).
+    def load_mix(self, readers: Mapping[str, CacheReader]) -> DatasetMix:
+        """Every dataset, each from the open reader of its cache in ``readers``, repeats multiplied in
+        (:func:`mix_datasets`).
 
         Raises:
-            ValueError: the cache or a dataset is missing, or the repeats are past the limits (naming the dataset).
+            ValueError: a dataset is missing (naming it and its cache), or the repeats are past the limits.
         """
-        return _open_mix(self)
-
-    def load_mix(self, reader: CacheReader) -> DatasetMix:
-        """Every dataset from an already open reader of the same cache (see :meth:`open_mix`)."""
-        return _load_mix(self, reader)
+        return _load_mix(self, readers)
 
 
-def combine(first: StreamDatasetHandle | CombinedDatasetHandle, first_repeats: int,
-            second: StreamDatasetHandle | CombinedDatasetHandle | None = None,
+Handle = StreamDatasetHandle | CombinedDatasetHandle
+
+
+def combine(first: Handle, first_repeats: int, second: Handle | None = None,
             second_repeats: int = 1) -> CombinedDatasetHandle:
-    """Combine two handles (either may already be a combination), multiplying each one's repeats in.
+    """Combine two handles (either may already be a combination, of any caches), multiplying each one's repeats in.
 
     Raises:
-        ValueError: the handles are in different caches (naming both), or a dataset's repeats would pass
-            ``MAX_REPEATS``.
+        ValueError: a dataset's repeats would pass ``MAX_REPEATS``.
     """
-    parts: list[tuple[str, int]] = []
+    parts: list[DatasetRef] = []
     for handle, repeats in ((first, first_repeats), (second, second_repeats)):
         if handle is None:
             continue
-        same_cache(first, handle, "Combine Datasets")
-        for name, r in handle.parts:
-            total = r * int(repeats)
+        for part in handle.parts:
+            total = part.repeats * int(repeats)
             if total > MAX_REPEATS:
                 raise ValueError(
-                    f"dataset {name!r}: repeats {r} × {repeats} = {total}, above the limit of {MAX_REPEATS}; lower "
-                    "the repeats of one of the Combine Datasets nodes")
-            parts.append((name, total))
-    return CombinedDatasetHandle(first.cache_root, tuple(parts))
+                    f"dataset {part.name!r}: repeats {part.repeats} × {repeats} = {total}, above the limit of "
+                    f"{MAX_REPEATS}; lower the repeats of one of the Combine Datasets nodes")
+            parts.append(part._replace(repeats=total))
+    return CombinedDatasetHandle(tuple(parts))
 
 
-def same_cache(a: StreamDatasetHandle | CombinedDatasetHandle, b: StreamDatasetHandle | CombinedDatasetHandle,
-               what: str) -> None:
-    """Refuse two handles in different caches (a run reads through one reader), naming both and the fix.
+def cache_roots(*handles: Handle | None) -> tuple[str, ...]:
+    """The caches of ``handles`` (``None`` skipped), each once, in order: what a run opens and locks."""
+    return tuple(dict.fromkeys(root for h in handles if h is not None for root in h.cache_roots))
+
+
+def require_caches(roots: tuple[str, ...], what: str) -> None:
+    """Refuse a root without a manifest before anything is locked or created there (a manifest that is there but
+    bad, e.g. a link, is left to the open, which names what is wrong with it).
 
     Raises:
-        ValueError: naming both datasets and caches, and suggesting Save Streamable Cache to copy one over.
+        ValueError: naming the folder and what to do.
     """
-    if a.cache_root != b.cache_root:
-        raise ValueError(
-            f"{what}: datasets trained together must be in ONE cache, but {a.name!r} is in {a.cache_root} and "
-            f"{b.name!r} is in {b.cache_root}; copy one into the other's cache with Save Streamable Cache (same "
-            "cache, a new dataset name) and connect that copy")
+    for root in roots:
+        if not os.path.lexists(os.path.join(root, MANIFEST)):
+            raise ValueError(f"{what}: no StreamCache cache at {root} (no manifest there); encode the dataset first "
+                             "or pick an existing cache")
+
+
+def open_caches(roots: tuple[str, ...], what: str) -> dict[str, CacheReader]:
+    """Open each cache (headers only): cache root → reader. The caller closes them all; on failure none stays open.
+
+    Raises:
+        ValueError: a cache does not exist (naming it).
+    """
+    readers: dict[str, CacheReader] = {}
+    try:
+        for root in roots:
+            readers[root] = _open(root, what)
+    except BaseException:
+        for reader in readers.values():
+            reader.close()
+        raise
+    return readers
+
+
+def training_reader(readers: Mapping[str, CacheReader]) -> CacheReader | MultiCacheReader:
+    """The one reader a run reads through: the cache's own when there is one cache (nothing changes for it), else
+    a :class:`MultiCacheReader` over every cache, in the order given (a key is read from the first holding it)."""
+    if len(readers) == 1:
+        return next(iter(readers.values()))
+    return MultiCacheReader(list(readers.values()))
 
 
 def _open(root: str, what: str) -> CacheReader:
@@ -166,20 +232,12 @@ def _load(reader: CacheReader, root: str, name: str) -> list[Sample]:
         ) from exc
 
 
-def _load_mix(handle: StreamDatasetHandle | CombinedDatasetHandle, reader: CacheReader) -> DatasetMix:
-    loaded: dict[str, list[Sample]] = {}
+def _load_mix(handle: Handle, readers: Mapping[str, CacheReader]) -> DatasetMix:
+    loaded: dict[tuple[str, str], list[Sample]] = {}
     parts = []
-    for name, repeats in handle.parts:
-        if name not in loaded:
-            loaded[name] = _load(reader, handle.cache_root, name)
-        parts.append(DatasetPart(name, loaded[name], repeats))
+    for part in handle.parts:
+        at = (part.cache_root, part.name)
+        if at not in loaded:
+            loaded[at] = _load(readers[part.cache_root], part.cache_root, part.name)
+        parts.append(DatasetPart(part.name, loaded[at], part.repeats))
     return mix_datasets(parts)
-
-
-def _open_mix(handle: StreamDatasetHandle | CombinedDatasetHandle) -> tuple[CacheReader, DatasetMix]:
-    reader = _open(handle.cache_root, f"dataset {handle.name!r}")
-    try:
-        return reader, _load_mix(handle, reader)
-    except BaseException:
-        reader.close()
-        raise

@@ -7,6 +7,7 @@ The outputs are the built-in trainer's (``LORA_MODEL``, ``LOSS_MAP``, steps), so
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -19,7 +20,15 @@ import folder_paths
 
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
 from ..dataset_cache.lock import READ_LOCK, CacheLock
-from .handles import CombinedDatasetHandle, StreamDataset, StreamDatasetHandle, same_cache
+from .handles import (
+    CombinedDatasetHandle,
+    StreamDataset,
+    StreamDatasetHandle,
+    cache_roots,
+    open_caches,
+    require_caches,
+    training_reader,
+)
 from .training_loop import (
     LOSS_FUNCTIONS,
     MAX_REG_RATIO,
@@ -157,8 +166,8 @@ class TrainLoRA(io.ComfyNode):
                                "Needs a dataset encoded with Encode Dataset's empty_caption on. 0: never."),
                 StreamDataset.Input("reg_dataset", optional=True,
                                     tooltip="Regularization (class) images mixed into every epoch, as kohya's reg "
-                                    "folders or DreamBooth's prior preservation. Must be in the same cache as "
-                                    "dataset. Not connected: none."),
+                                    "folders or DreamBooth's prior preservation; from this cache or another one "
+                                    "(e.g. a reg cache shared by projects). Not connected: none."),
                 io.Float.Input("reg_ratio", default=1.0, min=0.0, max=MAX_REG_RATIO, step=0.05, optional=True,
                                tooltip="Regularization images per image of dataset in each epoch (1: as many, "
                                "kohya's default); which ones changes from epoch to epoch. Only with reg_dataset."),
@@ -222,12 +231,14 @@ class TrainLoRA(io.ComfyNode):
                     f"{what}: expected a STREAM_DATASET from a StreamCache node, got {type(handle).__name__}")
         if dataset is None:
             raise ValueError("dataset: connect a StreamCache dataset (Encode Dataset, Load Lazy Cache, ...)")
-        if reg_dataset is not None:  # one reader serves the run: both in one cache
-            same_cache(dataset, reg_dataset, "reg_dataset")
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
-        # A shared read lock for the whole run: Clean Cache (and compaction after an encode) refuse to delete shard
-        # files while anybody trains from them.
-        with CacheLock(dataset.cache_root, READ_LOCK, exclusive=False, purpose="training"):
+        roots = cache_roots(dataset, reg_dataset)
+        require_caches(roots, f"dataset {dataset.name!r}" if len(roots) == 1 else "Train LoRA")
+        # A shared read lock on EVERY cache the run reads, for the whole run: Clean Cache (and compaction after an
+        # encode) refuse to delete shard files while anybody trains from them.
+        with contextlib.ExitStack() as locks:
+            for root in roots:
+                locks.enter_context(CacheLock(root, READ_LOCK, exclusive=False, purpose="training"))
             result, samples, reg_count = cls._train(model, dataset, settings, node_id, reg_dataset)
         summary = f"dataset {dataset.name!r} ({samples} samples)"
         if reg_dataset is not None:
@@ -242,17 +253,23 @@ class TrainLoRA(io.ComfyNode):
     def _train(cls, model: Any, dataset: StreamDatasetHandle | CombinedDatasetHandle, settings: TrainSettings,
                node_id: str | None, reg_dataset: StreamDatasetHandle | CombinedDatasetHandle | None = None,
                ) -> tuple[Any, int, int]:
-        """Train; returns the result and how many main and regularization samples it drew from."""
-        reader, mix = dataset.open_mix()
+        """Train; returns the result and how many main and regularization samples it drew from.
+
+        Each cache involved is opened once; datasets of one cache train through its own reader, datasets of
+        several through a :class:`~dataset_cache.multi_reader.MultiCacheReader` over them all.
+        """
+        readers = open_caches(cache_roots(dataset, reg_dataset), f"dataset {dataset.name!r}")
         try:
-            reg = reg_dataset.load_mix(reader) if reg_dataset is not None else None
+            mix = dataset.load_mix(readers)
+            reg = reg_dataset.load_mix(readers) if reg_dataset is not None else None
             for what, handle, loaded in (("dataset", dataset, mix), ("reg_dataset", reg_dataset, reg)):
                 if handle is not None and loaded is not None and not loaded.samples:
                     raise ValueError(
-                        f"{what} {handle.name!r} in the cache at {handle.cache_root} is empty (0 samples): there "
-                        "is nothing to train on; encode a folder that holds images")
-            result = train_lora(model, reader, mix, settings, on_step=_Events(node_id), reg=reg,
+                        f"{what} {handle.name!r} in the {handle.where()} is empty (0 samples): there is nothing to "
+                        "train on; encode a folder that holds images")
+            result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
                                 reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "")
         finally:
-            reader.close()
+            for reader in readers.values():
+                reader.close()
         return result, len(mix.samples), len(reg.samples) if reg is not None else 0

@@ -3,6 +3,8 @@
 The cache holds "people" (4 images, 64×64, with the empty caption encoded), "style" (2 images, 64×64, without
 it) and "reg" (3 images, 96×64: a bucket of their own). Encoders are ComfyUI's own VAEEncode and CLIPTextEncode.
 A spy around the training loop's per-batch step records every plan the run trained (it calls the real step).
+Datasets of two caches: "people" copied into one cache, "style" and "reg" into another (the empty caption lands
+in both), trained against the same datasets of the one cache.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def test_combined_datasets_with_a_regularization_set_train_a_real_model(
         pack: ModuleType, handles: ModuleType, models: tuple, cache: Path, trained_plans: list[Any]) -> None:
     people, style, reg = (handles.StreamDatasetHandle(str(cache), n) for n in ("people", "style", "reg"))
     combined = _combine(pack, people, 2, style, 1)
-    assert combined.parts == (("people", 2), ("style", 1))
+    assert combined.parts == ((str(cache), "people", 2), (str(cache), "style", 1))
+    assert combined.parts[0].cache_root == str(cache) and combined.parts[1].repeats == 1
     out = _train(pack, models[0], combined, reg_dataset=reg, reg_ratio=0.5, reg_weight=0.25, steps=6)
     lora, loss_map, steps = out.result
     assert steps == 6 and len(loss_map["loss"]) == 6 and all(math.isfinite(x) for x in loss_map["loss"])
@@ -157,16 +160,6 @@ def test_caption_dropout_without_the_empty_caption_names_the_dataset(
     assert len(out.result[1]["loss"]) == 1
 
 
-def test_datasets_of_two_caches_are_refused_naming_both(
-        pack: ModuleType, handles: ModuleType, models: tuple, cache: Path, tmp_path: Path) -> None:
-    here = handles.StreamDatasetHandle(str(cache), "people")
-    there = handles.StreamDatasetHandle(str(tmp_path / "other"), "people")
-    for call in (lambda: _combine(pack, here, 1, there, 1),
-                 lambda: _train(pack, models[0], here, reg_dataset=there)):
-        with pytest.raises(ValueError, match=rf"ONE cache.*{cache}.*other.*Save Streamable Cache"):
-            call()
-
-
 def test_single_dataset_nodes_refuse_a_combination_and_repeats_past_the_limit_are_named(
         pack: ModuleType, handles: ModuleType, cache: Path, tmp_path: Path) -> None:
     people = handles.StreamDatasetHandle(str(cache), "people")
@@ -189,4 +182,133 @@ def test_a_missing_dataset_in_a_combination_is_named(
     combined = _combine(pack, handles.StreamDatasetHandle(str(cache), "people"), 1,
                         handles.StreamDatasetHandle(str(cache), "nope"), 1)
     with pytest.raises(ValueError, match=r"dataset 'nope' is not in the cache .*\['people', 'reg', 'style'\]"):
+        _train(pack, models[0], combined)
+
+
+# ------------------------------------------------------------------------------------- datasets of two caches
+@pytest.fixture(scope="module")
+def split(pack: ModuleType, cache: Path, cache_root: Path) -> tuple[Path, Path]:
+    """The datasets copied out of ``cache``: "people" into cache ``multi_main``, "style" and "reg" into cache
+    ``multi_shared`` (a reg cache shared by projects); both under the models folder, so Clean Cache finds them."""
+    copy_dataset = _module(pack, "dataset_cache.saving").copy_dataset
+    open_cache = _module(pack, "dataset_cache.format.reader").open_cache
+    main, shared = cache_root / "multi_main", cache_root / "multi_shared"
+    with open_cache(cache) as reader:
+        copy_dataset(reader, "people", main, "people")
+        copy_dataset(reader, "style", shared, "style")
+        copy_dataset(reader, "reg", shared, "reg")
+    return main, shared
+
+
+@pytest.fixture()
+def multi_reads(pack: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many groups each MultiCacheReader read had (the spy calls the real read)."""
+    cls = _module(pack, "dataset_cache.multi_reader").MultiCacheReader
+    real = cls.read_plan
+    groups: list[int] = []
+
+    def spy(self: Any, plan: Any, **kwargs: Any) -> Any:
+        groups.append(len(plan.groups))
+        return real(self, plan, **kwargs)
+
+    monkeypatch.setattr(cls, "read_plan", spy)
+    return groups
+
+
+def _same_run(a: Any, b: Any) -> None:
+    assert a.result[1]["loss"] == b.result[1]["loss"] and a.result[2] == b.result[2]
+    assert a.result[0].keys() == b.result[0].keys()
+    assert all(torch.equal(a.result[0][k], b.result[0][k]) for k in a.result[0])
+
+
+def test_a_regularization_set_of_another_cache_trains_as_from_one_cache(
+        pack: ModuleType, handles: ModuleType, models: tuple, cache: Path, split: tuple[Path, Path],
+        trained_plans: list[Any], multi_reads: list[int]) -> None:
+    """dataset in one cache, reg_dataset in another: the same plans (samples, drops, reg rows), losses and LoRA
+    as the same datasets of one cache with the same seed; the one-cache run reads through the plain reader."""
+    main, shared = split
+    opts = {"reg_ratio": 1.0, "reg_weight": 0.5, "caption_dropout": 0.5, "steps": 5}
+    two = _train(pack, models[0], handles.StreamDatasetHandle(str(main), "people"),
+                 reg_dataset=handles.StreamDatasetHandle(str(shared), "reg"), **opts)
+    plans_two, reads_two = list(trained_plans), list(multi_reads)
+    del trained_plans[:], multi_reads[:]
+    one = _train(pack, models[0], handles.StreamDatasetHandle(str(cache), "people"),
+                 reg_dataset=handles.StreamDatasetHandle(str(cache), "reg"), **opts)
+    assert trained_plans == plans_two and len(plans_two) == 5
+    _same_run(two, one)
+    assert multi_reads == []  # one cache: its own CacheReader, as before
+    assert reads_two  # two caches: every batch through the MultiCacheReader ...
+    reg_dropped = [p for p in plans_two for r in range(len(p.sample_indices))
+                   if p.sample_indices[r] >= 4 and p.dropped[r]]
+    assert reg_dropped and max(reads_two) == 2  # a reg row with the empty caption reads it from the first cache
+    assert any(i >= 4 for p in plans_two for i in p.sample_indices)  # regularization rows were trained
+    assert "regularization 'reg' (3 samples" in two.ui["text"][0]
+
+
+def test_combine_datasets_of_two_caches_trains_as_from_one_cache(
+        pack: ModuleType, handles: ModuleType, models: tuple, cache: Path, split: tuple[Path, Path],
+        trained_plans: list[Any], multi_reads: list[int]) -> None:
+    """people (first cache) ×2 + style (second cache) share a bucket, so batches stack latents of both caches."""
+    main, shared = split
+    node = _module(pack, "nodes.combine_datasets").CombineDatasets
+    out = node.execute(handles.StreamDatasetHandle(str(main), "people"), 2,
+                       handles.StreamDatasetHandle(str(shared), "style"), 1)
+    combined = out.result[0]
+    assert combined.parts == ((str(main), "people", 2), (str(shared), "style", 1))
+    assert combined.cache_roots == (str(main), str(shared))
+    assert tuple(out.ui.as_dict()["text"]) == (f"people×2 + style (caches at {main} (people); {shared} (style))",)
+    two = _train(pack, models[0], combined, batch_size=3, steps=4)
+    plans_two = list(trained_plans)
+    del trained_plans[:]
+    one = _train(pack, models[0], _combine(pack, handles.StreamDatasetHandle(str(cache), "people"), 2,
+                                           handles.StreamDatasetHandle(str(cache), "style"), 1),
+                 batch_size=3, steps=4)
+    assert trained_plans == plans_two
+    _same_run(two, one)
+    assert "'people×2 + style' (6 samples)" in two.ui["text"][0]
+    spanning = [p for p in plans_two if min(p.sample_indices) < 4 <= max(p.sample_indices)]
+    assert spanning and 2 in multi_reads  # batches read from both caches at once
+
+
+def test_a_run_holds_the_read_lock_of_every_cache_it_reads(
+        pack: ModuleType, handles: ModuleType, models: tuple, split: tuple[Path, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """During the run, Clean Cache refuses to clean either cache (a dry run still reports); after it, it may."""
+    main, shared = split
+    clean_node = _module(pack, "nodes.clean_cache").CleanCache
+    locked_error = _module(pack, "dataset_cache.errors").CacheLockedError
+    loop = _module(pack, "nodes.training_loop")._Loop
+    real = loop._fwd_bwd
+    refused: list[str] = []
+
+    def step(self: Any, batch: Any, index: int) -> float:
+        for name in ("multi_main", "multi_shared"):
+            with pytest.raises(locked_error, match=r"\.read\.lock is held.*clean needs it exclusively"):
+                clean_node.execute(cache=name, dry_run=False)
+            refused.append(name)
+            (dry,) = clean_node.execute(cache=name, dry_run=True).result
+            assert "dry run" in dry
+        return real(self, batch, index)
+
+    monkeypatch.setattr(loop, "_fwd_bwd", step)
+    _train(pack, models[0], handles.StreamDatasetHandle(str(main), "people"),
+           reg_dataset=handles.StreamDatasetHandle(str(shared), "reg"), steps=2)
+    assert refused == ["multi_main", "multi_shared"] * 2
+    monkeypatch.setattr(loop, "_fwd_bwd", real)
+    lock_mod = _module(pack, "dataset_cache.lock")
+    for root in split:  # released when the run ends
+        with lock_mod.CacheLock(root, lock_mod.READ_LOCK, exclusive=True, timeout=0, purpose="test"):
+            pass
+
+
+def test_a_missing_cache_or_dataset_among_several_is_named_and_nothing_is_created(
+        pack: ModuleType, handles: ModuleType, models: tuple, split: tuple[Path, Path], tmp_path: Path) -> None:
+    main, shared = split
+    people = handles.StreamDatasetHandle(str(main), "people")
+    nowhere = tmp_path / "no_such_cache"
+    with pytest.raises(ValueError, match=rf"no StreamCache cache at {nowhere}"):
+        _train(pack, models[0], people, reg_dataset=handles.StreamDatasetHandle(str(nowhere), "reg"))
+    assert not nowhere.exists()  # no lock file, no folder made on a guess
+    combined = _combine(pack, people, 1, handles.StreamDatasetHandle(str(shared), "people"), 1)
+    with pytest.raises(ValueError, match=rf"dataset 'people' is not in the cache at {shared}: .*\['reg', 'style'\]"):
         _train(pack, models[0], combined)
