@@ -412,11 +412,12 @@ def train_lora(
 
     Args:
         model: a ComfyUI ``ModelPatcher`` (the ``MODEL`` socket's value).
-        reader: the open cache reader of the dataset.
+        reader: the open cache reader of the datasets: a ``CacheReader``, or a ``MultiCacheReader`` when they (or
+            the regularization set) live in several caches.
         samples: the dataset's samples, or a :class:`~dataset_cache.sampler.DatasetMix` of several datasets.
         settings: the options; validated here.
         on_step: called after every optimizer step on this thread (progress, websocket events).
-        reg: regularization samples (same cache), mixed in at ``settings.reg_ratio`` with loss weight
+        reg: regularization samples (read through ``reader`` too), mixed in at ``settings.reg_ratio`` with loss weight
             ``settings.reg_weight``; ``None``: none.
         reg_name: the regularization dataset's name, for messages.
 
