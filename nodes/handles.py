@@ -175,17 +175,18 @@ def cache_roots(*handles: Handle | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(root for h in handles if h is not None for root in h.cache_roots))
 
 
-def require_caches(roots: tuple[str, ...], what: str) -> None:
-    """Refuse a root without a manifest before anything is locked or created there (a manifest that is there but
-    bad, e.g. a link, is left to the open, which names what is wrong with it).
+def require_caches(**handles: Handle | None) -> None:
+    """Refuse a cache without a manifest before anything is locked or created there (a manifest that is there but
+    bad, e.g. a link, is left to the open, which names what is wrong with it). ``handles``: input name → handle.
 
     Raises:
-        ValueError: naming the folder and what to do.
+        ValueError: naming the input, its dataset, the folder and what to do.
     """
-    for root in roots:
-        if not os.path.lexists(os.path.join(root, MANIFEST)):
-            raise ValueError(f"{what}: no StreamCache cache at {root} (no manifest there); encode the dataset first "
-                             "or pick an existing cache")
+    for what, handle in handles.items():
+        for root in handle.cache_roots if handle is not None else ():
+            if not os.path.lexists(os.path.join(root, MANIFEST)):
+                raise ValueError(f"{what} {handle.name!r}: no StreamCache cache at {root} (no manifest there); encode "
+                                 "the dataset first or pick an existing cache")
 
 
 def open_caches(roots: tuple[str, ...], what: str) -> dict[str, CacheReader]:

@@ -233,7 +233,7 @@ class TrainLoRA(io.ComfyNode):
             raise ValueError("dataset: connect a StreamCache dataset (Encode Dataset, Load Lazy Cache, ...)")
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
         roots = cache_roots(dataset, reg_dataset)
-        require_caches(roots, f"dataset {dataset.name!r}" if len(roots) == 1 else "Train LoRA")
+        require_caches(dataset=dataset, reg_dataset=reg_dataset)
         # A shared read lock on EVERY cache the run reads, for the whole run: Clean Cache (and compaction after an
         # encode) refuse to delete shard files while anybody trains from them.
         with contextlib.ExitStack() as locks:

@@ -306,7 +306,7 @@ def test_a_missing_cache_or_dataset_among_several_is_named_and_nothing_is_create
     main, shared = split
     people = handles.StreamDatasetHandle(str(main), "people")
     nowhere = tmp_path / "no_such_cache"
-    with pytest.raises(ValueError, match=rf"no StreamCache cache at {nowhere}"):
+    with pytest.raises(ValueError, match=rf"reg_dataset 'reg': no StreamCache cache at {nowhere}"):
         _train(pack, models[0], people, reg_dataset=handles.StreamDatasetHandle(str(nowhere), "reg"))
     assert not nowhere.exists()  # no lock file, no folder made on a guess
     combined = _combine(pack, people, 1, handles.StreamDatasetHandle(str(shared), "people"), 1)
