@@ -79,8 +79,8 @@ class MultiCacheReader:
     """Several open caches read as one: what training needs of a reader (headers, planned batch reads).
 
     Args:
-        readers: open cache readers; a key is served by the first that holds it. The caller keeps owning them in
-            the sense that :meth:`close` closes them all (it is idempotent, as ``CacheReader.close``).
+        readers: open cache readers; a key is served by the first that holds it. :meth:`close` closes them all
+            (idempotent, as ``CacheReader.close``), so closing them directly instead is just as good.
 
     Thread-safe as ``CacheReader`` is: give each thread its own ``out`` buffer.
 

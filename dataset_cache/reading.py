@@ -1,7 +1,8 @@
 """What the loader, the sampler and the trainer need of a reader, as ``Protocol`` classes.
 
-:class:`~dataset_cache.format.reader.CacheReader` is all of them; tests and other sources (an in-memory dataset)
-implement only what they are used for.
+:class:`~dataset_cache.format.reader.CacheReader` is all of them, and so is
+:class:`~dataset_cache.multi_reader.MultiCacheReader` (several caches as one); tests and other sources (an in-memory
+dataset) implement only what they are used for.
 """
 
 from __future__ import annotations
