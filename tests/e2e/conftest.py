@@ -32,6 +32,7 @@ from support.collection import (  # noqa: E402
 )
 from support.comfy_env import ComfyInstall, find_comfyui, skip_reason  # noqa: E402
 from support.messages import why_bare  # noqa: E402
+from support.examples import drop_node_cache  # noqa: E402
 from support.server import ComfyServer  # noqa: E402
 from support.tiny_models import TinyModels, ensure_tiny_models  # noqa: E402
 
@@ -107,3 +108,11 @@ def _every_error_is_written_for_the_user() -> Iterator[None]:
     bad = bare_node_errors()
     if bad:
         pytest.fail(f"{len(bad)} error(s) of the pack's nodes are bare Python messages:\n" + "\n".join(bad))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_node_cache_after_each_module(comfy_server: ComfyServer) -> Iterator[None]:
+    """The modules share one server: leave no cached loader outputs to the next module (its tests may check
+    which nodes executed), and no models loaded."""
+    yield
+    drop_node_cache(comfy_server.client())

@@ -16,29 +16,19 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.client import ComfyClient, PromptResult
 from support.datasets import Subset, make_kohya_folder
-from support.examples import drop_node_cache, encode_prompt
+from support.examples import encode_prompt, train_inputs
 from support.paths import PACK_ROOT
 from support.server import ComfyServer
 from support.tiny_models import TinyModels
 
-TRAIN = {"batch_size": 1, "grad_accumulation_steps": 1, "steps": 3, "learning_rate": 1e-3, "rank": 4,
-         "optimizer": "AdamW", "loss_function": "MSE", "seed": 1, "training_dtype": "fp32", "lora_dtype": "fp32",
-         "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-         "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0}
+TRAIN = train_inputs()
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _drop_node_cache_afterwards(comfy_server: ComfyServer) -> Iterator[None]:
-    """Leave no cached loader outputs to the modules after this one (they check which nodes executed)."""
-    yield
-    drop_node_cache(comfy_server.client())
 
 
 def _train_from_cache(tiny_models: TinyModels, cache: str, dataset: str = "default") -> dict[str, Any]:

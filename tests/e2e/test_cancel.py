@@ -11,14 +11,14 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.client import ComfyClient, PromptResult
 from support.datasets import Subset, make_kohya_folder
-from support.examples import drop_node_cache, encode_prompt
+from support.examples import encode_prompt
 from support.paths import PACK_ROOT
 from support.server import ComfyServer
 from support.tiny_models import TinyModels
@@ -28,12 +28,6 @@ websocket = pytest.importorskip("websocket", reason="websocket-client is needed 
 BIG = (Subset(2, "many", tuple((64, 64) for _ in range(8)), "png"),)
 """8 images with 9 distinct caption lines, encoded one per batch: 17 commits, several seconds of CPU work."""
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _drop_node_cache_afterwards(comfy_server: ComfyServer) -> Iterator[None]:
-    """Leave no cached loader outputs to the modules after this one (they check which nodes executed)."""
-    yield
-    drop_node_cache(comfy_server.client())
 
 
 def _run_and_interrupt(client: ComfyClient, prompt: dict[str, Any], when: Callable[[dict[str, Any]], bool],

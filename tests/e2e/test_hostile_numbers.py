@@ -27,16 +27,13 @@ import pytest
 from support.client import ComfyClient, PromptError
 from support.comfy_env import ComfyInstall
 from support.datasets import Subset, make_kohya_folder
-from support.examples import encode_prompt
+from support.examples import encode_prompt, train_inputs
 from support.server import ComfyServer
 from support.tiny_models import TinyModels
 
 HEADROOM = 8 << 30  # what the tiny models' encode and training need above the idle server, and more
 
-TRAIN = {"batch_size": 1, "grad_accumulation_steps": 1, "steps": 2, "learning_rate": 1e-3, "rank": 4,
-         "optimizer": "AdamW", "loss_function": "MSE", "seed": 1, "training_dtype": "fp32", "lora_dtype": "fp32",
-         "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-         "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0}
+TRAIN = train_inputs(steps=2)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,11 @@ real server; then Clean Cache cleans the shared cache (the run's read locks are 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from support.client import ComfyClient
 from support.datasets import Subset, make_kohya_folder
-from support.examples import drop_node_cache, encode_prompt
+from support.examples import encode_prompt, train_inputs
 from support.server import ComfyServer
 from support.tiny_models import TinyModels
 
@@ -21,17 +19,8 @@ from dataset_cache.format.reader import open_cache
 
 MAIN, SHARED = "e2e_multi_project", "e2e_multi_shared"
 STEPS = 6
-TRAIN = {"batch_size": 2, "grad_accumulation_steps": 1, "steps": STEPS, "learning_rate": 1e-3, "rank": 4,
-         "optimizer": "AdamW", "loss_function": "MSE", "seed": 3, "training_dtype": "fp32", "lora_dtype": "fp32",
-         "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-         "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0}
+TRAIN = train_inputs(batch_size=2, steps=STEPS, seed=3)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_node_cache(comfy_server: ComfyServer) -> Iterator[None]:
-    """The e2e modules share one server: leave no loader outputs cached for the next module."""
-    yield
-    drop_node_cache(comfy_server.client())
 
 
 def _encode(tiny_models: TinyModels, ids: tuple[str, str, str], folder: str, cache: str, name: str

@@ -16,13 +16,12 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from support.client import ComfyClient, PromptResult
 from support.datasets import MULTILINE_CAPTION, Subset, make_kohya_folder
-from support.examples import (MAIN_TEMPLATE, SAVE_THEN_TRAIN_TEMPLATE, ExampleRun, drop_node_cache, encode_prompt,
+from support.examples import (MAIN_TEMPLATE, SAVE_THEN_TRAIN_TEMPLATE, ExampleRun, encode_prompt,
                                make_example_folder, run_example, run_prompt)
 from support.paths import PACK_ROOT
 from support.server import ComfyServer
@@ -31,12 +30,6 @@ from support.tiny_models import TinyModels
 API = PACK_ROOT / "example_workflows" / "api"
 STEPS = 30
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _drop_node_cache_afterwards(comfy_server: ComfyServer) -> Iterator[None]:
-    """Leave no cached loader outputs to the modules after this one (they check which nodes executed)."""
-    yield
-    drop_node_cache(comfy_server.client())
 
 
 def _api(name: str) -> dict[str, Any]:

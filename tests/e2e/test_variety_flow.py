@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 from support.client import ComfyClient
 from support.datasets import Subset, make_kohya_folder
-from support.examples import MAIN_TEMPLATE, ExampleRun, drop_node_cache, run_example
+from support.examples import MAIN_TEMPLATE, ExampleRun, run_example
 from support.paths import PACK_ROOT
 from support.server import ComfyServer
 
@@ -71,9 +71,7 @@ def _report(run: ExampleRun, node: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def variety(comfy_server: ComfyServer) -> ExampleRun:
     _write_folders(comfy_server.input_dir)
-    run = run_example(comfy_server.client(), _prompt(), timeout=900)
-    yield run
-    drop_node_cache(comfy_server.client())
+    return run_example(comfy_server.client(), _prompt(), timeout=900)
 
 
 def test_encode_makes_every_variant(variety: ExampleRun, comfy_server: ComfyServer) -> None:

@@ -23,7 +23,7 @@ from PIL import Image
 from support.client import ComfyClient
 from support.clips import make_frames_folder, make_video
 from support.comfy_env import ComfyInstall
-from support.examples import run_example, run_prompt
+from support.examples import run_example, run_prompt, train_inputs
 from support.server import ComfyServer
 from support.tiny_models import TinyModels
 from support.tiny_wan import ensure_wan_models
@@ -36,10 +36,7 @@ from dataset_cache.lock import WRITE_LOCK, CacheLock
 from dataset_cache.video import has_av
 
 STEPS = 3
-TRAIN = {"batch_size": 1, "grad_accumulation_steps": 1, "steps": STEPS, "learning_rate": 1e-3, "rank": 4,
-         "optimizer": "AdamW", "loss_function": "MSE", "seed": 7, "training_dtype": "fp32", "lora_dtype": "fp32",
-         "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-         "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0}
+TRAIN = train_inputs(steps=STEPS, seed=7)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ from typing import Any
 from .client import ComfyClient, PromptError, PromptResult
 
 __all__ = ["EXAMPLE_FOLDER", "EXAMPLE_SIZES", "MAIN_TEMPLATE", "SAVE_THEN_TRAIN_TEMPLATE", "ExampleRun",
-           "drop_node_cache", "encode_prompt", "lora_names", "make_example_folder", "run_example", "run_prompt"]
+           "drop_node_cache", "encode_prompt", "lora_names", "make_example_folder", "run_example", "run_prompt",
+           "train_inputs"]
 
 EXAMPLE_FOLDER = "streamcache_example"
 """The dataset folder (inside ComfyUI's input directory) that the example workflows encode."""
@@ -72,6 +73,15 @@ def encode_prompt(vae: str, clip: str, folder: str, cache: str, **inputs: Any) -
             "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
             "batch_size": 4, "on_failure": "skip", **inputs}},
     }
+
+
+def train_inputs(**overrides: Any) -> dict[str, Any]:
+    """Train LoRA's widget inputs with small-test settings (fp32, rank 4, 3 steps of batch 1, no checkpointing);
+    ``overrides`` replace or add inputs. The sockets (``model``, ``dataset``) are the caller's."""
+    return {"batch_size": 1, "grad_accumulation_steps": 1, "steps": 3, "learning_rate": 1e-3, "rank": 4,
+            "optimizer": "AdamW", "loss_function": "MSE", "seed": 1, "training_dtype": "fp32", "lora_dtype": "fp32",
+            "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
+            "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, **overrides}
 
 
 def run_prompt(client: ComfyClient, prompt: dict[str, Any], *, targets: Sequence[str] | None = None,
