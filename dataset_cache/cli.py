@@ -124,19 +124,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
         })
         return EXIT_OK
     from .format.reader import open_cache
-    from .variants import summarize_variants
+    from .variants import summarize_datasets
 
     try:
         reader = open_cache(args.path, verify=False)
     except CacheNotFoundError as exc:
         raise CacheNotFoundError(f"{exc} (nor is it a ComfyUI SaveTrainingDataset folder)") from None
     with reader:
-        variants: dict[str, Any] = {}
-        for name, record in reader.datasets().items():
-            try:
-                variants[name] = summarize_variants(reader, reader.dataset(name), record.info).describe()
-            except CacheError as exc:  # a damaged dataset file is reported, the rest of the summary still printed
-                variants[name] = {"error": str(exc)}
+        variants = {name: {"error": str(v)} if isinstance(v, CacheError) else v.describe()
+                    for name, v in summarize_datasets(reader).items()}
         _print_json({"type": "streamcache", **reader.stats(), "variants": variants})
     return EXIT_OK
 

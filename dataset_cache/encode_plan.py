@@ -58,6 +58,7 @@ from .imaging import MASK_MODES, mask_aspect_problem, read_image_size
 from .keys import PlanKeys, content_key, hash_bytes, latent_key, mask_key
 from .scan import DatasetFolderError, FolderListing, SourceClip, SourceFailure, SourceImage, scan_folder
 from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
+from .variants import role_keys
 from .video import MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_folder_of
 
 __all__ = [
@@ -411,11 +412,10 @@ class EncodePlan:
 def variant_counts(samples: Sequence[Sample], settings: EncodeSettings | None = None) -> dict[str, int]:
     """Distinct caption conditionings, mirrors and masks the samples name, and whether they name an empty
     caption (0/1); with ``settings``, the shuffle count too (``shuffle_variants``)."""
-    captions = {k for s in samples for k in s.captions}
-    out = {"captions": len(captions), "mirrors": len({s.mirror for s in samples if s.mirror is not None}),
-           "masks": len({s.mask for s in samples if s.mask is not None}),
+    keys = role_keys(samples)
+    out = {"captions": len(keys["captions"]), "mirrors": len(keys["mirrors"]), "masks": len(keys["masks"]),
            "masked_samples": sum(1 for s in samples if s.mask is not None),
-           "empty_caption": int(any(s.empty_caption is not None for s in samples))}
+           "empty_caption": int(bool(keys["empty_caption"]))}
     if settings is not None:
         out["shuffle_variants"] = settings.shuffle_variants
     return out
@@ -655,7 +655,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
             by_bucket.setdefault(job.bucket, []).append(job)
     missing_texts = {k: t for k, t in texts.items() if k not in have}
     missing_masks = tuple(sorted((j for j in masks.values() if j.key not in have), key=lambda j: (j.relpath, j.key)))
-    unused = len(validation.listing.unused_masks) if settings.masks == "masklabel" else len(validation.listing.masks)
+    unused = _unused_masks(settings, validation.listing)
     missing_clips = tuple(sorted((j for j in clips.values() if j.key not in have),
                                  key=lambda j: (len(j.clip.indices) if j.clip else 0, j.bucket[1], j.bucket[0],
                                                 j.relpath)))
@@ -673,9 +673,9 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
         skipped=_listed_samples(validation) - len(samples),
         notes=(_caption_notes(cut, many) + _clip_notes(settings)
-               + _mask_notes(settings, no_mask, validation.listing, bool(scan.clips))),
+               + _mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))),
         missing_clips=missing_clips, missing_masks=missing_masks, empty_caption=empty,
-        images_without_mask=len(no_mask), unused_masks=unused,
+        images_without_mask=len(no_mask), unused_masks=len(unused),
     )
 
 
@@ -718,8 +718,13 @@ def _mask_job(img: SourceImage, image_hash: str, plan: CropPlan, settings: Encod
     return MaskJob(key, path, relpath, source_hash, plan, mode, factor)
 
 
-def _mask_notes(settings: EncodeSettings, no_mask: Sequence[str], listing: FolderListing, clips: bool
-                ) -> tuple[str, ...]:
+def _unused_masks(settings: EncodeSettings, listing: FolderListing) -> tuple[str, ...]:
+    """The mask files no sample uses: those of no image, or every one unless ``masks`` is ``masklabel``."""
+    return listing.unused_masks if settings.masks == "masklabel" else tuple(m[0] for m in listing.masks)
+
+
+def _mask_notes(settings: EncodeSettings, no_mask: Sequence[str], unused: Sequence[str], listing: FolderListing,
+                clips: bool) -> tuple[str, ...]:
     notes = []
     if settings.masks == "none":
         if listing.masks:
@@ -729,7 +734,6 @@ def _mask_notes(settings: EncodeSettings, no_mask: Sequence[str], listing: Folde
     if no_mask:
         notes.append(f"{len(no_mask)} image(s) have no mask file <name>-masklabel.<ext> and train at full weight "
                      f"(first: {sorted(no_mask)[0]})")
-    unused = listing.unused_masks if settings.masks == "masklabel" else tuple(m[0] for m in listing.masks)
     if unused:
         notes.append(f"{len(unused)} mask file(s) belong to no image and are not used (first: {unused[0]})")
     if clips:

@@ -319,7 +319,7 @@ class _Run:
         self.progress, self.should_stop = progress, should_stop
         self.done = 0
         self.total = 0
-        self.bad_latents: set[str] = set()
+        self.failed_keys: set[str] = set()  # latents, mirrors and masks that could not be made
         self.t = report.timings
         self.min_commit_seconds = 0.0
         self.last_commit = float("-inf")
@@ -421,7 +421,7 @@ class _Run:
             raise error
         log.warning("skipping %s: %s", job.relpath, error.reason)
         self.report.failures.append(SourceFailure(job.relpath, job.path, error.reason))
-        self.bad_latents.add(job.key)
+        self.failed_keys.add(job.key)
 
     def make_masks(self, jobs: Sequence[MaskJob], threads: int) -> None:
         """Make loss masks on the decode threads (no encoder), committing them ``batch_size * 8`` at a time."""
@@ -573,10 +573,7 @@ def compact_if_unread(writer: CacheWriter, root: str | os.PathLike[str], *,
 
 def _finish(run: _Run, plan: EncodePlan) -> tuple[Sample, ...]:
     """Return the dataset's samples after encode-time failures, checking failures against the policy."""
-    bad = run.bad_latents  # latents, mirrors and masks that could not be made
-    samples = tuple(s for s in plan.samples
-                    if s.latent not in bad and (s.mirror is None or s.mirror not in bad)
-                    and (s.mask is None or s.mask not in bad))
+    samples = tuple(s for s in plan.samples if run.failed_keys.isdisjoint((s.latent, s.mirror, s.mask)))
     run.report.skipped += len(plan.samples) - len(samples)
     if not samples:
         first = run.report.failures[0] if run.report.failures else None
@@ -726,9 +723,9 @@ def run_encode(
             writer.commit()  # publish the rest (the recovery log is deleted)
             report.timings["commit"] += time.perf_counter() - t_commit
             report.log_syncs = writer.log_syncs
-            report.encoded_mirrors = sum(1 for b in batches for j in b if j.mirror and j.key not in run.bad_latents
-                                         and writer.has(j.key)) + sum(
-                1 for j in clips if j.mirror and j.key not in run.bad_latents and writer.has(j.key))
+            # jobs were planned for keys the writer lacked: one it has now was encoded by this run
+            report.encoded_mirrors = sum(1 for j in (*(j for b in batches for j in b), *clips)
+                                         if j.mirror and writer.has(j.key))
             report.encoded_empty_caption = plan.empty_caption is not None and any(
                 k == plan.empty_caption for k, _ in texts) and writer.has(plan.empty_caption)
             written = _shard_sizes(plan.cache_root)

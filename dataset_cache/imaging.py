@@ -17,7 +17,7 @@ decoding and resampling).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -87,11 +87,11 @@ def exif_orientation(img: Image.Image) -> int:
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
-def _open(path: str | os.PathLike[str]) -> Image.Image:
+def _open(path: str | os.PathLike[str], name: str | None = None) -> Image.Image:
     try:
         return Image.open(path, formats=OPEN_FORMATS)
     except Exception as exc:  # Pillow raises many types for hostile input; all mean "not a usable image"
-        raise SourceError(str(path), f"not a readable image ({type(exc).__name__}: {exc})") from exc
+        raise SourceError(name or str(path), f"not a readable image ({type(exc).__name__}: {exc})") from exc
 
 
 def read_image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
@@ -121,20 +121,31 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+def _decode(path: str | os.PathLike[str], convert: Callable[[Image.Image], Image.Image], *, what: str = "image",
+            name: str | None = None) -> Image.Image:
+    """Decode a file fully, EXIF orientation applied, then ``convert`` it (to RGB, or to a mask's channel).
+
+    Raises:
+        SourceError: the file is unreadable, truncated or corrupt (names ``name``, default the path).
+    """
+    where = name or str(path)
+    with _open(path, where) as img:
+        orientation = exif_orientation(img)
+        try:
+            img.load()
+        except Exception as exc:
+            raise SourceError(where, f"{what} data is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
+        out = convert(img.transpose(_TRANSPOSE[orientation]) if orientation in _TRANSPOSE else img)
+        return img.copy() if out is img else out  # closing the file must not close the returned image
+
+
 def decode_image(path: str | os.PathLike[str]) -> Image.Image:
     """Decode an image fully: EXIF orientation applied, converted to RGB.
 
     Raises:
         SourceError: the file is unreadable, truncated or corrupt (names the file).
     """
-    with _open(path) as img:
-        orientation = exif_orientation(img)
-        try:
-            img.load()
-        except Exception as exc:
-            raise SourceError(str(path), f"image data is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
-        out = _to_rgb(img.transpose(_TRANSPOSE[orientation]) if orientation in _TRANSPOSE else img)
-        return img.copy() if out is img else out  # closing the file must not close the returned image
+    return _decode(path, _to_rgb)
 
 
 def apply_plan(img: Image.Image, plan: CropPlan, *, path: str = "<image>") -> Image.Image:
@@ -182,6 +193,18 @@ def mask_aspect_problem(mask_size: tuple[int, int], image_size: tuple[int, int])
     return None
 
 
+def _alpha(img: Image.Image) -> Image.Image:
+    """The alpha channel as the mask (an image without one: full weight everywhere)."""
+    if "A" in img.getbands() or "transparency" in img.info:
+        return img.convert("RGBA").getchannel("A")
+    return Image.new("L", img.size, 255)
+
+
+def _gray(img: Image.Image) -> Image.Image:
+    """A mask file's gray level (16-bit gray scaled to 8 bits as for images)."""
+    return img if img.mode == "L" else _to_rgb(img).convert("L")
+
+
 def load_mask(path: str | os.PathLike[str], mode: str, plan: CropPlan, factor: int, *,
               name: str | None = None) -> torch.Tensor:
     """Return a loss mask at latent resolution: uint8 ``[1, 1, h, w]`` (255 = full weight, 0 = the floor).
@@ -203,26 +226,12 @@ def load_mask(path: str | os.PathLike[str], mode: str, plan: CropPlan, factor: i
         SourceError: unreadable or corrupt, or of another aspect ratio than the image.
     """
     where = name or str(path)
-    with _open(path) as img:
-        orientation = exif_orientation(img)
-        try:
-            img.load()
-        except Exception as exc:
-            raise SourceError(where, f"mask data is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
-        if orientation in _TRANSPOSE:
-            img = img.transpose(_TRANSPOSE[orientation])
-        if mode == "alpha":
-            if "A" in img.getbands() or "transparency" in img.info:
-                gray = img.convert("RGBA").getchannel("A")
-            else:
-                gray = Image.new("L", img.size, 255)
-        elif mode == "masklabel":
-            gray = _to_rgb(img).convert("L") if img.mode != "L" else img.copy()
-        else:
-            raise ValueError(f"mask mode must be 'masklabel' or 'alpha', got {mode!r}")
-    source = tuple(plan.source)
+    if mode not in ("masklabel", "alpha"):
+        raise ValueError(f"mask mode must be 'masklabel' or 'alpha', got {mode!r}")
+    gray = _decode(path, _alpha if mode == "alpha" else _gray, what="mask", name=where)
+    source = (int(plan.source[0]), int(plan.source[1]))
     if gray.size != source:
-        problem = mask_aspect_problem(gray.size, source)  # type: ignore[arg-type]
+        problem = mask_aspect_problem(gray.size, source)
         if problem:
             raise SourceError(where, problem)
         gray = gray.resize(source, resample=Image.Resampling.BILINEAR)

@@ -179,14 +179,6 @@ def _new_buffer(pin: bool) -> Any:
     return ReadBuffer(pin_memory=pin)
 
 
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # what torch's own weak storage refs use
-
-
-def _storage_users(t: torch.Tensor) -> int:
-    """How many tensors, views and arrays (each holds one) refer to ``t``'s memory, plus one for the query."""
-    return _storage_use_count(t.untyped_storage()._cdata)  # type: ignore[misc]
-
-
 class _BufferPool:
     """CPU read buffers that a batch's memory returns to once nothing refers to it any more.
 
@@ -205,17 +197,16 @@ class _BufferPool:
         self.buffers: list[Any] = []
         self._lent: set[int] = set()  # buffers a worker is reading into (no views exist yet)
         self._lock = threading.Lock()
-        self._idle = _storage_users(torch.empty(1)) if _storage_use_count is not None else -1
 
     def take(self) -> Any:
         """A buffer nobody uses (kept, or new), lent to the caller until :meth:`give_back`."""
         with self._lock:
             for buf in self.buffers:
-                if id(buf) not in self._lent and _storage_users(buf.tensor) == self._idle:
+                if id(buf) not in self._lent and not buf.in_use():
                     self._lent.add(id(buf))
                     return buf
             buf = _new_buffer(False)
-            if self._idle >= 0 and len(self.buffers) < self.limit:
+            if buf.TRACKS_USE and len(self.buffers) < self.limit:
                 self.buffers.append(buf)
                 self._lent.add(id(buf))
             return buf
@@ -229,7 +220,7 @@ class _BufferPool:
         """Bytes of the kept buffers no batch uses (idle, or being read into)."""
         with self._lock:
             return sum(buf.tensor.numel() for buf in self.buffers
-                       if id(buf) in self._lent or _storage_users(buf.tensor) == self._idle)
+                       if id(buf) in self._lent or not buf.in_use())
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

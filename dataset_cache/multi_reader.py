@@ -20,27 +20,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from .format.read_plan import ReadPlan
 from .format.reader import CacheReader, ReadBuffer
 
 __all__ = ["MultiCacheReader", "MultiReadPlan", "PlanGroup"]
-
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # as the loader's buffer pool
-
-
-def _idle_users() -> int:
-    """The storage use count of a buffer nobody else refers to (``-1``: this torch cannot tell)."""
-    if _storage_use_count is None:
-        return -1
-    held = torch.empty(1)  # held while counted, as a buffer's tensor is
-    return int(_storage_use_count(held.untyped_storage()._cdata))
-
-
-def _users(buf: ReadBuffer) -> int:
-    return int(_storage_use_count(buf.tensor.untyped_storage()._cdata))  # type: ignore[misc]
-
 
 @dataclass(frozen=True)
 class PlanGroup:
@@ -94,7 +78,6 @@ class MultiCacheReader:
         self.readers: tuple[CacheReader, ...] = tuple(readers)
         self._extras: weakref.WeakKeyDictionary[ReadBuffer, dict[int, ReadBuffer]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
-        self._idle = _idle_users()
 
     # ----------------------------------------------------------------------------------------- mapping
     @property
@@ -196,8 +179,7 @@ class MultiCacheReader:
         with self._lock:
             extras = self._extras.setdefault(out, {})
             buf = extras.get(n)
-            if (buf is None or self._idle < 0 or buf.pin_memory != out.pin_memory
-                    or _users(buf) != self._idle):
+            if buf is None or buf.pin_memory != out.pin_memory or buf.in_use():
                 buf = extras[n] = ReadBuffer(pin_memory=out.pin_memory)
             return buf
 

@@ -8,18 +8,22 @@ shuffled-tag variants) and the empty caption of caption dropout. Every one is an
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .dataset import Sample
+from .errors import CacheError
 from .units import format_bytes
 
-__all__ = ["ROLES", "RoleSummary", "VariantSummary", "summarize_variants"]
+if TYPE_CHECKING:
+    from .format.reader import CacheReader
+
+__all__ = ["ROLES", "RoleSummary", "VariantSummary", "role_keys", "summarize_datasets", "summarize_variants"]
 
 ROLES = ("latents", "mirrors", "masks", "captions", "empty_caption")
-"""The roles an entry plays in a dataset, in the order a key is attributed (a key in two roles counts once, in
-the first: a caption that is itself empty is a caption, not the dropout's empty caption)."""
+"""The roles an entry plays in a dataset. Each role counts its own distinct keys: a key in two roles (a caption
+line that is itself empty, and the dropout's empty caption) counts in both."""
 
 
 class _Sizes(Protocol):
@@ -82,13 +86,14 @@ class VariantSummary:
 _SETTING_NAMES = ("flip", "shuffle_variants", "keep_tokens", "masks", "empty_caption")
 
 
-def _role_keys(samples: Sequence[Sample]) -> dict[str, Iterable[str]]:
+def role_keys(samples: Sequence[Sample]) -> dict[str, set[str]]:
+    """Each role's distinct entry keys (see :data:`ROLES`), from the sample list alone."""
     return {
-        "latents": (s.latent for s in samples),
-        "mirrors": (s.mirror for s in samples if s.mirror is not None),
-        "masks": (s.mask for s in samples if s.mask is not None),
-        "captions": (k for s in samples for k in s.captions),
-        "empty_caption": (s.empty_caption for s in samples if s.empty_caption is not None),
+        "latents": {s.latent for s in samples},
+        "mirrors": {s.mirror for s in samples if s.mirror is not None},
+        "masks": {s.mask for s in samples if s.mask is not None},
+        "captions": {k for s in samples for k in s.captions},
+        "empty_caption": {s.empty_caption for s in samples if s.empty_caption is not None},
     }
 
 
@@ -101,20 +106,10 @@ def summarize_variants(reader: _Sizes, samples: Sequence[Sample], info: Mapping[
         samples: the dataset's samples.
         info: the dataset's info (its ``settings`` name the variant settings it was encoded with).
     """
-    seen: set[str] = set()
     roles: dict[str, RoleSummary] = {}
-    for role, keys in _role_keys(samples).items():
-        entries = nbytes = missing = 0
-        for key in keys:
-            if key in seen:
-                continue
-            seen.add(key)
-            entries += 1
-            if key in reader:
-                nbytes += reader.entry_nbytes(key)
-            else:
-                missing += 1
-        roles[role] = RoleSummary(entries, nbytes, missing)
+    for role, keys in role_keys(samples).items():
+        present = [k for k in keys if k in reader]
+        roles[role] = RoleSummary(len(keys), sum(reader.entry_nbytes(k) for k in present), len(keys) - len(present))
     stored = (info or {}).get("settings")
     stored = stored if isinstance(stored, Mapping) else {}
     settings = {k: stored[k] for k in _SETTING_NAMES if k in stored}
@@ -122,3 +117,15 @@ def summarize_variants(reader: _Sizes, samples: Sequence[Sample], info: Mapping[
     if isinstance(bucket, Mapping) and bucket.get("flip") not in (None, False):  # Encode Dataset keeps it there
         settings["flip"] = "always" if bucket["flip"] is True else bucket["flip"]
     return VariantSummary(len(samples), roles, settings)
+
+
+def summarize_datasets(reader: CacheReader) -> dict[str, VariantSummary | CacheError]:
+    """:func:`summarize_variants` of every dataset of an open cache, by name; a dataset file that cannot be read
+    gives its error instead (the reports name it and go on with the others)."""
+    out: dict[str, VariantSummary | CacheError] = {}
+    for name, record in reader.datasets().items():
+        try:
+            out[name] = summarize_variants(reader, reader.dataset(name), record.info)
+        except CacheError as exc:
+            out[name] = exc
+    return out

@@ -10,7 +10,7 @@ from comfy_api.latest import io
 
 from ..dataset_cache.errors import CacheError, CacheNotFoundError
 from ..dataset_cache.units import format_bytes
-from ..dataset_cache.variants import summarize_variants
+from ..dataset_cache.variants import summarize_datasets
 from .inputs import NO_CACHE_YET, cache_choices, no_cache_yet_message
 from .paths import resolve_cache
 from .ui_output import TextWithData
@@ -37,12 +37,10 @@ def _dataset_variants(reader: Any) -> tuple[list[str], dict[str, Any]]:
     that cannot be read is named instead (the check lists it as a problem too)."""
     lines: list[str] = []
     fields: dict[str, Any] = {}
-    for name, info in reader.datasets().items():
-        try:
-            summary = summarize_variants(reader, reader.dataset(name), info.info)
-        except CacheError as exc:
-            lines.append(f"  dataset {name!r}: cannot be read ({exc})")
-            fields[name] = {"error": str(exc)}
+    for name, summary in summarize_datasets(reader).items():
+        if isinstance(summary, CacheError):
+            lines.append(f"  dataset {name!r}: cannot be read ({summary})")
+            fields[name] = {"error": str(summary)}
             continue
         fields[name] = summary.describe()
         lines.append(f"  dataset {name!r}: {summary.samples} samples")

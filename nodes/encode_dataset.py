@@ -318,17 +318,17 @@ def _store_record(root: Path, dataset: str, enc: _Encoders) -> None:
         ("vae", enc.vae_identity, enc.vae_fp, enc.vae_loaded),
         ("clip", enc.clip_identity, enc.text_fp, enc.clip_loaded)) if was_loaded and ident]
     record = {k: dict(v) for k, v in enc.record.items() if isinstance(v, dict)}
-    for name, ident, fp in loaded:
-        entries = {ident: fp, **{i: f for i, f in record.get(name, {}).items() if i != ident}}
+
+    def remember(name: str, key: str, value: Any) -> None:  # newest first, at most RECORD_LIMIT kept
+        entries = {key: value, **{k: v for k, v in record.get(name, {}).items() if k != key}}
         record[name] = dict(list(entries.items())[:RECORD_LIMIT])
+
+    for name, ident, fp in loaded:
+        remember(name, ident, fp)
     if enc.vae_loaded and enc.frame_stride is not None:  # 0 too: an image VAE refuses clips without loading
-        strides = {enc.vae_fp: enc.frame_stride, **{f: v for f, v in record.get(STRIDE_KEY, {}).items()
-                                                    if f != enc.vae_fp}}
-        record[STRIDE_KEY] = dict(list(strides.items())[:RECORD_LIMIT])
+        remember(STRIDE_KEY, enc.vae_fp, enc.frame_stride)
     if enc.vae_loaded and enc.mask_factor is not None:
-        factors = {enc.vae_fp: enc.mask_factor, **{f: v for f, v in record.get(FACTOR_KEY, {}).items()
-                                                   if f != enc.vae_fp}}
-        record[FACTOR_KEY] = dict(list(factors.items())[:RECORD_LIMIT])
+        remember(FACTOR_KEY, enc.vae_fp, enc.mask_factor)
     if record:
         update_dataset_info(root, dataset, RECORD_KEY, record)
 

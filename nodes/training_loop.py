@@ -236,12 +236,13 @@ class TrainResult:
         """One paragraph for the node's UI (what was changed from the settings first)."""
         first = sum(self.losses[:5]) / max(1, len(self.losses[:5]))
         last = sum(self.losses[-5:]) / max(1, len(self.losses[-5:]))
+        rows = self.rows.describe()
         return "".join(f"NOTE: {n}. " for n in self.notes) + (
             f"trained {len(self.losses)} steps ({self.steps} in total) in {self.seconds:.1f} s: "
             f"{self.samples_per_s:.2f} samples/s, waited for data {self.data_wait_pct:.1f}% of the time; "
             f"loss {first:.4f} (first 5) → {last:.4f} (last 5); "
             f"buckets {', '.join(f'{list(b)}×{n}' for b, n in self.buckets.items())}"
-            + (f"; {self.rows.describe()}" if self.rows.describe() else "")
+            + (f"; {rows}" if rows else "")
         )
 
 

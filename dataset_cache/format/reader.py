@@ -46,16 +46,35 @@ _VERIFY_CHUNK = 64 << 20
 _OPEN_RETRIES = 5
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # what torch's own weak storage refs use
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors, views and arrays (each holds one) refer to ``t``'s memory, plus one for the query."""
+    return _storage_use_count(t.untyped_storage()._cdata)  # type: ignore[misc]
+
+
 class ReadBuffer:
     """A reusable ``uint8`` host buffer for batch reads (pinned when asked and CUDA is available).
 
     Tensors returned by a read into this buffer are views of it: they are overwritten by the next read into the
-    same buffer, so a loader keeps one buffer per batch in flight.
+    same buffer, so a loader keeps one buffer per batch in flight, and reuses one only once :meth:`in_use` says
+    no view of an earlier read is alive.
     """
+
+    TRACKS_USE: bool = _storage_use_count is not None
+    """Whether :meth:`in_use` can tell (torch's private storage use count; there is no public equivalent)."""
+
+    _IDLE_USERS = _storage_users(torch.empty(1)) if TRACKS_USE else -1  # a buffer's own tensor and the query
 
     def __init__(self, nbytes: int = 0, *, pin_memory: bool = False) -> None:
         self.pin_memory = bool(pin_memory and torch.cuda.is_available())
         self.tensor = self._alloc(nbytes)
+
+    def in_use(self) -> bool:
+        """Whether any tensor, view or numpy array besides the buffer's own refers to its memory (a batch read into
+        it is still alive); ``True`` when :attr:`TRACKS_USE` is false, so such a buffer is never reused."""
+        return not self.TRACKS_USE or _storage_users(self.tensor) != self._IDLE_USERS
 
     def _alloc(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.uint8, pin_memory=self.pin_memory)
