@@ -142,3 +142,17 @@ def models(comfy_nodes: ModuleType, tiny_models: TinyModels) -> tuple[Any, Any, 
 def handles(pack: ModuleType) -> ModuleType:
     """The pack's ``nodes.handles`` module (dataset handles), as ComfyUI loaded it."""
     return importlib.import_module(f"{pack.__name__}.nodes.handles")
+
+
+@pytest.fixture(scope="session")
+def wan_vae(comfy_nodes: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
+    """A tiny WAN 2.1 VAE (random weights, the real architecture) in a folder registered for ComfyUI's ``vae``
+    models, and the VAE ComfyUI's own VAELoader makes of it: ``(file name, VAE)``."""
+    import folder_paths
+    from support.tiny_families import save_wan21_vae
+
+    folder = tmp_path_factory.mktemp("wan_vae")
+    path = save_wan21_vae(folder)
+    folder_paths.add_model_folder_path("vae", str(folder))
+    (vae,) = comfy_nodes.VAELoader().load_vae(path.name)
+    return path.name, vae

@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 from support.clips import frame_array, make_frames_folder, make_video
-from support.tiny_families import FAMILIES, save_family_model, save_wan21_vae
+from support.tiny_families import FAMILIES, save_family_model
 from support.tiny_models import TinyModels
 
 from .test_encode_dataset import Run, _encoded, _prompt
@@ -31,17 +31,6 @@ CLIPS = {"frame_count": 9, "frame_sampling": "first", "frame_step": 2, "fps": 0.
 @pytest.fixture(scope="module")
 def mod(pack: ModuleType) -> ModuleType:
     return importlib.import_module(f"{pack.__name__}.nodes.encode_dataset")
-
-
-@pytest.fixture(scope="module")
-def wan_vae(comfy_nodes: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
-    import folder_paths
-
-    folder = tmp_path_factory.mktemp("wan_vae_clips")
-    path = save_wan21_vae(folder, name="tiny_wan21_vae_clips.safetensors")
-    folder_paths.add_model_folder_path("vae", str(folder))
-    (vae,) = comfy_nodes.VAELoader().load_vae(path.name)
-    return path.name, vae
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from types import ModuleType
 import pytest
 import torch
 from PIL import Image
-from support.tiny_families import save_wan21_vae
 from support.tiny_models import TinyModels
 
 from .test_encode_dataset import Run, _encoded, _prompt
@@ -23,17 +22,6 @@ from .test_encode_dataset import Run, _encoded, _prompt
 @pytest.fixture(scope="module")
 def mod(pack: ModuleType) -> ModuleType:
     return importlib.import_module(f"{pack.__name__}.nodes.encode_dataset")
-
-
-@pytest.fixture(scope="module")
-def wan_vae(comfy_nodes: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
-    import folder_paths
-
-    folder = tmp_path_factory.mktemp("wan_vae")
-    path = save_wan21_vae(folder)
-    folder_paths.add_model_folder_path("vae", str(folder))
-    (vae,) = comfy_nodes.VAELoader().load_vae(path.name)
-    return path.name, vae
 
 
 def test_a_video_vae_encodes_each_image_on_its_own(mod: ModuleType, wan_vae: tuple, comfy_nodes: ModuleType,

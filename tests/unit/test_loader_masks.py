@@ -86,19 +86,12 @@ def test_each_batch_is_one_read_holding_its_masks():
         assert want <= set(keys) and set(plan.latent_keys) <= set(keys)
 
 
-def test_no_mask_in_the_dataset_means_no_masks_tensor():
-    samples, entries = dataset(with_masks=False)
+@pytest.mark.parametrize("with_masks", [False, True], ids=["no mask in the dataset", "rows without masks"])
+def test_batches_whose_rows_have_no_mask_get_no_masks_tensor(with_masks):
+    samples, entries = dataset(with_masks=with_masks)
+    samples = [s for s in samples if s.mask is None]  # with masks in the dataset: only the rows without one
     reader = Reader(entries)
     sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 2, seed=1)
-    with PrefetchLoader(reader, sampler, prefetch_batches=1) as loader:
-        assert all(b.masks is None for b in loader)
-
-
-def test_a_batch_whose_rows_all_lack_masks_gets_none():
-    samples, entries = dataset()
-    only = [s for s in samples if s.mask is None]
-    reader = Reader(entries)
-    sampler = BucketSampler(only, buckets_from_reader(reader, only), 2, seed=1)
     with PrefetchLoader(reader, sampler, prefetch_batches=1) as loader:
         assert all(b.masks is None for b in loader)
 
