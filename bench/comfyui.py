@@ -6,7 +6,7 @@ Runs under ComfyUI's python and calls ComfyUI's own functions in-process (CPU, `
   by our ``CacheWriter`` and in the lazy-branch layout; then, each in a fresh interpreter, the built-in
   ``LoadTrainingDataset.execute`` vs ``open_cache`` + the sample list vs the lazy-branch open: wall time and RSS.
 * **C2. Training**: time to the first training step, steady steps/s and peak RSS of our trainer
-  (``nodes/training_loop.train_lora``, what ``StreamCache_TrainLoRA`` runs) vs the built-in ``LoadTrainingDataset``
+  (``nodes/training.train_lora``, what ``StreamCache_TrainLoRA`` runs) vs the built-in ``LoadTrainingDataset``
   → ``ResolutionBucket`` → ``TrainLoraNode(bucket_mode=True)``, same batch size, steps and options, with the tiny
   SD1.5-shaped model; and the upper bound: our loop with every batch already in (CPU) device memory.
 * **C5. Built-in re-encode**: ComfyUI's ``MakeTrainingDataset`` with the tiny VAE and CLIP on a small folder,
@@ -232,10 +232,10 @@ def child_train(kind: str, target: str, steps: int, work: Path, models: str) -> 
             pack = import_pack()
             import importlib
 
-            lt = importlib.import_module(f"{pack.__name__}.nodes.training_loop")
+            lt = importlib.import_module(f"{pack.__name__}.nodes.training")
             handles = importlib.import_module(f"{pack.__name__}.nodes.handles")
             if kind == "bound":
-                real_loader = lt.PrefetchLoader
+                real_loader = lt.run.PrefetchLoader
 
                 class InMemory:
                     """Every batch the run will use, read before the loop starts (the upper bound)."""
@@ -252,7 +252,7 @@ def child_train(kind: str, target: str, steps: int, work: Path, models: str) -> 
                     def close(self) -> None:
                         self.batches = []
 
-                lt.PrefetchLoader = InMemory
+                lt.run.PrefetchLoader = InMemory
             reader, samples = handles.StreamDatasetHandle(target, "train").open()
             try:
                 settings = lt.TrainSettings(steps=steps, prefetch_batches=2, loader_threads=0, **TRAIN_OPTS)

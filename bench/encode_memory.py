@@ -114,7 +114,7 @@ def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:
     from comfy_execution.graph import DynamicPrompt
 
     encode = sys.modules[f"{pack.__name__}.nodes.encode_dataset"]
-    training = sys.modules[f"{pack.__name__}.nodes.training_loop"]
+    training = sys.modules[f"{pack.__name__}.nodes.training"]
     phases.done("ComfyUI and the pack imported")
 
     (vae,) = comfy_nodes.VAELoader().load_vae(vae_file.name)

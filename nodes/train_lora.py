@@ -2,7 +2,7 @@
 
 The outputs are the built-in trainer's (``LORA_MODEL``, ``LOSS_MAP``, steps), so ComfyUI's "Save LoRA Weights",
 "Plot Loss Graph" and "Load LoRA Model" take them unchanged. The training itself lives in
-:mod:`.training_loop`; this file is the ComfyUI face of it: inputs, progress events and the node's UI output.
+:mod:`.training`; this file is the ComfyUI face of it: inputs, progress events and the node's UI output.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .handles import (
     require_caches,
     training_reader,
 )
-from .training_loop import (
+from .training import (
     LOSS_FUNCTIONS,
     MAX_REG_RATIO,
     MAX_REG_WEIGHT,

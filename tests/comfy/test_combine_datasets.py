@@ -63,7 +63,7 @@ def cache(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, tmp_path_fac
 @pytest.fixture()
 def trained_plans(pack: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every BatchPlan the next runs train, recorded around the real per-batch step."""
-    loop = _module(pack, "nodes.training_loop")._Loop
+    loop = _module(pack, "nodes.training.loop").StepLoop
     real = loop._fwd_bwd
     plans: list[Any] = []
 
@@ -277,7 +277,7 @@ def test_a_run_holds_the_read_lock_of_every_cache_it_reads(
     main, shared = split
     clean_node = _module(pack, "nodes.clean_cache").CleanCache
     locked_error = _module(pack, "dataset_cache.errors").CacheLockedError
-    loop = _module(pack, "nodes.training_loop")._Loop
+    loop = _module(pack, "nodes.training.loop").StepLoop
     real = loop._fwd_bwd
     refused: list[str] = []
 

@@ -119,7 +119,7 @@ def test_family_trains_and_its_lora_applies_with_every_key(
     keys_cell.passed(f"{part}: all {applied} modules")
 
     sample_cell.note(f"{part}: a 1-step KSampler with the LoRA")
-    train_nodes = _module(pack, "nodes.training_loop").nodes_train_module()
+    train_nodes = _module(pack, "nodes.training").nodes_train_module()
     with torch.inference_mode():
         (with_lora,) = train_nodes.LoraModelLoader.execute(model, lora, 1.0).result
         cond = fam.conditioning(torch.Generator().manual_seed(1), 9)
@@ -277,7 +277,7 @@ def test_one_step_gives_the_loss_and_gradients_of_comfyuis_own_training(
     Where the node fails on the family (``Family.builtin_fails``), its guider and ``fwd_bwd`` are run directly."""
     fam, model = family
     cell = matrix(fam.name, "parity")
-    training = _module(pack, "nodes.training_loop")
+    training = _module(pack, "nodes.training")
     builtin = training.nodes_train_module()
     gen = torch.Generator().manual_seed(21)
     latent = torch.randn(fam.latent, generator=gen)
@@ -293,7 +293,7 @@ def test_one_step_gives_the_loss_and_gradients_of_comfyuis_own_training(
         in_model_space = model.model.process_latent_in(latent.clone())
     torch.testing.assert_close(theirs["latent"].float(), in_model_space, rtol=0, atol=0)  # both scale the latent
 
-    monkeypatch.setattr(training._Loop, "_draw", lambda _self, shape, _index: (
+    monkeypatch.setattr(training.loop.StepLoop, "_draw", lambda _self, shape, _index: (
         theirs["sigma"].float().cpu().reshape(shape[0]), theirs["noise"].float().cpu().reshape(shape)))
     cell.note("the pack's trainer, 1 step with the same sigma and noise")
     reader, samples = _one_sample_dataset(pack, latent, conditioning, tmp_path / "cache").open()
@@ -334,7 +334,7 @@ def test_comfyuis_builtin_train_lora_node_trains_the_family(
 
     fam, model = family
     cell = matrix(fam.name, "builtin")
-    builtin = _module(pack, "nodes.training_loop").nodes_train_module()
+    builtin = _module(pack, "nodes.training").nodes_train_module()
     gen = torch.Generator().manual_seed(5)
     latents = [torch.randn(fam.latent, generator=gen) for _ in range(2)]
     conditionings = [fam.conditioning(gen, tokens) for tokens in (7, 12)]

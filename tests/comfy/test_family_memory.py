@@ -57,7 +57,7 @@ def test_training_starts_with_the_device_to_itself_after_encode_dataset(
     import comfy.model_management
 
     encode = importlib.import_module(f"{pack.__name__}.nodes.encode_dataset")
-    training = importlib.import_module(f"{pack.__name__}.nodes.training_loop")
+    training = importlib.import_module(f"{pack.__name__}.nodes.training")
     (vae,) = comfy_nodes.VAELoader().load_vae(tiny_models.name("vae"))
     (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny_models.name("clip"), "stable_diffusion")
     (model,) = comfy_nodes.UNETLoader().load_unet(tiny_models.name("unet"), "default")

@@ -41,7 +41,7 @@ def _module(pack: ModuleType, name: str) -> ModuleType:
 
 @pytest.fixture(scope="module")
 def training(pack: ModuleType) -> ModuleType:
-    return _module(pack, "nodes.training_loop")
+    return _module(pack, "nodes.training")
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def _step(training: ModuleType, model: Any, cache: Any, monkeypatch: pytest.Monk
     plans: list[Any] = []
     preds: list[torch.Tensor] = []
     grads: list[list[torch.Tensor]] = []
-    real_loader, real_forward = training.PrefetchLoader, training._Forward.__call__
+    real_loader, real_forward = training.run.PrefetchLoader, training.conditioning.ModelCall.__call__
 
     class Loader:  # the real loader; its batches get the masks and weights the dataset will give them
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -137,9 +137,9 @@ def _step(training: ModuleType, model: Any, cache: Any, monkeypatch: pytest.Monk
 
     settings = {**SETTINGS, "batch_size": 2 if dataset == "both" else 1, **options}
     with monkeypatch.context() as patch:
-        patch.setattr(training, "PrefetchLoader", Loader)
-        patch.setattr(training._Loop, "_draw", draw)
-        patch.setattr(training._Forward, "__call__", forward)
+        patch.setattr(training.run, "PrefetchLoader", Loader)
+        patch.setattr(training.loop.StepLoop, "_draw", draw)
+        patch.setattr(training.conditioning.ModelCall, "__call__", forward)
         handle = register_optimizer_step_pre_hook(hook)
         try:
             if run is not None:

@@ -169,7 +169,7 @@ def test_loss_falls(trained: Any, untrained: list[float]) -> None:
 def test_trained_lora_lowers_a_fixed_evaluation_loss(trained: Any, models: tuple, dataset: Any,
                                                       comfy_nodes: ModuleType, pack: ModuleType) -> None:
     """Independent of the training curve's noise: the same sigmas and noise before and after, via LoraModelLoader."""
-    train_module = _module(pack, "nodes.training_loop").nodes_train_module()
+    train_module = _module(pack, "nodes.training").nodes_train_module()
     reader, samples = dataset.open()
     try:
         values = reader.read([s.latent for s in samples] + [s.captions[0] for s in samples])
@@ -200,7 +200,7 @@ def test_outputs_work_with_the_builtin_lora_nodes(trained: Any, models: tuple, p
         patches = comfy.lora.load_lora(lora, comfy.lora.model_lora_keys_unet(model.model, {}))
     assert "lora key not loaded" not in caplog.text
     assert len(patches) > 0
-    train_module = _module(pack, "nodes.training_loop").nodes_train_module()
+    train_module = _module(pack, "nodes.training").nodes_train_module()
     train_module.SaveLoRA.execute(lora, "loras/streamcache_test", steps)
     saved = sorted(Path(folder_paths.get_output_directory(), "loras").glob(f"streamcache_test_{steps}_steps_*"))
     assert saved, "SaveLoRA wrote no file"
@@ -242,15 +242,15 @@ def test_bypass_mode_trains_the_same_lora_through_forward_hooks(pack: ModuleType
                                                               dataset: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """bypass_mode (ComfyUI's, for quantized weights that cannot be patched) applies the adapters as forward hooks:
     the same seed trains the same LoRA as weight patching, the base model is untouched, no hook is left."""
-    training = _module(pack, "nodes.training_loop")
+    training = _module(pack, "nodes.training")
     hooks: list[int] = []
-    step = training._Loop._optimizer_step
+    step = training.loop.StepLoop._optimizer_step
 
     def record(self: Any) -> None:  # modules whose forward is replaced by a hook while training runs
         hooks.append(sum("forward" in vars(m) for m in self.mp.model.diffusion_model.modules()))
         step(self)
 
-    monkeypatch.setattr(training._Loop, "_optimizer_step", record)
+    monkeypatch.setattr(training.loop.StepLoop, "_optimizer_step", record)
     model = models[0]
     before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
     patched = _train(node, model, dataset, steps=3)
@@ -272,15 +272,15 @@ def test_quantized_backward_is_set_for_the_run_only(pack: ModuleType, node: type
     this node trains, as the built-in node does, and puts the previous value back afterwards."""
     import comfy.model_management
 
-    training = _module(pack, "nodes.training_loop")
+    training = _module(pack, "nodes.training")
     seen: list[bool] = []
-    step = training._Loop._optimizer_step
+    step = training.loop.StepLoop._optimizer_step
 
     def record(self: Any) -> None:
         seen.append(comfy.model_management.training_fp8_bwd)
         step(self)
 
-    monkeypatch.setattr(training._Loop, "_optimizer_step", record)
+    monkeypatch.setattr(training.loop.StepLoop, "_optimizer_step", record)
     assert comfy.model_management.training_fp8_bwd is False
     _train(node, models[0], dataset, steps=2, quantized_backward=True)
     assert seen == [True, True] and comfy.model_management.training_fp8_bwd is False
@@ -334,13 +334,13 @@ def test_continuing_a_lora_reproduces_an_uninterrupted_run(node: type, models: t
 
 def test_every_row_is_paired_with_its_own_caption(pack: ModuleType, models: tuple) -> None:
     """The built-in trainer averages every caption over the whole batch; here row i sees caption i only."""
-    training = _module(pack, "nodes.training_loop")
+    training = _module(pack, "nodes.training")
     model = models[0]
     short = torch.randn(1, 77, 768)
     long = torch.randn(1, 154, 768)
     conds = [[[short, {"pooled_output": torch.randn(1, 768)}]], [[long, {"pooled_output": torch.randn(1, 768)}]]]
     noise = torch.zeros(2, 4, 8, 8)
-    ((rows, kwargs),) = training._Conditioner(model.model, torch.device("cpu"))(conds, noise, noise, seed=0)
+    ((rows, kwargs),) = training.conditioning.Conditioner(model.model, torch.device("cpu"))(conds, noise, noise, seed=0)
     assert rows == [0, 1]  # CLIP contexts of 77 and 154 tokens join into one batch
     context = kwargs["c_crossattn"]
     assert context.shape == (2, 154, 768)
@@ -351,12 +351,12 @@ def test_every_row_is_paired_with_its_own_caption(pack: ModuleType, models: tupl
 def test_rows_whose_conditionings_cannot_be_joined_run_as_separate_groups(pack: ModuleType, models: tuple) -> None:
     """77 and 100 CLIP tokens have no small common multiple, so ComfyUI's sampler would not batch them: neither
     does the trainer. Each group's prediction equals the prediction of its rows alone."""
-    training = _module(pack, "nodes.training_loop")
+    training = _module(pack, "nodes.training")
     model = models[0]
     gen = torch.Generator().manual_seed(3)
     conds = [[[torch.randn(1, n, 768, generator=gen), {}]] for n in (77, 100, 77)]
     noise = torch.randn(3, 4, 8, 8, generator=gen)
-    groups = training._Conditioner(model.model, torch.device("cpu"))(conds, noise, noise, seed=0)
+    groups = training.conditioning.Conditioner(model.model, torch.device("cpu"))(conds, noise, noise, seed=0)
     assert [rows for rows, _ in groups] == [[0, 2], [1]]
     assert groups[0][1]["c_crossattn"].shape == (2, 77, 768) and groups[1][1]["c_crossattn"].shape == (1, 100, 768)
 
@@ -367,7 +367,7 @@ def test_progress_events_reach_the_server_throttled(pack: ModuleType, monkeypatc
     import types
 
     node_module = _module(pack, "nodes.train_lora")
-    report = _module(pack, "nodes.training_loop").StepReport
+    report = _module(pack, "nodes.training").StepReport
     events = node_module._Events("12")
     monkeypatch.delitem(sys.modules, "server", raising=False)
     events(report(1, 3, 0.5, 0.5, 2.0, 1.0, 0))  # no server: a no-op
@@ -460,7 +460,7 @@ def test_a_nan_latent_stops_training_at_its_first_batch_naming_it(pack: ModuleTy
     bad = torch.randn(1, 4, 8, 8)
     bad[0, 1, 2, 3] = float("nan")
     dataset = _poisoned(pack, handles, tmp_path / "nan_cache", bad)
-    training = _module(pack, "nodes.training_loop")
+    training = _module(pack, "nodes.training")
     with pytest.raises(training.NonFiniteLossError) as info:
         _train(node, models[0], dataset, batch_size=1, steps=8, seed=3)
     message = str(info.value)
@@ -472,10 +472,10 @@ def test_an_integer_latent_is_refused_before_any_step(pack: ModuleType, node: ty
                                                       handles: ModuleType, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     dataset = _poisoned(pack, handles, tmp_path / "int_cache", torch.zeros(1, 4, 8, 8, dtype=torch.int16))
-    training = _module(pack, "nodes.training_loop")
+    training = _module(pack, "nodes.training")
     steps: list[int] = []
-    real_fwd_bwd = training._Loop._fwd_bwd
-    monkeypatch.setattr(training._Loop, "_fwd_bwd", lambda self, b, i: steps.append(i) or real_fwd_bwd(self, b, i))
+    real_fwd_bwd = training.loop.StepLoop._fwd_bwd
+    monkeypatch.setattr(training.loop.StepLoop, "_fwd_bwd", lambda self, b, i: steps.append(i) or real_fwd_bwd(self, b, i))
     with pytest.raises(ValueError, match=r"sample 2 \(img2.png\): latent entry .* holds torch.int16 samples"):
         _train(node, models[0], dataset)
     assert steps == []

@@ -1,0 +1,45 @@
+"""LoRA training on ComfyUI's own machinery, fed batch by batch from a StreamCache dataset.
+
+Why not call ComfyUI's ``TrainLoraNode`` (or its ``TrainGuider``/``TrainSampler``): that driver sizes a dummy
+latent and noise tensor to the whole dataset and moves them to the device, draws batches with the global RNG inside
+each step (nothing can be read ahead, runs are not reproducible), and hands the guider one conditioning per batch row,
+so ComfyUI's ``calc_cond_batch`` runs every caption over the *whole* batch and averages the predictions: with
+``batch_size > 1`` every image is trained towards the mean of all the batch's captions. In bucket and multi-resolution
+mode it also skips ``process_latent_in`` (the VAE-space → model-space scaling).
+
+What this package does instead, per optimizer step: take the next :class:`~dataset_cache.loader.Batch` from a
+:class:`~dataset_cache.loader.PrefetchLoader` (read ahead in background threads, already on the model's device),
+scale the latents into model space, noise them at seeded sigmas, turn EACH row's own conditioning into the model's
+keyword arguments (``convert_cond`` → ``encode_model_conds`` → ``process_cond`` → ``cond_cat``), and call the
+model's ``apply_model`` once for the batch, as ComfyUI's sampler would for one conditioning. Everything else is
+ComfyUI's: the model clone, compute dtype, the LoRA/LoHa/LoKr/OFT adapters and their weight wrappers, optimizers,
+losses, gradient checkpointing and model loading, taken from the live ``nodes_train`` module (see
+:func:`~.comfy_parts.nodes_train_module`). Device memory is one batch plus the model, whatever the dataset's size.
+
+Modules: ``settings`` (the options), ``run`` (``train_lora`` as its steps), ``loop`` (the step loop and loss),
+``conditioning`` (per-row conditionings, the model call), ``report`` (step and run reports), ``comfy_parts`` (the
+ComfyUI functions driven). Only the execution thread calls ComfyUI's progress and interrupt functions; the loader's
+threads only read.
+"""
+
+from __future__ import annotations
+
+from .comfy_parts import nodes_train_module
+from .loop import NonFiniteLossError
+from .report import RowCounts, StepReport, TrainResult
+from .run import train_lora
+from .settings import LOSS_FUNCTIONS, MAX_REG_RATIO, MAX_REG_WEIGHT, OPTIMIZERS, TrainSettings
+
+__all__ = [
+    "LOSS_FUNCTIONS",
+    "MAX_REG_RATIO",
+    "MAX_REG_WEIGHT",
+    "NonFiniteLossError",
+    "OPTIMIZERS",
+    "RowCounts",
+    "StepReport",
+    "TrainResult",
+    "TrainSettings",
+    "nodes_train_module",
+    "train_lora",
+]

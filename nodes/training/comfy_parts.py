@@ -1,0 +1,130 @@
+"""The pieces of ComfyUI's own trainer this pack drives: its training module, LoRA files, dtypes, model release.
+
+Everything here calls ComfyUI; the rest of the trainer only calls these.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+import comfy.model_management
+import comfy.utils
+import folder_paths
+import node_helpers
+
+__all__ = ["bypass_setup", "check_latent_channels", "load_existing_lora", "nodes_train_module", "release",
+           "resume_exactly", "training_dtypes"]
+
+log = logging.getLogger("streamcache.train")
+
+_NODES_TRAIN_NEEDS = ("_setup_lora_adapters", "_create_optimizer", "_create_loss_function",
+                      "find_modules_at_depth", "patch", "unpatch")
+
+
+def nodes_train_module() -> ModuleType:
+    """ComfyUI's live ``comfy_extras/nodes_train`` module (the one its "Train LoRA" node runs from).
+
+    ComfyUI imports ``comfy_extras`` files under their path as module name, so ``import comfy_extras.nodes_train``
+    would create a second copy; the live one is found through the registered node class, and the plain import is
+    the fallback when the built-in nodes are not loaded (scripts, tests).
+
+    Raises:
+        RuntimeError: ComfyUI's training module lacks a function this pack calls (a ComfyUI version that
+            changed its private training helpers).
+    """
+    module: ModuleType | None = None
+    nodes = sys.modules.get("nodes")
+    node_class = getattr(nodes, "NODE_CLASS_MAPPINGS", {}).get("TrainLoraNode") if nodes else None
+    if node_class is not None:
+        module = sys.modules.get(node_class.__module__)
+    if module is None:
+        module = importlib.import_module("comfy_extras.nodes_train")
+    missing = [name for name in _NODES_TRAIN_NEEDS if not callable(getattr(module, name, None))]
+    if missing:
+        raise RuntimeError(
+            f"ComfyUI's training module {module.__name__} has no {', '.join(missing)}: this ComfyUI version "
+            "changed its LoRA training helpers; update ComfyUI-StreamCache (or use a ComfyUI it supports)"
+        )
+    return module
+
+
+def load_existing_lora(name: str) -> tuple[dict[str, torch.Tensor], int]:
+    """Weights and step count of a LoRA in the ``loras`` folder (``"[None]"``: none).
+
+    The step count is read from ``SaveLoRA``'s file name (``<prefix>_<steps>_steps_<counter>_.safetensors``); any
+    other name counts 0 steps instead of failing (the built-in node raises on such names).
+    """
+    if name == "[None]":
+        return {}, 0
+    path = folder_paths.get_full_path("loras", name)
+    if path is None:
+        raise ValueError(f"existing_lora {name!r} is not in the loras folder; pick one from the list or [None]")
+    match = re.search(r"(\d+)_steps_", name)
+    return comfy.utils.load_torch_file(path, safe_load=True), int(match.group(1)) if match else 0
+
+
+def resume_exactly(lora_sd: dict[str, torch.Tensor], existing: dict[str, torch.Tensor]) -> None:
+    """Start from every value of the existing LoRA, not only its up/down matrices.
+
+    ComfyUI's adapter setup re-creates ``diff``/``diff_b`` (norm and bias deltas) as zeros and reads ``alpha`` from a
+    key it never saves (``<module>.weight.alpha``), so a continued LoRA would silently lose those; copying the
+    saved tensors over the freshly built parameters (same names, as ``SaveLoRA`` wrote them) continues exactly.
+    """
+    with torch.no_grad():
+        for key, param in lora_sd.items():
+            saved = existing.get(key)
+            if saved is not None and saved.shape == param.shape:
+                param.copy_(saved.to(param.dtype))
+
+
+def training_dtypes(mp: Any, training_dtype: str, lora_dtype: str) -> tuple[torch.dtype, torch.dtype, bool]:
+    """(autocast dtype, adapter dtype, use a GradScaler) with the built-in node's rules; sets the compute dtype."""
+    adapter_dtype = node_helpers.string_to_torch_dtype(lora_dtype)
+    if training_dtype != "none":
+        dtype = node_helpers.string_to_torch_dtype(training_dtype)
+        mp.set_model_compute_dtype(dtype)
+        return dtype, adapter_dtype, False
+    if mp.model.get_dtype() == torch.float16:  # GradScaler handles fp16 gradients only, not bf16 adapters
+        return torch.float16, adapter_dtype, adapter_dtype != torch.bfloat16
+    return torch.bfloat16, adapter_dtype, False
+
+
+def check_latent_channels(mp: Any, buckets: Sequence[tuple[int, ...]]) -> None:
+    expected = getattr(getattr(mp.model, "latent_format", None), "latent_channels", None)
+    found = sorted({b[0] for b in buckets})
+    if expected is not None and found != [expected]:
+        raise ValueError(
+            f"the dataset's latents have {found} channel(s) but the model expects {expected}: the cache was "
+            "encoded with another model family's VAE; encode the dataset with this model's VAE"
+        )
+
+
+
+def release(mp: Any) -> None:
+    """Unload the training clone now (device memory back, weight wrappers removed) instead of at the next GC."""
+    try:
+        loaded = comfy.model_management.current_loaded_models
+        for entry in [lm for lm in loaded if lm.model is mp]:
+            entry.model_unload()
+            loaded.remove(entry)
+    except Exception:  # a ComfyUI that changed its loaded-model list: the clone is freed when collected
+        log.debug("could not unload the training clone explicitly", exc_info=True)
+
+
+def bypass_setup(train: ModuleType) -> Callable[..., tuple[dict[str, torch.Tensor], list[Any], Any]]:
+    """ComfyUI's bypass-mode adapter setup (adapters applied by forward hooks), or a ValueError naming the input
+    when this ComfyUI has none."""
+    setup = getattr(train, "_setup_lora_adapters_bypass", None)
+    if setup is None:
+        raise ValueError("bypass_mode is on, but this ComfyUI's training code has no bypass mode "
+                         "(comfy_extras/nodes_train.py _setup_lora_adapters_bypass): update ComfyUI or turn "
+                         "bypass_mode off")
+    return setup

@@ -1,0 +1,72 @@
+"""Each batch row's own conditioning turned into the model's keyword arguments, and one model call on a batch,
+both as ComfyUI's sampler makes them."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import comfy.sampler_helpers
+import comfy.samplers
+
+__all__ = ["Conditioner", "ModelCall"]
+
+class Conditioner:
+    """Turns each batch row's own conditioning into the keyword arguments of ``BaseModel.apply_model``.
+
+    Per row: ``convert_cond`` (ComfyUI's dict form of a conditioning entry) → ``encode_model_conds`` with the
+    model's ``extra_conds`` (``c_crossattn``, ``y`` for SDXL-style pooled vectors, concat inputs, ...) for that row's
+    noise and latent → ``process_cond(batch_size=1)``; then ``cond_cat`` joins the rows, padding cross-attention of
+    different token lengths the way ComfyUI's sampler does. Rows whose conditionings cannot be joined (an LLM
+    encoder's captions of different lengths, a T5 prompt past its padded length) form groups of their own, each
+    run through the model separately, as ComfyUI's sampler runs conditionings it cannot batch.
+    """
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+
+    def __call__(self, conditionings: Sequence[Any], noise: torch.Tensor, latents: torch.Tensor,
+                 seed: int) -> list[tuple[list[int], dict[str, Any]]]:
+        """Return ``(row indices, apply_model keyword arguments)`` per group of rows that batch together."""
+        rows = []
+        for i, conditioning in enumerate(conditionings):
+            # check_trainable refused multi-entry conditionings and sampler-only options when the dataset opened
+            (entry,) = comfy.sampler_helpers.convert_cond(conditioning)
+            (encoded,) = comfy.samplers.encode_model_conds(
+                self.model.extra_conds, [entry], noise[i : i + 1], self.device, "positive",
+                latent_image=latents[i : i + 1], seed=seed,
+            )
+            rows.append({k: v.process_cond(batch_size=1, area=None) for k, v in encoded["model_conds"].items()})
+        groups: list[list[int]] = []
+        for i, row in enumerate(rows):
+            home = next((g for g in groups if comfy.samplers.cond_equal_size(rows[g[0]], row)), None)
+            if home is None:
+                groups.append([i])
+            else:
+                home.append(i)
+        return [(g, comfy.samplers.cond_cat([rows[i] for i in g], device=self.device)) for g in groups]
+
+
+class ModelCall:
+    """One call of the model on a batch, as ComfyUI's ``_calc_cond_batch`` makes it for a single conditioning:
+    the patcher's transformer options, wrappers and callbacks, ``model_function_wrapper`` when set."""
+
+    def __init__(self, mp: Any, model_options: dict[str, Any]) -> None:
+        self.mp = mp
+        self.model_options = model_options
+        self.uuid = uuid.uuid4()
+
+    def __call__(self, xt: torch.Tensor, sigma: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        self.mp.prepare_state(sigma, self.model_options)
+        options = dict(self.model_options.get("transformer_options", {}))
+        options.update(cond_or_uncond=[0], uuids=[self.uuid], sigmas=sigma)
+        c = {**kwargs, "transformer_options": options}
+        wrapper = self.model_options.get("model_function_wrapper")
+        if wrapper is not None:
+            return wrapper(self.mp.model.apply_model,
+                           {"input": xt, "timestep": sigma, "c": c, "cond_or_uncond": [0]})
+        return self.mp.model.apply_model(xt, sigma, **c)

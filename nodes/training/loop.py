@@ -1,0 +1,229 @@
+"""The step loop: batches in, noise and timesteps drawn per batch, ComfyUI's loss (weighted only when asked),
+optimizer steps out."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import comfy.model_management
+import comfy.utils
+
+from ...dataset_cache.loader import Batch
+from ...dataset_cache.seeding import derive_seed, seeded_generator
+from ...dataset_cache.trainable import non_finite_entries
+from .conditioning import Conditioner, ModelCall
+from .report import StepReport
+from .settings import TrainSettings
+
+__all__ = ["NonFiniteLossError", "StepLoop"]
+
+_SIGMA_EDGE = 1e-5
+"""Timestep percentages are drawn in ``[1e-5, 1 - 1e-5]``: ``percent_to_sigma(0)`` is a 1e9 sentinel, not a sigma."""
+_SMOOTHING = 0.1
+"""Weight of the newest loss in the exponential moving average reported as ``loss_smooth``."""
+
+
+class NonFiniteLossError(ValueError):
+    """Training stopped at a NaN or infinite loss: every later step would only spread it into the LoRA."""
+
+    def __init__(self, step: int, loss: float, batch: Batch) -> None:
+        plan = batch.plan
+        bad = non_finite_entries(plan.latent_keys, batch.latents, plan.caption_keys, batch.conditioning)
+        cause = (f"these entries hold NaN or infinite values: {', '.join(bad[:4])}"
+                 f"{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}; the cache's checksums cannot catch values "
+                 "that were stored that way: re-encode those images and captions" if bad else
+                 "the batch's values are finite, so the model diverged: lower the learning rate, or train in "
+                 "bf16/fp32 rather than fp16")
+        super().__init__(f"training stopped at step {step}: the loss is {loss} (batch {plan.index} of epoch "
+                         f"{plan.epoch}, latents {', '.join(plan.latent_keys[:4])}"
+                         f"{' ...' if len(plan.latent_keys) > 4 else ''}); {cause}. No LoRA was written")
+        self.step = step
+        self.entries = bad
+
+
+class StepLoop:
+    """The step loop: ``steps`` optimizer steps of ``grad_accumulation_steps`` batches each.
+
+    ``first_batch`` is the global number of the first batch: a run continuing an existing LoRA starts where the
+    earlier run stopped, so its batch order, noise and timesteps are those an uninterrupted run would have had.
+    """
+
+    def __init__(self, mp: Any, settings: TrainSettings, dtype: torch.dtype, loss_fn: Any, optimizer: Any,
+                 scaler: Any, forward: ModelCall, conditioner: Conditioner, device: torch.device, *,
+                 first_batch: int = 0) -> None:
+        self.first_batch = first_batch
+        self.mp = mp
+        self.settings = settings
+        self.dtype = dtype
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.forward = forward
+        self.conditioner = conditioner
+        self.device = device
+        self.model_sampling = mp.model.model_sampling
+        self._elementwise: Any = None  # the per-element form of loss_fn, made when a batch first needs it
+
+    def run(self, batches: Any, on_step: Callable[[StepReport], None] | None
+            ) -> tuple[list[float], float, int, float]:
+        """Return (loss per optimizer step, seconds, batch rows trained, seconds spent waiting for batches)."""
+        s = self.settings
+        throw_if_interrupted = comfy.model_management.throw_exception_if_processing_interrupted
+        pbar = comfy.utils.ProgressBar(s.steps)
+        losses: list[float] = []
+        smooth = None
+        rows = 0
+        wait = 0.0
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        for step in range(s.steps):
+            total = 0.0
+            for micro in range(s.grad_accumulation_steps):
+                throw_if_interrupted()
+                t_wait = time.perf_counter()
+                batch: Batch = next(batches)
+                wait += time.perf_counter() - t_wait
+                index = self.first_batch + step * s.grad_accumulation_steps + micro
+                batch_loss = self._fwd_bwd(batch, index)
+                if not math.isfinite(batch_loss):
+                    raise NonFiniteLossError(step + 1, batch_loss, batch)
+                total += batch_loss
+                rows += batch.latents.shape[0]
+            self._optimizer_step()
+            loss = total / s.grad_accumulation_steps
+            losses.append(loss)
+            smooth = loss if smooth is None else (1 - _SMOOTHING) * smooth + _SMOOTHING * loss
+            pbar.update(1)  # ComfyUI's progress hook also checks the interrupt flag
+            if on_step is not None:
+                elapsed = time.perf_counter() - t0
+                on_step(StepReport(step + 1, s.steps, loss, smooth, rows / elapsed if elapsed else 0.0,
+                                   100.0 * wait / elapsed if elapsed else 0.0, batch.plan.epoch))
+        return losses, time.perf_counter() - t0, rows, wait
+
+    def _fwd_bwd(self, batch: Batch, index: int) -> float:
+        ms = self.model_sampling
+        latents = self.mp.model.process_latent_in(batch.latents.to(self.device, torch.float32))
+        sigma, noise = self._draw(tuple(latents.shape), index)
+        sigma, noise = sigma.to(self.device), noise.to(self.device)
+        xt = ms.noise_scaling(sigma, noise, latents, False)
+        x0 = ms.noise_scaling(torch.zeros_like(sigma), torch.zeros_like(noise), latents, False)
+        groups = self.conditioner(batch.conditioning, noise, latents, derive_seed(self.settings.seed, index))
+        with self._autocast():
+            # inputs require grad as in the built-in trainer: its offload checkpointing only records a graph then
+            xt, sigma = xt.requires_grad_(True), sigma.requires_grad_(True)
+            if len(groups) == 1:
+                pred = self.forward(xt, sigma, groups[0][1])
+            else:  # one model call per group, the predictions put back in row order
+                order = torch.tensor([i for rows, _ in groups for i in rows], device=self.device)
+                parts = [self.forward(xt[rows], sigma[rows], kwargs) for rows, kwargs in groups]
+                pred = torch.cat(parts)[torch.argsort(order)]
+            loss = self._loss(pred.float(), x0.float(), batch)
+        scaled = loss / self.settings.grad_accumulation_steps
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return float(loss.detach())
+
+    def _loss(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The batch's loss: ComfyUI's loss module as it is, or its per-element form weighted by masks and rows.
+
+        Without a weight to apply (no masks or ``masked_loss`` off, no row weight other than 1) this is exactly the
+        call ComfyUI's own trainer makes, so the parity test with its ``TrainLoraNode`` stays bit-identical. With
+        weights, the same loss class with the same parameters (a copy of ComfyUI's module with ``reduction="none"``)
+        gives the per-element loss, which is multiplied by ``_loss_weight`` and averaged over every element, as
+        kohya's trainer does (the mean over each row times the row's weight, averaged over the rows: rows of a batch
+        share one shape). Not divided by the sum of the weights: then a row's weight ``w`` scales its own
+        contribution by exactly ``w`` whatever the other rows weigh, a row of weight 0 adds nothing, and a mask
+        that keeps a quarter of an image keeps a quarter of its loss (kohya's and OneTrainer's default).
+        """
+        weight = self._loss_weight(batch, pred)
+        if weight is None:
+            return self.loss_fn(pred, target)
+        per_element = self._per_element_loss()(pred, target)
+        if per_element.shape != pred.shape:
+            raise RuntimeError(f"ComfyUI's {self.settings.loss_function} loss with reduction='none' returned shape "
+                               f"{tuple(per_element.shape)} for a prediction of {tuple(pred.shape)}: masked and "
+                               "weighted losses need a per-element loss; turn masked_loss off and use rows of weight 1")
+        return (per_element * weight).mean()
+
+    def _loss_weight(self, batch: Batch, pred: torch.Tensor) -> torch.Tensor | None:
+        """Per-element loss weight of the batch (broadcastable to ``pred``, fp32 on the training device), or
+        ``None`` when every element weighs 1.
+
+        A mask ``m`` gives ``unmasked_weight + (1 - unmasked_weight) * m``, the same for every channel; video
+        latents (``[B, C, T, h, w]``) have no masks (the loader gives clips none; any it gives are ignored). A row
+        weight (``BatchPlan.weights``: a regularization dataset's loss weight) multiplies the whole row.
+        """
+        s = self.settings
+        rows = pred.shape[0]
+        weight: torch.Tensor | None = None
+        masks = batch.masks
+        if s.masked_loss and masks is not None and s.unmasked_weight != 1.0 and pred.ndim == 4:
+            expected = (rows, 1, *pred.shape[-2:])
+            if tuple(masks.shape) != expected:
+                raise ValueError(
+                    f"the loss masks of batch {batch.plan.index} of epoch {batch.plan.epoch} have shape "
+                    f"{tuple(masks.shape)}, its latents need {expected} (latents "
+                    f"{', '.join(batch.plan.latent_keys[:4])}): the masks were encoded for other latents; encode "
+                    "the dataset's masks again, or turn masked_loss off")
+            masks = masks.to(self.device, torch.float32)
+            weight = s.unmasked_weight + (1.0 - s.unmasked_weight) * masks
+        row_weights = batch.plan.weights
+        if row_weights and any(w != 1.0 for w in row_weights):
+            if len(row_weights) != rows:
+                raise ValueError(f"batch {batch.plan.index} of epoch {batch.plan.epoch} has {rows} rows but "
+                                 f"{len(row_weights)} loss weights: the sampler's plan does not match its batch")
+            per_row = torch.tensor(row_weights, dtype=torch.float32, device=self.device)
+            per_row = per_row.view(rows, *([1] * (pred.ndim - 1)))
+            weight = per_row if weight is None else weight * per_row
+        return weight
+
+    def _per_element_loss(self) -> Any:
+        """ComfyUI's loss module (from ``_create_loss_function``) with ``reduction="none"``: the same class and
+        parameters (Huber's delta, SmoothL1's beta), made once per run."""
+        if self._elementwise is None:
+            if not isinstance(self.loss_fn, torch.nn.Module) or not isinstance(
+                    getattr(self.loss_fn, "reduction", None), str):
+                raise RuntimeError(
+                    f"ComfyUI's {self.settings.loss_function} loss ({type(self.loss_fn).__name__}) has no "
+                    "'reduction' setting, so it cannot be weighted per element: this ComfyUI changed its training "
+                    "losses; turn masked_loss off (and train without loss weights) or update ComfyUI-StreamCache")
+            self._elementwise = copy.deepcopy(self.loss_fn)
+            self._elementwise.reduction = "none"
+        return self._elementwise
+
+    def _draw(self, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmas (one per row) and noise of batch ``index``, on the CPU.
+
+        They depend on the seed and the batch number alone, so a run is reproducible and a continued run draws what
+        an uninterrupted one would; the parity test with ComfyUI's trainer replaces this one method.
+        """
+        g = seeded_generator(self.settings.seed, index, "noise")
+        u = torch.rand(shape[0], generator=g, dtype=torch.float64).clamp(_SIGMA_EDGE, 1 - _SIGMA_EDGE)
+        sigma = torch.tensor([float(self.model_sampling.percent_to_sigma(float(p))) for p in u], dtype=torch.float32)
+        return sigma, torch.randn(shape, generator=g, dtype=torch.float32)
+
+    def _autocast(self) -> Any:
+        """Autocast to the training dtype as the built-in trainer does; none for fp32 (CPU autocast refuses it)."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        for group in self.optimizer.param_groups:  # as the built-in: gradients in the parameters' dtype
+            for p in group["params"]:
+                if p.grad is not None and p.grad.dtype != p.dtype:
+                    p.grad = p.grad.to(p.dtype)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)

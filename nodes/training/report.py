@@ -1,0 +1,110 @@
+"""What a training run reports: per step (progress, the live loss curve) and at the end (the node's summary)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...dataset_cache.loader import Batch
+
+__all__ = ["RowCounts", "StepReport", "TrainResult", "counted"]
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one optimizer step did (passed to ``on_step`` on the execution thread).
+
+    Attributes:
+        step: optimizer steps done (1-based).
+        total: optimizer steps of the run.
+        loss: this step's loss (mean over its accumulated batches).
+        loss_smooth: exponential moving average of ``loss``.
+        samples_per_s: batch rows trained per second since the start.
+        data_wait_pct: share of the time the step loop waited for the loader, in percent.
+        epoch: the dataset epoch of the step's last batch.
+    """
+
+    step: int
+    total: int
+    loss: float
+    loss_smooth: float
+    samples_per_s: float
+    data_wait_pct: float
+    epoch: int
+
+
+@dataclass
+class RowCounts:
+    """What the trained batch rows were: how many, and how many took each variant (caption dropout, a mirror, a
+    loss mask, a regularization image), so the summary shows that a setting did what it says."""
+
+    trained: int = 0
+    dropped: int = 0
+    mirrored: int = 0
+    masked: int = 0
+    regularization: int = 0
+
+    def add(self, plan: Any, main_samples: int) -> None:
+        """Count the rows of one batch plan (rows of samples from ``main_samples`` on are regularization rows)."""
+        self.trained += len(plan.sample_indices)
+        self.dropped += sum(plan.dropped)
+        self.mirrored += sum(plan.mirrored)
+        self.masked += sum(k is not None for k in plan.mask_keys)
+        self.regularization += sum(i >= main_samples for i in plan.sample_indices)
+
+    def describe(self) -> str:
+        """``"rows: 48 trained, 5 with the empty caption, ..."``, or ``""`` when no row took a variant."""
+        parts = [(self.dropped, "with the empty caption"), (self.mirrored, "mirrored"), (self.masked, "with a mask"),
+                 (self.regularization, "regularization")]
+        if not any(n for n, _ in parts):
+            return ""
+        return f"rows: {self.trained} trained, " + ", ".join(f"{n} {what}" for n, what in parts if n)
+
+
+def counted(batches: Iterator[Batch], counts: RowCounts, main_samples: int) -> Iterator[Batch]:
+    """``batches``, counting each one's rows into ``counts`` as it is handed to the step loop."""
+    for batch in batches:
+        counts.add(batch.plan, main_samples)
+        yield batch
+
+
+@dataclass
+class TrainResult:
+    """The trained adapter weights and what the run measured.
+
+    Attributes:
+        lora: ComfyUI ``LORA_MODEL``: adapter parameter name → detached CPU tensor (``SaveLoRA``'s keys).
+        losses: one loss per optimizer step.
+        steps: total steps including those of ``existing_lora`` (what ``SaveLoRA`` names the file with).
+        seconds: wall time of the step loop.
+        samples_per_s: batch rows per second over the run.
+        data_wait_pct: share of the loop's time spent waiting for data, in percent.
+        buckets: latent shape ``(C, H, W)`` (``(C, T, H, W)`` for video latents) → occurrences per epoch.
+        notes: settings the run had to change, for the user (a batch size clamped to the largest bucket).
+        rows: the trained rows and how many took each variant.
+    """
+
+    lora: dict[str, torch.Tensor]
+    losses: list[float]
+    steps: int
+    seconds: float
+    samples_per_s: float
+    data_wait_pct: float
+    buckets: dict[Any, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    rows: RowCounts = field(default_factory=RowCounts)
+
+    def summary(self) -> str:
+        """One paragraph for the node's UI (what was changed from the settings first)."""
+        first = sum(self.losses[:5]) / max(1, len(self.losses[:5]))
+        last = sum(self.losses[-5:]) / max(1, len(self.losses[-5:]))
+        rows = self.rows.describe()
+        return "".join(f"NOTE: {n}. " for n in self.notes) + (
+            f"trained {len(self.losses)} steps ({self.steps} in total) in {self.seconds:.1f} s: "
+            f"{self.samples_per_s:.2f} samples/s, waited for data {self.data_wait_pct:.1f}% of the time; "
+            f"loss {first:.4f} (first 5) → {last:.4f} (last 5); "
+            f"buckets {', '.join(f'{list(b)}×{n}' for b, n in self.buckets.items())}"
+            + (f"; {rows}" if rows else "")
+        )

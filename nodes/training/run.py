@@ -1,0 +1,258 @@
+"""``train_lora``: one training run as its steps — plan the data, load the model and adapters, run the step loop,
+release — each its own function, so a step (the memory plan, say) changes without touching the others."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+import comfy.model_management
+import comfy.model_patcher
+import comfy.sampler_helpers
+import comfy.samplers
+
+from ...dataset_cache.dataset import Sample
+from ...dataset_cache.loader import PrefetchLoader
+from ...dataset_cache.reading import DatasetReader
+from ...dataset_cache.sampler import BucketSampler, DatasetMix, Regularization, buckets_from_reader, fit_batch_size
+from ...dataset_cache.seeding import derive_seed
+from ...dataset_cache.trainable import check_trainable
+from .comfy_parts import (
+    bypass_setup, check_latent_channels, load_existing_lora, nodes_train_module, release, resume_exactly,
+    training_dtypes,
+)
+from .conditioning import Conditioner, ModelCall
+from .loop import StepLoop
+from .report import RowCounts, StepReport, TrainResult, counted
+from .settings import TrainSettings
+
+__all__ = ["train_lora"]
+
+log = logging.getLogger("streamcache.train")
+
+
+def train_lora(
+    model: Any,
+    reader: DatasetReader,
+    samples: Sequence[Sample] | DatasetMix,
+    settings: TrainSettings,
+    *,
+    on_step: Callable[[StepReport], None] | None = None,
+    reg: Sequence[Sample] | DatasetMix | None = None,
+    reg_name: str = "the regularization dataset",
+) -> TrainResult:
+    """Train a LoRA (or LoHa/LoKr/OFT) on ``model`` over the cached ``samples`` and return its weights.
+
+    Runs on the calling thread (ComfyUI's execution thread): the interrupt flag is checked before every batch and
+    while waiting for data, so Cancel stops within one batch; the loader's threads are stopped and joined whatever
+    happens. The model passed in is not modified (a deep copy is trained and discarded).
+
+    Args:
+        model: a ComfyUI ``ModelPatcher`` (the ``MODEL`` socket's value).
+        reader: the open cache reader of the datasets: a ``CacheReader``, or a ``MultiCacheReader`` when they (or
+            the regularization set) live in several caches.
+        samples: the dataset's samples, or a :class:`~dataset_cache.sampler.DatasetMix` of several datasets.
+        settings: the options; validated here.
+        on_step: called after every optimizer step on this thread (progress, websocket events).
+        reg: regularization samples (read through ``reader`` too), mixed in at ``settings.reg_ratio`` with loss weight
+            ``settings.reg_weight``; ``None``: none.
+        reg_name: the regularization dataset's name, for messages.
+
+    Raises:
+        ValueError: bad settings, an empty dataset, or latents the model cannot take.
+        comfy.model_management.InterruptProcessingException: the user cancelled the run.
+    """
+    settings.validate()
+    data = plan_data(reader, samples, settings, reg, reg_name)
+    settings = data.settings
+    train = nodes_train_module()
+    existing, existing_steps = load_existing_lora(settings.existing_lora)
+    with torch.inference_mode(False):
+        run = load(model, train, data, existing)
+        sampler = BucketSampler(samples, data.buckets, settings.batch_size, settings.seed, tail="wrap",
+                                rank=0, world_size=1, caption_dropout=settings.caption_dropout,
+                                reg=data.regularization)
+        first_batch = existing_steps * settings.grad_accumulation_steps  # continuing: where the last run stopped
+        if first_batch and len(sampler):
+            sampler.seek(first_batch // len(sampler), first_batch % len(sampler))
+        loader = PrefetchLoader(
+            reader, sampler, prefetch_batches=settings.prefetch_batches,
+            threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
+            on_wait=comfy.model_management.throw_exception_if_processing_interrupted,
+        )
+        counts = RowCounts()
+        try:
+            prepare(run, train)
+            loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
+                            ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
+                            first_batch=first_batch)
+            losses, seconds, rows, waited = loop.run(counted(iter(loader), counts, sampler.main_samples), on_step)
+        finally:
+            loader.close()
+            unprepare(run, train)
+        lora = finish(run)
+    wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
+    return TrainResult(lora, losses, settings.steps + existing_steps, seconds, rows / seconds if seconds else 0.0,
+                       wait_pct, dict(sampler.buckets), tuple(data.notes), counts)
+
+
+@dataclass
+class DataPlan:
+    """What the run trains on, decided from the headers before any model loads.
+
+    Attributes:
+        settings: the settings, with a batch size clamped to the largest bucket.
+        buckets: each main sample's latent shape.
+        regularization: the regularization set, or ``None``.
+        shapes: every latent shape the run will see (main and regularization).
+        notes: settings the run had to change, for the user.
+    """
+
+    settings: TrainSettings
+    buckets: list[tuple[int, ...]]
+    regularization: Regularization | None
+    shapes: list[tuple[int, ...]]
+    notes: list[str]
+
+
+def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, settings: TrainSettings,
+              reg: Sequence[Sample] | DatasetMix | None, reg_name: str) -> DataPlan:
+    """Buckets, the regularization set and the batch size, checked before any model loads.
+
+    Raises:
+        ValueError: an empty dataset, or entries the trainer cannot take (integer latents, combined or area
+            conditionings).
+    """
+    main = samples.samples if isinstance(samples, DatasetMix) else samples
+    if not main:
+        raise ValueError("the dataset has no samples; encode a folder with images first")
+    buckets = buckets_from_reader(reader, main)
+    check_trainable(reader, main)
+    regularization = None
+    shapes = list(buckets)
+    if reg is not None:
+        reg_samples = reg.samples if isinstance(reg, DatasetMix) else reg
+        reg_buckets = buckets_from_reader(reader, reg_samples)
+        check_trainable(reader, reg_samples)
+        regularization = Regularization(reg, reg_buckets, settings.reg_ratio, settings.reg_weight, name=reg_name)
+        shapes += reg_buckets
+    notes: list[str] = []
+    fitted = fit_batch_size(main, buckets, settings.batch_size)
+    if fitted < settings.batch_size:  # the rest of each batch would be copies: clamp, and say so on the node
+        notes.append(f"batch_size {settings.batch_size} is larger than this dataset's largest bucket ({fitted} "
+                     f"images × repeats per epoch): trained with batch_size {fitted}")
+        log.warning("Train LoRA: %s", notes[-1])
+        settings = dataclasses.replace(settings, batch_size=fitted)
+    return DataPlan(settings, buckets, regularization, shapes, notes)
+
+
+@dataclass
+class LoadedRun:
+    """The training clone and everything made for it: adapters, optimizer, loss, options."""
+
+    mp: Any
+    settings: TrainSettings
+    dtype: torch.dtype
+    adapter_dtype: torch.dtype
+    lora_sd: dict[str, torch.Tensor]
+    adapters: list[Any]
+    bypass: Any
+    optimizer: Any
+    loss_fn: Any
+    scaler: Any
+    model_options: dict[str, Any]
+    injections: list[Any] = dataclasses.field(default_factory=list)
+    fp8_bwd: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.mp.load_device
+
+    @property
+    def loader_device(self) -> torch.device:
+        """Where the loader delivers batches: the training device when it is the CPU or CUDA, else the CPU."""
+        return self.device if self.device.type in ("cpu", "cuda") else torch.device("cpu")
+
+
+def load(model: Any, train: ModuleType, data: DataPlan, existing: dict[str, torch.Tensor]) -> LoadedRun:
+    """Clone the model (the caller's stays untouched), set its compute dtype, create the seeded adapters (weights of
+    ``existing`` continued exactly), the optimizer and the loss, as ComfyUI's own trainer does."""
+    settings = data.settings
+    mp = model.clone(force_deepcopy=True)
+    dtype, adapter_dtype, use_scaler = training_dtypes(mp, settings.training_dtype, settings.lora_dtype)
+    check_latent_channels(mp, data.shapes)
+    mp.model.requires_grad_(False).train()
+    device = mp.load_device
+    rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    bypass = None
+    with torch.random.fork_rng(devices=rng_devices):  # seeded adapter init, the caller's RNG untouched
+        torch.manual_seed(derive_seed(settings.seed, "adapters"))
+        if settings.bypass_mode:
+            lora_sd, adapters, bypass = bypass_setup(train)(mp, existing, settings.algorithm, adapter_dtype,
+                                                            settings.rank)
+        else:
+            lora_sd, adapters = train._setup_lora_adapters(mp, existing, settings.algorithm, adapter_dtype,
+                                                           settings.rank)
+    resume_exactly(lora_sd, existing)
+    optimizer = train._create_optimizer(settings.optimizer, lora_sd.values(), settings.learning_rate)
+    loss_fn = train._create_loss_function(settings.loss_function)
+    scaler = torch.amp.GradScaler() if use_scaler else None
+    model_options = comfy.model_patcher.create_model_options_clone(mp.model_options)
+    return LoadedRun(mp, settings, dtype, adapter_dtype, lora_sd, adapters, bypass, optimizer, loss_fn, scaler,
+                     model_options)
+
+
+def prepare(run: LoadedRun, train: ModuleType) -> None:
+    """Checkpointing, the patcher's wrappers, the model on the device (every other model off it), bypass hooks.
+
+    Undone by :func:`unprepare`, whatever happened in between.
+    """
+    settings, mp = run.settings, run.mp
+    run.fp8_bwd = getattr(comfy.model_management, "training_fp8_bwd", False)
+    comfy.model_management.training_fp8_bwd = settings.quantized_backward  # as the built-in node
+    if settings.gradient_checkpointing:
+        for m in train.find_modules_at_depth(mp.model.diffusion_model, depth=settings.checkpoint_depth):
+            train.patch(m, offloading=settings.offloading)
+    comfy.sampler_helpers.prepare_model_patcher(mp, {}, run.model_options)  # patcher wrappers + callbacks
+    # As the built-in node: free the device for training (1e20 unloads every other model).
+    comfy.model_management.load_models_gpu([mp], memory_required=1e20, force_full_load=not settings.offloading)
+    comfy.samplers.cast_to_load_options(run.model_options, device=run.device, dtype=mp.model_dtype())
+    if run.bypass is not None:  # adapters as forward hooks: the (quantized) weights are never rewritten
+        for injection in run.bypass.create_injections(mp.model):
+            injection.inject(mp)
+            run.injections.append(injection)
+    mp.pre_run()
+    comfy.model_management.in_training = True
+
+
+def unprepare(run: LoadedRun, train: ModuleType) -> None:
+    """Undo :func:`prepare`: ComfyUI's switches back, hooks and checkpoint wrappers removed, the clone unloaded."""
+    mp = run.mp
+    comfy.model_management.in_training = False
+    comfy.model_management.training_fp8_bwd = run.fp8_bwd
+    for injection in reversed(run.injections):
+        injection.eject(mp)
+    run.injections.clear()
+    for m in mp.model.modules():
+        train.unpatch(m)
+    mp.cleanup()
+    comfy.samplers.cast_to_load_options(run.model_options, device=mp.offload_device)
+    release(mp)
+
+
+def finish(run: LoadedRun) -> dict[str, torch.Tensor]:
+    """The trained adapter weights as detached CPU tensors (``SaveLoRA``'s keys); the adapters stop needing grads."""
+    lora = {k: v.detach().to("cpu", run.adapter_dtype).clone() for k, v in run.lora_sd.items()}
+    for adapter in run.adapters:
+        adapter.requires_grad_(False)
+    run.adapters.clear()
+    run.lora_sd.clear()
+    run.optimizer = None
+    return lora

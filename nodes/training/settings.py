@@ -1,0 +1,86 @@
+"""Train LoRA's options: the built-in node's, the loader's and the variety settings, validated in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from comfy.weight_adapter import adapter_maps
+
+__all__ = ["LORA_DTYPES", "LOSS_FUNCTIONS", "MAX_REG_RATIO", "MAX_REG_WEIGHT", "OPTIMIZERS", "TRAINING_DTYPES",
+           "TrainSettings"]
+
+OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
+"""The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node)."""
+LOSS_FUNCTIONS = ("MSE", "L1", "Huber", "SmoothL1")
+"""The losses ComfyUI's ``_create_loss_function`` knows."""
+TRAINING_DTYPES = ("bf16", "fp32", "none")
+LORA_DTYPES = ("bf16", "fp32")
+
+MAX_REG_RATIO = 16.0
+"""Regularization occurrences per main occurrence: kohya's default is 1; past 16 the main dataset is noise."""
+MAX_REG_WEIGHT = 16.0
+"""Loss weight of a regularization row (kohya's ``prior_loss_weight``, usually 1)."""
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The training options (the built-in node's, plus the loader's).
+
+    Attributes mirror ComfyUI's "Train LoRA" inputs; ``steps`` counts optimizer steps, each made of
+    ``grad_accumulation_steps`` batches of ``batch_size`` rows. ``prefetch_batches`` batches are read ahead by
+    ``loader_threads`` threads (0: the loader's default). ``masked_loss`` weighs the loss by the batch's masks
+    where the dataset has any (``unmasked_weight``: the weight where a mask is 0); see :meth:`~.loop.StepLoop._loss`.
+    """
+
+    steps: int = 16
+    batch_size: int = 1
+    grad_accumulation_steps: int = 1
+    learning_rate: float = 5e-4
+    rank: int = 8
+    optimizer: str = "AdamW"
+    loss_function: str = "MSE"
+    masked_loss: bool = True
+    unmasked_weight: float = 0.1
+    seed: int = 0
+    training_dtype: str = "bf16"
+    lora_dtype: str = "bf16"
+    algorithm: str = "LoRA"
+    gradient_checkpointing: bool = True
+    checkpoint_depth: int = 1
+    offloading: bool = False
+    existing_lora: str = "[None]"
+    prefetch_batches: int = 2
+    loader_threads: int = 0
+    quantized_backward: bool = False
+    bypass_mode: bool = False
+    # training-time variety (#16): the sampler's caption dropout and the regularization set's share and weight
+    caption_dropout: float = 0.0
+    reg_ratio: float = 1.0
+    reg_weight: float = 1.0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad option and the accepted values."""
+        for name, value, allowed in (
+            ("algorithm", self.algorithm, tuple(adapter_maps)),
+            ("optimizer", self.optimizer, OPTIMIZERS),
+            ("loss_function", self.loss_function, LOSS_FUNCTIONS),
+            ("training_dtype", self.training_dtype, TRAINING_DTYPES),
+            ("lora_dtype", self.lora_dtype, LORA_DTYPES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(allowed)}")
+        for name in ("steps", "batch_size", "grad_accumulation_steps", "rank", "checkpoint_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefetch_batches < 0 or self.loader_threads < 0:
+            raise ValueError("prefetch_batches and loader_threads must be >= 0")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        if not 0.0 <= self.unmasked_weight <= 1.0:  # also refuses NaN
+            raise ValueError(f"unmasked_weight must be between 0 and 1 (the loss weight where a mask is 0; 1: masks "
+                             f"have no effect), got {self.unmasked_weight}")
+        for name, top in (("caption_dropout", 1.0), ("reg_ratio", MAX_REG_RATIO), ("reg_weight", MAX_REG_WEIGHT)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0.0 <= value <= top):
+                raise ValueError(f"{name} must be a number from 0 to {top:g}, got {value!r:.40}")
