@@ -77,6 +77,8 @@ class Context:
     work: Path
     out: Path
     say: Callable[[str], None]
+    doc: Path | None = None
+    """The doc whose GPU section is rewritten after each figure (``None``: only ``out/section.md``)."""
 
     @property
     def device(self) -> Any:
@@ -138,7 +140,12 @@ class _Recorder:
     def save(self) -> None:
         self.run.seconds = time.perf_counter() - self.start
         save_run(self.run, self.ctx.out / "results.json")
-        (self.ctx.out / "section.md").write_text(render(self.run, self.families))
+        text = render(self.run, self.families)
+        (self.ctx.out / "section.md").write_text(text)
+        if self.ctx.doc is not None:  # as it goes: a run stopped by a time limit leaves its figures in the doc
+            from .report import update_doc
+
+            update_doc(self.ctx.doc, SECTION, text)
 
     def note(self, line: str) -> None:
         self.run.notes.append(line)
@@ -420,18 +427,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         ctx, device, families, vaes = _setup(work, out, say, a.cpu_standin)
+        ctx.doc = None if a.no_doc or a.cpu_standin else (a.doc or DOC)
         say(f"device: {device.name}, {device.memory_gib:.1f} GiB; torch {device.torch}; ComfyUI {device.comfyui}")
         run = measure(ctx, opts, families, vaes, device, torch.float32 if a.cpu_standin else torch.bfloat16)
     finally:
         log.close()
         if own:
             shutil.rmtree(work, ignore_errors=True)
-    text = render(run, families)
-    sys.stdout.write(text)
-    if not a.no_doc and not a.cpu_standin:
-        from .report import update_doc
-
-        update_doc(a.doc or DOC, SECTION, text)
+    sys.stdout.write(render(run, families))  # the doc's section was rewritten with the last figure
     return 0
 
 
