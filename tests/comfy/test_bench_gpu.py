@@ -44,7 +44,8 @@ def test_the_harness_runs_every_part_on_tiny_models(pack: ModuleType, comfy_fold
     ctx = context_from_pack(pack, tmp_path / "work", out, lines.append)
     ctx.work.mkdir()
     families, vaes = tiny_specs()
-    opts = Options(steps=2, warmup=1, budget_s=3600.0, only=["sd15/b1", "wan21/b1/builtin", "encode/sd15", "cap", "devices"],
+    only = ["sd15/b1", "wan21/b1/builtin", "encode/sd15", "cap", "devices"]
+    opts = Options(steps=2, warmup=1, budget_s=3600.0, only=only,
                    profile=True, profile_steps=1, encode_images=2, extras=False, settings=STANDIN_SETTINGS,
                    batches={"sd15": (1,), "wan21": (1,)}, command="scripts/bench-gpu --cpu-standin")
     run = measure(ctx, opts, families, vaes, device_info(ctx.device, "test"), torch.float32)
