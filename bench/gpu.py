@@ -94,11 +94,15 @@ def context_from_pack(pack: ModuleType, work: Path, out: Path, say: Callable[[st
 
     from .gpu_train import Trainers
 
-    loop = importlib.import_module(f"{pack.__name__}.nodes.training_loop")
+    try:  # the trainer as a package (nodes/training/: run.py makes the loader), or as one module (training_loop)
+        loop = importlib.import_module(f"{pack.__name__}.nodes.training")
+        run = importlib.import_module(f"{pack.__name__}.nodes.training.run")
+    except ImportError:
+        loop = run = importlib.import_module(f"{pack.__name__}.nodes.training_loop")
     handles = importlib.import_module(f"{pack.__name__}.nodes.handles")
     encode = importlib.import_module(f"{pack.__name__}.nodes.encode_dataset")
     trainers = Trainers(loop, handles, loop.nodes_train_module(), _nodes_dataset(),
-                        comfy.model_management.get_torch_device())
+                        comfy.model_management.get_torch_device(), run)
     return Context(trainers, encode.EncodeDataset, Path(folder_paths.get_input_directory()), work, out, say)
 
 

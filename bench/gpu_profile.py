@@ -32,7 +32,9 @@ from .gpu_train import Trainers, arm_settings, free_device, train_ours
 __all__ = ["labelled", "breakdown", "profiled_steps", "profile_arm", "describe"]
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-LABELS = {"_Conditioner": "streamcache.conditioning", "_Forward": "streamcache.model_call"}
+LABELS = {"Conditioner": "streamcache.conditioning", "_Conditioner": "streamcache.conditioning",
+          "ModelCall": "streamcache.model_call", "_Forward": "streamcache.model_call"}
+"""Our loop's classes (their names in nodes/training/, and in the older single module training_loop)."""
 WAIT_LABEL = "streamcache.next_batch"
 MAX_TRACE_BYTES = 12 << 20
 
@@ -58,7 +60,8 @@ def labelled(loop: ModuleType) -> Iterator[None]:
         cls = getattr(loop, cls_name, None)
         if isinstance(cls, type):
             wrap(cls, "__call__", label)
-    counted = getattr(loop, "_counted", None)
+    name = "counted" if callable(getattr(loop, "counted", None)) else "_counted"
+    counted = getattr(loop, name, None)
     if counted is not None:
         def counted_timed(batches: Iterator[Any], *args: Any) -> Iterator[Any]:
             inner = counted(batches, *args)
@@ -70,8 +73,8 @@ def labelled(loop: ModuleType) -> Iterator[None]:
                         return
                 yield batch
 
-        saved.append((loop, "_counted", counted))
-        loop._counted = counted_timed
+        saved.append((loop, name, counted))
+        setattr(loop, name, counted_timed)
     try:
         yield
     finally:
@@ -164,7 +167,7 @@ def profile_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigu
     fig.settings = arm_settings(fig, skip + active + 1, extra or {})
     done: list[ProfileFigures] = []
     try:
-        with labelled(trainers.loop), profiled_steps(
+        with labelled(trainers.maker), profiled_steps(
                 skip, active, trainers.device, lambda p: done.append(breakdown(p, fig.id, out_dir))) as prof:
             train_ours(trainers, model, data, fig, bound=fig.arm == "bound", hook=lambda _report: prof.step())
         if not done:

@@ -41,14 +41,20 @@ GIB = 1 << 30
 
 @dataclass
 class Trainers:
-    """The modules an arm calls: our ``training_loop`` and ``handles`` (as ComfyUI imports the pack), ComfyUI's
-    live ``nodes_train`` and ``nodes_dataset``, and the device."""
+    """The modules an arm calls: our trainer (``TrainSettings``, ``train_lora``) and ``handles`` (as ComfyUI imports
+    the pack), ComfyUI's live ``nodes_train`` and ``nodes_dataset``, the device, and the trainer's module that makes
+    the ``PrefetchLoader`` (the bound replaces it there; the profiler labels its parts)."""
 
     loop: ModuleType
     handles: ModuleType
     nodes_train: ModuleType
     nodes_dataset: ModuleType
     device: Any
+    run: ModuleType | None = None
+
+    @property
+    def maker(self) -> ModuleType:
+        return self.run if self.run is not None else self.loop
 
     def settings_fields(self) -> set[str]:
         return {f.name for f in dataclasses.fields(self.loop.TrainSettings)}
@@ -184,16 +190,17 @@ def train_ours(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigur
             hook(report)
 
     reader, samples = trainers.handles.StreamDatasetHandle(str(data.root), "train").open()
-    real = loop.PrefetchLoader
+    maker = trainers.maker
+    real = maker.PrefetchLoader
     if bound:
-        loop.PrefetchLoader = _in_memory(real, fig.settings["steps"])
+        maker.PrefetchLoader = _in_memory(real, fig.settings["steps"])
     try:
         import torch
 
         with torch.inference_mode():
             result = loop.train_lora(model, reader, samples, settings, on_step=on_step)
     finally:
-        loop.PrefetchLoader = real
+        maker.PrefetchLoader = real
         reader.close()
     return ends, list(result.losses), waits
 
