@@ -313,7 +313,8 @@ class PrefetchLoader:
             (``[B, ...]``); returns CPU tensors by name, which reach the consumer as ``Batch.extras`` on ``device``
             with the batch (pinned staging and the side stream on CUDA, the tensors themselves on the CPU). For
             per-step inputs such as the noise of a step: drawn off the training thread, never a blocking copy.
-            It must be thread-safe and depend on its arguments alone (batches are read out of order).
+            It must be thread-safe, depend on its arguments alone (batches are read out of order), and not change
+            a tensor after returning it.
 
     Raises:
         ValueError: bad arguments, or a CUDA device without CUDA.
@@ -495,7 +496,8 @@ class PrefetchLoader:
             ) from exc
         pageable = 0
         if job.delivered is not None:  # CUDA: the consumer's stream waits for the copies, then owns the memory
-            hand_over(job.delivered, torch.cuda.current_stream(self.device))
+            if job.delivered.done is not None:  # (None only for a CPU stand-in of the delivery, in tests)
+                hand_over(job.delivered, torch.cuda.current_stream(self.device))
             pageable = job.delivered.pageable
             if pageable and not self._warned_pageable:
                 self._warned_pageable = True
