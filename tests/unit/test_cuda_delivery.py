@@ -45,6 +45,19 @@ def test_the_mask_table_widens_every_byte_exactly_as_the_cpu_division_did():
     assert cases.same_bits(widened, (every.double() / 255).float())
 
 
+def test_cudas_division_by_a_cpu_scalar_would_not_give_the_cpus_masks():
+    """Why masks differed on the GPU (#24): CUDA's true division by a CPU scalar computes ``a * (1 / b)`` in
+    float32 (``div_true_kernel_cuda``). The same float32 operations on the CPU (IEEE, exact on any x86-64) differ
+    from the division in the last bit for about half of the 256 bytes; the table makes the device look up the
+    CPU's quotients instead of computing its own."""
+    every = torch.arange(256, dtype=torch.float32)
+    reciprocal = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(255.0, dtype=torch.float32)
+    cuda_formula = every * reciprocal
+    differ = int((cuda_formula != MASK_LUT).sum())
+    assert 0 < differ < 256 and torch.equal(MASK_LUT, every / 255)
+    assert float((cuda_formula - MASK_LUT).abs().max()) <= 2 ** -24  # one ulp below 1.0 at most
+
+
 def test_mask_bytes_are_flipped_for_mirrored_rows_and_full_weight_without_a_mask():
     g = torch.Generator().manual_seed(0)
     stored = [torch.randint(0, 256, (1, 1, 3, 5), generator=g, dtype=torch.uint8) for _ in range(3)]
