@@ -95,8 +95,9 @@ def latent_rows(plan: BatchPlan, values: dict[str, Any]) -> list[torch.Tensor]:
         if not isinstance(v, dict) or not isinstance(v.get("samples"), torch.Tensor):
             raise ValueError(f"latent entry {key} is not a latent dict with a 'samples' tensor")
         rows.append(v["samples"])
-    kinds = {(tuple(r.shape[1:]), str(r.dtype)) for r in rows}
-    if len(kinds) != 1:
+    shape, dtype = rows[0].shape[1:], rows[0].dtype
+    if not all(r.shape[1:] == shape and r.dtype == dtype for r in rows):
+        kinds = {(tuple(r.shape[1:]), str(r.dtype)) for r in rows}
         raise ValueError(
             f"batch {plan.index} of epoch {plan.epoch} mixes latent shapes/dtypes {sorted(kinds)}: the sampler's "
             "buckets do not match the latents; build buckets with buckets_from_reader()"
@@ -111,21 +112,28 @@ def batch_shape(rows: list[torch.Tensor]) -> torch.Size:
 
 def as_one_block(rows: list[torch.Tensor]) -> torch.Tensor | None:
     """``rows`` as one ``[B, ...]`` view when they already lie back to back, in order, in one storage (the
-    reader places a batch's latents so); ``None`` otherwise."""
+    reader places a batch's latents so); ``None`` otherwise.
+
+    Checked with a few calls per row (this runs for every batch, under the GIL): each row of the first's shape and
+    dtype, contiguous, at the next address, and the whole block inside the first row's storage."""
     first = rows[0]
-    if not first.is_contiguous():
+    shape = first.shape
+    if shape[0] != 1 or not first.is_contiguous():
         return None
-    n, start = first.numel(), first.storage_offset()
-    ptr, shape = first.untyped_storage().data_ptr(), first.shape[1:]
-    for i, r in enumerate(rows):
-        if (r.storage_offset() != start + i * n or r.shape[0] != 1 or r.shape[1:] != shape
-                or not r.is_contiguous() or r.untyped_storage().data_ptr() != ptr):
+    nbytes = first.nbytes
+    at = first.data_ptr()
+    for r in rows[1:]:
+        at += nbytes
+        if r.data_ptr() != at or r.shape != shape or r.dtype != first.dtype or not r.is_contiguous():
             return None
+    storage = first.untyped_storage()
+    if at + nbytes > storage.data_ptr() + storage.nbytes():  # never a view past the storage's end
+        return None
     strides, acc = [], 1
-    for d in reversed(shape):
+    for d in reversed(shape[1:]):
         strides.append(acc)
         acc *= max(d, 1)
-    return first.as_strided((len(rows), *shape), (n, *reversed(strides)), start)
+    return first.as_strided((len(rows), *shape[1:]), (first.numel(), *reversed(strides)), first.storage_offset())
 
 
 def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:

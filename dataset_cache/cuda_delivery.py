@@ -143,11 +143,12 @@ class _Transfer:
             if t.numel() == 0:
                 continue
             storage = t.untyped_storage()
-            begin = t.storage_offset() * t.element_size()
-            end = begin + _span(t)
-            group = groups.get(storage.data_ptr())
+            address = storage.data_ptr()
+            begin = t.data_ptr() - address
+            end = begin + (t.nbytes if t.is_contiguous() else _span(t))
+            group = groups.get(address)
             if group is None:
-                groups[storage.data_ptr()] = [storage, begin, end, [t]]
+                groups[address] = [storage, begin, end, [t]]
             else:
                 group[1] = min(group[1], begin)
                 group[2] = max(group[2], end)
@@ -170,9 +171,9 @@ class _Transfer:
             block = _Block(end - first, self.device)
             block.data[: end - first].copy_(host, non_blocking=True)
             self.allocations.append(block.data)
+            address = storage.data_ptr() + first
             for t in tensors:
-                self.device_of[id(t)] = block.view(t.dtype, t.shape, t.stride(),
-                                                   t.storage_offset() * t.element_size() - first)
+                self.device_of[id(t)] = block.view(t.dtype, t.shape, t.stride(), t.data_ptr() - address)
         if staged:
             self._stage(staged, staging)
 
@@ -244,30 +245,7 @@ class CudaDelivery:
         ``values``: the batch read's values by entry; ``rows``: its latent rows; ``extras``: the ``per_batch``
         hook's CPU tensors; ``staging``: the worker's pinned staging buffer (free: its last copy has completed).
         """
-        transfer = _Transfer(self.device, self.is_pinned)
-        block = as_one_block(rows)
-        for key, row in zip(plan.latent_keys, rows):
-            transfer.add([row] if block is None else [], key)
-        if block is not None:
-            transfer.add([block], plan.latent_keys[0])
-        captions = list(dict.fromkeys(plan.caption_keys))
-        for key in captions:
-            found: list[torch.Tensor] = []
-            _collect(values[key], found)
-            transfer.add(found, key)
-        latent_extras = [{k: v for k, v in values[key].items() if k != "samples"} for key in plan.latent_keys]
-        for key, e in zip(plan.latent_keys, latent_extras):
-            found = []
-            _collect(e, found)
-            transfer.add(found, key)
-        masks_of = None
-        if any(k is not None for k in plan.mask_keys):
-            hw = (rows[0].shape[-2], rows[0].shape[-1])
-            masks_of = mask_rows(plan, values, hw)
-            for mask_key, m in zip(plan.mask_keys, masks_of):
-                if m is not None:
-                    transfer.add([m], mask_key)
-        transfer.add(list(extras.values()))
+        parts = _Parts(plan, values, rows, extras, _Transfer(self.device, self.is_pinned))
         with self._on_side_stream():
             start = done = None
             if self.side_stream is not None:
@@ -275,25 +253,64 @@ class CudaDelivery:
                     self.side_stream.wait_event(after)
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self.side_stream)
-            transfer.run(staging)
-            view = transfer.view_of
-            if block is not None:
-                latents = view(block)
-            else:
-                latents = torch.cat([view(r) for r in rows])
-                transfer.allocations.append(latents)
-            conds = {k: map_tensors(values[k], view) for k in captions}
-            masks = None
-            if masks_of is not None:
-                hw = (latents.shape[-2], latents.shape[-1])
-                gathered = mask_bytes(plan, [None if m is None else view(m) for m in masks_of], hw, self.device)
-                masks = widen_masks(gathered, self.lut)
-                transfer.allocations.append(masks)
-            batch = Batch(plan, latents, [conds[k] for k in plan.caption_keys],
-                          [map_tensors(e, view) for e in latent_extras] if any(latent_extras) else None,
-                          masks=masks, extras={k: view(t) for k, t in extras.items()})
+            parts.transfer.run(staging)
+            batch = parts.on_device(self.lut)
             if self.side_stream is not None:
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(self.side_stream)
                 batch.copy_events = (start, done)
-        return Delivered(batch, transfer.allocations, done, transfer.pageable, transfer.pageable_entry)
+        t = parts.transfer
+        return Delivered(batch, t.allocations, done, t.pageable, t.pageable_entry)
+
+
+class _Parts:
+    """One batch's parts on the host, noted in ``transfer`` (each entry's tensors with the entry, for the count of
+    pageable ones), then built again of device views once the transfer has run."""
+
+    def __init__(self, plan: BatchPlan, values: dict[str, Any], rows: list[torch.Tensor],
+                 extras: dict[str, torch.Tensor], transfer: _Transfer) -> None:
+        self.plan, self.values, self.rows, self.extras, self.transfer = plan, values, rows, extras, transfer
+        self.block = as_one_block(rows)  # the reader laid the latents out as one [B, ...] block: moved as one
+        if self.block is None:
+            for key, row in zip(plan.latent_keys, rows):
+                transfer.add([row], key)
+        else:
+            transfer.add([self.block], plan.latent_keys[0])
+        self.captions = list(dict.fromkeys(plan.caption_keys))
+        for key in self.captions:
+            self._add(values[key], key)
+        self.latent_extras = [{k: v for k, v in values[key].items() if k != "samples"} for key in plan.latent_keys]
+        for key, e in zip(plan.latent_keys, self.latent_extras):
+            self._add(e, key)
+        self.masks: list[torch.Tensor | None] | None = None
+        if any(k is not None for k in plan.mask_keys):
+            self.masks = mask_rows(plan, values, (rows[0].shape[-2], rows[0].shape[-1]))
+            for mask_key, m in zip(plan.mask_keys, self.masks):
+                if m is not None and mask_key is not None:
+                    transfer.add([m], mask_key)
+        transfer.add(list(extras.values()))
+
+    def _add(self, value: Any, entry: str) -> None:
+        found: list[torch.Tensor] = []
+        _collect(value, found)
+        self.transfer.add(found, entry)
+
+    def on_device(self, lut: torch.Tensor) -> Batch:
+        """The batch of device views (latents stacked, masks widened through ``lut`` on the device if needed)."""
+        plan, transfer = self.plan, self.transfer
+        view = transfer.view_of
+        if self.block is not None:
+            latents = view(self.block)
+        else:
+            latents = torch.cat([view(r) for r in self.rows])
+            transfer.allocations.append(latents)
+        conds = {k: map_tensors(self.values[k], view) for k in self.captions}
+        masks = None
+        if self.masks is not None:
+            hw = (latents.shape[-2], latents.shape[-1])
+            gathered = mask_bytes(plan, [None if m is None else view(m) for m in self.masks], hw, latents.device)
+            masks = widen_masks(gathered, lut)
+            transfer.allocations.append(masks)
+        latent_extras = [map_tensors(e, view) for e in self.latent_extras] if any(self.latent_extras) else None
+        return Batch(plan, latents, [conds[k] for k in plan.caption_keys], latent_extras, masks=masks,
+                     extras={k: view(t) for k, t in self.extras.items()})

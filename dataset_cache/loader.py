@@ -512,9 +512,9 @@ class PrefetchLoader:
         return batch  # type: ignore[return-value]  # set whenever error is None
 
     def _record(self, read_s: float, wait_s: float, pageable: int) -> None:
-        s = self._stats
-        self._stats = dataclasses.replace(s, batches=s.batches + 1, read_s=s.read_s + read_s,
-                                          wait_s=s.wait_s + wait_s, pageable_copies=s.pageable_copies + pageable)
+        s = self._stats  # a new snapshot per batch, on the training thread: the constructor, not dataclasses.replace
+        self._stats = LoaderStats(s.batches + 1, s.read_s + read_s, s.wait_s + wait_s, s.elapsed_s,
+                                  pageable_copies=s.pageable_copies + pageable)
         self._recent_read.append(read_s)
         self._recent_wait.append(wait_s)
 
@@ -540,4 +540,4 @@ class PrefetchLoader:
 
 
 def _add_elapsed(s: LoaderStats, seconds: float) -> LoaderStats:
-    return dataclasses.replace(s, elapsed_s=s.elapsed_s + seconds)
+    return LoaderStats(s.batches, s.read_s, s.wait_s, s.elapsed_s + seconds, pageable_copies=s.pageable_copies)
