@@ -195,7 +195,7 @@ class _Transfer:
             at += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         host = staging.ensure(at)
         for t, pos in zip(tensors, placed):
-            copy_bytes(host[pos : pos + t.numel() * t.element_size()], t.contiguous())
+            copy_bytes(host[pos : pos + t.numel() * t.element_size()], t.detach().contiguous())
         block = _Block(at, self.device)
         block.data[:at].copy_(host, non_blocking=True)
         self.allocations.append(block.data)
