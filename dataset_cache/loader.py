@@ -19,7 +19,7 @@ a GPU step, nothing is pickled, and it works the same on Windows and in a one-CP
   returns reaches the consumer as ``Batch.extras`` on the target device, off the training thread.
 * A worker's exception reaches the consumer at the batch that failed, as :class:`LoaderWorkerError`.
 * Threads start on first iteration and stop on :meth:`PrefetchLoader.close`, ``with``, garbage collection, or an
-  abandoned iteration.
+  abandoned iteration. The jobs and the worker threads themselves: :mod:`.loader_jobs`.
 
 Not here: worker processes, decoding or augmenting images, and ComfyUI calls from worker threads (pass ``on_wait``
 to run an interrupt check while the consumer waits). Design history: docs/ARCHITECTURE.md; figures:
@@ -30,23 +30,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .batch_assembly import (Batch, PerBatch, assemble_cpu, batch_shape, check_extras, entry_keys, host_bytes,
-                             latent_rows)
+from .batch_assembly import Batch, PerBatch, host_bytes
 from .buffer_pool import BufferPool, Slot
 from .constants import DEFAULT_PREFETCH_BATCHES
-from .cuda_delivery import CudaDelivery, Delivered, hand_over
+from .cuda_delivery import CudaDelivery, hand_over
 from .errors import CacheError
+from .loader_jobs import Context, Job, Upcoming, Workers, run_job
 from .reading import BatchReader, PlannedReader
 from .sampler import BatchPlan, BucketSampler
 from .threads import available_cpus, resolve_threads
@@ -109,184 +107,10 @@ class LoaderWorkerError(CacheError, RuntimeError):
         self.plan = plan
 
 
-@dataclass(eq=False)
-class _Job:
-    plan: BatchPlan
-    consumer_event: Any = None  # torch.cuda.Event on the consumer's stream at submission (CUDA only)
-    done: threading.Event = field(default_factory=threading.Event)
-    cancelled: bool = False
-    result: Batch | None = None
-    delivered: Delivered | None = None  # CUDA: what the consumer's stream waits for and takes over
-    error: BaseException | None = None
-    read_s: float = 0.0
-    started: bool = False
-    successor: _Job | None = None  # the next job in batch order (drawn before it is submitted): announced at our start
-    read_plan: Any = None  # the reader's plan of this read (PlannedReader), made by the first worker that needs it
-    announced: bool = False  # the reader announced read_plan to the kernel ahead of the read
-
-
 def default_loader_threads(prefetch_batches: int) -> int:
     """Loader threads chosen when none are asked for: two reads in flight when the CPUs allow, leaving one CPU
     to the training thread; one otherwise."""
     return max(1, min(2, prefetch_batches, available_cpus() - 1))
-
-
-@dataclass
-class _Context:
-    """What workers need; deliberately holds no reference to the loader, so an unclosed loader can be collected."""
-
-    reader: Any  # a BatchReader, or a PlannedReader when `planned`
-    device: torch.device
-    pin: bool
-    slots: list[Slot]
-    pool: BufferPool | None = None  # CPU target: reusable read buffers
-    cuda: CudaDelivery | None = None  # CUDA target: side stream, pinned checks, device copies
-    planned: bool = False  # the reader is a PlannedReader: jobs carry their plan, the next one is announced
-    read_ahead: bool = False  # announce the next job's reads (only with worker threads)
-    per_batch: PerBatch | None = None  # called after each read with the plan and the latents' shape
-
-
-def _run_job(job: _Job, ctx: _Context, slot: Slot) -> None:
-    """Read and assemble ``job`` into its result (or its error); runs in a worker, or inline without workers."""
-    t0 = time.perf_counter()
-    job.started = True
-    try:
-        nxt = job.successor
-        if ctx.read_ahead and nxt is not None and not nxt.started and not nxt.cancelled:
-            _announce(nxt, ctx.reader)  # its bytes come off the disk while this batch is read
-        values = _read(job, ctx, slot)
-        plan = job.plan
-        rows = latent_rows(plan, values)
-        extras = check_extras(ctx.per_batch(plan, batch_shape(rows))) if ctx.per_batch is not None else {}
-        if ctx.cuda is not None:
-            job.delivered = ctx.cuda.deliver(plan, values, rows, extras, slot.staging, job.consumer_event)
-            job.result = job.delivered.batch
-            slot.copy_done = job.delivered.done  # the slot's buffers are written again only once it completed
-        else:
-            job.result = assemble_cpu(plan, values, rows, extras)
-    except BaseException as exc:  # handed to the consumer, re-raised there
-        job.error = exc
-    finally:
-        job.read_s = time.perf_counter() - t0
-        job.done.set()
-
-
-def _read(job: _Job, ctx: _Context, slot: Slot) -> dict[str, Any]:
-    """The values of the job's one read, by entry key: into a pooled buffer (CPU) or the slot's pinned one."""
-    reader = ctx.reader
-    keys = entry_keys(job.plan)
-    if ctx.pool is None:
-        slot.ready(ctx.pin)  # the previous batch's copy may still read the slot's pinned buffers
-    buffer = ctx.pool.take() if ctx.pool is not None else slot.buffer
-    try:
-        if ctx.planned:
-            if job.read_plan is None:
-                job.read_plan = reader.plan(keys)
-            got = reader.read_plan(job.read_plan, pin_memory=ctx.pin, out=buffer, announced=job.announced)
-        else:
-            got = reader.read(keys, pin_memory=ctx.pin, out=buffer)
-    finally:
-        if ctx.pool is not None:
-            ctx.pool.give_back(buffer)  # from here on, the batch's views keep it from being taken again
-    return dict(zip(keys, got))
-
-
-def _announce(job: _Job, reader: PlannedReader) -> None:
-    """Plan ``job``'s read (its worker reuses the plan) and announce it; never raises: the read reports errors."""
-    try:
-        plan = job.read_plan
-        if plan is None:
-            plan = job.read_plan = reader.plan(entry_keys(job.plan))
-        job.announced = reader.announce(plan)
-    except (KeyError, ValueError, CacheError):  # an unknown key, a bad skeleton: job's own read names it
-        return
-
-
-class _Upcoming:
-    """An iteration's plans as jobs, drawn one ahead, so that a job knows its successor before that one is
-    submitted: a worker starting a job announces the successor's read (its bytes come off the disk meanwhile).
-    Drawing a plan does not move the sampler (the loader moves it on delivery)."""
-
-    def __init__(self, plans: Iterator[BatchPlan]) -> None:
-        self._plans = plans
-        self._next = self._draw()
-
-    def _draw(self) -> _Job | None:
-        plan = next(self._plans, None)
-        return None if plan is None else _Job(plan)
-
-    def take(self) -> _Job | None:
-        """The next job (``None`` at the end), already linked to the one after it."""
-        job = self._next
-        if job is not None:
-            self._next = job.successor = self._draw()
-        return job
-
-
-class _Workers:
-    """The worker threads; restartable, and holding no reference to the loader."""
-
-    def __init__(self, count: int, ctx: _Context) -> None:
-        self.count = count
-        self.ctx = ctx
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.stop_event = threading.Event()
-        self.threads: list[threading.Thread] = []
-        self.lock = threading.Lock()
-
-    def submit(self, job: _Job) -> None:
-        with self.lock:
-            if not self.threads:
-                self._start()
-            self.jobs.put(job)
-
-    def _start(self) -> None:
-        self.stop_event = threading.Event()
-        self.jobs = queue.SimpleQueue()
-        for i in range(self.count):
-            t = threading.Thread(
-                target=_worker_main,
-                args=(self.jobs, self.stop_event, self.ctx, self.ctx.slots[i]),
-                name=f"dataset_cache-loader-{i}",
-                daemon=True,  # never keeps the interpreter alive; close() joins them anyway
-            )
-            t.start()
-            self.threads.append(t)
-
-    def stop(self) -> None:
-        """Cancel queued jobs and join every thread (a read in progress finishes first: no reads after this)."""
-        with self.lock:
-            threads, self.threads = self.threads, []
-            self.stop_event.set()
-            for _ in threads:
-                self.jobs.put(None)
-        me = threading.current_thread()
-        for t in threads:
-            if t is not me:
-                t.join()
-        while True:  # release anyone waiting on a job that will never run
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancelled = True
-                job.done.set()
-
-
-def _worker_main(jobs: queue.SimpleQueue, stop: threading.Event, ctx: _Context, slot: Slot) -> None:
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        if stop.is_set() or job.cancelled:
-            job.cancelled = True
-            job.done.set()
-            if stop.is_set():
-                return
-            continue
-        _run_job(job, ctx, slot)
-        del job  # not while waiting for the next: a finished job's batch would keep its read buffer from the pool
 
 
 class PrefetchLoader:
@@ -364,11 +188,11 @@ class PrefetchLoader:
         cuda = CudaDelivery(dev) if dev.type == "cuda" else None  # its side stream lives as long as the loader
         pool = BufferPool(self._depth + 2) if dev.type == "cpu" else None
         planned = isinstance(reader, PlannedReader)
-        self._ctx = _Context(reader, dev, pin, [Slot() for _ in range(max(1, n_threads))], pool, cuda,
+        self._ctx = Context(reader, dev, pin, [Slot() for _ in range(max(1, n_threads))], pool, cuda,
                              planned=planned, read_ahead=planned and n_threads > 0, per_batch=per_batch)
-        self._workers = _Workers(n_threads, self._ctx) if n_threads else None
-        self._finalizer = weakref.finalize(self, _Workers.stop, self._workers) if self._workers else None
-        self._pending: deque[_Job] = deque()
+        self._workers = Workers(n_threads, self._ctx) if n_threads else None
+        self._finalizer = weakref.finalize(self, Workers.stop, self._workers) if self._workers else None
+        self._pending: deque[Job] = deque()
         self._generation = 0
         self._closed = False
         self._stats = LoaderStats()
@@ -433,7 +257,7 @@ class PrefetchLoader:
         return self._iterate(self._generation)
 
     def _iterate(self, generation: int) -> Iterator[Batch]:
-        plans = _Upcoming(self.sampler.plans(epochs=self.epochs))
+        plans = Upcoming(self.sampler.plans(epochs=self.epochs))
         finished = False
         t_mark = time.perf_counter()
         try:
@@ -461,7 +285,7 @@ class PrefetchLoader:
                 if not finished and self._workers is not None:
                     self._workers.stop()  # abandoned (break / exception): no threads left behind
 
-    def _fill(self, plans: _Upcoming, depth: int) -> None:
+    def _fill(self, plans: Upcoming, depth: int) -> None:
         while len(self._pending) < depth:
             job = plans.take()
             if job is None:
@@ -473,10 +297,10 @@ class PrefetchLoader:
             if self._workers is not None:
                 self._workers.submit(job)
 
-    def _deliver(self, job: _Job) -> Batch:
+    def _deliver(self, job: Job) -> Batch:
         t0 = time.perf_counter()
         if self._workers is None:
-            _run_job(job, self._ctx, self._ctx.slots[0])
+            run_job(job, self._ctx, self._ctx.slots[0])
         elif not job.done.is_set():
             while True:
                 if self.on_wait is not None:

@@ -313,7 +313,7 @@ def test_worker_exception_reaches_consumer_at_the_failing_batch_with_its_traceba
     assert isinstance(cause, CacheCorruptError) and cause.entry == bad
     assert info.value.plan == plans[first_bad]
     tb = "".join(traceback.format_exception(cause))
-    assert "_raise_corrupt" in tb and "_run_job" in tb  # the worker's own frames survive
+    assert "_raise_corrupt" in tb and "run_job" in tb  # the worker's own frames survive
     assert "checksum mismatch" in str(info.value)
     assert live_threads() == before  # the failed iteration stopped its threads
     assert sampler.position == (0, first_bad)  # a retry starts at the failed batch
