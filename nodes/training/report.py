@@ -38,13 +38,18 @@ class StepReport:
 @dataclass
 class RowCounts:
     """What the trained batch rows were: how many, and how many took each variant (caption dropout, a mirror, a
-    loss mask, a regularization image), so the summary shows that a setting did what it says."""
+    loss mask, a regularization image), so the summary shows that a setting did what it says.
+
+    ``masks_ignored``: why the loss ignores masks in this run (``"masked_loss off"``, ``"unmasked_weight 1"``), or
+    ``""`` when a row's mask weighs its loss; the summary then counts the rows with a mask as not masked.
+    """
 
     trained: int = 0
     dropped: int = 0
     mirrored: int = 0
     masked: int = 0
     regularization: int = 0
+    masks_ignored: str = ""
 
     def add(self, plan: Any, main_samples: int) -> None:
         """Count the rows of one batch plan (rows of samples from ``main_samples`` on are regularization rows)."""
@@ -56,11 +61,18 @@ class RowCounts:
 
     def describe(self) -> str:
         """``"rows: 48 trained, 5 with the empty caption, ..."``, or ``""`` when no row took a variant."""
-        parts = [(self.dropped, "with the empty caption"), (self.mirrored, "mirrored"), (self.masked, "with a mask"),
+        masked = "with a mask" if not self.masks_ignored else f"with a mask not applied ({self.masks_ignored})"
+        parts = [(self.dropped, "with the empty caption"), (self.mirrored, "mirrored"), (self.masked, masked),
                  (self.regularization, "regularization")]
         if not any(n for n, _ in parts):
             return ""
         return f"rows: {self.trained} trained, " + ", ".join(f"{n} {what}" for n, what in parts if n)
+
+    @classmethod
+    def for_settings(cls, masked_loss: bool, unmasked_weight: float) -> RowCounts:
+        """Counts for a run with these loss settings (whether the rows' masks reach the loss)."""
+        ignored = "masked_loss off" if not masked_loss else "unmasked_weight 1" if unmasked_weight == 1.0 else ""
+        return cls(masks_ignored=ignored)
 
 
 def counted(batches: Iterator[Batch], counts: RowCounts, main_samples: int) -> Iterator[Batch]:

@@ -75,7 +75,7 @@ def train_lora(
     existing, existing_steps = load_existing_lora(settings.existing_lora)
     with torch.inference_mode(False):
         run = load(model, train, data, existing)
-        sampler = BucketSampler(samples, data.buckets, settings.batch_size, settings.seed, tail="wrap",
+        sampler = BucketSampler(samples, data.buckets, settings.batch_size, settings.seed, tail="short",
                                 rank=0, world_size=1, caption_dropout=settings.caption_dropout,
                                 reg=data.regularization)
         first_batch = existing_steps * settings.grad_accumulation_steps  # continuing: where the last run stopped
@@ -86,7 +86,7 @@ def train_lora(
             threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
             on_wait=comfy.model_management.throw_exception_if_processing_interrupted,
         )
-        counts = RowCounts()
+        counts = RowCounts.for_settings(settings.masked_loss, settings.unmasked_weight)
         try:
             prepare(run, train)
             loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,

@@ -13,6 +13,7 @@ import importlib
 import logging
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -332,6 +333,26 @@ def test_continuing_a_lora_reproduces_an_uninterrupted_run(node: type, models: t
     assert fresh[1]["loss"] != pytest.approx(rest[1]["loss"], rel=1e-4)
 
 
+def test_a_bucket_smaller_than_the_batch_trains_as_a_smaller_batch(pack: ModuleType, node: type, models: tuple,
+                                                                   dataset: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """#27 item 1: at batch 4 the 64×96 bucket (2 images) was completed with copies, so its images trained twice as
+    often as the others; now it trains as a batch of 2 and every image once per epoch (2 epochs of 2 steps)."""
+    run = _module(pack, "nodes.training.run")
+    real = run.counted
+    seen: list[tuple[str, ...]] = []
+
+    def spy(batches: Any, counts: Any, main_samples: int) -> Any:
+        for batch in real(batches, counts, main_samples):
+            seen.append(batch.plan.latent_keys)
+            yield batch
+
+    monkeypatch.setattr(run, "counted", spy)
+    _train(node, models[0], dataset, batch_size=4, steps=4)
+    assert sorted(len(rows) for rows in seen) == [2, 2, 4, 4]
+    assert Counter(key for rows in seen for key in rows) == {_key(f"latent{i}"): 2 for i in range(len(SIZES))}
+
+
 def test_every_row_is_paired_with_its_own_caption(pack: ModuleType, models: tuple) -> None:
     """The built-in trainer averages every caption over the whole batch; here row i sees caption i only."""
     training = _module(pack, "nodes.training")
@@ -475,7 +496,8 @@ def test_an_integer_latent_is_refused_before_any_step(pack: ModuleType, node: ty
     training = _module(pack, "nodes.training")
     steps: list[int] = []
     real_fwd_bwd = training.loop.StepLoop._fwd_bwd
-    monkeypatch.setattr(training.loop.StepLoop, "_fwd_bwd", lambda self, b, i: steps.append(i) or real_fwd_bwd(self, b, i))
+    monkeypatch.setattr(training.loop.StepLoop, "_fwd_bwd",
+                        lambda self, b, i: steps.append(i) or real_fwd_bwd(self, b, i))
     with pytest.raises(ValueError, match=r"sample 2 \(img2.png\): latent entry .* holds torch.int16 samples"):
         _train(node, models[0], dataset)
     assert steps == []
