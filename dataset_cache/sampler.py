@@ -73,6 +73,7 @@ __all__ = [
     "buckets_from_reader",
     "fit_batch_size",
     "mix_datasets",
+    "shared_samples",
 ]
 
 log = logging.getLogger("dataset_cache.sampler")
@@ -213,6 +214,16 @@ class Regularization:
     ratio: float = 1.0
     weight: float = 1.0
     name: str = "the regularization dataset"
+
+
+def shared_samples(main: Sequence[Sample] | DatasetMix, reg: Sequence[Sample] | DatasetMix) -> list[Sample]:
+    """The regularization samples whose latent (or mirror) the main dataset trains too: the same image, crop and VAE
+    (keys are content addresses, so this holds across caches). A dataset used as its own regularization set shares
+    all of them."""
+    main_samples = main.samples if isinstance(main, DatasetMix) else main
+    reg_samples = reg.samples if isinstance(reg, DatasetMix) else reg
+    trained = {k for s in main_samples for k in (s.latent, s.mirror) if k is not None}
+    return [s for s in reg_samples if s.latent in trained or (s.mirror is not None and s.mirror in trained)]
 
 
 def buckets_from_reader(reader: EntryHeaders, samples: Sequence[Sample]) -> list[tuple[int, ...]]:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ...dataset_cache.dataset import Sample
 from ...dataset_cache.loader import Batch
+from ...dataset_cache.sampler import DatasetMix, shared_samples
 
-__all__ = ["RowCounts", "StepReport", "TrainResult", "counted"]
+__all__ = ["RowCounts", "StepReport", "TrainResult", "counted", "overlap_notes"]
 
 @dataclass(frozen=True)
 class StepReport:
@@ -75,6 +77,22 @@ class RowCounts:
         return cls(masks_ignored=ignored)
 
 
+def overlap_notes(main: Sequence[Sample] | DatasetMix, reg: Sequence[Sample] | DatasetMix, reg_name: str
+                  ) -> list[str]:
+    """A warning when the regularization set holds images the dataset trains (the same Encode output connected to
+    both inputs, or overlapping folders), naming both; training goes on (kohya does not check at all)."""
+    shared = shared_samples(main, reg)
+    if not shared:
+        return []
+    main_name = " + ".join(repr(n) for n, _ in main.parts) if isinstance(main, DatasetMix) else "the dataset"
+    n_reg = len(reg.samples if isinstance(reg, DatasetMix) else reg)
+    example = shared[0].source or shared[0].latent
+    what = (f"is the same dataset as dataset {main_name} (all {n_reg} of its images)" if len(shared) == n_reg else
+            f"shares {len(shared)} of its {n_reg} images with dataset {main_name} (e.g. {example})")
+    return [f"{reg_name} {what}: those images train as both the subject and its regularization, which works "
+            "against what regularization is for; connect images of the class, not of the subject"]
+
+
 def counted(batches: Iterator[Batch], counts: RowCounts, main_samples: int) -> Iterator[Batch]:
     """``batches``, counting each one's rows into ``counts`` as it is handed to the step loop."""
     for batch in batches:
@@ -96,6 +114,7 @@ class TrainResult:
         buckets: latent shape ``(C, H, W)`` (``(C, T, H, W)`` for video latents) → occurrences per epoch.
         notes: settings the run had to change, for the user (a batch size clamped to the largest bucket).
         rows: the trained rows and how many took each variant.
+        info: what was restored and saved for continuing the LoRA (its training state).
     """
 
     lora: dict[str, torch.Tensor]
@@ -107,6 +126,7 @@ class TrainResult:
     buckets: dict[Any, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     rows: RowCounts = field(default_factory=RowCounts)
+    info: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """One paragraph for the node's UI (what was changed from the settings first)."""
@@ -118,5 +138,5 @@ class TrainResult:
             f"{self.samples_per_s:.2f} samples/s, waited for data {self.data_wait_pct:.1f}% of the time; "
             f"loss {first:.4f} (first 5) → {last:.4f} (last 5); "
             f"buckets {', '.join(f'{list(b)}×{n}' for b, n in self.buckets.items())}"
-            + (f"; {rows}" if rows else "")
+            + (f"; {rows}" if rows else "") + "".join(f"; {i}" for i in self.info)
         )
