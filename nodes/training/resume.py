@@ -94,7 +94,8 @@ def resume_run(run: Any, sampler: BucketSampler, existing: Mapping[str, torch.Te
             log.warning("Train LoRA: existing_lora %r: %s", name, problem)
     if state is None:
         return _without_state(name, name_steps, sampler, settings, problem)
-    store.touch(path)  # type: ignore[arg-type]  # found above
+    assert path is not None  # the state was read from it
+    store.touch(path)
     start = Start(state.steps, state.batches)
     restored = _restore_optimizer(run, state, start)
     try:
