@@ -44,7 +44,7 @@ import torch
 
 from .batching import batched
 from .dataset import Sample
-from .encode_plan import EncodePlan, LatentJob, MaskJob, samples_digest, variant_counts
+from .encode_plan import EncodePlan, LatentJob, MaskJob, samples_digest, settle_sources, variant_counts
 from .errors import CacheLockedError, SourceError
 from .format.writer import LOG_SYNC_SECONDS, CacheWriter, CompactReport
 from .imaging import load_image, load_mask
@@ -648,6 +648,7 @@ def run_encode(
         report.variants = variant_counts(plan.samples, None if plan.sourceless else settings)
         report.skipped = 0 if plan.sourceless else plan.skipped
         report.failed = len(report.failures)
+        settle_sources(plan)
         report.seconds = time.perf_counter() - start
         return report
 
@@ -739,6 +740,7 @@ def run_encode(
                     report.compaction = compact_if_unread(writer, plan.cache_root)
                 report.samples = len(samples)
                 report.variants = variant_counts(samples, settings)
+                settle_sources(plan)
                 report.timings["finish"] = time.perf_counter() - t_finish
         except BaseException:
             # Entries already added are finished encodes (the failing batch never reached add), so keep them.
