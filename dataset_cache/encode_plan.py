@@ -786,8 +786,9 @@ def _clip_notes(settings: EncodeSettings, short: Sequence[str]) -> tuple[str, ..
                      f"{video.stride}, so it encodes 1 + {video.stride}·m frames without dropping any")
     if short:
         more = f"; and {len(short) - SHORT_CLIPS_NAMED} more" if len(short) > SHORT_CLIPS_NAMED else ""
-        notes.append(f"{len(short)} clip(s) give fewer frames than the {video.effective_frames} asked and train in "
-                     f"buckets of their own: " + "; ".join(short[:SHORT_CLIPS_NAMED]) + more)
+        notes.append(f"{len(short)} clip(s) give fewer frames than the {video.effective_frames} asked; each trains "
+                     "with the frames it gives, in the bucket of that frame count: "
+                     + "; ".join(short[:SHORT_CLIPS_NAMED]) + more)
     return tuple(notes)
 
 

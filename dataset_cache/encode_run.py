@@ -128,6 +128,8 @@ class EncodeReport:
         encoded_empty_caption: this run encoded the empty caption.
         variants: what the stored dataset holds (:func:`.encode_plan.variant_counts`): distinct ``captions``,
             ``mirrors``, ``masks``, ``masked_samples``, ``empty_caption`` (0/1) and ``shuffle_variants``.
+        short_clips: clips that give fewer frames than asked, each ``"<relpath>: <taken> of <asked> frames
+            (why)"`` (the plan's; ``notes`` names the first of them).
     """
 
     dataset: str
@@ -154,6 +156,7 @@ class EncodeReport:
     encoded_mirrors: int = 0
     encoded_empty_caption: bool = False
     variants: dict[str, int] = field(default_factory=dict)
+    short_clips: tuple[str, ...] = ()
 
     @property
     def encoded(self) -> int:
@@ -637,7 +640,7 @@ def run_encode(
     settings = plan.settings
     report = EncodeReport(plan.dataset, new=plan.new, changed=plan.changed, unchanged=plan.unchanged,
                           removed=plan.removed, failures=list(plan.failures), sourceless=plan.sourceless,
-                          notes=list(plan.notes))
+                          notes=list(plan.notes), short_clips=plan.short_clips)
     report.timings.update(encoder=0.0, decode_wait=0.0, decode_cpu=0.0, commit=0.0, commit_wait=0.0, finish=0.0,
                           lock_wait=0.0)
     if plan.failures and settings.failure_policy == "stop":

@@ -420,6 +420,7 @@ def report_fields(report: EncodeReport, enc: _Encoders | None = None) -> dict[st
         "failures": [f"{f.relpath}: {f.reason}" for f in report.failures[:5]],
         "encoded_masks": report.encoded_masks, "encoded_mirrors": report.encoded_mirrors,
         "encoded_empty_caption": report.encoded_empty_caption, "variants": dict(report.variants),
+        "short_clips": list(report.short_clips),
     }
     if enc is not None:
         fields.update(vae_loaded=enc.vae_loaded, clip_loaded=enc.clip_loaded, vae_fingerprint=enc.vae_fp,

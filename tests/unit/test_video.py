@@ -355,10 +355,11 @@ def test_clips_that_give_fewer_frames_than_asked_are_named_with_what_they_gave(t
     plan = _plan(root, tmp_path / "cache", _settings(frames=9))
     assert plan.short_clips == ("three.frames: 1 of 9 frames (it has 3 frames; 3 rounded down to 1 + 4·m for the "
                                 "VAE)",)
-    assert "1 clip(s) give fewer frames than the 9 asked and train in buckets of their own: three.frames: 1 of 9" \
-        in " ".join(plan.notes)
+    assert ("1 clip(s) give fewer frames than the 9 asked; each trains with the frames it gives, in the bucket of "
+            "that frame count: three.frames: 1 of 9") in " ".join(plan.notes)
     report = run_encode(plan, **FakeEncoders().kw())
     assert "three.frames: 1 of 9 frames" in report.summary() and "long.frames" not in report.summary()
+    assert report.short_clips == plan.short_clips
     thirteen = _plan(root, tmp_path / "cache", _settings(frames=13))
     assert [c.partition(":")[0] for c in thirteen.short_clips] == ["three.frames", "twelve.frames"]
     assert thirteen.short_clips[1] == ("twelve.frames: 9 of 13 frames (it has 12 frames; 12 rounded down to "
