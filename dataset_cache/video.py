@@ -375,7 +375,7 @@ class _Packets:
 
 def _tag_seconds(value: Any) -> Fraction | None:
     """A Matroska ``DURATION`` tag (``HH:MM:SS.nnnnnnnnn``, as FFmpeg and mkvmerge write it) in seconds."""
-    match = re.fullmatch(r"(\d+):(\d{2}):(\d{2})(?:\.(\d{1,9}))?", str(value).strip()) if value else None
+    match = re.fullmatch(r"(\d{1,6}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?", str(value).strip()[:32]) if value else None
     if match is None:
         return None
     hours, minutes, secs, frac = match.groups()
@@ -390,8 +390,8 @@ def _declared(container: Any, stream: Any) -> tuple[int | None, Fraction | None]
     meta = {str(k).upper(): v for k, v in (stream.metadata or {}).items()}
     frames = int(stream.frames or 0)
     if frames <= 0:
-        tag = str(meta.get("NUMBER_OF_FRAMES", "")).strip()
-        frames = int(tag) if tag.isdigit() else 0
+        tag = str(meta.get("NUMBER_OF_FRAMES", "")).strip()[:20]
+        frames = int(tag) if tag.isdecimal() and tag.isascii() else 0
     seconds = None
     if stream.duration and stream.time_base:
         seconds = stream.duration * Fraction(stream.time_base)

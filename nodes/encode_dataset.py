@@ -524,8 +524,8 @@ class EncodeDataset(io.ComfyNode):
                                  "small image up. On: every image is resized to cover its bucket."),
                 io.Int.Input("frame_count", default=17, min=1, max=MAX_CLIP_FRAMES, optional=True,
                              tooltip="Clips (videos, <name>.frames folders): frames per clip. Rounded down to what "
-                             "the VAE takes (WAN: 1 + 4m, e.g. 17, 33, 81); a shorter clip gives what it has. "
-                             "Images ignore it."),
+                             "the VAE takes (WAN: 1 + 4m, e.g. 17, 33, 81); a shorter clip gives what it has, "
+                             "named in the report. Images ignore it."),
                 io.Combo.Input("frame_sampling", options=list(SAMPLING_MODES), default="first", optional=True,
                                tooltip="Which frames of a clip: the first N, N spread uniformly over it, or every "
                                "k-th from the start (k = frame_step)."),
@@ -533,7 +533,7 @@ class EncodeDataset(io.ComfyNode):
                              tooltip="k of frame_sampling every_k: take every k-th frame."),
                 io.Float.Input("fps", default=0.0, min=0.0, max=1000.0, step=0.5, optional=True, advanced=True,
                                tooltip="Resample videos to this frame rate before sampling; 0 keeps each video's "
-                               "own rate. Frame folders are taken as they are."),
+                               "own rate; otherwise 0.01 to 1000. Frame folders are taken as they are."),
                 io.Combo.Input("flip", options=list(FLIP_MODES), default="none", optional=True,
                                tooltip="Horizontal flips: none; always (every image is stored mirrored); random "
                                "(the image and its mirror are both cached and training picks one per epoch; "

@@ -182,6 +182,28 @@ def test_an_fps_near_zero_or_nan_is_refused_naming_fps_before_any_model_loads(
         Run(mod, prompt).lazy()
 
 
+BASE = {"resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
+        "batch_size": 2, "on_failure": "skip"}
+
+
+@pytest.mark.parametrize(("inputs", "message"), [
+    ({"frame_count": 0}, "frame_count 0: use a whole number from 1 to 4097"),
+    ({"frame_count": 4098}, "frame_count 4098: use a whole number from 1 to 4097"),
+    ({"frame_count": 9.0}, "frame_count 9.0: use a whole number"),
+    ({"frame_step": 0}, "frame_step 0: use a whole number from 1 to 4097"),
+    ({"frame_step": 10**12}, "frame_step 1000000000000: use a whole number"),
+    ({"fps": float("inf")}, "fps inf: use 0"), ({"fps": -1.0}, "fps -1.0: use 0"),
+    ({"fps": 1000.5}, "fps 1000.5: use 0"), ({"fps": 0.005}, "fps 0.005: use 0"), ({"fps": 5e-324}, "fps 5e-324"),
+])
+def test_every_clip_number_out_of_range_is_refused_naming_its_input(mod: ModuleType, inputs: dict[str, Any],
+                                                                     message: str) -> None:
+    """The audit of #27 item 11: each numeric clip input, at NaN, infinity, a tiny positive or a huge value."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mod._settings(**BASE, **inputs)
+    edges = mod._settings(**BASE, frame_count=4097, frame_step=4097, fps=0.01)  # the limits themselves are taken
+    assert (edges.video.frames, edges.video.every, edges.video.fps) == (4097, 4097, 0.01)
+
+
 def test_clips_that_give_fewer_frames_than_asked_are_named_in_the_report(
         mod: ModuleType, wan_vae: tuple, clip: Any, tiny_models: TinyModels, comfy_folders: Path) -> None:
     """A 3-frame video at frame_count 9 gives one frame, a 12-frame .frames folder at 13 gives 9, and at fps 0.5

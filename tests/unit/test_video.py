@@ -522,3 +522,39 @@ def test_without_pyav_a_video_is_a_failure_naming_it_and_frame_folders_still_wor
     (failure,) = scan.failures
     assert failure.relpath == "clip.mp4" and failure.path == str(root / "clip.mp4")
     assert "PyAV" in failure.reason and "pip install av" in failure.reason
+
+
+@needs_av
+@pytest.mark.parametrize(("tag", "refused"), [("30", False), ("12abc", False), ("40", True), ("9" * 5000, True)])
+def test_a_matroska_frame_count_tag_is_checked_and_a_hostile_one_never_crashes(tmp_path: Path, tag: str,
+                                                                               refused: bool) -> None:
+    """mkvmerge writes a track's frame count as a NUMBER_OF_FRAMES tag: it is what the header claims."""
+    import av
+    import numpy as np
+
+    path = tmp_path / "tagged.mkv"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.metadata["NUMBER_OF_FRAMES"] = tag
+        for _ in range(30):
+            frame = av.VideoFrame.from_ndarray(np.zeros((48, 64, 3), np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    if refused:
+        with pytest.raises(SourceError, match=r"video holds 30 of the \d+ frames its header claims"):
+            probe_video(str(path))
+    else:
+        assert probe_video(str(path)).frames == 30
+
+
+@pytest.mark.parametrize(("value", "seconds"), [
+    ("00:00:03.750000000", Fraction(15, 4)), ("1:02:03", Fraction(3723)), ("9" * 400 + ":00:00", None),
+    ("00:00:03.75x", None), ("", None), (None, None), ("-1:00:00", None),
+])
+def test_a_duration_tag_is_read_within_bounds(value: Any, seconds: Fraction | None) -> None:
+    from dataset_cache.video import _tag_seconds
+
+    assert _tag_seconds(value) == seconds
