@@ -385,18 +385,17 @@ def _tag_seconds(value: Any) -> Fraction | None:
 
 def _declared(container: Any, stream: Any) -> tuple[int | None, Fraction | None]:
     """What a video's header says its stream holds: a frame count (an MP4/MOV sample table; mkvmerge's
-    ``NUMBER_OF_FRAMES`` tag) and a duration in seconds (the stream's own; a Matroska track's ``DURATION`` tag; the
-    container's when the stream is its only one: with audio it may run longer). ``None`` where it says nothing."""
-    meta = {str(k).upper(): v for k, v in (stream.metadata or {}).items()}
+    ``NUMBER_OF_FRAMES`` tag) and, for Matroska/WebM, a duration in seconds (the track's ``DURATION`` tag, else the
+    segment's when the track is its only stream: with audio it may run longer). ``None`` where it says nothing.
+    No other duration is used: FFmpeg may estimate one from the bit rate, which proves nothing about the file."""
     frames = int(stream.frames or 0)
+    if container.format.name != "matroska,webm":
+        return (frames or None), None
+    meta = {str(k).upper(): v for k, v in (stream.metadata or {}).items()}
     if frames <= 0:
         tag = str(meta.get("NUMBER_OF_FRAMES", "")).strip()[:20]
         frames = int(tag) if tag.isdecimal() and tag.isascii() else 0
-    seconds = None
-    if stream.duration and stream.time_base:
-        seconds = stream.duration * Fraction(stream.time_base)
-    if seconds is None:
-        seconds = _tag_seconds(meta.get("DURATION"))
+    seconds = _tag_seconds(meta.get("DURATION"))
     if seconds is None and container.duration and len(container.streams) == 1:
         seconds = Fraction(container.duration, 1_000_000)
     return (frames or None), seconds

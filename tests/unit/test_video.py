@@ -525,6 +525,40 @@ def test_without_pyav_a_video_is_a_failure_naming_it_and_frame_folders_still_wor
 
 
 @needs_av
+@pytest.mark.parametrize("layout", ["live", "longer audio"])
+def test_a_whole_video_whose_header_says_less_or_more_than_its_frames_is_never_refused(tmp_path: Path,
+                                                                                   layout: str) -> None:
+    """No false alarm: a WebM written live has no duration to compare with; a Matroska file whose audio runs a
+    second past its video has a longer segment, but its video track's own duration is what counts."""
+    import av
+    import numpy as np
+
+    path = tmp_path / ("live.webm" if layout == "live" else "audio.mkv")
+    with av.open(str(path), "w", options={"live": "1"} if layout == "live" else {}) as container:
+        video = container.add_stream("libvpx" if layout == "live" else "mpeg4", rate=8)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = container.add_stream("aac", rate=48000) if layout != "live" else None
+        for i in range(16):  # 2 s of video
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), i * 10, np.uint8), format="rgb24")
+            for packet in video.encode(frame):
+                container.mux(packet)
+        for packet in video.encode():
+            container.mux(packet)
+        if audio is not None:  # 3 s of silence
+            for j in range(3 * 48000 // 1024):
+                samples = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+                samples.sample_rate, samples.pts = 48000, j * 1024
+                for packet in audio.encode(samples):
+                    container.mux(packet)
+            for packet in audio.encode():
+                container.mux(packet)
+    assert probe_video(str(path)).frames == 16
+    out = torch.empty((2, 48, 80, 3))
+    load_clip(str(path), (0, 15), BUCKET.plan(64, 48), out, name=str(path))
+    assert _levels(out[:, 0, 0, 0])[0] == 0
+
+
+@needs_av
 @pytest.mark.parametrize(("tag", "refused"), [("30", False), ("12abc", False), ("40", True), ("9" * 5000, True)])
 def test_a_matroska_frame_count_tag_is_checked_and_a_hostile_one_never_crashes(tmp_path: Path, tag: str,
                                                                                refused: bool) -> None:
