@@ -62,7 +62,8 @@ from .keys import PlanKeys, content_key, hash_bytes, latent_key, mask_key
 from .scan import DatasetFolderError, FolderListing, SourceClip, SourceFailure, SourceImage, scan_folder
 from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
 from .variants import role_keys
-from .video import MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_folder_of
+from .video import (MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_folder_of, clip_key_fields,
+                    legacy_clip_key_fields)
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -77,6 +78,7 @@ __all__ = [
     "EncodePlan",
     "plan_encode",
     "sources_record_path",
+    "settle_sources",
     "samples_digest",
 ]
 
@@ -389,6 +391,8 @@ class EncodePlan:
         images_without_mask: images that train unmasked (full weight): with ``masks="masklabel"`` those without
             a mask file, with ``masks="alpha"`` those without an alpha channel.
         unused_masks: mask files in the folder that no sample uses.
+        short_clips: clips that give fewer frames than asked, each ``"<relpath>: <taken> of <asked> frames
+            (why)"``, sorted by path (they are kept, in frame buckets of their own, and named in ``notes``).
     """
 
     cache_root: str
@@ -416,6 +420,7 @@ class EncodePlan:
     empty_caption: str | None = None
     images_without_mask: int = 0
     unused_masks: int = 0
+    short_clips: tuple[str, ...] = ()
 
     @property
     def needs_vae(self) -> bool:
@@ -493,6 +498,18 @@ def sources_record_path(cache_root: str | os.PathLike[str], dataset: str) -> Pat
     slug = "".join(ch if ch.isascii() and (ch.isalnum() or ch in "._-") else "_" for ch in dataset)
     slug = slug.lstrip(".")[:48] or "dataset"
     return Path(cache_root) / SOURCES_DIR / f"{slug}-{xxhash.xxh3_64_hexdigest(dataset.encode('utf-8'))}.json"
+
+
+def settle_sources(plan: EncodePlan) -> None:
+    """Record that the dataset is now stored from the sources ``plan`` saw: the next plan counts new, changed and
+    removed files against them. Left as it is when another plan has saved a different record meanwhile (the
+    next plan then counts against the older sources: more files "new" than strictly are, never fewer)."""
+    if plan.sourceless or plan.validation is None or not plan.validation.record.pending:
+        return
+    path = sources_record_path(plan.cache_root, plan.dataset)
+    current = _load_record(path)
+    if current.same_sources(plan.validation.record):
+        save_record(current.settled(), path)
 
 
 def _check_cache_location(root: str) -> None:
@@ -639,7 +656,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     record = validation.record
     scan = scan_folder(validation.listing, known_sizes=record.image_sizes(), known_captions=record.caption_lines(),
                        threads=threads)
-    if validation.hashed or validation.captions_added or not validation.clean:  # else the record is current
+    if validation.record_changed:  # else the record is current
         frames = [f for clip in scan.clips for f in clip.frames]
         save_record(record.with_image_sizes([*scan.images, *frames]), record_path)  # before any encode: never re-hash
 
@@ -702,13 +719,14 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         ckeys = _caption_keys(img.captions, img.relpath, settings, keys, texts, cut, many)
         samples.append(Sample(lkey, ckeys, img.repeats, img.relpath, mirror=mirror, mask=mkey, empty_caption=empty))
 
+    have, _stored, info = _cache_view(root, dataset, load=False)
+    short: list[str] = []  # clips that give fewer frames than asked, each with why
     clips = _plan_clips(scan.clips, record, settings, vae_fingerprint, keys, samples, texts, unplannable, cut, many,
-                        empty)
+                        empty, have, short)
     try:
         check_epoch_size(samples, f"dataset {dataset!r}")
     except ValueError as exc:  # before any encode: the dataset could never be stored
         raise DatasetFolderError(src, str(exc)) from None
-    have, _stored, info = _cache_view(root, dataset, load=False)
     digest = samples_digest(samples)
     by_bucket: dict[tuple[int, int], list[LatentJob]] = {}
     for job in latents.values():
@@ -733,11 +751,11 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
                 + sum(k in have for k in masks)),
         dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
         skipped=_listed_samples(validation) - len(samples),
-        notes=(_caption_notes(cut, many) + _clip_notes(settings)
+        notes=(_caption_notes(cut, many) + _clip_notes(settings, short)
                + _mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
                + shuffle_notes(settings, [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)])),
         missing_clips=missing_clips, missing_masks=missing_masks, empty_caption=empty,
-        images_without_mask=len(no_mask), unused_masks=len(unused),
+        images_without_mask=len(no_mask), unused_masks=len(unused), short_clips=tuple(short),
     )
 
 
@@ -833,12 +851,23 @@ def _listed_samples(validation: Validation) -> int:
     return n
 
 
-def _clip_notes(settings: EncodeSettings) -> tuple[str, ...]:
+SHORT_CLIPS_NAMED = 20
+"""Clips giving fewer frames than asked that the report's note names one by one (then a count; the plan's
+``short_clips`` and the node's structured report hold them all)."""
+
+
+def _clip_notes(settings: EncodeSettings, short: Sequence[str]) -> tuple[str, ...]:
     video = settings.video
+    notes = []
     if video.stride and video.stride > 1 and video.effective_frames != video.frames:
-        return (f"frame count {video.frames} is taken as {video.effective_frames}: the VAE compresses time by "
-                f"{video.stride}, so it encodes 1 + {video.stride}·m frames without dropping any",)
-    return ()
+        notes.append(f"frame count {video.frames} is taken as {video.effective_frames}: the VAE compresses time by "
+                     f"{video.stride}, so it encodes 1 + {video.stride}·m frames without dropping any")
+    if short:
+        more = f"; and {len(short) - SHORT_CLIPS_NAMED} more" if len(short) > SHORT_CLIPS_NAMED else ""
+        notes.append(f"{len(short)} clip(s) give fewer frames than the {video.effective_frames} asked; each trains "
+                     "with the frames it gives, in the bucket of that frame count: "
+                     + "; ".join(short[:SHORT_CLIPS_NAMED]) + more)
+    return tuple(notes)
 
 
 def _too_many_variants(captions: Sequence[str], settings: EncodeSettings) -> str | None:
@@ -873,11 +902,26 @@ def _caption_keys(captions: Sequence[str], relpath: str, settings: EncodeSetting
     return tuple(dict.fromkeys(out)) if settings.shuffle_variants else tuple(out)
 
 
+def _clip_key(source_hash: str, plan: CropPlan, vae_fp: str, video: FrameSettings, kind: str,
+              indices: tuple[int, ...], have: set[str]) -> str:
+    """A clip's latent key: the frames it takes (:func:`.video.clip_key_fields`), or the key an earlier build
+    gave it for these settings when the cache holds that one (its clips are kept, not encoded again)."""
+    key = latent_key(source_hash, plan.key_fields(), vae_fp, extra=clip_key_fields(kind, indices, video.stride))
+    if key not in have and video.stride is not None:
+        legacy = latent_key(source_hash, plan.key_fields(), vae_fp,
+                            extra=legacy_clip_key_fields(video, kind, indices))
+        if legacy in have:
+            return legacy
+    return key
+
+
 def _plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: EncodeSettings, vae_fp: str,
                 keys: PlanKeys, samples: list[Sample], texts: dict[str, str], unplannable: list[SourceFailure],
-                cut: list[str], many: list[str], empty: str | None = None) -> dict[str, LatentJob]:
-    """Key every clip (its bytes, or its frames' in order, plus the crop plan and the frame settings), add its
-    sample; return the latent jobs by key. Clips that cannot be planned are added to ``unplannable``."""
+                cut: list[str], many: list[str], empty: str | None, have: set[str], short: list[str]
+                ) -> dict[str, LatentJob]:
+    """Key every clip (its bytes, or its frames' in order, plus the crop plan and the frames it takes), add its
+    sample; return the latent jobs by key. Clips that cannot be planned are added to ``unplannable``, clips that
+    give fewer frames than asked to ``short`` (``"<relpath>: <taken> of <asked> frames (why)"``)."""
     jobs: dict[str, LatentJob] = {}
     video = settings.video
     for clip in clips:
@@ -920,15 +964,17 @@ def _plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: En
                 f"{len(indices)} frames at {width}x{height} take {need / (1 << 30):.1f} GiB of pixels to encode, "
                 f"above the limit of {MAX_CLIP_PIXEL_BYTES >> 30} GiB; lower the frame count or the resolution")))
             continue
-        extra = {"clip": {**video.key_fields(), "kind": clip.kind, "indices": list(indices)}}
-        lkey = latent_key(source_hash, plan.key_fields(), vae_fp, extra=extra)
+        lack = video.shortfall(clip.frame_count, clip.rate)
+        if lack is not None:
+            short.append(f"{clip.relpath}: {lack}")
+        lkey = _clip_key(source_hash, plan, vae_fp, video, clip.kind, indices, have)
         if lkey not in jobs:
             jobs[lkey] = LatentJob(lkey, clip.path, clip.relpath, source_hash, plan,
                                    ClipJob(indices, frame_paths, frame_hashes))
         mirror = None
         if settings.bucket.flip == "random":
             mplan = settings.bucket.mirror_plan(plan)
-            mirror = latent_key(source_hash, mplan.key_fields(), vae_fp, extra=extra)
+            mirror = _clip_key(source_hash, mplan, vae_fp, video, clip.kind, indices, have)
             if mirror not in jobs:
                 jobs[mirror] = LatentJob(mirror, clip.path, clip.relpath, source_hash, mplan,
                                          ClipJob(indices, frame_paths, frame_hashes), mirror=True)

@@ -44,7 +44,7 @@ import torch
 
 from .batching import batched
 from .dataset import Sample
-from .encode_plan import EncodePlan, LatentJob, MaskJob, samples_digest, variant_counts
+from .encode_plan import EncodePlan, LatentJob, MaskJob, samples_digest, settle_sources, variant_counts
 from .errors import CacheLockedError, SourceError
 from .format.writer import LOG_SYNC_SECONDS, CacheWriter, CompactReport
 from .imaging import load_image, load_mask
@@ -129,6 +129,8 @@ class EncodeReport:
         variants: what the stored dataset holds (:func:`.encode_plan.variant_counts`): distinct ``captions``,
             ``mirrors``, ``masks``, ``masked_samples``, ``empty_caption`` (0/1), ``shuffle_variants`` and, with
             ``flip="always"``, ``flipped``.
+        short_clips: clips that give fewer frames than asked, each ``"<relpath>: <taken> of <asked> frames
+            (why)"`` (the plan's; ``notes`` names the first of them).
     """
 
     dataset: str
@@ -155,6 +157,7 @@ class EncodeReport:
     encoded_mirrors: int = 0
     encoded_empty_caption: bool = False
     variants: dict[str, int] = field(default_factory=dict)
+    short_clips: tuple[str, ...] = ()
 
     @property
     def encoded(self) -> int:
@@ -641,7 +644,7 @@ def run_encode(
     settings = plan.settings
     report = EncodeReport(plan.dataset, new=plan.new, changed=plan.changed, unchanged=plan.unchanged,
                           removed=plan.removed, failures=list(plan.failures), sourceless=plan.sourceless,
-                          notes=list(plan.notes))
+                          notes=list(plan.notes), short_clips=plan.short_clips)
     report.timings.update(encoder=0.0, decode_wait=0.0, decode_cpu=0.0, commit=0.0, commit_wait=0.0, finish=0.0,
                           lock_wait=0.0)
     if plan.failures and settings.failure_policy == "stop":
@@ -652,6 +655,7 @@ def run_encode(
         report.variants = variant_counts(plan.samples, None if plan.sourceless else settings)
         report.skipped = 0 if plan.sourceless else plan.skipped
         report.failed = len(report.failures)
+        settle_sources(plan)
         report.seconds = time.perf_counter() - start
         return report
 
@@ -743,6 +747,7 @@ def run_encode(
                     report.compaction = compact_if_unread(writer, plan.cache_root)
                 report.samples = len(samples)
                 report.variants = variant_counts(samples, settings)
+                settle_sources(plan)
                 report.timings["finish"] = time.perf_counter() - t_finish
         except BaseException:
             # Entries already added are finished encodes (the failing batch never reached add), so keep them.

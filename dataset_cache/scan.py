@@ -264,6 +264,10 @@ def _check_root(root: str | os.PathLike[str]) -> str:
         raise DatasetFolderError(path, "dataset folder does not exist; check the path (it is resolved on this machine)")
     if not os.path.isdir(path):
         raise DatasetFolderError(path, "is a file, not a folder; give the folder that holds the images")
+    name = os.path.basename(path)
+    if name.lower().endswith(FRAMES_SUFFIX) and len(name) > len(FRAMES_SUFFIX):
+        raise DatasetFolderError(path, "is a clip (a <name>.frames folder holds the frames of one video clip), not "
+                                       "a dataset folder; give the folder that holds it")
     return path
 
 

@@ -10,6 +10,12 @@ planning an unchanged folder opens no file at all. Validation checks every file 
   ``touch``, a copy that keeps contents or a ``git checkout`` costs no encode;
 * recorded files no longer present → removed.
 
+Counts are against the sources of the dataset as last stored: a plan saves the record before its encode (so a
+crash never costs a re-hash), and the files it found new, changed or removed stay so in the record's ``pending``
+map (path → the hash the stored dataset knew, ``None`` for a file it did not have) until the encode has stored
+the dataset (:meth:`SourcesRecord.settled`). A second plan of the same run, or the run after a cancelled one,
+therefore counts what the first one counted, not "unchanged".
+
 Trust rule and its one blind spot: an edit that keeps both the size and the ``mtime_ns`` is trusted (documented,
 tested). Tools that restore mtimes after editing (``touch -r``, some sync tools) must be followed by a rebuild of the
 record. To close the usual way this happens by accident — a file edited within the filesystem's timestamp
@@ -91,6 +97,7 @@ covers the coarsest common timestamp granularity (FAT/exFAT), so an edit in the 
 
 _COLUMNS = ("paths", "size", "mtime_ns", "hash", "width", "height")
 _CAPTIONS = "captions"  # version 2 on
+_PENDING = "pending"  # optional: {relpath: hash in the stored dataset's sources, or null}
 
 
 class SourcesRecordError(CacheError, ValueError):
@@ -131,11 +138,14 @@ class SourcesRecord:
         scanned_ns: wall-clock time (``time.time_ns()``) when the listing this record reflects began
             (``FolderListing.started_ns``; 0 when unknown, which makes every file re-hashed next time).
         root: the folder the record was made from (informational; paths are relative, so a moved folder matches).
+        pending: files that differ from the sources of the dataset as last stored: ``relpath -> the hash it had
+            there`` (``None``: it had no such file). Emptied by :meth:`settled` once the dataset is stored.
     """
 
     entries: dict[str, SourceEntry] = field(default_factory=dict)
     scanned_ns: int = 0
     root: str | None = None
+    pending: dict[str, str | None] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -166,18 +176,30 @@ class SourcesRecord:
             e = entries.get(img.relpath)
             if e is not None and e.size == img.size and e.mtime_ns == img.mtime_ns:
                 entries[img.relpath] = e._replace(width=img.width, height=img.height)
-        return SourcesRecord(entries, self.scanned_ns, self.root)
+        return SourcesRecord(entries, self.scanned_ns, self.root, dict(self.pending))
+
+    def settled(self) -> SourcesRecord:
+        """A copy with no pending change: the sources as recorded are now those of the stored dataset."""
+        return SourcesRecord(dict(self.entries), self.scanned_ns, self.root)
+
+    def same_sources(self, other: SourcesRecord) -> bool:
+        """Whether ``other`` records the same files with the same contents and the same pending changes."""
+        return (self.pending == other.pending and self.entries.keys() == other.entries.keys()
+                and all(e.hash == other.entries[p].hash for p, e in self.entries.items()))
 
 
 @dataclass(frozen=True)
 class Validation:
-    """The outcome of :func:`validate_sources`. Path lists are sorted relative paths.
+    """The outcome of :func:`validate_sources`. Path lists are sorted relative paths. ``new``, ``changed``,
+    ``unchanged`` and ``removed`` compare with the sources of the dataset as last stored (the previous record
+    with its ``pending`` changes undone), ``refreshed`` and ``hashed`` with the previous record.
 
     Attributes:
-        new: files not in the previous record.
-        changed: files whose content hash differs from the record.
-        unchanged: files whose content is as recorded (trusted by stat, or re-hashed to the same hash).
-        removed: recorded files no longer in the folder (including captions whose image went away).
+        new: files the stored dataset's sources did not have.
+        changed: files whose content hash differs from the stored dataset's sources.
+        unchanged: files whose content is as there (trusted by stat, or re-hashed to the same hash).
+        removed: files of the stored dataset's sources no longer in the folder (including captions whose image
+            went away).
         refreshed: the subset of ``unchanged`` whose stat differed (touched, copied, checked out): stored anew.
         hashed: how many files were read and hashed.
         failures: files that could not be listed or hashed (left out of the record, so retried next time).
@@ -185,6 +207,8 @@ class Validation:
         listing: the folder listing the validation used (reusable by :func:`.scan.scan_folder`).
         captions_added: trusted caption files whose variants were missing from the previous record (version 1)
             and were read and stored (the record then differs from the previous one and is worth saving).
+        moved: a file was added, edited or removed since the previous record (not only since the stored
+            dataset's sources).
     """
 
     new: tuple[str, ...]
@@ -197,11 +221,18 @@ class Validation:
     record: SourcesRecord
     listing: FolderListing
     captions_added: int = 0
+    moved: bool = False
 
     @property
     def clean(self) -> bool:
         """True when nothing was added, changed or removed."""
         return not (self.new or self.changed or self.removed)
+
+    @property
+    def record_changed(self) -> bool:
+        """Whether :attr:`record` differs from the previous record (worth saving): a file hashed, a caption's
+        variants added, or a file added, edited or removed since the previous record."""
+        return bool(self.hashed or self.captions_added or self.moved)
 
     def counts(self) -> dict[str, int]:
         """Return the number of files in each category (for logs and reports)."""
@@ -440,20 +471,60 @@ def validate_sources(
             if (old.size, old.mtime_ns) != (size, mtime_ns):
                 refreshed.append(relpath)
             entries[relpath] = old._replace(size=size, mtime_ns=mtime_ns, captions=lines)
-    removed = sorted(prev.keys() - entries.keys() - {f.relpath for f in failures})  # set algebra runs in C
+    failed = {f.relpath for f in failures}
+    removed = sorted(prev.keys() - entries.keys() - failed)  # set algebra runs in C
+    moved = bool(new or changed or removed)
+    owed = previous.pending if previous is not None else {}
+    if owed or moved:  # against the stored dataset's sources, not the previous record
+        new, changed, removed, owed = _against_stored(prev, owed, entries, failed, (*new, *changed, *removed))
     unchanged = sorted(entries.keys() - set(new) - set(changed) if new or changed else entries)
-    record = SourcesRecord(entries, listing.started_ns, listing.root)
+    record = SourcesRecord(entries, listing.started_ns, listing.root, owed)
     return Validation(
         new=tuple(sorted(new)), changed=tuple(sorted(changed)), unchanged=tuple(unchanged),
-        removed=tuple(removed), refreshed=tuple(sorted(refreshed)), hashed=len(pending),
+        removed=tuple(sorted(removed)), refreshed=tuple(sorted(refreshed)), hashed=len(pending),
         failures=tuple(sorted(failures, key=lambda f: f.relpath)), record=record, listing=listing,
-        captions_added=added,
+        captions_added=added, moved=moved,
     )
 
 
+def _against_stored(prev: Mapping[str, SourceEntry], owed: Mapping[str, str | None],
+                    entries: Mapping[str, SourceEntry], failed: set[str], moved: Iterable[str]
+                    ) -> tuple[list[str], list[str], list[str], dict[str, str | None]]:
+    """New, changed and removed files against the stored dataset's sources — the previous record with its
+    pending changes ``owed`` undone — and the pending changes to record now. Only the files that moved since the
+    previous record and those already pending can differ from it; a file that cannot be read keeps its pending
+    state and is not counted."""
+    new: list[str] = []
+    changed: list[str] = []
+    removed: list[str] = []
+    pending: dict[str, str | None] = {}
+    for relpath in set(owed).union(moved):
+        if relpath in failed:
+            if relpath in owed:
+                pending[relpath] = owed[relpath]
+            continue
+        if relpath in owed:
+            before = owed[relpath]
+        else:
+            old = prev.get(relpath)
+            before = old.hash if old is not None else None
+        now = entries.get(relpath)
+        if now is None:
+            if before is not None:
+                removed.append(relpath)
+                pending[relpath] = before
+        elif before is None:
+            new.append(relpath)
+            pending[relpath] = None
+        elif before != now.hash:
+            changed.append(relpath)
+            pending[relpath] = before
+    return new, changed, removed, pending
+
+
 def build_record(source: str | os.PathLike[str] | FolderListing, *, threads: int | None = None) -> SourcesRecord:
-    """Hash every source file of a folder and return a fresh record."""
-    return validate_sources(source, None, threads=threads).record
+    """Hash every source file of a folder and return a fresh record (nothing pending)."""
+    return validate_sources(source, None, threads=threads).record.settled()
 
 
 def save_record(record: SourcesRecord, path: str | os.PathLike[str]) -> None:
@@ -474,6 +545,8 @@ def save_record(record: SourcesRecord, path: str | os.PathLike[str]) -> None:
         "height": [r.height for r in rows],
         _CAPTIONS: [r.captions for r in rows],
     }
+    if record.pending:  # absent when nothing is pending, as in records written before it existed
+        doc[_PENDING] = dict(sorted(record.pending.items()))
     data = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     target = Path(os.path.abspath(path))
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -539,6 +612,10 @@ def _check_doc(doc: Any, path: str) -> int:
             raise SourcesRecordError(path, f"row {i} of column {name} holds an invalid value {v!r}")
     if len(set(cols[0])) != n:
         raise SourcesRecordError(path, "column paths lists a file twice")
+    owed = doc.get(_PENDING, {})
+    if not isinstance(owed, Mapping) or not all(
+            isinstance(k, str) and k and (v is None or is_key(v)) for k, v in owed.items()):
+        raise SourcesRecordError(path, "field pending must map paths to a content hash or null")
     return n
 
 
@@ -572,4 +649,4 @@ def load_record(path: str | os.PathLike[str], *, missing_ok: bool = False) -> So
                 else [None] * len(cols[0]))
     make = functools.partial(tuple.__new__, SourceEntry)  # SourceEntry._make without its per-row length check
     entries = dict(zip(cols[0], map(make, zip(*cols[1:]))))
-    return SourcesRecord(entries, doc["scanned_ns"], doc["root"])
+    return SourcesRecord(entries, doc["scanned_ns"], doc["root"], dict(doc.get(_PENDING, {})))

@@ -14,13 +14,22 @@ from the start), optionally after resampling a video to ``fps`` frames a second.
 WAN's gives ``1 + (T - 1) // 4`` latent frames for T frames, so only counts ``1 + 4m`` use every frame;
 ``stride`` (the VAE's temporal compression, as ComfyUI's ``VAE.temporal_compression_decode()`` reports it)
 rounds every count down to such a number. A clip too short for ``frames`` gives as many as it has, rounded the
-same way, and so lands in a bucket of its own: buckets are ``(frames, height, width)``.
+same way, and so lands in a bucket of its own: buckets are ``(frames, height, width)``; :meth:`FrameSettings.
+shortfall` says why, for the report that names each such clip.
+
+A clip's latent key holds the frames it takes (:func:`clip_key_fields`: the source frame indices, not the settings
+that chose them), so two settings that take the same frames share one latent.
 
 Decoding never holds a whole clip: frames are decoded in order up to the last one sampled, and only sampled
 frames are converted, resized and cropped, straight into the clip's row of the batch (``[T, H, W, 3]`` at the
 bucket's size). Only the container formats listed in :data:`OPEN_FORMATS` are opened, whatever the file is named,
 so a renamed file can never reach another demuxer. A video's rotation metadata (phone videos' display matrix) is
 not applied: frames are taken as stored, and sized from the header that says so.
+
+A truncated video is refused even when its sampled frames come before the damage: its packets must reach what its
+header claims (:func:`check_complete`: the frame count of an MP4/MOV header, the duration of a Matroska/WebM
+track). Matroska files are checked when planning (their frames are counted then anyway); MP4/MOV, whose header
+holds the count, when the clip is decoded, which walks every packet (decoding only up to the last sampled frame).
 """
 
 from __future__ import annotations
@@ -51,12 +60,17 @@ __all__ = [
     "MAX_CLIP_PIXEL_BYTES",
     "VIDEO_RULES",
     "OPEN_FORMATS",
+    "MIN_FPS",
+    "MAX_FPS",
     "FrameSettings",
     "VideoInfo",
     "clip_folder_of",
     "frame_order",
     "probe_video",
+    "check_complete",
     "load_clip",
+    "clip_key_fields",
+    "legacy_clip_key_fields",
 ]
 
 VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mov", ".mkv"})
@@ -83,6 +97,13 @@ VIDEO_RULES = "av:rgb24,decode-order,resize-then-crop;v1"
 
 OPEN_FORMATS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm"})
 """FFmpeg demuxer names a video may open with (MP4/MOV and Matroska/WebM)."""
+
+MIN_FPS = 0.01
+"""Lowest resampling rate (one frame every 100 s) besides 0, which keeps a video's own rate. Below it the rate is
+no training setting, and a rate near 0 made the resampling step divide by zero."""
+
+MAX_FPS = 1000.0
+"""Highest resampling rate (a video's frames repeated to reach it)."""
 
 _DIGITS = re.compile(r"(\d+)")
 
@@ -132,8 +153,9 @@ class FrameSettings:
             raise ValueError(f"frame step (k of every_k) must be an int from 1 to {MAX_CLIP_FRAMES}, "
                              f"got {self.every!r}")
         if isinstance(self.fps, bool) or not isinstance(self.fps, (int, float)) or not (
-                math.isfinite(self.fps) and 0 <= self.fps <= 1000):
-            raise ValueError(f"fps must be a number from 0 (the video's own rate) to 1000, got {self.fps!r}")
+                math.isfinite(self.fps) and (self.fps == 0 or MIN_FPS <= self.fps <= MAX_FPS)):
+            raise ValueError(f"fps must be 0 (each video's own rate) or a rate from {MIN_FPS:g} to {MAX_FPS:g} "
+                             f"frames a second, got {self.fps!r}")
         if self.stride is not None and (type(self.stride) is not int or not 0 <= self.stride <= 64):
             raise ValueError(f"frame stride (the VAE's temporal compression) must be None or an int from 0 to 64, "
                              f"got {self.stride!r}")
@@ -148,6 +170,21 @@ class FrameSettings:
         """``frames`` rounded to what the VAE takes (see :meth:`fit`)."""
         return self.fit(self.frames)
 
+    def _resampled(self, total: int, rate: Fraction | None) -> tuple[int, Fraction]:
+        """The clip's length after resampling to :attr:`fps`, and the source frames per resampled frame."""
+        if type(total) is not int or total < 1:
+            raise ValueError(f"a clip needs at least one frame, got {total!r}")
+        if self.fps and rate is not None and rate > 0:
+            step = Fraction(rate) / Fraction(self.fps).limit_denominator(1_000_000)
+            return max(1, math.ceil(total / step)), step
+        return total, Fraction(1)
+
+    def available(self, total: int, rate: Fraction | None = None) -> int:
+        """How many frames the sampling finds in a clip of ``total`` frames, before :attr:`frames` caps them and
+        :meth:`fit` rounds them (every k-th of the resampled clip for ``every_k``, else all of it)."""
+        length, _ = self._resampled(total, rate)
+        return 1 + (length - 1) // self.every if self.sampling == "every_k" else length
+
     def indices(self, total: int, rate: Fraction | None = None) -> tuple[int, ...]:
         """Return the source frame indices (in decode order) a clip of ``total`` frames gives.
 
@@ -156,18 +193,8 @@ class FrameSettings:
             rate: the video's frame rate; with :attr:`fps` set the clip is first resampled to it (frame ``j`` of
                 the resampled clip is source frame ``floor(j * rate / fps)``).
         """
-        if type(total) is not int or total < 1:
-            raise ValueError(f"a clip needs at least one frame, got {total!r}")
-        step = Fraction(1)
-        length = total
-        if self.fps and rate is not None and rate > 0:
-            step = Fraction(rate) / Fraction(self.fps).limit_denominator(1_000_000)
-            length = max(1, math.ceil(total / step))
-        if self.sampling == "every_k":
-            n = min(self.frames, 1 + (length - 1) // self.every)
-        else:
-            n = min(self.frames, length)
-        n = self.fit(n)
+        length, step = self._resampled(total, rate)
+        n = self.fit(min(self.frames, self.available(total, rate)))
         virtual: Sequence[int]
         if self.sampling == "first":
             virtual = range(n)
@@ -179,14 +206,49 @@ class FrameSettings:
             virtual = [(2 * i * (length - 1) + (n - 1)) // (2 * (n - 1)) for i in range(n)]
         return tuple(min(total - 1, math.floor(j * step)) for j in virtual)
 
+    def shortfall(self, total: int, rate: Fraction | None = None) -> str | None:
+        """Why a clip of ``total`` frames gives fewer than the :attr:`effective_frames` asked, in words for the
+        report (``None`` when it gives them all)."""
+        found = self.available(total, rate)
+        taken = self.fit(min(self.frames, found))
+        if taken >= self.effective_frames:
+            return None
+        length, _ = self._resampled(total, rate)
+        why = f"it has {total} frame{'s' if total != 1 else ''}"
+        if length != total:
+            why += f" at {float(rate or 0):g} fps, {length} at fps {float(self.fps):g}"
+        if self.sampling == "every_k" and self.every > 1:
+            why += f"; every {self.every}-th of them gives {found}"
+        if taken < min(self.frames, found):
+            why += f"; {min(self.frames, found)} rounded down to 1 + {self.stride}·m for the VAE"
+        return f"{taken} of {self.effective_frames} frames ({why})"
+
     def key_fields(self) -> dict[str, Any]:
-        """The settings as key fields (the stride too: it decides the counts)."""
+        """The settings as the clip keys of earlier versions held them (see :func:`legacy_clip_key_fields`)."""
         return {"frames": self.frames, "sampling": self.sampling, "every": self.every, "fps": float(self.fps),
                 "stride": self.stride, "rules": VIDEO_RULES}
 
     def describe(self) -> dict[str, Any]:
         """The user's settings as plain JSON (a dataset's info); the stride comes from the VAE, not the user."""
         return {"frames": self.frames, "sampling": self.sampling, "every": self.every, "fps": float(self.fps)}
+
+
+def clip_key_fields(kind: str, indices: Sequence[int], stride: int | None) -> dict[str, Any]:
+    """The ``extra`` fields of a clip's latent key: the frames it takes (``kind`` and the source frame
+    ``indices``) and the decode rules, not the settings that chose them, so settings that take the same frames
+    share one latent (``frame_count`` 10 and 9 with WAN's VAE). An unknown ``stride`` (the VAE not loaded yet)
+    gives a key no stored clip has, so the VAE is asked for.
+    """
+    fields: dict[str, Any] = {"kind": kind, "indices": list(indices), "rules": VIDEO_RULES}
+    if stride is None:
+        fields["unresolved"] = True
+    return {"clip": fields}
+
+
+def legacy_clip_key_fields(settings: FrameSettings, kind: str, indices: Sequence[int]) -> dict[str, Any]:
+    """The ``extra`` fields of a clip's latent key as earlier builds made them (the frame settings, the VAE's
+    stride, the kind and the indices): a cache they filled keeps its clips' latents for unchanged settings."""
+    return {"clip": {**settings.key_fields(), "kind": kind, "indices": list(indices)}}
 
 
 @dataclass(frozen=True)
@@ -254,19 +316,26 @@ def probe_video(path: str) -> VideoInfo:
         return hit
     with _open(path, path) as container:
         stream = container.streams.video[0]
-        width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
+        codec = stream.codec_context
+        if codec is None:  # a header cut short (seen on truncated MP4s)
+            raise SourceError(path, "video header is incomplete (truncated?); re-download or re-encode it")
+        width, height = int(codec.width or 0), int(codec.height or 0)
         if width <= 0 or height <= 0:
             raise SourceError(path, f"video header claims an empty frame size {width}x{height}")
         if width * height > MAX_VIDEO_PIXELS:
             raise SourceError(path, f"video frames are {width}x{height}, above the limit of {MAX_VIDEO_PIXELS} "
                                     "pixels; scale the video down first")
         count = int(stream.frames or 0)
-        if count <= 0:
+        if count <= 0:  # no count in the header (Matroska/WebM): the packets are counted, and checked complete
+            packets = _Packets(stream)
             try:
-                count = sum(1 for packet in container.demux(stream) if packet.size)
+                for packet in container.demux(stream):
+                    packets.add(packet)
             except Exception as exc:  # a truncated or corrupt stream
                 raise SourceError(path, f"video stream is corrupt or truncated ({type(exc).__name__}: {exc})"
                                   ) from exc
+            check_complete(container, stream, packets, path)
+            count = packets.count
         rate = stream.average_rate or stream.guessed_rate
         rate = Fraction(rate) if rate else None
     if count <= 0:
@@ -277,6 +346,82 @@ def probe_video(path: str) -> VideoInfo:
             _probes.clear()
         _probes[memo] = info
     return info
+
+
+class _Packets:
+    """The packets of one stream as they are demuxed: how many hold data, and when the last of them ends."""
+
+    def __init__(self, stream: Any) -> None:
+        self.count = 0
+        self.timed = True  # every packet with data has a duration (else its end is its start)
+        self._ticks: int | None = None
+        self._base = stream.time_base
+
+    def add(self, packet: Any) -> None:
+        if not packet.size:  # the demuxer's final empty packet (it flushes the decoder)
+            return
+        self.count += 1
+        if not packet.duration:
+            self.timed = False
+        if packet.pts is not None:
+            ticks = packet.pts + (packet.duration or 0)
+            self._ticks = ticks if self._ticks is None else max(self._ticks, ticks)
+
+    @property
+    def end(self) -> Fraction | None:
+        """Seconds at which the last packet ends (``None``: no packet had a timestamp)."""
+        return None if self._ticks is None or not self._base else self._ticks * Fraction(self._base)
+
+
+def _tag_seconds(value: Any) -> Fraction | None:
+    """A Matroska ``DURATION`` tag (``HH:MM:SS.nnnnnnnnn``, as FFmpeg and mkvmerge write it) in seconds."""
+    match = re.fullmatch(r"(\d{1,6}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?", str(value).strip()[:32]) if value else None
+    if match is None:
+        return None
+    hours, minutes, secs, frac = match.groups()
+    return (int(hours) * 3600 + int(minutes) * 60 + int(secs)) + (Fraction(int(frac), 10 ** len(frac)) if frac
+                                                                  else Fraction(0))
+
+
+def _declared(container: Any, stream: Any) -> tuple[int | None, Fraction | None]:
+    """What a video's header says its stream holds: a frame count (an MP4/MOV sample table; mkvmerge's
+    ``NUMBER_OF_FRAMES`` tag) and, for Matroska/WebM, a duration in seconds (the track's ``DURATION`` tag, else the
+    segment's when the track is its only stream: with audio it may run longer). ``None`` where it says nothing.
+    No other duration is used: FFmpeg may estimate one from the bit rate, which proves nothing about the file."""
+    frames = int(stream.frames or 0)
+    if container.format.name != "matroska,webm":
+        return (frames or None), None
+    meta = {str(k).upper(): v for k, v in (stream.metadata or {}).items()}
+    if frames <= 0:
+        tag = str(meta.get("NUMBER_OF_FRAMES", "")).strip()[:20]
+        frames = int(tag) if tag.isdecimal() and tag.isascii() else 0
+    seconds = _tag_seconds(meta.get("DURATION"))
+    if seconds is None and container.duration and len(container.streams) == 1:
+        seconds = Fraction(container.duration, 1_000_000)
+    return (frames or None), seconds
+
+
+def check_complete(container: Any, stream: Any, packets: _Packets, name: str) -> None:
+    """Refuse a video whose demuxed packets fall short of what its header claims: their count against the
+    header's frame count, else the time the last of them ends at against the header's duration, with half a frame
+    of slack for rounding (a frame and a half when a packet has no duration: its end is then its start).
+
+    Raises:
+        SourceError: naming the video, both figures and what to do.
+    """
+    frames, seconds = _declared(container, stream)
+    fix = "the file is truncated (an interrupted copy or download?); re-download or re-encode it"
+    if frames is not None:
+        if packets.count < frames:
+            raise SourceError(name, f"video holds {packets.count} of the {frames} frames its header claims: {fix}")
+        return
+    rate = stream.average_rate or stream.guessed_rate
+    end = packets.end
+    if seconds is None or end is None or not rate:
+        return  # the header says nothing to compare with
+    if end + Fraction(1 if packets.timed else 3, 2) / Fraction(rate) < seconds:
+        raise SourceError(name, f"video's frames end at {float(end):.2f} s of the {float(seconds):.2f} s its header "
+                                f"claims: {fix}")
 
 
 def _put(out: torch.Tensor, rows: Sequence[int], img: Any, plan: CropPlan, name: str) -> None:
@@ -312,17 +457,23 @@ def load_clip(source: str | os.PathLike[str] | Any, indices: Sequence[int], plan
         return
     last = max(wanted)
     found = 0
+    index = 0
     with _open(source, name) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
+        packets = _Packets(stream)
         try:
-            for index, frame in enumerate(container.decode(stream)):
-                rows = wanted.get(index)
-                if rows is not None:  # only sampled frames are converted: the rest are dropped as decoded
-                    _put(out, rows, frame.to_image(), plan, name)
-                    found += 1
-                if index >= last:
-                    break
+            for packet in container.demux(stream):  # every packet: the file must hold what its header claims
+                packets.add(packet)
+                if index > last:
+                    continue  # past the last sampled frame: counted, not decoded
+                for frame in packet.decode():
+                    rows = wanted.get(index)
+                    if rows is not None:  # only sampled frames are converted: the rest are dropped as decoded
+                        _put(out, rows, frame.to_image(), plan, name)
+                        found += 1
+                    index += 1
+            check_complete(container, stream, packets, name)
         except SourceError:
             raise
         except Exception as exc:

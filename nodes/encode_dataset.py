@@ -18,9 +18,9 @@ read arbitrary paths by default).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +41,10 @@ from ..dataset_cache.encode_plan import (
     plan_encode,
 )
 from ..dataset_cache.imaging import MASK_MODES
-from ..dataset_cache import check_dataset_name, read_dataset_info, update_dataset_info
+from ..dataset_cache import check_dataset_name, read_state, update_dataset_info
 from ..dataset_cache.encode_run import EncodeReport, run_encode
-from ..dataset_cache.errors import CacheError
-from ..dataset_cache.video import MAX_CLIP_FRAMES, SAMPLING_MODES, FrameSettings
+from ..dataset_cache.errors import CacheError, CacheNotFoundError
+from ..dataset_cache.video import FRAMES_SUFFIX, MAX_CLIP_FRAMES, MAX_FPS, MIN_FPS, SAMPLING_MODES, FrameSettings
 from .fingerprints import (
     OwnWrites,
     cache_identity,
@@ -83,10 +83,6 @@ EVENT = "streamcache.encode"
 _UNRESOLVED = "unresolved:{}"  # a fingerprint no entry was ever keyed with: every key it yields is missing
 
 _OWN_WRITES = OwnWrites()
-# (cache root, dataset) -> source changes seen by check_lazy_status's plans since the last execute: each plan saves
-# the sources record, so the plan made by execute itself sees those files as unchanged
-_PENDING_CHANGES: dict[tuple[str, str], Counter[str]] = {}
-_CHANGE_FIELDS = ("new", "changed", "removed")
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -125,7 +121,7 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
               frame_sampling: str = "first", frame_step: int = 2, fps: float = 0.0,
               frame_stride: int | None = None, flip: str = "none", shuffle_variants: int = 0, keep_tokens: int = 0,
               empty_caption: bool = False, masks: str = "none", mask_factor: int | None = None) -> EncodeSettings:
-    problem = _bucket_problem(resolution, bucket_step)
+    problem = _bucket_problem(resolution, bucket_step) or _frame_problem(frame_count, frame_step, fps)
     if problem:
         raise ValueError(problem)
     min_side = max(bucket_step, resolution // 2 // bucket_step * bucket_step)  # kohya: 256 for 512
@@ -151,6 +147,20 @@ def _bucket_problem(resolution: Any, bucket_step: Any) -> str | None:
     return None
 
 
+def _frame_problem(frame_count: Any, frame_step: Any, fps: Any) -> str | None:
+    """What is wrong with the clip inputs, naming the input and what it takes (None: nothing). ComfyUI checks
+    their minimum and maximum, but a NaN passes its comparisons and ``fps`` takes 0 or a rate, not what lies
+    between (a rate near 0 is no rate: it once divided by zero deep in the plan)."""
+    for name, value in (("frame_count", frame_count), ("frame_step", frame_step)):
+        if type(value) is not int or not 1 <= value <= MAX_CLIP_FRAMES:
+            return f"{name} {value!r}: use a whole number from 1 to {MAX_CLIP_FRAMES}"
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not (
+            math.isfinite(fps) and (fps == 0 or MIN_FPS <= fps <= MAX_FPS)):
+        return (f"fps {fps!r}: use 0 (each video keeps its own frame rate) or a rate from {MIN_FPS:g} to "
+                f"{MAX_FPS:g} frames a second")
+    return None
+
+
 # ------------------------------------------------------------------------------------------------ encoders
 
 
@@ -164,20 +174,37 @@ class _Encoders:
     clip_identity: str | None
     vae_loaded: bool
     clip_loaded: bool
-    record: dict[str, dict[str, str]]
+    record: dict[str, dict[str, Any]]
     frame_stride: int | None = None
     mask_factor: int | None = None
 
 
-def _recorded(root: Path, dataset: str) -> dict[str, dict[str, str]]:
-    """The ``{encoder: {identity: fingerprint}}`` record of the dataset (empty when there is none)."""
+def _record_of(info: Any) -> dict[str, dict[str, Any]]:
+    record = info.get(RECORD_KEY) if isinstance(info, dict) else None
+    return {k: dict(v) for k, v in record.items() if isinstance(v, dict)} if isinstance(record, dict) else {}
+
+
+def _recorded(root: Path, dataset: str) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The ``{encoder: {identity: fingerprint}}`` record of the dataset, and every dataset's record of the cache
+    merged (the dataset's own first, then the others by name): encoders are the cache's, not one dataset's, so a
+    new dataset name loads no encoder only to fingerprint it. Empty when there is none."""
     try:
-        current = read_dataset_info(root, dataset)
+        state = read_state(root)
+    except CacheNotFoundError:
+        return {}, {}
     except CacheError as exc:
         log.warning("%s: cannot read the encoder record (%s); encoders will be loaded", root, exc)
-        return {}
-    record = current.info.get(RECORD_KEY) if current is not None else None
-    return record if isinstance(record, dict) else {}
+        return {}, {}
+    current = state.datasets.get(dataset)
+    own = _record_of(current.info if current is not None else None)
+    known = {name: dict(entries) for name, entries in own.items()}
+    for name in sorted(state.datasets):
+        if name != dataset:
+            for encoder, entries in _record_of(state.datasets[name].info).items():
+                mine = known.setdefault(encoder, {})
+                for identity, value in entries.items():
+                    mine.setdefault(identity, value)
+    return own, known
 
 
 def _hidden(cls: type, name: str) -> Any:
@@ -188,8 +215,8 @@ def _hidden(cls: type, name: str) -> Any:
 def _encoders(cls: type, root: Path, dataset: str, vae: Any, clip: Any) -> _Encoders:
     dynprompt, node_id = _hidden(cls, "dynprompt"), _hidden(cls, "unique_id")
     ids = {name: upstream_identity(dynprompt, node_id, name) for name in ("vae", "clip")}
-    record = _recorded(root, dataset)
-    trusted = record if _flag(TRUST_UPSTREAM_ENV, True) else {}
+    record, known = _recorded(root, dataset)
+    trusted = known if _flag(TRUST_UPSTREAM_ENV, True) else {}
 
     def pick(name: str, obj: Any, compute: Callable[[Any], str]) -> str:
         if obj is not None:
@@ -309,26 +336,30 @@ def _release(*encoders: Any) -> None:
 
 
 def _store_record(root: Path, dataset: str, enc: _Encoders) -> None:
-    """Record ``identity -> real fingerprint`` of the encoders this run loaded, in the dataset's info.
+    """Record ``identity -> real fingerprint`` of the encoders this run loaded in the dataset's info, and those it
+    assumed from another dataset's record of the cache (so this dataset's record stands on its own).
 
     The record read before the run is the base: storing a changed dataset rewrites its info, and the identities
-    of encoders this run did not need must survive that.
+    of encoders this run did not need must survive that. An assumption the record already holds is not written
+    again, so a warm run writes nothing.
     """
-    loaded = [(name, ident, fp) for name, ident, fp, was_loaded in (
-        ("vae", enc.vae_identity, enc.vae_fp, enc.vae_loaded),
-        ("clip", enc.clip_identity, enc.text_fp, enc.clip_loaded)) if was_loaded and ident]
-    record = {k: dict(v) for k, v in enc.record.items() if isinstance(v, dict)}
+    record = {k: dict(v) for k, v in enc.record.items()}
 
-    def remember(name: str, key: str, value: Any) -> None:  # newest first, at most RECORD_LIMIT kept
+    def remember(name: str, key: str, value: Any, loaded: bool) -> None:  # newest first, at most RECORD_LIMIT
+        if not loaded and record.get(name, {}).get(key) == value:
+            return
         entries = {key: value, **{k: v for k, v in record.get(name, {}).items() if k != key}}
         record[name] = dict(list(entries.items())[:RECORD_LIMIT])
 
-    for name, ident, fp in loaded:
-        remember(name, ident, fp)
-    if enc.vae_loaded and enc.frame_stride is not None:  # 0 too: an image VAE refuses clips without loading
-        remember(STRIDE_KEY, enc.vae_fp, enc.frame_stride)
-    if enc.vae_loaded and enc.mask_factor is not None:
-        remember(FACTOR_KEY, enc.vae_fp, enc.mask_factor)
+    for name, ident, fp, loaded in (("vae", enc.vae_identity, enc.vae_fp, enc.vae_loaded),
+                                    ("clip", enc.clip_identity, enc.text_fp, enc.clip_loaded)):
+        if ident and (loaded or not fp.startswith(_UNRESOLVED.format(""))):
+            remember(name, ident, fp, loaded)
+    resolved = enc.vae_loaded or not enc.vae_fp.startswith(_UNRESOLVED.format(""))
+    if resolved and enc.frame_stride is not None:  # 0 too: an image VAE refuses clips without loading
+        remember(STRIDE_KEY, enc.vae_fp, enc.frame_stride, enc.vae_loaded)
+    if resolved and enc.mask_factor is not None:
+        remember(FACTOR_KEY, enc.vae_fp, enc.mask_factor, enc.vae_loaded)
     if record:
         update_dataset_info(root, dataset, RECORD_KEY, record)
 
@@ -341,31 +372,18 @@ def _format(report: EncodeReport, enc: _Encoders) -> str:
     return f"{report.summary()}\n{encoders}"
 
 
-def _add_earlier_changes(report: EncodeReport, earlier: Counter[str]) -> None:
-    """Count the changes that this run's earlier plans (in ``check_lazy_status``) consumed, in the report."""
-    if report.sourceless:
-        return
-    for name in _CHANGE_FIELDS:
-        setattr(report, name, getattr(report, name) + earlier[name])
-    report.unchanged = max(0, report.unchanged - earlier["new"] - earlier["changed"])
-
-
 def _source_state(src: Path) -> str:
     """The folder part of the node's fingerprint: its path and stat-only listing (``missing`` when gone)."""
     return f"{src}\0{folder_digest(src) if src.exists() else 'missing'}"
 
 
-def _run(plan: EncodePlan, vae: Any, clip: Any, node_id: str | None = None,
-         earlier: Counter[str] | None = None) -> EncodeReport:
+def _run(plan: EncodePlan, vae: Any, clip: Any, node_id: str | None = None) -> EncodeReport:
     """Run the encode with ComfyUI's progress bar, the live ``streamcache.encode`` event and Cancel; release the
-    encoders; record an interrupt."""
+    encoders; record an interrupt. The source counts are the plan's (the library's report and log use the same)."""
     pbar: list[comfy.utils.ProgressBar] = []
     events = EventSender(EVENT, node_id)
-    earlier = earlier if earlier is not None else Counter()
-    counts = {"samples": len(plan.samples), "new": plan.new + earlier["new"],
-              "changed": plan.changed + earlier["changed"],
-              "unchanged": max(0, plan.unchanged - earlier["new"] - earlier["changed"]),
-              "removed": plan.removed + earlier["removed"], "failed": len(plan.failures)}
+    counts = {"samples": len(plan.samples), "new": plan.new, "changed": plan.changed, "unchanged": plan.unchanged,
+              "removed": plan.removed, "failed": len(plan.failures)}
 
     def progress(done: int, total: int) -> None:  # called on this (the execution) thread only
         if not pbar:
@@ -402,6 +420,7 @@ def report_fields(report: EncodeReport, enc: _Encoders | None = None) -> dict[st
         "failures": [f"{f.relpath}: {f.reason}" for f in report.failures[:5]],
         "encoded_masks": report.encoded_masks, "encoded_mirrors": report.encoded_mirrors,
         "encoded_empty_caption": report.encoded_empty_caption, "variants": dict(report.variants),
+        "short_clips": list(report.short_clips),
     }
     if enc is not None:
         fields.update(vae_loaded=enc.vae_loaded, clip_loaded=enc.clip_loaded, vae_fingerprint=enc.vae_fp,
@@ -420,7 +439,12 @@ def _check_folder(folder: str) -> None:
         raise ValueError(f"folder: ComfyUI's input directory ({folder_paths.get_input_directory()}) has no folder "
                          "yet. Put your images (and .txt captions) into a folder there, then press R to refresh "
                          "the list and pick it")
-    resolve_folder(folder)
+    path = resolve_folder(folder)
+    if path.name.lower().endswith(FRAMES_SUFFIX) and len(path.name) > len(FRAMES_SUFFIX):
+        above = "/".join(re.split(r"[\\/]+", folder.strip().rstrip("/\\"))[:-1])
+        raise ValueError(f"folder {folder!r} is a clip (a <name>.frames folder holds the frames of one video "
+                         "clip), not a dataset folder: pick the folder that holds it"
+                         + (f" ({above!r})" if above else ""))
 
 
 def _check_dataset_name(dataset_name: str) -> None:
@@ -500,8 +524,8 @@ class EncodeDataset(io.ComfyNode):
                                  "small image up. On: every image is resized to cover its bucket."),
                 io.Int.Input("frame_count", default=17, min=1, max=MAX_CLIP_FRAMES, optional=True,
                              tooltip="Clips (videos, <name>.frames folders): frames per clip. Rounded down to what "
-                             "the VAE takes (WAN: 1 + 4m, e.g. 17, 33, 81); a shorter clip gives what it has. "
-                             "Images ignore it."),
+                             "the VAE takes (WAN: 1 + 4m, e.g. 17, 33, 81); a shorter clip gives what it has, "
+                             "named in the report. Images ignore it."),
                 io.Combo.Input("frame_sampling", options=list(SAMPLING_MODES), default="first", optional=True,
                                tooltip="Which frames of a clip: the first N, N spread uniformly over it, or every "
                                "k-th from the start (k = frame_step)."),
@@ -509,7 +533,7 @@ class EncodeDataset(io.ComfyNode):
                              tooltip="k of frame_sampling every_k: take every k-th frame."),
                 io.Float.Input("fps", default=0.0, min=0.0, max=1000.0, step=0.5, optional=True, advanced=True,
                                tooltip="Resample videos to this frame rate before sampling; 0 keeps each video's "
-                               "own rate. Frame folders are taken as they are."),
+                               "own rate; otherwise 0.01 to 1000. Frame folders are taken as they are."),
                 io.Combo.Input("flip", options=list(FLIP_MODES), default="none", optional=True,
                                tooltip="Horizontal flips: none; always (every image is stored mirrored); random "
                                "(the image and its mirror are both cached and training picks one per epoch; "
@@ -574,9 +598,7 @@ class EncodeDataset(io.ComfyNode):
     @classmethod
     def check_lazy_status(cls, folder: str, cache: str, dataset_name: str, vae: Any = None, clip: Any = None,
                           **options: Any) -> list[str]:
-        plan, _, root = cls._plan(folder, cache, dataset_name, vae, clip, options)
-        _PENDING_CHANGES.setdefault(_key(root, dataset_name), Counter()).update(
-            {f: getattr(plan, f) for f in _CHANGE_FIELDS})
+        plan, _, _root = cls._plan(folder, cache, dataset_name, vae, clip, options)
         if plan.failures and plan.settings.failure_policy == "stop":
             return []  # execute raises the failure; no model needs loading for that
         needed = []
@@ -591,7 +613,6 @@ class EncodeDataset(io.ComfyNode):
                 **options: Any) -> io.NodeOutput:
         plan, enc, root = cls._plan(folder, cache, dataset_name, vae, clip, options)
         dataset = dataset_name
-        earlier = _PENDING_CHANGES.pop(_key(root, dataset), Counter())
         if plan.failures and plan.settings.failure_policy == "stop":
             raise plan.failures[0].error()
         for name, missing in (("VAE", plan.needs_vae and vae is None),
@@ -600,8 +621,7 @@ class EncodeDataset(io.ComfyNode):
                 raise ValueError(f"{plan.folder}: files changed after ComfyUI decided the {name} was not needed; "
                                  "queue the prompt again")
         with explain_disk_full(root, "encoding"):
-            report = _run(plan, vae, clip, _hidden(cls, "unique_id"), earlier)
-        _add_earlier_changes(report, earlier)
+            report = _run(plan, vae, clip, _hidden(cls, "unique_id"))
         if not report.sourceless:
             _store_record(root, dataset, enc)
         _OWN_WRITES.remember(_key(root, dataset), _source_state(Path(plan.folder)), cache_identity(root, dataset))

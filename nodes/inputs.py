@@ -24,6 +24,8 @@ from typing import Any
 
 import folder_paths
 
+from ..dataset_cache.video import FRAMES_SUFFIX
+
 __all__ = ["NO_CACHE_YET", "NO_FOLDER_YET", "RENAMED_INPUTS", "cache_choices", "existing_caches_hint",
            "input_folders", "no_cache_yet_message", "register_prompt_upgrade", "upgrade_prompt"]
 
@@ -126,12 +128,17 @@ def existing_caches_hint() -> str:
     return "Existing caches (press R to refresh): " + ", ".join(caches[:HINT_LIMIT]) + more + "."
 
 
+def _is_clip_folder(name: str) -> bool:
+    return name.lower().endswith(FRAMES_SUFFIX) and len(name) > len(FRAMES_SUFFIX)
+
+
 def input_folders() -> list[str]:
     """Folders of ComfyUI's input directory, :data:`FOLDER_DEPTH` levels deep, as ``a/b`` paths, sorted.
 
     Like the built-in "Load Image (from Folder)" list, plus folders that are symbolic links (the way to offer a
     folder kept elsewhere: a link in ``input/`` is the machine owner's choice, unlike a path in a shared
-    workflow); hidden folders are left out and links are not descended into.
+    workflow); hidden folders are left out and links are not descended into. A ``<name>.frames`` folder is one
+    video clip of a dataset, never a dataset: it is not offered (Encode Dataset refuses it by name when typed).
     """
     base = folder_paths.get_input_directory()
     found: list[str] = []
@@ -146,7 +153,7 @@ def input_folders() -> list[str]:
             if len(found) >= FOLDER_LIMIT:
                 return
             try:
-                if not entry.is_dir():
+                if not entry.is_dir() or _is_clip_folder(entry.name):
                     continue
             except OSError:
                 continue

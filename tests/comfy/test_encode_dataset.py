@@ -445,7 +445,7 @@ def test_masks_are_made_at_the_real_vaes_latent_size_and_a_mask_edit_loads_no_mo
     w = m.shape[-1]
     assert (m[..., : w // 2] == 255).all() and (m[..., w // 2:] == 0).all()
     assert mirror["samples"].shape == lat.shape and not torch.equal(mirror["samples"], lat)
-    info = mod.read_dataset_info(root, "default").info
+    info = mod.read_state(root).datasets["default"].info
     assert info[mod.RECORD_KEY][mod.FACTOR_KEY] == {mod.vae_fingerprint(vae): factor}
 
     # the mask edited: ComfyUI's node cache sees it, the mask alone is made, neither the VAE nor CLIP is asked for

@@ -124,6 +124,14 @@ def test_cancel_encoding_then_requeue_finishes_without_redoing(comfy_server: Com
     assert report["samples"] == 8
     assert report["reused"] > 0, report  # what was committed before the cancel is not encoded again
     assert report["encoded"] + report["reused"] == total and report["encoded"] < total, report
+    # no dataset was stored before: every file is still new (it once said "0 new, 16 unchanged"), and the
+    # server's log says what the node says
+    files = sum(1 for p in (comfy_server.input_dir / "e2e_cancel_big").rglob("*") if p.is_file())
+    assert (report["new"], report["changed"], report["unchanged"], report["removed"]) == (files, 0, 0, 0), report
+    (text,) = again.outputs["3"]["text"]
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("sources:")]
+    logged = [ln for ln in Path(comfy_server.log_path).read_text(errors="replace").splitlines() if "sources:" in ln]
+    assert logged and line in logged[-1], (line, logged[-3:])
     check = _verify(cache)
     assert check.returncode == 0, check.stdout + check.stderr
 

@@ -13,6 +13,7 @@ VAE Decode — is the real thing, queued over HTTP.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
-from support.client import ComfyClient
+from support.client import ComfyClient, PromptError
 from support.clips import make_frames_folder, make_video
 from support.comfy_env import ComfyInstall
 from support.examples import run_example, run_prompt, train_inputs
@@ -68,21 +69,26 @@ def _clip_folder(root: Path) -> None:
         (root / "walk.txt").write_text("a walk", encoding="utf-8")
 
 
-def _encode(client: ComfyClient, tiny_models: TinyModels, wan: tuple[str, str], folder: str, cache: str
-            ) -> dict[str, Any]:
-    prompt = {
+def _encode(client: ComfyClient, tiny_models: TinyModels, wan: tuple[str, str], folder: str, cache: str,
+            **settings: Any) -> dict[str, Any]:
+    prompt = _encode_prompt(tiny_models, wan, folder, cache, **settings)
+    result, errors = run_prompt(client, prompt)
+    assert result is not None and result.status == "success" and not errors, errors
+    (report,) = result.outputs["3"]["streamcache_report"]
+    return report
+
+
+def _encode_prompt(tiny_models: TinyModels, wan: tuple[str, str], folder: str, cache: str,
+                   **settings: Any) -> dict[str, Any]:
+    return {
         "1": {"class_type": "VAELoader", "inputs": {"vae_name": wan[0]}},
         "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": tiny_models.name("clip"),
                                                      "type": "stable_diffusion", "device": "default"}},
         "3": {"class_type": "StreamCache_EncodeDataset", "inputs": {
             "folder": folder, "cache": cache, "dataset": "default", "vae": ["1", 0], "clip": ["2", 0],
             "resolution": 64, "bucket_step": 32, "crop": "center", "caption_prefix": "", "caption_suffix": "",
-            "batch_size": 4, "on_failure": "stop", "frame_count": 5, "frame_sampling": "first"}},
+            "batch_size": 4, "on_failure": "stop", "frame_count": 5, "frame_sampling": "first", **settings}},
     }
-    result, errors = run_prompt(client, prompt)
-    assert result is not None and result.status == "success" and not errors, errors
-    (report,) = result.outputs["3"]["streamcache_report"]
-    return report
 
 
 def _wan_dataset(root: Path) -> dict[str, tuple[int, ...]]:
@@ -188,3 +194,23 @@ def test_clip_folders_re_encode_only_what_changed_over_http(comfy_server: ComfyS
     caption = _encode(client, tiny_models, wan, folder, cache)
     assert (caption["encoded_latents"], caption["encoded_conditionings"]) == (0, 1)
     assert caption["clip_loaded"] and not caption["vae_loaded"]  # the clips' keys need no VAE: none is loaded
+
+
+@pytest.mark.parametrize("fps", [1e-7, float("nan")])
+def test_an_fps_near_zero_or_nan_is_refused_over_http_naming_fps(fps: float, comfy_server: ComfyServer,
+                                                                tiny_models: TinyModels, wan: tuple[str, str]) -> None:
+    """Both pass ComfyUI's own check of the input (minimum 0; NaN, which an API prompt's JSON may carry, passes
+    every comparison); a rate near 0 once failed with ZeroDivisionError deep in the plan, naming nothing."""
+    client = comfy_server.client()
+    root = comfy_server.input_dir / "wan_fps_src"
+    if not root.exists():
+        root.mkdir(parents=True)
+        _clip_folder(root)
+    with pytest.raises(PromptError) as info:
+        client.run(_encode_prompt(tiny_models, wan, "wan_fps_src", "wan_fps_cache", fps=fps))
+    text = json.dumps(info.value.details)
+    assert f"fps {fps!r}: use 0 (each video keeps its own frame rate) or a rate from 0.01 to 1000 frames a second" \
+        in text, text
+    assert "ZeroDivisionError" not in text
+    alive = client.run({"9": {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": "still_alive"}}})
+    assert alive.status == "success"  # the server still runs prompts

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-__all__ = ["level", "frame_array", "make_video", "make_frames_folder"]
+__all__ = ["level", "frame_array", "make_video", "make_frames_folder", "truncate"]
 
 
 def level(i: int) -> int:
@@ -26,14 +26,18 @@ def frame_array(i: int, width: int, height: int) -> np.ndarray:
 
 
 def make_video(path: Path, frames: int, *, width: int = 64, height: int = 48, fps: int = 8,
-               codec: str = "mpeg4") -> Path:
-    """Write a video of ``frames`` frames (``.mp4``/``.mov`` with MPEG-4 part 2, ``.webm`` with VP8)."""
+               codec: str = "mpeg4", faststart: bool = False) -> Path:
+    """Write a video of ``frames`` frames (``.mp4``/``.mov`` with MPEG-4 part 2, ``.webm`` with VP8).
+
+    ``faststart`` writes an MP4's index (with its frame count) before the frames, as web videos are laid out, so
+    a truncated copy still opens and its first frames still decode.
+    """
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".webm":
         codec = "libvpx"
-    with av.open(str(path), "w") as container:
+    with av.open(str(path), "w", options={"movflags": "faststart"} if faststart else {}) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if codec == "mpeg4":
@@ -52,4 +56,11 @@ def make_frames_folder(path: Path, frames: int, *, width: int = 64, height: int 
     path.mkdir(parents=True, exist_ok=True)
     for i in range(frames):
         Image.fromarray(frame_array(i, width, height)).save(path / f"{i:0{pad}d}.png")
+    return path
+
+
+def truncate(path: Path, fraction: float = 2 / 3) -> Path:
+    """Cut a file to ``fraction`` of its bytes, as an interrupted copy or download leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * fraction)])
     return path

@@ -263,6 +263,62 @@ def test_trigger_word_suffix_encodes_each_distinct_line_once(folder: Path, cache
     assert EncodeSettings(caption_prefix="ohwx, ").caption_text("") == "ohwx,"
 
 
+# ------------------------------------------------------------------------------------------ source counts
+
+
+def _counts(x: Any) -> tuple[int, int, int, int]:
+    return x.new, x.changed, x.unchanged, x.removed
+
+
+def test_a_second_plan_before_the_encode_counts_what_the_first_counted(folder: Path, cache: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The node plans two or three times per run and each plan saves the sources record: the plan the encode
+    runs must still count the files new (the log and the node's text once said "0 new, 10 unchanged")."""
+    first = _plan(folder, cache)
+    second = _plan(folder, cache)
+    assert _counts(first) == _counts(second) == (10, 0, 0, 0)
+    with caplog.at_level(logging.INFO, logger="dataset_cache.encode"):
+        report = run_encode(second, **FakeEncoders().kw())
+    assert "sources: 10 new, 0 changed, 0 unchanged, 0 removed" in report.summary()
+    assert "sources: 10 new, 0 changed, 0 unchanged, 0 removed" in caplog.text  # the log line is the same
+    assert _counts(_plan(folder, cache)) == (0, 0, 10, 0)  # the dataset is stored: those are its sources now
+
+
+def test_after_a_cancelled_first_encode_the_next_run_still_counts_the_files_new(folder: Path, cache: Path) -> None:
+    enc = FakeEncoders()
+    first = run_encode(_plan(folder, cache), **enc.kw(), should_stop=lambda: enc.calls >= 4)
+    assert first.stopped and _counts(first) == (10, 0, 0, 0)
+    again = _plan(folder, cache)
+    assert _counts(again) == (10, 0, 0, 0) and again.latent_count > 0  # not "0 new, 10 unchanged"
+    report = run_encode(again, **FakeEncoders().kw())
+    assert not report.stopped and _counts(report) == (10, 0, 0, 0)
+    assert _counts(_plan(folder, cache)) == (0, 0, 10, 0)
+
+
+def test_changes_count_against_the_stored_dataset_until_it_is_stored_again(folder: Path, cache: Path) -> None:
+    _build(folder, cache)
+    (folder / "10_red" / "img_000.txt").write_text("an edited caption", encoding="utf-8")
+    Image.new("RGB", (64, 64)).save(folder / "10_red" / "new.png")
+    (folder / "2_blue" / "img_000.txt").unlink()
+    assert _counts(_plan(folder, cache)) == _counts(_plan(folder, cache)) == (1, 1, 8, 1)
+    (folder / "10_red" / "new.png").unlink()  # added, then removed before any encode: nothing to count
+    plan = _plan(folder, cache)
+    assert _counts(plan) == (0, 1, 8, 1)
+    assert _counts(run_encode(plan, **FakeEncoders().kw())) == (0, 1, 8, 1)
+    assert _counts(_plan(folder, cache)) == (0, 0, 9, 0)
+
+
+def test_a_frames_folder_given_as_the_dataset_folder_is_refused_naming_it(tmp_path: Path, cache: Path) -> None:
+    from support.clips import make_frames_folder
+
+    clip = make_frames_folder(tmp_path / "data" / "jump.frames", 3)
+    with pytest.raises(DatasetFolderError, match="is a clip .*not a dataset folder; give the folder that holds it"
+                       ) as caught:
+        _plan(clip, cache)
+    assert caught.value.path == str(clip)
+    assert _plan(tmp_path / "data", cache).samples[0].source == "jump.frames"  # the folder that holds it
+
+
 # ------------------------------------------------------------------------------------------ interruption
 
 def test_should_stop_after_k_batches_then_rerun_encodes_exactly_the_rest(folder: Path, cache: Path) -> None:

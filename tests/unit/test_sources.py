@@ -261,6 +261,47 @@ def test_truncated_record_is_refused_with_the_fix(tmp_path: Path, record: Source
     assert isinstance(SourcesRecordError("p", "r"), ValueError)
 
 
+def test_pending_changes_round_trip_and_a_record_without_them_has_none(tmp_path: Path,
+                                                                      record: SourcesRecord) -> None:
+    pending = {"img0.png": None, "gone.png": "0f" * 16}
+    with_pending = SourcesRecord(dict(record.entries), record.scanned_ns, record.root, pending)
+    save_record(with_pending, tmp_path / "a.json")
+    assert load_record(tmp_path / "a.json").pending == pending
+    save_record(record, tmp_path / "b.json")  # nothing pending: the file is laid out as before the field existed
+    assert "pending" not in json.loads((tmp_path / "b.json").read_text())
+    assert load_record(tmp_path / "b.json").pending == {}
+    assert with_pending.settled().pending == {} and with_pending.settled().entries == record.entries
+
+
+@pytest.mark.parametrize("bad", [[], {"a.png": "not a hash"}, {"": None}, {"a.png": 5}, "x"])
+def test_a_record_with_a_hostile_pending_field_is_refused_with_the_fix(tmp_path: Path, record: SourcesRecord,
+                                                                      bad: Any) -> None:
+    path = tmp_path / "rec.json"
+    save_record(record, path)
+    doc = json.loads(path.read_text())
+    doc["pending"] = bad
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SourcesRecordError, match="field pending must map paths to a content hash or null.*Delete"):
+        load_record(path)
+
+
+def test_validation_counts_against_the_pending_changes_of_the_previous_record(folder: Path,
+                                                                             record: SourcesRecord) -> None:
+    first = validate_sources(folder, None)  # nothing stored yet: every file is new, and stays new until settled
+    assert len(first.new) == 12 and len(first.record.pending) == 12
+    again = validate_sources(folder, first.record)
+    assert len(again.new) == 12 and again.hashed == 0 and not again.record_changed
+    (folder / "img0.png").write_bytes(b"edited")
+    (folder / "img2.txt").unlink()
+    stored = validate_sources(folder, record)  # against a settled record: an edit and a removal
+    assert (stored.changed, stored.removed) == (("img0.png",), ("img2.txt",)) and stored.record_changed
+    assert stored.record.pending == {"img0.png": record.entries["img0.png"].hash,
+                                     "img2.txt": record.entries["img2.txt"].hash}
+    (folder / "img0.png").write_bytes(b"png" + bytes([0]) * 10)  # edited back: as in the stored dataset
+    back = validate_sources(folder, stored.record)
+    assert (back.changed, back.removed) == ((), ("img2.txt",)) and "img0.png" in back.unchanged
+
+
 def test_second_run_reads_no_image_header(tmp_path: Path, monkeypatch) -> None:
     """The intended flow: validate → scan with recorded sizes → store sizes → save; a rerun opens no image."""
     from PIL import Image
@@ -275,7 +316,7 @@ def test_second_run_reads_no_image_header(tmp_path: Path, monkeypatch) -> None:
     path = tmp_path / "sources" / "rec.json"
     first = validate_sources(root, load_record(path, missing_ok=True))
     scanned = scan_folder(first.listing, known_sizes=first.record.image_sizes())
-    save_record(first.record.with_image_sizes(scanned.images), path)
+    save_record(first.record.with_image_sizes(scanned.images).settled(), path)  # settled: the dataset is stored
 
     monkeypatch.setattr(scan_mod, "read_image_size", lambda p: pytest.fail(f"opened {p}"))
     for p in (root / "2_x").iterdir():

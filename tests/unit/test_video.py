@@ -24,9 +24,10 @@ from dataset_cache.format.reader import open_cache
 from dataset_cache.encode_plan import plan_encode
 from dataset_cache.encode_run import run_encode
 from dataset_cache.scan import DatasetFolderError, list_folder, scan_folder
-from dataset_cache.video import (MAX_CLIP_FRAMES, FrameSettings, clip_folder_of, frame_order, has_av, load_clip,
-                                 probe_video)
-from support.clips import level, make_frames_folder, make_video
+from dataset_cache.keys import latent_key
+from dataset_cache.video import (MAX_CLIP_FRAMES, MIN_FPS, FrameSettings, clip_folder_of, frame_order, has_av,
+                                 legacy_clip_key_fields, load_clip, probe_video)
+from support.clips import level, make_frames_folder, make_video, truncate
 from support.fake_encoders import FakeEncoders, age
 
 needs_av = pytest.mark.skipif(not has_av(), reason="PyAV (av) is not installed in this Python")
@@ -83,6 +84,19 @@ def test_fps_resamples_a_video_before_sampling() -> None:
 def test_hostile_frame_settings_are_refused_naming_the_field(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="frame|fps|stride"):
         FrameSettings(**bad)
+
+
+@pytest.mark.parametrize("fps", [5e-324, 1e-7, 4.9e-7, 0.009, float("nan"), 1000.5])
+def test_an_fps_near_zero_is_refused_naming_fps_and_the_range(fps: float) -> None:
+    """fps between 0 and 5e-7 used to pass and then divide by zero while planning, naming nothing."""
+    with pytest.raises(ValueError, match=r"fps must be 0 \(each video's own rate\) or a rate from 0.01 to 1000"):
+        FrameSettings(fps=fps)
+
+
+def test_the_lowest_fps_resamples_without_dividing_by_zero() -> None:
+    slow = FrameSettings(frames=5, fps=MIN_FPS, stride=1)
+    assert slow.indices(100_000, Fraction(30)) == (0, 3000, 6000, 9000, 12000)  # a frame every 100 s
+    assert slow.indices(20, Fraction(30)) == (0,)
 
 
 def test_a_clip_claiming_a_huge_frame_count_costs_only_the_sampled_indices() -> None:
@@ -264,19 +278,142 @@ def test_clips_encode_sampled_frames_in_frame_buckets(clips: Path, tmp_path: Pat
     assert again.up_to_date and not again.needs_vae
 
 
-def test_frame_settings_and_the_vae_stride_are_part_of_clip_keys_only(clips: Path, tmp_path: Path) -> None:
+def test_a_clip_is_keyed_by_the_frames_it_takes_not_the_settings_that_chose_them(clips: Path,
+                                                                                  tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    run_encode(_plan(clips, cache, _settings(frames=5)), **FakeEncoders().kw())
-    variants = [_settings(frames=9), _settings(frames=5, sampling="uniform"), _settings(frames=5, stride=1),
-                _settings(frames=5, fps=4.0) if has_av() else _settings(frames=5, sampling="every_k")]
+    run_encode(_plan(clips, cache, _settings(frames=9)), **FakeEncoders().kw())
+    # other frames: the clips are encoded again, no image and no caption
+    variants = [_settings(frames=5), _settings(frames=9, sampling="uniform"),
+                _settings(frames=9, fps=4.0) if has_av() else _settings(frames=9, sampling="every_k", every=2)]
     for settings in variants:
         plan = _plan(clips, cache, settings)
         assert not plan.missing_latents and not plan.missing_conditionings, settings  # images and captions kept
         assert plan.missing_clips, settings
-    unknown = _plan(clips, cache, _settings(frames=5, stride=None))  # the VAE not loaded: keys unresolved
+    # the same frames: 10, 11 and 12 round down to 9 for WAN's stride of 4 (and every_k 1 is "first")
+    for settings in (_settings(frames=10), _settings(frames=12), _settings(frames=9, sampling="every_k", every=1)):
+        plan = _plan(clips, cache, settings)
+        assert not plan.needs_vae and not plan.missing_clips, settings
+    unknown = _plan(clips, cache, _settings(frames=9, stride=None))  # the VAE not loaded: keys unresolved
     assert unknown.needs_vae and len(unknown.missing_clips) == (3 if has_av() else 2)
     with pytest.raises(ValueError, match="temporal compression"):
         run_encode(unknown, **FakeEncoders().kw())
+
+
+def test_clip_keys_of_earlier_builds_are_still_the_same_keys() -> None:
+    """Pinned: the keys builds before the frames-taken key gave two clips (computed by commit 0fa201d)."""
+    plan = BUCKET.plan(64, 48)
+    five = FrameSettings(frames=5, stride=4)
+    uniform = FrameSettings(frames=9, sampling="uniform", fps=12.0, stride=4)
+    at_24 = uniform.indices(20, Fraction(24))
+    assert at_24 == (0, 2, 4, 6, 10, 12, 14, 16, 18)
+    assert latent_key("0f" * 16, plan.key_fields(), "vae-1", extra=legacy_clip_key_fields(
+        five, "frames", five.indices(20))) == "0916b767bf85565114a44dfd78050e68"
+    assert latent_key("0f" * 16, plan.key_fields(), "vae-1", extra=legacy_clip_key_fields(
+        uniform, "video", at_24)) == "20844375613b68d50f6e70b704205ac3"
+
+
+def test_a_cache_of_an_earlier_build_keeps_its_clips_for_unchanged_settings(clips: Path, tmp_path: Path) -> None:
+    """Clips stored under the keys earlier builds gave them (settings in the key) are found, not encoded again;
+    a setting that takes the same frames as the old one encodes once, under the frames-taken key."""
+    cache = tmp_path / "cache"
+    settings = _settings(frames=9)
+    plan = _plan(clips, cache, settings)
+    legacy = {job.key: latent_key(job.source_hash, job.plan.key_fields(), "vae-1", extra=legacy_clip_key_fields(
+        settings.video, "video" if job.relpath.endswith(".mp4") else "frames", job.clip.indices))
+        for job in plan.missing_clips if job.clip is not None}
+    _store_as_earlier_build(plan, legacy)
+    again = _plan(clips, cache, settings)
+    assert not again.needs_vae and not again.missing_clips and again.dataset_current
+    assert {s.latent for s in again.samples} >= set(legacy.values())
+    ten = _plan(clips, cache, _settings(frames=10))  # same frames, but the old key named frame_count 9
+    assert {j.relpath for j in ten.missing_clips} == {j.relpath for j in plan.missing_clips}
+    run_encode(ten, **FakeEncoders().kw())
+    assert not _plan(clips, cache, _settings(frames=10)).missing_clips
+    assert not _plan(clips, cache, _settings(frames=11)).missing_clips  # now shared by every count giving 9
+
+
+def _store_as_earlier_build(plan: Any, legacy: dict[str, str]) -> None:
+    """Encode ``plan`` as an earlier build stored it: each clip under its old key (``legacy``: new -> old)."""
+    import dataclasses
+
+    jobs = tuple(dataclasses.replace(j, key=legacy[j.key]) for j in plan.missing_clips)
+    samples = tuple(dataclasses.replace(s, latent=legacy.get(s.latent, s.latent)) for s in plan.samples)
+    report = run_encode(dataclasses.replace(plan, missing_clips=jobs, samples=samples), **FakeEncoders().kw())
+    assert report.encoded_latents == len(plan.missing_clips) + sum(map(len, plan.missing_latents.values()))
+
+
+# ------------------------------------------------------------------------------------------------ frames taken
+
+
+def test_clips_that_give_fewer_frames_than_asked_are_named_with_what_they_gave(tmp_path: Path) -> None:
+    """A 3-frame clip at frame_count 9 becomes one frame, a 12-frame one at 13 becomes 9, and at fps 0.5 a
+    video becomes one frame: each is kept (in a bucket of its own) and named with the frames it gave."""
+    root = tmp_path / "data"
+    make_frames_folder(root / "three.frames", 3)
+    make_frames_folder(root / "twelve.frames", 12)
+    make_frames_folder(root / "long.frames", 20)
+    plan = _plan(root, tmp_path / "cache", _settings(frames=9))
+    assert plan.short_clips == ("three.frames: 1 of 9 frames (it has 3 frames; 3 rounded down to 1 + 4·m for the "
+                                "VAE)",)
+    assert ("1 clip(s) give fewer frames than the 9 asked; each trains with the frames it gives, in the bucket of "
+            "that frame count: three.frames: 1 of 9") in " ".join(plan.notes)
+    report = run_encode(plan, **FakeEncoders().kw())
+    assert "three.frames: 1 of 9 frames" in report.summary() and "long.frames" not in report.summary()
+    assert report.short_clips == plan.short_clips
+    thirteen = _plan(root, tmp_path / "cache", _settings(frames=13))
+    assert [c.partition(":")[0] for c in thirteen.short_clips] == ["three.frames", "twelve.frames"]
+    assert thirteen.short_clips[1] == ("twelve.frames: 9 of 13 frames (it has 12 frames; 12 rounded down to "
+                                       "1 + 4·m for the VAE)")
+    stepped = _plan(root, tmp_path / "cache", _settings(frames=9, sampling="every_k", every=3))
+    assert "long.frames: 5 of 9 frames (it has 20 frames; every 3-th of them gives 7; 7 rounded down" \
+        in " ".join(stepped.short_clips)
+
+
+@needs_av
+def test_at_a_low_fps_every_video_that_becomes_one_frame_is_named(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    make_video(root / "walk.mp4", 12, fps=8)
+    make_frames_folder(root / "jump.frames", 9)  # no frame rate: taken as it is
+    plan = _plan(root, tmp_path / "cache", _settings(frames=9, fps=0.5))
+    assert plan.short_clips == ("walk.mp4: 1 of 9 frames (it has 12 frames at 8 fps, 1 at fps 0.5)",)
+
+
+# ------------------------------------------------------------------------------------------------ truncated videos
+
+
+@needs_av
+def test_a_truncated_webm_is_left_out_named_although_its_sampled_frames_decode(tmp_path: Path) -> None:
+    """A WebM/Matroska header holds no frame count: the frames are counted when planning, and their end is checked
+    against the track's duration."""
+    root = tmp_path / "data"
+    truncate(make_video(root / "cut.webm", 30))
+    make_video(root / "ok.webm", 30)
+    import av
+
+    with av.open(str(root / "cut.webm")) as container:  # the 5 frames sampled come before the damage
+        assert sum(1 for _ in container.decode(video=0)) >= 5
+    plan = _plan(root, tmp_path / "cache", _settings(frames=5))
+    (failure,) = plan.failures
+    assert failure.relpath == "cut.webm" and "header claims" in failure.reason and "truncated" in failure.reason
+    report = run_encode(plan, **FakeEncoders().kw())
+    assert report.samples == 1 and "cut.webm" in report.summary()
+
+
+@needs_av
+def test_a_truncated_mp4_whose_index_comes_first_is_left_out_named_when_encoding(tmp_path: Path) -> None:
+    """An MP4 with its index first (web layout) opens and decodes its first frames when cut: the encode walks
+    every packet and compares their count with the header's."""
+    root = tmp_path / "data"
+    truncate(make_video(root / "cut.mp4", 30, faststart=True))
+    make_video(root / "ok.mp4", 30, faststart=True)
+    plan = _plan(root, tmp_path / "cache", _settings(frames=5))
+    assert not plan.failures and len(plan.missing_clips) == 2  # the header is whole: it claims 30 frames
+    report = run_encode(plan, **FakeEncoders().kw())
+    reasons = {f.relpath: f.reason for f in report.failures}
+    assert set(reasons) == {"cut.mp4"} and "of the 30 frames its header claims" in reasons["cut.mp4"]
+    assert "truncated" in reasons["cut.mp4"] and report.samples == 1
+    with open_cache(tmp_path / "cache") as reader:
+        assert [s.source for s in reader.dataset("ds")] == ["ok.mp4"]
 
 
 def test_an_image_vae_leaves_clips_out_by_name(clips: Path, tmp_path: Path) -> None:
@@ -385,3 +522,73 @@ def test_without_pyav_a_video_is_a_failure_naming_it_and_frame_folders_still_wor
     (failure,) = scan.failures
     assert failure.relpath == "clip.mp4" and failure.path == str(root / "clip.mp4")
     assert "PyAV" in failure.reason and "pip install av" in failure.reason
+
+
+@needs_av
+@pytest.mark.parametrize("layout", ["live", "longer audio"])
+def test_a_whole_video_whose_header_says_less_or_more_than_its_frames_is_never_refused(tmp_path: Path,
+                                                                                   layout: str) -> None:
+    """No false alarm: a WebM written live has no duration to compare with; a Matroska file whose audio runs a
+    second past its video has a longer segment, but its video track's own duration is what counts."""
+    import av
+    import numpy as np
+
+    path = tmp_path / ("live.webm" if layout == "live" else "audio.mkv")
+    with av.open(str(path), "w", options={"live": "1"} if layout == "live" else {}) as container:
+        video = container.add_stream("libvpx" if layout == "live" else "mpeg4", rate=8)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = container.add_stream("aac", rate=48000) if layout != "live" else None
+        for i in range(16):  # 2 s of video
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), i * 10, np.uint8), format="rgb24")
+            for packet in video.encode(frame):
+                container.mux(packet)
+        for packet in video.encode():
+            container.mux(packet)
+        if audio is not None:  # 3 s of silence
+            for j in range(3 * 48000 // 1024):
+                samples = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+                samples.sample_rate, samples.pts = 48000, j * 1024
+                for packet in audio.encode(samples):
+                    container.mux(packet)
+            for packet in audio.encode():
+                container.mux(packet)
+    assert probe_video(str(path)).frames == 16
+    out = torch.empty((2, 48, 80, 3))
+    load_clip(str(path), (0, 15), BUCKET.plan(64, 48), out, name=str(path))
+    assert _levels(out[:, 0, 0, 0])[0] == 0
+
+
+@needs_av
+@pytest.mark.parametrize(("tag", "refused"), [("30", False), ("12abc", False), ("40", True), ("9" * 5000, True)])
+def test_a_matroska_frame_count_tag_is_checked_and_a_hostile_one_never_crashes(tmp_path: Path, tag: str,
+                                                                               refused: bool) -> None:
+    """mkvmerge writes a track's frame count as a NUMBER_OF_FRAMES tag: it is what the header claims."""
+    import av
+    import numpy as np
+
+    path = tmp_path / "tagged.mkv"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.metadata["NUMBER_OF_FRAMES"] = tag
+        for _ in range(30):
+            frame = av.VideoFrame.from_ndarray(np.zeros((48, 64, 3), np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    if refused:
+        with pytest.raises(SourceError, match=r"video holds 30 of the \d+ frames its header claims"):
+            probe_video(str(path))
+    else:
+        assert probe_video(str(path)).frames == 30
+
+
+@pytest.mark.parametrize(("value", "seconds"), [
+    ("00:00:03.750000000", Fraction(15, 4)), ("1:02:03", Fraction(3723)), ("9" * 400 + ":00:00", None),
+    ("00:00:03.75x", None), ("", None), (None, None), ("-1:00:00", None),
+])
+def test_a_duration_tag_is_read_within_bounds(value: Any, seconds: Fraction | None) -> None:
+    from dataset_cache.video import _tag_seconds
+
+    assert _tag_seconds(value) == seconds
