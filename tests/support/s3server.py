@@ -16,6 +16,7 @@ credentials), or skips the test with one line naming what to install when moto i
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +47,8 @@ def s3_available() -> bool:
 
 @dataclass(frozen=True)
 class Recorded:
-    """One request the server saw: method, path (``/bucket/key``), and the headers that matter here."""
+    """One request the server saw: method, path (``/bucket/key``), the headers that matter here, the access key id
+    its signature names (``None``: unsigned), and the fault injected (``"500"``, ``"hang"``; ``""``: none)."""
 
     method: str
     path: str
@@ -54,6 +56,7 @@ class Recorded:
     if_match: str | None
     if_none_match: str | None
     status: str = ""
+    key_id: str | None = None
 
 
 @dataclass
@@ -149,9 +152,11 @@ class S3Server:
             method, path = environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")
             fault = self._fault_for(method, path)
             status = fault.kind if fault is not None else ""
+            signed = re.search(r"Credential=([^/,\s]+)/", environ.get("HTTP_AUTHORIZATION", ""))
             with self._lock:
                 self.requests.append(Recorded(method, path, environ.get("HTTP_RANGE"), environ.get("HTTP_IF_MATCH"),
-                                              environ.get("HTTP_IF_NONE_MATCH"), status))
+                                              environ.get("HTTP_IF_NONE_MATCH"), status,
+                                              signed.group(1) if signed else None))
             if self.latency_s:
                 time.sleep(self.latency_s)
             if fault is not None and fault.kind == "hang":

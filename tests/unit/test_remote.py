@@ -330,6 +330,25 @@ def test_a_dead_server_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert "s3://nowhere/cache/manifest.json" in str(err.value)
 
 
+def test_credentials_come_from_the_environment_or_the_shared_credentials_file(
+        published: tuple[Path, str], server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("boto3", reason="the shared ~/.aws files are read through boto3")
+    _local, url = published
+    with _open(url, tmp_path / "env") as rr:  # AWS_ACCESS_KEY_ID in the environment (start_s3 set "test")
+        rr.read(sorted(rr.keys())[:2])
+    assert {r.key_id for r in server.seen()} == {"test"}
+    server.clear()
+    creds = tmp_path / "credentials"
+    creds.write_text("[default]\naws_access_key_id = FROMFILE\naws_secret_access_key = secret\n")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    with _open(url, tmp_path / "file") as rr:  # the provider's usual file (what AWS_PROFILE / ~/.aws give)
+        rr.read(sorted(rr.keys())[:2])
+    assert {r.key_id for r in server.seen()} == {"FROMFILE"}
+
+
 def test_a_manifest_without_header_checksums_opens_and_reads(server: S3Server, tmp_path: Path) -> None:
     """``header_xxh3`` is optional (docs/FORMAT.md §4): the content address then comes from the fetched header."""
     import json
