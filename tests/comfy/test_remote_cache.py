@@ -122,7 +122,8 @@ def test_load_lazy_cache_opens_a_bucket_and_train_lora_trains_from_it(pack: Modu
 
 
 def test_save_streamable_cache_publishes_to_a_remote_cache(pack: ModuleType, remote: str, local_cache: Path,
-                                                           handles: ModuleType, s3: S3Server) -> None:
+                                                           handles: ModuleType, s3: S3Server,
+                                                           cache_root: Path) -> None:
     save = _module(pack, "nodes.save_cache")
     schema = save.SaveCache.GET_SCHEMA()
     publish_to = {i.id: i for i in schema.inputs}["publish_to"]
@@ -138,6 +139,12 @@ def test_save_streamable_cache_publishes_to_a_remote_cache(pack: ModuleType, rem
         assert len(reader.dataset("train")) == 4
     puts = s3.seen("PUT", "")
     assert puts[-1].path.endswith("/caches/upload/manifest.json")  # the manifest last
+    # the other way round (pull): a bucket's dataset saved into a local cache
+    bucket = _module(pack, "nodes.load_cache").LoadLazyCache.execute(cache="remote:cats", dataset_name="train")
+    out = save.SaveCache.execute(cache=["pulled"], dataset_name=["train"], dataset=[bucket.result[0]])
+    assert f"from {remote} (dataset 'train')" in out.ui.as_dict()["text"][0]
+    with _module(pack, "dataset_cache.format.reader").open_cache(cache_root / "pulled") as pulled:
+        assert len(pulled.dataset("train")) == 4
     with pytest.raises(ValueError, match="remote:nowhere"):
         save.SaveCache.execute(cache=["uploaded"], dataset_name=["train"], dataset=[source],
                                publish_to=["remote:nowhere"])

@@ -176,6 +176,26 @@ def test_a_bucket_cache_reads_like_the_local_one(published: tuple[Path, str], se
     assert all(r.if_match for gets in by_shard.values() for r in gets[1:])  # after a shard's first GET: If-Match
 
 
+def test_a_cache_behind_plain_https_reads_the_same(published: tuple[Path, str], server: S3Server,
+                                                    tmp_path: Path) -> None:
+    """An ``https://``/``http://`` URL: a plain web server's ranged GETs (here moto's objects made public, fetched
+    unsigned, path-style)."""
+    local, url = published
+    s3 = server.boto3()
+    prefix = url.split("/", 3)[3]
+    for obj in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]:
+        s3.put_object_acl(Bucket=BUCKET, Key=obj["Key"], ACL="public-read")
+    web = f"{server.endpoint}/{BUCKET}/{prefix}"
+    server.clear()
+    with open_cache(local) as lr, _open(web, tmp_path) as wr:
+        assert str(wr.root) == web and wr.dataset("default") == lr.dataset("default")
+        keys = sorted(lr.keys())
+        assert _same(wr.read(keys), lr.read(keys))
+    gets = server.seen("GET", ".safetensors")
+    assert gets and all(r.key_id is None for r in server.seen())  # unsigned: no credentials sent anywhere
+    assert all(re.fullmatch(r"bytes=\d+-\d+", r.range or "") for r in gets)
+
+
 def test_a_second_read_goes_to_no_server_and_a_new_reader_reuses_the_fetched_bytes(
         published: tuple[Path, str], server: S3Server, tmp_path: Path) -> None:
     local, url = published
