@@ -1,12 +1,13 @@
 """The local disk cache of bytes fetched from remote caches, so a second epoch (or run) reads locally.
 
 Blocks are kept under names made of their content address — the shard's header checksum and size (the header
-holds every row's checksum, so it stands for the shard's bytes), the block size and the block's number —, so a
-kept block is never stale: a shard with other bytes has another name, and every row read from a block is checked
-against its checksum anyway. A block is written to a temporary name and renamed, so a reader never sees half of
-one. The folder is bounded: past ``max_bytes`` the least recently used blocks are deleted, and only files this
-module names (``<16 hex>-<size>-<block size>-<n>.blk`` and its own temporary files), regular files, never through
-a link, inside the folder: nothing else there or outside it is ever deleted.
+holds every row's checksum, so it stands for the shard's bytes), the block size and the block's number; a shard's
+header bytes under the same address (``.hdr``) —, so a kept block is never stale: a shard with other bytes has
+another name, and every row read from a block is checked against its checksum anyway. A block is written to a
+temporary name and renamed, so a reader never sees half of one. The folder is bounded: past ``max_bytes`` the
+least recently used blocks are deleted, and only files this module names (``<16 hex>-<size>-<block size>-<n>.blk``,
+``<16 hex>-<size>.hdr`` and its own temporary files), regular files, never through a link, inside the folder:
+nothing else there or outside it is ever deleted.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from pathlib import Path
 
 from ..format.layout import NOFOLLOW
 
-__all__ = ["FetchCache", "block_name"]
+__all__ = ["FetchCache", "block_name", "header_name"]
 
 log = logging.getLogger("dataset_cache.remote.fetch_cache")
 
-_BLOCK_RE = re.compile(r"[0-9a-f]{16}-[0-9]{1,20}-[0-9]{1,12}-[0-9]{1,12}\.blk")
-_TEMP_RE = re.compile(r"\.[0-9a-f]{16}-[0-9]{1,20}-[0-9]{1,12}-[0-9]{1,12}\.blk\.[0-9a-f]{16}\.tmp")
+_NAME = r"[0-9a-f]{16}-[0-9]{1,20}(?:-[0-9]{1,12}-[0-9]{1,12}\.blk|\.hdr)"
+_BLOCK_RE = re.compile(_NAME)
+_TEMP_RE = re.compile(rf"\.{_NAME}\.[0-9a-f]{{16}}\.tmp")
 _STALE_TEMP_S = 3600.0  # a temporary file this old was left by a process that died while writing it
 _TOUCH_S = 600.0  # a read refreshes a block's time (its place in the eviction order) at most this often
 _KEEP_AFTER_EVICTION = 0.9  # evict down to 90% of the bound, so a full cache does not scan on every write
@@ -37,6 +39,11 @@ def block_name(shard_key: str, block_bytes: int, index: int) -> str:
     """The file name of block ``index`` (of ``block_bytes`` bytes) of the shard whose key is ``shard_key``
     (``<header xxh3-64>-<size>``)."""
     return f"{shard_key}-{block_bytes}-{index}.blk"
+
+
+def header_name(shard_key: str) -> str:
+    """The file name of the header bytes of the shard whose key is ``shard_key`` (what opening a cache reads)."""
+    return f"{shard_key}.hdr"
 
 
 class FetchCache:
@@ -104,6 +111,27 @@ class FetchCache:
             return True
         except OSError:
             return False
+        finally:
+            os.close(fd)
+
+    def get(self, name: str, limit: int) -> bytes | None:
+        """The whole kept file ``name`` (at most ``limit`` bytes; a header), or ``None``."""
+        if not self.enabled:
+            return None
+        try:
+            fd = os.open(self._path(name), os.O_RDONLY | NOFOLLOW | getattr(os, "O_BINARY", 0))
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+                return None
+            data = os.read(fd, st.st_size)
+            if time.time() - st.st_mtime > _TOUCH_S:
+                _touch(fd)
+            return data if len(data) == st.st_size else None
+        except OSError:
+            return None
         finally:
             os.close(fd)
 

@@ -277,11 +277,19 @@ class RemoteShardFiles:
             done.set_exception(exc)
         return done
 
-    def _get(self, fetch: _Fetch) -> memoryview:
-        """One ranged GET of the fetch's blocks, checked, each block then kept on disk."""
-        sh = self.shards[fetch.shard]
-        b = self.block
-        begin, end = fetch.first * b, min((fetch.first + fetch.count) * b, sh.size)
+    def fetch(self, s: int, begin: int, end: int) -> memoryview:
+        """Bytes ``[begin, end)`` of shard ``s`` in one ranged GET, checked (the object's size against the
+        manifest, ``If-Match`` once its ETag is pinned), not kept: for the headers read on open.
+
+        Raises:
+            CacheCorruptError: a truncated (or missing) object. CacheReplacedError, RemoteUnreachableError.
+        """
+        with self._lock:
+            self.requests += 1
+        return self._range(s, begin, end)
+
+    def _range(self, s: int, begin: int, end: int) -> memoryview:
+        sh = self.shards[s]
         where = self.client.where(sh.file)
         try:
             got = self.client.get_range(sh.file, begin, end, if_match=sh.etag)
@@ -298,6 +306,13 @@ class RemoteShardFiles:
             raise CacheCorruptError(where, f"asked for bytes {begin}-{end}, the server sent {len(data)} bytes")
         if sh.etag is None and got.etag:
             sh.etag = got.etag
+        return data
+
+    def _get(self, fetch: _Fetch) -> memoryview:
+        """One ranged GET of the fetch's blocks, each block then kept on disk."""
+        sh = self.shards[fetch.shard]
+        b = self.block
+        data = self._range(fetch.shard, fetch.first * b, min((fetch.first + fetch.count) * b, sh.size))
         if sh.key is not None and self.cache.enabled:
             stored = True
             for k in range(fetch.first, fetch.first + fetch.count):

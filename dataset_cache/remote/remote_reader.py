@@ -10,6 +10,9 @@ on open is what a local open checks (docs/FORMAT.md §9), from the same parsing 
   the network checks it again, so a cache replaced mid-run is named (``CacheReplacedError``), never mixed;
 * each shard object's size is checked against the manifest and its ETag pinned for every later GET
   (``If-Match``), so a truncated object is named at open and a replaced one at its next read.
+
+Headers are fetched exactly (not as blocks: opening a large cache moves its headers, not 4 MiB per shard) and kept
+in the fetch cache, so the next open of the same cache fetches only the manifest, the journal and a HEAD per shard.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ..format.shard import ShardIndex, index_shard
 from ..gcpause import gc_paused
 from ..hashing import checksum64
 from .client import ObjectClient, RemoteOptions, default_fetch_dir
-from .fetch_cache import FetchCache
+from .fetch_cache import FetchCache, header_name
 from .remote_files import ManifestPin, RemoteShard, RemoteShardFiles
 from .urls import CacheURL, parse_cache_url
 
@@ -39,6 +42,9 @@ __all__ = ["open_remote_cache", "RemoteCacheReader"]
 
 _OPEN_RETRIES = 3
 _VERIFY_CHUNK = 64 << 20
+_HEADER_GUESS = 64 << 10
+"""Bytes asked for by a header's first GET: a shard's header is ~150 bytes per entry (a 128 MiB SD1.5 shard's is
+~250 KiB), so small caches' headers come in one request and larger ones in two."""
 
 
 def open_remote_cache(url: str, *, verify: bool = True, strict: bool = True,
@@ -106,7 +112,6 @@ def _open_shards(url: CacheURL, records: Sequence[ShardRecord], files: RemoteSha
     problems: list[CacheError] = []
     if not records:
         return shards, problems
-    files.announce_ahead([(s, 0, min(8, rec.bytes), 0) for s, rec in enumerate(records)])
     with ThreadPoolExecutor(min(len(records), files.client.options.requests_in_flight)) as pool:
         results = list(pool.map(lambda s: _open_shard(url, records[s], s, files), range(len(records))))
     for result in results:
@@ -125,19 +130,14 @@ def _open_shard(url: CacheURL, rec: ShardRecord, s: int, files: RemoteShardFiles
     try:
         if rec.bytes < 8:
             raise CacheCorruptError(where, f"file is {rec.bytes} bytes, shorter than the 8-byte header length")
-        head8 = bytearray(8)
-        files.read([(s, 0, 8, 0)], memoryview(head8))
-        (n,) = struct.unpack("<Q", head8)
-        limit = min(MAX_HEADER_BYTES, rec.bytes - 8)
-        if n > limit:
-            raise CacheCorruptError(where, f"header length {n} exceeds the limit {limit} (file size {rec.bytes})")
-        raw = bytearray(n)
-        files.read([(s, 8, 8 + n, 0)], memoryview(raw))
-        _check_object(files, s)  # after the header: its GET pinned the object already unless it was kept
-        head = parse_header(where, bytes(raw), rec.bytes - 8 - n)
-        index = index_shard(where, rec.file, rec.bytes, head, rec)
-        if files.shards[s].key is None:  # no header checksum in the manifest: the fetched header's own
-            files.shards[s].key = _key(checksum64(head.raw), rec.bytes)
+        raw, kept = _header(files, rec, s, where)
+        head = parse_header(where, raw, rec.bytes - 8 - len(raw))
+        index = index_shard(where, rec.file, rec.bytes, head, rec)  # checks the header against the manifest
+        sh = files.shards[s]
+        if sh.key is None:  # no header checksum in the manifest: the fetched header's own
+            sh.key = _key(checksum64(raw), rec.bytes)
+        if not kept and sh.key is not None:
+            files.cache.put(header_name(sh.key), raw)
         return index
     except (CacheCorruptError, CacheUnreadableError, CacheReplacedError) as exc:
         return exc
@@ -147,12 +147,30 @@ def _open_shard(url: CacheURL, rec: ShardRecord, s: int, files: RemoteShardFiles
         return CacheCorruptError(where, str(exc))
 
 
-def _check_object(files: RemoteShardFiles, s: int) -> None:
-    """Check the shard object's size against the manifest and pin its ETag (a GET of its first block did that
-    already when it was not kept locally)."""
+def _header(files: RemoteShardFiles, rec: ShardRecord, s: int, where: CacheURL) -> tuple[bytes, bool]:
+    """A shard's header bytes (after the 8-byte length), and whether they were kept locally: else fetched, in one
+    ranged GET of the first ``_HEADER_GUESS`` bytes (a second one when the header is longer), which also checks the
+    object's size and pins its ETag; a kept header is checked with a HEAD instead."""
     sh = files.shards[s]
-    if sh.etag is not None:
-        return
+    if sh.key is not None:
+        raw = files.cache.get(header_name(sh.key), MAX_HEADER_BYTES)
+        if raw is not None and checksum64(raw) == rec.header_xxh3:
+            _check_object(files, s)
+            return raw, True
+    first = files.fetch(s, 0, min(rec.bytes, _HEADER_GUESS))
+    (n,) = struct.unpack("<Q", first[:8])
+    limit = min(MAX_HEADER_BYTES, rec.bytes - 8)
+    if n > limit:
+        raise CacheCorruptError(where, f"header length {n} exceeds the limit {limit} (file size {rec.bytes})")
+    if 8 + n <= len(first):
+        return bytes(first[8:8 + n]), False
+    return bytes(first[8:]) + bytes(files.fetch(s, len(first), 8 + n)), False
+
+
+def _check_object(files: RemoteShardFiles, s: int) -> None:
+    """Check the shard object's size against the manifest and pin its ETag (its header was kept locally, so no GET
+    did that yet)."""
+    sh = files.shards[s]
     head = files.client.head(sh.file)
     if head.size != sh.size:
         raise CacheCorruptError(files.client.where(sh.file), f"the object is {head.size} bytes but the manifest "
