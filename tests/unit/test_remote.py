@@ -176,6 +176,22 @@ def test_a_bucket_cache_reads_like_the_local_one(published: tuple[Path, str], se
     assert all(r.if_match for gets in by_shard.values() for r in gets[1:])  # after a shard's first GET: If-Match
 
 
+def test_opening_fetches_headers_only_and_a_second_open_none(published: tuple[Path, str], server: S3Server,
+                                                             tmp_path: Path) -> None:
+    _local, url = published
+    with _open(url, tmp_path) as rr:
+        shards = rr.shards
+    gets = server.seen("GET", ".safetensors")
+    assert {r.path for r in gets} == {f"/{BUCKET}/{url.split('/', 3)[3]}/{sh.file}" for sh in shards}
+    for r in gets:  # a header's bytes, never a data block: bytes=0-(n-1) with n <= 64 KiB
+        first, last = map(int, r.range.removeprefix("bytes=").split("-"))
+        assert first == 0 and last < 64 << 10
+    server.clear()
+    with _open(url, tmp_path):
+        pass
+    assert not server.seen("GET", ".safetensors") and len(server.seen("HEAD", ".safetensors")) == len(shards)
+
+
 def test_a_cache_behind_plain_https_reads_the_same(published: tuple[Path, str], server: S3Server,
                                                     tmp_path: Path) -> None:
     """An ``https://``/``http://`` URL: a plain web server's ranged GETs (here moto's objects made public, fetched
