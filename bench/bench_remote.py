@@ -18,6 +18,7 @@ and % of the epoch's wall time), the first batch's wait, and the GETs of shard b
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -43,10 +44,12 @@ BUCKET = "bench"
 
 def _serve(latency_ms: float) -> None:
     """Child process: moto's S3 with ``latency_ms`` per request; prints its endpoint, runs until stdin closes."""
-    sys.path.insert(0, str(PACK_ROOT / "tests"))
-    from support.s3server import S3Server
-
-    server = S3Server()
+    spec = importlib.util.spec_from_file_location("streamcache_s3server", PACK_ROOT / "tests/support/s3server.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    server = module.S3Server()
     server.latency_s = latency_ms / 1e3
     server.boto3().create_bucket(Bucket=BUCKET)
     print(server.endpoint, flush=True)

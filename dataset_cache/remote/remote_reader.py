@@ -20,13 +20,12 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from ..constants import MAX_HEADER_BYTES
 from ..dataset import DatasetInfo, Sample
 from ..errors import CacheCorruptError, CacheError, CacheNotFoundError, CacheReplacedError, CacheUnreadableError
 from ..format.layout import MANIFEST
-from ..format.manifest import ShardRecord, parse_dataset, parse_manifest, replay_journal
+from ..format.manifest import CacheState, ShardRecord, parse_dataset, parse_manifest, replay_journal
 from ..format.read_plan import ReadPlan, RowRef
 from ..format.reader import CacheReader
 from ..format.safetensors_io import parse_header
@@ -187,7 +186,7 @@ class RemoteCacheReader(CacheReader):
         files: its shard source (fetch counters for tests and benchmarks: ``files.requests``).
     """
 
-    def __init__(self, state: Any, shards: list[ShardIndex], files: RemoteShardFiles, client: ObjectClient, *,
+    def __init__(self, state: CacheState, shards: list[ShardIndex], files: RemoteShardFiles, client: ObjectClient, *,
                  verify: bool = True, problems: Sequence[CacheError] | None = None) -> None:
         super().__init__(state, shards, verify=verify, problems=problems, files=files)
         self.client = client
