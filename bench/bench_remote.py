@@ -3,7 +3,8 @@
 An SD1.5-sized dataset (``--n`` samples: a ``[1, 4, 64, 64]`` float16 latent and a ``[1, 77, 768]`` float16
 conditioning each) is published with ``push`` to moto's S3 server (``tests/support/s3server.py``), run in a child
 process that adds a fixed latency to every request (``--latency-ms``, default 20 and 100: a nearby and a distant
-region). The consumer is a training loop stand-in: the loader at the default prefetch depth
+region; 0 shows moto's own cost per request, which grows with the object: shards of ``--shard-mb`` 8 MiB keep it
+near 20 ms). The consumer is a training loop stand-in: the loader at the default prefetch depth
 (``DEFAULT_PREFETCH_BATCHES``) and a step of ``--step-ms`` (a sleep: GPU work releases the GIL). Two epochs per run,
 with a fresh reader and an empty fetch cache; epoch 2 reads what epoch 1 fetched from the local disk. The same
 loop over the local cache (warm page cache) is the baseline, run alternately with the remote ones.
@@ -57,11 +58,11 @@ def _serve(latency_ms: float) -> None:
     server.stop()
 
 
-def _write(root: Path, n: int) -> None:
+def _write(root: Path, n: int, shard_bytes: int) -> None:
     g = torch.Generator().manual_seed(0)
     lat = [torch.randn(1, 4, 64, 64, generator=g).half() for _ in range(4)]
     cond = [torch.randn(1, 77, 768, generator=g).half() for _ in range(4)]
-    with CacheWriter(root) as w:
+    with CacheWriter(root, shard_bytes=shard_bytes) as w:
         samples = []
         for i in range(n):
             lk, ck = f"{i:08x}l", f"{i:08x}c"
@@ -119,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=512, help="samples in the dataset (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=4, help="batch size (default: %(default)s)")
     ap.add_argument("--step-ms", type=float, default=50.0, help="simulated training step (default: %(default)s)")
-    ap.add_argument("--latency-ms", type=float, nargs="+", default=[20.0, 100.0],
-                    help="latency added to every request, one server each (default: 20 100)")
+    ap.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 20.0, 100.0],
+                    help="latency added to every request, one server each (default: 0 20 100; 0 is moto's own cost)")
+    ap.add_argument("--shard-mb", type=int, default=8,
+                    help="shard size (default: %(default)s; moto copies the whole object for every request, so its "
+                         "own cost per request grows with the shard: ~20 ms at 8 MiB, ~160 ms at 74 MiB)")
     ap.add_argument("--runs", type=int, default=3, help="runs per configuration (default: %(default)s)")
     ap.add_argument("--serve", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench_remote_"))
     local = work / "local"
-    _write(local, args.n)
+    _write(local, args.n, args.shard_mb << 20)
     size = sum(sh.size for sh in open_cache(local).shards)
     servers = {}
     for lat in args.latency_ms:
@@ -164,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             proc.stdin.close()
             proc.wait(timeout=30)
     batches = -(-args.n // args.batch)
-    print(f"\n{args.n} SD1.5-sized samples ({size / 2**20:.0f} MiB of shards), batch {args.batch}, step "
-          f"{args.step_ms:g} ms, prefetch {DEFAULT_PREFETCH_BATCHES}, {batches} batches per epoch, {args.runs} runs; "
-          "median (min–max)\n")
+    print(f"\n{args.n} SD1.5-sized samples ({size / 2**20:.0f} MiB in {args.shard_mb} MiB shards), batch "
+          f"{args.batch}, step {args.step_ms:g} ms, prefetch {DEFAULT_PREFETCH_BATCHES}, {batches} batches per epoch, "
+          f"{args.runs} runs; median (min–max)\n")
     print("| cache | epoch 1: data wait s (% of epoch) | epoch 2: data wait s (% of epoch) | first batch's wait ms "
           "| GETs epoch 1 / 2 |")
     print("|---|---|---|---|---|")
