@@ -385,6 +385,24 @@ def test_credentials_come_from_the_environment_or_the_shared_credentials_file(
     assert {r.key_id for r in server.seen()} == {"FROMFILE"}
 
 
+def test_gcs_and_azure_urls_make_their_stores_and_a_missing_setting_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GCS or Azure emulator here: the stores are made (no request sent), and Azure without its account says so."""
+    from support.s3server import MISSING, s3_available
+
+    if not s3_available():
+        pytest.skip(MISSING)
+    from dataset_cache.remote.client import ObjectClient
+    from dataset_cache.remote.urls import parse_cache_url
+
+    assert "GCS" in type(ObjectClient(parse_cache_url("gs://bucket/caches/cats"))._store).__name__
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
+    with pytest.raises(RemoteUnreachableError, match=r"az://container/cats: cannot set up .*[Aa]ccount"):
+        ObjectClient(parse_cache_url("az://container/cats"))
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "team")
+    assert "Azure" in type(ObjectClient(parse_cache_url("az://container/cats"))._store).__name__
+
+
 def test_a_manifest_without_header_checksums_opens_and_reads(server: S3Server, tmp_path: Path) -> None:
     """``header_xxh3`` is optional (docs/FORMAT.md §4): the content address then comes from the fetched header."""
     import json
