@@ -8,6 +8,11 @@ Subcommands:
 * ``verify PATH`` — reads every stored tensor and checks every checksum; exit 1 naming each bad entry and its
   shard file, exit 0 with a one-line summary when the cache is healthy.
 * ``convert SRC DST [--name N]`` — converts a ComfyUI dataset folder into a cache (see :mod:`.interop`).
+* ``push CACHE URL`` — publishes a local cache to object storage (``s3://``, ``gs://``, ``az://``): shards and
+  dataset files under content-addressed names, never overwritten, the manifest last (:mod:`.remote.publish`).
+* ``pull URL CACHE [--dataset NAME ...]`` — copies a remote cache's datasets (all, or those named) into a local
+  cache, every row verified.
+* ``info`` and ``verify`` take a cache URL as well as a folder (reading a URL needs the remote extra).
 * ``clean PATH [--dry-run]`` — removes entries no dataset references, compacts underfull shards and deletes
   orphan files (:mod:`.clean`); refuses (exit 2) while another process encodes into or reads the cache.
   ``--dry-run`` only prints what would be removed.
@@ -64,18 +69,30 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser (separate so docs and tests can render ``--help``)."""
     parser = argparse.ArgumentParser(
         prog="python -m dataset_cache",
-        description="Inspect, verify and convert ComfyUI-StreamCache dataset caches.",
+        description="Inspect, verify, convert and publish ComfyUI-StreamCache dataset caches.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("info", help="print a JSON summary of a cache or a ComfyUI dataset folder")
-    p.add_argument("path", type=Path, help="cache directory or ComfyUI SaveTrainingDataset folder")
+    p.add_argument("path", help="cache directory or URL, or ComfyUI SaveTrainingDataset folder")
     p.set_defaults(run=_cmd_info)
 
     p = sub.add_parser("verify", help="read every entry and check every checksum (exit 1 on damage)")
-    p.add_argument("path", type=Path, help="cache directory")
+    p.add_argument("path", help="cache directory or URL")
     p.set_defaults(run=_cmd_verify)
+
+    p = sub.add_parser("push", help="publish a cache to object storage (content-addressed, the manifest last)")
+    p.add_argument("cache", type=Path, help="local cache directory")
+    p.add_argument("url", help="where to publish it: s3://bucket/prefix, gs://..., az://container/prefix")
+    p.set_defaults(run=_cmd_push)
+
+    p = sub.add_parser("pull", help="copy the datasets of a cache in object storage into a local cache")
+    p.add_argument("url", help="the remote cache: s3://..., gs://..., az://..., https://...")
+    p.add_argument("cache", type=Path, help="local cache directory (created if missing; entries it has are kept)")
+    p.add_argument("--dataset", action="append", metavar="NAME",
+                   help="copy only this dataset (repeat for several; default: every dataset)")
+    p.set_defaults(run=_cmd_pull)
 
     p = sub.add_parser("convert", help="convert a ComfyUI SaveTrainingDataset folder into a cache")
     p.add_argument("src", type=Path, help="ComfyUI dataset folder (shard_*.pkl or shard_*.safetensors)")
@@ -110,9 +127,10 @@ def _print_json(obj: Any) -> None:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from .interop import detect_comfy_dataset, inspect_comfy_dataset
+    from .remote.urls import is_remote_url
 
-    if detect_comfy_dataset(args.path):
-        info = inspect_comfy_dataset(args.path)
+    if not is_remote_url(args.path) and detect_comfy_dataset(Path(args.path)):
+        info = inspect_comfy_dataset(Path(args.path))
         _print_json({
             "type": info.layout,
             "description": "ComfyUI SaveTrainingDataset folder (not a StreamCache cache); convert it with "
@@ -123,12 +141,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "metadata": info.metadata,
         })
         return EXIT_OK
-    from .format.reader import open_cache
     from .variants import summarize_datasets
 
     try:
-        reader = open_cache(args.path, verify=False)
+        reader = _open_arg(args.path, verify=False)
     except CacheNotFoundError as exc:
+        if is_remote_url(args.path):
+            raise
         raise CacheNotFoundError(f"{exc} (nor is it a ComfyUI SaveTrainingDataset folder)") from None
     with reader:
         variants = {name: {"error": str(v)} if isinstance(v, CacheError) else v.describe()
@@ -137,17 +156,29 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_verify(args: argparse.Namespace) -> int:
+def _open_arg(path: str, **kwargs: Any) -> Any:
+    """Open the cache a command names (a folder or a URL); a bad URL is a usage error."""
     from .format.reader import open_cache
-    from .interop import detect_comfy_dataset
 
-    layout = detect_comfy_dataset(args.path)
+    try:
+        return open_cache(path, **kwargs)
+    except ValueError as exc:
+        if isinstance(exc, CacheError):
+            raise
+        raise CacheError(str(exc)) from None
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .interop import detect_comfy_dataset
+    from .remote.urls import is_remote_url
+
+    layout = None if is_remote_url(args.path) else detect_comfy_dataset(Path(args.path))
     if layout:
         raise CacheError(f"{args.path}: a ComfyUI dataset folder ({layout}) has no checksums to verify; "
                          f"convert it with `python -m dataset_cache convert {args.path} <cache>`")
     start = time.perf_counter()
     try:
-        reader = open_cache(args.path, verify=True, strict=False)
+        reader = _open_arg(args.path, verify=True, strict=False)
     except CacheCorruptError as exc:  # the manifest or journal itself: a verify finding, not a usage error
         _report_bad([exc])
         return EXIT_VERIFY_FAILED
@@ -187,6 +218,37 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         f"of {rep.dest}: {rep.samples} sample(s), {rep.new_entries} new entries, {rep.reused_entries} reused "
         f"({rep.seconds:.2f}s)\n"
     )
+    return EXIT_OK
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from .remote.publish import push
+
+    try:
+        report = push(args.cache, args.url, on_file=lambda name: log.info("uploading %s", name))
+    except ValueError as exc:  # a bad URL (CacheError subclasses keep their own message)
+        if isinstance(exc, CacheError):
+            raise
+        raise CacheError(str(exc)) from None
+    sys.stdout.write(report.summary() + "\n")
+    return EXIT_OK
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from .remote.publish import pull
+
+    try:
+        results = pull(args.url, args.cache, datasets=args.dataset,
+                       on_dataset=lambda name: log.info("copying dataset %r", name))
+    except KeyError as exc:  # a --dataset the remote cache does not have
+        raise CacheError(str(exc.args[0])) from None
+    except ValueError as exc:
+        if isinstance(exc, CacheError):
+            raise
+        raise CacheError(str(exc)) from None
+    for name, result in results.items():
+        sys.stdout.write(f"dataset {name!r}: {result.samples} sample(s), {result.added} new entries in "
+                         f"{args.cache}\n")
     return EXIT_OK
 
 

@@ -16,6 +16,9 @@ __all__ = [
     "CacheLockedError",
     "CacheUnreadableError",
     "CacheLinkError",
+    "RemoteUnreachableError",
+    "CacheReplacedError",
+    "RemoteExtraMissingError",
     "UnstorableValueError",
     "MaterializeRequired",
     "SourceError",
@@ -98,6 +101,44 @@ class CacheLinkError(CacheUnreadableError):
         self.args = (f"{self.path} is a symbolic link. StreamCache never follows a link inside a cache (it could "
                      "make a write or a clean reach files outside the cache). Replace the link by a copy of what "
                      "it points to (e.g. `cp -rL` or `rsync -L` when copying a cache), then retry",)
+
+
+class RemoteUnreachableError(CacheUnreadableError):
+    """A remote cache's file could not be fetched (network, server error after the retries, a timeout, refused
+    credentials): not damage, the cache may be perfectly healthy once the cause is gone.
+
+    Attributes:
+        path: the URL of the file (or of the cache).
+        reason: what went wrong, in words.
+    """
+
+    def __init__(self, path: str, reason: str, *, entry: str | None = None) -> None:
+        CacheError.__init__(self)
+        self.path = str(path)
+        self.entry = entry
+        self.errno = None
+        self.reason = reason
+        where = f"{self.path}" + (f" (entry {entry})" if entry else "")
+        self.args = (f"{where}: {reason}. Nothing was changed; check the URL, the network and the credentials "
+                     "(environment variables or the provider's usual files), then retry",)
+
+
+class CacheReplacedError(CacheError, RuntimeError):
+    """A remote cache was replaced (its manifest, or a shard file, changed) while a reader read it.
+
+    The reader's snapshot is the state it opened; reading on from a newer one would mix two versions of the
+    cache, so the read stops instead. Attributes: ``path``, the URL of the file that changed.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}. The cache was replaced while this run read it, and nothing of the "
+                         "two versions was mixed: run again to read the new version")
+
+
+class RemoteExtraMissingError(CacheError, ImportError):
+    """Reading or publishing a remote cache needs the optional object-store client, which is not installed."""
 
 
 class UnstorableValueError(CacheError, TypeError):

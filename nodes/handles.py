@@ -22,6 +22,7 @@ from ..dataset_cache.errors import CacheNotFoundError
 from ..dataset_cache.format.manifest import MANIFEST
 from ..dataset_cache.format.reader import CacheReader, open_cache
 from ..dataset_cache.multi_reader import MultiCacheReader
+from ..dataset_cache.remote import is_remote_url
 from ..dataset_cache.sampler import DatasetMix, DatasetPart, mix_datasets
 
 __all__ = ["CombinedDatasetHandle", "DatasetRef", "StreamDataset", "StreamDatasetHandle", "cache_roots", "combine",
@@ -50,7 +51,7 @@ class StreamDatasetHandle:
     """One dataset of one cache: the value of a ``STREAM_DATASET`` socket.
 
     Attributes:
-        cache_root: the cache directory (absolute path).
+        cache_root: the cache directory (absolute path), or the URL of a cache in object storage.
         name: the dataset's name inside the cache.
     """
 
@@ -184,6 +185,8 @@ def require_caches(**handles: Handle | None) -> None:
     """
     for what, handle in handles.items():
         for root in handle.cache_roots if handle is not None else ():
+            if is_remote_url(root):  # a cache in a bucket: its open names what is missing
+                continue
             if not os.path.lexists(os.path.join(root, MANIFEST)):
                 raise ValueError(f"{what} {handle.name!r}: no StreamCache cache at {root} (no manifest there); encode "
                                  "the dataset first or pick an existing cache")
@@ -216,6 +219,10 @@ def training_reader(readers: Mapping[str, CacheReader]) -> CacheReader | MultiCa
 
 def _open(root: str, what: str) -> CacheReader:
     try:
+        if is_remote_url(root):  # a cache in a bucket (Load Lazy Cache's remote: choices)
+            from .paths import remote_options
+
+            return open_cache(root, remote=remote_options())
         return open_cache(root)
     except CacheNotFoundError as exc:
         raise ValueError(

@@ -6,9 +6,14 @@ folder converts it, once, into a cache under ``<first StreamCache folder>/from_c
 (:func:`dataset_cache.interop.convert_comfy_dataset`, which never unpickles code); it is converted again only
 when the ComfyUI folder's files are newer than the converted dataset.
 
+A cache in object storage is offered as ``remote:<name>``, one per entry of ``remote.json`` in a StreamCache
+folder (:func:`.paths.remote_config`); it opens the same way, over the network (the library's
+``dataset_cache.remote``: ranged GETs, a local fetch cache), and Train LoRA reads it through that reader.
+
 Opening reads the manifest, the journal, shard headers and the dataset's sample list: the info text (samples,
 buckets from header shapes, encoder fingerprints) costs no tensor I/O. ``fingerprint_inputs`` follows the cache's
-committed state, so a re-encoded or cleaned cache is noticed although its name did not change.
+committed state (a remote cache's manifest ETag), so a re-encoded, cleaned or republished cache is noticed
+although its name did not change.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from comfy_api.latest import io
 
 from ..dataset_cache import CacheError, CacheReader, is_cache_folder, read_dataset_info
 from ..dataset_cache.interop import convert_comfy_dataset, detect_comfy_dataset, inspect_comfy_dataset
+from ..dataset_cache.remote import CacheURL
 from .fingerprints import cache_identity
 from .handles import StreamDataset, StreamDatasetHandle
 from .inputs import NO_CACHE_YET, cache_choices, no_cache_yet_message
-from .paths import cache_roots, resolve_cache
+from .paths import REMOTE_PREFIX, cache_roots, remote_choices, remote_options, resolve_cache, resolve_remote
 from .ui_output import TextWithData
 
 __all__ = ["COMFY_PREFIX", "CONVERTED_FOLDER", "LoadLazyCache", "list_caches", "list_comfy_datasets",
@@ -89,15 +95,18 @@ def _comfy_folder(name: str) -> str:
     return rel
 
 
-def resolve_source(name: str) -> tuple[Path, Path | None]:
-    """Return ``(cache root, ComfyUI source folder or None)`` of a ``cache`` choice.
+def resolve_source(name: str) -> tuple[Path | CacheURL, Path | None]:
+    """Return ``(cache root, ComfyUI source folder or None)`` of a ``cache`` choice; the root of a ``remote:`` choice
+    is its URL (nothing is fetched here).
 
     Raises:
-        ValueError: the name escapes its folder, or names no cache and no ComfyUI dataset (the message lists the
-            available ones).
+        ValueError: the name escapes its folder, or names no cache, no remote cache and no ComfyUI dataset (the
+            message lists the available ones).
     """
     if name == NO_CACHE_YET:
         raise ValueError(no_cache_yet_message("cache"))
+    if name.startswith(REMOTE_PREFIX):
+        return resolve_remote(name), None
     if name.startswith(COMFY_PREFIX):
         rel = _comfy_folder(name)
         src = Path(folder_paths.get_output_directory()) / rel
@@ -108,7 +117,8 @@ def resolve_source(name: str) -> tuple[Path, Path | None]:
     root = resolve_cache(name)
     if not is_cache_folder(root):
         raise ValueError(f"cache {name!r}: unknown cache (no cache at {root}); available: "
-                         f"{', '.join(list_caches() + list_comfy_datasets()) or 'none'}. Pick one of those (press R "
+                         f"{', '.join(list_caches() + remote_choices() + list_comfy_datasets()) or 'none'}. Pick one "
+                         "of those (press R "
                          "to refresh the list), or encode one with Encode Dataset or save one with Save Streamable "
                          "Cache")
     return root, None
@@ -117,6 +127,16 @@ def resolve_source(name: str) -> tuple[Path, Path | None]:
 def _source_files(src: Path) -> list[os.stat_result]:
     info = inspect_comfy_dataset(src)
     return [p.stat() for p in (src / "metadata.json", *info.shards)]
+
+
+def remote_identity(url: CacheURL, dataset: str) -> str:
+    """A remote cache's committed state: its manifest's ETag (one HEAD request; ``fingerprint_inputs`` fails, and
+    ComfyUI then runs the node, when the store cannot be reached: the run names the problem)."""
+    from ..dataset_cache.format.layout import MANIFEST
+    from ..dataset_cache.remote.client import ObjectClient
+
+    head = ObjectClient(url, remote_options()).head(MANIFEST)
+    return f"{head.etag}:{head.size}:{dataset}"
 
 
 def _ensure_converted(root: Path, src: Path, dataset: str) -> bool:
@@ -188,7 +208,7 @@ class LoadLazyCache(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
-        choices = cache_choices(list_comfy_datasets())
+        choices = cache_choices(remote_choices() + list_comfy_datasets())
         return io.Schema(
             node_id="StreamCache_LoadLazyCache",
             display_name="Load Lazy Cache",
@@ -197,7 +217,8 @@ class LoadLazyCache(io.ComfyNode):
                         "(training streams them). ComfyUI dataset folders (comfy:...) are converted once.",
             inputs=[
                 io.Combo.Input("cache", options=choices, default=choices[0],
-                               tooltip="The cache to read: one in models/streamcache, or comfy:<folder> for a "
+                               tooltip="The cache to read: one in models/streamcache, remote:<name> for a cache "
+                               "in object storage listed in models/streamcache/remote.json, or comfy:<folder> for a "
                                "folder written by ComfyUI's Save Training Dataset (converted into a cache on first "
                                "use). Press R to refresh the list."),
                 io.String.Input("dataset_name", default="default",
@@ -226,7 +247,9 @@ class LoadLazyCache(io.ComfyNode):
     def fingerprint_inputs(cls, cache: str, dataset_name: str) -> str:
         root, src = resolve_source(cache)
         dataset = dataset_name
-        if src is None:
+        if isinstance(root, CacheURL):
+            state = remote_identity(root, dataset)
+        elif src is None:
             state = cache_identity(root, dataset)
         else:  # the converted cache follows its source; our own conversion must not count as a change
             state = ";".join(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}" for st in _source_files(src))
@@ -239,7 +262,7 @@ class LoadLazyCache(io.ComfyNode):
             raise ValueError("dataset_name is empty; give the dataset's name (`default` unless you named it; "
                              "Cache Info lists a cache's datasets)")
         root, src = resolve_source(cache)
-        converted = src is not None and _ensure_converted(root, src, dataset)
+        converted = src is not None and isinstance(root, Path) and _ensure_converted(root, src, dataset)
         handle = StreamDatasetHandle(str(root), dataset)
         try:
             reader, _samples = handle.open()  # headers + the sample list: checks the dataset exists

@@ -6,20 +6,30 @@ where new caches go). A cache is addressed by its name relative to one of those 
 ``people/my_set``), or by an absolute path inside one of them. Anything else (``..`` segments, absolute paths
 elsewhere) is refused: workflows are shared files, and a node must not read or write outside the folders the
 user gave ComfyUI.
+
+Caches in object storage are named, not typed: ``remote.json`` in a StreamCache folder maps names to URLs
+(``{"team-cats": "s3://bucket/caches/cats"}``), and a workflow names one as ``remote:team-cats``. So a shared
+workflow can only read from (or publish to) the places this machine's owner listed, and a URL in a workflow never
+carries credentials; those come from the environment or the provider's usual files (README, "Training from a
+bucket").
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import os
 import re
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path, PureWindowsPath
 
 import folder_paths
 
+from ..dataset_cache.remote import CacheURL, RemoteOptions, parse_cache_url
 from ..dataset_cache.units import format_bytes
 from ..dataset_cache.format.layout import (
     INTERNAL_DIRS,
@@ -29,8 +39,11 @@ from ..dataset_cache.format.layout import (
     is_cache_folder,
 )
 
-__all__ = ["FOLDER_NAME", "cache_roots", "register_cache_folder", "resolve_cache", "resolve_cache_to_write",
-           "resolve_under", "explain_disk_full"]
+__all__ = ["FOLDER_NAME", "REMOTE_CONFIG", "REMOTE_PREFIX", "cache_roots", "register_cache_folder", "resolve_cache",
+           "resolve_cache_to_write", "resolve_under", "explain_disk_full", "RemoteConfig", "remote_config",
+           "remote_choices", "resolve_remote", "remote_options"]
+
+log = logging.getLogger("streamcache.paths")
 
 MAX_NAME_BYTES = 255
 """Bytes in one folder name (Linux, macOS and Windows file systems all stop at 255)."""
@@ -157,3 +170,107 @@ def explain_disk_full(root: Path, action: str) -> Iterator[None]:
         raise OSError(errno.ENOSPC, f"the disk holding the cache {root} is full ({free}) while {action} ({exc}). "
                       "Everything committed before this point is kept and the cache is intact: free some space "
                       "(or clean the cache) and queue again; only the rest is encoded", str(root)) from exc
+
+
+REMOTE_CONFIG = "remote.json"
+"""The file, in a StreamCache folder, that names the caches in object storage: ``{"name": "s3://bucket/prefix"}``."""
+REMOTE_PREFIX = "remote:"
+"""Marks a cache choice that is a name of :data:`REMOTE_CONFIG` (``remote:team-cats``)."""
+FETCHED_FOLDER = ".fetched"
+"""Folder (inside the first StreamCache folder) that keeps the bytes fetched from remote caches, unless
+``STREAMCACHE_FETCH_CACHE`` names another; hidden, so the cache lists never show it."""
+_MAX_CONFIG_BYTES = 1 << 20
+_MAX_REMOTE_NAME = 100
+_WARNED: set[str] = set()
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """The remote caches of every ``remote.json`` (the first StreamCache folder's entry wins for a name).
+
+    Attributes:
+        caches: name → URL of each valid entry.
+        problems: name (``""`` for a whole file) → what is wrong with it, naming the file: an entry left out.
+    """
+
+    caches: dict[str, CacheURL] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)
+
+
+def remote_config() -> RemoteConfig:
+    """Read and check every StreamCache folder's ``remote.json``; a bad file or entry is left out and named (and
+    logged), never fatal: the node lists must load whatever the file holds."""
+    config = RemoteConfig()
+    for root in cache_roots():
+        path = root / REMOTE_CONFIG
+        try:
+            if not path.is_file():
+                continue
+            if path.stat().st_size > _MAX_CONFIG_BYTES:
+                raise ValueError(f"larger than {_MAX_CONFIG_BYTES} bytes")
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            config.problems.setdefault("", f"{path}: cannot be read as JSON ({exc}); it should be an object "
+                                           '{"name": "s3://bucket/prefix", ...}')
+            continue
+        if not isinstance(data, dict):
+            config.problems.setdefault("", f"{path}: must be a JSON object {{\"name\": \"s3://bucket/prefix\"}}, "
+                                           f"not {type(data).__name__}")
+            continue
+        for name, url in data.items():
+            if name in config.caches or name in config.problems:
+                continue
+            problem = _check_remote_entry(name, url)
+            if problem:
+                config.problems[name] = f"{path}: entry {name!r:.80}: {problem}"
+            else:
+                config.caches[name] = parse_cache_url(url)
+    for problem in config.problems.values():
+        if problem not in _WARNED:  # the lists are rebuilt often: say it once per process
+            _WARNED.add(problem)
+            log.warning("StreamCache: %s (left out of the cache list)", problem)
+    return config
+
+
+def _check_remote_entry(name: str, url: object) -> str:
+    """What is wrong with one ``remote.json`` entry ("" when nothing)."""
+    if not name.strip() or len(name) > _MAX_REMOTE_NAME or any(ord(ch) < 32 for ch in name):
+        return f"a name needs 1-{_MAX_REMOTE_NAME} printable characters"
+    if not isinstance(url, str):
+        return f"the value must be the cache's URL as a string, not {type(url).__name__}"
+    try:
+        parse_cache_url(url)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def remote_choices() -> list[str]:
+    """``remote:<name>`` for every valid entry of the ``remote.json`` files, sorted."""
+    return sorted(REMOTE_PREFIX + name for name in remote_config().caches)
+
+
+def resolve_remote(choice: str) -> CacheURL:
+    """The URL a ``remote:<name>`` choice names.
+
+    Raises:
+        ValueError: no such entry (listing those there are, and why a bad entry of that name was left out).
+    """
+    name = choice[len(REMOTE_PREFIX):]
+    config = remote_config()
+    if name in config.caches:
+        return config.caches[name]
+    if name in config.problems:
+        raise ValueError(f"cache {choice!r}: {config.problems[name]}")
+    files = ", ".join(str(r / REMOTE_CONFIG) for r in cache_roots())
+    there = ", ".join(REMOTE_PREFIX + n for n in sorted(config.caches)) or "none"
+    raise ValueError(f"cache {choice!r}: no remote cache of that name in {files} (remote caches there: {there}). "
+                     f'Add it as "{name}": "s3://bucket/prefix" to {cache_roots()[0] / REMOTE_CONFIG}, then press R')
+
+
+def remote_options() -> RemoteOptions:
+    """How the nodes fetch remote caches: the fetched bytes kept in ``<first StreamCache folder>/.fetched`` (or
+    ``STREAMCACHE_FETCH_CACHE``), bounded by ``STREAMCACHE_FETCH_CACHE_GB``; the library's defaults otherwise."""
+    if os.environ.get("STREAMCACHE_FETCH_CACHE"):
+        return RemoteOptions()
+    return RemoteOptions(fetch_dir=cache_roots()[0] / FETCHED_FOLDER)

@@ -12,6 +12,10 @@ Two sources, one of them connected:
 
 The dataset is stored last, then the cache is compacted (underfull shards rewritten in dataset order) unless a
 training run is reading it at that moment. The cache's write lock keeps a concurrent encode out.
+
+``publish_to`` (optional; old workflows keep their behaviour) then publishes the saved cache to one of the remote
+caches of ``remote.json`` (:func:`dataset_cache.remote.publish.push`: content-addressed uploads, never
+overwriting, the manifest last), so a team or a rented GPU can train from it with Load Lazy Cache.
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ from ..dataset_cache.saving import copy_dataset, save_latent_lists
 from .fingerprints import OwnWrites, cache_identity
 from .handles import StreamDataset, StreamDatasetHandle
 from .inputs import existing_caches_hint
-from .paths import explain_disk_full, resolve_cache, resolve_cache_to_write
+from .paths import explain_disk_full, remote_choices, resolve_cache, resolve_cache_to_write, resolve_remote
 
-__all__ = ["SaveCache", "save_dataset", "save_lists"]
+__all__ = ["NOT_PUBLISHED", "SaveCache", "save_dataset", "save_lists", "publish"]
+
+NOT_PUBLISHED = "(not published)"
+"""``publish_to``'s default: the cache stays on this machine (what the node did before the input existed)."""
 
 log = logging.getLogger("streamcache.save_cache")
 
@@ -59,6 +66,25 @@ def save_lists(latents: Sequence[Any], conditioning: Sequence[Any], root: Path, 
     """
     result = save_latent_lists(latents, conditioning, root, name)
     return result.samples, result.added, result.compaction
+
+
+def publish(root: Path, choice: str) -> str:
+    """Publish the cache at ``root`` to the remote cache ``choice`` (``remote:<name>``); the report's line.
+
+    Raises:
+        ValueError: ``choice`` names no remote cache. RuntimeError: the upload failed (the local save stands),
+            naming the URL and why.
+    """
+    from ..dataset_cache.errors import CacheError
+    from ..dataset_cache.remote.publish import push
+
+    url = resolve_remote(choice)
+    try:
+        report = push(root, url)
+    except CacheError as exc:
+        raise RuntimeError(f"the cache was saved into {root}, but publishing it to {url} ({choice}) failed: {exc}"
+                           ) from exc
+    return report.summary()
 
 
 def _one(value: Any, name: str) -> Any:
@@ -117,6 +143,12 @@ class SaveCache(io.ComfyNode):
                                 + existing_caches_hint()),
                 io.String.Input("dataset_name", default="default",
                                 tooltip="Name of the dataset inside the cache (replaced if it exists)."),
+                io.Combo.Input("publish_to", options=[NOT_PUBLISHED, *remote_choices()], default=NOT_PUBLISHED,
+                               optional=True,
+                               tooltip="After saving, publish the cache to a remote cache listed in "
+                               "models/streamcache/remote.json (replacing what is there; nothing is overwritten "
+                               "in the bucket, the new version becomes visible at once). Credentials come from "
+                               "the environment or the provider's usual files. Press R to refresh the list."),
             ],
             outputs=[StreamDataset.Output(display_name="dataset", tooltip="The saved dataset.")],
         )
@@ -140,14 +172,21 @@ class SaveCache(io.ComfyNode):
 
     @classmethod
     def execute(cls, cache: Any, dataset_name: Any, dataset: Any = None, latents: Any = None,
-                conditioning: Any = None) -> io.NodeOutput:
+                conditioning: Any = None, publish_to: Any = None) -> io.NodeOutput:
         root, ds_name = resolve_cache_to_write(_one(cache, "cache")), str(_one(dataset_name, "dataset_name")).strip()
         _check_dataset_name(ds_name)
+        target = _one(publish_to, "publish_to") or NOT_PUBLISHED
+        if target != NOT_PUBLISHED:
+            resolve_remote(target)  # an unknown name fails before anything is written
         with explain_disk_full(root, "saving the cache"):
-            return cls._save(root, ds_name, dataset, latents, conditioning)
+            handle, text = cls._save(root, ds_name, dataset, latents, conditioning)
+        if target != NOT_PUBLISHED:
+            text += "\n" + publish(root, target)
+        return io.NodeOutput(handle, ui=ui.PreviewText(text))
 
     @classmethod
-    def _save(cls, root: Path, ds_name: str, dataset: Any, latents: Any, conditioning: Any) -> io.NodeOutput:
+    def _save(cls, root: Path, ds_name: str, dataset: Any, latents: Any, conditioning: Any
+              ) -> tuple[StreamDatasetHandle, str]:
         handles, lats, conds = _connected(dataset), _connected(latents), _connected(conditioning)
         if handles and (lats or conds):
             raise ValueError("connect either `dataset` or `latents` + `conditioning`, not both")
@@ -167,4 +206,4 @@ class SaveCache(io.ComfyNode):
             packed += f"\n{compaction.findings()}"
         _OWN_WRITES.remember((str(root), ds_name), "", cache_identity(root, ds_name))
         text = f"saved dataset {ds_name!r} ({n} samples) into {root}\n{what}\n{packed}"
-        return io.NodeOutput(StreamDatasetHandle(str(root), ds_name), ui=ui.PreviewText(text))
+        return StreamDatasetHandle(str(root), ds_name), text

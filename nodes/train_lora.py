@@ -20,6 +20,7 @@ import folder_paths
 
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
 from ..dataset_cache.lock import READ_LOCK, CacheLock
+from ..dataset_cache.remote import is_remote_url
 from .handles import (
     CombinedDatasetHandle,
     StreamDataset,
@@ -239,7 +240,8 @@ class TrainLoRA(io.ComfyNode):
         # encode) refuse to delete shard files while anybody trains from them.
         with contextlib.ExitStack() as locks:
             for root in roots:
-                locks.enter_context(CacheLock(root, READ_LOCK, exclusive=False, purpose="training"))
+                if not is_remote_url(root):  # a bucket has no lock: its published files are never deleted
+                    locks.enter_context(CacheLock(root, READ_LOCK, exclusive=False, purpose="training"))
             result, samples, reg_count = cls._train(model, dataset, settings, node_id, reg_dataset)
         summary = f"dataset {dataset.name!r} ({samples} samples)"
         if reg_dataset is not None:

@@ -16,7 +16,7 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from ..constants import FORMAT_NAME, FORMAT_VERSION
 from ..dataset import MAX_REPEATS, DatasetInfo, Sample, check_epoch_size
@@ -25,13 +25,19 @@ from ..hashing import checksum64
 from .layout import DATASET_FILE_RE, MANIFEST, NOFOLLOW, SHARD_FILE_RE
 from .safetensors_io import load_json_object, read_regular
 
+if TYPE_CHECKING:
+    from ..remote.urls import CacheURL
+
 __all__ = [
     "MANIFEST",
     "ShardRecord",
     "CacheState",
     "read_state",
+    "parse_manifest",
+    "replay_journal",
     "append_journal",
     "write_manifest",
+    "manifest_bytes",
     "journal_name",
     "next_generation",
     "MAX_GENERATION",
@@ -42,6 +48,7 @@ __all__ = [
     "new_id",
     "write_dataset",
     "load_dataset",
+    "parse_dataset",
     "check_dataset_name",
     "MAX_DATASET_NAME",
 ]
@@ -100,7 +107,7 @@ class CacheState:
     """The committed state of a cache: the manifest plus the journal's valid lines.
 
     Attributes:
-        root: cache directory.
+        root: cache directory (a remote cache's URL for a state read over the network, which no writer takes).
         generation: manifest generation (incremented by each compaction).
         journal: file name of the live journal.
         shards: committed shards in commit order.
@@ -111,7 +118,7 @@ class CacheState:
         files: the file names of ``shards`` (a set, so a commit checks its new shards in O(1), not O(shards)).
     """
 
-    root: Path
+    root: Path | CacheURL
     generation: int
     journal: str
     shards: list[ShardRecord] = field(default_factory=list)
@@ -177,23 +184,43 @@ def read_state(root: str | os.PathLike) -> CacheState:
         ) from None
     except OSError as exc:
         raise _read_error(str(mpath), "the manifest", exc) from None
-    m = _loads(str(mpath), raw)
+    state = parse_manifest(root, str(mpath), raw)
+    jpath = root / state.journal
+    try:
+        data = read_regular(jpath)
+    except FileNotFoundError:
+        raise CacheCorruptError(str(jpath), "the journal named by the manifest is missing") from None
+    except OSError as exc:
+        raise _read_error(str(jpath), "the journal", exc) from None
+    replay_journal(state, str(jpath), data)
+    return state
+
+
+def parse_manifest(root: Path | CacheURL, where: str, raw: bytes) -> CacheState:
+    """Check the manifest bytes ``raw`` (read from ``where``, named in errors) and return its state, before the
+    journal is replayed (:func:`replay_journal`). ``root`` becomes ``CacheState.root``: a folder, or a remote
+    cache's URL (``dataset_cache.remote``), which reads the same files over the network.
+
+    Raises:
+        CacheFormatError: not a streamcache manifest, or a version this library does not read.
+        CacheCorruptError: a damaged manifest.
+    """
+    m = _loads(where, raw)
     if m.get("format") != FORMAT_NAME:
-        raise CacheFormatError(f"{mpath}: format {m.get('format')!r:.40}, expected {FORMAT_NAME!r}")
+        raise CacheFormatError(f"{where}: format {m.get('format')!r:.40}, expected {FORMAT_NAME!r}")
     if m.get("version") != FORMAT_VERSION:
         raise CacheFormatError(
-            f"{mpath}: cache format version {m.get('version')!r:.20}, this library reads version {FORMAT_VERSION}; "
+            f"{where}: cache format version {m.get('version')!r:.20}, this library reads version {FORMAT_VERSION}; "
             "upgrade ComfyUI-StreamCache or rebuild the cache"
         )
     gen, journal, shards = m.get("generation"), m.get("journal"), m.get("shards")
     if (type(gen) is not int or not 0 <= gen <= MAX_GENERATION or type(journal) is not str
             or not JOURNAL_RE.fullmatch(journal)):
-        raise CacheCorruptError(str(mpath), "bad generation or journal name")
+        raise CacheCorruptError(where, "bad generation or journal name")
     if type(shards) is not list:
-        raise CacheCorruptError(str(mpath), "'shards' is not a list")
-    state = CacheState(root, gen, journal, [ShardRecord.from_json(str(mpath), s) for s in shards])
-    _apply_datasets(str(mpath), state, m.get("datasets", {}), allow_delete=False)
-    _replay_journal(state)
+        raise CacheCorruptError(where, "'shards' is not a list")
+    state = CacheState(root, gen, journal, [ShardRecord.from_json(where, s) for s in shards])
+    _apply_datasets(where, state, m.get("datasets", {}), allow_delete=False)
     return state
 
 
@@ -227,14 +254,13 @@ def _apply_datasets(where: str, state: CacheState, ds: Any, *, allow_delete: boo
         state.datasets[name] = DatasetInfo(name, f, n, info)
 
 
-def _replay_journal(state: CacheState) -> None:
-    jpath = state.root / state.journal
-    try:
-        data = read_regular(jpath)
-    except FileNotFoundError:
-        raise CacheCorruptError(str(jpath), "the journal named by the manifest is missing") from None
-    except OSError as exc:
-        raise _read_error(str(jpath), "the journal", exc) from None
+def replay_journal(state: CacheState, where: str, data: bytes) -> None:
+    """Apply the journal bytes ``data`` (the file ``where``) to ``state``: every valid line in order, a torn last
+    line ignored (``state.journal_torn``).
+
+    Raises:
+        CacheCorruptError: an invalid line followed by more lines, or a valid line that breaks the rules.
+    """
     pos = 0
     known = state.files
     while pos < len(data):
@@ -245,8 +271,8 @@ def _replay_journal(state: CacheState) -> None:
             if nl < 0 or nl + 1 == len(data):  # torn or zero-filled last line: a crash mid-append
                 state.journal_torn = True
                 break
-            raise CacheCorruptError(str(jpath), f"invalid journal line at byte {pos} followed by more lines")
-        _apply_record(str(jpath), state, rec, known)
+            raise CacheCorruptError(where, f"invalid journal line at byte {pos} followed by more lines")
+        _apply_record(where, state, rec, known)
         pos += len(line)
         state.journal_bytes = pos
         state.journal_commits += 1
@@ -280,6 +306,19 @@ def _apply_record(where: str, state: CacheState, rec: dict[str, Any], known: set
     _apply_datasets(where, state, rec.get("datasets", {}), allow_delete=True)
 
 
+def local_root(state: CacheState) -> Path:
+    """The folder of a state a writer changes.
+
+    Raises:
+        TypeError: the state is a remote cache's, which is read only (``python -m dataset_cache push`` publishes
+            a local cache to a URL).
+    """
+    if not isinstance(state.root, Path):
+        raise TypeError(f"{state.root}: a remote cache is read only; write a local cache, then publish it with "
+                        "`python -m dataset_cache push CACHE URL`")
+    return state.root
+
+
 def encode_line(record: Mapping[str, Any]) -> bytes:
     """One journal line: ``{"xxh3_64":"<hex of R>","record":R}\\n`` where R is the record's JSON bytes."""
     body = json.dumps(record, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
@@ -288,7 +327,7 @@ def encode_line(record: Mapping[str, Any]) -> bytes:
 
 def append_journal(state: CacheState, record: Mapping[str, Any]) -> None:
     """Durably append one record to the live journal (truncating an ignored torn tail first) and apply it."""
-    jpath = state.root / state.journal
+    jpath = local_root(state) / state.journal
     line = encode_line(record)
     fd = _open_nofollow(jpath, os.O_RDWR)
     try:
@@ -325,6 +364,14 @@ def write_manifest(root: Path, generation: int, shards: list[ShardRecord],
     finally:
         os.close(fd)
     fsync_dir(root)
+    raw = manifest_bytes(generation, journal, shards, datasets)
+    atomic_write(root / MANIFEST, lambda f: f.write(raw))
+    return CacheState(root, generation, journal, list(shards), dict(datasets))
+
+
+def manifest_bytes(generation: int, journal: str, shards: Sequence[ShardRecord],
+                   datasets: Mapping[str, DatasetInfo]) -> bytes:
+    """The bytes of a manifest (what :func:`write_manifest` writes, and what a publisher uploads)."""
     m = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -333,9 +380,7 @@ def write_manifest(root: Path, generation: int, shards: list[ShardRecord],
         "shards": [s.to_json() for s in shards],
         "datasets": {d.name: {"file": d.file, "samples": d.samples, "info": d.info} for d in datasets.values()},
     }
-    raw = json.dumps(m, indent=1, ensure_ascii=True, allow_nan=False).encode("ascii") + b"\n"
-    atomic_write(root / MANIFEST, lambda f: f.write(raw))
-    return CacheState(root, generation, journal, list(shards), dict(datasets))
+    return json.dumps(m, indent=1, ensure_ascii=True, allow_nan=False).encode("ascii") + b"\n"
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], _T]) -> _T:
@@ -464,6 +509,16 @@ def load_dataset(root: Path, info: DatasetInfo) -> list[Sample]:
         raise CacheCorruptError(p, f"the file of dataset {info.name!r} is missing; re-encode the dataset") from None
     except OSError as exc:
         raise _read_error(p, "the dataset file", exc) from None
+    return parse_dataset(p, raw, info)
+
+
+def parse_dataset(p: str, raw: bytes, info: DatasetInfo) -> list[Sample]:
+    """Check the bytes ``raw`` of the dataset file ``p`` against its record ``info``; the samples, in order.
+
+    Raises:
+        CacheFormatError: a dataset file version this library does not read.
+        CacheCorruptError: anything else wrong with it, naming ``p`` (and the sample).
+    """
     d = _loads(p, raw)
     version = d.get("version")
     if d.get("format") != FORMAT_NAME or type(version) is not int or version not in DATASET_VERSIONS:

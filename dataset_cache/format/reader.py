@@ -21,7 +21,7 @@ import weakref
 from itertools import count, repeat
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,7 +37,12 @@ from .manifest import MANIFEST, CacheState, load_dataset, read_state
 from .read_plan import ReadPlan, RowRef, plan_read, plan_rows
 from .shard import ShardIndex, open_shard
 from .safetensors_io import open_regular
-from .shard_files import ShardFiles, read_exact, unreadable
+from .shard_files import ShardFiles, ShardSource, read_exact, unreadable
+from ..remote.urls import is_remote_url
+
+if TYPE_CHECKING:
+    from ..remote.client import RemoteOptions
+    from ..remote.urls import CacheURL
 
 __all__ = ["open_cache", "CacheReader", "ReadBuffer"]
 
@@ -95,24 +100,33 @@ class _Row:
         self.shard, self.column, self.row, self.entry = shard, column, row, entry
 
 
-def open_cache(root: str | os.PathLike, *, verify: bool = True, strict: bool = True) -> CacheReader:
+def open_cache(root: str | os.PathLike, *, verify: bool = True, strict: bool = True,
+               remote: RemoteOptions | None = None) -> CacheReader:
     """Open the cache at ``root`` (manifest, journal and shard headers only; no tensor data).
 
     Args:
-        root: cache directory.
+        root: cache directory, or a remote cache's URL (``s3://``, ``gs://``, ``az://``, ``https://``: read with
+            ranged GETs through a local fetch cache, see :func:`dataset_cache.remote.open_remote_cache`; needs the
+            remote extra).
         verify: check each row's xxh3-64 checksum on every read (cheap: ~30 GB/s).
         strict: raise on the first damaged shard; ``False`` skips damaged shards (their entries are absent) and
             records the problems for :meth:`CacheReader.verify` — for the ``verify`` command, not for training.
             A shard that cannot be opened because of its environment (permissions, open-file limit, I/O, a
             link) is recorded as a :class:`CacheUnreadableError`, which is never damage (see ``writer.compact``).
+        remote: how a remote cache is fetched (``None``: the defaults); ignored for a directory.
 
     A compaction by another process that switches the manifest while we open is detected (the manifest file
     changed) and the open is retried.
 
     Raises:
         CacheNotFoundError, CacheFormatError, CacheCorruptError; CacheUnreadableError (a file that cannot be
-        read, or CacheLinkError: a part of the cache is a symbolic link).
+        read, or CacheLinkError: a part of the cache is a symbolic link). For a URL also ValueError (a bad URL),
+        RemoteUnreachableError, CacheReplacedError and RemoteExtraMissingError.
     """
+    if is_remote_url(root):
+        from ..remote.remote_reader import open_remote_cache
+
+        return open_remote_cache(str(root), verify=verify, strict=strict, options=remote)
     for attempt in range(_OPEN_RETRIES):
         before = _manifest_identity(root)
         try:
@@ -136,11 +150,12 @@ def _open_once(root: str | os.PathLike, verify: bool, strict: bool) -> CacheRead
     with gc_paused():  # headers and the key index: many small acyclic objects (see ..gcpause)
         check_no_links(root)
         state = read_state(root)
+        folder = Path(root)
         shards: list[ShardIndex] = []
         problems: list[CacheError] = []
         for rec in state.shards:
             try:
-                shards.append(open_shard(state.root / rec.file, rec.file, rec))
+                shards.append(open_shard(folder / rec.file, rec.file, rec))
             except (CacheCorruptError, CacheUnreadableError) as exc:
                 if strict:
                     raise
@@ -160,13 +175,13 @@ class CacheReader:
     """
 
     def __init__(self, state: CacheState, shards: list[ShardIndex], *, verify: bool = True,
-                 problems: Sequence[CacheError] | None = None) -> None:
-        self.root: Path = state.root
+                 problems: Sequence[CacheError] | None = None, files: ShardSource | None = None) -> None:
+        self.root: Path | CacheURL = state.root
         self.state = state
         self._shards = shards
         self._verify = verify
         self._problems = list(problems or [])
-        self._files = ShardFiles(shards)
+        self._files: ShardSource = files if files is not None else ShardFiles(shards)
         self._finalizer = weakref.finalize(self, self._files.close)  # a reader dropped without close()
         self._index: dict[str, tuple[int, int]] = {}
         for s, sh in enumerate(shards):
@@ -330,7 +345,11 @@ class CacheReader:
         except KeyError:
             raise KeyError(f"no dataset {name!r} in the cache at {self.root}; "
                            f"it has {sorted(self.state.datasets) or 'none'}") from None
-        return load_dataset(self.root, info)
+        return self._load_dataset(info)
+
+    def _load_dataset(self, info: DatasetInfo) -> list[Sample]:
+        """Read a dataset file of this cache (a remote reader fetches it)."""
+        return load_dataset(Path(self.root), info)
 
     # ----------------------------------------------------------------------------------------- reports
     def stats(self) -> dict[str, Any]:
@@ -360,10 +379,10 @@ class CacheReader:
         """
         problems = list(self._problems)
         for sh in self._shards:
-            problems.extend(_verify_shard(sh))
+            problems.extend(self._verify_shard(sh))
         for info in self.state.datasets.values():
             try:
-                samples = load_dataset(self.root, info)
+                samples = self._load_dataset(info)
             except CacheError as exc:
                 problems.append(exc if isinstance(exc, (CacheCorruptError, CacheUnreadableError))
                                 else CacheCorruptError(str(self.root / info.file), str(exc)))
@@ -374,6 +393,10 @@ class CacheReader:
                                                   f"{len(missing)} sample entries are not in the cache",
                                                   entry=missing[0]))
         return problems
+
+    def _verify_shard(self, sh: ShardIndex) -> list[CacheError]:
+        """Every problem of one shard's rows (a remote reader reads them through its fetches)."""
+        return _verify_shard(sh)
 
     @property
     def shards(self) -> tuple[ShardIndex, ...]:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,13 +31,18 @@ from .safetensors_io import (
     DTYPE_TO_ST,
     ST_ITEMSIZE,
     ST_TO_DTYPE,
+    SafetensorsHeader,
     build_header,
     open_regular,
     read_header,
     write_safetensors,
 )
 
-__all__ = ["Column", "ShardIndex", "ShardBuilder", "StoredTensor", "private_bytes", "open_shard", "METADATA_KEY"]
+if TYPE_CHECKING:
+    from ..remote.urls import CacheURL
+
+__all__ = ["Column", "ShardIndex", "ShardBuilder", "StoredTensor", "private_bytes", "open_shard", "index_shard",
+           "METADATA_KEY"]
 
 METADATA_KEY = "streamcache"
 _HEX_RE = re.compile(r"[0-9a-f]*")
@@ -77,9 +82,12 @@ class Column:
 
 @dataclass(slots=True)
 class ShardIndex:
-    """What a reader keeps of one shard: its columns and entry table (skeletons as unparsed JSON text)."""
+    """What a reader keeps of one shard: its columns and entry table (skeletons as unparsed JSON text).
 
-    path: Path
+    ``path`` is the file, or its URL for a remote cache (messages name it either way).
+    """
+
+    path: Path | CacheURL
     file: str
     size: int
     columns: list[Column]
@@ -147,6 +155,18 @@ def open_shard(path: Path, file: str, record: ShardRecord | None = None) -> Shar
                                    errno=exc.errno) from None
     finally:
         os.close(fd)
+    return index_shard(path, file, size, head, record)
+
+
+def index_shard(path: Path | CacheURL, file: str, size: int, head: SafetensorsHeader,
+                record: ShardRecord | None = None) -> ShardIndex:
+    """Check a shard's parsed header ``head`` (of a file of ``size`` bytes, at ``path``) and index it: what
+    :func:`open_shard` does once the header is read (a remote reader reads it over the network).
+
+    Raises:
+        CacheCorruptError, CacheFormatError: as :func:`open_shard`.
+    """
+    p = str(path)
     if record is not None and record.header_xxh3 and checksum64(head.raw) != record.header_xxh3:
         raise CacheCorruptError(p, "shard header checksum does not match the manifest")
     if METADATA_KEY not in head.metadata:

@@ -12,18 +12,37 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 from ..errors import CacheCorruptError, CacheError, CacheUnreadableError
 from .read_plan import FileRange
 from .safetensors_io import open_regular
 from .shard import ShardIndex
 
-__all__ = ["ShardFiles", "ReadAhead", "read_exact", "open_checked", "unreadable"]
+__all__ = ["ShardSource", "ShardFiles", "ReadAhead", "read_exact", "open_checked", "unreadable"]
 
 _HAVE_PREADV = hasattr(os, "preadv")
 KEEP_FILES_OPEN = os.name == "posix" and _HAVE_PREADV
 CAN_ADVISE = KEEP_FILES_OPEN and hasattr(os, "posix_fadvise")
 MAX_KEPT_FILES = 512  # beyond this many shards, the rest are opened per read (stays far below ulimit -n)
+
+
+class ShardSource(Protocol):
+    """Where a reader's shard bytes come from: :class:`ShardFiles` for a cache on the disk, or a remote cache's
+    ranged GETs (``dataset_cache.remote.remote_files.RemoteShardFiles``). The reader, its plans and checksums are
+    the same for both."""
+
+    def read(self, ranges: Sequence[FileRange], mv: memoryview, *, announced: bool = False) -> None:
+        """Fill ``mv[pos:pos + end - begin]`` with shard ``s``'s bytes ``[begin, end)``, for each range."""
+        ...
+
+    def announce_ahead(self, ranges: Sequence[FileRange]) -> bool:
+        """Ask for the ranges of a later read now, when worth it; whether they were asked for. Never raises."""
+        ...
+
+    def close(self) -> None:
+        """Release what the source holds (idempotent); reads still work after it."""
+        ...
 
 
 class ReadAhead:

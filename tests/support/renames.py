@@ -22,6 +22,7 @@ ADDED = {
                               "caption_dropout", "reg_ratio", "reg_weight"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
                                   "keep_tokens", "empty_caption", "masks"),
+    "StreamCache_SaveCache": ("publish_to",),
 }
 """Optional inputs added since; a prompt without them runs with their defaults (off, or images only)."""
 

@@ -65,6 +65,14 @@ def test_dependencies_mirror_requirements_txt(pyproject: dict[str, Any]) -> None
     assert sorted(ln for ln in lines if ln) == sorted(pyproject["project"]["dependencies"])
 
 
+def test_the_remote_extra_mirrors_requirements_remote_txt(pyproject: dict[str, Any]) -> None:
+    """Training from a bucket needs obstore, and only that: the pyproject extra and the file ComfyUI users install
+    by hand list the same, and the default dependencies do not include it (a local-disk user installs nothing)."""
+    lines = [ln.split("#")[0].strip() for ln in (PACK_ROOT / "requirements-remote.txt").read_text().splitlines()]
+    assert sorted(ln for ln in lines if ln) == sorted(pyproject["project"]["optional-dependencies"]["remote"])
+    assert not any(d.startswith("obstore") for d in pyproject["project"]["dependencies"])
+
+
 def test_classifiers_are_ones_the_registry_takes(pyproject: dict[str, Any]) -> None:
     classifiers = pyproject["project"]["classifiers"]
     systems = [c.removeprefix("Operating System :: ") for c in classifiers if c.startswith("Operating System :: ")]

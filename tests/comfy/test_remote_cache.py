@@ -1,0 +1,165 @@
+"""A cache in a bucket through the real nodes, in-process: ``remote.json`` lists it, Load Lazy Cache opens it, Train
+LoRA trains 3 steps from it (the same LoRA as from the local copy), Save Streamable Cache publishes to it.
+
+The bucket is moto's S3 server on 127.0.0.1 (``support.s3server``); skipped with one line without moto/obstore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from support.s3server import S3Server, start_s3
+
+BUCKET = "team"
+TRAIN = {  # a short fp32 run (bf16 convolutions are emulated on most CPUs: slow)
+    "batch_size": 2, "grad_accumulation_steps": 1, "steps": 3, "learning_rate": 3e-3, "rank": 4,
+    "optimizer": "AdamW", "loss_function": "MSE", "seed": 7, "training_dtype": "fp32", "lora_dtype": "fp32",
+    "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
+    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0,
+}
+
+
+def _module(pack: ModuleType, name: str) -> ModuleType:
+    return importlib.import_module(f"{pack.__name__}.{name}")
+
+
+def _key(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with start_s3(BUCKET) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def local_cache(pack: ModuleType, comfy_nodes: ModuleType, models: tuple,
+                tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache encoded with ComfyUI's own VAEEncode and CLIPTextEncode: dataset "train", 4 samples, 2 buckets."""
+    writer_mod = _module(pack, "dataset_cache.format.writer")
+    sample_cls = _module(pack, "dataset_cache.dataset").Sample
+    _, clip, vae = models
+    root = tmp_path_factory.mktemp("remote_nodes") / "cache"
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    with torch.inference_mode(), writer_mod.CacheWriter(root) as writer:
+        for i, (h, w) in enumerate([(64, 64), (64, 96), (64, 64), (64, 96)]):
+            (latent,) = comfy_nodes.VAEEncode().encode(vae, torch.rand(1, h, w, 3, generator=gen))
+            (cond,) = comfy_nodes.CLIPTextEncode().encode(clip, f"a photo of pattern {i}")
+            writer.add(_key(f"latent{i}"), latent, kind="latent")
+            writer.add(_key(f"caption{i}"), cond, kind="conditioning")
+            samples.append(sample_cls(_key(f"latent{i}"), (_key(f"caption{i}"),), source=f"img{i}.png"))
+        writer.set_dataset("train", samples)
+    return root
+
+
+@pytest.fixture(scope="module")
+def remote(pack: ModuleType, s3: S3Server, local_cache: Path, cache_root: Path) -> Iterator[str]:
+    """The cache published to the bucket and listed in models/streamcache/remote.json as "cats" (with one bad
+    entry, which is left out and named); removed after the module."""
+    push = _module(pack, "dataset_cache.remote.publish").push
+    url = f"s3://{BUCKET}/caches/cats"
+    push(local_cache, url)
+    config = cache_root / "remote.json"
+    config.write_text(json.dumps({"cats": url, "team-upload": f"s3://{BUCKET}/caches/upload",
+                                  "broken": "ftp://example.com/x"}))
+    try:
+        yield url
+    finally:
+        config.unlink()
+
+
+def test_remote_caches_are_listed_and_a_bad_entry_is_named(pack: ModuleType, remote: str) -> None:
+    load = _module(pack, "nodes.load_cache").LoadLazyCache
+    options = load.GET_SCHEMA().inputs[0].options
+    assert "remote:cats" in options and "remote:team-upload" in options
+    assert not any("broken" in o for o in options)
+    assert load.validate_inputs(cache="remote:cats") is True
+    message = load.validate_inputs(cache="remote:broken")
+    assert isinstance(message, str) and "remote.json" in message and "'broken'" in message and "scheme" in message
+    message = load.validate_inputs(cache="remote:nope")
+    assert isinstance(message, str) and "remote:cats" in message and "remote.json" in message
+
+
+def test_load_lazy_cache_opens_a_bucket_and_train_lora_trains_from_it(pack: ModuleType, models: tuple,
+                                                                      remote: str, local_cache: Path,
+                                                                      s3: S3Server, cache_root: Path) -> None:
+    load = _module(pack, "nodes.load_cache").LoadLazyCache
+    train = _module(pack, "nodes.train_lora").TrainLoRA
+    handles = _module(pack, "nodes.handles")
+    s3.clear()
+    out = load.execute(cache="remote:cats", dataset_name="train")
+    handle, info = out.result
+    assert handle.cache_root == remote and handle.name == "train"
+    assert f"dataset 'train' in {remote}" in info and "samples: 4" in info
+    assert load.fingerprint_inputs(cache="remote:cats", dataset_name="train") == \
+        load.fingerprint_inputs(cache="remote:cats", dataset_name="train")
+
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        from_bucket = train.execute(models[0], handle, **TRAIN)
+        from_disk = train.execute(models[0], handles.StreamDatasetHandle(str(local_cache), "train"), **TRAIN)
+    assert from_bucket.result[2] == 3 and len(from_bucket.result[1]["loss"]) == 3
+    # the same batches (bytes, order) and the same seed: the same computation, so the same LoRA exactly
+    lora_b, lora_d = from_bucket.result[0], from_disk.result[0]
+    assert lora_b.keys() == lora_d.keys() and all(torch.equal(lora_b[k], lora_d[k]) for k in lora_b)
+    assert from_bucket.result[1]["loss"] == from_disk.result[1]["loss"]
+    assert s3.seen("GET", ".safetensors") and not [r for r in s3.seen("GET") if r.range and "," in r.range]
+    assert any((cache_root / ".fetched").rglob("*.blk"))  # fetched bytes kept next to the local caches
+    assert not Path("s3:").exists()  # no lock or folder was made from the URL
+
+    s3.clear()
+    with torch.inference_mode():  # a second run: every shard byte is on the local disk already
+        train.execute(models[0], handle, **TRAIN)
+    assert not [r for r in s3.seen("GET", ".safetensors") if r.range]
+
+
+def test_save_streamable_cache_publishes_to_a_remote_cache(pack: ModuleType, remote: str, local_cache: Path,
+                                                           handles: ModuleType, s3: S3Server,
+                                                           cache_root: Path) -> None:
+    save = _module(pack, "nodes.save_cache")
+    schema = save.SaveCache.GET_SCHEMA()
+    publish_to = {i.id: i for i in schema.inputs}["publish_to"]
+    assert publish_to.optional and publish_to.default == save.NOT_PUBLISHED  # old workflows: nothing published
+    assert "remote:team-upload" in publish_to.options
+    source = handles.StreamDatasetHandle(str(local_cache), "train")
+    out = save.SaveCache.execute(cache=["uploaded"], dataset_name=["train"], dataset=[source],
+                                 publish_to=["remote:team-upload"])
+    text = out.ui.as_dict()["text"][0]
+    assert f"to s3://{BUCKET}/caches/upload" in text and "published 1 dataset(s) (train)" in text
+    reader = _module(pack, "dataset_cache.format.reader").open_cache(f"s3://{BUCKET}/caches/upload")
+    with reader:
+        assert len(reader.dataset("train")) == 4
+    puts = s3.seen("PUT", "")
+    assert puts[-1].path.endswith("/caches/upload/manifest.json")  # the manifest last
+    # the other way round (pull): a bucket's dataset saved into a local cache
+    bucket = _module(pack, "nodes.load_cache").LoadLazyCache.execute(cache="remote:cats", dataset_name="train")
+    out = save.SaveCache.execute(cache=["pulled"], dataset_name=["train"], dataset=[bucket.result[0]])
+    assert f"from {remote} (dataset 'train')" in out.ui.as_dict()["text"][0]
+    with _module(pack, "dataset_cache.format.reader").open_cache(cache_root / "pulled") as pulled:
+        assert len(pulled.dataset("train")) == 4
+    with pytest.raises(ValueError, match="remote:nowhere"):
+        save.SaveCache.execute(cache=["uploaded"], dataset_name=["train"], dataset=[source],
+                               publish_to=["remote:nowhere"])
+
+
+def test_a_dead_store_fails_the_node_naming_the_url(pack: ModuleType, remote: str, cache_root: Path) -> None:
+    load = _module(pack, "nodes.load_cache").LoadLazyCache
+    errors = _module(pack, "dataset_cache.errors")
+    url = "http://127.0.0.1:9/caches/gone"  # the discard port: nothing listens
+    config = cache_root / "remote.json"
+    before = config.read_text()
+    config.write_text(json.dumps({**json.loads(before), "gone": url}))
+    try:
+        with pytest.raises(errors.RemoteUnreachableError) as err:
+            load.execute(cache="remote:gone", dataset_name="train")
+        assert f"{url}/manifest.json" in str(err.value)
+    finally:
+        config.write_text(before)
