@@ -84,6 +84,8 @@ class TrainResult:
         buckets: latent shape ``(C, H, W)`` (``(C, T, H, W)`` for video latents) → occurrences per epoch.
         notes: settings the run had to change, for the user (a batch size clamped to the largest bucket).
         rows: the trained rows and how many took each variant.
+        memory_plan: the memory plan the run trained with and its estimate, as data
+            (:meth:`dataset_cache.memory_plan.MemoryPlan.as_dict`, with what the weight streamer did).
     """
 
     lora: dict[str, torch.Tensor]
@@ -95,6 +97,7 @@ class TrainResult:
     buckets: dict[Any, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     rows: RowCounts = field(default_factory=RowCounts)
+    memory_plan: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One paragraph for the node's UI (what was changed from the settings first)."""
@@ -107,4 +110,5 @@ class TrainResult:
             f"loss {first:.4f} (first 5) → {last:.4f} (last 5); "
             f"buckets {', '.join(f'{list(b)}×{n}' for b, n in self.buckets.items())}"
             + (f"; {rows}" if rows else "")
+            + (f"; memory: {self.memory_plan['description']}" if self.memory_plan.get("description") else "")
         )
