@@ -65,15 +65,18 @@ class SyncTransfers:
     """Copies that are done when they are issued: the CPU, and the stand-in device of the CPU tests.
 
     ``alloc(nbytes, where)`` makes every buffer (``where``: ``"host"`` or ``"device"``) and ``copy(dst, src)`` every
-    copy, so a test can see each one; by default both are plain CPU tensors.
+    copy, so a test can see each one; by default host buffers are CPU tensors and device buffers ``device``'s.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *,
                  alloc: Callable[[int, str], torch.Tensor] | None = None,
                  copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         self.device = torch.device(device)
-        self._alloc = alloc or (lambda n, _where: torch.empty(n, dtype=torch.uint8, device=self.device))
+        self._alloc = alloc or self._plain
         self._copy = copy or _copy
+
+    def _plain(self, nbytes: int, where: str) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu" if where == "host" else self.device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return self._alloc(nbytes, "host")

@@ -44,12 +44,15 @@ def block_tensors(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, t
 
 
 def streamable(module: torch.nn.Module) -> str:
-    """Why ``module`` cannot be streamed, or ``""`` when it can: its tensors must be plain strided tensors
-    (not a quantized tensor class, which holds more than its data)."""
+    """Why ``module`` cannot be streamed, or ``""`` when it can: its tensors must be plain strided tensors (not a
+    quantized tensor class, which holds more than its data) that are not trained (a trained parameter's gradient
+    and optimizer state live with it)."""
     for owner, name, tensor in block_tensors(module):
         data = tensor.data
         if type(data) is not torch.Tensor or data.layout != torch.strided:
             return f"{type(owner).__name__}.{name} is a {type(data).__name__}"
+        if tensor.requires_grad:
+            return f"{type(owner).__name__}.{name} is trained"
     return ""
 
 
@@ -76,13 +79,15 @@ class _Slot:
 @dataclass
 class StreamStats:
     """What the streamer did: copies (blocks and bytes), uses served by a slot that already held the block, uses
-    that had to copy first (a prefetch that did not happen), the device bytes of its slots."""
+    that had to copy first (a prefetch that did not happen), the device bytes of its slots, and the blocks whose
+    host copy could not be pinned (their copies to a CUDA device then wait for the CPU)."""
 
     uploads: int = 0
     upload_bytes: int = 0
     hits: int = 0
     misses: int = 0
     slot_bytes: int = 0
+    unpinned: int = 0
 
 
 def _view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -125,6 +130,8 @@ class WeightStreamer:
             offsets.append(end)
             end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         host = self.transfers.host_buffer(end)
+        if self.transfers.device.type == "cuda" and end and not host.is_pinned():
+            self.stats.unpinned += 1
         block = _Block(name, tensors, offsets, end, host)
         with torch.no_grad():
             for t, offset in zip(tensors, offsets):

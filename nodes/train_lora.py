@@ -98,7 +98,8 @@ class _ShowPlan:
         if instance is None or self.node_id is None:
             return
         try:
-            instance.send_progress_text(f"memory: {plan.describe()}", self.node_id)
+            instance.send_progress_text(f"memory: {plan.describe()}", self.node_id,
+                                        getattr(instance, "client_id", None))
         except Exception:  # showing the plan must never fail the training
             log.debug("could not show the memory plan", exc_info=True)
 

@@ -1,5 +1,5 @@
-"""The blocks of a diffusion model, and the runner each block's forward goes through while a run trains: its own
-gradient checkpoint, its weights streamed in around it, or measured by the memory probe.
+"""The blocks of a diffusion model: the units that are each their own gradient checkpoint and whose weights can be
+streamed (:class:`~dataset_cache.block_runner.BlockRunners` runs them).
 
 Why not ComfyUI's ``find_modules_at_depth`` + ``patch`` (what ``checkpoint_depth`` used to drive): its depth 1 is the
 diffusion model itself (the root counts), one checkpoint whose recompute holds every activation again; its
@@ -11,16 +11,12 @@ a hook around each run and recompute, which ComfyUI's ``patch`` does not give.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
-import torch.utils.checkpoint
 
-__all__ = ["BLOCK_LISTS", "Block", "BlockRunners", "find_blocks"]
+__all__ = ["BLOCK_LISTS", "Block", "find_blocks"]
 
 log = logging.getLogger("streamcache.train")
 
@@ -81,119 +77,3 @@ def find_blocks(model: torch.nn.Module) -> tuple[list[Block], str]:
            "(as ComfyUI's checkpoint_depth 2)")
     log.warning("Train LoRA: %s", how)
     return blocks, how
-
-
-class Streamer(Protocol):
-    def enter(self, index: int, *, recompute: bool) -> None: ...
-    def leave(self, index: int, *, recompute: bool) -> None: ...
-
-
-class Probe(Protocol):
-    def run(self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
-
-
-def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], list[torch.Tensor]]:
-    """The top-level tensors of a call (passed to the checkpoint as its inputs, so torch saves them through the
-    saved-tensor hooks in force: host activations can move them) and where they were."""
-    where: list[Any] = []
-    tensors: list[torch.Tensor] = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            where.append(i)
-            tensors.append(a)
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            where.append(k)
-            tensors.append(v)
-    return where, tensors
-
-
-def _template(args: tuple[Any, ...], kwargs: dict[str, Any], where: list[Any], *, copy_dicts: bool
-              ) -> tuple[list[Any], dict[str, Any]]:
-    """The call without its tensors (the checkpoint hands them back, so nothing else keeps them alive). For the
-    recompute its dicts are copied: the model updates ``transformer_options`` (``block_index``) between blocks, and
-    the recompute must see this block's values."""
-    gone = set(where)
-    a = [None if i in gone else x for i, x in enumerate(args)]
-    k = {n: (None if n in gone else dict(v) if copy_dicts and isinstance(v, dict) else v) for n, v in kwargs.items()}
-    return a, k
-
-
-def _fill(template: tuple[list[Any], dict[str, Any]], where: list[Any], tensors: tuple[torch.Tensor, ...]
-          ) -> tuple[list[Any], dict[str, Any]]:
-    a, k = list(template[0]), dict(template[1])
-    for place, tensor in zip(where, tensors):
-        if isinstance(place, int):
-            a[place] = tensor
-        else:
-            k[place] = tensor
-    return a, k
-
-
-class BlockRunners:
-    """The runner installed as each block's ``forward`` for a run; :meth:`remove` puts the originals back.
-
-    ``checkpoint``: each block is its own gradient checkpoint (non-reentrant ``torch.utils.checkpoint``, the RNG
-    state kept: a recompute computes exactly what the forward did). ``streamer`` and ``streamed`` (block index →
-    streamer index): streamed blocks' weights are brought in around each run and recompute. ``probe``: every block
-    runs through it instead (the memory probe measures). Also records the order blocks first ran in.
-    """
-
-    def __init__(self, blocks: list[Block], *, checkpoint: bool) -> None:
-        self.blocks = blocks
-        self.checkpoint = checkpoint
-        self.streamer: Streamer | None = None
-        self.streamed: dict[int, int] = {}
-        self.probe: Probe | None = None
-        self.order: list[int] = []
-        self._installed: list[tuple[torch.nn.Module, Any]] = []
-        for index, block in enumerate(blocks):
-            had = "forward" in block.module.__dict__
-            self._installed.append((block.module, block.module.__dict__.get("forward") if had else None))
-            original = block.module.forward
-            block.module.forward = self._runner(index, original)
-
-    def remove(self) -> None:
-        for module, previous in self._installed:
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
-        self._installed.clear()
-
-    @contextlib.contextmanager
-    def _around(self, index: int, recompute: bool) -> Iterator[None]:
-        key = self.streamed.get(index)
-        if not recompute and index not in self.order:
-            self.order.append(index)
-        if self.streamer is None or key is None:
-            yield
-            return
-        self.streamer.enter(key, recompute=recompute)
-        try:
-            yield
-        finally:
-            self.streamer.leave(key, recompute=recompute)
-
-    def _runner(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
-        def run_block(*args: Any, **kwargs: Any) -> Any:
-            if self.probe is not None:
-                return self.probe.run(index, original, args, kwargs)
-            if not (self.checkpoint and torch.is_grad_enabled()):
-                with self._around(index, recompute=False):
-                    return original(*args, **kwargs)
-            where, tensors = _split(args, kwargs)
-            calls = {"forward": _template(args, kwargs, where, copy_dicts=False),
-                     "recompute": _template(args, kwargs, where, copy_dicts=True)}
-            del args, kwargs
-
-            def body(*inputs: torch.Tensor) -> Any:
-                recompute = "forward" not in calls
-                a, k = _fill(calls["recompute" if recompute else "forward"], where, inputs)
-                with self._around(index, recompute):
-                    return original(*a, **k)
-
-            out = torch.utils.checkpoint.checkpoint(body, *tensors, use_reentrant=False)
-            del calls["forward"], tensors
-            return out
-        return run_block

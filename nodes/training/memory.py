@@ -11,6 +11,7 @@ with the streamed blocks left out of that load (their weights go to pinned host 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,8 +27,9 @@ from ...dataset_cache.memory_plan import BlockCost, Budget, MemoryNeeds, MemoryP
 from ...dataset_cache.transfers import transfers_for
 from ...dataset_cache.units import format_bytes
 from ...dataset_cache.weight_stream import WeightStreamer, block_tensors
-from .blocks import Block, BlockRunners, find_blocks
-from .probe import OPTIMIZER_STATES, measure, probe_inputs
+from ...dataset_cache.block_runner import BlockRunners
+from .blocks import Block, find_blocks
+from .probe import OPTIMIZER_STATES, fp8_able, measure, probe_inputs
 from .settings import TrainSettings
 
 __all__ = ["MemoryStep", "comfy_manages", "device_budget", "plan_run_memory"]
@@ -35,7 +37,6 @@ __all__ = ["MemoryStep", "comfy_manages", "device_budget", "plan_run_memory"]
 log = logging.getLogger("streamcache.train")
 
 _FP8 = torch.float8_e4m3fn
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def comfy_manages(mp: Any, settings: TrainSettings) -> str:
@@ -103,11 +104,10 @@ class MemoryStep:
     def place(self, mp: Any, device: torch.device) -> None:
         """Checkpoint the blocks, store fp8 where planned, pack the streamed blocks into host memory."""
         self.runners.checkpoint = self.plan.checkpoint
-        if not self.plan.checkpoint and not self.plan.streamed:
+        if not self.plan.checkpoint and not self.plan.streamed and not self.runners.needs_copies():
             self.runners.remove()  # nothing to do around the blocks: their forwards stay ComfyUI's own
-        ops = [m for b in self.blocks for m in b.module.modules() if hasattr(m, "comfy_cast_weights")]
         if self.plan.fp8:
-            _store_fp8(ops, self._undo)
+            _store_fp8(self.blocks, self._undo)
         if self.plan.streamed:
             streamed = [self.sequence[j] for j in self.plan.streamed]  # forward order
             for m in (m for i in streamed for m in self.blocks[i].module.modules()):
@@ -117,6 +117,10 @@ class MemoryStep:
                                                          unpin=comfy.model_management.unpin_memory))
             self.runners.streamer = self.streamer
             self.runners.streamed = {i: k for k, i in enumerate(streamed)}
+            if self.streamer.stats.unpinned:
+                log.warning("Train LoRA memory: %d of %d streamed blocks could not be pinned (ComfyUI's pinned-memory "
+                            "budget, or --disable-pinned-memory): their copies are synchronous and slower",
+                            self.streamer.stats.unpinned, len(streamed))
         if self.plan.host_activations:
             self.host = HostActivations(transfers_for(device))
             _wrap_forward(mp.model.diffusion_model, self.host, self._undo)
@@ -147,11 +151,19 @@ class MemoryStep:
         """The plan as data (the run's result carries it), with what the streamer did."""
         out = self.plan.as_dict()
         out["measured"] = self.needs.measured
+        copied = self.runners.copied
+        out["copied_inputs"] = "all" if copied is None else {self.blocks[i].name: sorted(map(str, p))
+                                                             for i, p in copied.items()}
+        out["out_of_place"] = [self.blocks[i].name for i in sorted(self.runners.out_of_place)]
+        n = self.needs
+        out["needs"] = {"weights": n.weight_bytes, "trainable": n.trainable_bytes, "held": n.held_bytes,
+                        "held_checkpointed": n.held_checkpointed_bytes,
+                        "largest_block_saved": max((b.saved_bytes for b in n.blocks), default=0)}
         out["blocks_found"] = self.how
         if self.streamer is not None:
             s = self.streamer.stats
             out["stream"] = {"uploads": s.uploads, "upload_bytes": s.upload_bytes, "hits": s.hits,
-                             "misses": s.misses, "slot_bytes": s.slot_bytes}
+                             "misses": s.misses, "slot_bytes": s.slot_bytes, "unpinned": s.unpinned}
         if self.host is not None:
             out["host_activation_bytes"] = self.host.offloaded_bytes
         return out
@@ -170,12 +182,14 @@ def _cast_on_use(m: torch.nn.Module, undo: list[Callable[[], None]]) -> None:
         undo.append(lambda: setattr(m, "comfy_cast_weights", False))
 
 
-def _store_fp8(ops: Sequence[torch.nn.Module], undo: list[Callable[[], None]]) -> None:
-    """Store the matrices of ComfyUI's ops in fp8 (e4m3fn); their cast upcasts each to the compute dtype on use."""
+def _store_fp8(blocks: Sequence[Block], undo: list[Callable[[], None]]) -> None:
+    """Store the matrices of ComfyUI's ops in fp8 (e4m3fn, the probe's :func:`~.probe.fp8_able`); their cast upcasts
+    each to the compute dtype on use."""
+    able = {id(t) for b in blocks for t in fp8_able(b.module)}
     with torch.no_grad():
-        for m in ops:
+        for m in (m for b in blocks for m in b.module.modules()):
             weight = getattr(m, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dtype in _FLOATS and weight.ndim >= 2:
+            if isinstance(weight, torch.Tensor) and id(weight) in able:
                 weight.data = weight.data.to(_FP8)
                 _cast_on_use(m, undo)
 
@@ -203,22 +217,33 @@ def plan_run_memory(run: Any, reader: Any, samples: Sequence[Any], buckets: Sequ
     settings, mp = run.settings, run.mp
     dm = mp.model.diffusion_model
     blocks, how = find_blocks(dm)
-    runners = BlockRunners(blocks, checkpoint=settings.gradient_checkpointing)
+    runners = BlockRunners([b.module for b in blocks], checkpoint=settings.gradient_checkpointing)
     trainable = _trainable_bytes(run.lora_sd, settings.optimizer)
     try:
         shape, conditioning = probe_inputs(reader, samples, buckets, settings.batch_size)
-        needs, order = measure(mp, run.model_options, run.dtype, blocks, runners, shape, conditioning,
-                               trainable_bytes=trainable, weight_copies=run.bypass is None)
+        probe = measure(mp, run.model_options, run.dtype, blocks, runners, shape, conditioning,
+                        trainable_bytes=trainable, weight_copies=run.bypass is None)
+        needs, order, runners.copied, runners.out_of_place = probe.needs, probe.order, probe.copied, \
+            probe.out_of_place
+        if probe.unfixed:
+            log.warning("Train LoRA: %s modify tensors they saved for the backward pass in place even run out of "
+                        "place; their gradients through those tensors will be wrong", ", ".join(probe.unfixed))
     except Exception as e:  # a model the fake pass cannot run: plan from the weights, and say so
         runners.remove()
         log.warning("Train LoRA: the memory probe failed (%s: %s); planning from the weights alone",
                     type(e).__name__, e)
-        runners = BlockRunners(blocks, checkpoint=settings.gradient_checkpointing)
+        runners = BlockRunners([b.module for b in blocks], checkpoint=settings.gradient_checkpointing)
+        runners.copied = None  # which inputs a block modifies is not known: every block gets copies
         needs, order = _weights_only(blocks, dm, trainable, f"the probe failed ({type(e).__name__})"), []
     sequence = [*order, *(i for i in range(len(blocks)) if i not in order)]
     managed = comfy_manages(mp, settings)
     try:
-        plan = plan_memory(needs, device_budget(run.device, 2), _request(settings, managed))
+        budget = device_budget(run.device, 2)
+        # the clone (and its adapters) may already sit on the device (ComfyUI loads a model there when it fits)
+        there = sum(t.numel() * t.element_size() for t in [*(t for _o, _n, t in block_tensors(mp.model)),
+                                                          *run.lora_sd.values()] if t.device == run.device)
+        plan = plan_memory(needs, dataclasses.replace(budget, device_bytes=budget.device_bytes + there),
+                           _request(settings, managed))
     except Exception:
         runners.remove()
         raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,10 +24,11 @@ import comfy.model_management
 from ...dataset_cache.memory_plan import BlockCost, MemoryNeeds
 from ...dataset_cache.refs import materialize
 from ...dataset_cache.weight_stream import block_tensors, streamable
-from .blocks import Block, BlockRunners
+from ...dataset_cache.block_runner import BlockRunners, out_of_place_assignments
+from .blocks import Block
 from .conditioning import Conditioner, ModelCall
 
-__all__ = ["measure", "OPTIMIZER_STATES", "probe_inputs"]
+__all__ = ["OPTIMIZER_STATES", "ProbeResult", "fp8_able", "measure", "probe_inputs"]
 
 log = logging.getLogger("streamcache.train")
 
@@ -45,35 +47,51 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class _Meter:
-    """Attributes every saved tensor to the block computing (``-1``: outside the blocks) and notes each block's
-    inputs; the :class:`~.blocks.BlockRunners` probe."""
+    """Attributes every saved tensor to the block computing (``-1``: outside the blocks), notes each block's inputs,
+    and which blocks modify their inputs or what they saved (``fix``: blocks run out of place); the
+    :class:`~dataset_cache.block_runner.BlockRunners` probe."""
 
-    def __init__(self, params: set[int]) -> None:
+    def __init__(self, params: set[int], fix: set[int]) -> None:
         self.params = params
+        self.fix = fix
         self.current = -1
         self.saved: dict[int, dict[int, int]] = {}
         self.inputs: dict[int, dict[int, int]] = {}
         self._alive: list[torch.Tensor] = []  # inputs kept until the end: a freed storage's id could come back
+        self._kept: list[tuple[torch.Tensor, int]] = []  # the current block's saved tensors and their versions
+        self.mutated: dict[int, set[Any]] = {}
+        self.overwrites: set[int] = set()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key, nbytes = _storage(t)
         if key not in self.params:
             self.saved.setdefault(self.current, {})[key] = nbytes
+            if self.current >= 0:
+                self._kept.append((t, t._version))
         return t
 
     def run(self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         seen = self.inputs.setdefault(index, {})
-        for value in (*args, *kwargs.values()):
+        places = [*enumerate(args), *kwargs.items()]
+        versions = {}
+        for place, value in places:
             if isinstance(value, torch.Tensor):
+                versions[place] = value._version
                 key, nbytes = _storage(value)
                 if key not in self.params:
                     seen[key] = nbytes
                     self._alive.append(value)
-        outer, self.current = self.current, index
+        outer, self.current, kept = self.current, index, len(self._kept)
         try:
-            return forward(*args, **kwargs)
+            with out_of_place_assignments() if index in self.fix else contextlib.nullcontext():
+                return forward(*args, **kwargs)
         finally:
             self.current = outer
+            self.mutated.setdefault(index, set()).update(
+                p for p, v in places if p in versions and v._version != versions[p])
+            if any(t._version != v for t, v in self._kept[kept:]):
+                self.overwrites.add(index)
+            del self._kept[kept:]
 
 
 def probe_inputs(reader: Any, samples: Sequence[Any], buckets: Sequence[tuple[int, ...]], batch_size: int
@@ -106,6 +124,17 @@ def _forward(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, xt: tor
             ModelCall(mp, model_options)(xt[rows], sigma[rows], kwargs)
 
 
+def fp8_able(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The matrices fp8 storage would convert: those of ComfyUI's ops, whose cast upcasts them on use."""
+    out = []
+    for m in module.modules():
+        weight = getattr(m, "weight", None)
+        if hasattr(m, "comfy_cast_weights") and isinstance(weight, torch.Tensor) and weight.dtype in _FLOATS \
+                and weight.ndim >= 2:
+            out.append(weight)
+    return out
+
+
 def _costs(blocks: list[Block], meter: _Meter, order: Sequence[int], copy_size: int
            ) -> tuple[list[BlockCost], int]:
     """Each block's cost (in the order the forward ran them; blocks the probe never saw last, not streamable),
@@ -119,7 +148,7 @@ def _costs(blocks: list[Block], meter: _Meter, order: Sequence[int], copy_size: 
     for index in [*order, *(i for i in range(len(blocks)) if i not in order)]:
         tensors = {id(t): t.data for _o, _n, t in block_tensors(blocks[index].module)}.values()
         weight = sum(_nbytes(t) for t in tensors)
-        fp8 = sum(t.numel() if t.dtype in _FLOATS and t.ndim >= 2 else _nbytes(t) for t in tensors)
+        fp8 = weight - sum(_nbytes(w) - w.numel() for w in fp8_able(blocks[index].module))
         copy = sum(t.numel() * copy_size for t in tensors if t.is_floating_point()) if copy_size else 0
         copies += copy
         shared = any(owners.get(id(t)) == -2 for _o, _n, t in block_tensors(blocks[index].module))
@@ -130,33 +159,56 @@ def _costs(blocks: list[Block], meter: _Meter, order: Sequence[int], copy_size: 
     return costs, copies
 
 
-def measure(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, blocks: list[Block], runners: BlockRunners,
-            shape: tuple[int, ...], conditioning: Any, *, trainable_bytes: int, weight_copies: bool
-            ) -> tuple[MemoryNeeds, list[int]]:
-    """Measure a run's memory needs with one fake forward pass; also the order the blocks ran in (indices into
-    ``blocks``). Raises whatever the forward raises (the caller falls back to an estimate from the weights)."""
-    dm = mp.model.diffusion_model
-    device = next((p.device for p in dm.parameters()), torch.device("cpu"))
+@dataclass
+class ProbeResult:
+    """What the probe found: the run's needs, the order the blocks ran in (indices into the blocks), the inputs
+    each block modifies in place (to hand it copies), the blocks that overwrite what they saved (run out of place)
+    and the names of those still doing so out of place (their gradients through those tensors cannot be right)."""
+
+    needs: MemoryNeeds
+    order: list[int]
+    copied: dict[int, set[Any]]
+    out_of_place: set[int]
+    unfixed: list[str]
+
+
+def _pass(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, runners: BlockRunners,
+          inputs: tuple[Any, ...], fix: set[int]) -> _Meter:
+    """One fake forward through the meter."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    params = {_storage(mode.from_tensor(t))[0] for _o, _n, t in block_tensors(mp.model)}
-    meter = _Meter(params)
-    with torch.no_grad():
-        xt, sigma, groups = _prepare(mp, shape, conditioning, device)
+    meter = _Meter({_storage(mode.from_tensor(t))[0] for _o, _n, t in block_tensors(mp.model)}, fix)
     training = comfy.model_management.in_training
     comfy.model_management.in_training = True  # ComfyUI picks its differentiable kernels then (rotary embeddings)
-    runners.probe, runners.order[:] = meter, []
+    runners.probe = meter
     try:
         with mode, torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
-            _forward(mp, model_options, dtype, xt, sigma, groups)
+            _forward(mp, model_options, dtype, *inputs)
     finally:
         runners.probe = None
         comfy.model_management.in_training = training
+    return meter
+
+
+def measure(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, blocks: list[Block], runners: BlockRunners,
+            shape: tuple[int, ...], conditioning: Any, *, trainable_bytes: int, weight_copies: bool
+            ) -> ProbeResult:
+    """Measure a run's memory needs with a fake forward pass (a second one when some block modifies what it
+    saved, run out of place). Raises whatever the forward raises (the caller falls back to the weights)."""
+    dm = mp.model.diffusion_model
+    device = next((p.device for p in dm.parameters()), torch.device("cpu"))
+    with torch.no_grad():
+        inputs = _prepare(mp, shape, conditioning, device)
+    meter = _pass(mp, model_options, dtype, runners, inputs, set())
+    fix = set(meter.overwrites) | {i for i, m in meter.mutated.items() if m}
+    if fix:
+        meter = _pass(mp, model_options, dtype, runners, inputs, fix)
     order = [i for i in _first_seen(meter) if i >= 0]
     copy_size = torch.tensor([], dtype=dtype).element_size() if weight_copies else 0
     costs, copies = _costs(blocks, meter, order, copy_size)
     block_ids = {id(t) for b in blocks for _o, _n, t in block_tensors(b.module)}
-    other = sum(_nbytes(t.data) for t in {id(t): t for _o, _n, t in block_tensors(dm)
-                                          if id(t) not in block_ids}.values())
+    outside = {id(t): t.data for _o, _n, t in block_tensors(dm) if id(t) not in block_ids}.values()
+    other = sum(_nbytes(t) for t in outside)
+    other_copies = sum(t.numel() * copy_size for t in outside if t.is_floating_point())  # saved either way
     everything: dict[int, int] = {}
     for per_block in meter.saved.values():
         everything.update(per_block)
@@ -164,9 +216,10 @@ def measure(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, blocks: 
     for per_block in meter.inputs.values():
         held_ckpt.update(per_block)
     largest = max((t.numel() * (copy_size or t.element_size()) for _o, _n, t in block_tensors(dm)), default=0)
-    needs = MemoryNeeds(tuple(costs), other, trainable_bytes, sum(everything.values()) + copies,
-                        sum(held_ckpt.values()), largest, measured="probe")
-    return needs, order
+    needs = MemoryNeeds(tuple(costs), other, trainable_bytes, sum(everything.values()) + copies + other_copies,
+                        sum(held_ckpt.values()) + other_copies, largest, measured="probe")
+    return ProbeResult(needs, order, {i: m for i, m in meter.mutated.items() if m}, fix,
+                       [blocks[i].name for i in sorted(meter.overwrites)])
 
 
 def _first_seen(meter: _Meter) -> list[int]:
