@@ -174,17 +174,24 @@ class ProbeResult:
 
 def _pass(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, runners: BlockRunners,
           inputs: tuple[Any, ...], fix: set[int]) -> _Meter:
-    """One fake forward through the meter."""
+    """One fake forward through the meter, the model's weights marked as trained: the adapters are not attached
+    yet (ComfyUI's load does that), and an adapted layer saves its input for the adapter's gradient as a trained
+    weight would (a layer on a path without gradients, e.g. a text embedding, saves nothing otherwise)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    meter = _Meter({_storage(mode.from_tensor(t))[0] for _o, _n, t in block_tensors(mp.model)}, fix)
+    weights = [p for p in mp.model.parameters() if p.is_floating_point() and not p.requires_grad]
     training = comfy.model_management.in_training
     comfy.model_management.in_training = True  # ComfyUI picks its differentiable kernels then (rotary embeddings)
-    runners.probe = meter
+    for p in weights:
+        p.requires_grad_(True)
     try:
+        meter = _Meter({_storage(mode.from_tensor(t))[0] for _o, _n, t in block_tensors(mp.model)}, fix)
+        runners.probe = meter
         with mode, torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
             _forward(mp, model_options, dtype, *inputs)
     finally:
         runners.probe = None
+        for p in weights:
+            p.requires_grad_(False)
         comfy.model_management.in_training = training
     return meter
 

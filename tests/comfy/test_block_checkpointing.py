@@ -143,13 +143,20 @@ def test_checkpointed_bytes_grow_with_a_hidden_state_per_block_not_with_its_acti
     small, large = BLOCK_COUNTS[family.name]
     plain = runs[large, False].saved - runs[small, False].saved  # the added blocks' activations
     checkpointed = runs[large, True].saved - runs[small, True].saved  # their checkpoints' inputs
-    print(family.name, {k: r.saved for k, r in runs.items()}, plain, checkpointed,
-          {k: (r.memory_plan["needs"]["held"], r.memory_plan["needs"]["held_checkpointed"]) for k, r in runs.items()})
     assert plain > 0
     assert checkpointed < plain / 8, (family.name, {k: r.saved for k, r in runs.items()})
     assert runs[large, True].saved < 1.25 * runs[small, True].saved  # nearly the same bytes for twice the blocks
     plan = runs[large, True].memory_plan
     assert plan["checkpoint"] and plan["blocks"] >= 4 and plan["streamed_blocks"] == 0
+
+
+def test_the_memory_probe_predicts_what_the_forward_keeps(family: Family, runs: dict[tuple[int, bool], Run]) -> None:
+    """The plan's figures come from one forward on fake tensors before any weight moves: what it predicts a forward
+    keeps (without and with checkpointing) is what the real steps kept, to within what it does not model (the
+    adapters' own few saved tensors and the loss's: under 3% on every family; it never predicts more)."""
+    for (_n, ckpt), run in runs.items():
+        predicted = run.memory_plan["needs"]["held_checkpointed" if ckpt else "held"]
+        assert 0.97 * run.saved <= predicted <= run.saved, (family.name, ckpt, predicted, run.saved)
 
 
 def test_block_checkpointing_trains_bit_identically(family: Family, runs: dict[tuple[int, bool], Run]) -> None:
