@@ -11,7 +11,6 @@ with the streamed blocks left out of that load (their weights go to pinned host 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -51,13 +50,15 @@ def comfy_manages(mp: Any, settings: TrainSettings) -> str:
     return ""
 
 
-def device_budget(device: torch.device, slots: int) -> Budget:
+def device_budget(device: torch.device, slots: int, already_there: int = 0) -> Budget:
     """What the run may use on ``device``: ComfyUI's free memory once every other model is unloaded (loading the
-    training model unloads them anyway), capped by a per-process fraction when one is set, less ComfyUI's reserve."""
+    training model unloads them anyway) plus ``already_there`` (the training model's own bytes already on the
+    device), capped by a per-process fraction when one is set, less ComfyUI's reserve."""
     if device.type == "cuda":
         comfy.model_management.free_memory(1e30, device)
     free = int(comfy.model_management.get_free_memory(device))
     if device.type == "cuda":
+        free += already_there
         fraction = torch.cuda.get_per_process_memory_fraction(device)
         if fraction < 1.0:
             total = torch.cuda.get_device_properties(device).total_memory
@@ -238,12 +239,10 @@ def plan_run_memory(run: Any, reader: Any, samples: Sequence[Any], buckets: Sequ
     sequence = [*order, *(i for i in range(len(blocks)) if i not in order)]
     managed = comfy_manages(mp, settings)
     try:
-        budget = device_budget(run.device, 2)
         # the clone (and its adapters) may already sit on the device (ComfyUI loads a model there when it fits)
         there = sum(t.numel() * t.element_size() for t in [*(t for _o, _n, t in block_tensors(mp.model)),
                                                           *run.lora_sd.values()] if t.device == run.device)
-        plan = plan_memory(needs, dataclasses.replace(budget, device_bytes=budget.device_bytes + there),
-                           _request(settings, managed))
+        plan = plan_memory(needs, device_budget(run.device, 2, there), _request(settings, managed))
     except Exception:
         runners.remove()
         raise

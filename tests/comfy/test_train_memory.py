@@ -62,7 +62,7 @@ def test_auto_streams_blocks_when_the_memory_free_is_small(pack: ModuleType, dat
     memory = _module(pack, "nodes.training.memory")
     budget_cls = _module(pack, "dataset_cache.memory_plan").Budget
     small = int(resident.memory_plan["estimate_bytes"] * 0.9)
-    monkeypatch.setattr(memory, "device_budget", lambda _device, slots: budget_cls(small, None, slots))
+    monkeypatch.setattr(memory, "device_budget", lambda _device, slots, _there: budget_cls(small, None, slots))
     run = train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
     plan = run.memory_plan
     assert 0 < plan["streamed_blocks"] < 8 and plan["fits"] and plan["estimate_bytes"] <= small
