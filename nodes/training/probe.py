@@ -124,6 +124,17 @@ def _forward(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, xt: tor
             ModelCall(mp, model_options)(xt[rows], sigma[rows], kwargs)
 
 
+def adapted(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights and biases ComfyUI's trainer adapts in ``module`` (those of its ops, which have a
+    ``weight_function``: ``_setup_lora_adapters`` wraps exactly these); each op copies them on use."""
+    out = []
+    for m in module.modules():
+        if hasattr(m, "weight_function"):
+            out += [t for t in (getattr(m, "weight", None), getattr(m, "bias", None))
+                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return out
+
+
 def fp8_able(module: torch.nn.Module) -> list[torch.Tensor]:
     """The matrices fp8 storage would convert: those of ComfyUI's ops, whose cast upcasts them on use."""
     out = []
@@ -149,7 +160,7 @@ def _costs(blocks: list[Block], meter: _Meter, order: Sequence[int], copy_size: 
         tensors = {id(t): t.data for _o, _n, t in block_tensors(blocks[index].module)}.values()
         weight = sum(_nbytes(t) for t in tensors)
         fp8 = weight - sum(_nbytes(w) - w.numel() for w in fp8_able(blocks[index].module))
-        copy = sum(t.numel() * copy_size for t in tensors if t.is_floating_point()) if copy_size else 0
+        copy = sum(t.numel() * copy_size for t in adapted(blocks[index].module))
         copies += copy
         shared = any(owners.get(id(t)) == -2 for _o, _n, t in block_tensors(blocks[index].module))
         costs.append(BlockCost(
@@ -174,11 +185,11 @@ class ProbeResult:
 
 def _pass(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, runners: BlockRunners,
           inputs: tuple[Any, ...], fix: set[int]) -> _Meter:
-    """One fake forward through the meter, the model's weights marked as trained: the adapters are not attached
-    yet (ComfyUI's load does that), and an adapted layer saves its input for the adapter's gradient as a trained
-    weight would (a layer on a path without gradients, e.g. a text embedding, saves nothing otherwise)."""
+    """One fake forward through the meter, the weights the trainer adapts marked as trained: the adapters are not
+    attached yet (ComfyUI's load does that), and an adapted layer saves its input for the adapter's gradient as a
+    trained weight would (a layer on a path without gradients, e.g. a text embedding, saves nothing otherwise)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    weights = [p for p in mp.model.parameters() if p.is_floating_point() and not p.requires_grad]
+    weights = [p for p in {id(t): t for t in adapted(mp.model)}.values() if not p.requires_grad]
     training = comfy.model_management.in_training
     comfy.model_management.in_training = True  # ComfyUI picks its differentiable kernels then (rotary embeddings)
     for p in weights:
@@ -215,7 +226,7 @@ def measure(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, blocks: 
     block_ids = {id(t) for b in blocks for _o, _n, t in block_tensors(b.module)}
     outside = {id(t): t.data for _o, _n, t in block_tensors(dm) if id(t) not in block_ids}.values()
     other = sum(_nbytes(t) for t in outside)
-    other_copies = sum(t.numel() * copy_size for t in outside if t.is_floating_point())  # saved either way
+    other_copies = sum(t.numel() * copy_size for t in adapted(dm) if id(t) not in block_ids)  # saved either way
     everything: dict[int, int] = {}
     for per_block in meter.saved.values():
         everything.update(per_block)

@@ -19,6 +19,7 @@ import comfy.samplers
 
 from ...dataset_cache.dataset import Sample
 from ...dataset_cache.loader import PrefetchLoader
+from ...dataset_cache.memory_plan import MemoryPlan
 from ...dataset_cache.reading import DatasetReader
 from ...dataset_cache.sampler import BucketSampler, DatasetMix, Regularization, buckets_from_reader, fit_batch_size
 from ...dataset_cache.seeding import derive_seed
@@ -29,7 +30,6 @@ from .comfy_parts import (
 )
 from .conditioning import Conditioner, ModelCall
 from .loop import StepLoop
-from ...dataset_cache.memory_plan import MemoryPlan
 from .memory import MemoryStep, plan_run_memory
 from .report import RowCounts, StepReport, TrainResult, counted
 from .settings import TrainSettings

@@ -129,3 +129,44 @@ def test_checkpoint_depth_of_an_old_workflow_is_noted_once(pack: ModuleType, dat
         assert f"NOTE: checkpoint_depth {depth} is no longer used: every block of the model is its own gradient " \
                "checkpoint" in summary
     assert f"memory: {result.memory_plan['description']}" in summary
+
+
+def test_blocks_are_found_in_every_family_and_an_unknown_model_falls_back(
+        pack: ModuleType, caplog: pytest.LogCaptureFixture) -> None:
+    """The known block lists of each family (a UNet's containers opened down to the layers it calls); a model with
+    other names: the elements of its module lists; one without lists: its top-level layers; both say so."""
+    import logging
+
+    from comfy.ldm.modules.diffusionmodules.openaimodel import TimestepEmbedSequential
+
+    blocks_mod = _module(pack, "nodes.training.blocks")
+    expected = {"sd15": "input_blocks, output_blocks", "sdxl": "input_blocks, output_blocks",
+                "sd3": "joint_blocks", "flux": "double_blocks, single_blocks", "wan21": "blocks",
+                "qwen_image": "transformer_blocks", "lumina2": "noise_refiner, context_refiner, layers"}
+    for name, lists in expected.items():
+        model = build_family_patcher(FAMILIES[name], 2).model.diffusion_model
+        found, how = blocks_mod.find_blocks(model)
+        assert how.endswith(f"'s {lists}"), (name, how)
+        assert found and not any(isinstance(b.module, (torch.nn.ModuleList, TimestepEmbedSequential)) for b in found)
+        listed = {id(p): p for n in lists.split(", ") for p in getattr(model, n).parameters()}
+        covered = {id(p): p for b in found for p in b.module.parameters()}
+        assert covered.keys() == listed.keys(), name  # every weight of the block lists is in exactly the blocks found
+
+    class Staged(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Linear(4, 4)
+            self.stages = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Identity())
+
+    with caplog.at_level(logging.WARNING, logger="streamcache.train"):
+        staged, how = blocks_mod.find_blocks(Staged())
+        assert [b.name for b in staged] == ["stages.0", "stages.1", "stages.2"]
+        assert "no known block list; checkpointing the elements of its module lists stages" in how
+        flat, how = blocks_mod.find_blocks(Flat())
+        assert [b.name for b in flat] == ["a", "b.0", "b.1"] and "its 3 top-level layers" in how
+    assert caplog.text.count("Train LoRA: ") == 2
