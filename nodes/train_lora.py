@@ -21,6 +21,7 @@ import folder_paths
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
 from ..dataset_cache.lock import READ_LOCK, CacheLock
 from ..dataset_cache.remote import is_remote_url
+from ..dataset_cache.memory_plan import AUTO, MEMORY_MODES, MemoryPlan
 from .handles import (
     CombinedDatasetHandle,
     StreamDataset,
@@ -87,6 +88,23 @@ class _Events:
             log.debug("could not send %s", EVENT, exc_info=True)
 
 
+class _ShowPlan:
+    """Shows the memory plan on the node before the first step (ComfyUI's progress text), when a server exists."""
+
+    def __init__(self, node_id: str | None) -> None:
+        self.node_id = node_id
+
+    def __call__(self, plan: MemoryPlan) -> None:
+        instance = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
+        if instance is None or self.node_id is None:
+            return
+        try:
+            instance.send_progress_text(f"memory: {plan.describe()}", self.node_id,
+                                        getattr(instance, "client_id", None))
+        except Exception:  # showing the plan must never fail the training
+            log.debug("could not show the memory plan", exc_info=True)
+
+
 class TrainLoRA(io.ComfyNode):
     """Trains a LoRA (or LoHa, LoKr, OFT) from a StreamCache dataset on ComfyUI's training machinery."""
 
@@ -129,11 +147,16 @@ class TrainLoRA(io.ComfyNode):
                 io.Combo.Input("algorithm", options=algorithms, default=algorithms[0],
                                tooltip="The adapter type to train."),
                 io.Boolean.Input("gradient_checkpointing", default=True,
-                                 tooltip="Recompute activations in the backward pass: less memory, slower."),
-                io.Int.Input("checkpoint_depth", advanced=True, default=1, min=1, max=5,
-                             tooltip="Depth of the blocks that gradient checkpointing wraps."),
+                                 tooltip="Recompute activations in the backward pass, each block of the model its "
+                                 "own checkpoint: much less memory, about a quarter slower. Off: the memory plan "
+                                 "turns it on only when the run would not fit without it."),
+                io.Int.Input("checkpoint_depth", advanced=True, default=0, min=0, max=5,
+                             tooltip="No longer used (kept so saved workflows load): gradient checkpointing "
+                             "checkpoints each block of the model, which gives the same results as any depth with "
+                             "less memory."),
                 io.Boolean.Input("offloading", advanced=True, default=False,
-                                 tooltip="Keep model weights in CPU memory and stream them in (saves VRAM)."),
+                                 tooltip="Let ComfyUI manage the weights (its partial loading: weights kept in CPU "
+                                 "memory and copied in layer by layer). The memory plan then only checkpoints."),
                 io.Combo.Input("existing_lora", options=_lora_choices(), default="[None]",
                                tooltip="A LoRA to continue training, or [None] for a new one. A LoRA this node "
                                "trained continues exactly (optimizer state, step count and batch order come "
@@ -176,6 +199,21 @@ class TrainLoRA(io.ComfyNode):
                 io.Float.Input("reg_weight", default=1.0, min=0.0, max=MAX_REG_WEIGHT, step=0.05, optional=True,
                                tooltip="Loss weight of a regularization image (kohya's prior_loss_weight); an image "
                                "of dataset weighs 1. Only with reg_dataset."),
+                # the memory plan (#25)
+                io.Combo.Input("memory", options=list(MEMORY_MODES), default=AUTO, optional=True,
+                               tooltip="How the run fits the device: 'auto' measures the model and the batch, reads "
+                               "the memory free and picks the fastest plan that fits (every weight on the device; "
+                               "else some blocks' weights streamed from CPU memory while the others compute; else "
+                               "also the checkpointed activations in CPU memory), shown on the node before the "
+                               "first step. The others fix one plan. None changes the results."),
+                io.Int.Input("stream_blocks", default=0, min=0, max=1000, optional=True, advanced=True,
+                             tooltip="With memory 'stream blocks...': how many blocks to stream (0: as many as "
+                             "needed to fit)."),
+                io.Boolean.Input("allow_fp8", default=False, optional=True, advanced=True,
+                                 tooltip="Let the memory plan store the model's block weights in fp8 when nothing "
+                                 "else fits ('auto'), or always (the stream modes): half the memory of bf16, the "
+                                 "LoRA trained against rounded weights. A model loaded in fp8 counts as fp8 "
+                                 "anyway."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -215,6 +253,9 @@ class TrainLoRA(io.ComfyNode):
         reg_dataset: Any = None,
         reg_ratio: float = 1.0,
         reg_weight: float = 1.0,
+        memory: str = AUTO,
+        stream_blocks: int = 0,
+        allow_fp8: bool = False,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -225,6 +266,7 @@ class TrainLoRA(io.ComfyNode):
             quantized_backward=bool(quantized_backward), bypass_mode=bool(bypass_mode),
             masked_loss=bool(masked_loss), unmasked_weight=float(unmasked_weight),
             caption_dropout=float(caption_dropout), reg_ratio=float(reg_ratio), reg_weight=float(reg_weight),
+            memory=memory, stream_blocks=int(stream_blocks), allow_fp8=bool(allow_fp8),
         )
         settings.validate()  # before opening anything: a typo fails fast
         for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset)):
@@ -271,7 +313,8 @@ class TrainLoRA(io.ComfyNode):
                         f"{what} {handle.name!r} in the {handle.where()} is empty (0 samples): there is nothing to "
                         "train on; encode a folder that holds images")
             result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
-                                reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "")
+                                reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "",
+                                on_plan=_ShowPlan(node_id))
         finally:
             for reader in readers.values():
                 reader.close()

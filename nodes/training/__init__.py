@@ -13,13 +13,16 @@ scale the latents into model space, noise them at seeded sigmas, turn EACH row's
 keyword arguments (``convert_cond`` → ``encode_model_conds`` → ``process_cond`` → ``cond_cat``), and call the
 model's ``apply_model`` once for the batch, as ComfyUI's sampler would for one conditioning. Everything else is
 ComfyUI's: the model clone, compute dtype, the LoRA/LoHa/LoKr/OFT adapters and their weight wrappers, optimizers,
-losses, gradient checkpointing and model loading, taken from the live ``nodes_train`` module (see
-:func:`~.comfy_parts.nodes_train_module`). Device memory is one batch plus the model, whatever the dataset's size.
+losses and model loading, taken from the live ``nodes_train`` module (see
+:func:`~.comfy_parts.nodes_train_module`). Device memory is one batch plus the model, whatever the dataset's
+size; each block of the model is its own gradient checkpoint, and the memory plan streams blocks' weights when
+the model does not fit (``memory``).
 
 Modules: ``settings`` (the options), ``run`` (``train_lora`` as its steps), ``loop`` (the step loop and loss),
 ``conditioning`` (per-row conditionings, the model call), ``report`` (step and run reports), ``comfy_parts`` (the
-ComfyUI functions driven). Only the execution thread calls ComfyUI's progress and interrupt functions; the loader's
-threads only read.
+ComfyUI functions driven), ``memory`` (the memory plan's step: budget, plan, putting it in place), ``blocks`` (a
+model's blocks), ``probe`` (what a run's forward keeps, measured on fake tensors). Only the execution thread calls
+ComfyUI's progress and interrupt functions; the loader's threads only read.
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ __all__ = ["bypass_setup", "check_latent_channels", "load_existing_lora", "nodes
 
 log = logging.getLogger("streamcache.train")
 
-_NODES_TRAIN_NEEDS = ("_setup_lora_adapters", "_create_optimizer", "_create_loss_function",
-                      "find_modules_at_depth", "patch", "unpatch")
+_NODES_TRAIN_NEEDS = ("_setup_lora_adapters", "_create_optimizer", "_create_loss_function", "unpatch")
 
 
 def nodes_train_module() -> ModuleType:

@@ -115,6 +115,8 @@ class TrainResult:
         notes: settings the run had to change, for the user (a batch size clamped to the largest bucket).
         rows: the trained rows and how many took each variant.
         info: what was restored and saved for continuing the LoRA (its training state).
+        memory_plan: the memory plan the run trained with and its estimate, as data
+            (:meth:`dataset_cache.memory_plan.MemoryPlan.as_dict`, with what the weight streamer did).
     """
 
     lora: dict[str, torch.Tensor]
@@ -127,6 +129,7 @@ class TrainResult:
     notes: tuple[str, ...] = ()
     rows: RowCounts = field(default_factory=RowCounts)
     info: tuple[str, ...] = ()
+    memory_plan: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One paragraph for the node's UI (what was changed from the settings first)."""
@@ -139,4 +142,5 @@ class TrainResult:
             f"loss {first:.4f} (first 5) → {last:.4f} (last 5); "
             f"buckets {', '.join(f'{list(b)}×{n}' for b, n in self.buckets.items())}"
             + (f"; {rows}" if rows else "") + "".join(f"; {i}" for i in self.info)
+            + (f"; memory: {self.memory_plan['description']}" if self.memory_plan.get("description") else "")
         )

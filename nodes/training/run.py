@@ -19,6 +19,7 @@ import comfy.samplers
 
 from ...dataset_cache.dataset import Sample
 from ...dataset_cache.loader import PrefetchLoader
+from ...dataset_cache.memory_plan import MemoryPlan
 from ...dataset_cache.reading import DatasetReader
 from ...dataset_cache.sampler import BucketSampler, DatasetMix, Regularization, buckets_from_reader, fit_batch_size
 from ...dataset_cache.seeding import derive_seed
@@ -29,6 +30,7 @@ from .comfy_parts import (
 )
 from .conditioning import Conditioner, ModelCall
 from .loop import StepLoop
+from .memory import MemoryStep, plan_run_memory
 from .report import RowCounts, StepReport, TrainResult, counted, overlap_notes
 from .resume import capture_state, resume_run, save_state
 from .settings import TrainSettings
@@ -47,6 +49,7 @@ def train_lora(
     on_step: Callable[[StepReport], None] | None = None,
     reg: Sequence[Sample] | DatasetMix | None = None,
     reg_name: str = "the regularization dataset",
+    on_plan: Callable[[MemoryPlan], None] | None = None,
 ) -> TrainResult:
     """Train a LoRA (or LoHa/LoKr/OFT) on ``model`` over the cached ``samples`` and return its weights.
 
@@ -64,6 +67,7 @@ def train_lora(
         reg: regularization samples (read through ``reader`` too), mixed in at ``settings.reg_ratio`` with loss weight
             ``settings.reg_weight``; ``None``: none.
         reg_name: the regularization dataset's name, for messages.
+        on_plan: called with the memory plan before the first step (the node shows it).
 
     Raises:
         ValueError: bad settings, an empty dataset, or latents the model cannot take.
@@ -76,6 +80,7 @@ def train_lora(
     existing, name_steps = load_existing_lora(settings.existing_lora)
     with torch.inference_mode(False):
         run = load(model, train, data, existing)
+        run.memory = plan_run_memory(run, reader, data.rows, data.shapes, on_plan)
         sampler = BucketSampler(samples, data.buckets, settings.batch_size, settings.seed, tail="short",
                                 rank=0, world_size=1, caption_dropout=settings.caption_dropout,
                                 reg=data.regularization)
@@ -101,8 +106,8 @@ def train_lora(
     notes, info = save_state(state, lora)
     wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
-                       wait_pct, dict(sampler.buckets), (*data.notes, *start.notes, *notes), counts,
-                       (*start.info, *info))
+                       wait_pct, dict(sampler.buckets), (*data.notes, *run.memory.notes(), *start.notes, *notes),
+                       counts, (*start.info, *info), run.memory.report())
 
 
 @dataclass
@@ -115,6 +120,7 @@ class DataPlan:
         regularization: the regularization set, or ``None``.
         shapes: every latent shape the run will see (main and regularization).
         notes: settings the run had to change, for the user.
+        rows: the sample of each of ``shapes`` (the memory probe reads the largest one's caption).
     """
 
     settings: TrainSettings
@@ -122,6 +128,7 @@ class DataPlan:
     regularization: Regularization | None
     shapes: list[tuple[int, ...]]
     notes: list[str]
+    rows: list[Sample]
 
 
 def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, settings: TrainSettings,
@@ -138,13 +145,14 @@ def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, set
     buckets = buckets_from_reader(reader, main)
     check_trainable(reader, main)
     regularization = None
-    shapes = list(buckets)
+    shapes, rows = list(buckets), list(main)
     if reg is not None:
         reg_samples = reg.samples if isinstance(reg, DatasetMix) else reg
         reg_buckets = buckets_from_reader(reader, reg_samples)
         check_trainable(reader, reg_samples)
         regularization = Regularization(reg, reg_buckets, settings.reg_ratio, settings.reg_weight, name=reg_name)
         shapes += reg_buckets
+        rows += reg_samples
     notes: list[str] = [] if reg is None else overlap_notes(samples, reg, reg_name)
     fitted = fit_batch_size(main, buckets, settings.batch_size)
     if fitted < settings.batch_size:  # a batch holds one bucket, so it cannot be larger: clamp, and say so
@@ -152,7 +160,7 @@ def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, set
                      f"images × repeats per epoch): trained with batch_size {fitted}")
         log.warning("Train LoRA: %s", notes[-1])
         settings = dataclasses.replace(settings, batch_size=fitted)
-    return DataPlan(settings, buckets, regularization, shapes, notes)
+    return DataPlan(settings, buckets, regularization, shapes, notes, rows)
 
 
 @dataclass
@@ -172,6 +180,7 @@ class LoadedRun:
     model_options: dict[str, Any]
     injections: list[Any] = dataclasses.field(default_factory=list)
     fp8_bwd: bool = False
+    memory: MemoryStep = dataclasses.field(default=None)  # type: ignore[assignment]  # set by plan_run_memory
 
     @property
     def device(self) -> torch.device:
@@ -213,19 +222,21 @@ def load(model: Any, train: ModuleType, data: DataPlan, existing: dict[str, torc
 
 
 def prepare(run: LoadedRun, train: ModuleType) -> None:
-    """Checkpointing, the patcher's wrappers, the model on the device (every other model off it), bypass hooks.
+    """The memory plan in place (blocks checkpointed, weights streamed), the patcher's wrappers, the model on the
+    device (every other model off it), bypass hooks.
 
     Undone by :func:`unprepare`, whatever happened in between.
     """
     settings, mp = run.settings, run.mp
     run.fp8_bwd = getattr(comfy.model_management, "training_fp8_bwd", False)
     comfy.model_management.training_fp8_bwd = settings.quantized_backward  # as the built-in node
-    if settings.gradient_checkpointing:
-        for m in train.find_modules_at_depth(mp.model.diffusion_model, depth=settings.checkpoint_depth):
-            train.patch(m, offloading=settings.offloading)
+    run.memory.place(mp, run.device)
     comfy.sampler_helpers.prepare_model_patcher(mp, {}, run.model_options)  # patcher wrappers + callbacks
-    # As the built-in node: free the device for training (1e20 unloads every other model).
-    comfy.model_management.load_models_gpu([mp], memory_required=1e20, force_full_load=not settings.offloading)
+    # As the built-in node: free the device for training (1e20 unloads every other model); a full load unless
+    # ComfyUI manages the weights itself (offloading, dynamic VRAM, --lowvram).
+    with run.memory.loading():
+        comfy.model_management.load_models_gpu([mp], memory_required=1e20,
+                                               force_full_load=not run.memory.plan.managed_by)
     comfy.samplers.cast_to_load_options(run.model_options, device=run.device, dtype=mp.model_dtype())
     if run.bypass is not None:  # adapters as forward hooks: the (quantized) weights are never rewritten
         for injection in run.bypass.create_injections(mp.model):
@@ -243,6 +254,7 @@ def unprepare(run: LoadedRun, train: ModuleType) -> None:
     for injection in reversed(run.injections):
         injection.eject(mp)
     run.injections.clear()
+    run.memory.release()
     for m in mp.model.modules():
         train.unpatch(m)
     mp.cleanup()

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 from comfy.weight_adapter import adapter_maps
 
-__all__ = ["LORA_DTYPES", "LOSS_FUNCTIONS", "MAX_REG_RATIO", "MAX_REG_WEIGHT", "OPTIMIZERS", "TRAINING_DTYPES",
+from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
+
+__all__ = ["LORA_DTYPES", "LOSS_FUNCTIONS", "MAX_REG_RATIO", "MAX_REG_WEIGHT", "MEMORY_MODES", "OPTIMIZERS",
+           "TRAINING_DTYPES",
            "TrainSettings"]
 
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
@@ -31,6 +34,9 @@ class TrainSettings:
     ``grad_accumulation_steps`` batches of ``batch_size`` rows. ``prefetch_batches`` batches are read ahead by
     ``loader_threads`` threads (0: the loader's default). ``masked_loss`` weighs the loss by the batch's masks
     where the dataset has any (``unmasked_weight``: the weight where a mask is 0); see :meth:`~.loop.StepLoop._loss`.
+    ``memory`` picks the memory plan (:mod:`dataset_cache.memory_plan`; ``stream_blocks``: its block count for
+    the stream modes, 0 as many as needed; ``allow_fp8``: block weights may be stored in fp8). ``checkpoint_depth``
+    is no longer used: with ``gradient_checkpointing`` every block is its own checkpoint (0: set by a new node).
     """
 
     steps: int = 16
@@ -47,7 +53,7 @@ class TrainSettings:
     lora_dtype: str = "bf16"
     algorithm: str = "LoRA"
     gradient_checkpointing: bool = True
-    checkpoint_depth: int = 1
+    checkpoint_depth: int = 0
     offloading: bool = False
     existing_lora: str = "[None]"
     prefetch_batches: int = 2
@@ -58,6 +64,10 @@ class TrainSettings:
     caption_dropout: float = 0.0
     reg_ratio: float = 1.0
     reg_weight: float = 1.0
+    # the memory plan (#25)
+    memory: str = AUTO
+    stream_blocks: int = 0
+    allow_fp8: bool = False
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -67,14 +77,16 @@ class TrainSettings:
             ("loss_function", self.loss_function, LOSS_FUNCTIONS),
             ("training_dtype", self.training_dtype, TRAINING_DTYPES),
             ("lora_dtype", self.lora_dtype, LORA_DTYPES),
+            ("memory", self.memory, MEMORY_MODES),
         ):
             if value not in allowed:
                 raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(allowed)}")
-        for name in ("steps", "batch_size", "grad_accumulation_steps", "rank", "checkpoint_depth"):
+        for name in ("steps", "batch_size", "grad_accumulation_steps", "rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefetch_batches < 0 or self.loader_threads < 0:
-            raise ValueError("prefetch_batches and loader_threads must be >= 0")
+        for name in ("prefetch_batches", "loader_threads", "checkpoint_depth", "stream_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
         if not 0.0 <= self.unmasked_weight <= 1.0:  # also refuses NaN

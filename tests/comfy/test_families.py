@@ -311,12 +311,23 @@ def test_one_step_gives_the_loss_and_gradients_of_comfyuis_own_training(
     keys = theirs.get("keys") or list(theirs["lora"])
     assert list(result.lora) == keys and len(ours.steps[0]) == len(theirs["grads"]) == len(keys)
     worst = 0.0
+    # Same operations in the same order: agreement to fp32 rounding (1e-5 of the largest element). Blocks the pack
+    # runs with out-of-place additions (Flux's `img += ...`, result.memory_plan["out_of_place"]) have another
+    # backward graph: autograd then accumulates each gradient's terms (one per block and token path, ~10^3 in
+    # these models) in another order, and a reordered fp32 sum of K terms differs by up to ~K * 2^-24 of their
+    # magnitude. The terms are gradients flowing through the model, bounded by the largest gradient of the run
+    # (a LoRA alpha's gradient is a sum with much cancellation), so the bound is taken from that: 1e-4 of it.
+    reordered = bool(result.memory_plan.get("out_of_place"))
+    largest = max(float(r.abs().max()) for r in theirs["grads"]) or 1.0
     for key, g, ref in zip(keys, ours.steps[0], theirs["grads"]):
         scale = float(ref.abs().max()) or 1.0
-        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, k=key: f"grad of {k}: {m}")
+        grad_atol = 1e-4 * largest if reordered else 1e-5 * scale
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=grad_atol, msg=lambda m, k=key: f"grad of {k}: {m}")
         worst = max(worst, float((g - ref).abs().max()) / scale)
         if "lora" in theirs:
-            torch.testing.assert_close(result.lora[key], theirs["lora"][key], rtol=1e-4, atol=1e-6 * scale + 1e-7)
+            # one SGD step: LoRA = start - lr * grad, so the gradients' difference times lr, plus rounding
+            lora_atol = options["learning_rate"] * grad_atol if reordered else 1e-6 * scale
+            torch.testing.assert_close(result.lora[key], theirs["lora"][key], rtol=1e-4, atol=lora_atol + 1e-7)
     nonzero = sum(bool(ref.abs().max() > 0) for ref in theirs["grads"])
     same = f"loss {loss:.5f} = {expected:.5f}" if loss == expected else \
         f"loss {loss:.5f} vs {expected:.5f} (|Δ| {abs(loss - expected):.0e})"

@@ -29,6 +29,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
     "bypass_mode": False, "masked_loss": True, "unmasked_weight": 0.1,
     "caption_dropout": 0.0, "reg_dataset": None, "reg_ratio": 1.0, "reg_weight": 1.0,
+    "memory": "auto", "stream_blocks": 0, "allow_fp8": False,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -129,7 +130,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     assert {i.id for i in schema.inputs if i.advanced} == {"checkpoint_depth", "offloading", "lora_dtype",
                                                            "prefetch_batches", "loader_threads",
                                                            "quantized_backward", "bypass_mode",
-                                                           "masked_loss", "unmasked_weight"}
+                                                           "masked_loss", "unmasked_weight", "stream_blocks",
+                                                           "allow_fp8"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -139,6 +141,11 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     for name, default in (("caption_dropout", 0.0), ("reg_ratio", 1.0), ("reg_weight", 1.0)):  # #16
         assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
     assert inputs["reg_dataset"].optional and inputs["reg_dataset"].get_io_type() == "STREAM_DATASET"
+    # #25: the memory plan; a prompt without these inputs runs 'auto', which only changes where memory goes
+    for name, default in (("memory", "auto"), ("stream_blocks", 0), ("allow_fp8", False)):
+        assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
+    assert inputs["memory"].options == ["auto", "no offload", "stream blocks", "stream blocks + host activations"]
+    assert (inputs["checkpoint_depth"].default, inputs["checkpoint_depth"].min) == (0, 0)  # 0: no note
 
 
 # ----------------------------------------------------------------------------------------------------- training

@@ -119,6 +119,21 @@ def test_progress_reaches_the_websocket(full_flow: ExampleRun) -> None:
     assert {"loss_smooth", "samples_per_s", "data_wait_pct"} <= custom[-1].keys()
 
 
+def test_the_memory_plan_shows_on_the_node_before_the_first_step(full_flow: ExampleRun) -> None:
+    """The node's progress text names the memory plan and its estimate before any step's report (#25)."""
+    first = full_flow.results[0]
+    if not first.events:
+        pytest.skip("websocket-client is not installed: no events were recorded")
+    train = _node(full_flow.prompt, "StreamCache_TrainLoRA")
+    kinds = [(e["type"], e["data"]) for e in first.events]
+    shown = [i for i, (kind, data) in enumerate(kinds) if kind == "progress_text" and data["node"] == train
+             and data["text"].startswith("memory: ")]
+    steps = [i for i, (kind, _data) in enumerate(kinds) if kind == "streamcache.train"]
+    assert shown and steps and shown[0] < steps[0]
+    text = kinds[shown[0]][1]["text"]
+    assert "all weights on the device, estimated " in text and " of " in text
+
+
 def test_encode_save_then_load_lazy_cache_and_train(comfy_server: ComfyServer, client: ComfyClient) -> None:
     """Encode → Save Streamable Cache; then a second prompt: Load Lazy Cache (the saved cache) → Train LoRA."""
     make_example_folder(comfy_server.input_dir)

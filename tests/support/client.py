@@ -7,6 +7,7 @@ HTTP uses the standard library only. Progress and execution events come from the
 from __future__ import annotations
 
 import json
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +21,18 @@ PACK_PREFIX = "StreamCache_"
 SEEN_NODE_ERRORS: list[dict[str, str]] = []
 """Every error a node of the pack reported to a client of this process: ``{"kind": "validation" | "execution",
 "node_type", "type", "message"}`` (the e2e suite checks that none is a bare Python message)."""
+
+
+_TEXT = 3
+"""ComfyUI's ``BinaryEventTypes.TEXT``: a 4-byte event type, a 4-byte node id length, the node id, the text."""
+
+
+def _progress_text(message: bytes) -> tuple[str, str] | None:
+    """``(node id, text)`` of a binary progress-text frame, ``None`` for any other binary frame."""
+    if len(message) < 8 or struct.unpack(">I", message[:4])[0] != _TEXT:
+        return None
+    size = struct.unpack(">I", message[4:8])[0]
+    return message[8:8 + size].decode("utf-8"), message[8 + size:].decode("utf-8", errors="replace")
 
 
 def record_node_errors(reply: Any) -> None:
@@ -176,7 +189,10 @@ class ComfyClient:
             ws.settimeout(remaining)
             message = ws.recv()
             if not isinstance(message, str):
-                continue  # binary previews
+                text = _progress_text(message)
+                if text is not None:  # a node's progress text (ComfyUI's send_progress_text); previews skipped
+                    events.append({"type": "progress_text", "data": {"node": text[0], "text": text[1]}})
+                continue
             event = json.loads(message)
             data = event.get("data") or {}
             if data.get("prompt_id") not in (None, prompt_id):

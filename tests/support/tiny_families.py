@@ -210,3 +210,64 @@ def _save_filled(module: Any, path: Path, seed: int) -> Path:
     save_file({k: v.contiguous() for k, v in state.items()}, str(path),
               metadata={"generator": "comfyui-streamcache tests/support/tiny_families.py"})
     return path
+
+
+BLOCK_COUNTS: dict[str, tuple[int, int]] = {
+    "sd15": (1, 2), "sdxl": (1, 2), "sd3": (2, 4), "flux": (2, 4), "flux_kontext": (2, 4), "wan21": (2, 4),
+    "qwen_image": (2, 4), "lumina2": (2, 4),
+}
+"""Two sizes of each family for :func:`build_family_patcher` (UNets: res blocks per level, so units double)."""
+
+
+def _sized_config(family: Family, blocks: int) -> tuple[dict[str, Any], int | None]:
+    """What changes in ``family``'s config for ``blocks`` blocks at a small width (built directly, not detected
+    from weights: the detection fixes the widths of Qwen-Image and Lumina 2 at gigabytes), and how many joint
+    blocks to keep (SD3: its width is 64 × depth, so two sizes of one width are one model cut down)."""
+    cfg: dict[str, Any] = {}
+    if family.name == "sd15":
+        cfg.update(num_res_blocks=[blocks], transformer_depth=[1] * blocks, transformer_depth_output=[0] * (blocks + 1))
+    elif family.name == "sdxl":
+        cfg.update(num_res_blocks=[blocks] * 3, transformer_depth=[0] * blocks + [1] * blocks + [1] * blocks,
+                   transformer_depth_output=[0] * (3 * (blocks + 1)))
+    elif family.name == "sd3":
+        cfg.update(depth=4, context_embedder_config={"target": "torch.nn.Linear",
+                                                     "params": {"in_features": 4096, "out_features": 4 * 64}})
+        return cfg, blocks
+    elif family.name in ("flux", "flux_kontext"):
+        cfg.update(depth=blocks, depth_single_blocks=blocks)
+    elif family.name == "wan21":
+        cfg["num_layers"] = blocks
+    elif family.name == "qwen_image":
+        cfg.update(num_layers=blocks, num_attention_heads=1, attention_head_dim=128)
+    elif family.name == "lumina2":
+        cfg.update(n_layers=blocks, dim=192, n_heads=2, n_kv_heads=1)
+    return cfg, None
+
+
+def build_family_patcher(family: Family, blocks: int, seed: int = 11) -> Any:
+    """A ComfyUI ``ModelPatcher`` of ``family``'s model class with ``blocks`` blocks (:data:`BLOCK_COUNTS`) and
+    deterministic weights, on the CPU; its clones (``force_deepcopy``, as the trainers make) rebuild it."""
+    import comfy.model_detection
+    import comfy.model_patcher
+    import torch
+
+    from .tiny_models import _fill
+
+    config = comfy.model_detection.model_config_from_unet_config(dict(family.unet_config))
+    if config is None:
+        raise AssertionError(f"{family.name}: ComfyUI's detection knows no model for this config")
+    sized, keep = _sized_config(family, blocks)
+    config.unet_config = {**config.unet_config, **sized}
+    model = config.get_model({})
+    dm = model.diffusion_model
+    if keep is not None:
+        dm.joint_blocks = torch.nn.ModuleList([dm.joint_blocks[i] for i in (0, *range(4 - keep + 1, 4))])
+    dm.load_state_dict(_fill(dm.state_dict(), seed))
+    cpu = torch.device("cpu")
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+    patcher.cached_patcher_init = (_rebuild, (family.name, blocks, seed))
+    return patcher
+
+
+def _rebuild(name: str, blocks: int, seed: int, disable_dynamic: bool = False) -> Any:
+    return build_family_patcher(FAMILIES[name], blocks, seed)

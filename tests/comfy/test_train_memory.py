@@ -1,0 +1,172 @@
+"""The memory plan inside Train LoRA (#25), with ComfyUI's own model management: ``auto`` streams blocks when the
+memory free is small (bit-identical results), ComfyUI wins where it manages a model's weights itself, the plan is
+handed over before the first step, and what ``checkpoint_depth`` now does is said once.
+
+The model is the tiny Flux of ``support.tiny_families`` (4 double and 4 single blocks). The memory free of a
+CPU is the host's RAM, so ``auto`` finds everything fits; the small device is the trainer's own budget function
+giving less (the only thing replaced: ComfyUI's functions and the model run as they are).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from support.tiny_families import FAMILIES, build_family_patcher
+
+from .test_block_checkpointing import SETTINGS, Run, train
+
+FLUX = FAMILIES["flux"]
+
+
+def _module(pack: ModuleType, name: str) -> ModuleType:
+    return importlib.import_module(f"{pack.__name__}.{name}")
+
+
+@pytest.fixture(scope="module")
+def dataset(pack: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    writer_mod = _module(pack, "dataset_cache.format.writer")
+    sample_cls = _module(pack, "dataset_cache.dataset").Sample
+    root = tmp_path_factory.mktemp("train_memory") / "cache"
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    with torch.inference_mode(), writer_mod.CacheWriter(root) as writer:
+        for i in range(2):
+            writer.add(f"{i:032x}", {"samples": torch.randn(FLUX.latent, generator=gen)}, kind="latent")
+            writer.add(f"{i + 100:032x}", FLUX.conditioning(gen, 12), kind="conditioning")
+            samples.append(sample_cls(f"{i:032x}", (f"{i + 100:032x}",), source=f"img{i}.png"))
+        writer.set_dataset("train", samples)
+    return _module(pack, "nodes.handles").StreamDatasetHandle(str(root), "train")
+
+
+@pytest.fixture(scope="module")
+def resident(pack: ModuleType, dataset: Any) -> Run:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
+
+
+def test_auto_on_a_large_device_keeps_every_weight_and_reports_its_figures(resident: Run) -> None:
+    plan = resident.memory_plan
+    assert plan["mode"] == "auto" and plan["checkpoint"] and plan["streamed_blocks"] == 0 and plan["fits"]
+    assert plan["blocks"] == 8 and plan["measured"] == "probe" and plan["blocks_found"].startswith("Flux's")
+    needs = plan["needs"]
+    assert needs["held_checkpointed"] < needs["held"] and needs["largest_block_saved"] > 0
+    assert plan["description"].startswith("8 blocks checkpointed, all weights on the device, estimated ")
+
+
+def test_auto_streams_blocks_when_the_memory_free_is_small(pack: ModuleType, dataset: Any, resident: Run,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    memory = _module(pack, "nodes.training.memory")
+    budget_cls = _module(pack, "dataset_cache.memory_plan").Budget
+    small = int(resident.memory_plan["estimate_bytes"] * 0.9)
+    monkeypatch.setattr(memory, "device_budget", lambda _device, slots, _there: budget_cls(small, None, slots))
+    run = train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
+    plan = run.memory_plan
+    assert 0 < plan["streamed_blocks"] < 8 and plan["fits"] and plan["estimate_bytes"] <= small
+    assert plan["budget_bytes"] == small
+    assert f"{plan['streamed_blocks']} of 8 blocks streamed" in plan["description"]
+    assert run.losses == resident.losses  # streaming changes where weights live, not the numbers
+    assert all(torch.equal(run.lora[k], resident.lora[k]) for k in resident.lora)
+
+
+def test_comfyui_wins_where_it_manages_the_weights(pack: ModuleType, dataset: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """offloading on, or ComfyUI run with --lowvram: its own partial loading manages the weights; this plan only
+    checkpoints (and says so). A model with dynamic VRAM is recognised the same way. Streaming on top is refused."""
+    import comfy.model_management
+
+    memory = _module(pack, "nodes.training.memory")
+    settings_cls = _module(pack, "nodes.training").TrainSettings
+    offloaded = train(pack, FLUX, 2, dataset, monkeypatch, memory="auto", offloading=True)
+    assert offloaded.memory_plan["managed_by"] == "offloading is on"
+    assert offloaded.memory_plan["streamed_blocks"] == 0 and "stream" not in offloaded.memory_plan
+    assert "weights managed by ComfyUI (offloading is on)" in offloaded.memory_plan["description"]
+    with monkeypatch.context() as patch:
+        patch.setattr(comfy.model_management, "vram_state", comfy.model_management.VRAMState.LOW_VRAM)
+        lowvram = train(pack, FLUX, 2, dataset, patch, memory="auto")
+    assert lowvram.memory_plan["managed_by"] == "ComfyUI runs with --lowvram"
+    dynamic = build_family_patcher(FLUX, 2)
+    dynamic.is_dynamic = lambda: True
+    assert memory.comfy_manages(dynamic, settings_cls()) == "the model is loaded with dynamic VRAM"
+    assert memory.comfy_manages(build_family_patcher(FLUX, 2), settings_cls()) == ""
+    with pytest.raises(ValueError, match="ComfyUI manages this model's weights .* turn offloading off"):
+        train(pack, FLUX, 2, dataset, monkeypatch, memory="stream blocks", offloading=True)
+
+
+def test_the_plan_is_handed_over_before_the_first_step(pack: ModuleType, dataset: Any) -> None:
+    training = _module(pack, "nodes.training")
+    calls: list[str] = []
+    reader, samples = dataset.open()
+    try:
+        with torch.inference_mode():
+            training.train_lora(build_family_patcher(FLUX, 2), reader, samples, training.TrainSettings(**SETTINGS),
+                                on_step=lambda report: calls.append(f"step {report.step}"),
+                                on_plan=lambda plan: calls.append(plan.describe()))
+    finally:
+        reader.close()
+    assert calls[0].startswith("4 blocks checkpointed") and calls[1:] == ["step 1", "step 2"]
+
+
+@pytest.mark.parametrize(("depth", "checkpointing", "noted"), [(1, True, True), (2, True, True), (0, True, False),
+                                                               (1, False, False)])
+def test_checkpoint_depth_of_an_old_workflow_is_noted_once(pack: ModuleType, dataset: Any, depth: int,
+                                                           checkpointing: bool, noted: bool) -> None:
+    training = _module(pack, "nodes.training")
+    settings = training.TrainSettings(**{**SETTINGS, "steps": 1, "checkpoint_depth": depth,
+                                         "gradient_checkpointing": checkpointing})
+    reader, samples = dataset.open()
+    try:
+        with torch.inference_mode():
+            result = training.train_lora(build_family_patcher(FLUX, 2), reader, samples, settings)
+    finally:
+        reader.close()
+    summary = result.summary()
+    assert summary.count("is no longer used") == (1 if noted else 0)
+    if noted:
+        assert f"NOTE: checkpoint_depth {depth} is no longer used: every block of the model is its own gradient " \
+               "checkpoint" in summary
+    assert f"memory: {result.memory_plan['description']}" in summary
+
+
+def test_blocks_are_found_in_every_family_and_an_unknown_model_falls_back(
+        pack: ModuleType, caplog: pytest.LogCaptureFixture) -> None:
+    """The known block lists of each family (a UNet's containers opened down to the layers it calls); a model with
+    other names: the elements of its module lists; one without lists: its top-level layers; both say so."""
+    import logging
+
+    from comfy.ldm.modules.diffusionmodules.openaimodel import TimestepEmbedSequential
+
+    blocks_mod = _module(pack, "nodes.training.blocks")
+    expected = {"sd15": "input_blocks, output_blocks", "sdxl": "input_blocks, output_blocks",
+                "sd3": "joint_blocks", "flux": "double_blocks, single_blocks", "wan21": "blocks",
+                "qwen_image": "transformer_blocks", "lumina2": "noise_refiner, context_refiner, layers"}
+    for name, lists in expected.items():
+        model = build_family_patcher(FAMILIES[name], 2).model.diffusion_model
+        found, how = blocks_mod.find_blocks(model)
+        assert how.endswith(f"'s {lists}"), (name, how)
+        assert found and not any(isinstance(b.module, (torch.nn.ModuleList, TimestepEmbedSequential)) for b in found)
+        listed = {id(p): p for n in lists.split(", ") for p in getattr(model, n).parameters()}
+        covered = {id(p): p for b in found for p in b.module.parameters()}
+        assert covered.keys() == listed.keys(), name  # every weight of the block lists is in exactly the blocks found
+
+    class Staged(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Linear(4, 4)
+            self.stages = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Identity())
+
+    with caplog.at_level(logging.WARNING, logger="streamcache.train"):
+        staged, how = blocks_mod.find_blocks(Staged())
+        assert [b.name for b in staged] == ["stages.0", "stages.1", "stages.2"]
+        assert "no known block list; checkpointing the elements of its module lists stages" in how
+        flat, how = blocks_mod.find_blocks(Flat())
+        assert [b.name for b in flat] == ["a", "b.0", "b.1"] and "its 3 top-level layers" in how
+    assert caplog.text.count("Train LoRA: ") == 2
