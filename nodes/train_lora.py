@@ -19,6 +19,7 @@ from comfy_api.latest import io
 import folder_paths
 
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
+from ..dataset_cache.devices import AUTO
 from ..dataset_cache.lock import READ_LOCK, CacheLock
 from .handles import (
     CombinedDatasetHandle,
@@ -174,6 +175,12 @@ class TrainLoRA(io.ComfyNode):
                 io.Float.Input("reg_weight", default=1.0, min=0.0, max=MAX_REG_WEIGHT, step=0.05, optional=True,
                                tooltip="Loss weight of a regularization image (kohya's prior_loss_weight); an image "
                                "of dataset weighs 1. Only with reg_dataset."),
+                io.String.Input("devices", default=AUTO, optional=True,
+                                tooltip="Where to train. 'auto': every visible GPU (one: as before). A list such as "
+                                "'0,1' trains on those GPUs (it must include ComfyUI's own). Several GPUs train "
+                                "data-parallel: each takes batch_size images per step (the global batch is "
+                                "batch_size × GPUs), one worker process per extra GPU loads its own copy of the "
+                                "model. 'cpu:2' runs 2 CPU processes (for tests)."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -213,6 +220,7 @@ class TrainLoRA(io.ComfyNode):
         reg_dataset: Any = None,
         reg_ratio: float = 1.0,
         reg_weight: float = 1.0,
+        devices: str = AUTO,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -239,7 +247,7 @@ class TrainLoRA(io.ComfyNode):
         with contextlib.ExitStack() as locks:
             for root in roots:
                 locks.enter_context(CacheLock(root, READ_LOCK, exclusive=False, purpose="training"))
-            result, samples, reg_count = cls._train(model, dataset, settings, node_id, reg_dataset)
+            result, samples, reg_count = cls._train(model, dataset, settings, node_id, reg_dataset, devices)
         summary = f"dataset {dataset.name!r} ({samples} samples)"
         if reg_dataset is not None:
             summary += (f", regularization {reg_dataset.name!r} ({reg_count} samples, ratio {settings.reg_ratio:g}, "
@@ -252,7 +260,7 @@ class TrainLoRA(io.ComfyNode):
     @classmethod
     def _train(cls, model: Any, dataset: StreamDatasetHandle | CombinedDatasetHandle, settings: TrainSettings,
                node_id: str | None, reg_dataset: StreamDatasetHandle | CombinedDatasetHandle | None = None,
-               ) -> tuple[Any, int, int]:
+               devices: str = AUTO) -> tuple[Any, int, int]:
         """Train; returns the result and how many main and regularization samples it drew from.
 
         Each cache involved is opened once; datasets of one cache train through its own reader, datasets of
@@ -268,7 +276,8 @@ class TrainLoRA(io.ComfyNode):
                         f"{what} {handle.name!r} in the {handle.where()} is empty (0 samples): there is nothing to "
                         "train on; encode a folder that holds images")
             result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
-                                reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "")
+                                reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "",
+                                devices=devices)
         finally:
             for reader in readers.values():
                 reader.close()

@@ -30,6 +30,10 @@ _SMOOTHING = 0.1
 """Weight of the newest loss in the exponential moving average reported as ``loss_smooth``."""
 
 
+def _checked_by_the_ranks() -> None:
+    """The interrupt check of one rank of several: none here, the ranks agree on stopping after each step."""
+
+
 class NonFiniteLossError(ValueError):
     """Training stopped at a NaN or infinite loss: every later step would only spread it into the LoRA."""
 
@@ -53,12 +57,17 @@ class StepLoop:
 
     ``first_batch`` is the global number of the first batch: a run continuing an existing LoRA starts where the
     earlier run stopped, so its batch order, noise and timesteps are those an uninterrupted run would have had.
+    ``world`` (a :class:`~dataset_cache.collective.Collective`, ``None``: one process) makes this one rank of a
+    data-parallel run: its batches are its rows of global batches, whose noise and timesteps it draws whole and
+    slices; gradients are averaged over the ranks before each optimizer step, the loss reported is the ranks' mean,
+    and a stop (Cancel on rank 0) is agreed by every rank at a step boundary instead of checked here alone.
     """
 
     def __init__(self, mp: Any, settings: TrainSettings, dtype: torch.dtype, loss_fn: Any, optimizer: Any,
                  scaler: Any, forward: ModelCall, conditioner: Conditioner, device: torch.device, *,
-                 first_batch: int = 0) -> None:
+                 first_batch: int = 0, world: Any = None) -> None:
         self.first_batch = first_batch
+        self.world = world
         self.mp = mp
         self.settings = settings
         self.dtype = dtype
@@ -76,6 +85,9 @@ class StepLoop:
         """Return (loss per optimizer step, seconds, batch rows trained, seconds spent waiting for batches)."""
         s = self.settings
         throw_if_interrupted = comfy.model_management.throw_exception_if_processing_interrupted
+        if self.world is not None:  # every rank stops at the same step: agreed in world.agree below
+            throw_if_interrupted = _checked_by_the_ranks
+        ranks = self.world.size if self.world is not None else 1
         pbar = comfy.utils.ProgressBar(s.steps)
         losses: list[float] = []
         smooth = None
@@ -85,19 +97,31 @@ class StepLoop:
         self.optimizer.zero_grad(set_to_none=True)
         for step in range(s.steps):
             total = 0.0
+            stopping = False
             for micro in range(s.grad_accumulation_steps):
                 throw_if_interrupted()
                 t_wait = time.perf_counter()
                 batch: Batch = next(batches)
                 wait += time.perf_counter() - t_wait
                 index = self.first_batch + step * s.grad_accumulation_steps + micro
-                batch_loss = self._fwd_bwd(batch, index)
+                try:
+                    batch_loss = self._fwd_bwd(batch, index)
+                except comfy.model_management.InterruptProcessingException:  # from any of ComfyUI's ops
+                    if self.world is None:
+                        raise
+                    stopping = True  # several ranks: all stop after this step's exchanges, none is left waiting
+                    break
                 if not math.isfinite(batch_loss):
                     raise NonFiniteLossError(step + 1, batch_loss, batch)
                 total += batch_loss
-                rows += batch.latents.shape[0]
-            self._optimizer_step()
+                rows += batch.latents.shape[0] * ranks  # every rank trains as many rows
+            if self.world is not None:
+                self.world.reduce_gradients(p for g in self.optimizer.param_groups for p in g["params"])
+            if not stopping:
+                self._optimizer_step()
             loss = total / s.grad_accumulation_steps
+            if self.world is not None:
+                loss = self.world.agree(loss, stop=stopping)
             losses.append(loss)
             smooth = loss if smooth is None else (1 - _SMOOTHING) * smooth + _SMOOTHING * loss
             pbar.update(1)  # ComfyUI's progress hook also checks the interrupt flag
@@ -201,12 +225,17 @@ class StepLoop:
         """Sigmas (one per row) and noise of batch ``index``, on the CPU.
 
         They depend on the seed and the batch number alone, so a run is reproducible and a continued run draws what
-        an uninterrupted one would; the parity test with ComfyUI's trainer replaces this one method.
+        an uninterrupted one would; the parity test with ComfyUI's trainer replaces this one method. One rank of
+        several draws them for the whole global batch and keeps its rows, as the sampler gives it its rows.
         """
+        rows, first = shape[0], 0
+        if self.world is not None:
+            rows, first = shape[0] * self.world.size, shape[0] * self.world.rank
         g = seeded_generator(self.settings.seed, index, "noise")
-        u = torch.rand(shape[0], generator=g, dtype=torch.float64).clamp(_SIGMA_EDGE, 1 - _SIGMA_EDGE)
+        u = torch.rand(rows, generator=g, dtype=torch.float64)[first:first + shape[0]].clamp(_SIGMA_EDGE,
+                                                                                            1 - _SIGMA_EDGE)
         sigma = torch.tensor([float(self.model_sampling.percent_to_sigma(float(p))) for p in u], dtype=torch.float32)
-        return sigma, torch.randn(shape, generator=g, dtype=torch.float32)
+        return sigma, torch.randn((rows, *shape[1:]), generator=g, dtype=torch.float32)[first:first + shape[0]]
 
     def _autocast(self) -> Any:
         """Autocast to the training dtype as the built-in trainer does; none for fp32 (CPU autocast refuses it)."""

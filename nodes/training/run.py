@@ -20,7 +20,8 @@ import comfy.samplers
 from ...dataset_cache.dataset import Sample
 from ...dataset_cache.loader import PrefetchLoader
 from ...dataset_cache.reading import DatasetReader
-from ...dataset_cache.sampler import BucketSampler, DatasetMix, Regularization, buckets_from_reader, fit_batch_size
+from ...dataset_cache.sampler import DatasetMix, Regularization, buckets_from_reader, fit_batch_size
+from ...dataset_cache.sharding import shard_sampler
 from ...dataset_cache.seeding import derive_seed
 from ...dataset_cache.trainable import check_trainable
 from .comfy_parts import (
@@ -28,6 +29,7 @@ from .comfy_parts import (
     training_dtypes,
 )
 from .conditioning import Conditioner, ModelCall
+from .distributed import plan_team
 from .loop import StepLoop
 from .report import RowCounts, StepReport, TrainResult, counted
 from .settings import TrainSettings
@@ -46,6 +48,8 @@ def train_lora(
     on_step: Callable[[StepReport], None] | None = None,
     reg: Sequence[Sample] | DatasetMix | None = None,
     reg_name: str = "the regularization dataset",
+    devices: str | Sequence[int] | None = None,
+    world: Any = None,
 ) -> TrainResult:
     """Train a LoRA (or LoHa/LoKr/OFT) on ``model`` over the cached ``samples`` and return its weights.
 
@@ -63,20 +67,26 @@ def train_lora(
         reg: regularization samples (read through ``reader`` too), mixed in at ``settings.reg_ratio`` with loss weight
             ``settings.reg_weight``; ``None``: none.
         reg_name: the regularization dataset's name, for messages.
+        devices: where to train: ``None`` (this process's device), ``"auto"`` (every visible CUDA device), a list
+            of CUDA devices (``"0,1"``, ``[0, 1]``) or ``"cpu:N"`` (N CPU processes, for tests); several devices
+            train data-parallel with a global batch of ``batch_size`` × devices (see :mod:`.distributed`).
+        world: a worker's own collective (``nodes/training/worker.py``); not for callers.
 
     Raises:
         ValueError: bad settings, an empty dataset, or latents the model cannot take.
         comfy.model_management.InterruptProcessingException: the user cancelled the run.
     """
     settings.validate()
-    data = plan_data(reader, samples, settings, reg, reg_name)
-    settings = data.settings
+    team = plan_team(devices, model, world)
+    data = plan_data(reader, samples, settings, reg, reg_name, team.size)
     train = nodes_train_module()
     existing, existing_steps = load_existing_lora(settings.existing_lora)
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), team.started(model, reader, samples, settings, reg, reg_name):
+        settings = data.settings
         run = load(model, train, data, existing)
-        sampler = BucketSampler(samples, data.buckets, settings.batch_size, settings.seed, tail="wrap",
-                                rank=0, world_size=1, caption_dropout=settings.caption_dropout,
+        team.same_adapters(run.lora_sd)
+        sampler = shard_sampler(samples, data.buckets, settings.batch_size, settings.seed, tail="wrap",
+                                rank=team.rank, world_size=team.size, caption_dropout=settings.caption_dropout,
                                 reg=data.regularization)
         first_batch = existing_steps * settings.grad_accumulation_steps  # continuing: where the last run stopped
         if first_batch and len(sampler):
@@ -84,15 +94,16 @@ def train_lora(
         loader = PrefetchLoader(
             reader, sampler, prefetch_batches=settings.prefetch_batches,
             threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
-            on_wait=comfy.model_management.throw_exception_if_processing_interrupted,
+            on_wait=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None,
         )
         counts = RowCounts()
         try:
             prepare(run, train)
             loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
                             ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
-                            first_batch=first_batch)
+                            first_batch=first_batch, world=team.collective)
             losses, seconds, rows, waited = loop.run(counted(iter(loader), counts, sampler.main_samples), on_step)
+            counts = team.total(counts)
         finally:
             loader.close()
             unprepare(run, train)
@@ -122,8 +133,10 @@ class DataPlan:
 
 
 def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, settings: TrainSettings,
-              reg: Sequence[Sample] | DatasetMix | None, reg_name: str) -> DataPlan:
+              reg: Sequence[Sample] | DatasetMix | None, reg_name: str, ranks: int = 1) -> DataPlan:
     """Buckets, the regularization set and the batch size, checked before any model loads.
+
+    With several ``ranks`` a global batch is ``batch_size × ranks`` rows of one bucket; it is what is clamped.
 
     Raises:
         ValueError: an empty dataset, or entries the trainer cannot take (integer latents, combined or area
@@ -143,10 +156,17 @@ def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, set
         regularization = Regularization(reg, reg_buckets, settings.reg_ratio, settings.reg_weight, name=reg_name)
         shapes += reg_buckets
     notes: list[str] = []
-    fitted = fit_batch_size(main, buckets, settings.batch_size)
+    fitted = fit_batch_size(main, buckets, settings.batch_size * ranks) // ranks
+    if ranks > 1 and fitted < 1:
+        raise ValueError(f"training on {ranks} devices needs at least {ranks} images × repeats in the largest "
+                         f"bucket (one per device in each global batch), this dataset has "
+                         f"{fit_batch_size(main, buckets, ranks)}: train on fewer devices or raise the repeats")
     if fitted < settings.batch_size:  # the rest of each batch would be copies: clamp, and say so on the node
         notes.append(f"batch_size {settings.batch_size} is larger than this dataset's largest bucket ({fitted} "
-                     f"images × repeats per epoch): trained with batch_size {fitted}")
+                     f"images × repeats per epoch): trained with batch_size {fitted}" if ranks == 1 else
+                     f"batch_size {settings.batch_size} × {ranks} devices is larger than this dataset's largest "
+                     f"bucket ({fit_batch_size(main, buckets, settings.batch_size * ranks)} images × repeats per "
+                     f"epoch): trained with batch_size {fitted} per device")
         log.warning("Train LoRA: %s", notes[-1])
         settings = dataclasses.replace(settings, batch_size=fitted)
     return DataPlan(settings, buckets, regularization, shapes, notes)

@@ -27,7 +27,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
     "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
     "bypass_mode": False, "masked_loss": True, "unmasked_weight": 0.1,
-    "caption_dropout": 0.0, "reg_dataset": None, "reg_ratio": 1.0, "reg_weight": 1.0,
+    "caption_dropout": 0.0, "reg_dataset": None, "reg_ratio": 1.0, "reg_weight": 1.0, "devices": "auto",
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -138,6 +138,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     for name, default in (("caption_dropout", 0.0), ("reg_ratio", 1.0), ("reg_weight", 1.0)):  # #16
         assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
     assert inputs["reg_dataset"].optional and inputs["reg_dataset"].get_io_type() == "STREAM_DATASET"
+    # #26: one device (or a CPU) trains exactly as before; several GPUs data-parallel
+    assert inputs["devices"].optional and inputs["devices"].default == "auto" and "devices" in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
