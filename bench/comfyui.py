@@ -57,8 +57,9 @@ TRAIN_OPTS = {"batch_size": 4, "grad_accumulation_steps": 1, "learning_rate": 1e
 
 
 # ------------------------------------------------------------------------------------------------ comfy setup
-def comfy_setup(work: Path) -> Any:
-    """ComfyUI importable in-process on the CPU, its folders private to ``work``; returns the install."""
+def comfy_setup(work: Path, cpu: bool = True) -> Any:
+    """ComfyUI importable in-process (on the CPU unless ``cpu`` is False: ``scripts/bench-gpu``), its folders private
+    to ``work``; returns the install."""
     from support.comfy_env import find_comfyui, skip_reason
 
     install = find_comfyui()
@@ -68,7 +69,7 @@ def comfy_setup(work: Path) -> Any:
         sys.path.insert(0, str(install.path))
     from comfy.cli_args import args
 
-    args.cpu = True
+    args.cpu = cpu
     import folder_paths
 
     for sub in ("output", "input", "temp"):

@@ -12,6 +12,7 @@ ComfyUI runs.
 
     "$COMFYUI_PYTHON" bench/run_comfyui.py [options]      # what scripts/bench-comfy does; --help for options
     "$COMFYUI_PYTHON" bench/run_comfyui.py encode-memory [options]   # bench/encode_memory.py
+    "$COMFYUI_PYTHON" bench/run_comfyui.py gpu [options]             # scripts/bench-gpu: bench/gpu.py
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def main() -> int:
         from bench.encode_memory import main as encode_memory_main
 
         return encode_memory_main(argv[1:])
+    if argv[:1] == ["gpu"]:
+        from bench.gpu import main as gpu_main
+
+        return gpu_main(argv[1:])
     from bench.comfyui import main as bench_main
 
     return bench_main(argv)

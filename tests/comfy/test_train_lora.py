@@ -500,8 +500,9 @@ def test_an_integer_latent_is_refused_before_any_step(pack: ModuleType, node: ty
     dataset = _poisoned(pack, handles, tmp_path / "int_cache", torch.zeros(1, 4, 8, 8, dtype=torch.int16))
     training = _module(pack, "nodes.training")
     steps: list[int] = []
-    real_fwd_bwd = training.loop.StepLoop._fwd_bwd
-    monkeypatch.setattr(training.loop.StepLoop, "_fwd_bwd", lambda self, b, i: steps.append(i) or real_fwd_bwd(self, b, i))
+    loop = training.loop.StepLoop
+    real_fwd_bwd = loop._fwd_bwd
+    monkeypatch.setattr(loop, "_fwd_bwd", lambda self, b, i: steps.append(i) or real_fwd_bwd(self, b, i))
     with pytest.raises(ValueError, match=r"sample 2 \(img2.png\): latent entry .* holds torch.int16 samples"):
         _train(node, models[0], dataset)
     assert steps == []

@@ -1,0 +1,464 @@
+"""``scripts/bench-gpu``: the pack on one CUDA GPU against the in-memory bound and ComfyUI's own nodes, in one process.
+
+Builds full-size random-weight models from ComfyUI's classes (:mod:`bench.gpu_models`), a real cache of each
+family's sample shapes (:mod:`bench.gpu_data`), and measures side by side the arms of :mod:`bench.gpu_plan` (training:
+:mod:`bench.gpu_train`; Encode Dataset: :mod:`bench.gpu_encode`; ``--profile``: :mod:`bench.gpu_profile`) inside a
+time budget (default 7.5 min, for 8 on one H100), printing each figure as it comes and rewriting ``results.json`` and
+``section.md`` in the output folder after each one (a run stopped by a time limit still leaves its figures). At the
+end the GPU section of docs/BENCHMARKS.md is rewritten (:mod:`bench.gpu_report`).
+
+    scripts/bench-gpu                      # everything, ~8 min on one H100
+    scripts/bench-gpu --quick              # 1 warm-up + 5 steps, fewer images
+    scripts/bench-gpu --only flux/ours,sd15/b8,encode --no-doc
+    scripts/bench-gpu --profile --only sdxl
+    scripts/bench-gpu --cpu-standin        # the harness on tiny models on the CPU (what the CPU test runs)
+
+Without a CUDA GPU it says so in one line and exits 0 (``--cpu-standin`` aside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .gpu_figures import Device, EncodeFigures, GpuRun, TrainFigures, save_run
+from .gpu_models import FULL_FAMILIES, FULL_VAES, FamilySpec, VaeSpec
+from .gpu_plan import EXTRA, REQUIRED, ArmPlan, Budget, matches, plan_caps, plan_devices, plan_family
+from .gpu_report import SECTION, render
+
+__all__ = ["Options", "Context", "measure", "main", "context_from_pack", "tiny_specs"]
+
+PROG = "scripts/bench-gpu"
+DEFAULT_BUDGET_S = 450.0
+ENCODE_RESERVE_S = 90.0
+
+
+@dataclass
+class Options:
+    """What one run measures (resolved from the command line, or set by the CPU test)."""
+
+    steps: int = 20
+    warmup: int = 3
+    budget_s: float = DEFAULT_BUDGET_S
+    only: list[str] = field(default_factory=list)
+    profile: bool = False
+    profile_steps: int = 3
+    encode_images: int = 24
+    depth: int | None = None
+    extras: bool = True
+    """Qwen-Image and Lumina 2 after the rest, where the budget allows."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Training options every arm gets on top of the shared ones (the CPU stand-in: fp32)."""
+    batches: dict[str, tuple[int, ...]] | None = None
+    """Batch sizes per family instead of :data:`bench.gpu_plan.BATCHES` (the CPU test keeps them small)."""
+    command: str = PROG
+
+
+@dataclass
+class Context:
+    """Where the run happens: the trainers (:class:`bench.gpu_train.Trainers`), our Encode Dataset node class,
+    ComfyUI's input folder, a scratch folder, the output folder, and the progress printer."""
+
+    trainers: Any
+    encode_node: type
+    input_dir: Path
+    work: Path
+    out: Path
+    say: Callable[[str], None]
+    doc: Path | None = None
+    """The doc whose GPU section is rewritten after each figure (``None``: only ``out/section.md``)."""
+
+    @property
+    def device(self) -> Any:
+        return self.trainers.device
+
+
+def context_from_pack(pack: ModuleType, work: Path, out: Path, say: Callable[[str], None]) -> Context:
+    """A :class:`Context` from the imported pack (as ComfyUI imports it) and ComfyUI's configured folders."""
+    import importlib
+
+    import comfy.model_management
+    import folder_paths
+
+    from .gpu_train import Trainers
+
+    try:  # the trainer as a package (nodes/training/: run.py makes the loader), or as one module (training_loop)
+        loop = importlib.import_module(f"{pack.__name__}.nodes.training")
+        run = importlib.import_module(f"{pack.__name__}.nodes.training.run")
+    except ImportError:
+        loop = run = importlib.import_module(f"{pack.__name__}.nodes.training_loop")
+    handles = importlib.import_module(f"{pack.__name__}.nodes.handles")
+    encode = importlib.import_module(f"{pack.__name__}.nodes.encode_dataset")
+    trainers = Trainers(loop, handles, loop.nodes_train_module(), _nodes_dataset(),
+                        comfy.model_management.get_torch_device(), run)
+    return Context(trainers, encode.EncodeDataset, Path(folder_paths.get_input_directory()), work, out, say)
+
+
+def _nodes_dataset() -> ModuleType:
+    """ComfyUI's live ``comfy_extras/nodes_dataset`` (found through its registered node, else imported)."""
+    import importlib
+
+    nodes = sys.modules.get("nodes")
+    cls = getattr(nodes, "NODE_CLASS_MAPPINGS", {}).get("MakeTrainingDataset") if nodes else None
+    module = sys.modules.get(cls.__module__) if cls is not None else None
+    return module or importlib.import_module("comfy_extras.nodes_dataset")
+
+
+# ------------------------------------------------------------------------------------------------ the device
+def device_info(device: Any, comfyui: str) -> Device:
+    """Name, memory and versions of ``device`` (the CPU stand-in: the host's RAM)."""
+    import torch
+
+    from .common import machine_info
+
+    m = machine_info()
+    host = f"{m.cpu}, {m.cores} cores, {m.ram} RAM"
+    common = {"torch": torch.__version__, "comfyui": comfyui, "python": platform.python_version(), "host": host}
+    if getattr(device, "type", "cpu") == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        cudnn = torch.backends.cudnn.version()
+        return Device("cuda", props.name, props.total_memory / 2**30, torch.cuda.device_count(),
+                      cuda=torch.version.cuda or "", cudnn=str(cudnn or ""), **common)
+    return Device("cpu", f"CPU stand-in ({m.cpu})", 0.0, **common)
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+class _Recorder:
+    """Adds figures to the run and rewrites results.json + section.md after each one."""
+
+    def __init__(self, run: GpuRun, ctx: Context, families: dict[str, FamilySpec], start: float) -> None:
+        self.run, self.ctx, self.families, self.start = run, ctx, families, start
+
+    def save(self) -> None:
+        self.run.seconds = time.perf_counter() - self.start
+        save_run(self.run, self.ctx.out / "results.json")
+        text = render(self.run, self.families)
+        (self.ctx.out / "section.md").write_text(text)
+        if self.ctx.doc is not None:  # as it goes: a run stopped by a time limit leaves its figures in the doc
+            from .report import update_doc
+
+            update_doc(self.ctx.doc, SECTION, text)
+
+    def note(self, line: str) -> None:
+        self.run.notes.append(line)
+        self.ctx.say(line)
+        self.save()
+
+
+def measure(ctx: Context, opts: Options, families: dict[str, FamilySpec], vaes: dict[str, VaeSpec],
+            device: Device, dtype: Any = None) -> GpuRun:
+    """Run every selected arm within the budget; the figures (also written to ``ctx.out`` as they come)."""
+    import torch
+
+    dtype = dtype or torch.bfloat16
+    start = time.perf_counter()
+    budget = Budget(opts.budget_s, start)
+    run = GpuRun(device, opts.command, opts.steps, opts.warmup, opts.budget_s)
+    rec = _Recorder(run, ctx, families, start)
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    if any(matches(f"encode/{v}", opts.only) for v in vaes):
+        budget.reserve("encode", ENCODE_RESERVE_S)
+    device_gib = device.memory_gib if device.kind == "cuda" else float("inf")
+    batches = opts.batches or {}
+    for family in (f for f in REQUIRED if f in families):
+        _family_pass(ctx, opts, rec, budget, families[family],
+                     plan_family(family, device_gib, batches.get(family), opts.depth), dtype)
+    budget.release("encode")
+    _encode_pass(ctx, opts, rec, budget, vaes)
+    for arms in _group_arms(ctx, opts, rec, device, families).values():
+        for family in dict.fromkeys(a.family for a in arms):
+            spec = families.get(family) or families.get(family.removesuffix("_fp8"))
+            if spec is not None:
+                fam_dtype = torch.float8_e4m3fn if family.endswith("_fp8") else dtype
+                _family_pass(ctx, opts, rec, budget, spec, [a for a in arms if a.family == family], fam_dtype,
+                             name=family)
+    if opts.extras:
+        for family in (f for f in EXTRA if f in families):
+            _family_pass(ctx, opts, rec, budget, families[family],
+                         plan_family(family, device_gib, batches.get(family), opts.depth), dtype)
+    run.finished = True
+    rec.save()
+    return run
+
+
+def _group_arms(ctx: Context, opts: Options, rec: _Recorder, device: Device,
+                families: dict[str, FamilySpec]) -> dict[str, list[ArmPlan]]:
+    """#25's capped arms and #26's multi-GPU arms that this checkout and machine can run; one line for the rest."""
+    from .gpu_train import missing_settings
+
+    out: dict[str, list[ArmPlan]] = {}
+    caps = [a for a in plan_caps() if matches(a.id, opts.only)]
+    if caps:
+        missing = missing_settings(ctx.trainers, {"memory": "auto"})
+        if missing:
+            rec.note("Memory-capped arms (#25: SDXL in 8 GB, Flux-dev in 24 and 12 GB, WAN in 12 GB): skipped, this "
+                     "checkout's Train LoRA has no `memory` setting yet.")
+        elif device.kind != "cuda":
+            rec.note("Memory-capped arms (#25): skipped, no CUDA device to cap.")
+        else:
+            out["cap"] = caps
+    count = device.count if device.kind == "cuda" else 0
+    multi = [a for a in plan_devices(count) if matches(a.id, opts.only)]
+    if multi:
+        missing = missing_settings(ctx.trainers, {"devices": "auto"})
+        if count < 2:
+            rec.note(f"Multi-GPU arms (#26): skipped, {count or 'no'} CUDA GPU here (they need 2 or more).")
+        elif missing:
+            rec.note("Multi-GPU arms (#26): skipped, this checkout's Train LoRA has no `devices` setting yet.")
+        else:
+            out["devices"] = multi
+    return out
+
+
+def _family_pass(ctx: Context, opts: Options, rec: _Recorder, budget: Budget, spec: FamilySpec,
+                 arms: list[ArmPlan], dtype: Any, name: str | None = None) -> None:
+    """Build ``spec``'s model and data once, then run ``arms`` (those ``--only`` selects) within the budget."""
+    from .gpu_data import drop_page_cache, write_family_cache
+    from .gpu_models import build_diffusion_model
+    from .gpu_train import free_device, run_arm
+
+    name = name or spec.name
+    arms = [a for a in arms if matches(a.id, opts.only)]
+    if not arms:
+        return
+    total = opts.warmup + opts.steps
+    setup_s = 3.0 + 1.5 * spec.params_b
+    build_s = 5.0 + 3.0 * spec.params_b
+    first = budget.arm_cost(arms[0], total, setup_s)
+    if not budget.fits(build_s + first):
+        for arm in arms:
+            _skip(rec, arm, budget.why_not(build_s + first))
+        return
+    ctx.say(f"{name}: building the model ({spec.params_b:g}B parameters) and a cache of its samples")
+    t = time.perf_counter()
+    model = build_diffusion_model(spec, ctx.device, dtype)
+    root = ctx.work / f"cache_{name}"
+    data = write_family_cache(spec, root, max(a.batch for a in arms) * total)
+    rec.run.builds[name] = time.perf_counter() - t
+    ctx.say(f"{name}: ready in {rec.run.builds[name]:.0f} s (cache {data.bytes / 2**20:.0f} MiB, "
+            f"{data.samples} samples)")
+    try:
+        for arm in arms:
+            cost = budget.arm_cost(arm, total, setup_s)
+            if not budget.fits(cost):
+                _skip(rec, arm, budget.why_not(cost))
+                continue
+            fig = TrainFigures(arm.id, name, arm.batch, arm.arm, arm.depth, arm.depth_note, cap_gib=arm.cap_gib)
+            if arm.arm == "ours":
+                method = drop_page_cache(root)
+                if f"Page cache before ours: {method}" not in rec.run.notes:
+                    rec.run.notes.append(f"Page cache before ours: {method}")
+            run_arm(ctx.trainers, model, data, fig, opts.steps, opts.warmup, {**opts.settings, **arm.extra},
+                    say=ctx.say)
+            rec.run.train.append(fig)
+            if fig.median_s:
+                budget.learn(arm.est_step_s, fig.median_s)
+            rec.save()
+        if opts.profile:
+            _profile_pass(ctx, opts, rec, budget, model, data, arms, setup_s)
+    finally:
+        del model
+        free_device(ctx.device)
+        gc.collect()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _profile_pass(ctx: Context, opts: Options, rec: _Recorder, budget: Budget, model: Any, data: Any,
+                  arms: list[ArmPlan], setup_s: float) -> None:
+    """``--profile``: a few steps of the bound and of ours at the family's first batch, with their breakdown."""
+    from .gpu_profile import describe, profile_arm
+
+    for arm in [a for a in arms if a.arm in ("bound", "ours") and a.batch == arms[0].batch][:2]:
+        steps = 2 + opts.profile_steps + 1
+        cost = budget.arm_cost(arm, steps, setup_s) * 1.5
+        if not budget.fits(cost):
+            ctx.say(f"profile {arm.id}: skipped, {budget.why_not(cost)}")
+            continue
+        fig = TrainFigures(f"profile/{arm.id}", arm.family, arm.batch, arm.arm, arm.depth)
+        prof = profile_arm(ctx.trainers, model, data, fig, 2, opts.profile_steps, ctx.out, opts.settings)
+        ctx.say(describe(prof))
+        rec.run.profile.append(prof)
+        rec.save()
+
+
+def _skip(rec: _Recorder, arm: ArmPlan, why: str) -> None:
+    fig = TrainFigures(arm.id, arm.family, arm.batch, arm.arm, arm.depth, arm.depth_note, skipped=why,
+                       cap_gib=arm.cap_gib)
+    rec.run.train.append(fig)
+    rec.ctx.say(f"{arm.id}: skipped, {why}")
+    rec.save()
+
+
+def _encode_pass(ctx: Context, opts: Options, rec: _Recorder, budget: Budget, vaes: dict[str, VaeSpec]) -> None:
+    """Encode Dataset vs MakeTrainingDataset per VAE row, with the text encoders built once."""
+    import torch
+
+    from .gpu_encode import run_encode_row
+    from .gpu_models import build_text_encoder, build_vae, random_state_dict, text_encoder_shapes
+    from .gpu_train import free_device
+
+    rows = [v for v in vaes.values() if matches(f"encode/{v.name}", opts.only)]
+    if not rows:
+        return
+    clips: dict[str, Any] = {}
+    clip_l = None
+    for spec in rows:
+        est = 5.0 + opts.encode_images * 0.6 + (15.0 if spec.text not in clips and "t5" in spec.text else 0.0)
+        if not budget.fits(est):
+            fig = EncodeFigures(f"encode/{spec.name}", spec.title, opts.encode_images, spec.size,
+                                skipped=budget.why_not(est))
+            rec.run.encode.append(fig)
+            ctx.say(f"{fig.id}: skipped, {fig.skipped}")
+            rec.save()
+            continue
+        try:
+            if clip_l is None:
+                clip_l = random_state_dict(text_encoder_shapes("clip_l"), torch.float16, ctx.device, 5)
+            if spec.text not in clips:
+                ctx.say(f"encode: building the text encoder {spec.text}")
+                clips[spec.text] = build_text_encoder(spec.text, ctx.device, clip_l=clip_l)
+            vae = build_vae(spec, ctx.device)
+        except Exception as exc:  # a model that cannot be built is a figure of the run
+            fig = EncodeFigures(f"encode/{spec.name}", spec.title, opts.encode_images, spec.size,
+                                error=f"building the encoders: {type(exc).__name__}: {str(exc)[:300]}")
+            rec.run.encode.append(fig)
+            ctx.say(f"{fig.id}: FAILED {fig.error}")
+            rec.save()
+            continue
+        fig = run_encode_row(spec, vae, clips[spec.text], ctx.encode_node, ctx.trainers.nodes_dataset,
+                             ctx.input_dir, opts.encode_images, ctx.device, say=ctx.say)
+        rec.run.encode.append(fig)
+        del vae
+        rec.save()
+    clips.clear()
+    free_device(ctx.device)
+
+
+# ------------------------------------------------------------------------------------------------ CPU stand-in
+STANDIN_SETTINGS = {"training_dtype": "fp32", "lora_dtype": "fp32"}
+"""The CPU stand-in trains in fp32 (bf16 autocast on a CPU takes seconds a step even for tiny models)."""
+STANDIN_BATCHES = {"sd15": (1, 2), "flux": (1,), "wan21": (1,)}
+
+def tiny_specs() -> tuple[dict[str, FamilySpec], dict[str, VaeSpec]]:
+    """Tiny configs of the same classes (``tests/support/tiny_families``) for the CPU stand-in: SD1.5, Flux and
+    WAN 2.1 (video latents of 3 frames), and encode rows with the SD VAE and a WAN VAE of width 16, CLIP-L only."""
+    from support.tiny_families import FAMILIES
+
+    fams = {
+        "sd15": FamilySpec("sd15", "SD1.5 (tiny)", FAMILIES["sd15"].model_class, FAMILIES["sd15"].unet_config,
+                           (1, 4, 8, 8), 77, 768, shape_note="64²", params_b=0.0),
+        "flux": FamilySpec("flux", "Flux (tiny)", FAMILIES["flux"].model_class, FAMILIES["flux"].unet_config,
+                           (1, 16, 8, 8), 16, 4096, pooled=768, extras={"guidance": 3.5}, shape_note="64²"),
+        "wan21": FamilySpec("wan21", "WAN 2.1 (tiny)", FAMILIES["wan21"].model_class, FAMILIES["wan21"].unet_config,
+                            (1, 16, 3, 8, 8), 16, 4096, shape_note="9 frames 64²"),
+    }
+    vaes = {"sd15": dataclasses.replace(FULL_VAES["sd15"], size=(64, 64)),
+            "wan21": dataclasses.replace(FULL_VAES["wan21"], size=(64, 96), text="clip_l", wan_dim=16,
+                                         title="WAN 2.1 (WAN VAE of width 16, images as 1 frame, CLIP-L)")}
+    return fams, vaes
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 warm-up + 5 steps per arm, 8 images per encode row")
+    ap.add_argument("--only", default="", help="comma-separated FAMILY[/bB][/ARM] patterns (e.g. flux/ours,encode)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps per arm (default 20)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per arm (default 3)")
+    ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for the whole run (%(default)s)")
+    ap.add_argument("--depth", type=int, choices=(1, 2), default=None, help="checkpoint_depth for every arm")
+    ap.add_argument("--images", type=int, default=None, help="images per encode row (default 24)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of ours and the bound")
+    ap.add_argument("--no-extras", action="store_true", help="leave out Qwen-Image and Lumina 2")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default out/bench-gpu)")
+    ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: temporary, deleted)")
+    ap.add_argument("--doc", type=Path, default=None, help="markdown file to update (default docs/BENCHMARKS.md)")
+    ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--cpu-standin", action="store_true", help="the harness on tiny models on the CPU")
+    return ap
+
+
+def options_from(a: argparse.Namespace, argv: Sequence[str]) -> Options:
+    return Options(
+        steps=a.steps or (5 if a.quick else 20), warmup=a.warmup if a.warmup is not None else (1 if a.quick else 3),
+        budget_s=a.budget, only=[p.strip() for p in a.only.split(",") if p.strip()], profile=a.profile,
+        encode_images=a.images or (8 if a.quick else 24), depth=a.depth, extras=not a.no_extras,
+        command=" ".join([PROG, *(x for x in argv if x != "--no-doc")]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure and rewrite the GPU section of the doc (unless ``--no-doc``); one line and 0 without a GPU."""
+    from .common import DOC, PACK_ROOT
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = _parser().parse_args(argv)
+    import torch
+
+    if not a.cpu_standin and not torch.cuda.is_available():
+        print(f"{PROG}: no CUDA GPU visible here (torch {torch.__version__}, CUDA build "
+              f"{torch.version.cuda or 'none'}): nothing measured, docs/BENCHMARKS.md unchanged")
+        return 0
+    opts = options_from(a, argv)
+    if a.cpu_standin:
+        opts = dataclasses.replace(opts, steps=a.steps or 3, warmup=a.warmup if a.warmup is not None else 1,
+                                   encode_images=a.images or 2, extras=False, settings=STANDIN_SETTINGS,
+                                   batches=STANDIN_BATCHES)
+    out = a.out or PACK_ROOT / "out" / ("bench-gpu-cpu" if a.cpu_standin else "bench-gpu")
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "log.txt").open("w", encoding="utf-8")
+    t0 = time.perf_counter()
+
+    def say(line: str) -> None:
+        text = f"[bench-gpu {time.perf_counter() - t0:6.1f}s] {line}"
+        print(text, flush=True)
+        log.write(text + "\n")
+        log.flush()
+
+    own = a.dir is None
+    work = Path(tempfile.mkdtemp(prefix="streamcache-bench-gpu-")) if own else a.dir
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        ctx, device, families, vaes = _setup(work, out, say, a.cpu_standin)
+        ctx.doc = None if a.no_doc or a.cpu_standin else (a.doc or DOC)
+        say(f"device: {device.name}, {device.memory_gib:.1f} GiB; torch {device.torch}; ComfyUI {device.comfyui}")
+        run = measure(ctx, opts, families, vaes, device, torch.float32 if a.cpu_standin else torch.bfloat16)
+    finally:
+        log.close()
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    sys.stdout.write(render(run, families))  # the doc's section was rewritten with the last figure
+    return 0
+
+
+def _setup(work: Path, out: Path, say: Callable[[str], None], cpu: bool
+           ) -> tuple[Context, Device, dict[str, FamilySpec], dict[str, VaeSpec]]:
+    """ComfyUI in-process (on the GPU, or the CPU for the stand-in), its folders in ``work``, the pack imported."""
+    from support.pack import import_pack
+
+    from .comfyui import comfy_setup, comfy_version
+
+    install = comfy_setup(work, cpu=cpu)
+    import folder_paths
+
+    folder_paths.models_dir = str(work / "models")
+    (work / "models" / "streamcache").mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ctx = context_from_pack(import_pack(), work, out, say)
+    device = device_info(ctx.device, comfy_version(install.path))
+    if cpu:
+        families, vaes = tiny_specs()
+    else:
+        families, vaes = dict(FULL_FAMILIES), dict(FULL_VAES)
+    return ctx, device, families, vaes

@@ -1,0 +1,155 @@
+"""The figures ``scripts/bench-gpu`` measures, as plain dataclasses (no torch, no ComfyUI): measured by
+:mod:`bench.gpu_train` / :mod:`bench.gpu_encode`, written to JSON as the run goes (a run stopped by a time limit
+still leaves its figures), rendered by :mod:`bench.gpu_report`."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Device", "TrainFigures", "EncodeFigures", "ProfileFigures", "GpuRun", "save_run", "load_run"]
+
+
+@dataclass
+class Device:
+    """What ran the benchmark: the accelerator and the software versions."""
+
+    kind: str  # "cuda" | "cpu"
+    name: str
+    memory_gib: float
+    count: int = 1
+    torch: str = ""
+    cuda: str = ""
+    cudnn: str = ""
+    comfyui: str = ""
+    python: str = ""
+    host: str = ""
+    """CPU model, cores and RAM of the machine around the device."""
+
+
+@dataclass
+class TrainFigures:
+    """One training arm: ``family/bB/arm`` (arm: ``bound``, ``ours``, ``builtin``, or a capped / multi-GPU arm).
+
+    ``step_s``: seconds between consecutive step ends after the warm-up; ``first_s``: from the trainer's call to the
+    end of its first step; ``peak_gib``: ``torch.cuda.max_memory_allocated`` over the arm (``None`` on the CPU);
+    ``data_wait_pct``: the share of the measured steps spent waiting for a batch (``None`` for the built-in, whose
+    data is in memory). ``error`` (the failure, e.g. out of memory) or ``skipped`` (why it did not run) say why a
+    figure is missing.
+    """
+
+    id: str
+    family: str
+    batch: int
+    arm: str
+    checkpoint_depth: int
+    depth_note: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)
+    step_s: list[float] = field(default_factory=list)
+    first_s: float | None = None
+    peak_gib: float | None = None
+    reserved_gib: float | None = None
+    data_wait_pct: float | None = None
+    losses: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    cap_gib: float | None = None
+    error: str = ""
+    skipped: str = ""
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.step_s) if self.step_s else None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.step_s) and not self.error and not self.skipped
+
+
+@dataclass
+class EncodeFigures:
+    """One encode row: our Encode Dataset and ComfyUI's folder loader + ``MakeTrainingDataset`` on one folder.
+
+    ``*_s``: wall seconds for the whole folder (encoders unloaded before each, so model loading is included);
+    ``*_free_gib``: device memory free right after each (what training gets: ours releases its encoders, the
+    built-in leaves them loaded); ``free_before_gib``: free before either loaded anything.
+    """
+
+    id: str
+    title: str
+    images: int
+    size: tuple[int, int]
+    ours_s: float | None = None
+    builtin_s: float | None = None
+    ours_free_gib: float | None = None
+    builtin_free_gib: float | None = None
+    free_before_gib: float | None = None
+    peak_gib: float | None = None
+    note: str = ""
+    error: str = ""
+    skipped: str = ""
+
+
+@dataclass
+class ProfileFigures:
+    """Per-step averages from a ``torch.profiler`` trace of a few steps of one arm (``--profile``)."""
+
+    id: str
+    steps: int
+    step_ms: float
+    cpu_ms: float
+    """Step time minus the time the training thread was blocked in synchronizations: its own (Python + launch) work."""
+    sync_ms: float
+    syncs: float
+    items: float
+    """``.item()`` / ``float(tensor)`` calls (``aten::_local_scalar_dense``) per step."""
+    gpu_busy_ms: float
+    h2d_pageable: float
+    h2d_pageable_ms: float
+    h2d_pinned: float
+    labels_ms: dict[str, float] = field(default_factory=dict)
+    """Time inside the labelled parts of our loop (conditioning preparation, waiting for the batch, ...)."""
+    top_ops: list[tuple[str, float]] = field(default_factory=list)
+    trace: str = ""
+    error: str = ""
+
+
+@dataclass
+class GpuRun:
+    """Everything one ``scripts/bench-gpu`` run measured, and how it was run."""
+
+    device: Device
+    command: str
+    steps: int
+    warmup: int
+    budget_s: float
+    train: list[TrainFigures] = field(default_factory=list)
+    encode: list[EncodeFigures] = field(default_factory=list)
+    profile: list[ProfileFigures] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """One line each: arms skipped as a group (a setting this checkout lacks, one GPU only), page-cache method."""
+    builds: dict[str, float] = field(default_factory=dict)
+    """Seconds to build each family's model (random weights generated on the device, loaded by ComfyUI)."""
+    seconds: float = 0.0
+    finished: bool = False
+
+
+def save_run(run: GpuRun, path: Path) -> None:
+    """Write ``run`` as JSON (to a temporary name, then renamed: a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(run), indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def load_run(path: Path) -> GpuRun:
+    """The run saved by :func:`save_run`."""
+    data = json.loads(path.read_text())
+    data["device"] = Device(**data["device"])
+    data["train"] = [TrainFigures(**t) for t in data["train"]]
+    data["encode"] = [EncodeFigures(**{**e, "size": tuple(e["size"])}) for e in data["encode"]]
+    data["profile"] = [ProfileFigures(**{**p, "top_ops": [tuple(x) for x in p["top_ops"]]}) for p in data["profile"]]
+    return GpuRun(**data)

@@ -1,0 +1,267 @@
+"""One training arm of ``scripts/bench-gpu``, measured: the in-memory bound, ours, or ComfyUI's ``TrainLoraNode``.
+
+* **bound**: our ``train_lora`` with every batch of the run read onto the device before the loop starts (the
+  ``PrefetchLoader`` the trainer makes is replaced by a list of those batches): the step time no data path can beat.
+* **ours**: ``train_lora`` reading the cache through ``PrefetchLoader`` (what Train LoRA runs), after the cache's
+  pages were dropped from the page cache.
+* **builtin**: ComfyUI's ``ResolutionBucket`` → ``TrainLoraNode(bucket_mode=True)`` on the same samples held in
+  memory, the same options.
+
+Step ends: ours' public ``on_step`` (after the optimizer step; the loop has synchronized on the loss just before);
+the built-in's ``TrainSampler.fwd_bwd`` return, followed by a device synchronize (its own ``loss.item()`` comes
+next). Peak device memory: ``torch.cuda.max_memory_allocated`` from the arm's start (every model unloaded first), so
+it includes the model. Settings a checkout's trainer lacks (#25's ``memory``, #26's ``devices``) make the arm
+``skipped`` with one line instead of failing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from .gpu_data import FamilyData
+from .gpu_figures import TrainFigures
+
+__all__ = ["BASE_SETTINGS", "Trainers", "run_arm", "arm_settings", "train_ours", "missing_settings", "free_device",
+           "memory_gib"]
+
+BASE_SETTINGS: dict[str, Any] = {
+    "grad_accumulation_steps": 1, "learning_rate": 1e-4, "rank": 16, "optimizer": "AdamW", "loss_function": "MSE",
+    "seed": 7, "training_dtype": "bf16", "lora_dtype": "bf16", "algorithm": "LoRA", "gradient_checkpointing": True,
+    "offloading": False, "existing_lora": "[None]",
+}
+"""The options every arm shares (the built-in gets the same); ours adds the loader's prefetch (2, default threads)."""
+GIB = 1 << 30
+
+
+@dataclass
+class Trainers:
+    """The modules an arm calls: our trainer (``TrainSettings``, ``train_lora``) and ``handles`` (as ComfyUI imports
+    the pack), ComfyUI's live ``nodes_train`` and ``nodes_dataset``, the device, and the trainer's module that makes
+    the ``PrefetchLoader`` (the bound replaces it there; the profiler labels its parts)."""
+
+    loop: ModuleType
+    handles: ModuleType
+    nodes_train: ModuleType
+    nodes_dataset: ModuleType
+    device: Any
+    run: ModuleType | None = None
+
+    @property
+    def maker(self) -> ModuleType:
+        return self.run if self.run is not None else self.loop
+
+    def settings_fields(self) -> set[str]:
+        return {f.name for f in dataclasses.fields(self.loop.TrainSettings)}
+
+
+def missing_settings(trainers: Trainers, extra: dict[str, Any]) -> list[str]:
+    """The names in ``extra`` this checkout's ``TrainSettings`` does not have."""
+    return sorted(set(extra) - trainers.settings_fields())
+
+
+def memory_gib(device: Any) -> tuple[float | None, float | None]:
+    """(peak allocated, peak reserved) GiB since the last reset; ``(None, None)`` off CUDA."""
+    import torch
+
+    if getattr(device, "type", "cpu") != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB
+
+
+def free_device(device: Any) -> None:
+    """Unload every model ComfyUI holds, collect, return cached blocks, and reset the peak counters."""
+    import torch
+
+    import comfy.model_management as mm
+
+    mm.unload_all_models()
+    gc.collect()
+    mm.soft_empty_cache()
+    if getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures, steps: int, warmup: int,
+            extra: dict[str, Any] | None = None, say: Callable[[str], None] = print) -> TrainFigures:
+    """Train ``warmup + steps`` steps in the arm ``fig`` describes and fill in its figures (errors included:
+    a failed arm never stops the run)."""
+    import torch
+
+    extra = dict(extra or {})
+    missing = missing_settings(trainers, extra)
+    if missing and fig.arm != "builtin":
+        fig.skipped = f"this checkout's Train LoRA has no {', '.join(missing)} setting yet"
+        return fig
+    free_device(trainers.device)
+    total = warmup + steps
+    fig.settings = arm_settings(fig, total, extra)
+    capped = _cap(trainers.device, fig.cap_gib)
+    t0 = time.perf_counter()
+    try:
+        if fig.arm == "builtin":
+            ends, losses = _builtin(trainers, model, data, fig, total)
+            waits: list[tuple[float, float]] = []
+        else:
+            ends, losses, waits = train_ours(trainers, model, data, fig, bound=fig.arm == "bound")
+        fig.first_s = ends[0] - t0 if ends else None
+        fig.step_s = [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])] if warmup >= 1 else \
+            [b - a for a, b in zip(ends, ends[1:])]
+        fig.losses = [float(x) for x in losses]
+        fig.data_wait_pct = _steady_wait(waits, warmup) if waits else None
+    except torch.OutOfMemoryError as exc:
+        fig.error = f"out of memory ({str(exc).splitlines()[0][:160]})"
+    except Exception as exc:  # a failed arm is a figure of the run, the run goes on
+        fig.error = f"{type(exc).__name__}: {str(exc)[:400]}"
+    finally:
+        fig.wall_s = time.perf_counter() - t0
+        fig.peak_gib, fig.reserved_gib = memory_gib(trainers.device)
+        if capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, trainers.device)
+        free_device(trainers.device)
+    say(_line(fig))
+    return fig
+
+
+def arm_settings(fig: TrainFigures, total: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """The arm's training options: :data:`BASE_SETTINGS`, its batch, depth and step count, and ``extra``."""
+    return {**BASE_SETTINGS, "batch_size": fig.batch, "checkpoint_depth": fig.checkpoint_depth, "steps": total,
+            **extra}
+
+
+def _cap(device: Any, cap_gib: float | None) -> bool:
+    """Cap the caching allocator at ``cap_gib`` (``set_per_process_memory_fraction``); False when not capped."""
+    import torch
+
+    if cap_gib is None or getattr(device, "type", "cpu") != "cuda":
+        return False
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total), device)
+    return True
+
+
+def _line(fig: TrainFigures) -> str:
+    """One progress line for the arm."""
+    if fig.error:
+        return f"{fig.id}: FAILED {fig.error[:200]}"
+    med = fig.median_s
+    parts = [f"{fig.id} (depth {fig.checkpoint_depth}): median {med:.3f} s/step over {len(fig.step_s)}"
+             if med is not None else f"{fig.id}: no steady steps"]
+    if fig.first_s is not None:
+        parts.append(f"first step {fig.first_s:.1f} s")
+    if fig.peak_gib is not None:
+        parts.append(f"peak {fig.peak_gib:.1f} GiB")
+    if fig.data_wait_pct is not None:
+        parts.append(f"data wait {fig.data_wait_pct:.1f}%")
+    return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------ ours / bound
+def train_ours(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures, bound: bool,
+               hook: Callable[[Any], None] | None = None
+               ) -> tuple[list[float], list[float], list[tuple[float, float]]]:
+    """Run ``train_lora`` with ``fig.settings``; return step ends, losses and (elapsed, waited) seconds after each
+    step. ``bound``: every batch read onto the device first; ``hook``: also called after each step."""
+    loop = trainers.loop
+    settings = loop.TrainSettings(**fig.settings, prefetch_batches=2, loader_threads=0)
+    ends: list[float] = []
+    waits: list[tuple[float, float]] = []
+
+    def on_step(report: Any) -> None:
+        ends.append(time.perf_counter())
+        if report.samples_per_s > 0:  # StepReport is cumulative: elapsed = rows / (rows/s), wait = its share
+            elapsed = report.step * fig.batch / report.samples_per_s
+            waits.append((elapsed, elapsed * report.data_wait_pct / 100.0))
+        if hook is not None:
+            hook(report)
+
+    reader, samples = trainers.handles.StreamDatasetHandle(str(data.root), "train").open()
+    maker = trainers.maker
+    real = maker.PrefetchLoader
+    if bound:
+        maker.PrefetchLoader = _in_memory(real, fig.settings["steps"])
+    try:
+        import torch
+
+        with torch.inference_mode():
+            result = loop.train_lora(model, reader, samples, settings, on_step=on_step)
+    finally:
+        maker.PrefetchLoader = real
+        reader.close()
+    return ends, list(result.losses), waits
+
+
+def _in_memory(real: type, count: int) -> type:
+    """A stand-in for ``PrefetchLoader`` that reads ``count`` batches onto the device when made (before the loop)."""
+
+    class InMemory:
+        def __init__(self, reader: Any, sampler: Any, **kw: Any) -> None:
+            kw["prefetch_batches"] = 0
+            with real(reader, sampler, **kw) as loader:
+                it = iter(loader)
+                self.batches = [next(it) for _ in range(count)]
+
+        def __iter__(self) -> Iterator[Any]:
+            return iter(self.batches)
+
+        def close(self) -> None:
+            self.batches = []
+
+    return InMemory
+
+
+def _steady_wait(waits: list[tuple[float, float]], warmup: int) -> float | None:
+    """Percent of the time after the warm-up steps spent waiting for batches."""
+    if len(waits) <= warmup:
+        return None
+    (e0, w0), (e1, w1) = waits[max(warmup - 1, 0)] if warmup else (0.0, 0.0), waits[-1]
+    return 100.0 * (w1 - w0) / (e1 - e0) if e1 > e0 else None
+
+
+# ------------------------------------------------------------------------------------------------ built-in
+def _builtin(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures, total: int
+             ) -> tuple[list[float], list[float]]:
+    """ComfyUI's ResolutionBucket → TrainLoraNode (bucket mode) on the in-memory samples; step ends, losses."""
+    import torch
+
+    nt, nd = trainers.nodes_train, trainers.nodes_dataset
+    ends: list[float] = []
+    original = nt.TrainSampler.fwd_bwd
+
+    def fwd_bwd(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        _sync(trainers.device)
+        ends.append(time.perf_counter())
+        return out
+
+    nt.TrainSampler.fwd_bwd = fwd_bwd
+    try:
+        with torch.inference_mode():
+            latents = [{"samples": lat["samples"].clone()} for lat in data.latents]
+            lat, cond = nd.ResolutionBucket.execute(latents, [list(c) for c in data.conditionings]).result
+            opts = {k: [v] for k, v in fig.settings.items() if k in _BUILTIN_INPUTS}
+            _, loss_map, _ = nt.TrainLoraNode.execute(
+                model=[model], latents=lat, positive=cond, quantized_backward=[False], bucket_mode=[True],
+                bypass_mode=[False], **opts).result
+    finally:
+        nt.TrainSampler.fwd_bwd = original
+    return ends, list(loss_map["loss"])
+
+
+_BUILTIN_INPUTS = ("batch_size", "steps", "grad_accumulation_steps", "learning_rate", "rank", "optimizer",
+                   "loss_function", "seed", "training_dtype", "lora_dtype", "algorithm", "gradient_checkpointing",
+                   "checkpoint_depth", "offloading", "existing_lora")

@@ -1,0 +1,128 @@
+"""``scripts/bench-gpu``'s plan, budget and report, from fixed figures (no GPU, no ComfyUI, nothing timed).
+
+The harness itself (model construction, the arms, timing) runs on tiny models in ``tests/comfy/test_bench_gpu.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.gpu_figures import Device, EncodeFigures, GpuRun, ProfileFigures, TrainFigures, load_run, save_run
+from bench.gpu_plan import Budget, choose_depth, matches, plan_caps, plan_devices, plan_family
+from bench.gpu_report import PLACEHOLDER, render
+
+
+def test_depth_is_one_where_the_first_runs_depth_one_peak_fits_the_device() -> None:
+    assert choose_depth("sd15", 1, 79.2) == (1, "")
+    depth, note = choose_depth("sd15", 8, 79.2)  # 79.6 GiB at depth 1 on the H200
+    assert depth == 2 and "79.6 GiB" in note
+    assert choose_depth("sd15", 8, 139.8) == (1, "")
+    assert choose_depth("flux", 1, 139.8)[0] == 2  # never measured at depth 1: taken not to fit
+    assert choose_depth("flux", 2, 79.2, forced=1) == (1, "set by --depth")
+
+
+def test_each_family_batch_has_three_arms_side_by_side_at_one_depth() -> None:
+    arms = plan_family("sdxl", 79.2)
+    assert [a.id for a in arms] == [f"sdxl/b{b}/{k}" for b in (1, 4) for k in ("bound", "ours", "builtin")]
+    for batch in (1, 4):
+        assert len({a.depth for a in arms if a.batch == batch}) == 1
+    builtin_b4 = next(a for a in arms if a.id == "sdxl/b4/builtin")
+    assert builtin_b4.est_step_s > next(a for a in arms if a.id == "sdxl/b4/bound").est_step_s
+    assert all(a.extra == {"memory": "auto"} for a in plan_caps())
+    assert {a.cap_gib for a in plan_caps()} == {None, 8.0, 12.0, 24.0}
+    assert all(a.extra == {"devices": "auto"} and a.id.endswith("-4/ours") for a in plan_devices(4))
+
+
+@pytest.mark.parametrize(("patterns", "selected"), [
+    ([], True), (["flux"], True), (["flux/ours"], True), (["b2"], True), (["flux/b1"], False),
+    (["sdxl", "flux/builtin"], False), (["cap"], False), (["flux/bound", "b2/ours"], True)])
+def test_only_selects_by_parts_of_the_id(patterns: list[str], selected: bool) -> None:
+    assert matches("flux/b2/ours", patterns) is selected
+
+
+def test_only_matches_the_family_of_a_capped_arm() -> None:
+    assert matches("cap/flux-12/ours", ["cap/flux"]) and matches("cap/flux-12/ours", ["cap/flux-12"])
+    assert not matches("cap/flux-12/ours", ["cap/sdxl"])
+
+
+def test_budget_keeps_what_later_sections_reserve_and_learns_from_measured_steps() -> None:
+    budget = Budget(100.0, start=0.0)
+    budget.left = lambda: 100.0  # type: ignore[method-assign]  # a fixed clock: nothing here is timed
+    arm = plan_family("sd15", 79.2)[0]
+    assert budget.fits(budget.arm_cost(arm, 23, 3.0))
+    budget.reserve("encode", 90.0)
+    assert not budget.fits(20.0) and "kept for encode" in budget.why_not(20.0)
+    budget.release("encode")
+    budget.learn(1.0, 2.0)
+    budget.learn(1.0, 4.0)
+    budget.learn(1.0, 3.0)
+    assert budget.scale == 3.0  # the median ratio of measured to expected
+    assert budget.arm_cost(arm, 10, 1.0) == pytest.approx(1.0 + 10 * arm.est_step_s * 3.0)
+
+
+def _fig(arm: str, batch: int, step: float, peak: float, **kw: object) -> TrainFigures:
+    return TrainFigures(f"sdxl/b{batch}/{arm}", "sdxl", batch, arm, 2, "depth 1 would not fit", step_s=[step] * 20,
+                        first_s=9.0, peak_gib=peak, losses=[0.5] * 23, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def run() -> GpuRun:
+    device = Device("cuda", "NVIDIA H100 80GB HBM3", 79.2, torch="2.11.0+cu130", cuda="13.0", cudnn="91900",
+                    comfyui="0.28.0", python="3.12.3", host="16 cores")
+    train = [_fig("bound", 1, 0.400, 12.0), _fig("ours", 1, 0.402, 12.1, data_wait_pct=0.3),
+             _fig("builtin", 1, 0.410, 12.5),
+             _fig("bound", 4, 1.10, 10.6), _fig("ours", 4, 1.13, 10.6, data_wait_pct=0.1),
+             TrainFigures("sdxl/b4/builtin", "sdxl", 4, "builtin", 2, error="out of memory (tried 2 GiB)"),
+             TrainFigures("flux/b1/bound", "flux", 1, "bound", 2, skipped="time budget: needs ~80 s, 20 s left"),
+             TrainFigures("cap/sdxl-8/ours", "sdxl", 1, "ours", 1, step_s=[0.5] * 20, losses=[0.5] * 23,
+                          cap_gib=8.0, peak_gib=7.5),
+             TrainFigures("cap/sdxl-none/ours", "sdxl", 1, "ours", 1, step_s=[0.4] * 20, losses=[0.5001] * 23,
+                          peak_gib=14.0)]
+    encode = [EncodeFigures("encode/sd15", "SD1.5 (SD VAE, CLIP-L)", 24, (512, 512), ours_s=4.0, builtin_s=6.0,
+                            ours_free_gib=78.0, builtin_free_gib=77.0, free_before_gib=78.5),
+              EncodeFigures("encode/flux", "Flux", 24, (1024, 1024), error="RuntimeError: boom")]
+    profile = [ProfileFigures("profile/sdxl/b1/ours", 3, 402.0, 30.0, 372.0, 1.0, 1.0, 395.0, 0.0, 0.0, 3.0,
+                              labels_ms={"streamcache.conditioning": 2.5}, top_ops=[("aten::mm", 4.0)],
+                              trace="trace_profile_sdxl_b1_ours.json.gz")]
+    return GpuRun(device, "scripts/bench-gpu", 20, 3, 450.0, train, encode, profile,
+                  notes=["Multi-GPU arms (#26): skipped, 1 CUDA GPU here (they need 2 or more)."],
+                  builds={"sdxl": 21.0}, seconds=430.0, finished=True)
+
+
+def test_the_section_names_the_device_and_checks_every_goal(run: GpuRun) -> None:
+    text = render(run)
+    lines = text.splitlines()
+    assert lines[0] == "## GPU benchmarks (`scripts/bench-gpu`)"
+    assert "- Device: NVIDIA H100 80GB HBM3, 79.2 GiB; torch 2.11.0+cu130, CUDA 13.0, cuDNN 91900; ComfyUI 0.28.0; " \
+           "Python 3.12.3" in lines
+    b1 = next(line for line in lines if line.startswith("| SDXL | 1024², b1 |"))
+    assert "| 0.400 | 0.402 | 0.410 | 99.5% | 1.02× |" in b1 and "≥ 99% of bound: met; ≥ 1× built-in: met" in b1
+    assert "9.0 / 9.0 / 9.0 | 12.0 / 12.1 / 12.5 | 0.3% |" in b1
+    b4 = next(line for line in lines if line.startswith("| SDXL | 1024², b4 |"))
+    assert "| out of memory |" in b4 and "≥ 99% of bound: NOT met" in b4 and "built-in out of memory: met" in b4
+    assert "- `flux/b1/bound`: time budget: needs ~80 s, 20 s left" in lines
+    assert "- `sdxl/b4/builtin`: out of memory (tried 2 GiB)" in lines
+    cap = next(line for line in lines if line.startswith("| `cap/sdxl-8/ours` |"))
+    assert "| 8 | 0.500 | 80.0% | 7.5 |" in cap and "| 1.00e-04 |" in cap
+    assert "| SD1.5 (SD VAE, CLIP-L) | 24 × 512×512 | 6.00 | 4.00 | 1.50× | 78.5 | 78.0 | 77.0 |" in lines
+    assert "- `encode/flux`: RuntimeError: boom" in lines
+    assert any(line.startswith("| `profile/sdxl/b1/ours` | 3 | 402.0 | 30.0 | 372.0 (1.0) |") for line in lines)
+    assert "- Multi-GPU arms (#26): skipped, 1 CUDA GPU here (they need 2 or more)." in lines
+    assert "(this run: 7.2 min of a 7.5 min budget, finished)." in text
+
+
+def test_a_run_stopped_early_says_so_and_survives_its_json(run: GpuRun, tmp_path: Path) -> None:
+    run.finished = False
+    save_run(run, tmp_path / "results.json")
+    again = load_run(tmp_path / "results.json")
+    assert again == run
+    assert "stopped before the end: figures so far" in render(again)
+
+
+def test_the_placeholder_says_the_figures_are_unmeasured() -> None:
+    assert PLACEHOLDER.startswith("## GPU benchmarks (`scripts/bench-gpu`)")
+    assert "**Unmeasured**" in PLACEHOLDER
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "BENCHMARKS.md").read_text()
+    assert "<!-- bench:gpu:begin -->" in doc and "<!-- bench:gpu:end -->" in doc
