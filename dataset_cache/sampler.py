@@ -27,6 +27,8 @@ An epoch, for a given ``(seed, epoch)``:
    ``r, r + world_size, ...``. Under ``"drop"`` the last ``total % world_size`` batches of the shuffled order are
    dropped, so shares are disjoint; under ``"wrap"`` the order is padded with its own first batches, so the few
    padding batches are seen twice. Either way the union over ranks is the epoch up to that documented tail.
+   (The trainer shares global batches by rows instead, so its order does not depend on the number of ranks:
+   :mod:`.sharding`.)
 
 Every draw has its own labelled generator, so with no mirror, no dropout and no regularization set the plans (and
 the resume fingerprint) are exactly those of the versions before them. Several datasets train together as a

@@ -70,8 +70,8 @@ def describe_exit(code: int | None) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        hint = " (the system's out-of-memory killer sends it: each rank holds its own copy of the model)" \
-            if name == "SIGKILL" else ""
+        hint = (" (unless someone killed it on purpose, the system ran out of memory: each rank holds its own copy "
+                "of the model in host RAM while it loads it)") if name == "SIGKILL" else ""
         return f"was killed by {name}{hint}"
     return f"exited with code {code}"
 

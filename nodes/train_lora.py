@@ -231,6 +231,7 @@ class TrainLoRA(io.ComfyNode):
             quantized_backward=bool(quantized_backward), bypass_mode=bool(bypass_mode),
             masked_loss=bool(masked_loss), unmasked_weight=float(unmasked_weight),
             caption_dropout=float(caption_dropout), reg_ratio=float(reg_ratio), reg_weight=float(reg_weight),
+            devices=str(devices),
         )
         settings.validate()  # before opening anything: a typo fails fast
         for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset)):
@@ -247,7 +248,7 @@ class TrainLoRA(io.ComfyNode):
         with contextlib.ExitStack() as locks:
             for root in roots:
                 locks.enter_context(CacheLock(root, READ_LOCK, exclusive=False, purpose="training"))
-            result, samples, reg_count = cls._train(model, dataset, settings, node_id, reg_dataset, devices)
+            result, samples, reg_count = cls._train(model, dataset, settings, node_id, reg_dataset)
         summary = f"dataset {dataset.name!r} ({samples} samples)"
         if reg_dataset is not None:
             summary += (f", regularization {reg_dataset.name!r} ({reg_count} samples, ratio {settings.reg_ratio:g}, "
@@ -260,7 +261,7 @@ class TrainLoRA(io.ComfyNode):
     @classmethod
     def _train(cls, model: Any, dataset: StreamDatasetHandle | CombinedDatasetHandle, settings: TrainSettings,
                node_id: str | None, reg_dataset: StreamDatasetHandle | CombinedDatasetHandle | None = None,
-               devices: str = AUTO) -> tuple[Any, int, int]:
+               ) -> tuple[Any, int, int]:
         """Train; returns the result and how many main and regularization samples it drew from.
 
         Each cache involved is opened once; datasets of one cache train through its own reader, datasets of
@@ -276,8 +277,7 @@ class TrainLoRA(io.ComfyNode):
                         f"{what} {handle.name!r} in the {handle.where()} is empty (0 samples): there is nothing to "
                         "train on; encode a folder that holds images")
             result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
-                                reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "",
-                                devices=devices)
+                                reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "")
         finally:
             for reader in readers.values():
                 reader.close()

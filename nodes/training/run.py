@@ -48,7 +48,6 @@ def train_lora(
     on_step: Callable[[StepReport], None] | None = None,
     reg: Sequence[Sample] | DatasetMix | None = None,
     reg_name: str = "the regularization dataset",
-    devices: str | Sequence[int] | None = None,
     world: Any = None,
 ) -> TrainResult:
     """Train a LoRA (or LoHa/LoKr/OFT) on ``model`` over the cached ``samples`` and return its weights.
@@ -67,17 +66,16 @@ def train_lora(
         reg: regularization samples (read through ``reader`` too), mixed in at ``settings.reg_ratio`` with loss weight
             ``settings.reg_weight``; ``None``: none.
         reg_name: the regularization dataset's name, for messages.
-        devices: where to train: ``None`` (this process's device), ``"auto"`` (every visible CUDA device), a list
-            of CUDA devices (``"0,1"``, ``[0, 1]``) or ``"cpu:N"`` (N CPU processes, for tests); several devices
-            train data-parallel with a global batch of ``batch_size`` × devices (see :mod:`.distributed`).
-        world: a worker's own collective (``nodes/training/worker.py``); not for callers.
+        world: a worker's own collective (``nodes/training/worker.py``); not for callers. Where to train is
+            ``settings.devices``: several devices train data-parallel with a global batch of ``batch_size`` ×
+            devices (see :mod:`.distributed`).
 
     Raises:
         ValueError: bad settings, an empty dataset, or latents the model cannot take.
         comfy.model_management.InterruptProcessingException: the user cancelled the run.
     """
     settings.validate()
-    team = plan_team(devices, model, world)
+    team = plan_team(settings.devices, model, world)
     data = plan_data(reader, samples, settings, reg, reg_name, team.size)
     train = nodes_train_module()
     existing, existing_steps = load_existing_lora(settings.existing_lora)

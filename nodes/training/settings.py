@@ -31,6 +31,8 @@ class TrainSettings:
     ``grad_accumulation_steps`` batches of ``batch_size`` rows. ``prefetch_batches`` batches are read ahead by
     ``loader_threads`` threads (0: the loader's default). ``masked_loss`` weighs the loss by the batch's masks
     where the dataset has any (``unmasked_weight``: the weight where a mask is 0); see :meth:`~.loop.StepLoop._loss`.
+    ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
+    ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
 
     steps: int = 16
@@ -58,6 +60,8 @@ class TrainSettings:
     caption_dropout: float = 0.0
     reg_ratio: float = 1.0
     reg_weight: float = 1.0
+    # several devices (#26): read by distributed.plan_team against the model's device
+    devices: str | tuple[int, ...] | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -80,6 +84,9 @@ class TrainSettings:
         if not 0.0 <= self.unmasked_weight <= 1.0:  # also refuses NaN
             raise ValueError(f"unmasked_weight must be between 0 and 1 (the loss weight where a mask is 0; 1: masks "
                              f"have no effect), got {self.unmasked_weight}")
+        if not (self.devices is None or isinstance(self.devices, str) or (isinstance(self.devices, tuple) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in self.devices))):
+            raise ValueError(f"devices must be 'auto', a list such as '0,1', 'cpu:N' or None, got {self.devices!r:.40}")
         for name, top in (("caption_dropout", 1.0), ("reg_ratio", MAX_REG_RATIO), ("reg_weight", MAX_REG_WEIGHT)):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value <= top):

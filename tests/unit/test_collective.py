@@ -208,5 +208,5 @@ def test_workers_end_when_rank_0_dies(entry: Path, tmp_path: Path):
 def test_exits_are_described_by_name():
     assert describe_exit(3) == "exited with code 3"
     assert describe_exit(-signal.SIGSEGV) == "was killed by SIGSEGV"
-    assert "out-of-memory" in describe_exit(-signal.SIGKILL)
+    assert "ran out of memory" in describe_exit(-signal.SIGKILL)
     assert describe_exit(None) == "is still running"
