@@ -151,8 +151,9 @@ class Collective:
         """
         differed = 0
         with torch.no_grad():
-            for group in _by_dtype(tensors):
-                flat = torch.cat([t.detach().reshape(-1).to(self.comm_device) for t in group])
+            for group in _by_dtype(tensors):  # half floats travel as fp32 (exact both ways; gloo lacks some)
+                wire = torch.float32 if group[0].is_floating_point() and group[0].element_size() < 4 else None
+                flat = torch.cat([t.detach().reshape(-1).to(self.comm_device, wire) for t in group])
                 mine = flat.clone() if self.rank else flat
                 self._wait(dist.broadcast(flat, 0, async_op=True), interruptible=True)
                 if self.rank:

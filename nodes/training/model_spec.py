@@ -21,6 +21,10 @@ import pickle
 import uuid
 from typing import Any
 
+import torch
+
+from ...dataset_cache.units import format_bytes
+
 __all__ = ["build_spec", "rebuild"]
 
 _SENT = ("patches", "patches_uuid", "object_patches", "weight_wrapper_patches", "model_options", "force_cast_weights",
@@ -33,6 +37,9 @@ _MUST_BE_EMPTY = {
     "current_hooks": "hooks (from the Create Hook nodes)",
     "forced_hooks": "forced hooks",
 }
+_RECIPE_BYTES = 16 << 20
+"""A loader recipe names a file; one carrying more tensor data than this carries the weights themselves, which every
+worker would receive a copy of through a pipe: refused (see :func:`build_spec`)."""
 _LOADED: dict[str, Any] = {}
 _ADVICE = ("train on one device (devices '0'), or build the model without that node (load it with Load Diffusion "
            "Model or Load Checkpoint; LoRAs loaded with Load LoRA are supported)")
@@ -76,6 +83,13 @@ def build_spec(model: Any) -> bytes:
             "loader that does not record how to load it again (ModelPatcher.cached_patcher_init is not set), so the "
             "worker processes cannot rebuild it; load it with Load Diffusion Model or Load Checkpoint, or train on "
             "one device (devices '0')")
+    carried = _tensor_bytes(recipe)
+    if carried > _RECIPE_BYTES:
+        raise ValueError(
+            f"training on several devices: the model's loader recipe (ModelPatcher.cached_patcher_init) holds "
+            f"{format_bytes(carried)} of weights in memory rather than a file to load, and each worker process "
+            "would be sent a copy; save the model to a file and load it with Load Diffusion Model or Load "
+            "Checkpoint, or train on one device (devices '0')")
     for name, what in _MUST_BE_EMPTY.items():
         if getattr(model, name, None):
             raise ValueError(f"training on several devices: the model carries {what} ({name}), which the worker "
@@ -89,6 +103,19 @@ def build_spec(model: Any) -> bytes:
         raise ValueError(
             f"training on several devices: the model's {path.lstrip('.')} ({_kind(culprit)}) cannot be sent to the "
             f"worker processes ({type(error).__name__}: {error}); {_ADVICE}") from exc
+
+
+def _tensor_bytes(value: Any, depth: int = 0) -> int:
+    """Bytes of the tensors in ``value`` (nested dicts, lists, tuples), without pickling anything."""
+    if isinstance(value, torch.Tensor):
+        return value.nelement() * value.element_size()
+    if depth > 8:
+        return 0
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return sum(_tensor_bytes(v, depth + 1) for v in value)
+    return 0
 
 
 def _picklable_recipe(recipe: Any) -> bool:

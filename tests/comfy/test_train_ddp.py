@@ -195,7 +195,22 @@ def test_a_patch_that_cannot_reach_a_worker_is_refused_by_name_before_any_proces
     unknown.cached_patcher_init = None
     with pytest.raises(ValueError, match="does not record how to load it again.*Load Diffusion Model"):
         _train(node, unknown, dataset, devices="cpu:2")
+    in_memory = models[0].clone()  # a recipe carrying the weights themselves, not a file (each worker: a copy)
+    in_memory.cached_patcher_init = (torch.zeros, ({"weights": torch.zeros(5 << 20)},))
+    with pytest.raises(ValueError, match="holds 20.0 MiB of weights in memory rather than a file to load"):
+        _train(node, in_memory, dataset, devices="cpu:2")
     assert started == [] and workers_of(os.getpid()) == []
+
+
+def test_node_defaults_bf16_checkpointing_and_accumulation_on_two_ranks(node: type, models: tuple,
+                                                                      dataset: Any) -> None:
+    """bf16 autocast and adapters (gradients reduced in fp32, weights broadcast as fp32), gradient checkpointing and
+    two accumulated batches per step: the paths the fp32 tests do not take."""
+    out = _train(node, models[0], dataset, devices="cpu:2", steps=2, grad_accumulation_steps=2, optimizer="AdamW",
+                 learning_rate=1e-3, training_dtype="bf16", lora_dtype="bf16", gradient_checkpointing=True).result
+    assert len(out[1]["loss"]) == 2 and all(v == v and abs(v) < 1e6 for v in out[1]["loss"])
+    assert {v.dtype for v in out[0].values()} == {torch.bfloat16}
+    _no_workers_left()
 
 
 def test_devices_a_cpu_comfyui_cannot_use_are_named(node: type, models: tuple, dataset: Any) -> None:

@@ -53,8 +53,10 @@ WORKER = textwrap.dedent(f"""
             c.reduce_gradients([a, b, none])
             assert a.grad.tolist() == [2.0, 3.0, 0.0] and b.grad.tolist() == [2.0, 1.0] and none.grad is None
             assert c.agree(3.0) == 2.0
-            weights = [torch.full((2,), 9.0), torch.full((1,), 9.0, dtype=torch.float64)]
-            assert c.broadcast_(weights) == 2 and weights[0].tolist() == [1.0, 1.0] and weights[1].tolist() == [2.0]
+            weights = [torch.full((2,), 9.0), torch.full((1,), 9.0, dtype=torch.float64),
+                       torch.full((2,), 9.0, dtype=torch.bfloat16)]
+            assert c.broadcast_(weights) == 3 and weights[0].tolist() == [1.0, 1.0] and weights[1].tolist() == [2.0]
+            assert weights[2].dtype == torch.bfloat16 and weights[2].tolist() == [0.5, -3.0]
             assert c.sum_ints([1, 2]) == [11, 22]
             c.agree(0.0)  # rank 0 asks to stop here
             raise AssertionError("the agreed stop did not stop rank 1")
@@ -119,7 +121,8 @@ def test_gradients_losses_weights_and_an_agreed_stop(group, monkeypatch):
     assert b.grad is not None and b.grad.tolist() == [2.0, 1.0]  # one rank had it: the other counts zeros
     assert none.grad is None  # no rank had one: the optimizer skips it, as on one rank
     assert c.agree(1.0) == 2.0  # (1 + 3) / 2
-    assert c.broadcast_([torch.ones(2), torch.full((1,), 2.0, dtype=torch.float64)]) == 0
+    assert c.broadcast_([torch.ones(2), torch.full((1,), 2.0, dtype=torch.float64),
+                         torch.tensor([0.5, -3.0], dtype=torch.bfloat16)]) == 0
     assert c.sum_ints([10, 20]) == [11, 22]
     stop["asked"] = True
     with pytest.raises(RunStopped):
