@@ -29,7 +29,7 @@ import comfy.model_management
 import folder_paths
 
 from ...dataset_cache.collective import Collective, backend_for, collective_timeout, host_store
-from ...dataset_cache.devices import DevicePlan, parse_devices
+from ...dataset_cache.devices import AUTO, DevicePlan, parse_devices
 from ...dataset_cache.multi_reader import MultiCacheReader
 from ...dataset_cache.workers import GRACE_S, WorkerPool
 from .model_spec import build_spec
@@ -90,9 +90,15 @@ def _home(model: Any) -> torch.device:
     return device
 
 
-def plan_team(devices: str | Sequence[int] | None, model: Any, world: Collective | None = None) -> Team:
+def plan_team(devices: str | Sequence[int] | None, model: Any, reader: Any = None,
+              world: Collective | None = None) -> Team:
     """The ranks of a run: ``world`` given (a worker's own), else from ``devices`` (see
-    :func:`~dataset_cache.devices.parse_devices`; ``None``: one device) with rank 0 on the model's device."""
+    :func:`~dataset_cache.devices.parse_devices`; ``None``: one device) with rank 0 on the model's device.
+
+    Whether the model and the caches can reach worker processes is checked here, before anything starts. A list of
+    devices that cannot be used that way is refused, naming why; ``auto`` trains on one device instead and says so
+    (:attr:`Team.notes`): a workflow that trained on one GPU keeps training on a machine with several.
+    """
     if world is not None:
         return Team(None, world)
     if devices is None:
@@ -100,7 +106,17 @@ def plan_team(devices: str | Sequence[int] | None, model: Any, world: Collective
     home = _home(model)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     plan = parse_devices(devices, home=home.type, home_index=home.index, cuda_count=count)
-    return Team(plan if plan.size > 1 else None)
+    if plan.size == 1:
+        return Team(None)
+    try:
+        spec, roots = build_spec(model), reader_roots(reader)
+    except ValueError as exc:
+        if not (isinstance(devices, str) and devices.strip().lower() in ("", AUTO)):
+            raise
+        note = f"devices 'auto' trained on one device, not on {plan.describe()}: {exc}"
+        log.warning("Train LoRA: %s", note)
+        return Team(None, notes=[note])
+    return Team(plan, spec=spec, roots=roots)
 
 
 class Team:
@@ -110,9 +126,14 @@ class Team:
     a worker makes it around its own collective.
     """
 
-    def __init__(self, plan: DevicePlan | None, collective: Collective | None = None) -> None:
+    def __init__(self, plan: DevicePlan | None, collective: Collective | None = None, *, spec: bytes = b"",
+                 roots: tuple[str, ...] = (), notes: Sequence[str] = ()) -> None:
         self.plan = plan
         self.collective = collective
+        self.spec = spec
+        self.roots = roots
+        self.notes = list(notes)
+        """What the run had to change (``auto`` on one device), for the node's summary."""
         self.pool: WorkerPool | None = None
 
     @property
@@ -126,16 +147,13 @@ class Team:
         return self.plan.size if self.plan is not None else 1
 
     @contextlib.contextmanager
-    def started(self, model: Any, reader: Any, samples: Any, settings: TrainSettings, reg: Any,
-                reg_name: str) -> Iterator[Team]:
+    def started(self, model: Any, samples: Any, settings: TrainSettings, reg: Any, reg_name: str) -> Iterator[Team]:
         """Rank 0 of several: start the workers and the process group for the body, end them after it, whatever
         happens. Otherwise nothing."""
         plan = self.plan
         if plan is None or self.collective is not None:
             yield self
             return
-        spec = build_spec(model)  # refused here, before any process starts
-        roots = reader_roots(reader)
         backend = backend_for(plan.kind)
         timeout_s = collective_timeout()
         store = host_store(plan.size)
@@ -144,8 +162,8 @@ class Team:
         collective = Collective(0, plan.size, _home(model), backend, check=pool.check, stop_requested=interrupted,
                                 on_stop=_interrupted)
         bootstrap = _bootstrap()
-        jobs = {rank: pickle.dumps(WorkerJob(rank, plan.size, backend, store.port, timeout_s, spec, roots, samples,
-                                             reg, reg_name, settings), protocol=pickle.HIGHEST_PROTOCOL)
+        jobs = {rank: pickle.dumps(WorkerJob(rank, plan.size, backend, store.port, timeout_s, self.spec, self.roots,
+                                             samples, reg, reg_name, settings), protocol=pickle.HIGHEST_PROTOCOL)
                 for rank in range(1, plan.size)}
         log.info("Train LoRA: %d ranks on %s (%s)", plan.size, plan.describe(), backend)
         finished = False

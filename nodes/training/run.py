@@ -75,11 +75,12 @@ def train_lora(
         comfy.model_management.InterruptProcessingException: the user cancelled the run.
     """
     settings.validate()
-    team = plan_team(settings.devices, model, world)
+    team = plan_team(settings.devices, model, reader, world)
     data = plan_data(reader, samples, settings, reg, reg_name, team.size)
+    data.notes.extend(team.notes)
     train = nodes_train_module()
     existing, existing_steps = load_existing_lora(settings.existing_lora)
-    with torch.inference_mode(False), team.started(model, reader, samples, settings, reg, reg_name):
+    with torch.inference_mode(False), team.started(model, samples, settings, reg, reg_name):
         settings = data.settings
         run = load(model, train, data, existing)
         team.same_adapters(run.lora_sd)

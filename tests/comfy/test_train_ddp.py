@@ -202,6 +202,28 @@ def test_a_patch_that_cannot_reach_a_worker_is_refused_by_name_before_any_proces
     assert started == [] and workers_of(os.getpid()) == []
 
 
+def test_auto_falls_back_to_one_device_for_a_model_that_cannot_reach_workers(pack: ModuleType, node: type,
+                                                                            models: tuple, dataset: Any,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` on a machine with several GPUs (stood in for by a plan of 2 CPU ranks) trains a model the workers
+    cannot rebuild on one device, as before #26, and the node says so; a list naming the devices refuses it."""
+    distributed = _module(pack, "nodes.training.distributed")
+    plan = _module(pack, "dataset_cache.devices").DevicePlan("cpu", (0, 1))
+    monkeypatch.setattr(distributed, "parse_devices", lambda spec, **kw: plan)
+    monkeypatch.setattr(_module(pack, "dataset_cache.workers").WorkerPool, "start",
+                        lambda self, payloads: pytest.fail("no worker may start"))
+    wrapped = models[0].clone()
+    wrapped.set_model_unet_function_wrapper(lambda apply_model, args: apply_model(args["input"], args["timestep"],
+                                                                                  **args["c"]))
+    out = _train(node, wrapped, dataset, devices="auto", steps=1)
+    (summary,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
+    assert "NOTE: devices 'auto' trained on one device, not on 2 CPU processes: training on several devices: the " \
+           "model's model_options['model_function_wrapper']" in summary
+    assert len(out.result[1]["loss"]) == 1
+    with pytest.raises(ValueError, match="model_function_wrapper"):
+        _train(node, wrapped, dataset, devices="cpu:2", steps=1)
+
+
 def test_node_defaults_bf16_checkpointing_and_accumulation_on_two_ranks(node: type, models: tuple,
                                                                       dataset: Any) -> None:
     """bf16 autocast and adapters (gradients reduced in fp32, weights broadcast as fp32), gradient checkpointing and
