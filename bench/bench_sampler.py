@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dataset_cache.dataset import Sample
-from dataset_cache.loader import _assemble, _Context, _Job
+from dataset_cache.batch_assembly import assemble_cpu, latent_rows
 from dataset_cache.sampler import BatchPlan, BucketSampler, Regularization
 
 
@@ -71,13 +71,12 @@ def assembly_rows(batch: int, runs: int) -> list[tuple[str, str]]:
         values[f"l{i}"] = {"samples": torch.randn(1, 4, 128, 128).half()}
         values[f"k{i}"] = {"mask": torch.randint(0, 256, (1, 1, 128, 128), dtype=torch.uint8)}
         values[f"c{i}"] = [[torch.randn(1, 77, 2048).half(), {"pooled_output": torch.randn(1, 1280).half()}]]
-    ctx = _Context(reader=None, device=torch.device("cpu"), pin=False, side_stream=None, slots=[])
     out = []
     for masked in (False, True):
         plan = BatchPlan(0, 0, tuple(range(batch)), tuple(f"l{i}" for i in range(batch)),
                          tuple(f"c{i}" for i in range(batch)), mirrored=tuple(i % 2 == 0 for i in range(batch)),
                          mask_keys=tuple(f"k{i}" for i in range(batch)) if masked else ())
-        ts = _timed(lambda p=plan: _assemble(_Job(p), ctx, values), runs)  # type: ignore[arg-type]
+        ts = _timed(lambda p=plan: assemble_cpu(p, values, latent_rows(p, values), {}), runs)
         out.append(("with masks (half mirrored)" if masked else "no masks", _fmt(ts, 1e3, "ms")))
     return out
 

@@ -210,6 +210,14 @@ class Collective:
             raise RunStopped(f"rank {self.rank}: the run was stopped on another rank")
         return mean / self.size
 
+    def extremes(self, values: Sequence[float]) -> tuple[list[float], list[float]]:
+        """The element-wise minimum and maximum of ``values`` over the ranks (equal: every rank has the same)."""
+        low = torch.tensor(list(values), dtype=torch.float64, device=self.comm_device)
+        high = low.clone()
+        self._wait(dist.all_reduce(low, op=dist.ReduceOp.MIN, async_op=True))
+        self._wait(dist.all_reduce(high, op=dist.ReduceOp.MAX, async_op=True))
+        return [float(v) for v in low.cpu()], [float(v) for v in high.cpu()]
+
     def sum_ints(self, values: Sequence[int]) -> list[int]:
         """``values`` summed element-wise over the ranks (end-of-run counts)."""
         t = torch.tensor(list(values), dtype=torch.int64, device=self.comm_device)

@@ -36,10 +36,13 @@ Entries stay in the cache until ``clean`` removes what no dataset references.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
 import random
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +57,7 @@ from .format.layout import MANIFEST, check_new_cache_location, check_no_links, i
 from .format.manifest import check_dataset_name
 from .format.reader import open_cache
 from .gcpause import gc_paused
-from .imaging import MASK_MODES, mask_aspect_problem, read_image_size
+from .imaging import MASK_MODES, has_alpha, mask_aspect_problem, read_image_size
 from .keys import PlanKeys, content_key, hash_bytes, latent_key, mask_key
 from .scan import DatasetFolderError, FolderListing, SourceClip, SourceFailure, SourceImage, scan_folder
 from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
@@ -70,6 +73,7 @@ __all__ = [
     "MaskJob",
     "MAX_SHUFFLE_VARIANTS",
     "shuffle_tags",
+    "tag_orders",
     "EncodePlan",
     "plan_encode",
     "sources_record_path",
@@ -102,25 +106,78 @@ text encoders), and past a few dozen epochs more variants add nothing the sample
 MAX_KEEP_TOKENS = 255
 
 
+_DRAWS_PER_VARIANT = 64
+"""Seeded draws per variant before the distinct orders still missing are taken in enumeration order (reached only
+by lines with few orders, where random draws keep hitting the ones already chosen)."""
+
+
+def _tags(line: str, keep_tokens: int) -> tuple[list[str], list[str]]:
+    """The line's tags split on ``,`` (stripped, empty ones dropped): the first ``keep_tokens`` and the rest."""
+    tags = [t for t in (part.strip() for part in line.split(",")) if t]
+    return tags[:keep_tokens], tags[keep_tokens:]
+
+
+def tag_orders(line: str, keep_tokens: int = 0, limit: int = MAX_SHUFFLE_VARIANTS + 1) -> int:
+    """How many distinct orders the shuffled tags of ``line`` have (repeated tags counted once per order), capped
+    at ``limit``: 1 means the line cannot be shuffled (one tag to move or none, e.g. ``keep_tokens`` keeps all)."""
+    rest = _tags(line, keep_tokens)[1]
+    n = math.factorial(len(rest))
+    for count in Counter(rest).values():
+        n //= math.factorial(count)
+    return min(n, limit)
+
+
+def _distinct_orders(rest: Sequence[str]) -> Iterator[tuple[str, ...]]:
+    """Every distinct order of ``rest`` (a multiset), lazily, in lexicographic order of first appearance."""
+    first = {t: i for i, t in reversed(list(enumerate(rest)))}
+    perm = sorted(first[t] for t in rest)
+    while True:
+        yield tuple(rest[i] for i in perm)
+        k = next((k for k in range(len(perm) - 2, -1, -1) if perm[k] < perm[k + 1]), -1)
+        if k < 0:
+            return
+        j = next(j for j in range(len(perm) - 1, k, -1) if perm[j] > perm[k])
+        perm[k], perm[j] = perm[j], perm[k]
+        perm[k + 1:] = reversed(perm[k + 1:])
+
+
 def shuffle_tags(line: str, variants: int, keep_tokens: int = 0) -> tuple[str, ...]:
-    """Return ``variants`` shuffled-tag versions of one caption line (kohya's ``shuffle_caption`` with
-    ``keep_tokens``), before prefix and suffix.
+    """Return up to ``variants`` shuffled-tag versions of one caption line (kohya's ``shuffle_caption`` with
+    ``keep_tokens``), before prefix and suffix: distinct orders, none the line's own order where the tags allow.
 
     The line is split on ``,``; each tag is stripped and empty tags dropped; the first ``keep_tokens`` tags stay
-    in place and the rest are shuffled; tags are joined with ``", "``. Variant ``i``'s order is drawn by a private
-    ``random.Random`` seeded with the xxh64 of ``"<i>\\0<line>"`` (UTF-8), so the texts depend on the line and the
-    index alone: the same on every machine and run, and a changed line changes only its own variants. Duplicates
-    are not removed here (a line of fewer tags than variants repeats texts; :func:`plan_encode` keeps each text
-    of a sample once).
+    in place and the rest are shuffled; tags are joined with ``", "``. Draw ``i`` is an order shuffled by a private
+    ``random.Random`` seeded with the xxh64 of ``"<i>\\0<line>"`` (UTF-8), so the texts depend on the line alone:
+    the same on every machine and run, and a changed line changes only its own variants. Draws ``0, 1, 2, ...``
+    are taken in turn, skipping an order already taken and the line's own order, until ``variants`` are taken: a
+    line whose first ``variants`` draws were distinct and shuffled gives the texts it gave before this rule (so
+    its conditionings stay cached). A line with fewer shuffled orders than ``variants`` (:func:`tag_orders`) gives
+    every order it has, its own last: fewer texts (one for a line that cannot be shuffled).
     """
-    tags = [t for t in (part.strip() for part in line.split(",")) if t]
-    fixed, rest = tags[:keep_tokens], tags[keep_tokens:]
-    out = []
-    for i in range(variants):
-        order = list(rest)
-        random.Random(xxhash.xxh64_intdigest(f"{i}\0{line}".encode("utf-8", "surrogatepass"))).shuffle(order)
-        out.append(", ".join(fixed + order))
-    return tuple(out)
+    fixed, rest = _tags(line, keep_tokens)
+    own = tuple(rest)
+    orders = tag_orders(line, keep_tokens, variants + 1)
+    chosen: list[tuple[str, ...]] = []
+    if orders - 1 < variants:  # every order, the shuffled ones first
+        every = list(_distinct_orders(rest))
+        chosen = [o for o in every if o != own] + [own]
+    else:
+        seen = {own}
+        for i in range(variants * _DRAWS_PER_VARIANT):
+            drawn = list(rest)
+            random.Random(xxhash.xxh64_intdigest(f"{i}\0{line}".encode("utf-8", "surrogatepass"))).shuffle(drawn)
+            if tuple(drawn) not in seen:
+                seen.add(tuple(drawn))
+                chosen.append(tuple(drawn))
+                if len(chosen) == variants:
+                    break
+        for order in _distinct_orders(rest):  # draws kept repeating (few orders): the rest in enumeration order
+            if len(chosen) == variants:
+                break
+            if order not in seen:
+                seen.add(order)
+                chosen.append(order)
+    return tuple(", ".join([*fixed, *order]) for order in chosen)
 
 
 SOURCES_DIR = "sources"
@@ -209,7 +266,7 @@ class EncodeSettings:
 
     def caption_texts(self, line: str) -> tuple[str, ...]:
         """Return the texts encoded for one caption line: ``(caption_text(line),)``, or with shuffling the
-        :func:`shuffle_tags` variants, each through :meth:`caption_text` (duplicates kept)."""
+        :func:`shuffle_tags` variants (distinct orders), each through :meth:`caption_text`."""
         if not self.shuffle_variants:
             return (self.caption_text(line),)
         return tuple(self.caption_text(t) for t in shuffle_tags(line, self.shuffle_variants, self.keep_tokens))
@@ -329,7 +386,8 @@ class EncodePlan:
             images with many caption variants, images without a mask, unused mask files), for the report.
         missing_masks: loss masks to make, sorted by path.
         empty_caption: the empty caption's conditioning key (``settings.empty_caption``), else ``None``.
-        images_without_mask: with ``masks="masklabel"``, images that have no mask file (full weight).
+        images_without_mask: images that train unmasked (full weight): with ``masks="masklabel"`` those without
+            a mask file, with ``masks="alpha"`` those without an alpha channel.
         unused_masks: mask files in the folder that no sample uses.
     """
 
@@ -411,13 +469,16 @@ class EncodePlan:
 
 def variant_counts(samples: Sequence[Sample], settings: EncodeSettings | None = None) -> dict[str, int]:
     """Distinct caption conditionings, mirrors and masks the samples name, and whether they name an empty
-    caption (0/1); with ``settings``, the shuffle count too (``shuffle_variants``)."""
+    caption (0/1); with ``settings``, the shuffle count too (``shuffle_variants``) and, with ``flip="always"``, how
+    many samples are stored mirrored (``flipped``: all of them)."""
     keys = role_keys(samples)
     out = {"captions": len(keys["captions"]), "mirrors": len(keys["mirrors"]), "masks": len(keys["masks"]),
            "masked_samples": sum(1 for s in samples if s.mask is not None),
            "empty_caption": int(bool(keys["empty_caption"]))}
     if settings is not None:
         out["shuffle_variants"] = settings.shuffle_variants
+        if settings.bucket.flip == "always":
+            out["flipped"] = len(samples)
     return out
 
 
@@ -593,7 +654,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     unplannable: list[SourceFailure] = []
     cut: list[str] = []  # images with a caption line cut at MAX_CAPTION_CHARS
     many: list[str] = []  # images with more than CAPTION_VARIANTS_NOTE caption lines
-    no_mask: list[str] = []  # images without a mask file (masklabel)
+    no_mask: list[str] = []  # images without a mask file (masklabel) or an alpha channel (alpha)
     empty = None
     if settings.empty_caption:  # the text "" itself: no prefix or suffix (dropout trains with no caption)
         empty = keys.conditioning("")
@@ -673,7 +734,8 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
         skipped=_listed_samples(validation) - len(samples),
         notes=(_caption_notes(cut, many) + _clip_notes(settings)
-               + _mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))),
+               + _mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
+               + shuffle_notes(settings, [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)])),
         missing_clips=missing_clips, missing_masks=missing_masks, empty_caption=empty,
         images_without_mask=len(no_mask), unused_masks=len(unused),
     )
@@ -686,6 +748,11 @@ def _mask_job(img: SourceImage, image_hash: str, plan: CropPlan, settings: Encod
     mode = settings.masks
     if mode == "alpha":
         path, relpath, source_hash = img.path, img.relpath, image_hash
+        try:
+            if not _has_alpha(path, image_hash):  # e.g. a JPEG: no mask, trained as with masks off
+                return None
+        except SourceError as exc:
+            return SourceFailure(img.relpath, img.path, f"left out: {exc.reason}")
     else:
         if img.relpath in listing.refused_masks:
             return SourceFailure(img.relpath, img.path, "left out: its mask file is a symbolic link outside the "
@@ -718,6 +785,13 @@ def _mask_job(img: SourceImage, image_hash: str, plan: CropPlan, settings: Encod
     return MaskJob(key, path, relpath, source_hash, plan, mode, factor)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _has_alpha(path: str, content_hash: str) -> bool:
+    """:func:`.imaging.has_alpha`, once per file content in a process: a plan runs two or three times per encode
+    (the node plans before loading anything), and a warm one should not open every image again."""
+    return has_alpha(path)
+
+
 def _unused_masks(settings: EncodeSettings, listing: FolderListing) -> tuple[str, ...]:
     """The mask files no sample uses: those of no image, or every one unless ``masks`` is ``masklabel``."""
     return listing.unused_masks if settings.masks == "masklabel" else tuple(m[0] for m in listing.masks)
@@ -731,7 +805,11 @@ def _mask_notes(settings: EncodeSettings, no_mask: Sequence[str], unused: Sequen
             notes.append(f"{len(listing.masks)} mask file(s) (<name>-masklabel.<ext>, e.g. {listing.masks[0][0]}) "
                          "are in the folder but masks is none: they are not used (set masks to masklabel)")
         return tuple(notes)
-    if no_mask:
+    if no_mask and settings.masks == "alpha":
+        names = sorted(no_mask)
+        notes.append(f"{len(names)} image(s) have no alpha channel (e.g. JPEGs) and train unmasked, as with masks "
+                     f"none: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}")
+    elif no_mask:
         notes.append(f"{len(no_mask)} image(s) have no mask file <name>-masklabel.<ext> and train at full weight "
                      f"(first: {sorted(no_mask)[0]})")
     if unused:
@@ -857,6 +935,44 @@ def _plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: En
         ckeys = _caption_keys(clip.captions, clip.relpath, settings, keys, texts, cut, many)
         samples.append(Sample(lkey, ckeys, clip.repeats, clip.relpath, mirror=mirror, empty_caption=empty))
     return jobs
+
+
+def shuffle_notes(settings: EncodeSettings, captions: Iterable[Sequence[str]]) -> tuple[str, ...]:
+    """What the report says about tag shuffling: ``keep_tokens`` without shuffling (no effect), lines that cannot
+    be shuffled at all and why, lines with fewer orders than ``shuffle_variants`` (they give every order they have,
+    their own among them). Lines are counted once each, however many images share them."""
+    variants, keep = settings.shuffle_variants, settings.keep_tokens
+    if not variants:
+        if keep:
+            return (f"keep_tokens {keep} has no effect: shuffle_variants is 0, so no tags are shuffled (set "
+                    "shuffle_variants to shuffle the tags after the first keep_tokens)",)
+        return ()
+    kept: list[str] = []  # keep_tokens leaves at most one tag to move
+    single: list[str] = []  # one tag or none, or all the same
+    short: dict[str, int] = {}
+    for lines in captions:
+        for line in lines:
+            line = line[:MAX_CAPTION_CHARS]
+            orders = tag_orders(line, keep, variants + 1)
+            if orders == 1:
+                fixed, rest = _tags(line, keep)
+                (kept if len(fixed) + len(rest) > 1 and len(rest) <= 1 else single).append(line)
+            elif orders - 1 < variants:
+                short.setdefault(line, orders)
+    notes = []
+    if kept:
+        kept = sorted(set(kept))
+        notes.append(f"{len(kept)} caption line(s) cannot be shuffled: keep_tokens {keep} keeps all their tags in "
+                     f"place (or all but one), so they train unshuffled (e.g. {kept[0][:80]!r}); lower keep_tokens")
+    if single:
+        single = sorted(set(single))
+        notes.append(f"{len(single)} caption line(s) cannot be shuffled: they have one comma-separated tag (or "
+                     f"only the same tag repeated), so they train unshuffled (e.g. {single[0][:80]!r})")
+    if short:
+        line, orders = min(short.items())
+        notes.append(f"{len(short)} caption line(s) have fewer tag orders than shuffle_variants {variants} asks for "
+                     f"(e.g. {line[:80]!r}: {orders} orders): each gives every order it has, its own among them")
+    return tuple(notes)
 
 
 def _caption_notes(cut: Sequence[str], many: Sequence[str]) -> tuple[str, ...]:

@@ -127,7 +127,8 @@ class EncodeReport:
         encoded_mirrors: mirrored latents among ``encoded_latents``.
         encoded_empty_caption: this run encoded the empty caption.
         variants: what the stored dataset holds (:func:`.encode_plan.variant_counts`): distinct ``captions``,
-            ``mirrors``, ``masks``, ``masked_samples``, ``empty_caption`` (0/1) and ``shuffle_variants``.
+            ``mirrors``, ``masks``, ``masked_samples``, ``empty_caption`` (0/1), ``shuffle_variants`` and, with
+            ``flip="always"``, ``flipped``.
     """
 
     dataset: str
@@ -170,6 +171,9 @@ class EncodeReport:
                          "caption texts in the dataset)")
         if v.get("mirrors") or self.encoded_mirrors:
             parts.append(f"mirrors: {self.encoded_mirrors} encoded, {v.get('mirrors', 0)} in the dataset")
+        if v.get("flipped"):
+            parts.append(f"flip always: all {v['flipped']} samples stored mirrored (training never sees the "
+                         "originals)")
         if v.get("masks") or self.encoded_masks:
             parts.append(f"masks: {self.encoded_masks} made, {v.get('masks', 0)} in the dataset "
                          f"({v.get('masked_samples', 0)} of {self.samples} samples masked)")

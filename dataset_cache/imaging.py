@@ -38,6 +38,7 @@ __all__ = [
     "apply_plan",
     "load_image",
     "MASK_MODES",
+    "has_alpha",
     "load_mask",
 ]
 
@@ -191,6 +192,17 @@ def mask_aspect_problem(mask_size: tuple[int, int], image_size: tuple[int, int])
         return (f"mask is {mw}x{mh} but its image is {iw}x{ih}: another aspect ratio, so it cannot be the image's "
                 "mask; save the mask at the image's size")
     return None
+
+
+def has_alpha(path: str | os.PathLike[str]) -> bool:
+    """Whether the image has an alpha channel (or a transparent palette entry), from its header only: what
+    ``masks="alpha"`` can take a mask from. A JPEG never has one.
+
+    Raises:
+        SourceError: the file is not a readable PNG/JPEG/WebP/BMP/TIFF.
+    """
+    with _open(path) as img:
+        return "A" in img.getbands() or "transparency" in img.info
 
 
 def _alpha(img: Image.Image) -> Image.Image:

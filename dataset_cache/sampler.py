@@ -17,18 +17,29 @@ An epoch, for a given ``(seed, epoch)``:
    epoch), so the number of batches is the same every epoch;
 2. the occurrences of each bucket (same latent shape, so they stack) are permuted and cut into batches of
    ``batch_size``; every batch holds occurrences of one bucket only;
-3. the tail of each bucket follows ``tail``: ``"drop"`` drops the last incomplete batch (the dropped occurrences
-   differ from epoch to epoch because the permutation does), ``"wrap"`` completes it with the bucket's first
-   occurrences of the same epoch (cyclically, so a bucket smaller than a batch still trains, with repeats);
+3. the tail of each bucket follows ``tail``: ``"short"`` (what training uses) makes the last batch shorter (kohya's
+   rule: a bucket of 5 at batch 4 trains a batch of 4 and one of 1, a bucket smaller than a batch trains as one
+   smaller batch), so every occurrence trains exactly once per epoch; ``"drop"`` drops the last incomplete batch
+   (the dropped occurrences differ from epoch to epoch because the permutation does; OneTrainer's rule);
+   ``"wrap"`` completes it with the bucket's first occurrences of the same epoch (cyclically: a bucket of one
+   image at batch 4 trains 4 copies of it, so its image trains more often than its repeats say; kept for the
+   plans recorded before ``"short"`` existed);
 4. the batches of all buckets are shuffled together (``shuffle=False`` keeps buckets in order of first appearance
    and each bucket's samples in dataset order);
-5. caption dropout is drawn per occurrence over that whole order (its own ``"dropout"`` stream), before:
-6. with ``world_size`` ranks, every rank gets the same number of batches: rank ``r`` takes batches
-   ``r, r + world_size, ...``. Under ``"drop"`` the last ``total % world_size`` batches of the shuffled order are
-   dropped, so shares are disjoint; under ``"wrap"`` the order is padded with its own first batches, so the few
-   padding batches are seen twice. Either way the union over ranks is the epoch up to that documented tail.
-   (The trainer shares global batches by rows instead, so its order does not depend on the number of ranks:
-   :mod:`.sharding`.)
+5. with ``world_size`` ranks, every rank gets the same number of batches: rank ``r`` takes batches
+   ``r, r + world_size, ...``. Under ``"short"`` an order whose length is not a multiple of ``world_size`` is
+   first lengthened by splitting its longest batches in two (the first longest in the order, halves in place), so
+   no occurrence is repeated or left out; only when every batch is down to one row and the order still does not
+   divide (fewer occurrences than that would need) are its last ``total % world_size`` rows left out. Under
+   ``"drop"`` the last ``total % world_size`` batches of the shuffled order are dropped, so shares are disjoint;
+   under ``"wrap"`` the order is padded with its own first batches, so the few padding batches are seen twice;
+6. caption dropout is drawn per occurrence over that whole order (its own ``"dropout"`` stream), before the order
+   is cut into the ranks' shares.
+
+``len(sampler)`` (batches per rank) depends on the bucket sizes, ``batch_size`` and ``world_size`` only, so it is
+the same on every rank and in every epoch, and so is each batch's row count at a given position of an epoch on all
+ranks' common order. (Train LoRA shares global batches by rows instead, so its order does not depend on the number
+of ranks: :mod:`.sharding`.)
 
 Every draw has its own labelled generator, so with no mirror, no dropout and no regularization set the plans (and
 the resume fingerprint) are exactly those of the versions before them. Several datasets train together as a
@@ -63,6 +74,7 @@ __all__ = [
     "buckets_from_reader",
     "fit_batch_size",
     "mix_datasets",
+    "shared_samples",
 ]
 
 log = logging.getLogger("dataset_cache.sampler")
@@ -71,7 +83,7 @@ LATENT_RANKS = (4, 5)
 """Ranks of a stored latent: ``[1, C, H, W]`` from image VAEs, ``[1, C, T, H, W]`` from video VAEs."""
 
 _STATE_VERSION = 1
-_TAILS = ("drop", "wrap")
+_TAILS = ("drop", "short", "wrap")
 FLIP_PROBABILITY = 0.5
 """Chance that a sample with a cached mirror trains mirrored in an epoch (``flip="random"``)."""
 
@@ -112,7 +124,7 @@ class _Epoch:
     mirror choice, and each row's caption dropout."""
 
     epoch: int
-    rows: list[list[int]]  # [batches][batch_size] sample indices
+    rows: list[list[int]]  # [batches][rows] sample indices (rows: batch_size, or fewer for a short batch)
     row_bucket: list[int]  # bucket number of each batch
     variants: list[int]  # caption variant of each sample
     flips: list[bool] | None = None  # per sample: trains its mirror this epoch (None: no sample has one)
@@ -205,6 +217,16 @@ class Regularization:
     name: str = "the regularization dataset"
 
 
+def shared_samples(main: Sequence[Sample] | DatasetMix, reg: Sequence[Sample] | DatasetMix) -> list[Sample]:
+    """The regularization samples whose latent (or mirror) the main dataset trains too: the same image, crop and VAE
+    (keys are content addresses, so this holds across caches). A dataset used as its own regularization set shares
+    all of them."""
+    main_samples = main.samples if isinstance(main, DatasetMix) else main
+    reg_samples = reg.samples if isinstance(reg, DatasetMix) else reg
+    trained = {k for s in main_samples for k in (s.latent, s.mirror) if k is not None}
+    return [s for s in reg_samples if s.latent in trained or (s.mirror is not None and s.mirror in trained)]
+
+
 def buckets_from_reader(reader: EntryHeaders, samples: Sequence[Sample]) -> list[tuple[int, ...]]:
     """Return each sample's bucket: its latent's shape without the leading 1 — ``(C, H, W)`` for images,
     ``(C, T, H, W)`` for video VAEs — read from headers only (no tensor I/O). Rows of one bucket stack.
@@ -249,7 +271,7 @@ def fit_batch_size(samples: Sequence[Sample], bucket_of: Sequence[Hashable], bat
 
     A batch holds one bucket, so rows beyond the largest bucket's occurrences per epoch (samples × repeats) would
     only repeat its samples; a batch size far past the dataset must not turn into memory (a batch of 10000 on 4
-    images). Smaller buckets still complete their last batch with their own samples under ``tail="wrap"``.
+    images). Under ``tail="short"`` smaller buckets train shorter batches.
     """
     occurrences: dict[Hashable, int] = {}
     for s, b in zip(samples, bucket_of):
@@ -281,6 +303,39 @@ def _check_ratio(value: float, what: str) -> float:
     return float(value)
 
 
+_PAD = -1
+"""Marks the missing rows of a short batch in an epoch's ``[batches, batch_size]`` order (``tail="short"``)."""
+
+
+def _short_shares(batches: int, occurrences: int, world: int) -> tuple[int, int]:
+    """``(batches per rank, batches to split per epoch)`` under ``tail="short"``.
+
+    ``batches`` (the buckets' batches, last ones short) is rounded up to a multiple of ``world`` by splitting batches
+    in two, each split adding one; a split needs a batch of two rows or more, so ``occurrences - batches`` splits
+    are possible. When that is too few, every batch becomes one row and the rows past the last multiple of
+    ``world`` are left out (the only case in which an occurrence does not train).
+    """
+    target = -(-batches // world) * world
+    if occurrences - batches >= target - batches:
+        return target // world, target - batches
+    return occurrences // world, occurrences - batches
+
+
+def _split_longest(rows: torch.Tensor, buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split the first longest batch of ``rows`` (``[batches, batch_size]``, short batches padded with ``_PAD``)
+    into its two halves, the second placed right after the first."""
+    lengths = (rows != _PAD).sum(dim=1)
+    at = int(torch.argmax(lengths))  # the first of the longest
+    n = int(lengths[at])
+    first, second = rows[at].clone(), torch.full_like(rows[at], _PAD)
+    half = (n + 1) // 2
+    second[: n - half] = rows[at, half:n]
+    first[half:] = _PAD
+    rows = torch.cat([rows[:at], first[None], second[None], rows[at + 1:]])
+    buckets = torch.cat([buckets[: at + 1], buckets[at:]])
+    return rows, buckets
+
+
 def _dist_rank_world() -> tuple[int, int]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -302,7 +357,7 @@ class BucketSampler:
             hashable id per sample (e.g. :func:`buckets_from_reader`). Samples of one batch always share a bucket.
         batch_size: rows per batch (>= 1).
         seed: the run's seed; an epoch's order depends on ``(seed, epoch)`` only.
-        tail: ``"drop"`` or ``"wrap"`` (see the module docstring).
+        tail: ``"short"``, ``"drop"`` or ``"wrap"`` (see the module docstring); training uses ``"short"``.
         rank: this process's rank; default: ``torch.distributed``'s when initialised, else 0.
         world_size: number of ranks; default: ``torch.distributed``'s when initialised, else 1.
         shuffle: shuffle samples within buckets and batches across buckets (``False`` keeps dataset order).
@@ -371,11 +426,17 @@ class BucketSampler:
                 "clamp it, or a smaller batch_size")
         self._per_bucket = [self._batches_in(n) for n in self._occurrences]
         total = sum(self._per_bucket)
-        self._per_rank = total // self._world if tail == "drop" else math.ceil(total / self._world)
+        self._splits = 0  # "short": batches split in two per epoch so that the ranks' shares are equal
+        if tail == "drop":
+            self._per_rank = total // self._world
+        elif tail == "wrap":
+            self._per_rank = math.ceil(total / self._world)
+        else:
+            self._per_rank, self._splits = _short_shares(total, sum(self._occurrences), self._world)
         if self._per_rank == 0:
             raise ValueError(
                 f"no batch of {self.batch_size} for each of {self._world} rank(s): buckets hold "
-                f"{sorted(self._occurrences, reverse=True)[:8]} occurrences; use tail='wrap', a smaller batch_size "
+                f"{sorted(self._occurrences, reverse=True)[:8]} occurrences; use tail='short', a smaller batch_size "
                 "or more samples"
             )
         self._warn_unused()
@@ -482,7 +543,7 @@ class BucketSampler:
         if small:
             log.warning(
                 "%d bucket(s) hold fewer than batch_size=%d occurrences and never train with tail='drop' "
-                "(e.g. %r); use tail='wrap' to train them",
+                "(e.g. %r); use tail='short' to train them",
                 len(small),
                 self.batch_size,
                 small[0],
@@ -539,8 +600,11 @@ class BucketSampler:
                 occ = occ[torch.randperm(len(occ), generator=seeded_generator(self.seed, epoch, "bucket", b))]
             n_batches = self._per_bucket[b]
             need = n_batches * self.batch_size
-            if need > len(occ):  # "wrap": complete the last batch with this epoch's first occurrences
-                occ = occ.repeat(math.ceil(need / len(occ)))
+            if need > len(occ):
+                if self.tail == "short":  # the last batch is short: padding marks its missing rows
+                    occ = torch.cat([occ, occ.new_full((need - len(occ),), _PAD)])
+                else:  # "wrap": complete the last batch with this epoch's first occurrences
+                    occ = occ.repeat(math.ceil(need / len(occ)))
             rows.append(occ[:need].view(n_batches, self.batch_size))
             row_bucket += [b] * n_batches
         all_rows = torch.cat(rows)
@@ -548,6 +612,8 @@ class BucketSampler:
         if self.shuffle:
             perm = torch.randperm(len(all_rows), generator=seeded_generator(self.seed, epoch, "order"))
             all_rows, buckets = all_rows[perm], buckets[perm]
+        for _ in range(self._splits):  # "short": equal shares for the ranks, nothing repeated
+            all_rows, buckets = _split_longest(all_rows, buckets)
         take = torch.arange(self._per_rank, dtype=torch.int64) * self._world + self._rank
         take = take % len(all_rows)  # "wrap" pads the order with its own first batches
         dropped = None
@@ -559,7 +625,10 @@ class BucketSampler:
             g = seeded_generator(self.seed, epoch, "flip")
             drawn = torch.rand(len(self.samples), generator=g, dtype=torch.float64) < FLIP_PROBABILITY
             flips = (drawn & self._has_mirror).tolist()
-        return _Epoch(epoch, all_rows[take].tolist(), buckets[take].tolist(), variants.tolist(), flips, dropped)
+        mine = all_rows[take].tolist()
+        if self.tail == "short":
+            mine = [[i for i in row if i != _PAD] for row in mine]
+        return _Epoch(epoch, mine, buckets[take].tolist(), variants.tolist(), flips, dropped)
 
     def _reg_draw(self, epoch: int, b: int) -> torch.Tensor:
         """Bucket ``b``'s regularization occurrences of ``epoch``: its fixed share, drawn without replacement from
@@ -581,7 +650,7 @@ class BucketSampler:
         samples = self.samples
         flips = ep.flips
         mirrored = tuple(flips[i] for i in idx) if flips is not None else ()
-        dropped = tuple(ep.dropped[index].tolist()) if ep.dropped is not None else ()
+        dropped = tuple(ep.dropped[index, :len(idx)].tolist()) if ep.dropped is not None else ()
         captions = tuple(samples[i].captions[variants[i]] for i in idx)
         if dropped:
             captions = tuple(str(samples[i].empty_caption) if d else c  # present: checked in __init__

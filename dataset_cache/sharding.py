@@ -1,30 +1,65 @@
 """Global batches shared among ranks by rows: the batch order of a data-parallel run whatever its number of ranks.
 
 Why not :class:`~.sampler.BucketSampler`'s own ``rank``/``world_size`` (rank *r* takes whole batches ``r, r + W,
-...``): there a step of *W* ranks trains *W* batches of ``batch_size`` rows cut from the epoch, each possibly of
-another bucket, and the epoch is padded with its own first batches to a multiple of *W*. So the rows a step trains,
-and the epoch's length in steps, change with *W*: 2 ranks × batch 2 do not train what 1 rank × batch 4 trains, and a
-run cannot continue on another number of devices.
+...``): there a step of *W* ranks trains *W* batches of up to ``batch_size`` rows cut from the epoch, each possibly
+of another bucket, and the epoch is reshaped to a multiple of *W*. So the rows a step trains, and the epoch's length
+in steps, change with *W*: 2 ranks × batch 2 do not train what 1 rank × batch 4 trains, and a run cannot continue on
+another number of devices.
 
 :class:`RowShardSampler` plans the epoch as one rank with the **global** batch (``batch_size × world_size`` rows,
-one bucket) would, and gives rank *r* rows ``[r·b, (r+1)·b)`` of every global batch. What a step trains, the number
-of steps per epoch (the same on every rank, with no padding) and the resume state depend on the global batch only
-— MosaicML Streaming's *elastic determinism*: a run saved on 2 devices × batch 2 continues on 1 device × batch 4
-(or 4 × 1) with the very next rows, none repeated or skipped. The trainer draws each row's noise and timestep over
-the global batch the same way (``nodes/training/loop.py``), so the ranks together compute what one rank with the
-global batch would, up to the order of floating-point sums.
+one bucket) would, and gives each rank a contiguous share of every global batch's rows (:func:`share`). What a step
+trains, the number of steps per epoch (the same on every rank) and the resume state depend on the global batch only
+— MosaicML Streaming's *elastic determinism*: a run saved on 2 devices × batch 2 continues on 1 device × batch 4 (or
+4 × 1) with the very next rows, none repeated or skipped. The trainer draws each row's noise and timestep over the
+global batch the same way (``nodes/training/loop.py``), so the ranks together compute what one rank with the global
+batch would, up to the order of floating-point sums.
+
+A global batch shorter than ``batch_size × world_size`` (a bucket's last batch under ``tail="short"``) is shared as
+evenly as its rows allow, and each row's loss weight is scaled by ``share × world_size / rows`` so that the ranks'
+mean gradient is still the global batch's mean; a rank left without a row (fewer rows than ranks) trains a stand-in
+row of weight 0 — the global batch's first — so that it takes the step with the others and adds nothing. A stand-in
+row has no ``sample_indices`` (it is counted nowhere) and no mask, mirror or dropout flags.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .dataset import Sample
 from .sampler import BatchPlan, BucketSampler, DatasetMix
 
-__all__ = ["RowShardSampler", "rows_of", "shard_sampler"]
+__all__ = ["RankPlan", "RowShardSampler", "rows_of", "shard_sampler", "share", "share_of"]
+
+
+@dataclass(frozen=True)
+class RankPlan(BatchPlan):
+    """One rank's rows of a global batch (see :class:`~.sampler.BatchPlan` for the rest).
+
+    Attributes:
+        global_rows: the rows of the global batch.
+        first_row: the position of this share's first row in the global batch.
+    """
+
+    global_rows: int = 0
+    first_row: int = 0
+
+
+def share(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``(first row, count)`` of ``rank``'s share of a global batch of ``rows``: as even as it can be, the first
+    ``rows % world_size`` ranks one row more; a rank past the rows gets ``(rows, 0)``."""
+    base, extra = divmod(rows, world_size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def share_of(plan: BatchPlan, rows: int) -> tuple[int, int]:
+    """``(global batch rows, first row)`` of a batch of ``rows`` rows: its share of a global batch, or the batch
+    itself (``(rows, 0)``) when it is not a share."""
+    if isinstance(plan, RankPlan):
+        return plan.global_rows, plan.first_row
+    return rows, 0
 
 
 def rows_of(plan: BatchPlan, start: int, stop: int) -> BatchPlan:
@@ -39,7 +74,8 @@ def rows_of(plan: BatchPlan, start: int, stop: int) -> BatchPlan:
 
 class RowShardSampler(BucketSampler):
     """A :class:`BucketSampler` of global batches (``batch_size × world_size`` rows) whose plans are this rank's
-    rows of each: ``batch_size`` rows, ``[rank·batch_size, (rank+1)·batch_size)``.
+    shares of them (:class:`RankPlan`): ``batch_size`` rows each, fewer (weighted, see the module doc) in a short
+    global batch.
 
     Everything else is the global sampler's: ``len()`` (global batches per epoch, the same on every rank),
     positions, :meth:`seek`, :meth:`state_dict` and the fingerprint, which do not depend on ``world_size`` — a state
@@ -67,14 +103,26 @@ class RowShardSampler(BucketSampler):
         self._row_rank = int(rank)
         self._row_world = int(world_size)
 
-    def plan(self, epoch: int, index: int) -> BatchPlan:
-        """Rows ``[rank·b, (rank+1)·b)`` of global batch ``index`` of ``epoch`` (pure)."""
-        start = self._row_rank * self.rank_batch_size
-        return rows_of(super().plan(epoch, index), start, start + self.rank_batch_size)
+    def plan(self, epoch: int, index: int) -> RankPlan:
+        """This rank's share of global batch ``index`` of ``epoch`` (pure)."""
+        whole = super().plan(epoch, index)
+        rows = len(whole.sample_indices)
+        first, count = share(rows, self._row_rank, self._row_world)
+        if count == 0:  # fewer rows than ranks: a stand-in that weighs nothing, so this rank steps with the others
+            first = 0
+            part = dataclasses.replace(rows_of(whole, 0, 1), sample_indices=(), mirrored=(), dropped=(),
+                                       mask_keys=(), weights=(0.0,))
+        else:
+            part = rows_of(whole, first, first + count)
+            if count * self._row_world != rows:  # an uneven share: its rows weigh what they weigh in the whole
+                scale = count * self._row_world / rows
+                part = dataclasses.replace(part, weights=tuple(w * scale for w in part.weights or (1.0,) * count))
+        fields = {f.name: getattr(part, f.name) for f in dataclasses.fields(BatchPlan)}
+        return RankPlan(**fields, global_rows=rows, first_row=first)
 
     @property
     def rank(self) -> int:
-        """This process's rank (its rows of every global batch)."""
+        """This process's rank (its share of every global batch)."""
         return self._row_rank
 
     @property

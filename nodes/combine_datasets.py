@@ -12,7 +12,9 @@ from typing import Any
 
 from comfy_api.latest import io, ui
 
-from ..dataset_cache.dataset import MAX_REPEATS
+from ..dataset_cache.dataset import MAX_EPOCH_OCCURRENCES, MAX_REPEATS
+from ..dataset_cache.errors import CacheError
+from ..dataset_cache.format.reader import open_cache
 from .handles import CombinedDatasetHandle, StreamDataset, StreamDatasetHandle, combine
 
 __all__ = ["CombineDatasets"]
@@ -29,6 +31,49 @@ def _repeats(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REPEATS:
         raise ValueError(f"{what} must be a whole number from 1 to {MAX_REPEATS}, got {value!r:.40}")
     return value
+
+
+def _folder_repeats(root: str, name: str) -> tuple[int, int] | None:
+    """(the largest repeats, the occurrences per epoch) of a dataset's samples as stored (kohya's
+    ``<repeats>_<name>`` folders), or ``None`` when the cache or the dataset cannot be read (Train LoRA names it)."""
+    try:
+        with open_cache(root) as reader:
+            samples = reader.dataset(name)
+    except (CacheError, KeyError, OSError, ValueError):
+        return None
+    return max((s.repeats for s in samples), default=1), sum(s.repeats for s in samples)
+
+
+def _check_totals(inputs: list[tuple[str, int, Any]]) -> None:
+    """Refuse here, naming ``repeats_a`` / ``repeats_b``, what Train LoRA would refuse later: an image repeated
+    more than ``MAX_REPEATS`` times per epoch (its folder's repeats × each Combine Datasets' repeats), or an epoch
+    past ``MAX_EPOCH_OCCURRENCES``.
+
+    ``inputs``: ``(input name, its repeats, its handle)``.
+    """
+    seen: dict[tuple[str, str], tuple[int, int] | None] = {}
+    occurrences = 0
+    for what, repeats, handle in inputs:
+        for part in handle.parts:
+            at = (part.cache_root, part.name)
+            if at not in seen:
+                seen[at] = _folder_repeats(*at)
+            stored = seen[at]
+            if stored is None:
+                continue
+            top, count = stored
+            total = top * part.repeats * repeats
+            if total > MAX_REPEATS:
+                earlier = f" × {part.repeats} (an earlier Combine Datasets)" if part.repeats > 1 else ""
+                raise ValueError(
+                    f"{what} {repeats}: dataset {part.name!r} has images repeated {top} times by their folder "
+                    f"(kohya's <repeats>_<name>){earlier}, so they would repeat {total} times per epoch, above the "
+                    f"limit of {MAX_REPEATS}; set {what} to at most {max(1, MAX_REPEATS // (top * part.repeats))}")
+            occurrences += count * part.repeats * repeats
+    if occurrences > MAX_EPOCH_OCCURRENCES:
+        names = " and ".join(f"{what} {repeats}" for what, repeats, _ in inputs)
+        raise ValueError(f"{names}: the combined datasets make {occurrences} occurrences (images × repeats) per "
+                         f"epoch, above the limit of {MAX_EPOCH_OCCURRENCES}; lower the repeats")
 
 
 class CombineDatasets(io.ComfyNode):
@@ -65,5 +110,6 @@ class CombineDatasets(io.ComfyNode):
         a = _handle(dataset_a, "dataset_a")
         b = None if dataset_b is None else _handle(dataset_b, "dataset_b")
         combined = combine(a, _repeats(repeats_a, "repeats_a"), b, _repeats(repeats_b, "repeats_b"))
+        _check_totals([("repeats_a", repeats_a, a)] + ([("repeats_b", repeats_b, b)] if b is not None else []))
         text = f"{combined.name} ({combined.where()})"
         return io.NodeOutput(combined, ui=ui.PreviewText(text))

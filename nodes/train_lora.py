@@ -135,9 +135,10 @@ class TrainLoRA(io.ComfyNode):
                 io.Boolean.Input("offloading", advanced=True, default=False,
                                  tooltip="Keep model weights in CPU memory and stream them in (saves VRAM)."),
                 io.Combo.Input("existing_lora", options=_lora_choices(), default="[None]",
-                               tooltip="A LoRA to continue training, or [None] for a new one. Its step count "
-                               "(from the name Save LoRA gives it) sets where the batch order, noise and "
-                               "timesteps continue; optimizer state starts fresh."),
+                               tooltip="A LoRA to continue training, or [None] for a new one. A LoRA this node "
+                               "trained continues exactly (optimizer state, step count and batch order come "
+                               "from the training state saved beside it); another continues from the step "
+                               "count in its name, with a fresh optimizer (the summary says so)."),
                 io.Int.Input("prefetch_batches", advanced=True, default=DEFAULT_PREFETCH_BATCHES, min=0, max=64,
                              tooltip="Batches read ahead while the model trains (0: read in the training loop)."),
                 io.Int.Input("loader_threads", advanced=True, default=0, min=0, max=32,

@@ -56,11 +56,12 @@ def nodes_train_module() -> ModuleType:
     return module
 
 
-def load_existing_lora(name: str) -> tuple[dict[str, torch.Tensor], int]:
-    """Weights and step count of a LoRA in the ``loras`` folder (``"[None]"``: none).
+def load_existing_lora(name: str) -> tuple[dict[str, torch.Tensor], int | None]:
+    """Weights and step count of a LoRA in the ``loras`` folder (``"[None]"``: none, 0 steps).
 
     The step count is read from ``SaveLoRA``'s file name (``<prefix>_<steps>_steps_<counter>_.safetensors``); any
-    other name counts 0 steps instead of failing (the built-in node raises on such names).
+    other name gives ``None`` instead of failing (the built-in node raises on such names). A saved training state
+    (:mod:`.resume`) overrides it.
     """
     if name == "[None]":
         return {}, 0
@@ -68,7 +69,7 @@ def load_existing_lora(name: str) -> tuple[dict[str, torch.Tensor], int]:
     if path is None:
         raise ValueError(f"existing_lora {name!r} is not in the loras folder; pick one from the list or [None]")
     match = re.search(r"(\d+)_steps_", name)
-    return comfy.utils.load_torch_file(path, safe_load=True), int(match.group(1)) if match else 0
+    return comfy.utils.load_torch_file(path, safe_load=True), int(match.group(1)) if match else None
 
 
 def resume_exactly(lora_sd: dict[str, torch.Tensor], existing: dict[str, torch.Tensor]) -> None:

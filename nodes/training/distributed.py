@@ -14,6 +14,7 @@ has the reasons.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -202,13 +203,39 @@ class Team:
             log.warning("Train LoRA rank %d: %d initial adapter tensors differed from rank 0's (other random "
                         "numbers on this device); rank 0's are used", self.rank, differed)
 
+    @property
+    def is_main(self) -> bool:
+        """Whether this process is rank 0 (the one whose LoRA is the run's, and that saves what outlives it)."""
+        return self.collective is None or self.collective.rank == 0
+
+    def same_start(self, steps: int, first_batch: int, position: tuple[int, int], optimizer: Any) -> None:
+        """Refuse to train when the ranks did not restore the same training state (a worker that did not find the
+        state file rank 0 found would train with another optimizer state and drift away from rank 0).
+
+        Raises:
+            RuntimeError: naming what differs.
+        """
+        if self.collective is None:
+            return
+        checksum = sum(float(t.detach().double().sum()) for s in optimizer.state.values() for t in s.values()
+                       if isinstance(t, torch.Tensor))
+        names = ("steps", "first batch", "epoch", "batch", "optimizer state checksum")
+        mine = [float(steps), float(first_batch), float(position[0]), float(position[1]), checksum]
+        low, high = self.collective.extremes(mine)
+        differ = [n for n, a, b in zip(names, low, high) if a != b]
+        if differ:
+            raise RuntimeError(f"the ranks do not continue from the same training state ({', '.join(differ)} "
+                               f"differ; rank {self.rank} has {dict(zip(names, mine))}): a worker did not find "
+                               "what rank 0 found (the existing LoRA or its training state); check that every "
+                               "process sees the same ComfyUI folders, or train on one device")
+
     def total(self, counts: RowCounts) -> RowCounts:
         """The run's row counts over every rank (each rank counted its own rows)."""
         if self.collective is None:
             return counts
         names = ("trained", "dropped", "mirrored", "masked", "regularization")
         summed = self.collective.sum_ints([getattr(counts, n) for n in names])
-        return RowCounts(**dict(zip(names, summed)))
+        return dataclasses.replace(counts, **dict(zip(names, summed)))
 
 
 def _interrupted() -> None:
@@ -238,9 +265,12 @@ def _worker_env(plan: DevicePlan, rank: int) -> dict[str, str]:
 
 def _bootstrap() -> bytes:
     """ComfyUI's settings, for a worker to set before it imports ComfyUI's model code: the command-line options
-    (dtypes, memory modes, ``--cpu``) and the model folders (``existing_lora`` is found by name)."""
+    (dtypes, memory modes, ``--cpu``), the model folders (``existing_lora`` is found by name) and the output folder
+    (where the training state of an existing LoRA is)."""
     args = dict(vars(comfy.cli_args.args))
     args.update(cuda_device=None, default_device=None)  # the worker's one device is chosen by its environment
     folders = {name: (list(paths), set(exts)) for name, (paths, exts) in folder_paths.folder_names_and_paths.items()}
-    return pickle.dumps({"args": args, "folders": folders, "models_dir": folder_paths.models_dir},
+    places = {"output": folder_paths.get_output_directory(), "input": folder_paths.get_input_directory(),
+              "temp": folder_paths.get_temp_directory()}
+    return pickle.dumps({"args": args, "folders": folders, "models_dir": folder_paths.models_dir, "places": places},
                         protocol=pickle.HIGHEST_PROTOCOL)

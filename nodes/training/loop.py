@@ -17,6 +17,7 @@ import comfy.utils
 
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.seeding import derive_seed, seeded_generator
+from ...dataset_cache.sharding import share_of
 from ...dataset_cache.trainable import non_finite_entries
 from .conditioning import Conditioner, ModelCall
 from .report import StepReport
@@ -58,9 +59,10 @@ class StepLoop:
     ``first_batch`` is the global number of the first batch: a run continuing an existing LoRA starts where the
     earlier run stopped, so its batch order, noise and timesteps are those an uninterrupted run would have had.
     ``world`` (a :class:`~dataset_cache.collective.Collective`, ``None``: one process) makes this one rank of a
-    data-parallel run: its batches are its rows of global batches, whose noise and timesteps it draws whole and
-    slices; gradients are averaged over the ranks before each optimizer step, the loss reported is the ranks' mean,
-    and a stop (Cancel on rank 0) is agreed by every rank at a step boundary instead of checked here alone.
+    data-parallel run: its batches are its rows of global batches (:func:`~dataset_cache.sharding.share_of`), whose
+    noise and timesteps it draws whole and slices; gradients are averaged over the ranks before each optimizer step,
+    the loss reported is the ranks' mean, and a stop (Cancel on rank 0) is agreed by every rank at a step boundary
+    instead of checked here alone.
     """
 
     def __init__(self, mp: Any, settings: TrainSettings, dtype: torch.dtype, loss_fn: Any, optimizer: Any,
@@ -87,7 +89,6 @@ class StepLoop:
         throw_if_interrupted = comfy.model_management.throw_exception_if_processing_interrupted
         if self.world is not None:  # every rank stops at the same step: agreed in world.agree below
             throw_if_interrupted = _checked_by_the_ranks
-        ranks = self.world.size if self.world is not None else 1
         pbar = comfy.utils.ProgressBar(s.steps)
         losses: list[float] = []
         smooth = None
@@ -114,7 +115,7 @@ class StepLoop:
                 if not math.isfinite(batch_loss):
                     raise NonFiniteLossError(step + 1, batch_loss, batch)
                 total += batch_loss
-                rows += batch.latents.shape[0] * ranks  # every rank trains as many rows
+                rows += share_of(batch.plan, batch.latents.shape[0])[0]  # one rank of several: the global batch's
             if self.world is not None:
                 self.world.reduce_gradients(p for g in self.optimizer.param_groups for p in g["params"])
             if not stopping:
@@ -134,8 +135,11 @@ class StepLoop:
     def _fwd_bwd(self, batch: Batch, index: int) -> float:
         ms = self.model_sampling
         latents = self.mp.model.process_latent_in(batch.latents.to(self.device, torch.float32))
-        sigma, noise = self._draw(tuple(latents.shape), index)
-        sigma, noise = sigma.to(self.device), noise.to(self.device)
+        # one rank of several draws for its global batch (seeded by its number) and keeps its own rows
+        rows, first = share_of(batch.plan, latents.shape[0])
+        sigma, noise = self._draw((rows, *latents.shape[1:]), index)
+        end = first + latents.shape[0]
+        sigma, noise = sigma[first:end].to(self.device), noise[first:end].to(self.device)
         xt = ms.noise_scaling(sigma, noise, latents, False)
         x0 = ms.noise_scaling(torch.zeros_like(sigma), torch.zeros_like(noise), latents, False)
         groups = self.conditioner(batch.conditioning, noise, latents, derive_seed(self.settings.seed, index))
@@ -225,17 +229,12 @@ class StepLoop:
         """Sigmas (one per row) and noise of batch ``index``, on the CPU.
 
         They depend on the seed and the batch number alone, so a run is reproducible and a continued run draws what
-        an uninterrupted one would; the parity test with ComfyUI's trainer replaces this one method. One rank of
-        several draws them for the whole global batch and keeps its rows, as the sampler gives it its rows.
+        an uninterrupted one would; the parity test with ComfyUI's trainer replaces this one method.
         """
-        rows, first = shape[0], 0
-        if self.world is not None:
-            rows, first = shape[0] * self.world.size, shape[0] * self.world.rank
         g = seeded_generator(self.settings.seed, index, "noise")
-        u = torch.rand(rows, generator=g, dtype=torch.float64)[first:first + shape[0]].clamp(_SIGMA_EDGE,
-                                                                                            1 - _SIGMA_EDGE)
+        u = torch.rand(shape[0], generator=g, dtype=torch.float64).clamp(_SIGMA_EDGE, 1 - _SIGMA_EDGE)
         sigma = torch.tensor([float(self.model_sampling.percent_to_sigma(float(p))) for p in u], dtype=torch.float32)
-        return sigma, torch.randn((rows, *shape[1:]), generator=g, dtype=torch.float32)[first:first + shape[0]]
+        return sigma, torch.randn(shape, generator=g, dtype=torch.float32)
 
     def _autocast(self) -> Any:
         """Autocast to the training dtype as the built-in trainer does; none for fp32 (CPU autocast refuses it)."""

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ...dataset_cache.dataset import Sample
 from ...dataset_cache.loader import Batch
+from ...dataset_cache.sampler import DatasetMix, shared_samples
 
-__all__ = ["RowCounts", "StepReport", "TrainResult", "counted"]
+__all__ = ["RowCounts", "StepReport", "TrainResult", "counted", "overlap_notes"]
 
 @dataclass(frozen=True)
 class StepReport:
@@ -38,13 +40,18 @@ class StepReport:
 @dataclass
 class RowCounts:
     """What the trained batch rows were: how many, and how many took each variant (caption dropout, a mirror, a
-    loss mask, a regularization image), so the summary shows that a setting did what it says."""
+    loss mask, a regularization image), so the summary shows that a setting did what it says.
+
+    ``masks_ignored``: why the loss ignores masks in this run (``"masked_loss off"``, ``"unmasked_weight 1"``), or
+    ``""`` when a row's mask weighs its loss; the summary then counts the rows with a mask as not masked.
+    """
 
     trained: int = 0
     dropped: int = 0
     mirrored: int = 0
     masked: int = 0
     regularization: int = 0
+    masks_ignored: str = ""
 
     def add(self, plan: Any, main_samples: int) -> None:
         """Count the rows of one batch plan (rows of samples from ``main_samples`` on are regularization rows)."""
@@ -56,11 +63,34 @@ class RowCounts:
 
     def describe(self) -> str:
         """``"rows: 48 trained, 5 with the empty caption, ..."``, or ``""`` when no row took a variant."""
-        parts = [(self.dropped, "with the empty caption"), (self.mirrored, "mirrored"), (self.masked, "with a mask"),
+        masked = "with a mask" if not self.masks_ignored else f"with a mask not applied ({self.masks_ignored})"
+        parts = [(self.dropped, "with the empty caption"), (self.mirrored, "mirrored"), (self.masked, masked),
                  (self.regularization, "regularization")]
         if not any(n for n, _ in parts):
             return ""
         return f"rows: {self.trained} trained, " + ", ".join(f"{n} {what}" for n, what in parts if n)
+
+    @classmethod
+    def for_settings(cls, masked_loss: bool, unmasked_weight: float) -> RowCounts:
+        """Counts for a run with these loss settings (whether the rows' masks reach the loss)."""
+        ignored = "masked_loss off" if not masked_loss else "unmasked_weight 1" if unmasked_weight == 1.0 else ""
+        return cls(masks_ignored=ignored)
+
+
+def overlap_notes(main: Sequence[Sample] | DatasetMix, reg: Sequence[Sample] | DatasetMix, reg_name: str
+                  ) -> list[str]:
+    """A warning when the regularization set holds images the dataset trains (the same Encode output connected to
+    both inputs, or overlapping folders), naming both; training goes on (kohya does not check at all)."""
+    shared = shared_samples(main, reg)
+    if not shared:
+        return []
+    main_name = " + ".join(repr(n) for n, _ in main.parts) if isinstance(main, DatasetMix) else "the dataset"
+    n_reg = len(reg.samples if isinstance(reg, DatasetMix) else reg)
+    example = shared[0].source or shared[0].latent
+    what = (f"is the same dataset as dataset {main_name} (all {n_reg} of its images)" if len(shared) == n_reg else
+            f"shares {len(shared)} of its {n_reg} images with dataset {main_name} (e.g. {example})")
+    return [f"{reg_name} {what}: those images train as both the subject and its regularization, which works "
+            "against what regularization is for; connect images of the class, not of the subject"]
 
 
 def counted(batches: Iterator[Batch], counts: RowCounts, main_samples: int) -> Iterator[Batch]:
@@ -84,6 +114,7 @@ class TrainResult:
         buckets: latent shape ``(C, H, W)`` (``(C, T, H, W)`` for video latents) → occurrences per epoch.
         notes: settings the run had to change, for the user (a batch size clamped to the largest bucket).
         rows: the trained rows and how many took each variant.
+        info: what was restored and saved for continuing the LoRA (its training state).
     """
 
     lora: dict[str, torch.Tensor]
@@ -95,6 +126,7 @@ class TrainResult:
     buckets: dict[Any, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     rows: RowCounts = field(default_factory=RowCounts)
+    info: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """One paragraph for the node's UI (what was changed from the settings first)."""
@@ -106,5 +138,5 @@ class TrainResult:
             f"{self.samples_per_s:.2f} samples/s, waited for data {self.data_wait_pct:.1f}% of the time; "
             f"loss {first:.4f} (first 5) → {last:.4f} (last 5); "
             f"buckets {', '.join(f'{list(b)}×{n}' for b, n in self.buckets.items())}"
-            + (f"; {rows}" if rows else "")
+            + (f"; {rows}" if rows else "") + "".join(f"; {i}" for i in self.info)
         )

@@ -31,7 +31,8 @@ from .comfy_parts import (
 from .conditioning import Conditioner, ModelCall
 from .distributed import plan_team
 from .loop import StepLoop
-from .report import RowCounts, StepReport, TrainResult, counted
+from .report import RowCounts, StepReport, TrainResult, counted, overlap_notes
+from .resume import capture_state, resume_run, save_state
 from .settings import TrainSettings
 
 __all__ = ["train_lora"]
@@ -79,23 +80,23 @@ def train_lora(
     data = plan_data(reader, samples, settings, reg, reg_name, team.size)
     data.notes.extend(team.notes)
     train = nodes_train_module()
-    existing, existing_steps = load_existing_lora(settings.existing_lora)
+    existing, name_steps = load_existing_lora(settings.existing_lora)
     with torch.inference_mode(False), team.started(model, samples, settings, reg, reg_name):
         settings = data.settings
         run = load(model, train, data, existing)
         team.same_adapters(run.lora_sd)
-        sampler = shard_sampler(samples, data.buckets, settings.batch_size, settings.seed, tail="wrap",
+        sampler = shard_sampler(samples, data.buckets, settings.batch_size, settings.seed, tail="short",
                                 rank=team.rank, world_size=team.size, caption_dropout=settings.caption_dropout,
                                 reg=data.regularization)
-        first_batch = existing_steps * settings.grad_accumulation_steps  # continuing: where the last run stopped
-        if first_batch and len(sampler):
-            sampler.seek(first_batch // len(sampler), first_batch % len(sampler))
+        start = resume_run(run, sampler, existing, name_steps)  # continuing: optimizer, steps, batch order
+        first_batch = start.first_batch
+        team.same_start(start.steps, first_batch, sampler.position, run.optimizer)
         loader = PrefetchLoader(
             reader, sampler, prefetch_batches=settings.prefetch_batches,
             threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
             on_wait=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None,
         )
-        counts = RowCounts()
+        counts = RowCounts.for_settings(settings.masked_loss, settings.unmasked_weight)
         try:
             prepare(run, train)
             loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
@@ -106,10 +107,13 @@ def train_lora(
         finally:
             loader.close()
             unprepare(run, train)
+        state = capture_state(run, sampler, start)  # before finish releases the optimizer
         lora = finish(run)
+    notes, info = save_state(state, lora) if team.is_main else ([], [])  # rank 0's run is the one to continue
     wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
-    return TrainResult(lora, losses, settings.steps + existing_steps, seconds, rows / seconds if seconds else 0.0,
-                       wait_pct, dict(sampler.buckets), tuple(data.notes), counts)
+    return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
+                       wait_pct, dict(sampler.buckets), (*data.notes, *start.notes, *notes), counts,
+                       (*start.info, *info))
 
 
 @dataclass
@@ -154,13 +158,13 @@ def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, set
         check_trainable(reader, reg_samples)
         regularization = Regularization(reg, reg_buckets, settings.reg_ratio, settings.reg_weight, name=reg_name)
         shapes += reg_buckets
-    notes: list[str] = []
+    notes: list[str] = [] if reg is None else overlap_notes(samples, reg, reg_name)
     fitted = fit_batch_size(main, buckets, settings.batch_size * ranks) // ranks
     if ranks > 1 and fitted < 1:
         raise ValueError(f"training on {ranks} devices needs at least {ranks} images × repeats in the largest "
                          f"bucket (one per device in each global batch), this dataset has "
                          f"{fit_batch_size(main, buckets, ranks)}: train on fewer devices or raise the repeats")
-    if fitted < settings.batch_size:  # the rest of each batch would be copies: clamp, and say so on the node
+    if fitted < settings.batch_size:  # a batch holds one bucket, so it cannot be larger: clamp, and say so
         notes.append(f"batch_size {settings.batch_size} is larger than this dataset's largest bucket ({fitted} "
                      f"images × repeats per epoch): trained with batch_size {fitted}" if ranks == 1 else
                      f"batch_size {settings.batch_size} × {ranks} devices is larger than this dataset's largest "

@@ -41,6 +41,10 @@ def _configure_comfyui(bootstrap: bytes) -> None:
     folder_paths.folder_names_and_paths.clear()
     folder_paths.folder_names_and_paths.update(settings["folders"])
     folder_paths.models_dir = settings["models_dir"]
+    places = settings["places"]
+    folder_paths.set_output_directory(places["output"])
+    folder_paths.set_input_directory(places["input"])
+    folder_paths.set_temp_directory(places["temp"])
 
 
 def main() -> int:

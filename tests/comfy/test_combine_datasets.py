@@ -177,6 +177,52 @@ def test_single_dataset_nodes_refuse_a_combination_and_repeats_past_the_limit_ar
         _combine(pack, people, 1, "people", 1)
 
 
+def test_repeats_past_the_limit_with_the_folders_own_are_refused_at_combine_datasets(
+        pack: ModuleType, handles: ModuleType, cache: Path, tmp_path: Path) -> None:
+    """#27 item 8: a folder's 20 repeats × repeats_a 1000 = 20000 was refused only at Train LoRA ("lower the
+    dataset's repeats"); Combine Datasets refuses it, naming its input and the largest value that fits."""
+    writer_mod = _module(pack, "dataset_cache.format.writer")
+    sample_cls = _module(pack, "dataset_cache.dataset").Sample
+    root = tmp_path / "folders"
+    with writer_mod.CacheWriter(root) as writer:
+        writer.add("1" * 32, {"samples": torch.zeros(1, 4, 8, 8)}, kind="latent")
+        writer.add("2" * 32, [[torch.zeros(1, 77, 768), {}]], kind="conditioning")
+        writer.set_dataset("twenty", [sample_cls("1" * 32, ("2" * 32,), repeats=20, source="20_x/a.png")])
+    twenty = handles.StreamDatasetHandle(str(root), "twenty")
+    people = handles.StreamDatasetHandle(str(cache), "people")
+    with pytest.raises(ValueError, match=r"repeats_a 1000: dataset 'twenty' has images repeated 20 times by their "
+                                         r"folder .* 20000 times per epoch, above the limit of 10000; set repeats_a "
+                                         r"to at most 500"):
+        _combine(pack, twenty, 1000)
+    with pytest.raises(ValueError, match=r"repeats_b 501: dataset 'twenty' .* 10020 times .* repeats_b to at most "
+                                         r"500"):
+        _combine(pack, people, 1, twenty, 501)
+    ten = _combine(pack, twenty, 10)
+    with pytest.raises(ValueError, match=r"repeats_a 60: dataset 'twenty' has images repeated 20 times by their "
+                                         r"folder \(kohya's <repeats>_<name>\) × 10 \(an earlier Combine "
+                                         r"Datasets\), so they would repeat 12000 times"):
+        _combine(pack, ten, 60)
+    assert _combine(pack, ten, 50).parts[0].repeats == 500  # 20 × 500 = 10000: at the limit, accepted
+
+
+def test_a_dataset_used_as_its_own_regularization_is_named_in_the_summary(
+        pack: ModuleType, handles: ModuleType, models: tuple, cache: Path) -> None:
+    """#27 item 5: the same dataset in dataset and reg_dataset (or overlapping images) trains, with a warning naming
+    both (kohya does not check; a refusal could break a deliberate setup)."""
+    people = handles.StreamDatasetHandle(str(cache), "people")
+    out = _train(pack, models[0], people, steps=1, reg_dataset=people)
+    (summary,) = out.ui["text"]
+    assert ("NOTE: reg_dataset 'people' is the same dataset as dataset 'people' (all 4 of its images): those images "
+            "train as both the subject and its regularization") in summary
+    both = _combine(pack, people, 1, handles.StreamDatasetHandle(str(cache), "style"), 1)
+    out = _train(pack, models[0], people, steps=1, reg_dataset=both)
+    (summary,) = out.ui["text"]
+    assert "NOTE: reg_dataset 'people + style' shares 4 of its 6 images with dataset 'people' (e.g. people0.png)" \
+        in summary
+    out = _train(pack, models[0], people, steps=1, reg_dataset=handles.StreamDatasetHandle(str(cache), "reg"))
+    assert "NOTE" not in out.ui["text"][0]
+
+
 def test_a_missing_dataset_in_a_combination_is_named(
         pack: ModuleType, handles: ModuleType, models: tuple, cache: Path) -> None:
     combined = _combine(pack, handles.StreamDatasetHandle(str(cache), "people"), 1,

@@ -67,6 +67,9 @@ def cache(pack: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Any:
         writer.set_dataset("both", samples)
         writer.set_dataset("a", samples[:1])
         writer.set_dataset("b", samples[1:])
+        mask = "c" * 32
+        writer.add(mask, {"mask": torch.full((1, 1, *LATENT[-2:]), 255, dtype=torch.uint8)}, kind="mask")
+        writer.set_dataset("masked", [dataclasses.replace(s, mask=mask) for s in samples])
     return root
 
 
@@ -242,6 +245,23 @@ def test_masks_on_the_node(pack: ModuleType, training: ModuleType, model: Any, c
     default = _step(training, model, cache, monkeypatch, masks=_half_mask, run=run)  # unmasked_weight 0.1
     torch.testing.assert_close(default.pred_grad[..., : w // 2], 0.1 * off.pred_grad[..., : w // 2],
                                rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({}, "rows: 2 trained, 2 with a mask"),
+    ({"masked_loss": False}, "rows: 2 trained, 2 with a mask not applied (masked_loss off)"),
+    ({"unmasked_weight": 1.0}, "rows: 2 trained, 2 with a mask not applied (unmasked_weight 1)"),
+])
+def test_the_summary_counts_masks_only_where_they_weigh_the_loss(pack: ModuleType, model: Any, cache: Any,
+                                                                 options: dict[str, Any], says: str) -> None:
+    """#27 item 6: with masked_loss off the summary said "2 with a mask" although no mask reached the loss."""
+    node = _module(pack, "nodes.train_lora").TrainLoRA
+    handles = _module(pack, "nodes.handles")
+    base = {"checkpoint_depth": 1, "offloading": False, "existing_lora": "[None]", **SETTINGS}
+    with torch.inference_mode():
+        out = node.execute(model, handles.StreamDatasetHandle(str(cache), "masked"), **{**base, **options})
+    (summary,) = out.ui["text"]
+    assert f"{says}; training state saved" in summary, summary
 
 
 def test_masks_go_to_the_training_dtype(training: ModuleType, model: Any, cache: Any,

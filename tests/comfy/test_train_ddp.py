@@ -82,6 +82,9 @@ def dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: M
             writer.add(_key(f"c{i}"), cond, kind="conditioning")
             samples.append(sample_cls(_key(f"l{i}"), (_key(f"c{i}"),), source=f"img{i}.png"))
         writer.set_dataset("train", samples)
+        # the same entries with odd buckets: 5 occurrences of 64×64 (sample 0 twice) and one of 64×96
+        writer.set_dataset("odd", [sample_cls(samples[0].latent, samples[0].captions, repeats=2, source="img0.png"),
+                                   *samples[1:5]])
     return handles.StreamDatasetHandle(str(root), "train")
 
 
@@ -143,15 +146,31 @@ def test_two_ranks_train_what_one_rank_trains_with_the_global_batch(node: type, 
     _no_workers_left()
 
 
+def test_short_batches_and_stand_in_rows_train_what_one_rank_trains(node: type, models: tuple, dataset: Any,
+                                                                    handles: ModuleType, start: dict) -> None:
+    """Global batch 4 over buckets of 5 and 1 occurrences: batches of 4, 1 and 1 rows (kohya's short last batch).
+    Two ranks share 4 rows as 2 + 2, and a single row as 1 + a stand-in of weight 0 (the row alone weighs twice on
+    its rank, so the ranks' mean is the row's loss): what one rank × 4 trains, within the same tolerance."""
+    odd = handles.StreamDatasetHandle(dataset.cache_root, "odd")
+    one_rank = _train(node, models[0], odd, batch_size=4).result
+    two = _train(node, models[0], odd, batch_size=2, devices="cpu:2").result
+    _assert_same_training(two, one_rank, start)
+
+
 def test_a_run_continues_on_two_ranks_where_one_rank_stopped(node: type, models: tuple, dataset: Any, one: Any,
                                                             start: dict, loras: Path) -> None:
     """Elastic determinism through the node: 3 steps on 1 rank × 2, saved; 3 more on 2 ranks × 1 (the worker loads
-    the saved LoRA by name and the sampler continues at the 4th global batch) == 6 steps on 1 rank × 2."""
+    the saved LoRA by name and its training state from rank 0's output folder, and the sampler continues at the 4th
+    global batch) == 6 steps on 1 rank × 2."""
     from safetensors.torch import save_file
 
     save_file(one[0], str(loras / "half_3_steps_00001_.safetensors"))
-    rest = _train(node, models[0], dataset, batch_size=1, devices="cpu:2",
-                  existing_lora="half_3_steps_00001_.safetensors").result
+    out = _train(node, models[0], dataset, batch_size=1, devices="cpu:2",
+                 existing_lora="half_3_steps_00001_.safetensors")
+    rest = out.result
+    (summary,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
+    # every rank restored the first run's training state (checked equal across ranks before the first step)
+    assert "continued 'half_3_steps_00001_.safetensors' from its training state" in summary, summary
     whole = _train(node, models[0], dataset, batch_size=2, steps=6).result
     assert whole[1]["loss"][:3] == one[1]["loss"]  # the same computation: bit for bit
     assert rest[2] == 6

@@ -13,6 +13,7 @@ import importlib
 import logging
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -356,6 +357,124 @@ def test_continuing_a_lora_reproduces_an_uninterrupted_run(node: type, models: t
     # and a fresh run from step 0 sees other batches than the continued one
     fresh = _train(node, models[0], dataset, steps=3, **opts).result
     assert fresh[1]["loss"] != pytest.approx(rest[1]["loss"], rel=1e-4)
+
+
+@pytest.fixture
+def lora_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """ComfyUI's output folder for this test, its ``loras/`` (where Save LoRA Weights writes) listed as a LoRA
+    folder, as README's extra_model_paths.yaml recipe does."""
+    import folder_paths
+
+    output = tmp_path / "output"
+    (output / "loras").mkdir(parents=True)
+    monkeypatch.setattr(folder_paths, "output_directory", str(output))
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
+                        ([str(output / "loras")], set(folder_paths.supported_pt_extensions)))
+    return output
+
+
+def _save_lora(lora: dict[str, torch.Tensor], steps: int | None, prefix: str = "loras/half") -> str:
+    """Save with ComfyUI's own Save LoRA Weights node; return the file name Load LoRA / existing_lora list."""
+    import folder_paths
+    from comfy_extras.nodes_train import SaveLoRA
+
+    before = set(folder_paths.get_filename_list("loras"))
+    SaveLoRA.execute(lora, prefix, steps)
+    (name,) = set(folder_paths.get_filename_list("loras")) - before
+    return name
+
+
+def _summary(out: Any) -> str:
+    (text,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
+    return text
+
+
+def test_continuing_a_lora_with_its_training_state_equals_one_run_bit_for_bit(
+        node: type, models: tuple, dataset: Any, lora_folder: Path) -> None:
+    """#27 item 10: 3 steps, Save LoRA Weights, 3 more from the saved file == 6 steps at once, bit for bit (CPU,
+    fp32): the optimizer's moments, the step count and the sampler's position come back from the training state
+    Train LoRA saved beside the LoRA (AdamW used to start fresh: max abs diff 0.005)."""
+    optimizer = "AdamW"
+    opts = {"optimizer": optimizer, "learning_rate": 0.01, "grad_accumulation_steps": 2, "batch_size": 2}
+    whole = _train(node, models[0], dataset, steps=6, **opts).result
+    first = _train(node, models[0], dataset, steps=3, **opts)
+    assert "training state saved as streamcache_train_state/" in _summary(first)
+    name = _save_lora(first.result[0], first.result[2])
+    rest = _train(node, models[0], dataset, steps=3, existing_lora=name, **opts)
+    lora, losses, steps = rest.result
+    assert steps == 6
+    assert first.result[1]["loss"] + losses["loss"] == whole[1]["loss"]
+    assert set(lora) == set(whole[0]) and all(torch.equal(lora[k], whole[0][k]) for k in whole[0])
+    summary = _summary(rest)
+    assert f"continued {name!r} from its training state (3 steps): {optimizer} state restored, the batch order " \
+           "where it stopped" in summary and "NOTE" not in summary
+
+
+def test_a_lora_without_a_training_state_continues_as_before_and_says_the_optimizer_starts_fresh(
+        node: type, models: tuple, dataset: Any, lora_folder: Path) -> None:
+    """#27 items 7 and 10: a LoRA saved before training states existed (here: its state removed) continues from
+    the step count in its name, with a note; a name without a step count restarts the batch order, with a note."""
+    first = _train(node, models[0], dataset, steps=2)
+    for state in (lora_folder / "streamcache_train_state").iterdir():
+        state.unlink()
+    name = _save_lora(first.result[0], 2)
+    out = _train(node, models[0], dataset, steps=1, existing_lora=name)
+    assert out.result[2] == 3
+    assert (f"NOTE: existing_lora {name!r}: it has no saved training state (trained before Train LoRA saved one, "
+            "by another trainer, or its state was removed): continuing at step 2 from its name, but AdamW starts "
+            "fresh") in _summary(out)
+    for state in (lora_folder / "streamcache_train_state").iterdir():
+        state.unlink()
+    unnamed = _save_lora(first.result[0], None, prefix="loras/renamed")
+    out = _train(node, models[0], dataset, steps=1, existing_lora=unnamed)
+    assert out.result[2] == 1
+    assert "its name carries no step count (Save LoRA Weights names files <prefix>_<steps>_steps_<counter>_): the " \
+           "batch order, noise and timesteps start again from step 0 and AdamW starts fresh" in _summary(out)
+
+
+def test_a_training_state_that_does_not_fit_is_named_and_the_optimizer_starts_fresh(
+        node: type, models: tuple, dataset: Any, lora_folder: Path) -> None:
+    """A state file at the LoRA's digest that is not what it claims (moments of another shape; NaN values) never
+    reaches the optimizer: the node names the file and the reason and trains on with a fresh optimizer."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    first = _train(node, models[0], dataset, steps=2)
+    name = _save_lora(first.result[0], 2)
+    (path,) = (lora_folder / "streamcache_train_state").iterdir()
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    key = next(k for k in tensors if k.startswith("exp_avg/") and tensors[k].ndim == 2)
+    save_file({**tensors, key: tensors[key].reshape(1, -1)}, str(path), metadata)  # moments of another shape
+    out = _train(node, models[0], dataset, steps=1, existing_lora=name)
+    assert out.result[2] == 3
+    assert f"NOTE: existing_lora {name!r}: its saved optimizer state does not fit this run (its exp_avg of " \
+           f"{key.split('/', 1)[1]!r} has shape" in _summary(out)
+    save_file({**tensors, key: torch.full_like(tensors[key], float("nan"))}, str(path), metadata)
+    out = _train(node, models[0], dataset, steps=1, existing_lora=name)
+    assert f"its training state {path.name} cannot be used (tensor {key!r} holds NaN or infinite values)" \
+        in _summary(out)
+
+
+def test_a_bucket_smaller_than_the_batch_trains_as_a_smaller_batch(pack: ModuleType, node: type, models: tuple,
+                                                                   dataset: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """#27 item 1: at batch 4 the 64×96 bucket (2 images) was completed with copies, so its images trained twice as
+    often as the others; now it trains as a batch of 2 and every image once per epoch (2 epochs of 2 steps)."""
+    run = _module(pack, "nodes.training.run")
+    real = run.counted
+    seen: list[tuple[str, ...]] = []
+
+    def spy(batches: Any, counts: Any, main_samples: int) -> Any:
+        for batch in real(batches, counts, main_samples):
+            seen.append(batch.plan.latent_keys)
+            yield batch
+
+    monkeypatch.setattr(run, "counted", spy)
+    _train(node, models[0], dataset, batch_size=4, steps=4)
+    assert sorted(len(rows) for rows in seen) == [2, 2, 4, 4]
+    assert Counter(key for rows in seen for key in rows) == {_key(f"latent{i}"): 2 for i in range(len(SIZES))}
 
 
 def test_every_row_is_paired_with_its_own_caption(pack: ModuleType, models: tuple) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 from support.client import ComfyClient, PromptError
 from support.comfy_env import ComfyInstall
 from support.datasets import Subset, make_kohya_folder
@@ -156,13 +157,16 @@ def test_variety_inputs_at_their_maximum_encode_and_train_or_are_refused_by_name
     client = capped_server.client()
     log = Path(capped_server.log_path)
     tracebacks = log.read_text(errors="replace").count("Traceback")  # the refusals of the tests before this one
-    make_kohya_folder(capped_server.input_dir / "hostile_variety", (Subset(2, "v", ((64, 64), (96, 64))),))
+    folder = make_kohya_folder(capped_server.input_dir / "hostile_variety", (Subset(2, "v", ((64, 64), (96, 64))),))
+    with Image.open(folder.images[0].path) as img:  # an alpha channel for the first image; the second has none
+        img.convert("RGBA").save(folder.images[0].path)
     encode = encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"), "hostile_variety", "hostile_variety",
                            flip="random", shuffle_variants=64, keep_tokens=64, empty_caption=True, masks="alpha")
     assert client.run(encode, timeout=600).status == "success"
     with open_cache(capped_server.streamcache_dir / "hostile_variety") as reader:
         samples = reader.dataset("default")
-    assert all(s.mirror and s.mask and s.empty_caption for s in samples)
+    assert all(s.mirror and s.empty_caption for s in samples)
+    assert sorted(s.mask is not None for s in samples) == [False, True]  # no alpha channel, no mask (#27 item 3)
     # 64 kept tags leave nothing to shuffle: each line is its own single variant
     assert sorted(len(s.captions) for s in samples) == [1, 2]
 
@@ -181,6 +185,10 @@ def test_variety_inputs_at_their_maximum_encode_and_train_or_are_refused_by_name
     chained["3"]["inputs"]["dataset"] = ["6", 0]
     with pytest.raises(PromptError) as info:
         client.run(chained, timeout=600)
-    assert "repeats 10000 × 10000 = 100000000, above the limit of 10000" in json.dumps(info.value.details,
-                                                                                       ensure_ascii=False)
+    # refused at the first Combine Datasets, naming its input (the folder's 2 repeats × 10000; #27 item 8)
+    details = json.dumps(info.value.details, ensure_ascii=False)
+    assert '"node_type": "StreamCache_CombineDatasets"' in details and '"node_id": "5"' in details
+    assert ("repeats_a 10000: dataset 'default' has images repeated 2 times by their folder (kohya's "
+            "<repeats>_<name>), so they would repeat 20000 times per epoch, above the limit of 10000; set repeats_a "
+            "to at most 5000") in details
     _alive(client)

@@ -58,6 +58,7 @@ WORKER = textwrap.dedent(f"""
             assert c.broadcast_(weights) == 3 and weights[0].tolist() == [1.0, 1.0] and weights[1].tolist() == [2.0]
             assert weights[2].dtype == torch.bfloat16 and weights[2].tolist() == [0.5, -3.0]
             assert c.sum_ints([1, 2]) == [11, 22]
+            assert c.extremes([3.0, 0.5]) == ([1.0, 0.5], [3.0, 2.0])
             c.agree(0.0)  # rank 0 asks to stop here
             raise AssertionError("the agreed stop did not stop rank 1")
         elif scenario == "error":
@@ -124,6 +125,7 @@ def test_gradients_losses_weights_and_an_agreed_stop(group, monkeypatch):
     assert c.broadcast_([torch.ones(2), torch.full((1,), 2.0, dtype=torch.float64),
                          torch.tensor([0.5, -3.0], dtype=torch.bfloat16)]) == 0
     assert c.sum_ints([10, 20]) == [11, 22]
+    assert c.extremes([1.0, 2.0]) == ([1.0, 0.5], [3.0, 2.0])  # how rank 0 sees that the ranks' starts differ
     stop["asked"] = True
     with pytest.raises(RunStopped):
         c.agree(0.0)

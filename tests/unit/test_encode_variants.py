@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_plan import EncodeSettings, plan_encode, samples_digest, shuffle_tags
+from dataset_cache.encode_plan import EncodeSettings, plan_encode, samples_digest, shuffle_tags, tag_orders
 from dataset_cache.encode_run import run_encode
 from dataset_cache.errors import SourceError
 from dataset_cache.format.reader import open_cache
@@ -120,6 +120,80 @@ def test_shuffle_keeps_tokens_and_tags_and_is_deterministic() -> None:
     assert out.stdout.strip() == repr(texts)
 
 
+def _old_shuffle(line: str, variants: int, keep_tokens: int) -> tuple[str, ...]:
+    """The generator of #16 (before #27): draw i with the seed xxh64("<i>\\0<line>"), duplicates and the line's own
+    order allowed. Kept here to show that lines it served well keep their texts (and conditionings)."""
+    import random
+
+    import xxhash
+
+    tags = [t for t in (part.strip() for part in line.split(",")) if t]
+    fixed, rest = tags[:keep_tokens], tags[keep_tokens:]
+    out = []
+    for i in range(variants):
+        order = list(rest)
+        random.Random(xxhash.xxh64_intdigest(f"{i}\0{line}".encode())).shuffle(order)
+        out.append(", ".join(fixed + order))
+    return tuple(out)
+
+
+def test_shuffle_variants_are_distinct_orders_and_never_the_lines_own_where_the_tags_allow() -> None:
+    """#27 item 2: variants were drawn independently: "ohwx, red square, blue sky, outdoors" (keep 1, 2 variants)
+    gave one text twice though 6 orders exist, and "ohwx, cat, sitting" gave its own order twice (never shuffled)."""
+    line = "ohwx, red square, blue sky, outdoors"
+    texts = shuffle_tags(line, 2, keep_tokens=1)
+    assert len(set(texts)) == 2 and line not in texts and all(t.startswith("ohwx, ") for t in texts)
+    assert set(shuffle_tags("ohwx, cat, sitting", 2, keep_tokens=1)) == {"ohwx, sitting, cat", "ohwx, cat, sitting"}
+    assert shuffle_tags("a, b, c, d", 24)[-1] == "a, b, c, d"  # all 24 orders: the line's own last
+    assert len(set(shuffle_tags("a, b, c, d", 24))) == 24 and "a, b, c, d" not in shuffle_tags("a, b, c, d", 23)
+    assert sorted(shuffle_tags("a, a, b", 5)) == ["a, a, b", "a, b, a", "b, a, a"]  # repeated tags: 3 orders
+    assert shuffle_tags("ohwx, cat", 4, keep_tokens=1) == ("ohwx, cat",)  # nothing to shuffle: the line once
+    for n_tags in range(1, 7):
+        for variants in (1, 2, 5, 6, 64):
+            line = ", ".join(f"t{i}" for i in range(n_tags))
+            orders = tag_orders(line, 0)
+            texts = shuffle_tags(line, variants)
+            assert len(texts) == len(set(texts)) == min(variants, orders)
+            if orders - 1 >= variants:
+                assert line not in texts
+
+
+def test_lines_the_old_generator_served_well_keep_their_texts() -> None:
+    """Caches encoded before #27 re-encode only the lines whose old shuffles repeated or were the line itself."""
+    kept = changed = 0
+    for n in range(3, 9):
+        for k in range(20):
+            line = ", ".join(f"tag{k}x{i}" for i in range(n))
+            old = _old_shuffle(line, 4, 1)
+            if len(set(old)) == 4 and line not in old:
+                assert shuffle_tags(line, 4, keep_tokens=1) == old
+                kept += 1
+            else:
+                assert shuffle_tags(line, 4, keep_tokens=1) != old
+                changed += 1
+    assert kept and changed  # both kinds were seen
+
+
+def test_the_report_says_which_lines_cannot_be_shuffled_and_why(folder: Path, cache: Path) -> None:
+    """#27 items 2 and 4: keep_tokens >= the tags used to turn shuffling off silently, and keep_tokens without
+    shuffling was ignored silently; the plan's notes (the encode report's NOTE lines) now say both."""
+    (folder / "a.txt").write_text("ohwx, cat", encoding="utf-8")  # keep_tokens 1: nothing left to shuffle
+    (folder / "b.txt").write_text("solo", encoding="utf-8")  # one tag
+    (folder / "c.txt").write_text("ohwx, red, round\nohwx, green, tall, thin", encoding="utf-8")  # 2 orders; 6
+    notes = _plan(folder, cache, replace(BASE, shuffle_variants=3, keep_tokens=1)).notes
+    assert ("1 caption line(s) cannot be shuffled: keep_tokens 1 keeps all their tags in place (or all but one), so "
+            "they train unshuffled (e.g. 'ohwx, cat'); lower keep_tokens") in notes
+    assert ("1 caption line(s) cannot be shuffled: they have one comma-separated tag (or only the same tag repeated), "
+            "so they train unshuffled (e.g. 'solo')") in notes
+    assert ("1 caption line(s) have fewer tag orders than shuffle_variants 3 asks for (e.g. 'ohwx, red, round': 2 "
+            "orders): each gives every order it has, its own among them") in notes
+    assert ("keep_tokens 2 has no effect: shuffle_variants is 0, so no tags are shuffled (set shuffle_variants to "
+            "shuffle the tags after the first keep_tokens)") in _plan(folder, cache, replace(BASE, keep_tokens=2)).notes
+    report, _ = _build(folder, cache, replace(BASE, shuffle_variants=3, keep_tokens=1))
+    assert "NOTE: 1 caption line(s) cannot be shuffled: keep_tokens 1" in report.summary()
+    assert not [n for n in _plan(folder, cache).notes if "shuffle" in n or "keep_tokens" in n]
+
+
 def test_shuffle_encodes_n_variants_per_line_and_only_a_changed_lines(folder: Path, cache: Path) -> None:
     settings = replace(BASE, shuffle_variants=3, keep_tokens=1, caption_prefix="pre ")
     report, enc = _build(folder, cache, settings)
@@ -166,6 +240,9 @@ def test_flip_none_to_random_encodes_only_the_mirrors(folder: Path, cache: Path)
     always = replace(BASE, bucket=replace(BASE.bucket, flip="always"))
     assert {s.latent for s in _plan(folder, cache, always).samples} == {s.mirror for s in after.values()}
     assert _plan(folder, cache, always).latent_count == 0
+    # #27 item 9: the report of flip=always had no variants line
+    assert "variants: flip always: all 3 samples stored mirrored (training never sees the originals)" in \
+        run_encode(_plan(folder, cache, always), **FakeEncoders().kw()).summary()
     with open_cache(cache) as reader:
         s = after["a.png"]
         lat, mir = reader.read([s.latent, s.mirror])
@@ -265,15 +342,22 @@ def test_alpha_masks(folder: Path, cache: Path) -> None:
     arr[:32, :, 3] = 0  # top half transparent, bottom opaque
     arr[32:, :, 3] = 255
     Image.fromarray(arr, "RGBA").save(folder / "a.png")
+    (folder / "c.png").unlink()
+    _image(folder / "c.jpg", (64, 64), 2)
     report, _ = _build(folder, cache, replace(BASE, masks="alpha"))
     stored = {s.source: s for s in _stored(cache)}
     with open_cache(cache) as reader:
         (mask,) = reader.read([stored["a.png"].mask])
     h = mask["mask"].shape[-2]
     assert (mask["mask"][..., : h // 2, :] == 0).all() and (mask["mask"][..., h // 2:, :] == 255).all()
-    with open_cache(cache) as reader:  # an image without alpha: full weight
-        (full,) = reader.read([stored["b.png"].mask])
-    assert (full["mask"] == 255).all()
+    # #27 item 3: images without alpha (an RGB PNG, a JPEG) used to get an all-255 mask and count as "masked";
+    # they get no mask (trained as with masks none), and the report names them
+    assert stored["b.png"].mask is None and stored["c.jpg"].mask is None
+    summary = report.summary()
+    assert "masks: 1 made, 1 in the dataset (1 of 3 samples masked)" in summary
+    assert "NOTE: 2 image(s) have no alpha channel (e.g. JPEGs) and train unmasked, as with masks none: b.png, " \
+           "c.jpg" in summary
+    assert _plan(folder, cache, replace(BASE, masks="alpha")).up_to_date  # and a warm plan stays current
 
 
 def test_hostile_masks_are_refused_by_name(folder: Path, cache: Path, tmp_path: Path) -> None:

@@ -313,7 +313,7 @@ def test_worker_exception_reaches_consumer_at_the_failing_batch_with_its_traceba
     assert isinstance(cause, CacheCorruptError) and cause.entry == bad
     assert info.value.plan == plans[first_bad]
     tb = "".join(traceback.format_exception(cause))
-    assert "_raise_corrupt" in tb and "_run_job" in tb  # the worker's own frames survive
+    assert "_raise_corrupt" in tb and "run_job" in tb  # the worker's own frames survive
     assert "checksum mismatch" in str(info.value)
     assert live_threads() == before  # the failed iteration stopped its threads
     assert sampler.position == (0, first_bad)  # a retry starts at the failed batch
@@ -538,23 +538,23 @@ def test_default_threads_leave_a_cpu_to_the_training_thread(monkeypatch, cpus, d
 
 
 def test_rows_already_back_to_back_are_used_as_one_block_without_a_copy():
-    from dataset_cache.loader import _as_one_block, _stack
+    from dataset_cache.batch_assembly import as_one_block, stack_rows
 
     base = torch.arange(4 * 2 * 3, dtype=torch.float32).view(4, 1, 2, 3)
     rows = [base[i] for i in range(4)]  # each [1, 2, 3]: a latent row of shape [1, C, W] back to back
-    block = _as_one_block(rows)
+    block = as_one_block(rows)
     assert block is not None and block.data_ptr() == base.data_ptr() and torch.equal(block, base.view(4, 2, 3))
-    stacked = _stack(rows, torch.device("cpu"))
+    stacked = stack_rows(rows)
     assert stacked.data_ptr() == base.data_ptr()  # no copy
     # out of order, a gap, or another storage: stacked by copying, values the same
     for other in ([rows[1], rows[0]], [rows[0], rows[2]], [rows[0], base.clone()[1]]):
-        assert _as_one_block(other) is None
-        assert torch.equal(_stack(other, torch.device("cpu")), torch.cat(other))
+        assert as_one_block(other) is None
+        assert torch.equal(stack_rows(other), torch.cat(other))
 
 
 def test_the_real_reader_lays_a_batchs_latents_back_to_back_in_the_order_asked(tmp_path):
     from dataset_cache.format import CacheWriter, open_cache
-    from dataset_cache.loader import _as_one_block
+    from dataset_cache.batch_assembly import as_one_block
 
     with CacheWriter(tmp_path) as w:
         for i in range(10):
@@ -564,7 +564,7 @@ def test_the_real_reader_lays_a_batchs_latents_back_to_back_in_the_order_asked(t
     keys = ["l7", "c7", "l2", "c2", "l5", "l2"]
     values = r.read(keys)
     latents = [values[i]["samples"] for i in (0, 2, 4)]
-    block = _as_one_block(latents)
+    block = as_one_block(latents)
     assert block is not None
     assert block[:, 0, 0, 0].tolist() == [7.0, 2.0, 5.0]
     assert values[5]["samples"].data_ptr() == values[2]["samples"].data_ptr()  # a repeated key is read once

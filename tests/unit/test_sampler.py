@@ -73,7 +73,7 @@ def test_different_epochs_and_seeds_give_different_orders():
     assert rows(make_sampler(seed=8).epoch_plans(0)) != orders[0]
 
 
-@pytest.mark.parametrize("tail", ["drop", "wrap"])
+@pytest.mark.parametrize("tail", ["drop", "short", "wrap"])
 def test_resume_at_every_position_of_an_epoch(tail):
     ref = make_sampler(tail=tail)
     expected = ref.epoch_plans(0) + ref.epoch_plans(1)
@@ -179,6 +179,79 @@ def test_wrap_trains_a_bucket_smaller_than_a_batch(caplog):
     assert any(p.sample_indices == (3, 3, 3) for p in wrap.epoch_plans(0))
 
 
+# ---------------------------------------------------------------------------------- tail "short" (what trains)
+def test_short_tail_trains_a_small_bucket_as_a_smaller_batch_never_as_copies():
+    """#27 item 1: a bucket of one image at batch 4 was filled with 4 copies of it (tail "wrap"); under "short" it
+    trains as a batch of one, and a bucket of 5 as a batch of 4 and one of 1: every occurrence once per epoch."""
+    samples = make_samples(10, repeats=False)
+    buckets = [0] * 5 + [1] + [2] * 4  # 5 images, 1 image, 4 images
+    s = BucketSampler(samples, buckets, 4, seed=3, tail="short")
+    assert len(s) == 2 + 1 + 1
+    for epoch in range(4):
+        plans = s.epoch_plans(epoch)
+        assert Counter(i for p in plans for i in p.sample_indices) == {i: 1 for i in range(10)}
+        assert sorted(len(p.sample_indices) for p in plans) == [1, 1, 4, 4]
+        assert [p.sample_indices for p in plans if p.bucket == 1] == [(5,)]
+        for p in plans:
+            assert {buckets[i] for i in p.sample_indices} == {p.bucket}
+
+
+def test_short_tail_plans_equal_todays_where_no_bucket_is_short():
+    """Buckets whose occurrences fill whole batches: "short" gives exactly the plans "wrap" gave (the order and
+    every draw), for one rank and for ranks that divide the batches."""
+    samples = make_samples(24, repeats=False)
+    buckets = [i % 3 for i in range(24)]  # 3 buckets of 8 at batch 4: 6 batches
+    for world in (1, 2, 3, 6):
+        for rank in range(world):
+            kw = {"world_size": world, "rank": rank, "caption_dropout": 0.0}
+            short = BucketSampler(samples, buckets, 4, 11, tail="short", **kw)
+            wrap = BucketSampler(samples, buckets, 4, 11, tail="wrap", **kw)
+            for epoch in range(3):
+                assert short.epoch_plans(epoch) == wrap.epoch_plans(epoch)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_short_tail_gives_every_rank_the_same_steps_by_splitting_batches(world):
+    """31 samples in 3 buckets at batch 4: the ranks' shares are equal in length on every epoch, they partition the
+    epoch exactly (no padding copies, nothing left out), and batches are never mixed across buckets."""
+    samples = make_samples(31)
+    buckets = bucket_ids(samples)
+    single = make_sampler(samples, batch_size=4, tail="short", world_size=1, rank=0)
+    shards = [make_sampler(samples, batch_size=4, tail="short", world_size=world, rank=r) for r in range(world)]
+    assert len({len(s) for s in shards}) == 1
+    for epoch in range(3):
+        per_rank = [s.epoch_plans(epoch) for s in shards]
+        assert len({len(p) for p in per_rank}) == 1
+        union = Counter(i for plans in per_rank for p in plans for i in p.sample_indices)
+        assert union == Counter(i for p in single.epoch_plans(epoch) for i in p.sample_indices)
+        assert union == {i: samples[i].repeats for i in range(len(samples))}
+        for plans in per_rank:
+            for p in plans:
+                assert 1 <= len(p.sample_indices) <= 4 and {buckets[i] for i in p.sample_indices} == {p.bucket}
+
+
+def test_short_tail_leaves_out_rows_only_when_no_split_can_even_the_ranks():
+    """3 occurrences at batch 2 for 2 ranks: a batch of 2 and one of 1, all trained; at batch 1: one row each, the
+    third left out (it would have to be a copy); 1 occurrence for 2 ranks: refused."""
+    samples = make_samples(3, repeats=False)
+    for batch_size, trained in ((2, 3), (1, 2)):
+        shards = [BucketSampler(samples, [0] * 3, batch_size, 0, tail="short", world_size=2, rank=r)
+                  for r in range(2)]
+        assert [len(s) for s in shards] == [1, 1]
+        seen = [i for s in shards for p in s.epoch_plans(0) for i in p.sample_indices]
+        assert len(seen) == len(set(seen)) == trained
+    with pytest.raises(ValueError, match="no batch of 1 for each of 2 rank"):
+        BucketSampler(samples[:1], [0], 1, 0, tail="short", world_size=2, rank=0)
+
+
+def test_short_tail_caption_dropout_has_one_draw_per_row():
+    samples = [Sample(f"{i:032x}", ("c",), empty_caption="e") for i in range(5)]
+    s = BucketSampler(samples, [0, 0, 0, 1, 1], 2, 0, tail="short", caption_dropout=0.5)
+    for epoch in range(5):
+        for p in s.epoch_plans(epoch):
+            assert len(p.dropped) == len(p.sample_indices) == len(p.caption_keys)
+
+
 # -------------------------------------------------------------------------------------------------------- ranks
 @pytest.mark.parametrize("tail", ["drop", "wrap"])
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -257,7 +330,7 @@ def test_two_process_gloo_ranks_are_disjoint_and_equal_length(tmp_path):
     n_buckets=st.integers(1, 4),
     batch_size=st.integers(1, 5),
     world=st.integers(1, 3),
-    tail=st.sampled_from(["drop", "wrap"]),
+    tail=st.sampled_from(["drop", "short", "wrap"]),
     shuffle=st.booleans(),
     seed=st.integers(0, 2**40),
 )
@@ -277,12 +350,19 @@ def test_invariants_hold_for_any_configuration(n, n_buckets, batch_size, world, 
     counts: Counter[int] = Counter()
     for plans in per_rank:
         for p in plans:
-            assert len(p.sample_indices) == batch_size
+            if tail == "short":
+                assert 1 <= len(p.sample_indices) <= batch_size
+            else:
+                assert len(p.sample_indices) == batch_size
             assert {buckets[i] for i in p.sample_indices} == {p.bucket}
             counts.update(p.sample_indices)
     for i, c in counts.items():
-        if tail == "drop":
+        if tail in ("drop", "short"):
             assert c <= samples[i].repeats  # nothing is seen more often than its repeats
+    if tail == "short":  # everything trains, unless every batch is down to one row and the ranks still differ
+        occurrences = sum(s.repeats for s in samples)
+        singles = all(len(p.sample_indices) == 1 for plans in per_rank for p in plans)
+        assert sum(counts.values()) == occurrences or (singles and sum(counts.values()) == occurrences // world * world)
     if tail == "wrap":
         assert all(counts[i] >= samples[i].repeats for i in range(n))  # nothing is left out
 

@@ -4,7 +4,9 @@ continue on another number of devices."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 
 from dataset_cache.dataset import Sample
 from dataset_cache.sampler import BatchPlan, BucketSampler, Regularization
-from dataset_cache.sharding import RowShardSampler, rows_of, shard_sampler
+from dataset_cache.sharding import RankPlan, RowShardSampler, rows_of, shard_sampler, share, share_of
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -34,20 +36,35 @@ def ranks(world: int, batch: int, samples: list[Sample] | None = None, **kw) -> 
             for r in range(world)]
 
 
-def joined(shards: list[RowShardSampler], plans_of: list[list[BatchPlan]]) -> list[BatchPlan]:
-    """The global batches the ranks train together: each index's rank plans, rows concatenated in rank order."""
+def joined(plans_of: list[list[RankPlan]]) -> list[BatchPlan]:
+    """The global batches the ranks train together: each index's shares, rows concatenated in rank order (stand-in
+    rows left out), each share's row weights back to the global batch's (the share's scale taken out)."""
     out = []
+    world = len(plans_of)
     for parts in zip(*plans_of):
+        real = [p for p in parts if p.sample_indices]
+        rows = parts[0].global_rows
+        assert [p.first_row for p in real] == [share(rows, r, world)[0] for r in range(len(real))]
+        assert all(not p.sample_indices and p.weights == (0.0,) for p in parts[len(real):])  # stand-ins last
+        weights: tuple[float, ...] = ()
+        for p in real:
+            scale = len(p.sample_indices) * world / rows
+            weights += tuple(w / scale for w in p.weights) if scale != 1 else p.weights
         first = parts[0]
         out.append(BatchPlan(
-            first.epoch, first.index, sum((p.sample_indices for p in parts), ()),
-            sum((p.latent_keys for p in parts), ()), sum((p.caption_keys for p in parts), ()), first.bucket,
-            sum((p.mirrored for p in parts), ()), sum((p.dropped for p in parts), ()),
-            sum((p.mask_keys for p in parts), ()), sum((p.weights for p in parts), ())))
+            first.epoch, first.index, sum((p.sample_indices for p in real), ()),
+            sum((p.latent_keys for p in real), ()), sum((p.caption_keys for p in real), ()), first.bucket,
+            sum((p.mirrored for p in real), ()), sum((p.dropped for p in real), ()),
+            sum((p.mask_keys for p in real), ()), weights))
     return out
 
 
-@pytest.mark.parametrize("tail", ["drop", "wrap"])
+def _plain(plan: BatchPlan) -> BatchPlan:
+    """``plan`` with weights that are all 1.0 written as none (an uneven share writes them out)."""
+    return plan if any(w != 1.0 for w in plan.weights) else dataclasses.replace(plan, weights=())
+
+
+@pytest.mark.parametrize("tail", ["drop", "wrap", "short"])
 @pytest.mark.parametrize("world,batch", [(2, 1), (2, 3), (3, 2), (4, 1)])
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_the_ranks_rows_together_are_the_one_rank_plans_of_the_global_batch(tail, world, batch, shuffle):
@@ -61,8 +78,14 @@ def test_the_ranks_rows_together_are_the_one_rank_plans_of_the_global_batch(tail
     assert [(s.rank, s.world_size) for s in shards] == [(r, world) for r in range(world)]
     for epoch in range(3):
         per_rank = [s.epoch_plans(epoch) for s in shards]
-        assert all(len(p.sample_indices) == batch for plans in per_rank for p in plans)
-        assert joined(shards, per_rank) == one.epoch_plans(epoch)  # caption variants, mirrors, masks, drops too
+        assert all(len(p.sample_indices) <= batch for plans in per_rank for p in plans)
+        if tail != "short":  # full global batches: every share is batch_size rows, weights untouched
+            assert all(len(p.sample_indices) == batch for plans in per_rank for p in plans)
+        got = [_plain(p) for p in joined(per_rank)]
+        want = [_plain(p) for p in one.epoch_plans(epoch)]
+        assert [p.sample_indices for p in got] == [p.sample_indices for p in want]
+        assert [dataclasses.replace(p, weights=()) for p in got] == [dataclasses.replace(p, weights=()) for p in want]
+        assert all(g.weights == pytest.approx(w.weights, rel=1e-12) for g, w in zip(got, want))
     assert any(p.dropped and any(p.dropped) for p in one.epoch_plans(0))  # the variants were exercised
     assert any(p.weights for p in one.epoch_plans(0)) and any(p.mirrored for p in one.epoch_plans(0))
 
@@ -93,7 +116,7 @@ def test_several_ranks_get_a_row_shard_sampler():
 
 
 @pytest.mark.parametrize("before,after", [((2, 2), (1, 4)), ((1, 4), (4, 1)), ((4, 1), (2, 2))])
-@pytest.mark.parametrize("tail", ["drop", "wrap"])
+@pytest.mark.parametrize("tail", ["drop", "wrap", "short"])
 def test_a_run_continues_on_another_number_of_ranks_with_the_very_next_rows(before, after, tail):
     """Elastic determinism: global batch 4 as 2 × 2, then as 1 × 4 (or 4 × 1): the rows after the resume are those
     an uninterrupted run trains, none repeated, none skipped, across an epoch boundary too."""
@@ -161,3 +184,33 @@ def test_bad_ranks_are_refused():
 def test_rows_of_keeps_empty_variant_tuples_empty():
     plan = BatchPlan(0, 3, (1, 2, 3, 4), tuple("abcd"), tuple("ABCD"), "b")
     assert rows_of(plan, 2, 4) == BatchPlan(0, 3, (3, 4), ("c", "d"), ("C", "D"), "b")
+
+
+@pytest.mark.parametrize("rows,world", [(5, 2), (3, 4), (1, 2), (7, 3), (8, 4)])
+def test_short_global_batches_weigh_each_row_as_the_whole_batch_does(rows, world):
+    """The ranks' mean of their shares' weighted mean losses is the global batch's mean loss, whatever the split:
+    an uneven share's rows are scaled by share × world / rows, a stand-in weighs 0."""
+    samples = [Sample(f"{i:032x}", (f"c{i}",)) for i in range(rows + 40)]  # a small bucket and a large one
+    shards = [RowShardSampler(samples, [0] * rows + [1] * 40, (rows + world - 1) // world + 1, 3, rank=r,
+                              world_size=world, tail="short") for r in range(world)]
+    (index,) = [p.index for p in shards[0].epoch_plans(0) if p.bucket == 0]  # the small bucket: one short batch
+    parts = [s.plan(0, index) for s in shards]
+    assert all(p.global_rows == rows for p in parts)
+    losses = {i: random.Random(i).uniform(0.1, 5.0) for i in range(rows)}
+    per_rank = []
+    for p in parts:
+        if not p.sample_indices:  # a stand-in: one row of weight 0, the global batch's first
+            assert p.weights == (0.0,) and p.latent_keys == (samples[parts[0].sample_indices[0]].latent,)
+            per_rank.append(0.0)
+            continue
+        weights = p.weights or (1.0,) * len(p.sample_indices)
+        per_rank.append(sum(w * losses[i] for w, i in zip(weights, p.sample_indices)) / len(p.sample_indices))
+    assert sum(per_rank) / world == pytest.approx(sum(losses.values()) / rows, rel=1e-12)
+    assert sorted(i for p in parts for i in p.sample_indices) == list(range(rows))  # each row once
+
+
+def test_share_is_as_even_as_the_rows_allow():
+    assert [share(7, r, 3) for r in range(3)] == [(0, 3), (3, 2), (5, 2)]
+    assert [share(1, r, 2) for r in range(2)] == [(0, 1), (1, 0)]
+    assert share_of(BatchPlan(0, 0, (1,), ("a",), ("b",)), 1) == (1, 0)
+    assert share_of(RankPlan(0, 0, (1,), ("a",), ("b",), global_rows=4, first_row=2), 1) == (4, 2)

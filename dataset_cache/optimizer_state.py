@@ -1,0 +1,433 @@
+"""The training state of a LoRA, kept beside it so that continuing the LoRA resumes exactly.
+
+A LoRA file holds weights only. Continuing it with an optimizer that keeps state (AdamW's moments) would start
+that state afresh, so 3 + 3 steps would not be 6 steps. This module stores what a continuation needs besides the
+weights: the optimizer's state, the step count, the number of batches trained (the noise index of the next one)
+and the sampler's position.
+
+File: a safetensors file (no pickle anywhere). Each optimizer state tensor is named ``<slot>/<parameter>``
+(``exp_avg/diffusion_model.….lora_up.weight``): the parameter by the LoRA key it trains, never by position, so a
+reordered model cannot pair a moment with the wrong weight. One metadata entry (:data:`METADATA_KEY`) holds the
+rest as JSON: format and version, the LoRA's content digest, the optimizer's name, its parameter groups (their
+hyperparameters, and their parameters by name), the counts, the sampler's state and a gradient scaler's.
+
+Name: the LoRA file is written by another node (ComfyUI's "Save LoRA Weights", with a counter in its name), so
+the file is named by the content digest of the LoRA's tensors (:func:`lora_digest`), which the LoRA gives again
+wherever it is copied or however it is renamed. :class:`TrainStateStore` keeps the files in one folder, writes
+them atomically and keeps the folder bounded (the least recently used go first, and only files of its own name
+pattern; see :meth:`TrainStateStore.prune`).
+
+Reading trusts nothing: the header's offsets and sizes are checked against the file (``format.safetensors_io``),
+the metadata's fields and types, the digest against the LoRA asked for, every value for NaN and infinity, and
+(:func:`check_fits`) each tensor against the parameter it names: a file that fails is named with the reason, and
+the caller continues with a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import CacheError
+from .format.manifest import atomic_write
+from .format.safetensors_io import (
+    DTYPE_TO_ST,
+    ST_TO_DTYPE,
+    build_header,
+    open_regular,
+    read_header,
+    write_safetensors,
+)
+
+__all__ = [
+    "MAX_STATE_FILES",
+    "MAX_STATE_FOLDER_BYTES",
+    "METADATA_KEY",
+    "OPTIMIZER_SLOTS",
+    "TrainState",
+    "TrainStateError",
+    "TrainStateStore",
+    "capture_optimizer",
+    "check_fits",
+    "lora_digest",
+    "optimizer_state_dict",
+    "read_train_state",
+    "write_train_state",
+]
+
+STATE_FORMAT = "streamcache-train-state"
+STATE_VERSION = 1
+METADATA_KEY = "streamcache_train_state"
+"""The ``__metadata__`` entry that holds the state's JSON."""
+
+OPTIMIZER_SLOTS: Mapping[str, frozenset[str]] = {
+    "AdamW": frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+    "Adam": frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+    "SGD": frozenset({"momentum_buffer"}),
+    "RMSprop": frozenset({"step", "square_avg", "momentum_buffer", "grad_avg"}),
+}
+"""Per optimizer (the names ComfyUI's ``_create_optimizer`` knows), the per-parameter state torch keeps; a file
+naming another slot is refused. ``step`` is a scalar; every other slot has its parameter's shape."""
+
+MAX_STATE_FILES = 32
+"""State files the folder keeps (the least recently written or used beyond this are removed)."""
+MAX_STATE_FOLDER_BYTES = 16 << 30
+"""Bytes the folder keeps: an AdamW state is twice its LoRA (two moments), so a rank-64 Flux LoRA's is ~1.2 GB."""
+_MAX_COUNT = 1 << 53
+_ORPHAN_SECONDS = 3600.0
+"""A temp file of an interrupted write older than this is an orphan (a write takes seconds)."""
+_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
+_TEMP = re.compile(r"\.[0-9a-f]{32}\.safetensors\.[0-9a-f]{16}\.tmp")
+
+
+class TrainStateError(CacheError, ValueError):
+    """A training state file that cannot be used: unreadable, not ours, damaged, or for another LoRA."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        super().__init__(f"training state {os.fspath(path)}: {reason}")
+        self.path = os.fspath(path)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """What continuing a LoRA needs besides its weights.
+
+    Attributes:
+        lora_digest: :func:`lora_digest` of the LoRA these weights were saved with.
+        optimizer: the optimizer's name (a key of :data:`OPTIMIZER_SLOTS`).
+        steps: optimizer steps the LoRA has had, in total.
+        batches: batches trained in total: the index of the next batch's noise and timesteps.
+        slots: parameter name → slot → CPU tensor (parameters without state, e.g. never given a gradient, absent).
+        param_groups: the optimizer's groups: hyperparameters, and ``"params"``: the parameter names.
+        sampler: the sampler's ``state_dict()`` after the last batch, or ``None``.
+        scaler: a ``GradScaler``'s ``state_dict()``, or ``None``.
+    """
+
+    lora_digest: str
+    optimizer: str
+    steps: int
+    batches: int
+    slots: Mapping[str, Mapping[str, torch.Tensor]] = field(default_factory=dict)
+    param_groups: tuple[Mapping[str, Any], ...] = ()
+    sampler: Mapping[str, Any] | None = None
+    scaler: Mapping[str, Any] | None = None
+
+
+def lora_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """xxh3-128 (hex) of a LoRA's tensors: names (sorted), dtypes, shapes and bytes, as a saved file gives them back.
+
+    The name of the LoRA's training state: any copy or rename of the file gives the same digest, another LoRA
+    (or the same one trained further) another.
+    """
+    h = xxhash.xxh3_128()
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0".encode("utf-8", "surrogatepass"))
+        h.update(_as_bytes(t))
+    return h.hexdigest()
+
+
+def _as_bytes(t: torch.Tensor) -> Any:
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def capture_optimizer(state_dict: Mapping[str, Any], names: Sequence[str]
+                      ) -> tuple[dict[str, dict[str, torch.Tensor]], tuple[dict[str, Any], ...]]:
+    """An optimizer's ``state_dict()`` with parameters named: ``(slots, param_groups)`` for :class:`TrainState`.
+
+    ``names[i]`` is the name of the ``i``-th parameter given to the optimizer (torch numbers them in that order
+    across the groups). Tensors are copied to the CPU.
+
+    Raises:
+        ValueError: the state dict numbers more parameters than ``names`` has.
+    """
+    slots: dict[str, dict[str, torch.Tensor]] = {}
+    for index, values in state_dict["state"].items():
+        if not 0 <= int(index) < len(names):
+            raise ValueError(f"optimizer state names parameter {index}, but only {len(names)} parameters are named")
+        slots[names[int(index)]] = {slot: torch.as_tensor(v).detach().to("cpu").clone() for slot, v in values.items()}
+    groups = []
+    for group in state_dict["param_groups"]:
+        plain = {k: _plain(v) for k, v in group.items() if k != "params"}
+        plain["params"] = [names[int(i)] for i in group["params"]]
+        groups.append(plain)
+    return slots, tuple(groups)
+
+
+def _plain(value: Any) -> Any:
+    """A hyperparameter as JSON (tuples as lists, a tensor as its number); recorded for the reader, never used."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    return repr(value)
+
+
+def optimizer_state_dict(state: TrainState, names: Sequence[str], current: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``state_dict`` to give ``optimizer.load_state_dict``: the saved state of each parameter, by name, in
+    this run's numbering, with this run's parameter groups (``current``: the optimizer's own ``state_dict()``), so
+    the run's settings (the learning rate) stay what the node says."""
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: dict(values) for name, values in state.slots.items()},
+            "param_groups": current["param_groups"]}
+
+
+def check_fits(state: TrainState, optimizer: str, params: Mapping[str, torch.Tensor]) -> str | None:
+    """Why ``state``'s optimizer part cannot continue this run's optimizer over ``params`` (name → parameter), or
+    ``None`` when it can: another optimizer, a parameter this run lacks, a slot of another shape or kind."""
+    if state.optimizer != optimizer:
+        return f"it was saved for {state.optimizer}, this run uses {optimizer}"
+    for name, values in state.slots.items():
+        param = params.get(name)
+        if param is None:
+            return (f"it holds state for {name!r:.120}, which this run does not train (another rank, algorithm or "
+                    "model)")
+        for slot, value in values.items():
+            if slot == "step":
+                continue
+            if tuple(value.shape) != tuple(param.shape):
+                return (f"its {slot} of {name!r:.120} has shape {list(value.shape)}, the parameter "
+                        f"{list(param.shape)}")
+            if not value.is_floating_point():
+                return f"its {slot} of {name!r:.120} is {value.dtype}, not floating point"
+    return None
+
+
+def write_train_state(path: str | os.PathLike[str], state: TrainState) -> int:
+    """Write ``state`` to ``path`` atomically (temp file, fsync, rename); return the bytes written."""
+    tensors = sorted((f"{slot}/{name}", value) for name, values in state.slots.items()
+                     for slot, value in values.items())
+    for key, value in tensors:
+        if value.dtype not in DTYPE_TO_ST:
+            raise ValueError(f"optimizer state {key}: dtype {value.dtype} cannot be stored in safetensors")
+    meta = {
+        "format": STATE_FORMAT, "version": STATE_VERSION, "lora_digest": state.lora_digest,
+        "optimizer": state.optimizer, "steps": state.steps, "batches": state.batches,
+        "param_groups": list(state.param_groups), "sampler": state.sampler, "scaler": state.scaler,
+    }
+    text = json.dumps(meta, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    header = build_header([(k, DTYPE_TO_ST[v.dtype], tuple(v.shape)) for k, v in tensors], {METADATA_KEY: text})
+
+    def write(f: Any) -> int:
+        return write_safetensors(f, header, (_as_bytes(v) for _, v in tensors))
+
+    return atomic_write(Path(os.path.abspath(path)), write)
+
+
+def read_train_state(path: str | os.PathLike[str], *, digest: str, max_bytes: int) -> TrainState:
+    """Read and check a training state file written by :func:`write_train_state` for the LoRA of ``digest``.
+
+    Args:
+        path: the file (a link is refused).
+        digest: :func:`lora_digest` of the LoRA being continued; the file must say the same.
+        max_bytes: the largest file accepted (the caller bounds it by what its parameters' state can take).
+
+    Raises:
+        TrainStateError: naming the file and what is wrong: unreadable, a link, too large, not a safetensors file
+            of this format and version, a header whose offsets or sizes do not match the file, missing or
+            mistyped fields, another LoRA's digest, an unknown optimizer or slot, a tensor name that is not
+            ``<slot>/<parameter>``, a parameter group naming a parameter twice, or a NaN or infinite value.
+    """
+    try:
+        fd = open_regular(path)
+    except (OSError, CacheError) as exc:
+        raise TrainStateError(path, f"cannot be opened ({exc})") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise TrainStateError(path, f"is {size} bytes, more than the {max_bytes} this LoRA's state can take")
+        try:
+            header = read_header(path, fd, size)
+            data = os.pread(fd, size - header.data_start, header.data_start) if hasattr(os, "pread") else _read_at(
+                fd, header.data_start, size - header.data_start)
+        except (OSError, CacheError) as exc:
+            raise TrainStateError(path, f"is not a valid safetensors file ({exc})") from None
+    finally:
+        os.close(fd)
+    if len(data) != size - header.data_start:
+        raise TrainStateError(path, "changed while it was read")
+    meta = _metadata(path, header.metadata.get(METADATA_KEY))
+    if meta["lora_digest"] != digest:
+        raise TrainStateError(path, f"was written for another LoRA (digest {meta['lora_digest']:.40}, this one's is "
+                                    f"{digest})")
+    allowed = OPTIMIZER_SLOTS[meta["optimizer"]]
+    slots: dict[str, dict[str, torch.Tensor]] = {}
+    for key, span in header.tensors.items():
+        slot, sep, name = key.partition("/")
+        if not sep or not name or slot not in allowed:
+            raise TrainStateError(path, f"tensor {key!r:.120} is not <slot>/<parameter> with a slot of "
+                                        f"{meta['optimizer']} ({', '.join(sorted(allowed))})")
+        dtype = ST_TO_DTYPE[span.dtype]
+        raw = data[span.begin:span.end]
+        value = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(span.shape).clone() if raw else \
+            torch.empty(span.shape, dtype=dtype)
+        _check_value(path, key, slot, value)
+        slots.setdefault(name, {})[slot] = value
+    groups = _groups(path, meta["param_groups"])
+    return TrainState(meta["lora_digest"], meta["optimizer"], meta["steps"], meta["batches"], slots, groups,
+                      meta["sampler"], meta["scaler"])
+
+
+def _read_at(fd: int, offset: int, n: int) -> bytes:
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.read(fd, n)
+
+
+def _metadata(path: str | os.PathLike[str], text: str | None) -> dict[str, Any]:
+    if text is None:
+        raise TrainStateError(path, f"has no {METADATA_KEY} metadata: not a StreamCache training state")
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError):
+        raise TrainStateError(path, f"its {METADATA_KEY} metadata is not valid JSON") from None
+    if type(meta) is not dict or meta.get("format") != STATE_FORMAT:
+        raise TrainStateError(path, "is not a StreamCache training state (its format field says otherwise)")
+    if meta.get("version") != STATE_VERSION:
+        raise TrainStateError(path, f"has version {meta.get('version')!r:.20}; this version reads {STATE_VERSION}")
+    checks = (("lora_digest", lambda v: type(v) is str and re.fullmatch(r"[0-9a-f]{32}", v) is not None),
+              ("optimizer", lambda v: v in OPTIMIZER_SLOTS),
+              ("steps", lambda v: type(v) is int and 0 <= v <= _MAX_COUNT),
+              ("batches", lambda v: type(v) is int and 0 <= v <= _MAX_COUNT),
+              ("param_groups", lambda v: type(v) is list),
+              ("sampler", lambda v: v is None or type(v) is dict),
+              ("scaler", lambda v: v is None or type(v) is dict))
+    for name, ok in checks:
+        if name not in meta:
+            raise TrainStateError(path, f"its metadata has no {name!r}")
+        if not ok(meta[name]):
+            raise TrainStateError(path, f"its metadata's {name} is not valid ({meta[name]!r:.60})")
+    return meta
+
+
+def _check_value(path: str | os.PathLike[str], key: str, slot: str, value: torch.Tensor) -> None:
+    if not (value.is_floating_point() or (slot == "step" and value.dtype in (torch.int64, torch.int32))):
+        raise TrainStateError(path, f"tensor {key!r:.120} is {value.dtype}, not floating point")
+    if slot == "step":
+        if value.numel() != 1:
+            raise TrainStateError(path, f"tensor {key!r:.120} is a step count of shape {list(value.shape)}, not a "
+                                        "scalar")
+        step = float(value.reshape(()).item())
+        if not (math.isfinite(step) and 0 <= step <= _MAX_COUNT and step == int(step)):
+            raise TrainStateError(path, f"tensor {key!r:.120} is not a step count ({step})")
+    elif not bool(torch.isfinite(value).all()):
+        raise TrainStateError(path, f"tensor {key!r:.120} holds NaN or infinite values")
+
+
+def _groups(path: str | os.PathLike[str], groups: list[Any]) -> tuple[dict[str, Any], ...]:
+    seen: set[str] = set()
+    out = []
+    for group in groups:
+        params = group.get("params") if type(group) is dict else None
+        if type(params) is not list or any(type(p) is not str for p in params):
+            raise TrainStateError(path, "a parameter group does not list its parameters by name")
+        if seen.intersection(params) or len(set(params)) != len(params):
+            raise TrainStateError(path, "a parameter is listed in two parameter groups")
+        seen.update(params)
+        out.append(group)
+    return tuple(out)
+
+
+class TrainStateStore:
+    """The folder of training states: ``<digest>.safetensors`` files, written atomically, bounded in count and bytes.
+
+    Nothing else in the folder is ever touched: only regular files of that exact name pattern (and temp files of an
+    interrupted write of one, once they are an hour old) are counted and removed.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], *, max_files: int = MAX_STATE_FILES,
+                 max_bytes: int = MAX_STATE_FOLDER_BYTES) -> None:
+        self.folder = Path(os.path.abspath(folder))
+        self.max_files = max_files
+        self.max_bytes = max_bytes
+
+    def path_for(self, digest: str) -> Path:
+        """Where the state of the LoRA of ``digest`` is (or would be) kept."""
+        if not re.fullmatch(r"[0-9a-f]{32}", digest):
+            raise ValueError(f"not a LoRA digest: {digest!r:.40}")
+        return self.folder / f"{digest}.safetensors"
+
+    def find(self, digest: str) -> Path | None:
+        """The state file of the LoRA of ``digest``, or ``None`` when there is none (a link counts as none)."""
+        path = self.path_for(digest)
+        try:
+            return path if stat.S_ISREG(os.lstat(path).st_mode) else None
+        except OSError:
+            return None
+
+    def touch(self, path: Path) -> None:
+        """Mark a state as just used, so pruning keeps it longest (best effort)."""
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+
+    def save(self, state: TrainState) -> tuple[Path, list[str]]:
+        """Write ``state`` as its LoRA's state file; return the path and the names of the files pruned.
+
+        Raises:
+            OSError: the folder is a link, cannot be created, or the file cannot be written (naming it).
+        """
+        if os.path.islink(self.folder):
+            raise OSError(None, "the training state folder is a symbolic link; it is not written through",
+                          str(self.folder))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.path_for(state.lora_digest)
+        write_train_state(path, state)
+        return path, self.prune(keep=path)
+
+    def prune(self, *, keep: Path | None = None) -> list[str]:
+        """Remove the least recently written or used states beyond :attr:`max_files` or :attr:`max_bytes`
+        (``keep`` stays whatever its size), and temp files of interrupted writes older than an hour; return the
+        names removed."""
+        try:
+            entries = list(os.scandir(self.folder))
+        except OSError:
+            return []
+        states, removed = [], []
+        now = time.time()
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            if _NAME.fullmatch(entry.name):
+                states.append((info.st_mtime, entry.name, info.st_size))
+            elif _TEMP.fullmatch(entry.name) and now - info.st_mtime > _ORPHAN_SECONDS and self._remove(entry.name):
+                removed.append(entry.name)
+        states.sort(reverse=True)
+        kept, total = 0, 0
+        for _mtime, name, size in states:
+            if keep is not None and name == keep.name:
+                kept, total = kept + 1, total + size
+                continue
+            if kept + 1 > self.max_files or total + size > self.max_bytes:
+                if self._remove(name):
+                    removed.append(name)
+                continue
+            kept, total = kept + 1, total + size
+        return removed
+
+    def _remove(self, name: str) -> bool:
+        try:
+            os.unlink(self.folder / name)
+            return True
+        except OSError:
+            return False

@@ -1,0 +1,317 @@
+"""dataset_cache.optimizer_state: a LoRA's training state as safetensors (no pickle), read back exactly, and every
+hostile file refused with a reason: wrong shapes, NaN, missing keys, a header that lies, another LoRA's state."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dataset_cache.optimizer_state import (
+    METADATA_KEY,
+    TrainState,
+    TrainStateError,
+    TrainStateStore,
+    capture_optimizer,
+    check_fits,
+    lora_digest,
+    optimizer_state_dict,
+    read_train_state,
+    write_train_state,
+)
+
+BIG = 1 << 30
+
+
+def _params(seed: int = 0) -> dict[str, torch.nn.Parameter]:
+    """LoRA-shaped parameters named as ComfyUI's LoRA keys (the order differs from the sorted one on purpose)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "diffusion_model.b.lora_up.weight": torch.nn.Parameter(torch.randn(6, 2, generator=g)),
+        "diffusion_model.a.lora_down.weight": torch.nn.Parameter(torch.randn(2, 5, generator=g)),
+        "diffusion_model.a.alpha": torch.nn.Parameter(torch.tensor(2.0)),
+    }
+
+
+def _steps(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter], first: int, n: int) -> None:
+    """``n`` steps of a fixed quadratic loss whose gradients depend on the step number only."""
+    for step in range(first, first + n):
+        g = torch.Generator().manual_seed(100 + step)
+        loss = sum(((params[k] - torch.randn(params[k].shape, generator=g)) ** 2).sum() for k in sorted(params))
+        optimizer.zero_grad()
+        loss.backward()  # type: ignore[union-attr]
+        optimizer.step()
+
+
+def _make(name: str, params: dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD,
+            "RMSprop": torch.optim.RMSprop}[name](params.values(), lr=0.01)
+
+
+def _state(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, name: str = "AdamW",
+           **kw: object) -> TrainState:
+    slots, groups = capture_optimizer(optimizer.state_dict(), list(params))
+    lora = {k: v.detach() for k, v in params.items()}
+    fields = {"steps": 3, "batches": 6, "sampler": {"epoch": 1}, "scaler": None, **kw}
+    return TrainState(lora_digest(lora), name, fields["steps"], fields["batches"], slots, groups,  # type: ignore
+                      fields["sampler"], fields["scaler"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "RMSprop"])
+def test_three_plus_three_steps_equal_six_bit_for_bit(tmp_path: Path, name: str) -> None:
+    straight = _params()
+    opt = _make(name, straight)
+    _steps(opt, straight, 0, 6)
+
+    first = _params()
+    opt = _make(name, first)
+    _steps(opt, first, 0, 3)
+    state = _state(first, opt, name)
+    write_train_state(tmp_path / "s.safetensors", state)
+    lora = {k: v.detach().clone() for k, v in first.items()}  # what the LoRA file gives back
+
+    # a new process: fresh parameters (from the LoRA), a fresh optimizer, in ANOTHER order
+    again = {k: torch.nn.Parameter(lora[k].clone()) for k in reversed(list(lora))}
+    read = read_train_state(tmp_path / "s.safetensors", digest=lora_digest(lora), max_bytes=BIG)
+    assert (read.steps, read.batches, read.sampler, read.optimizer) == (3, 6, {"epoch": 1}, name)
+    opt = _make(name, again)
+    assert check_fits(read, name, again) is None
+    opt.load_state_dict(optimizer_state_dict(read, list(again), opt.state_dict()))
+    _steps(opt, again, 3, 3)
+    assert all(torch.equal(again[k], straight[k]) for k in straight)
+
+
+def test_the_file_is_plain_safetensors_named_by_parameter(tmp_path: Path) -> None:
+    params = _params()
+    opt = _make("AdamW", params)
+    _steps(opt, params, 0, 2)
+    write_train_state(tmp_path / "s.safetensors", _state(params, opt))
+    tensors = load_file(str(tmp_path / "s.safetensors"))  # any safetensors reader opens it
+    assert set(tensors) == {f"{slot}/{k}" for k in params for slot in ("step", "exp_avg", "exp_avg_sq")}
+    assert torch.equal(tensors["exp_avg/diffusion_model.a.alpha"], opt.state[params["diffusion_model.a.alpha"]]
+                       ["exp_avg"])
+    assert not list(tmp_path.glob(".*.tmp"))  # written through a temp file, renamed
+
+
+def test_the_digest_is_the_content(tmp_path: Path) -> None:
+    lora = {k: v.detach() for k, v in _params().items()}
+    save_file(lora, str(tmp_path / "a.safetensors"))
+    assert lora_digest(load_file(str(tmp_path / "a.safetensors"))) == lora_digest(lora)  # a copy, any name
+    changed = dict(lora)
+    changed["diffusion_model.a.alpha"] = torch.tensor(2.0000002)
+    assert lora_digest(changed) != lora_digest(lora)
+    assert lora_digest({**lora, "diffusion_model.a.alpha": torch.tensor(2.0, dtype=torch.float64)}) != \
+        lora_digest(lora)
+
+
+# ------------------------------------------------------------------------------------------------ hostile files
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Path, dict[str, torch.nn.Parameter], str]:
+    params = _params()
+    opt = _make("AdamW", params)
+    _steps(opt, params, 0, 2)
+    state = _state(params, opt)
+    path = tmp_path / f"{state.lora_digest}.safetensors"
+    write_train_state(path, state)
+    return path, params, state.lora_digest
+
+
+def _rewrite(path: Path, tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        metadata = dict(f.metadata())
+        old = {k: f.get_tensor(k) for k in f.keys()}
+    if meta is not None:
+        metadata[METADATA_KEY] = json.dumps(meta)
+    save_file(tensors if tensors is not None else old, str(path), metadata)
+
+
+def _meta(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()[METADATA_KEY])
+
+
+def test_moments_of_another_shape_do_not_fit(saved) -> None:
+    path, params, digest = saved
+    tensors = load_file(str(path))
+    key = "exp_avg/diffusion_model.b.lora_up.weight"
+    _rewrite(path, {**tensors, key: tensors[key].T.contiguous()})
+    state = read_train_state(path, digest=digest, max_bytes=BIG)  # a well-formed file ...
+    assert check_fits(state, "AdamW", params) == ("its exp_avg of 'diffusion_model.b.lora_up.weight' has shape "
+                                                  "[2, 6], the parameter [6, 2]")  # ... that does not fit
+    assert check_fits(state, "SGD", params) == "it was saved for AdamW, this run uses SGD"
+    fewer = {k: v for k, v in params.items() if "alpha" not in k}
+    assert "it holds state for 'diffusion_model.a.alpha', which this run does not train" in str(
+        check_fits(state, "AdamW", fewer))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_and_infinite_values_are_refused(saved, value: float) -> None:
+    path, _params_, digest = saved
+    tensors = load_file(str(path))
+    key = "exp_avg_sq/diffusion_model.a.lora_down.weight"
+    bad = tensors[key].clone()
+    bad[0, 0] = value
+    _rewrite(path, {**tensors, key: bad})
+    with pytest.raises(TrainStateError, match=f"tensor '{key}' holds NaN or infinite values"):
+        read_train_state(path, digest=digest, max_bytes=BIG)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda m: m.pop("steps"), "its metadata has no 'steps'"),
+    (lambda m: m.pop("sampler"), "its metadata has no 'sampler'"),
+    (lambda m: m.update(batches=-1), "its metadata's batches is not valid"),
+    (lambda m: m.update(steps=2.5), "its metadata's steps is not valid"),
+    (lambda m: m.update(optimizer="Lion"), "its metadata's optimizer is not valid"),
+    (lambda m: m.update(format="other"), "is not a StreamCache training state"),
+    (lambda m: m.update(version=2), "has version 2; this version reads 1"),
+    (lambda m: m.update(lora_digest="0" * 32), "was written for another LoRA"),
+    (lambda m: m.update(param_groups=[{"params": ["x", "x"]}]), "a parameter is listed in two parameter groups"),
+    (lambda m: m.update(param_groups=[{"params": [0, 1]}]), "does not list its parameters by name"),
+])
+def test_missing_or_lying_metadata_is_refused(saved, change, message: str) -> None:
+    path, _params_, digest = saved
+    meta = _meta(path)
+    change(meta)
+    _rewrite(path, meta=meta)
+    with pytest.raises(TrainStateError, match=message):
+        read_train_state(path, digest=digest, max_bytes=BIG)
+
+
+def test_a_file_without_our_metadata_or_with_bad_json_is_refused(saved) -> None:
+    path, params, digest = saved
+    save_file({k: v.detach() for k, v in params.items()}, str(path))  # e.g. a LoRA dropped into the folder
+    with pytest.raises(TrainStateError, match="has no streamcache_train_state metadata"):
+        read_train_state(path, digest=digest, max_bytes=BIG)
+    save_file({"step/x": torch.tensor(1.0)}, str(path), {METADATA_KEY: "{not json"})
+    with pytest.raises(TrainStateError, match="metadata is not valid JSON"):
+        read_train_state(path, digest=digest, max_bytes=BIG)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("momentum/diffusion_model.a.alpha", torch.tensor(1.0), "is not <slot>/<parameter> with a slot of AdamW"),
+    ("exp_avg", torch.tensor(1.0), "is not <slot>/<parameter>"),
+    ("step/diffusion_model.a.alpha", torch.tensor([1.0, 2.0]), "is a step count of shape \\[2\\], not a scalar"),
+    ("step/diffusion_model.a.alpha", torch.tensor(-3.0), "is not a step count"),
+    ("step/diffusion_model.a.alpha", torch.tensor(1.5), "is not a step count"),
+    ("exp_avg/diffusion_model.a.alpha", torch.tensor(1, dtype=torch.uint8), "is torch.uint8, not floating point"),
+])
+def test_unknown_slots_and_bad_values_are_refused(saved, key: str, value: torch.Tensor, message: str) -> None:
+    path, _params_, digest = saved
+    _rewrite(path, {**load_file(str(path)), key: value})
+    with pytest.raises(TrainStateError, match=message):
+        read_train_state(path, digest=digest, max_bytes=BIG)
+
+
+def _header(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def _write_raw(path: Path, header: dict, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@pytest.mark.parametrize("lie", ["offsets past the end", "shape larger than its bytes", "dtype wider than its bytes",
+                                 "header length past the file", "truncated data"])
+def test_a_header_that_lies_about_the_data_is_refused(saved, lie: str) -> None:
+    path, _params_, digest = saved
+    header, data = _header(path)
+    key = "exp_avg/diffusion_model.b.lora_up.weight"
+    if lie == "offsets past the end":
+        header[key]["data_offsets"][1] += 1 << 20
+    elif lie == "shape larger than its bytes":
+        header[key]["shape"] = [600, 2]
+    elif lie == "dtype wider than its bytes":
+        header[key]["dtype"] = "F64"
+    if lie == "header length past the file":
+        raw = path.read_bytes()
+        path.write_bytes(struct.pack("<Q", len(raw) * 4) + raw[8:])
+    elif lie == "truncated data":
+        _write_raw(path, header, data[:-16])
+    else:
+        _write_raw(path, header, data)
+    with pytest.raises(TrainStateError, match="is not a valid safetensors file"):
+        read_train_state(path, digest=digest, max_bytes=BIG)
+
+
+def test_too_large_links_and_missing_files_are_refused(saved, tmp_path: Path) -> None:
+    path, _params_, digest = saved
+    with pytest.raises(TrainStateError, match="more than the 100 this LoRA's state can take"):
+        read_train_state(path, digest=digest, max_bytes=100)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(path)
+    with pytest.raises(TrainStateError, match="cannot be opened"):
+        read_train_state(link, digest=digest, max_bytes=BIG)
+    with pytest.raises(TrainStateError, match="cannot be opened"):
+        read_train_state(tmp_path / "gone.safetensors", digest=digest, max_bytes=BIG)
+
+
+# -------------------------------------------------------------------------------------------------------- store
+def test_the_store_finds_by_digest_and_never_follows_a_link(tmp_path: Path) -> None:
+    params = _params()
+    opt = _make("SGD", params)  # no state at all: the counts and the sampler position are still kept
+    _steps(opt, params, 0, 1)
+    state = _state(params, opt, "SGD")
+    assert state.slots == {}
+    store = TrainStateStore(tmp_path / "states")
+    path, pruned = store.save(state)
+    assert path == store.path_for(state.lora_digest) and pruned == []
+    assert store.find(state.lora_digest) == path
+    assert read_train_state(path, digest=state.lora_digest, max_bytes=BIG).steps == 3
+    assert store.find("f" * 32) is None
+    other = tmp_path / "elsewhere.safetensors"
+    other.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(other)
+    assert store.find(state.lora_digest) is None
+    with pytest.raises(ValueError, match="not a LoRA digest"):
+        store.path_for("../x")
+    linked = TrainStateStore(tmp_path / "linked")
+    (tmp_path / "linked").symlink_to(tmp_path / "states")
+    with pytest.raises(OSError, match="symbolic link"):
+        linked.save(state)
+
+
+def test_the_store_stays_bounded_and_removes_only_its_own_files(tmp_path: Path) -> None:
+    folder = tmp_path / "states"
+    store = TrainStateStore(folder)
+    params = _params()
+    opt = _make("AdamW", params)
+    _steps(opt, params, 0, 1)
+    base = _state(params, opt)
+    folder.mkdir()
+    foreign = [folder / "notes.txt", folder / ("a" * 31 + ".safetensors"), folder / ("b" * 32 + ".safetensors.bak")]
+    for f in foreign:
+        f.write_text("user's file")
+    orphan = folder / f".{'c' * 32}.safetensors.{'0' * 16}.tmp"
+    fresh_orphan = folder / f".{'d' * 32}.safetensors.{'1' * 16}.tmp"
+    orphan.write_bytes(b"x")
+    fresh_orphan.write_bytes(b"x")
+    os.utime(orphan, (1, 1))
+    written = []
+    for i in range(5):
+        digest = f"{i:032x}"
+        path, _ = store.save(TrainState(digest, "AdamW", i, i, base.slots, base.param_groups))
+        os.utime(path, (1000 + i, 1000 + i))  # written in this order
+        written.append(path)
+    bounded = TrainStateStore(folder, max_files=3)
+    bounded.touch(written[0])  # just used: kept
+    removed = bounded.prune()
+    assert sorted(p.name for p in folder.glob("*.safetensors") if len(p.name) == 44) == sorted(
+        [written[0].name, written[3].name, written[4].name])
+    assert sorted(removed) == sorted([written[1].name, written[2].name])
+    assert all(f.exists() for f in foreign) and fresh_orphan.exists() and not orphan.exists()
+    small = TrainStateStore(folder, max_files=10, max_bytes=written[4].stat().st_size)
+    path, pruned = small.save(TrainState("e" * 32, "AdamW", 9, 9, base.slots, base.param_groups))
+    assert path.exists() and len(pruned) == 3  # only the one just written fits the bytes
