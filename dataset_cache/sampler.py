@@ -38,7 +38,8 @@ An epoch, for a given ``(seed, epoch)``:
 
 ``len(sampler)`` (batches per rank) depends on the bucket sizes, ``batch_size`` and ``world_size`` only, so it is
 the same on every rank and in every epoch, and so is each batch's row count at a given position of an epoch on all
-ranks' common order.
+ranks' common order. (Train LoRA shares global batches by rows instead, so its order does not depend on the number
+of ranks: :mod:`.sharding`.)
 
 Every draw has its own labelled generator, so with no mirror, no dropout and no regularization set the plans (and
 the resume fingerprint) are exactly those of the versions before them. Several datasets train together as a

@@ -19,6 +19,7 @@ from comfy_api.latest import io
 import folder_paths
 
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
+from ..dataset_cache.devices import AUTO as ALL_DEVICES
 from ..dataset_cache.lock import READ_LOCK, CacheLock
 from ..dataset_cache.remote import is_remote_url
 from ..dataset_cache.memory_plan import AUTO, MEMORY_MODES, MemoryPlan
@@ -214,6 +215,12 @@ class TrainLoRA(io.ComfyNode):
                                  "else fits ('auto'), or always (the stream modes): half the memory of bf16, the "
                                  "LoRA trained against rounded weights. A model loaded in fp8 counts as fp8 "
                                  "anyway."),
+                io.String.Input("devices", default=ALL_DEVICES, optional=True,
+                                tooltip="Where to train. 'auto': every visible GPU (one: as before). A list such as "
+                                "'0,1' trains on those GPUs (it must include ComfyUI's own). Several GPUs train "
+                                "data-parallel: each takes batch_size images per step (the global batch is "
+                                "batch_size × GPUs), one worker process per extra GPU loads its own copy of the "
+                                "model. 'cpu:2' runs 2 CPU processes (for tests)."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -256,6 +263,7 @@ class TrainLoRA(io.ComfyNode):
         memory: str = AUTO,
         stream_blocks: int = 0,
         allow_fp8: bool = False,
+        devices: str = ALL_DEVICES,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -267,6 +275,7 @@ class TrainLoRA(io.ComfyNode):
             masked_loss=bool(masked_loss), unmasked_weight=float(unmasked_weight),
             caption_dropout=float(caption_dropout), reg_ratio=float(reg_ratio), reg_weight=float(reg_weight),
             memory=memory, stream_blocks=int(stream_blocks), allow_fp8=bool(allow_fp8),
+            devices=str(devices),
         )
         settings.validate()  # before opening anything: a typo fails fast
         for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset)):

@@ -17,6 +17,7 @@ import comfy.utils
 
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.seeding import derive_seed, seeded_generator
+from ...dataset_cache.sharding import share_of
 from ...dataset_cache.trainable import non_finite_entries
 from .conditioning import Conditioner, ModelCall
 from .report import StepReport
@@ -28,6 +29,10 @@ _SIGMA_EDGE = 1e-5
 """Timestep percentages are drawn in ``[1e-5, 1 - 1e-5]``: ``percent_to_sigma(0)`` is a 1e9 sentinel, not a sigma."""
 _SMOOTHING = 0.1
 """Weight of the newest loss in the exponential moving average reported as ``loss_smooth``."""
+
+
+def _checked_by_the_ranks() -> None:
+    """The interrupt check of one rank of several: none here, the ranks agree on stopping after each step."""
 
 
 class NonFiniteLossError(ValueError):
@@ -53,12 +58,18 @@ class StepLoop:
 
     ``first_batch`` is the global number of the first batch: a run continuing an existing LoRA starts where the
     earlier run stopped, so its batch order, noise and timesteps are those an uninterrupted run would have had.
+    ``world`` (a :class:`~dataset_cache.collective.Collective`, ``None``: one process) makes this one rank of a
+    data-parallel run: its batches are its rows of global batches (:func:`~dataset_cache.sharding.share_of`), whose
+    noise and timesteps it draws whole and slices; gradients are averaged over the ranks before each optimizer step,
+    the loss reported is the ranks' mean, and a stop (Cancel on rank 0) is agreed by every rank at a step boundary
+    instead of checked here alone.
     """
 
     def __init__(self, mp: Any, settings: TrainSettings, dtype: torch.dtype, loss_fn: Any, optimizer: Any,
                  scaler: Any, forward: ModelCall, conditioner: Conditioner, device: torch.device, *,
-                 first_batch: int = 0) -> None:
+                 first_batch: int = 0, world: Any = None) -> None:
         self.first_batch = first_batch
+        self.world = world
         self.mp = mp
         self.settings = settings
         self.dtype = dtype
@@ -76,6 +87,8 @@ class StepLoop:
         """Return (loss per optimizer step, seconds, batch rows trained, seconds spent waiting for batches)."""
         s = self.settings
         throw_if_interrupted = comfy.model_management.throw_exception_if_processing_interrupted
+        if self.world is not None:  # every rank stops at the same step: agreed in world.agree below
+            throw_if_interrupted = _checked_by_the_ranks
         pbar = comfy.utils.ProgressBar(s.steps)
         losses: list[float] = []
         smooth = None
@@ -85,19 +98,31 @@ class StepLoop:
         self.optimizer.zero_grad(set_to_none=True)
         for step in range(s.steps):
             total = 0.0
+            stopping = False
             for micro in range(s.grad_accumulation_steps):
                 throw_if_interrupted()
                 t_wait = time.perf_counter()
                 batch: Batch = next(batches)
                 wait += time.perf_counter() - t_wait
                 index = self.first_batch + step * s.grad_accumulation_steps + micro
-                batch_loss = self._fwd_bwd(batch, index)
+                try:
+                    batch_loss = self._fwd_bwd(batch, index)
+                except comfy.model_management.InterruptProcessingException:  # from any of ComfyUI's ops
+                    if self.world is None:
+                        raise
+                    stopping = True  # several ranks: all stop after this step's exchanges, none is left waiting
+                    break
                 if not math.isfinite(batch_loss):
                     raise NonFiniteLossError(step + 1, batch_loss, batch)
                 total += batch_loss
-                rows += batch.latents.shape[0]
-            self._optimizer_step()
+                rows += share_of(batch.plan, batch.latents.shape[0])[0]  # one rank of several: the global batch's
+            if self.world is not None:
+                self.world.reduce_gradients(p for g in self.optimizer.param_groups for p in g["params"])
+            if not stopping:
+                self._optimizer_step()
             loss = total / s.grad_accumulation_steps
+            if self.world is not None:
+                loss = self.world.agree(loss, stop=stopping)
             losses.append(loss)
             smooth = loss if smooth is None else (1 - _SMOOTHING) * smooth + _SMOOTHING * loss
             pbar.update(1)  # ComfyUI's progress hook also checks the interrupt flag
@@ -110,8 +135,11 @@ class StepLoop:
     def _fwd_bwd(self, batch: Batch, index: int) -> float:
         ms = self.model_sampling
         latents = self.mp.model.process_latent_in(batch.latents.to(self.device, torch.float32))
-        sigma, noise = self._draw(tuple(latents.shape), index)
-        sigma, noise = sigma.to(self.device), noise.to(self.device)
+        # one rank of several draws for its global batch (seeded by its number) and keeps its own rows
+        rows, first = share_of(batch.plan, latents.shape[0])
+        sigma, noise = self._draw((rows, *latents.shape[1:]), index)
+        end = first + latents.shape[0]
+        sigma, noise = sigma[first:end].to(self.device), noise[first:end].to(self.device)
         xt = ms.noise_scaling(sigma, noise, latents, False)
         x0 = ms.noise_scaling(torch.zeros_like(sigma), torch.zeros_like(noise), latents, False)
         groups = self.conditioner(batch.conditioning, noise, latents, derive_seed(self.settings.seed, index))

@@ -21,7 +21,8 @@ from ...dataset_cache.dataset import Sample
 from ...dataset_cache.loader import PrefetchLoader
 from ...dataset_cache.memory_plan import MemoryPlan
 from ...dataset_cache.reading import DatasetReader
-from ...dataset_cache.sampler import BucketSampler, DatasetMix, Regularization, buckets_from_reader, fit_batch_size
+from ...dataset_cache.sampler import DatasetMix, Regularization, buckets_from_reader, fit_batch_size
+from ...dataset_cache.sharding import shard_sampler
 from ...dataset_cache.seeding import derive_seed
 from ...dataset_cache.trainable import check_trainable
 from .comfy_parts import (
@@ -29,6 +30,7 @@ from .comfy_parts import (
     training_dtypes,
 )
 from .conditioning import Conditioner, ModelCall
+from .distributed import plan_team
 from .loop import StepLoop
 from .memory import MemoryStep, plan_run_memory
 from .report import RowCounts, StepReport, TrainResult, counted, overlap_notes
@@ -50,6 +52,7 @@ def train_lora(
     reg: Sequence[Sample] | DatasetMix | None = None,
     reg_name: str = "the regularization dataset",
     on_plan: Callable[[MemoryPlan], None] | None = None,
+    world: Any = None,
 ) -> TrainResult:
     """Train a LoRA (or LoHa/LoKr/OFT) on ``model`` over the cached ``samples`` and return its weights.
 
@@ -68,42 +71,50 @@ def train_lora(
             ``settings.reg_weight``; ``None``: none.
         reg_name: the regularization dataset's name, for messages.
         on_plan: called with the memory plan before the first step (the node shows it).
+        world: a worker's own collective (``nodes/training/worker.py``); not for callers. Where to train is
+            ``settings.devices``: several devices train data-parallel with a global batch of ``batch_size`` ×
+            devices (see :mod:`.distributed`).
 
     Raises:
         ValueError: bad settings, an empty dataset, or latents the model cannot take.
         comfy.model_management.InterruptProcessingException: the user cancelled the run.
     """
     settings.validate()
-    data = plan_data(reader, samples, settings, reg, reg_name)
-    settings = data.settings
+    team = plan_team(settings.devices, model, reader, world)
+    data = plan_data(reader, samples, settings, reg, reg_name, team.size)
+    data.notes.extend(team.notes)
     train = nodes_train_module()
     existing, name_steps = load_existing_lora(settings.existing_lora)
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), team.started(model, samples, settings, reg, reg_name):
+        settings = data.settings
         run = load(model, train, data, existing)
+        team.same_adapters(run.lora_sd)
         run.memory = plan_run_memory(run, reader, data.rows, data.shapes, on_plan)
-        sampler = BucketSampler(samples, data.buckets, settings.batch_size, settings.seed, tail="short",
-                                rank=0, world_size=1, caption_dropout=settings.caption_dropout,
+        sampler = shard_sampler(samples, data.buckets, settings.batch_size, settings.seed, tail="short",
+                                rank=team.rank, world_size=team.size, caption_dropout=settings.caption_dropout,
                                 reg=data.regularization)
         start = resume_run(run, sampler, existing, name_steps)  # continuing: optimizer, steps, batch order
         first_batch = start.first_batch
+        team.same_start(start.steps, first_batch, sampler.position, run.optimizer)
         loader = PrefetchLoader(
             reader, sampler, prefetch_batches=settings.prefetch_batches,
             threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
-            on_wait=comfy.model_management.throw_exception_if_processing_interrupted,
+            on_wait=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None,
         )
         counts = RowCounts.for_settings(settings.masked_loss, settings.unmasked_weight)
         try:
             prepare(run, train)
             loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
                             ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
-                            first_batch=first_batch)
+                            first_batch=first_batch, world=team.collective)
             losses, seconds, rows, waited = loop.run(counted(iter(loader), counts, sampler.main_samples), on_step)
+            counts = team.total(counts)
         finally:
             loader.close()
             unprepare(run, train)
         state = capture_state(run, sampler, start)  # before finish releases the optimizer
         lora = finish(run)
-    notes, info = save_state(state, lora)
+    notes, info = save_state(state, lora) if team.is_main else ([], [])  # rank 0's run is the one to continue
     wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
                        wait_pct, dict(sampler.buckets), (*data.notes, *run.memory.notes(), *start.notes, *notes),
@@ -132,8 +143,10 @@ class DataPlan:
 
 
 def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, settings: TrainSettings,
-              reg: Sequence[Sample] | DatasetMix | None, reg_name: str) -> DataPlan:
+              reg: Sequence[Sample] | DatasetMix | None, reg_name: str, ranks: int = 1) -> DataPlan:
     """Buckets, the regularization set and the batch size, checked before any model loads.
+
+    With several ``ranks`` a global batch is ``batch_size × ranks`` rows of one bucket; it is what is clamped.
 
     Raises:
         ValueError: an empty dataset, or entries the trainer cannot take (integer latents, combined or area
@@ -154,10 +167,17 @@ def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, set
         shapes += reg_buckets
         rows += reg_samples
     notes: list[str] = [] if reg is None else overlap_notes(samples, reg, reg_name)
-    fitted = fit_batch_size(main, buckets, settings.batch_size)
+    fitted = fit_batch_size(main, buckets, settings.batch_size * ranks) // ranks
+    if ranks > 1 and fitted < 1:
+        raise ValueError(f"training on {ranks} devices needs at least {ranks} images × repeats in the largest "
+                         f"bucket (one per device in each global batch), this dataset has "
+                         f"{fit_batch_size(main, buckets, ranks)}: train on fewer devices or raise the repeats")
     if fitted < settings.batch_size:  # a batch holds one bucket, so it cannot be larger: clamp, and say so
         notes.append(f"batch_size {settings.batch_size} is larger than this dataset's largest bucket ({fitted} "
-                     f"images × repeats per epoch): trained with batch_size {fitted}")
+                     f"images × repeats per epoch): trained with batch_size {fitted}" if ranks == 1 else
+                     f"batch_size {settings.batch_size} × {ranks} devices is larger than this dataset's largest "
+                     f"bucket ({fit_batch_size(main, buckets, settings.batch_size * ranks)} images × repeats per "
+                     f"epoch): trained with batch_size {fitted} per device")
         log.warning("Train LoRA: %s", notes[-1])
         settings = dataclasses.replace(settings, batch_size=fitted)
     return DataPlan(settings, buckets, regularization, shapes, notes, rows)

@@ -37,6 +37,8 @@ class TrainSettings:
     ``memory`` picks the memory plan (:mod:`dataset_cache.memory_plan`; ``stream_blocks``: its block count for
     the stream modes, 0 as many as needed; ``allow_fp8``: block weights may be stored in fp8). ``checkpoint_depth``
     is no longer used: with ``gradient_checkpointing`` every block is its own checkpoint (0: set by a new node).
+    ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
+    ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
 
     steps: int = 16
@@ -68,6 +70,8 @@ class TrainSettings:
     memory: str = AUTO
     stream_blocks: int = 0
     allow_fp8: bool = False
+    # several devices (#26): read by distributed.plan_team against the model's device
+    devices: str | tuple[int, ...] | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -92,6 +96,9 @@ class TrainSettings:
         if not 0.0 <= self.unmasked_weight <= 1.0:  # also refuses NaN
             raise ValueError(f"unmasked_weight must be between 0 and 1 (the loss weight where a mask is 0; 1: masks "
                              f"have no effect), got {self.unmasked_weight}")
+        if not (self.devices is None or isinstance(self.devices, str) or (isinstance(self.devices, tuple) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in self.devices))):
+            raise ValueError(f"devices must be 'auto', a list such as '0,1', 'cpu:N' or None, got {self.devices!r:.40}")
         for name, top in (("caption_dropout", 1.0), ("reg_ratio", MAX_REG_RATIO), ("reg_weight", MAX_REG_WEIGHT)):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value <= top):

@@ -29,7 +29,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
     "bypass_mode": False, "masked_loss": True, "unmasked_weight": 0.1,
     "caption_dropout": 0.0, "reg_dataset": None, "reg_ratio": 1.0, "reg_weight": 1.0,
-    "memory": "auto", "stream_blocks": 0, "allow_fp8": False,
+    "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto",
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -146,6 +146,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
         assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
     assert inputs["memory"].options == ["auto", "no offload", "stream blocks", "stream blocks + host activations"]
     assert (inputs["checkpoint_depth"].default, inputs["checkpoint_depth"].min) == (0, 0)  # 0: no note
+    # #26: one device (or a CPU) trains exactly as before; several GPUs data-parallel
+    assert inputs["devices"].optional and inputs["devices"].default == "auto" and "devices" in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training

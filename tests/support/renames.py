@@ -19,7 +19,8 @@ RENAMED = {
 
 ADDED = {
     "StreamCache_TrainLoRA": ("quantized_backward", "bypass_mode", "masked_loss", "unmasked_weight",
-                              "caption_dropout", "reg_ratio", "reg_weight", "memory", "stream_blocks", "allow_fp8"),
+                              "caption_dropout", "reg_ratio", "reg_weight", "memory", "stream_blocks", "allow_fp8",
+                              "devices"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
                                   "keep_tokens", "empty_caption", "masks"),
     "StreamCache_SaveCache": ("publish_to",),

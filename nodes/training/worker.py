@@ -1,0 +1,65 @@
+"""A worker process's share of a run: join the ranks, rebuild the model, open the caches, train, report.
+
+Runs in the process ``worker_entry.py`` prepared (ComfyUI's options and folders already those of rank 0's
+ComfyUI). The training is :func:`~.run.train_lora` itself, with this rank's collective: the same code path as
+rank 0's, batches of this rank's rows. Whatever happens is reported to rank 0 over the control link (``done``,
+``stopped``, or ``error`` with the traceback) before the process ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import traceback
+from typing import Any
+
+import torch
+
+import comfy.model_management
+
+from ...dataset_cache.collective import Collective, RunStopped, join_store
+from ...dataset_cache.format import open_cache
+from ...dataset_cache.multi_reader import MultiCacheReader
+from ...dataset_cache.workers import WorkerLink
+from .distributed import WorkerJob, cpu_threads
+from .model_spec import rebuild
+from .run import train_lora
+
+__all__ = ["main"]
+
+log = logging.getLogger("streamcache.train")
+
+
+def main(link: WorkerLink, payload: bytes) -> int:
+    """Run the job in ``payload`` (a pickled :class:`~.distributed.WorkerJob`); returns the exit code."""
+    job: WorkerJob = pickle.loads(payload)
+    logging.basicConfig(level=logging.INFO, format=f"[Train LoRA rank {job.rank}] %(levelname)s %(name)s: "
+                        "%(message)s")
+    device = comfy.model_management.get_torch_device()
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(job.size))
+    collective = Collective(job.rank, job.size, device, job.backend)
+    readers: list[Any] = []
+    code = 1
+    try:
+        link.send("ready")
+        collective.start(join_store(job.port, job.size), job.timeout_s)
+        log.info("joined %d ranks on %s (pid %d)", job.size, device, os.getpid())
+        model = rebuild(job.model)
+        for root in job.roots:
+            readers.append(open_cache(root))
+        reader = readers[0] if len(readers) == 1 else MultiCacheReader(readers)
+        train_lora(model, reader, job.samples, job.settings, reg=job.reg, reg_name=job.reg_name, world=collective)
+        code = 0
+        link.send("done")
+    except RunStopped:
+        code = 0
+        link.send("stopped")
+    except BaseException as exc:  # reported to rank 0, which names this rank in the node's error
+        link.send("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+    finally:
+        for reader in readers:
+            reader.close()
+        collective.close(failed=code != 0)
+    return code
