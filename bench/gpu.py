@@ -94,11 +94,8 @@ def context_from_pack(pack: ModuleType, work: Path, out: Path, say: Callable[[st
 
     from .gpu_train import Trainers
 
-    try:  # the trainer as a package (nodes/training/: run.py makes the loader), or as one module (training_loop)
-        loop = importlib.import_module(f"{pack.__name__}.nodes.training")
-        run = importlib.import_module(f"{pack.__name__}.nodes.training.run")
-    except ImportError:
-        loop = run = importlib.import_module(f"{pack.__name__}.nodes.training_loop")
+    loop = importlib.import_module(f"{pack.__name__}.nodes.training")
+    run = importlib.import_module(f"{pack.__name__}.nodes.training.run")  # it makes the loader
     handles = importlib.import_module(f"{pack.__name__}.nodes.handles")
     encode = importlib.import_module(f"{pack.__name__}.nodes.encode_dataset")
     trainers = Trainers(loop, handles, loop.nodes_train_module(), _nodes_dataset(),

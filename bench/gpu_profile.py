@@ -32,9 +32,8 @@ from .gpu_train import Trainers, arm_settings, free_device, train_ours
 __all__ = ["labelled", "breakdown", "profiled_steps", "profile_arm", "describe"]
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-LABELS = {"Conditioner": "streamcache.conditioning", "_Conditioner": "streamcache.conditioning",
-          "ModelCall": "streamcache.model_call", "_Forward": "streamcache.model_call"}
-"""Our loop's classes (their names in nodes/training/, and in the older single module training_loop)."""
+LABELS = {"Conditioner": "streamcache.conditioning", "ModelCall": "streamcache.model_call"}
+"""Our loop's classes (nodes/training/conditioning.py)."""
 WAIT_LABEL = "streamcache.next_batch"
 MAX_TRACE_BYTES = 12 << 20
 

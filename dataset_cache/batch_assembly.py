@@ -20,9 +20,10 @@ from .sampler import BatchPlan
 __all__ = ["Batch", "MASK_LUT", "PerBatch", "assemble_cpu", "latent_rows", "as_one_block", "stack_rows",
            "mask_rows", "mask_bytes", "widen_masks", "check_extras", "entry_keys", "map_tensors", "host_bytes"]
 
-PerBatch = Callable[[BatchPlan, torch.Size], dict[str, torch.Tensor]]
-"""A loader's per-batch hook: called on a worker thread after the batch's read with its plan and the latents'
-shape; the CPU tensors it returns reach the consumer as ``Batch.extras``, on the batch's device."""
+PerBatch = Callable[[int, BatchPlan, torch.Size], dict[str, torch.Tensor]]
+"""A loader's per-batch hook: called on a worker thread after the batch's read with the batch's number in the
+iteration (0 for the first the consumer gets; workers may call it out of order), its plan and the latents' shape;
+the CPU tensors it returns reach the consumer as ``Batch.extras``, on the batch's device."""
 
 MASK_LUT = torch.arange(256, dtype=torch.float32) / 255
 """A stored mask byte ``b`` means the loss weight ``b / 255`` (float32, divided on the CPU, once).

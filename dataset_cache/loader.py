@@ -133,7 +133,8 @@ class PrefetchLoader:
         epochs: epochs one iteration spans (``None``: endless; stop with ``break``).
         on_wait: called in the consumer's thread every ~50 ms while it waits for data (e.g. ComfyUI's interrupt
             check); an exception it raises ends the iteration.
-        per_batch: called on the worker thread after each batch's read with its plan and the latents' shape
+        per_batch: called on the worker thread after each batch's read with its number in the iteration, its plan
+            and the latents' shape
             (``[B, ...]``); returns CPU tensors by name, which reach the consumer as ``Batch.extras`` on ``device``
             with the batch (pinned staging and the side stream on CUDA, the tensors themselves on the CPU). For
             per-step inputs such as the noise of a step: drawn off the training thread, never a blocking copy.

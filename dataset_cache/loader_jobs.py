@@ -33,6 +33,7 @@ class Job:
     """One batch to read: its plan, its reader plan and announcement, and its result or error once ``done``."""
 
     plan: BatchPlan
+    number: int = 0  # the batch's place in its iteration's sequence (0: the first delivered)
     consumer_event: Any = None  # torch.cuda.Event on the consumer's stream at submission (CUDA only)
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
@@ -59,7 +60,7 @@ class Context:
     cuda: CudaDelivery | None = None  # CUDA target: side stream, pinned checks, device copies
     planned: bool = False  # the reader is a PlannedReader: jobs carry their plan, the next one is announced
     read_ahead: bool = False  # announce the next job's reads (only with worker threads)
-    per_batch: PerBatch | None = None  # called after each read with the plan and the latents' shape
+    per_batch: PerBatch | None = None  # called after each read with the batch's number, plan and latents' shape
 
 
 def run_job(job: Job, ctx: Context, slot: Slot) -> None:
@@ -73,7 +74,8 @@ def run_job(job: Job, ctx: Context, slot: Slot) -> None:
         values = _read(job, ctx, slot)
         plan = job.plan
         rows = latent_rows(plan, values)
-        extras = check_extras(ctx.per_batch(plan, batch_shape(rows))) if ctx.per_batch is not None else {}
+        extras = check_extras(ctx.per_batch(job.number, plan, batch_shape(rows))) if ctx.per_batch is not None \
+            else {}
         if ctx.cuda is not None:
             job.delivered = ctx.cuda.deliver(plan, values, rows, extras, slot.staging, job.consumer_event)
             job.result = job.delivered.batch
@@ -125,11 +127,15 @@ class Upcoming:
 
     def __init__(self, plans: Iterator[BatchPlan]) -> None:
         self._plans = plans
+        self._drawn = 0
         self._next = self._draw()
 
     def _draw(self) -> Job | None:
         plan = next(self._plans, None)
-        return None if plan is None else Job(plan)
+        if plan is None:
+            return None
+        self._drawn += 1
+        return Job(plan, number=self._drawn - 1)
 
     def take(self) -> Job | None:
         """The next job (``None`` at the end), already linked to the one after it."""

@@ -16,6 +16,7 @@ import comfy.model_management
 import comfy.utils
 
 from ...dataset_cache.loader import Batch
+from ...dataset_cache.sampler import BatchPlan
 from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.sharding import share_of
 from ...dataset_cache.trainable import non_finite_entries
@@ -33,6 +34,14 @@ _SMOOTHING = 0.1
 
 def _checked_by_the_ranks() -> None:
     """The interrupt check of one rank of several: none here, the ranks agree on stopping after each step."""
+
+
+def _on_cpu(sampling: Any) -> Any:
+    """A copy of ``sampling`` (a model's ``model_sampling``) with its tensors on the CPU, for the draws of loader
+    threads while the model itself moves to the device and trains."""
+    if not isinstance(sampling, torch.nn.Module):
+        return sampling
+    return copy.deepcopy(sampling).to("cpu")
 
 
 class NonFiniteLossError(ValueError):
@@ -80,6 +89,8 @@ class StepLoop:
         self.conditioner = conditioner
         self.device = device
         self.model_sampling = mp.model.model_sampling
+        # the draws' own copy, on the CPU: ComfyUI's load moves the model's (each scalar read then a synchronization)
+        self._sampling_cpu = _on_cpu(self.model_sampling)
         self._elementwise: Any = None  # the per-element form of loss_fn, made when a batch first needs it
 
     def run(self, batches: Any, on_step: Callable[[StepReport], None] | None
@@ -132,14 +143,35 @@ class StepLoop:
                                    100.0 * wait / elapsed if elapsed else 0.0, batch.plan.epoch))
         return losses, time.perf_counter() - t0, rows, wait
 
+    def per_batch(self, number: int, plan: BatchPlan, shape: torch.Size) -> dict[str, torch.Tensor]:
+        """The loader's ``per_batch`` hook: the sigmas, noise and row weights of the loop's batch ``number``, drawn
+        on a loader worker. They reach the device with the batch, copied from pinned memory on the loader's side
+        stream, instead of as pageable copies the training thread would make (each one a synchronization that
+        drains the GPU's queue). The loop takes its batches in the loader's order, so batch ``number`` is batch
+        ``first_batch + number`` of the run: the same draws as :meth:`_fwd_bwd` would make itself."""
+        sigma, noise = self._share(plan, tuple(shape), self.first_batch + number)
+        out = {"sigma": sigma, "noise": noise}
+        if plan.weights and any(w != 1.0 for w in plan.weights) and len(plan.weights) == shape[0]:
+            out["row_weights"] = torch.tensor(plan.weights, dtype=torch.float32)
+        return out
+
+    def _share(self, plan: BatchPlan, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sigmas and noise of this process's rows of batch ``index`` (CPU): one rank of several draws for its
+        global batch (seeded by its number) and keeps its own rows."""
+        rows, first = share_of(plan, shape[0])
+        sigma, noise = self._draw((rows, *shape[1:]), index)
+        if (first, shape[0]) != (0, rows):
+            sigma, noise = sigma[first:first + shape[0]].clone(), noise[first:first + shape[0]].clone()
+        return sigma, noise
+
     def _fwd_bwd(self, batch: Batch, index: int) -> float:
         ms = self.model_sampling
         latents = self.mp.model.process_latent_in(batch.latents.to(self.device, torch.float32))
-        # one rank of several draws for its global batch (seeded by its number) and keeps its own rows
-        rows, first = share_of(batch.plan, latents.shape[0])
-        sigma, noise = self._draw((rows, *latents.shape[1:]), index)
-        end = first + latents.shape[0]
-        sigma, noise = sigma[first:end].to(self.device), noise[first:end].to(self.device)
+        if "sigma" in batch.extras and "noise" in batch.extras:  # drawn by the loader (:meth:`per_batch`)
+            sigma, noise = batch.extras["sigma"], batch.extras["noise"]
+        else:
+            sigma, noise = self._share(batch.plan, tuple(latents.shape), index)
+            sigma, noise = sigma.to(self.device), noise.to(self.device)
         xt = ms.noise_scaling(sigma, noise, latents, False)
         x0 = ms.noise_scaling(torch.zeros_like(sigma), torch.zeros_like(noise), latents, False)
         groups = self.conditioner(batch.conditioning, noise, latents, derive_seed(self.settings.seed, index))
@@ -206,7 +238,9 @@ class StepLoop:
             if len(row_weights) != rows:
                 raise ValueError(f"batch {batch.plan.index} of epoch {batch.plan.epoch} has {rows} rows but "
                                  f"{len(row_weights)} loss weights: the sampler's plan does not match its batch")
-            per_row = torch.tensor(row_weights, dtype=torch.float32, device=self.device)
+            per_row = batch.extras.get("row_weights")  # on the device already when the loader drew it
+            if per_row is None:
+                per_row = torch.tensor(row_weights, dtype=torch.float32, device=self.device)
             per_row = per_row.view(rows, *([1] * (pred.ndim - 1)))
             weight = per_row if weight is None else weight * per_row
         return weight
@@ -233,7 +267,7 @@ class StepLoop:
         """
         g = seeded_generator(self.settings.seed, index, "noise")
         u = torch.rand(shape[0], generator=g, dtype=torch.float64).clamp(_SIGMA_EDGE, 1 - _SIGMA_EDGE)
-        sigma = torch.tensor([float(self.model_sampling.percent_to_sigma(float(p))) for p in u], dtype=torch.float32)
+        sigma = torch.tensor([float(self._sampling_cpu.percent_to_sigma(float(p))) for p in u], dtype=torch.float32)
         return sigma, torch.randn(shape, generator=g, dtype=torch.float32)
 
     def _autocast(self) -> Any:

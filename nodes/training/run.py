@@ -96,17 +96,18 @@ def train_lora(
         start = resume_run(run, sampler, existing, name_steps)  # continuing: optimizer, steps, batch order
         first_batch = start.first_batch
         team.same_start(start.steps, first_batch, sampler.position, run.optimizer)
-        loader = PrefetchLoader(
+        loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
+                        ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
+                        first_batch=first_batch, world=team.collective)
+        loader = PrefetchLoader(  # noise, sigmas and row weights drawn on its workers: loop.per_batch
             reader, sampler, prefetch_batches=settings.prefetch_batches,
             threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
             on_wait=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None,
+            per_batch=loop.per_batch,
         )
         counts = RowCounts.for_settings(settings.masked_loss, settings.unmasked_weight)
         try:
             prepare(run, train)
-            loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
-                            ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
-                            first_batch=first_batch, world=team.collective)
             losses, seconds, rows, waited = loop.run(counted(iter(loader), counts, sampler.main_samples), on_step)
             counts = team.total(counts)
         finally:

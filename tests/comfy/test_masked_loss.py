@@ -108,6 +108,7 @@ def _step(training: ModuleType, model: Any, cache: Any, monkeypatch: pytest.Monk
 
     class Loader:  # the real loader; its batches get the masks and weights the dataset will give them
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.pop("per_batch")  # the loop draws at each step then: the draw below reads the latest plan
             self.inner = real_loader(*args, **kwargs)
 
         def __iter__(self) -> Iterator[Any]:

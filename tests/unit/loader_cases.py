@@ -154,7 +154,7 @@ def two_caches(tmp: Path) -> Case:
     return Case(reader, sampler, {"prefetch_batches": 2, "threads": 2, "epochs": 3}, close=reader.close)
 
 
-def noise(plan: BatchPlan, shape: torch.Size) -> dict[str, torch.Tensor]:
+def noise(_number: int, plan: BatchPlan, shape: torch.Size) -> dict[str, torch.Tensor]:
     """A trainer-like ``per_batch`` hook: sigmas and noise from a generator seeded by the batch alone."""
     g = torch.Generator().manual_seed(1000 * plan.epoch + plan.index)
     return {"sigmas": torch.rand(shape[0], generator=g), "noise": torch.randn(shape, generator=g),

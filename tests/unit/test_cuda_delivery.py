@@ -175,25 +175,26 @@ def test_a_pageable_value_is_staged_and_counted_with_its_entry(monkeypatch):
 # ---------------------------------------------------------------------------------------------- the hook
 def test_per_batch_runs_on_the_worker_after_the_read_with_the_latents_shape():
     _, _, reader, sampler = cpu.make(n=20)
-    calls: list[tuple[BatchPlan, torch.Size, threading.Thread, bool]] = []
+    calls: list[tuple[BatchPlan, torch.Size, threading.Thread, bool, int]] = []
     returned: dict[int, dict[str, torch.Tensor]] = {}
 
-    def hook(plan: BatchPlan, shape: torch.Size) -> dict[str, torch.Tensor]:
+    def hook(number: int, plan: BatchPlan, shape: torch.Size) -> dict[str, torch.Tensor]:
         read = tuple(dict.fromkeys(plan.latent_keys + plan.caption_keys)) in reader.reads
-        calls.append((plan, shape, threading.current_thread(), read))
-        out = cases.noise(plan, shape)
+        calls.append((plan, shape, threading.current_thread(), read, number))
+        out = cases.noise(number, plan, shape)
         returned[plan.index] = out
         return out
 
     with PrefetchLoader(reader, sampler, prefetch_batches=2, threads=1, per_batch=hook) as loader:
         batches = list(loader)
     assert sorted(c[0].index for c in calls) == [b.plan.index for b in batches]
-    for b in batches:
-        plan, shape, thread, read = next(c for c in calls if c[0] == b.plan)
+    for i, b in enumerate(batches):
+        plan, shape, thread, read, number = next(c for c in calls if c[0] == b.plan)
         assert shape == b.latents.shape and read and thread is not threading.main_thread()
+        assert number == i  # the batch's place in the iteration, whichever worker called the hook
         assert b.extras.keys() == {"sigmas", "noise", "weights"}
         assert all(b.extras[k] is returned[plan.index][k] for k in b.extras)  # the CPU target: the very tensors
-        assert cases.same(b.extras["noise"], cases.noise(plan, shape)["noise"])  # seeded by the batch alone
+        assert cases.same(b.extras["noise"], cases.noise(i, plan, shape)["noise"])  # seeded by the batch alone
 
 
 def test_no_hook_no_extras():
@@ -203,9 +204,9 @@ def test_no_hook_no_extras():
 
 
 @pytest.mark.parametrize("bad,named", [
-    (lambda p, s: [torch.zeros(1)], "returned list"),
-    (lambda p, s: {"noise": 1.0}, "returned float for 'noise'"),
-    (lambda p, s: {"noise": torch.zeros(1, device="meta")}, "returned a tensor on meta for 'noise'"),
+    (lambda n, p, s: [torch.zeros(1)], "returned list"),
+    (lambda n, p, s: {"noise": 1.0}, "returned float for 'noise'"),
+    (lambda n, p, s: {"noise": torch.zeros(1, device="meta")}, "returned a tensor on meta for 'noise'"),
 ])
 def test_a_bad_per_batch_result_is_named(bad, named):
     _, _, reader, sampler = cpu.make(n=6)
