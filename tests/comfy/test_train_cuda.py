@@ -6,9 +6,9 @@ This suite's ComfyUI runs on the CPU, so the runs happen in child processes (``s
 and caches, in fp32 (weights loaded in fp32, TF32 off on CUDA for matmuls and cuDNN). Each case takes branches of
 the trainer on the device: image and video latents, conditionings with their extras (SDXL's pooled output, Flux's
 guidance, Flux Kontext's reference latents, Lumina 2's attention masks and its rows run as separate model calls),
-loss masks with mirrored rows, regularization rows with their loss weight, batches holding rows of two caches, and
-AdamW on a LoRA the node creates (the node's defaults). The children record the LoRA, every LoRA parameter before
-the first step, every gradient the optimizer saw, the losses and each batch's plan and devices.
+loss masks with mirrored rows, regularization rows with their loss weight, batches holding rows of two caches, AdamW
+(the node's default optimizer) and a LoRA the node creates itself. The children record the LoRA, every LoRA
+parameter before the first step, every gradient the optimizer saw, the losses and each batch's plan and devices.
 
 Without a GPU the CUDA test skips; the same harness then runs with both children on the CPU, where the computation is
 the same and everything must be equal bit for bit, and against runs with a slightly different weighting, which the
@@ -18,9 +18,9 @@ Tolerances (fp32 on both devices; u = 2⁻²⁴ ≈ 6e-8, the unit roundoff):
 
 * The devices differ only in the order of their sums (cuBLAS/cuDNN against MKL/oneDNN tilings, reductions). A
   dot product of length K summed in two orders differs by at most γ_K = K·u times the sum of its terms' magnitudes,
-  and typically by √K·u of it (independent roundings): K is at most 5760 here (SDXL's 3×3 convolutions of 640
-  channels), so √K·u ≈ 5e-6. A gradient passes through L ≲ 20 such products forward and backward, whose errors add:
-  ≈ 1e-4 of the size of the terms. Hence:
+  and typically by √K·u of it (independent roundings): K is at most 9216 here (Lumina 2's feed-forward; SDXL's 3×3
+  convolutions of 640 channels: 5760), so √K·u ≈ 6e-6. A gradient passes through L ≲ 20 such products forward and
+  backward, whose errors add: ≈ 1e-4 of the size of the terms. Hence:
 * **losses** agree to ``LOSS_RTOL`` = 1e-3 relative: the loss is a mean of squared errors of O(1) (latents and
   predictions are O(1)), so its relative error is about twice the prediction's, ≈ 2e-4.
 * **gradients**, element by element, agree to ``GRAD_RTOL`` = 1e-3 of the largest gradient of their tensor, plus
@@ -47,8 +47,9 @@ Tolerances (fp32 on both devices; u = 2⁻²⁴ ≈ 6e-8, the unit roundoff):
   flipped element changes the next gradients by more than rounding, so for AdamW only step 1's gradients are
   compared element by element (the parameters are equal then).
 
-The initial LoRA must be equal bit for bit (drawn on the CPU in both children), and so must the batches (the
-sampler, noise and timesteps do not depend on the device).
+The initial LoRA must be equal bit for bit (a LoRA file, or drawn by the node from the seed), and so must the batches
+(the sampler, noise and timesteps are drawn on the CPU whatever the device). One known exception is marked expected
+while it lasts: a LoRA the node creates on a model ComfyUI loaded onto the GPU (:data:`ADAPTERS_ON_THE_DEVICE`).
 """
 
 from __future__ import annotations
@@ -237,8 +238,9 @@ def test_the_harness_trains_bit_identical_loras_in_two_cpu_children(
     a, b = _load(outs, "a", name), _load(outs, "b", name)
     _assert_on(a, "cpu")
     _assert_covers(case, planned[name], a)
-    timing = "summary"  # the node's summary says how fast it trained
-    assert {k: v for k, v in a.report.items() if k != timing} == {k: v for k, v in b.report.items() if k != timing}
+    timing = ("summary", "seconds")  # the node's summary says how fast it trained
+    assert {k: v for k, v in a.report.items() if k not in timing} == \
+        {k: v for k, v in b.report.items() if k not in timing}
     for what in ("initial", "lora"):
         ours, theirs = getattr(a, what), getattr(b, what)
         assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours), what

@@ -223,7 +223,7 @@ def run_children(comfy_path: Path, python: Path, folder: Path, plans: dict[str, 
         cwd.mkdir()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         log = (out / "log.txt").open("w")
-        procs[label] = (subprocess.Popen([str(python), "-P", "-c", BOOTSTRAP, str(support), str(plan), device,
+        procs[label] = (subprocess.Popen([str(python), "-c", BOOTSTRAP, str(support), str(plan), device,
                                           str(out)], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
         outs[label] = out
     failures = []

@@ -2,10 +2,11 @@
 every case of a plan through the pack's Train LoRA node and writes down what it did.
 
 A child process because ComfyUI picks its device once, when ``comfy.model_management`` is imported (the in-process
-suite imports it with ``args.cpu`` set). :func:`support.device_training.run_child` starts this module as
-``<ComfyUI's python> -P -c <bootstrap> PLAN DEVICE OUT`` in an empty folder, so neither the pack root (whose
-``nodes/`` would shadow ComfyUI's ``nodes.py``) nor ``tests/support`` (whose ``server.py`` would shadow ComfyUI's)
-is on ``sys.path``; the bootstrap registers ``support`` from its folder, as ``bench/run_comfyui.py`` does.
+suite imports it with ``args.cpu`` set). :func:`support.device_training.run_children` starts this module as
+``<ComfyUI's python> -c <bootstrap> SUPPORT PLAN DEVICE OUT`` in an empty folder, which ``-c`` puts first on
+``sys.path``: neither the pack root (whose ``nodes/`` would shadow ComfyUI's ``nodes.py``) nor ``tests/support``
+(whose ``server.py`` would shadow ComfyUI's) is on it; the bootstrap registers ``support`` from its folder, as
+``bench/run_comfyui.py`` does.
 
 Both devices load the same fp32 weights (``--fp32-unet``: on a GPU ComfyUI would store them in fp16 or bf16) and
 compute in fp32; on CUDA, TF32 is off for matmuls and cuDNN convolutions (PyTorch allows it for cuDNN by default),
@@ -22,6 +23,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ spec.loader.exec_module(module)
 from support.train_child import main
 raise SystemExit(main(sys.argv[1:]))
 """
-"""What ``python -P -c`` runs: ``argv[1]`` is the ``tests/support`` folder, the rest goes to :func:`main`."""
+"""What ``python -c`` runs: ``argv[1]`` is the ``tests/support`` folder, the rest goes to :func:`main`."""
 
 
 def _setup_comfy(comfy_path: Path, device: str, work: Path) -> Any:
@@ -200,7 +202,7 @@ def _train(torch: Any, pack: Any, case: dict[str, Any], work: Path) -> Any:
         management.vram_state = vram_state
 
 
-def _write(recorder: _Recorder, result: Any, out: Path) -> None:
+def _write(recorder: _Recorder, result: Any, out: Path, seconds: float) -> None:
     """The LoRA, the recorded tensors and the report of one case into ``out``."""
     from safetensors.torch import save_file
 
@@ -215,7 +217,8 @@ def _write(recorder: _Recorder, result: Any, out: Path) -> None:
               str(out / "grads.safetensors"))
     ui = result.ui if isinstance(result.ui, dict) else result.ui.as_dict()
     report = {"losses": loss_map["loss"], "steps": steps, "summary": ui["text"][0], "batches": recorder.batches,
-              "no_grad": [[keys[i] for i in step] for step in recorder.no_grad], "adapters_on": recorder.adapters_on}
+              "no_grad": [[keys[i] for i in step] for step in recorder.no_grad], "adapters_on": recorder.adapters_on,
+              "seconds": round(seconds, 1)}
     (out / "report.json").write_text(json.dumps(report, indent=1))
 
 
@@ -241,8 +244,9 @@ def main(argv: list[str]) -> int:
 
     for case in plan["cases"]:
         recorder.reset()
+        start = time.perf_counter()
         try:
-            _write(recorder, _train(torch, pack, case, work), out / case["name"])
+            _write(recorder, _train(torch, pack, case, work), out / case["name"], time.perf_counter() - start)
         except Exception:
             (out / case["name"]).mkdir(parents=True, exist_ok=True)
             (out / case["name"] / "report.json").write_text(json.dumps({"error": traceback.format_exc()}))
