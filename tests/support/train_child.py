@@ -235,11 +235,6 @@ def main(argv: list[str]) -> int:
     pack = import_pack()
     training = sys.modules[f"{pack.__name__}.nodes.training"]
     recorder = _Recorder(torch, training)
-    flags = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    if device == "cuda":
-        flags.update(name=torch.cuda.get_device_name(), matmul_tf32=torch.backends.cuda.matmul.allow_tf32,
-                     cudnn_tf32=torch.backends.cudnn.allow_tf32)
-    (out / "device.json").write_text(json.dumps(flags))
     import comfy.model_management
 
     for case in plan["cases"]:
@@ -252,4 +247,9 @@ def main(argv: list[str]) -> int:
             (out / case["name"] / "report.json").write_text(json.dumps({"error": traceback.format_exc()}))
         gc.collect()
         comfy.model_management.soft_empty_cache()
+    flags = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    if device == "cuda":  # read after the runs: nothing turned TF32 back on
+        flags.update(name=torch.cuda.get_device_name(), matmul_tf32=torch.backends.cuda.matmul.allow_tf32,
+                     cudnn_tf32=torch.backends.cudnn.allow_tf32)
+    (out / "device.json").write_text(json.dumps(flags))
     return 0
