@@ -20,8 +20,8 @@ import comfy.utils
 import folder_paths
 import node_helpers
 
-__all__ = ["bypass_setup", "check_latent_channels", "load_existing_lora", "nodes_train_module", "release",
-           "resume_exactly", "training_dtypes"]
+__all__ = ["bypass_setup", "check_latent_channels", "draw_new_adapters_on_cpu", "load_existing_lora",
+           "nodes_train_module", "release", "resume_exactly", "training_dtypes"]
 
 log = logging.getLogger("streamcache.train")
 
@@ -83,6 +83,47 @@ def resume_exactly(lora_sd: dict[str, torch.Tensor], existing: dict[str, torch.T
             saved = existing.get(key)
             if saved is not None and saved.shape == param.shape:
                 param.copy_(saved.to(param.dtype))
+
+
+def draw_new_adapters_on_cpu(train: ModuleType, mp: Any, lora_sd: dict[str, torch.Tensor],
+                             existing: dict[str, torch.Tensor], algorithm: str, adapter_dtype: torch.dtype,
+                             rank: int) -> bool:
+    """Give a new LoRA the initial values the CPU's generator draws, wherever ComfyUI put the model.
+
+    ComfyUI's ``create_train`` draws a new adapter on its weight's device: with the model already on a GPU (ComfyUI's
+    ``--highvram``, or by itself where free VRAM exceeds free RAM) one seed would start another LoRA than on the CPU,
+    and on one machine another one depending on where the model happened to be. Called right after the adapters
+    were made, with the generator seeded as it was for them, this draws them again with ComfyUI's own
+    ``create_train`` on CPU stand-ins of the weights (``torch.empty``: only their shape and device are read, never
+    their values) in the same module order, and copies the values in. Returns whether anything was drawn again.
+    """
+    if existing:
+        return False  # a continued LoRA is loaded, not drawn
+    modules = [(n, m) for n, m in mp.model.named_modules()
+               if hasattr(m, "weight_function") and getattr(m, "weight", None) is not None and m.weight.ndim >= 2]
+    if all(m.weight.device.type == "cpu" for _n, m in modules):
+        return False
+    make = getattr(train, "adapter_maps", {}).get(algorithm)
+    if make is None or not callable(getattr(make, "create_train", None)):
+        log.warning("Train LoRA: ComfyUI's training module has no %s adapter maker to draw it on the CPU with; the "
+                    "new %s was drawn on %s, where the model was", algorithm, algorithm, modules[0][1].weight.device)
+        return False
+    _draw_again(make, modules, lora_sd, adapter_dtype, rank)
+    return True
+
+
+def _draw_again(make: Any, modules: Sequence[tuple[str, torch.nn.Module]], lora_sd: dict[str, torch.Tensor],
+                adapter_dtype: torch.dtype, rank: int) -> None:
+    """``make.create_train`` on a CPU stand-in of each module's weight, in order; the values copied into
+    ``lora_sd`` (a parameter ComfyUI did not make is left alone)."""
+    with torch.no_grad():
+        for name, module in modules:
+            stand_in = torch.empty(module.weight.shape, dtype=module.weight.dtype)
+            drawn = make.create_train(stand_in, rank=rank, alpha=1.0).to(adapter_dtype)
+            for part, value in drawn.named_parameters():
+                target = lora_sd.get(f"{name}.{part}")
+                if target is not None and target.shape == value.shape:
+                    target.copy_(value)
 
 
 def training_dtypes(mp: Any, training_dtype: str, lora_dtype: str) -> tuple[torch.dtype, torch.dtype, bool]:

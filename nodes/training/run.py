@@ -26,8 +26,8 @@ from ...dataset_cache.sharding import shard_sampler
 from ...dataset_cache.seeding import derive_seed
 from ...dataset_cache.trainable import check_trainable
 from .comfy_parts import (
-    bypass_setup, check_latent_channels, load_existing_lora, nodes_train_module, release, resume_exactly,
-    training_dtypes,
+    bypass_setup, check_latent_channels, draw_new_adapters_on_cpu, load_existing_lora, nodes_train_module, release,
+    resume_exactly, training_dtypes,
 )
 from .conditioning import Conditioner, ModelCall
 from .distributed import plan_team
@@ -233,6 +233,8 @@ def load(model: Any, train: ModuleType, data: DataPlan, existing: dict[str, torc
         else:
             lora_sd, adapters = train._setup_lora_adapters(mp, existing, settings.algorithm, adapter_dtype,
                                                            settings.rank)
+        torch.manual_seed(derive_seed(settings.seed, "adapters"))  # the same draws again, from the CPU's generator
+        draw_new_adapters_on_cpu(train, mp, lora_sd, existing, settings.algorithm, adapter_dtype, settings.rank)
     resume_exactly(lora_sd, existing)
     optimizer = train._create_optimizer(settings.optimizer, lora_sd.values(), settings.learning_rate)
     loss_fn = train._create_loss_function(settings.loss_function)

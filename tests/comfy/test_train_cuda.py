@@ -48,8 +48,9 @@ Tolerances (fp32 on both devices; u = 2⁻²⁴ ≈ 6e-8, the unit roundoff):
   compared element by element (the parameters are equal then).
 
 The initial LoRA must be equal bit for bit (a LoRA file, or drawn by the node from the seed), and so must the batches
-(the sampler, noise and timesteps are drawn on the CPU whatever the device). One known exception is marked expected
-while it lasts: a LoRA the node creates on a model ComfyUI loaded onto the GPU (:data:`ADAPTERS_ON_THE_DEVICE`).
+(the sampler, noise and timesteps are drawn on the CPU whatever the device), including a LoRA the node creates on a
+model ComfyUI loaded onto the GPU before training (``--highvram``): the trainer draws it again from the CPU's
+generator (``comfy_parts.draw_new_adapters_on_cpu``), since ComfyUI's ``create_train`` draws on the weight's device.
 """
 
 from __future__ import annotations
@@ -79,13 +80,6 @@ MUTANTS = {  # a twin case trained with a slightly different weighting: what a d
     "sd15_adamw": {"learning_rate": 1.1e-4},
 }
 BY_NAME = {case.name: case for case in CASES}
-ADAPTERS_ON_THE_DEVICE = (
-    "Train LoRA creates a new LoRA's adapters where its clone of the model is when it loads (ComfyUI's create_train "
-    "draws them on weight.device), before the model moves to the training device: with the model on the GPU from the "
-    "start (--highvram, or by itself where free VRAM exceeds free RAM) the seed draws the initial LoRA from the CUDA "
-    "generator, another LoRA than the CPU's, and on one machine another one depending on where ComfyUI put the model "
-    "(nodes/training/run.py load(); reported, not fixed with this test)")
-"""A known difference of a fresh LoRA on CUDA (issue #24): the test marks it expected while it lasts."""
 
 
 # ------------------------------------------------------------------------------------------------ comparison
@@ -208,9 +202,9 @@ def test_train_lora_on_cuda_trains_the_lora_the_cpu_trains(
     _assert_on(cuda, "cuda")
     _assert_covers(case, planned[case.name], cpu)
     assert _plans(cuda) == _plans(cpu)
-    started_apart = any(k not in cuda.initial or not torch.equal(v, cuda.initial[k]) for k, v in cpu.initial.items())
-    if started_apart and cuda.report["adapters_on"] == "cuda":
-        pytest.xfail(ADAPTERS_ON_THE_DEVICE)
+    apart = [k for k, v in cpu.initial.items() if k not in cuda.initial or not torch.equal(v, cuda.initial[k])]
+    assert not apart, (f"{case.name}: the initial LoRA differs (adapters made on {cuda.report['adapters_on']}): "
+                       f"{apart[:5]}")
     problems = compare(case, cpu, cuda)
     assert not problems, f"{case.name} on {cuda.device['name']}:\n" + "\n".join(problems[:20])
 

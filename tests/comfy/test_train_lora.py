@@ -643,3 +643,34 @@ def test_a_batch_larger_than_the_dataset_is_clamped_and_the_node_says_so(node: t
     assert "batch_size 10000 is larger than this dataset's largest bucket (4 images × repeats per epoch): " \
            "trained with batch_size 4" in summary
     assert steps == 2 and len(loss_map["loss"]) == 2 and lora
+
+
+@pytest.mark.parametrize("algorithm", ["LoRA", "LoHa", "LoKr", "OFT"])
+def test_a_new_lora_is_drawn_again_from_the_cpus_generator_exactly_as_comfyui_draws_it_there(
+        pack: ModuleType, models: tuple, algorithm: str) -> None:
+    """What the trainer does when a new LoRA's adapters were made on a GPU (the model already there): ComfyUI's
+    ``create_train`` on CPU stand-ins of the weights, in module order, from the same seed, gives exactly the values
+    ComfyUI's ``_setup_lora_adapters`` draws on the CPU (the same calls on the same generator: equality). Values
+    it does not draw again are ComfyUI's constant zeros (bias and 1-D adapters), the same on any device."""
+    parts = _module(pack, "nodes.training.comfy_parts")
+    train = parts.nodes_train_module()
+    mp = models[0].clone()
+    with torch.inference_mode(False), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        lora_sd, _ = train._setup_lora_adapters(mp, {}, algorithm, torch.float32, 4)
+        drawn = {k: v.detach().clone() for k, v in lora_sd.items()}
+        with torch.no_grad():
+            for v in lora_sd.values():
+                v.fill_(7.0)
+        modules = [(n, m) for n, m in mp.model.named_modules()
+                   if hasattr(m, "weight_function") and m.weight is not None and m.weight.ndim >= 2]
+        torch.manual_seed(5)
+        parts._draw_again(train.adapter_maps[algorithm], modules, lora_sd, torch.float32, 4)
+    again = [k for k, v in lora_sd.items() if not torch.all(v == 7.0)]
+    assert len(again) >= len(modules)  # every adapted matrix has at least one part drawn again
+    for key, value in lora_sd.items():
+        if key in again:
+            assert torch.equal(value, drawn[key]), key
+        else:
+            assert not torch.any(drawn[key]), key  # left alone: a constant ComfyUI never draws
+    assert not parts.draw_new_adapters_on_cpu(train, mp, lora_sd, {}, algorithm, torch.float32, 4)  # on the CPU
