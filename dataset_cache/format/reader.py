@@ -19,7 +19,7 @@ import logging
 import os
 import weakref
 from itertools import count, repeat
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -438,8 +438,9 @@ class CacheReader:
         return f"CacheReader({str(self.root)!r}, entries={len(self)}, shards={len(self._shards)})"
 
 
-def _verify_shard(sh: ShardIndex) -> list[CacheError]:
-    p = str(sh.path)
+def entry_owners(sh: ShardIndex) -> tuple[dict[tuple[int, int], str], list[CacheError]]:
+    """Which entry owns each ``(column, row)`` of a shard (to name it in an error), and the entries whose
+    skeletons do not parse."""
     problems: list[CacheError] = []
     owner: dict[tuple[int, int], str] = {}
     for i, key in enumerate(sh.keys):
@@ -448,6 +449,39 @@ def _verify_shard(sh: ShardIndex) -> list[CacheError]:
                 owner.setdefault((c, row), key)
         except CacheCorruptError as exc:
             problems.append(exc)
+    return owner, problems
+
+
+RowsReader = Callable[[int, int, memoryview], None]
+"""Reads rows ``[start, start + n)`` of a shard's column (``(column index, start, buffer of n rows)``)."""
+
+
+def check_rows(sh: ShardIndex, owner: dict[tuple[int, int], str], read: RowsReader,
+               errors: tuple[type[CacheError], ...]) -> list[CacheError]:
+    """Every row of every column of ``sh`` read in chunks through ``read`` and checked against its checksum; a
+    chunk that fails to read with one of ``errors`` ends that column's check (the error is listed)."""
+    problems: list[CacheError] = []
+    for c, col in enumerate(sh.columns):
+        per = max(1, _VERIFY_CHUNK // max(1, col.row_nbytes))
+        for start in range(0, col.rows, per):
+            n = min(per, col.rows - start)
+            buf = memoryview(bytearray(n * col.row_nbytes))
+            try:
+                read(c, start, buf)
+            except errors as exc:
+                problems.append(exc)
+                break
+            for j in range(n):
+                a = j * col.row_nbytes
+                if checksum64(buf[a:a + col.row_nbytes]) != col.checksum(start + j):
+                    problems.append(CacheCorruptError(str(sh.path), f"checksum mismatch in {col.tensor} row "
+                                                      f"{start + j}", entry=owner.get((c, start + j))))
+    return problems
+
+
+def _verify_shard(sh: ShardIndex) -> list[CacheError]:
+    p = str(sh.path)
+    owner, problems = entry_owners(sh)
     try:
         f = os.fdopen(open_regular(p), "rb", buffering=0)
     except FileNotFoundError:
@@ -459,21 +493,8 @@ def _verify_shard(sh: ShardIndex) -> list[CacheError]:
     with f:
         if os.fstat(f.fileno()).st_size != sh.size:
             return problems + [CacheCorruptError(p, "shard size changed since the cache was opened")]
-        for c, col in enumerate(sh.columns):
-            per = max(1, _VERIFY_CHUNK // max(1, col.row_nbytes))
-            for start in range(0, col.rows, per):
-                n = min(per, col.rows - start)
-                buf = bytearray(n * col.row_nbytes)
-                mv = memoryview(buf)
-                try:
-                    read_exact(f.fileno(), mv, col.row_range(start)[0], p)
-                except (CacheCorruptError, CacheUnreadableError) as exc:
-                    problems.append(exc)
-                    break
-                for j in range(n):
-                    row = start + j
-                    a = j * col.row_nbytes
-                    if checksum64(mv[a:a + col.row_nbytes]) != col.checksum(row):
-                        problems.append(CacheCorruptError(p, f"checksum mismatch in {col.tensor} row {row}",
-                                                          entry=owner.get((c, row))))
-    return problems
+
+        def read(c: int, start: int, buf: memoryview) -> None:
+            read_exact(f.fileno(), buf, sh.columns[c].row_range(start)[0], p)
+
+        return problems + check_rows(sh, owner, read, (CacheCorruptError, CacheUnreadableError))

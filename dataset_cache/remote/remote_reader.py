@@ -27,7 +27,7 @@ from ..errors import CacheCorruptError, CacheError, CacheNotFoundError, CacheRep
 from ..format.layout import MANIFEST
 from ..format.manifest import CacheState, ShardRecord, parse_dataset, parse_manifest, replay_journal
 from ..format.read_plan import ReadPlan, RowRef
-from ..format.reader import CacheReader
+from ..format.reader import CacheReader, check_rows, entry_owners
 from ..format.safetensors_io import parse_header
 from ..format.shard import ShardIndex, index_shard
 from ..gcpause import gc_paused
@@ -40,7 +40,6 @@ from .urls import CacheURL, parse_cache_url
 __all__ = ["open_remote_cache", "RemoteCacheReader"]
 
 _OPEN_RETRIES = 3
-_VERIFY_CHUNK = 64 << 20
 _HEADER_GUESS = 64 << 10
 """Bytes asked for by a header's first GET: a shard's header is ~150 bytes per entry (a 128 MiB SD1.5 shard's is
 ~250 KiB), so small caches' headers come in one request and larger ones in two."""
@@ -210,30 +209,14 @@ class RemoteCacheReader(CacheReader):
 
     def _verify_shard(self, sh: ShardIndex) -> list[CacheError]:
         s = self._shards.index(sh)
-        problems: list[CacheError] = []
-        owner: dict[tuple[int, int], str] = {}
-        for i, key in enumerate(sh.keys):
-            try:
-                for c, row in sh.parse(i)[1]:
-                    owner.setdefault((c, row), key)
-            except CacheCorruptError as exc:
-                problems.append(exc)
-        for c, col in enumerate(sh.columns):
-            per = max(1, _VERIFY_CHUNK // max(1, col.row_nbytes))
-            for start in range(0, col.rows, per):
-                n = min(per, col.rows - start)
-                buf = memoryview(bytearray(n * col.row_nbytes))
-                try:
-                    self.files.read([(s, col.row_range(start)[0], col.row_range(start + n - 1)[1], 0)], buf)
-                except (CacheCorruptError, CacheUnreadableError, CacheReplacedError) as exc:
-                    problems.append(exc)
-                    break
-                for row in range(start, start + n):
-                    a = (row - start) * col.row_nbytes
-                    if checksum64(buf[a:a + col.row_nbytes]) != col.checksum(row):
-                        problems.append(CacheCorruptError(str(sh.path), f"checksum mismatch in {col.tensor} row {row}",
-                                                          entry=owner.get((c, row))))
-        return problems
+        owner, problems = entry_owners(sh)
+
+        def read(c: int, start: int, buf: memoryview) -> None:
+            col = sh.columns[c]
+            last = start + len(buf) // col.row_nbytes - 1
+            self.files.read([(s, col.row_range(start)[0], col.row_range(last)[1], 0)], buf)
+
+        return problems + check_rows(sh, owner, read, (CacheCorruptError, CacheUnreadableError, CacheReplacedError))
 
     def __repr__(self) -> str:
         return f"RemoteCacheReader({str(self.root)!r}, entries={len(self)}, shards={len(self._shards)})"

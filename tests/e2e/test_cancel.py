@@ -7,7 +7,6 @@ cache, and after a training cancel no loader thread is left in the server and a 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -33,34 +32,7 @@ BIG = (Subset(2, "many", tuple((64, 64) for _ in range(8)), "png"),)
 def _run_and_interrupt(client: ComfyClient, prompt: dict[str, Any], when: Callable[[dict[str, Any]], bool],
                        timeout: float = 600.0) -> PromptResult:
     """Queue ``prompt``, POST /interrupt as soon as a websocket event satisfies ``when``, wait until it ended."""
-    ws = websocket.WebSocket()
-    ws.connect(client.base_url.replace("http", "ws", 1) + f"/ws?clientId={client.client_id}", timeout=timeout)
-    events: list[dict[str, Any]] = []
-    try:
-        prompt_id = client.queue_prompt(prompt)
-        deadline = time.monotonic() + timeout
-        interrupted = False
-        while True:
-            ws.settimeout(max(0.1, deadline - time.monotonic()))
-            message = ws.recv()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"prompt {prompt_id} did not end in time")
-            if not isinstance(message, str):
-                continue
-            event = json.loads(message)
-            data = event.get("data") or {}
-            if data.get("prompt_id") not in (None, prompt_id):
-                continue
-            events.append(event)
-            if not interrupted and when(event):
-                client.post("/interrupt", {})
-                interrupted = True
-            if event["type"] in ("execution_interrupted", "execution_error", "execution_success"):
-                break
-        entry = client._wait_history(prompt_id, deadline)
-    finally:
-        ws.close()
-    return PromptResult(prompt_id, entry, events)
+    return client.run_and_act(prompt, when, lambda: client.post("/interrupt", {}), timeout=timeout)
 
 
 def _interrupted_in(result: PromptResult) -> str:

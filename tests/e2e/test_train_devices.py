@@ -8,11 +8,9 @@ each, no worker process of the server is left, and the server keeps answering an
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -46,38 +44,6 @@ def _server_pid(server: ComfyServer) -> int:
     return server._proc.pid
 
 
-def _run_and_act(client: ComfyClient, prompt: dict[str, Any], when: Callable[[dict[str, Any]], bool],
-                 act: Callable[[], None], timeout: float = 600.0) -> PromptResult:
-    """Queue ``prompt``, call ``act`` once as soon as a websocket event satisfies ``when``, wait until it ended."""
-    ws = websocket.WebSocket()
-    ws.connect(client.base_url.replace("http", "ws", 1) + f"/ws?clientId={client.client_id}", timeout=timeout)
-    events: list[dict[str, Any]] = []
-    try:
-        prompt_id = client.queue_prompt(prompt)
-        deadline = time.monotonic() + timeout
-        acted = False
-        while True:
-            ws.settimeout(max(0.1, deadline - time.monotonic()))
-            message = ws.recv()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"prompt {prompt_id} did not end in time")
-            if not isinstance(message, str):
-                continue
-            event = json.loads(message)
-            if (event.get("data") or {}).get("prompt_id") not in (None, prompt_id):
-                continue
-            events.append(event)
-            if not acted and when(event):
-                act()
-                acted = True
-            if event["type"] in ("execution_interrupted", "execution_error", "execution_success"):
-                break
-        entry = client._wait_history(prompt_id, deadline)
-    finally:
-        ws.close()
-    return PromptResult(prompt_id, entry, events)
-
-
 def _training(event: dict[str, Any]) -> bool:
     data = event.get("data") or {}
     return event["type"] == "streamcache.train" and data.get("step", 0) >= 2
@@ -109,7 +75,7 @@ def test_cancel_ends_every_rank_and_the_server_trains_again(comfy_server: ComfyS
                                                             prompt: dict[str, Any]) -> None:
     long = {**prompt, "5": {**prompt["5"], "inputs": {**prompt["5"]["inputs"], "steps": 5000}}}
     t0 = time.monotonic()
-    result = _run_and_act(client, long, _training, lambda: client.post("/interrupt", {}))
+    result = client.run_and_act(long, _training, lambda: client.post("/interrupt", {}))
     assert _status(result, "execution_interrupted")["node_id"] == "5"
     assert time.monotonic() - t0 < 300, "the interrupt did not stop the 5000-step training"
     assert wait_gone(_server_pid(comfy_server)) == []
@@ -128,7 +94,7 @@ def test_a_killed_worker_fails_the_node_by_rank_and_the_server_trains_again(comf
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
     long = {**prompt, "5": {**prompt["5"], "inputs": {**prompt["5"]["inputs"], "steps": 5000}}}
-    result = _run_and_act(client, long, _training, kill)
+    result = client.run_and_act(long, _training, kill)
     error = _status(result, "execution_error")
     assert killed and error["node_id"] == "5", error
     assert "failed on rank 1" in error["exception_message"] and f"pid {killed[0]}" in error["exception_message"]

@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,6 +203,40 @@ class ComfyClient:
                 return
             if event.get("type") in ("execution_error", "execution_interrupted"):
                 return
+
+    def run_and_act(self, prompt: dict[str, Any], when: Callable[[dict[str, Any]], bool], act: Callable[[], None],
+                    *, timeout: float = 600.0) -> PromptResult:
+        """Queue ``prompt``, call ``act`` once as soon as a websocket event of it satisfies ``when`` (e.g. POST
+        ``/interrupt`` mid-run, or kill a worker), and wait until the prompt ended, whatever its status."""
+        import websocket  # websocket-client: the events are the point here
+
+        ws = websocket.WebSocket()
+        ws.connect(self.base_url.replace("http", "ws", 1) + f"/ws?clientId={self.client_id}", timeout=timeout)
+        events: list[dict[str, Any]] = []
+        try:
+            prompt_id = self.queue_prompt(prompt)
+            deadline = time.monotonic() + timeout
+            acted = False
+            while True:
+                ws.settimeout(max(0.1, deadline - time.monotonic()))
+                message = ws.recv()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"prompt {prompt_id} did not end in time")
+                if not isinstance(message, str):
+                    continue
+                event = json.loads(message)
+                if (event.get("data") or {}).get("prompt_id") not in (None, prompt_id):
+                    continue
+                events.append(event)
+                if not acted and when(event):
+                    act()
+                    acted = True
+                if event["type"] in ("execution_interrupted", "execution_error", "execution_success"):
+                    break
+            entry = self._wait_history(prompt_id, deadline)
+        finally:
+            ws.close()
+        return PromptResult(prompt_id, entry, events)
 
     def _wait_history(self, prompt_id: str, deadline: float) -> dict[str, Any]:
         """``/history`` holds a prompt only once it finished (success, error or interrupt)."""

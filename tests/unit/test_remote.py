@@ -141,6 +141,33 @@ def test_push_refuses_a_damaged_cache_and_publishes_nothing(server: S3Server, tm
     assert not server.seen("PUT", "manifest.json")
 
 
+def test_verify_names_the_entry_of_a_damaged_row_in_a_bucket(server: S3Server, tmp_path: Path) -> None:
+    """A shard object damaged in the bucket after publishing (same size, a row's byte flipped): ``verify`` reads
+    every row through ranged GETs and names the row's entry, as it does for a local cache."""
+    from dataset_cache.remote.publish import push
+
+    local = _write(tmp_path / "local", _entries(4), shard_bytes=1 << 20)
+    url = f"s3://{BUCKET}/{tmp_path.name}/damaged"
+    push(local, url)
+    s3 = server.boto3()
+    listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{tmp_path.name}/damaged/shards/")["Contents"]
+    (key,) = [o["Key"] for o in listed]
+    data = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[-3] ^= 0xFF  # a row's byte: the header still checks out
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    with open_cache(local) as lr:
+        shard = local / lr.shards[0].file
+    local_data = bytearray(shard.read_bytes())
+    local_data[-3] ^= 0xFF  # the same damage on disk: the local verify names the entry to expect
+    shard.write_bytes(bytes(local_data))
+    with open_cache(local) as lr:
+        (local_problem,) = lr.verify()
+    with _open(url, tmp_path) as rr:
+        (problem,) = rr.verify()
+    assert isinstance(problem, CacheCorruptError) and "checksum mismatch" in str(problem)
+    assert problem.entry is not None and problem.entry == local_problem.entry
+
+
 def test_a_publisher_that_lost_a_race_is_refused(server: S3Server, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from dataset_cache.remote import publish
