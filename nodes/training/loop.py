@@ -7,7 +7,7 @@ import contextlib
 import copy
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -62,6 +62,69 @@ class NonFiniteLossError(ValueError):
         self.entries = bad
 
 
+def _finite(step: int, losses: Sequence[torch.Tensor | float], batches: Sequence[Batch]) -> list[float]:
+    """The losses of step ``step`` (0-based) as floats; a non-finite one raises, naming its batch."""
+    values = [float(v) for v in losses]
+    for value, batch in zip(values, batches):
+        if not math.isfinite(value):
+            raise NonFiniteLossError(step + 1, value, batch)
+    return values
+
+
+class _LaggedLosses:
+    """Each step's losses copied from the device as the step's last work, read when the next step has been queued:
+    the training thread then never waits for the device to drain its queue just to learn a loss (on CUDA the copy
+    goes into pinned memory after the step's work, and an event says when it arrived)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._held: tuple[int, torch.Tensor, Any, list[Batch]] | None = None
+
+    def swap(self, step: int | None, losses: list[torch.Tensor], batches: list[Batch]
+             ) -> tuple[int, list[float], list[Batch]] | None:
+        """Hold step ``step``'s losses (``None``: none, the run ended) and return the step held before, read."""
+        held, self._held = self._held, None
+        if step is not None and losses:
+            values = torch.stack([v.detach().reshape(()).float() for v in losses])
+            event = None
+            if self.cuda and values.is_cuda:
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                values = host
+            self._held = (step, values, event, batches)
+        if held is None:
+            return None
+        done_step, done_values, done_event, done_batches = held
+        if done_event is not None:
+            done_event.synchronize()
+        return done_step, done_values.tolist(), done_batches
+
+
+class _Tally:
+    """The run's losses, their moving average, rows and waits, and the per-step report (progress bar, callback)."""
+
+    def __init__(self, steps: int, on_step: Callable[[StepReport], None] | None) -> None:
+        self.steps = steps
+        self.on_step = on_step
+        self.pbar = comfy.utils.ProgressBar(steps)
+        self.losses: list[float] = []
+        self.smooth: float | None = None
+        self.rows = 0
+        self.wait = 0.0
+        self.t0 = time.perf_counter()
+
+    def add(self, step: int, loss: float, batch: Batch) -> None:
+        self.losses.append(loss)
+        self.smooth = loss if self.smooth is None else (1 - _SMOOTHING) * self.smooth + _SMOOTHING * loss
+        self.pbar.update(1)  # ComfyUI's progress hook also checks the interrupt flag
+        if self.on_step is not None:
+            elapsed = time.perf_counter() - self.t0
+            self.on_step(StepReport(step + 1, self.steps, loss, self.smooth, self.rows / elapsed if elapsed else 0.0,
+                                    100.0 * self.wait / elapsed if elapsed else 0.0, batch.plan.epoch))
+
+
 class StepLoop:
     """The step loop: ``steps`` optimizer steps of ``grad_accumulation_steps`` batches each.
 
@@ -95,53 +158,63 @@ class StepLoop:
 
     def run(self, batches: Any, on_step: Callable[[StepReport], None] | None
             ) -> tuple[list[float], float, int, float]:
-        """Return (loss per optimizer step, seconds, batch rows trained, seconds spent waiting for batches)."""
+        """Return (loss per optimizer step, seconds, batch rows trained, seconds spent waiting for batches).
+
+        One process reads each step's loss from the device a step later (:class:`_LaggedLosses`): reading it at once
+        would make the training thread wait for the device to finish the step, and the device then idle while the
+        thread prepares the next one (its conditionings, the model call's Python). The loss curve, the progress and
+        a non-finite loss's error (naming its own step and batch) come one step later; the results are the same.
+        Several ranks agree on each step's loss at once (:meth:`~dataset_cache.collective.Collective.agree`).
+        """
         s = self.settings
         throw_if_interrupted = comfy.model_management.throw_exception_if_processing_interrupted
         if self.world is not None:  # every rank stops at the same step: agreed in world.agree below
             throw_if_interrupted = _checked_by_the_ranks
-        pbar = comfy.utils.ProgressBar(s.steps)
-        losses: list[float] = []
-        smooth = None
-        rows = 0
-        wait = 0.0
-        t0 = time.perf_counter()
+        tally = _Tally(s.steps, on_step)
+        lagged = _LaggedLosses(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         for step in range(s.steps):
-            total = 0.0
+            step_losses: list[torch.Tensor] = []
+            step_batches: list[Batch] = []
             stopping = False
             for micro in range(s.grad_accumulation_steps):
                 throw_if_interrupted()
                 t_wait = time.perf_counter()
                 batch: Batch = next(batches)
-                wait += time.perf_counter() - t_wait
+                tally.wait += time.perf_counter() - t_wait
                 index = self.first_batch + step * s.grad_accumulation_steps + micro
                 try:
-                    batch_loss = self._fwd_bwd(batch, index)
+                    loss = self._fwd_bwd(batch, index)
                 except comfy.model_management.InterruptProcessingException:  # from any of ComfyUI's ops
                     if self.world is None:
                         raise
                     stopping = True  # several ranks: all stop after this step's exchanges, none is left waiting
                     break
-                if not math.isfinite(batch_loss):
-                    raise NonFiniteLossError(step + 1, batch_loss, batch)
-                total += batch_loss
-                rows += share_of(batch.plan, batch.latents.shape[0])[0]  # one rank of several: the global batch's
+                if self.world is not None:
+                    _finite(step, [loss], [batch])  # this rank stops at once with its own message
+                step_losses.append(loss)
+                step_batches.append(batch)
+                tally.rows += share_of(batch.plan, batch.latents.shape[0])[0]  # one rank of several: the global's
             if self.world is not None:
                 self.world.reduce_gradients(p for g in self.optimizer.param_groups for p in g["params"])
             if not stopping:
                 self._optimizer_step()
-            loss = total / s.grad_accumulation_steps
             if self.world is not None:
-                loss = self.world.agree(loss, stop=stopping)
-            losses.append(loss)
-            smooth = loss if smooth is None else (1 - _SMOOTHING) * smooth + _SMOOTHING * loss
-            pbar.update(1)  # ComfyUI's progress hook also checks the interrupt flag
-            if on_step is not None:
-                elapsed = time.perf_counter() - t0
-                on_step(StepReport(step + 1, s.steps, loss, smooth, rows / elapsed if elapsed else 0.0,
-                                   100.0 * wait / elapsed if elapsed else 0.0, batch.plan.epoch))
-        return losses, time.perf_counter() - t0, rows, wait
+                values = [float(v) for v in step_losses]
+                tally.add(step, self.world.agree(sum(values) / s.grad_accumulation_steps, stop=stopping),
+                          step_batches[-1] if step_batches else batch)
+            else:
+                self._report(lagged.swap(step, step_losses, step_batches), tally)
+        self._report(lagged.swap(None, [], []), tally)
+        return tally.losses, time.perf_counter() - tally.t0, tally.rows, tally.wait
+
+    def _report(self, done: tuple[int, list[float], list[Batch]] | None, tally: _Tally) -> None:
+        """A step's losses read back from the device: checked, averaged over its batches, reported."""
+        if done is None:
+            return
+        step, values, step_batches = done
+        _finite(step, values, step_batches)
+        tally.add(step, sum(values) / self.settings.grad_accumulation_steps, step_batches[-1])
 
     def per_batch(self, number: int, plan: BatchPlan, shape: torch.Size) -> dict[str, torch.Tensor]:
         """The loader's ``per_batch`` hook: the sigmas, noise and row weights of the loop's batch ``number``, drawn
@@ -164,7 +237,8 @@ class StepLoop:
             sigma, noise = sigma[first:first + shape[0]].clone(), noise[first:first + shape[0]].clone()
         return sigma, noise
 
-    def _fwd_bwd(self, batch: Batch, index: int) -> float:
+    def _fwd_bwd(self, batch: Batch, index: int) -> torch.Tensor:
+        """One batch forward and backward; its loss, detached, where it was computed (read later: :meth:`run`)."""
         ms = self.model_sampling
         latents = self.mp.model.process_latent_in(batch.latents.to(self.device, torch.float32))
         if "sigma" in batch.extras and "noise" in batch.extras:  # drawn by the loader (:meth:`per_batch`)
@@ -187,7 +261,7 @@ class StepLoop:
             loss = self._loss(pred.float(), x0.float(), batch)
         scaled = loss / self.settings.grad_accumulation_steps
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        return float(loss.detach())
+        return loss.detach()
 
     def _loss(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The batch's loss: ComfyUI's loss module as it is, or its per-element form weighted by masks and rows.
