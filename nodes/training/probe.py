@@ -62,13 +62,18 @@ class _Meter:
         self.mutated: dict[int, set[Any]] = {}
         self.overwrites: set[int] = set()
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> None:
+        """Count ``t``, keep it alive here until the pass ends (a freed storage's id could come back and be
+        counted as the same storage), and put nothing in the graph: the probe never runs backward, and a saved
+        tensor packed as itself would be held by its own ``grad_fn`` when it is that op's output (``exp``,
+        ``softmax``...), a cycle through C++ that Python's collector cannot see, which kept the model's weights
+        alive for good."""
+        self._alive.append(t)
         key, nbytes = _storage(t)
         if key not in self.params:
             self.saved.setdefault(self.current, {})[key] = nbytes
             if self.current >= 0:
                 self._kept.append((t, t._version))
-        return t
 
     def run(self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         seen = self.inputs.setdefault(index, {})
@@ -92,6 +97,17 @@ class _Meter:
             if any(t._version != v for t, v in self._kept[kept:]):
                 self.overwrites.add(index)
             del self._kept[kept:]
+
+    def drop_tensors(self) -> None:
+        """Forget the fake tensors kept during the pass. They must not outlive it: their autograd graphs hold the
+        real weights they were computed from and, through each saved tensor's hooks, this meter's ``pack`` — a
+        cycle through C++ objects Python's collector cannot see, which would keep the model alive for good."""
+        self._alive.clear()
+        self._kept.clear()
+
+
+def _never_unpacked(_packed: None) -> torch.Tensor:
+    raise RuntimeError("the memory probe's graph is never run backward")
 
 
 def probe_inputs(reader: Any, samples: Sequence[Any], buckets: Sequence[tuple[int, ...]], batch_size: int
@@ -190,17 +206,18 @@ def _pass(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, runners: B
     trained weight would (a layer on a path without gradients, e.g. a text embedding, saves nothing otherwise)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     weights = [p for p in {id(t): t for t in adapted(mp.model)}.values() if not p.requires_grad]
+    meter = _Meter({_storage(mode.from_tensor(t))[0] for _o, _n, t in block_tensors(mp.model)}, fix)
     training = comfy.model_management.in_training
     comfy.model_management.in_training = True  # ComfyUI picks its differentiable kernels then (rotary embeddings)
     for p in weights:
         p.requires_grad_(True)
     try:
-        meter = _Meter({_storage(mode.from_tensor(t))[0] for _o, _n, t in block_tensors(mp.model)}, fix)
         runners.probe = meter
-        with mode, torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+        with mode, torch.autograd.graph.saved_tensors_hooks(meter.pack, _never_unpacked):
             _forward(mp, model_options, dtype, *inputs)
     finally:
         runners.probe = None
+        meter.drop_tensors()
         for p in weights:
             p.requires_grad_(False)
         comfy.model_management.in_training = training
