@@ -674,3 +674,28 @@ def test_a_new_lora_is_drawn_again_from_the_cpus_generator_exactly_as_comfyui_dr
         else:
             assert not torch.any(drawn[key]), key  # left alone: a constant ComfyUI never draws
     assert not parts.draw_new_adapters_on_cpu(train, mp, lora_sd, {}, algorithm, torch.float32, 4)  # on the CPU
+
+
+def test_a_steps_losses_are_read_once_the_next_step_is_queued(pack: ModuleType) -> None:
+    """The loop's lagged losses: a step's values come back at the next step's swap, each with its own step and
+    batches, and the last ones when the run ends (swap with None); nothing is held after that."""
+    lagged = _module(pack, "nodes.training.loop")._LaggedLosses(torch.device("cpu"))
+    first, second = object(), object()
+    assert lagged.swap(0, [torch.tensor(1.5), torch.tensor(2.5)], [first, first]) is None
+    assert lagged.swap(1, [torch.tensor(3.0, dtype=torch.bfloat16)], [second]) == (0, [1.5, 2.5], [first, first])
+    assert lagged.swap(None, [], []) == (1, [3.0], [second])
+    assert lagged.swap(None, [], []) is None
+
+
+@pytest.mark.cuda
+def test_reading_a_steps_loss_does_not_wait_for_the_next_steps_work(pack: ModuleType) -> None:
+    """On CUDA: the loss of step 0 is read while step 1's work (here a long sleep kernel) is still running, so
+    the training thread can queue step 2 meanwhile; the value is the one computed."""
+    lagged = _module(pack, "nodes.training.loop")._LaggedLosses(torch.device("cuda"))
+    loss = (torch.arange(4, device="cuda", dtype=torch.float32) ** 2).mean()
+    assert lagged.swap(0, [loss], ["batch 0"]) is None
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time: step 1's work
+    done = lagged.swap(1, [loss * 2], ["batch 1"])
+    busy = not torch.cuda.current_stream().query()
+    assert done == (0, [3.5], ["batch 0"]) and busy
+    assert lagged.swap(None, [], []) == (1, [7.0], ["batch 1"])
