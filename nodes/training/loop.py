@@ -74,11 +74,14 @@ def _finite(step: int, losses: Sequence[torch.Tensor | float], batches: Sequence
 class _LaggedLosses:
     """Each step's losses copied from the device as the step's last work, read when the next step has been queued:
     the training thread then never waits for the device to drain its queue just to learn a loss (on CUDA the copy
-    goes into pinned memory after the step's work, and an event says when it arrived)."""
+    goes into pinned memory after the step's work, and an event says when it arrived). Two pinned buffers, made
+    at the first step and used in turn (allocating pinned memory is slow and may synchronize)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._held: tuple[int, torch.Tensor, Any, list[Batch]] | None = None
+        self._host: list[torch.Tensor] = []
+        self._turn = 0
 
     def swap(self, step: int | None, losses: list[torch.Tensor], batches: list[Batch]
              ) -> tuple[int, list[float], list[Batch]] | None:
@@ -88,7 +91,10 @@ class _LaggedLosses:
             values = torch.stack([v.detach().reshape(()).float() for v in losses])
             event = None
             if self.cuda and values.is_cuda:
-                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                if not self._host or self._host[0].shape != values.shape:
+                    self._host = [torch.empty(values.shape, dtype=values.dtype, pin_memory=True) for _ in range(2)]
+                host = self._host[self._turn]  # the other one holds the step being read below
+                self._turn ^= 1
                 host.copy_(values, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
