@@ -27,8 +27,9 @@ from ...dataset_cache.weight_stream import block_tensors, streamable
 from ...dataset_cache.block_runner import BlockRunners, out_of_place_assignments
 from .blocks import Block
 from .conditioning import Conditioner, ModelCall
+from .probe_cache import ProbeCache, Uncacheable, structure_digest, value_digest
 
-__all__ = ["OPTIMIZER_STATES", "ProbeResult", "fp8_able", "measure", "probe_inputs"]
+__all__ = ["OPTIMIZER_STATES", "PROBES", "ProbeResult", "clear_probe_cache", "fp8_able", "measure", "probe_inputs"]
 
 log = logging.getLogger("streamcache.train")
 
@@ -224,11 +225,46 @@ def _pass(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, runners: B
     return meter
 
 
+PROBES = ProbeCache()
+"""This process's probe results (:mod:`.probe_cache`): a re-run on the same model and shapes skips the fake pass."""
+
+
+def clear_probe_cache() -> None:
+    """Forget every remembered probe result (the next run of each model probes again)."""
+    PROBES.clear()
+
+
+def probe_key(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, blocks: list[Block], runners: BlockRunners,
+              shape: tuple[int, ...], conditioning: Any, trainable_bytes: int, weight_copies: bool) -> str | None:
+    """The key of a probe's result: everything it depends on (:mod:`.probe_cache`), or ``None`` when something
+    cannot be described as plain data (the run is then probed and nothing is remembered)."""
+    try:
+        return value_digest(structure_digest(mp.model), [b.name for b in blocks], runners.checkpoint, str(dtype),
+                            tuple(shape), conditioning, model_options, trainable_bytes, weight_copies)
+    except Uncacheable as exc:
+        log.debug("Train LoRA: the memory probe's result is not remembered (%s)", exc)
+        return None
+
+
 def measure(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, blocks: list[Block], runners: BlockRunners,
             shape: tuple[int, ...], conditioning: Any, *, trainable_bytes: int, weight_copies: bool
             ) -> ProbeResult:
     """Measure a run's memory needs with a fake forward pass (a second one when some block modifies what it
-    saved, run out of place). Raises whatever the forward raises (the caller falls back to the weights)."""
+    saved, run out of place), or hand out what an earlier run with the same key measured. Raises whatever the
+    forward raises (the caller falls back to the weights)."""
+    key = probe_key(mp, model_options, dtype, blocks, runners, shape, conditioning, trainable_bytes, weight_copies)
+    found = PROBES.get(key) if key is not None else None
+    if found is not None:
+        log.info("Train LoRA: the memory probe's figures come from an earlier run of this model at these shapes")
+        return found
+    result = _measure(mp, model_options, dtype, blocks, runners, shape, conditioning,
+                      trainable_bytes=trainable_bytes, weight_copies=weight_copies)
+    return PROBES.put(key, result) if key is not None else result
+
+
+def _measure(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, blocks: list[Block], runners: BlockRunners,
+             shape: tuple[int, ...], conditioning: Any, *, trainable_bytes: int, weight_copies: bool
+             ) -> ProbeResult:
     dm = mp.model.diffusion_model
     device = next((p.device for p in dm.parameters()), torch.device("cpu"))
     with torch.no_grad():

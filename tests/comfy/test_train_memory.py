@@ -201,3 +201,73 @@ def test_nothing_of_the_trained_model_outlives_the_run(pack: ModuleType, dataset
         reader.close()
     gc.collect()
     assert copies and not [r for r in copies if r() is not None]
+
+
+def _count_probe_passes(pack: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    probe = _module(pack, "nodes.training.probe")
+    passes: list[int] = []
+    real = probe._pass
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        passes.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(probe, "_pass", counted)
+    return passes
+
+
+def test_a_rerun_on_the_same_model_and_shapes_reuses_the_probe(pack: ModuleType, dataset: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake forward pass costs seconds on a large model, before every first step: a second run of a model of the
+    same structure (weights drawn anew: values do not count) at the same shapes takes the first run's figures, and
+    trains exactly the same; the figures are the same as a fresh probe's."""
+    probe = _module(pack, "nodes.training.probe")
+    probe.clear_probe_cache()
+    passes = _count_probe_passes(pack, monkeypatch)
+    first = train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
+    assert len(passes) >= 1 and len(probe.PROBES) == 1
+    measured = len(passes)
+    second = train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
+    assert len(passes) == measured  # no fake pass the second time
+    assert second.memory_plan["needs"] == first.memory_plan["needs"]  # (the memory free may differ: the host's RAM)
+    assert second.losses == first.losses
+    assert all(torch.equal(second.lora[k], first.lora[k]) for k in first.lora)
+    probe.clear_probe_cache()
+    third = train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
+    assert len(passes) > measured and third.memory_plan["needs"] == first.memory_plan["needs"]
+
+
+@pytest.mark.parametrize("change", ["blocks", "batch", "dtype", "checkpointing"])
+def test_another_structure_shape_or_setting_probes_again(pack: ModuleType, dataset: Any, change: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the probe's figures depend on is part of the key: a model with more blocks, another batch shape,
+    another training dtype, checkpointing off."""
+    probe = _module(pack, "nodes.training.probe")
+    probe.clear_probe_cache()
+    passes = _count_probe_passes(pack, monkeypatch)
+    train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True, steps=1)
+    before = len(passes)
+    options: dict[str, Any] = {"memory": "auto", "gradient_checkpointing": change != "checkpointing", "steps": 1}
+    if change == "batch":
+        options["batch_size"] = 1
+    if change == "dtype":
+        options["training_dtype"] = "bf16"
+    run = train(pack, FLUX, 6 if change == "blocks" else 4, dataset, monkeypatch, **options)
+    assert len(passes) > before and len(probe.PROBES) == 2
+    if change == "blocks":
+        assert run.memory_plan["blocks"] == 12
+
+
+def test_a_conditioning_the_key_cannot_describe_is_probed_and_not_remembered(pack: ModuleType) -> None:
+    """An object in a conditioning (or a callable in the model options) has no plain description: such a run is
+    probed every time instead of risking another run's figures."""
+    cache = _module(pack, "nodes.training.probe_cache")
+    with pytest.raises(cache.Uncacheable):
+        cache.value_digest([[torch.zeros(1, 4, 8), {"hook": object()}]])
+    mask = torch.ones(1, 12, dtype=torch.long)
+    short = mask.clone()
+    short[0, 8:] = 0
+    # an attention mask's values decide the model's arguments (a length): they are in the key, a latent's are not
+    assert cache.value_digest({"attention_mask": mask}) != cache.value_digest({"attention_mask": short})
+    assert cache.value_digest(torch.zeros(1, 16, 64, 64)) == cache.value_digest(torch.ones(1, 16, 64, 64))
+    assert cache.value_digest(torch.zeros(1, 16, 64, 64)) != cache.value_digest(torch.zeros(1, 16, 64, 32))
