@@ -4,8 +4,8 @@ fake-tensor machinery per operator of the forward).
 
 What the probe measures depends on the model's structure, never on its weight values: the module tree (classes,
 names, the plain attributes that steer a forward), every parameter's and buffer's shape, dtype and device type, and
-which of them require gradients; on the batch shape, the conditioning (shapes and dtypes, and the values of small
-or integer tensors such as attention masks, whose length becomes part of the model's arguments); on the training
+which of them require gradients; on the batch shape, the conditioning (shapes and dtypes, and the values of integer
+tensors such as attention masks, whose length becomes part of the model's arguments); on the training
 dtype, the blocks, checkpointing and the trainable bytes. The key is a digest of all of that. Anything it cannot
 describe as plain data (a callable in the model options, an object in a conditioning) makes the run uncacheable:
 it is probed, as before. A ComfyUI server keeps the same process between runs, so an in-process cache of a few
@@ -27,9 +27,11 @@ __all__ = ["ProbeCache", "Uncacheable", "structure_digest", "value_digest"]
 
 T = TypeVar("T")
 
-SMALL_TENSOR = 4096
-"""Tensors up to this many elements enter the key with their values (masks, token lengths, guidance), larger
-floating-point ones by shape and dtype only (latents and embeddings: their values do not change what is saved)."""
+SMALL_FLOAT = 64
+"""Integer and boolean tensors enter the key with their values (attention masks, token ids: a mask's length becomes
+an argument of the model), floating-point ones only up to this many elements (a guidance or timestep value);
+larger ones by shape and dtype (latents, embeddings, pooled outputs: their values change nothing the probe
+measures, and keying on them would miss a re-run on another dataset)."""
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -70,7 +72,7 @@ def _update(h: Any, value: Any, depth: int = 0) -> None:
         raise Uncacheable("nested too deep")
     if isinstance(value, torch.Tensor):
         h.update(f"T{tuple(value.shape)}:{value.dtype}:{value.device.type};".encode())
-        if value.numel() <= SMALL_TENSOR or not value.is_floating_point():
+        if not value.is_floating_point() or value.numel() <= SMALL_FLOAT:
             h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     elif isinstance(value, dict):
         h.update(f"D{len(value)};".encode())
@@ -90,7 +92,7 @@ def _update(h: Any, value: Any, depth: int = 0) -> None:
 
 
 def value_digest(*values: Any) -> str:
-    """A digest of plain values, tensors (see :data:`SMALL_TENSOR`), and dicts/lists of them.
+    """A digest of plain values, tensors (see :data:`SMALL_FLOAT`), and dicts/lists of them.
 
     Raises:
         Uncacheable: a value is none of these (a callable, a module, an object of its own kind).

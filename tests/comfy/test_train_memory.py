@@ -271,3 +271,16 @@ def test_a_conditioning_the_key_cannot_describe_is_probed_and_not_remembered(pac
     assert cache.value_digest({"attention_mask": mask}) != cache.value_digest({"attention_mask": short})
     assert cache.value_digest(torch.zeros(1, 16, 64, 64)) == cache.value_digest(torch.ones(1, 16, 64, 64))
     assert cache.value_digest(torch.zeros(1, 16, 64, 64)) != cache.value_digest(torch.zeros(1, 16, 64, 32))
+
+
+def test_the_key_ignores_the_values_of_embeddings_but_not_of_masks(pack: ModuleType) -> None:
+    """A re-run on another dataset of the same shapes hits the cache (pooled outputs and embeddings differ, their
+    values change nothing measured); a guidance value or a mask's contents are in the key."""
+    cache = _module(pack, "nodes.training.probe_cache")
+    gen = torch.Generator().manual_seed(1)
+    a = [[torch.randn(1, 12, 64, generator=gen), {"pooled_output": torch.randn(1, 768, generator=gen)}]]
+    b = [[torch.randn(1, 12, 64, generator=gen), {"pooled_output": torch.randn(1, 768, generator=gen)}]]
+    assert cache.value_digest(a) == cache.value_digest(b)
+    digest = cache.value_digest
+    assert digest({"guidance": torch.tensor([3.5])}) != digest({"guidance": torch.tensor([1.0])})
+    assert cache.value_digest({"guidance": 3.5}) != cache.value_digest({"guidance": 1.0})
