@@ -16,9 +16,10 @@ limit still leaves its figures, and the figures of earlier runs that this one di
     scripts/bench-gpu --repeat 3 --only b1 # each batch-1 row's arms 3 times in turn
     scripts/bench-gpu --profile --only sdxl
     scripts/bench-gpu --merge out/device/results.json   # add a GPU run's results to the ledger and the doc
+    scripts/bench-gpu --render             # the doc's section again from the ledger (after a change of the report)
     scripts/bench-gpu --cpu-standin        # the harness on tiny models on the CPU (what the CPU test runs)
 
-Without a CUDA GPU it says so in one line and exits 0 (``--cpu-standin`` and ``--merge`` aside).
+Without a CUDA GPU it says so in one line and exits 0 (``--cpu-standin``, ``--merge`` and ``--render`` aside).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from .gpu_plan import ArmPlan, GroupPlan, plan_groups, select
 from .gpu_report import SECTION, render
 
 __all__ = ["Options", "Context", "measure", "main", "context_from_pack", "tiny_specs", "merge_results",
-           "checkout_commit"]
+           "section_of", "checkout_commit"]
 
 PROG = "scripts/bench-gpu"
 DEFAULT_BUDGET_S = 450.0
@@ -189,7 +190,7 @@ def measure(ctx: Context, opts: Options, families: dict[str, FamilySpec], vaes: 
     start = time.perf_counter()
     budget = Budget(opts.budget_s, start, speed=device_factor(device.name) if device.kind == "cuda" else 1.0)
     run = GpuRun(device, opts.command, opts.steps, opts.warmup, opts.budget_s,
-                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=opts.commit, repeat=opts.repeat)
+                 date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=opts.commit, repeat=opts.repeat)
     everything = _plan(opts, families, vaes, device)
     rec = _Recorder(run, ctx, families, start, [g.key for g in everything])
     ctx.out.mkdir(parents=True, exist_ok=True)
@@ -460,6 +461,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-doc", action="store_true", help="write neither the doc nor the ledger")
     ap.add_argument("--merge", type=Path, default=None, metavar="RESULTS_JSON",
                     help="no measuring: add a run's results.json to the ledger and rewrite the doc's section")
+    ap.add_argument("--render", action="store_true",
+                    help="no measuring: rewrite the doc's section from the ledger (after a change of the report)")
     ap.add_argument("--run-date", default="", help="with --merge: the run's date, where its results.json has none")
     ap.add_argument("--run-commit", default="", help="with --merge: the code it measured, where its results.json "
                     "has none")
@@ -495,18 +498,24 @@ def checkout_commit(root: Path) -> str:
 def merge_results(results: Path, ledger_path: Path, doc: Path | None, date: str = "", commit: str = "") -> Ledger:
     """``--merge``: add the run in ``results`` to the ledger at ``ledger_path`` and rewrite the doc's section (a
     run merged again replaces itself). ``date``/``commit`` fill in what an older results.json lacks."""
-    from .report import update_doc
-
     run = load_run(results)
     run = dataclasses.replace(run, date=run.date or date, commit=run.commit or commit or "unknown", number=0)
     if not run.date:
         raise ValueError(f"{results}: the run has no date; pass --run-date YYYY-MM-DD")
     ledger = merge(load_ledger(ledger_path), run)
     save_ledger(ledger, ledger_path)
-    keys = [g.key for g in _plan(Options(), FULL_FAMILIES, FULL_VAES, run.device)]
     if doc is not None:
-        update_doc(doc, SECTION, render(ledger, FULL_FAMILIES, pending=missing(ledger, keys)))
+        from .report import update_doc
+
+        update_doc(doc, SECTION, section_of(ledger))
     return ledger
+
+
+def section_of(ledger: Ledger) -> str:
+    """The doc's GPU section for ``ledger`` at full size (what ``--merge`` and ``--render`` write)."""
+    device = ledger.runs[-1].device if ledger.runs else Device("cuda", "", 0.0)
+    keys = [g.key for g in _plan(Options(), FULL_FAMILIES, FULL_VAES, device)]
+    return render(ledger, FULL_FAMILIES, pending=missing(ledger, keys))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -527,6 +536,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {ledger_path} holds {len(ledger.runs)} run(s): "
               + ", ".join(f"R{r.number} {r.date} {r.device.name}" for r in ledger.runs)
               + (f"; {doc} rewritten" if doc is not None else ""))
+        return 0
+    if a.render:
+        from .report import update_doc
+
+        try:
+            ledger = load_ledger(ledger_path)
+        except (OSError, ValueError) as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 2
+        update_doc(a.doc or DOC, SECTION, section_of(ledger))
+        print(f"{PROG}: {a.doc or DOC}'s GPU section rendered from {ledger_path} ({len(ledger.runs)} run(s))")
         return 0
     import torch
 

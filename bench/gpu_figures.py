@@ -145,7 +145,8 @@ class GpuRun:
     seconds: float = 0.0
     finished: bool = False
     date: str = ""
-    """When the run started (UTC, ``YYYY-MM-DD HH:MM``; a converted older run: the day only)."""
+    """When the run started (UTC, ``YYYY-MM-DD HH:MM:SS``; a converted older run: the day only). With the device
+    and the command it tells runs apart (the same run merged again replaces itself)."""
     commit: str = ""
     """The code measured: ``git rev-parse --short HEAD`` (``+changes`` when tracked files differed), or what
     ``scripts/device-prep`` wrote to ``.device/commit`` where the copy has no git."""

@@ -197,3 +197,42 @@ def test_estimates_are_h200_seconds_scaled_for_the_device() -> None:
     assert 30.0 < sd15.seconds < 60.0
     everything = sum(f.seconds for f in on_h200 if f.group.section in ("main", "encode"))
     assert everything > 2 * 400  # why the required families take several sessions (--missing)
+
+
+# ------------------------------------------------------------------------------------------------ the docs
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def test_the_docs_gpu_section_is_the_ledger_rendered_with_the_h200_run_as_r1() -> None:
+    from bench.gpu import section_of
+
+    ledger = load_ledger(DOCS / "bench-gpu-results.json")
+    r1 = ledger.runs[0]
+    assert (r1.number, r1.date, r1.device.name, r1.steps, r1.warmup) == (1, "2026-11-26", "NVIDIA H200", 20, 3)
+    shown = {k: (run.number, group_state(k, figs)) for k, (run, figs) in owners(ledger.runs).items()}
+    for key in ("sd15/b1", "sd15/b8", "sdxl/b1", "cap/sdxl", "encode/sd15", "encode/sdxl", "encode/flux",
+                "encode/wan21"):
+        assert shown[key] == (1, "measured"), key
+    doc = (DOCS / "BENCHMARKS.md").read_text()
+    section = doc.split("<!-- bench:gpu:begin -->\n", 1)[1].split("\n<!-- bench:gpu:end -->", 1)[0]
+    assert section + "\n" == section_of(ledger), "rewrite it: scripts/bench-gpu --render"
+
+
+def test_merge_adds_a_results_file_once_and_rewrites_the_section(tmp_path: Path) -> None:
+    from bench.gpu import merge_results
+    from bench.gpu_figures import save_run
+
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("# Benchmarks\n\nabove\n\n<!-- bench:gpu:begin -->\nold\n<!-- bench:gpu:end -->\n\nbelow\n")
+    results = tmp_path / "results.json"
+    old = _run("", _row("sd15/b1"))
+    old.commit = ""  # a results.json written before runs recorded their date and commit
+    save_run(old, results)
+    with pytest.raises(ValueError, match="results.json: the run has no date; pass --run-date"):
+        merge_results(results, tmp_path / "ledger.json", doc)
+    ledger = merge_results(results, tmp_path / "ledger.json", doc, "2026-11-26", "abc")
+    assert [(r.number, r.date, r.commit) for r in ledger.runs] == [(1, "2026-11-26", "abc")]
+    assert merge_results(results, tmp_path / "ledger.json", doc, "2026-11-26", "abc") == ledger  # once
+    text = doc.read_text()
+    assert "above" in text and "below" in text and "\nold\n" not in text
+    assert "| SD1.5 | 512², b1 | R1 |" in text and "`sd15/b8`" in text.split("Still without figures")[1]
