@@ -40,18 +40,17 @@ from types import ModuleType
 from typing import Any
 
 from .gpu_budget import Budget, RunState, describe_forecast, device_factor, encode_reserve, forecast
-from .gpu_figures import Device, EncodeFigures, GpuRun, TrainFigures, load_run, save_run
+from .gpu_docs import LEDGER_NAME, checkout_commit, merge_results, plan_of, render_doc
+from .gpu_figures import Device, EncodeFigures, GpuRun, TrainFigures, save_run
 from .gpu_ledger import Ledger, group_state, identity, load_ledger, merge, missing, owners, run_groups, save_ledger
 from .gpu_models import FULL_FAMILIES, FULL_VAES, FamilySpec, VaeSpec
-from .gpu_plan import ArmPlan, GroupPlan, plan_groups, select
+from .gpu_plan import ArmPlan, GroupPlan, select
 from .gpu_report import SECTION, render
 
-__all__ = ["Options", "Context", "measure", "main", "context_from_pack", "tiny_specs", "merge_results",
-           "section_of", "checkout_commit"]
+__all__ = ["Options", "Context", "measure", "main", "context_from_pack", "tiny_specs"]
 
 PROG = "scripts/bench-gpu"
 DEFAULT_BUDGET_S = 450.0
-LEDGER_NAME = "bench-gpu-results.json"
 
 
 @dataclass
@@ -224,10 +223,8 @@ def measure(ctx: Context, opts: Options, families: dict[str, FamilySpec], vaes: 
 
 def _plan(opts: Options, families: dict[str, FamilySpec], vaes: dict[str, VaeSpec], device: Device
           ) -> list[GroupPlan]:
-    cuda = device.kind == "cuda"
-    return plan_groups({k: f.params_b for k, f in families.items()}, {k: v.text for k, v in vaes.items()},
-                       device.memory_gib if cuda else float("inf"), device.count if cuda else 0,
-                       batches=opts.batches, depth=opts.depth, repeat=opts.repeat, extras=opts.extras)
+    return plan_of(device, families, vaes, batches=opts.batches, depth=opts.depth, repeat=opts.repeat,
+                   extras=opts.extras)
 
 
 def _runnable(ctx: Context, opts: Options, rec: _Recorder, device: Device, everything: list[GroupPlan]
@@ -478,46 +475,6 @@ def options_from(a: argparse.Namespace, argv: Sequence[str]) -> Options:
         command=" ".join([PROG, *(x for x in argv if x != "--no-doc")]), missing=a.missing, repeat=max(a.repeat, 1))
 
 
-def checkout_commit(root: Path) -> str:
-    """The code a run measures: ``git rev-parse --short HEAD`` (``+changes`` when tracked files differ from it), or
-    ``.device/commit`` (written by ``scripts/device-prep``: the GPU machine's copy has no git), else ``unknown``."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, timeout=20).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True, timeout=20).stdout.strip()
-        return head + ("+changes" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    carried = root / ".device" / "commit"
-    return carried.read_text().strip() if carried.is_file() else "unknown"
-
-
-def merge_results(results: Path, ledger_path: Path, doc: Path | None, date: str = "", commit: str = "") -> Ledger:
-    """``--merge``: add the run in ``results`` to the ledger at ``ledger_path`` and rewrite the doc's section (a
-    run merged again replaces itself). ``date``/``commit`` fill in what an older results.json lacks."""
-    run = load_run(results)
-    run = dataclasses.replace(run, date=run.date or date, commit=run.commit or commit or "unknown", number=0)
-    if not run.date:
-        raise ValueError(f"{results}: the run has no date; pass --run-date YYYY-MM-DD")
-    ledger = merge(load_ledger(ledger_path), run)
-    save_ledger(ledger, ledger_path)
-    if doc is not None:
-        from .report import update_doc
-
-        update_doc(doc, SECTION, section_of(ledger))
-    return ledger
-
-
-def section_of(ledger: Ledger) -> str:
-    """The doc's GPU section for ``ledger`` at full size (what ``--merge`` and ``--render`` write)."""
-    device = ledger.runs[-1].device if ledger.runs else Device("cuda", "", 0.0)
-    keys = [g.key for g in _plan(Options(), FULL_FAMILIES, FULL_VAES, device)]
-    return render(ledger, FULL_FAMILIES, pending=missing(ledger, keys))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure and rewrite the ledger and the GPU section of the doc (unless ``--no-doc``); one line and 0 without
     a GPU; ``--merge``: only the ledger and the doc."""
@@ -538,14 +495,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               + (f"; {doc} rewritten" if doc is not None else ""))
         return 0
     if a.render:
-        from .report import update_doc
-
         try:
-            ledger = load_ledger(ledger_path)
+            ledger = render_doc(ledger_path, a.doc or DOC)
         except (OSError, ValueError) as exc:
             print(f"{PROG}: {exc}", file=sys.stderr)
             return 2
-        update_doc(a.doc or DOC, SECTION, section_of(ledger))
         print(f"{PROG}: {a.doc or DOC}'s GPU section rendered from {ledger_path} ({len(ledger.runs)} run(s))")
         return 0
     import torch

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from .gpu_plan import ArmPlan, GroupPlan
 
 __all__ = ["EST_STEP_S", "Budget", "RunState", "Forecast", "forecast", "device_factor", "est_step_s",
-           "arm_setup_s", "cap_step_s", "build_s", "encode_s", "describe_forecast"]
+           "arm_setup_s", "cap_step_s", "build_s", "encode_s", "encode_reserve", "describe_forecast"]
 
 EST_STEP_S: dict[tuple[str, int], float] = {
     ("sd15", 1): 0.40, ("sd15", 8): 0.38, ("sdxl", 1): 1.25, ("sdxl", 4): 1.13, ("flux", 1): 1.10, ("flux", 2): 1.78,

@@ -46,7 +46,8 @@ class Ledger:
 def run_groups(run: GpuRun) -> dict[str, list[Figure]]:
     """``run``'s figures by group, in the order they were measured."""
     out: dict[str, list[Figure]] = {}
-    for fig in [*run.train, *run.encode, *run.profile]:
+    figs: list[Figure] = [*run.train, *run.encode, *run.profile]
+    for fig in figs:
         out.setdefault(group_key(fig.id), []).append(fig)
     return out
 

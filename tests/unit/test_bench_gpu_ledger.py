@@ -204,7 +204,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def test_the_docs_gpu_section_is_the_ledger_rendered_with_the_h200_run_as_r1() -> None:
-    from bench.gpu import section_of
+    from bench.gpu_docs import section_of
 
     ledger = load_ledger(DOCS / "bench-gpu-results.json")
     r1 = ledger.runs[0]
@@ -219,7 +219,7 @@ def test_the_docs_gpu_section_is_the_ledger_rendered_with_the_h200_run_as_r1() -
 
 
 def test_merge_adds_a_results_file_once_and_rewrites_the_section(tmp_path: Path) -> None:
-    from bench.gpu import merge_results
+    from bench.gpu_docs import merge_results
     from bench.gpu_figures import save_run
 
     doc = tmp_path / "BENCHMARKS.md"
