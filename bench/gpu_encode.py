@@ -6,6 +6,11 @@ folder: ours from the folder to a written cache (reading, bucketing, VAE and tex
 the built-in from ``LoadImageTextDataSetFromFolder`` to ``MakeTrainingDataset``'s lists in memory. After each, the
 device's free memory is what training would get: our node releases its encoders, the built-in leaves them loaded
 until the next model load evicts them.
+
+The release is timed on both sides, so each can be compared with and without it: ours' inside its run (the node's
+``_release`` wrapped while the row runs; the node itself is unchanged), the built-in's right after its run as what
+training would have to do first (``unload_all_models()`` + ``soft_empty_cache()``). Each timed span ends with a
+device synchronize, so work still queued is counted where it was asked for.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,7 +28,7 @@ from .gpu_figures import EncodeFigures
 from .gpu_models import VaeSpec
 from .gpu_train import GIB, free_device
 
-__all__ = ["write_image_folder", "run_encode_row"]
+__all__ = ["write_image_folder", "run_encode_row", "timed_release", "release_all"]
 
 
 def write_image_folder(folder: Path, count: int, size: tuple[int, int], seed: int = 0) -> None:
@@ -47,6 +53,51 @@ def _free_gib(device: Any) -> float | None:
     return torch.cuda.mem_get_info(device)[0] / GIB
 
 
+def _sync(device: Any) -> None:
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def timed_release(node_module: ModuleType, device: Any, spent: list[float]) -> Iterator[bool]:
+    """While inside, each call of the node module's ``_release`` (our encoders unloaded at the end of a run) adds
+    its seconds to ``spent``; yields whether there was one to time (a checkout without it: nothing timed)."""
+    real = getattr(node_module, "_release", None)
+    if not callable(real):
+        yield False
+        return
+
+    def release(*args: Any, **kwargs: Any) -> Any:
+        _sync(device)
+        t = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            _sync(device)
+            spent.append(time.perf_counter() - t)
+
+    node_module._release = release  # type: ignore[attr-defined]
+    try:
+        yield True
+    finally:
+        node_module._release = real  # type: ignore[attr-defined]
+
+
+def release_all(device: Any) -> float:
+    """Seconds to unload every model ComfyUI holds and return the cached blocks: what training does before it
+    loads its model when the built-in's encoders are still on the device."""
+    import comfy.model_management as mm
+
+    _sync(device)
+    t = time.perf_counter()
+    mm.unload_all_models()
+    mm.soft_empty_cache()
+    _sync(device)
+    return time.perf_counter() - t
+
+
 def run_encode_row(spec: VaeSpec, vae: Any, clip: Any, encode_node: type, nodes_dataset: ModuleType,
                    input_dir: Path, images: int, device: Any, say: Callable[[str], None] = print) -> EncodeFigures:
     """Encode one folder of ``images`` images of ``spec.size`` with ours and with the built-in; figures back."""
@@ -68,10 +119,13 @@ def run_encode_row(spec: VaeSpec, vae: Any, clip: Any, encode_node: type, nodes_
     try:
         free_device(device)
         fig.free_before_gib = _free_gib(device)
+        released: list[float] = []
         t = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), timed_release(sys.modules[encode_node.__module__], device, released) as hooked:
             _, report = encode_node.execute(vae=vae, clip=clip, **inputs).result
+            _sync(device)
         fig.ours_s = time.perf_counter() - t
+        fig.ours_release_s = sum(released) if hooked else None
         fig.ours_free_gib = _free_gib(device)
         fig.note = report.splitlines()[0][:160]
         free_device(device)
@@ -80,10 +134,13 @@ def run_encode_row(spec: VaeSpec, vae: Any, clip: Any, encode_node: type, nodes_
             loaded = nodes_dataset.LoadImageTextDataSetFromFolderNode.execute(name)
             pics, texts = loaded.result if hasattr(loaded, "result") else loaded
             nodes_dataset.MakeTrainingDataset.execute(pics, [vae], [clip], texts)
+            _sync(device)
         fig.builtin_s = time.perf_counter() - t
         fig.builtin_free_gib = _free_gib(device)
         if getattr(device, "type", "cpu") == "cuda":
             fig.peak_gib = torch.cuda.max_memory_allocated(device) / GIB
+        fig.builtin_release_s = release_all(device)
+        fig.builtin_released_free_gib = _free_gib(device)
     except Exception as exc:  # a failed row is a figure of the run
         fig.error = f"{type(exc).__name__}: {str(exc)[:400]}"
     finally:
@@ -101,4 +158,6 @@ def _line(fig: EncodeFigures) -> str:
     builtin = fig.images / fig.builtin_s if fig.builtin_s else 0.0
     free = (f", free after: ours {fig.ours_free_gib:.1f} GiB, built-in {fig.builtin_free_gib:.1f} GiB"
             if fig.ours_free_gib is not None and fig.builtin_free_gib is not None else "")
-    return f"{fig.id}: ours {ours:.2f} images/s, built-in {builtin:.2f} images/s{free}"
+    release = (f"; release: ours {fig.ours_release_s:.2f} s (inside its run), built-in {fig.builtin_release_s:.2f} s"
+               " (after)" if fig.ours_release_s is not None and fig.builtin_release_s is not None else "")
+    return f"{fig.id}: ours {ours:.2f} images/s, built-in {builtin:.2f} images/s{free}{release}"

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Device", "TrainFigures", "EncodeFigures", "ProfileFigures", "GpuRun", "save_run", "load_run"]
+__all__ = ["Device", "TrainFigures", "EncodeFigures", "ProfileFigures", "GpuRun", "save_run", "load_run",
+           "run_from_dict"]
 
 
 @dataclass
@@ -59,6 +60,8 @@ class TrainFigures:
     cap_gib: float | None = None
     error: str = ""
     skipped: str = ""
+    rep: int = 0
+    """Which repetition of the arm this is (``--repeat N``: 0 … N-1; the arm's id is the same in each)."""
 
     @property
     def median_s(self) -> float | None:
@@ -74,8 +77,11 @@ class EncodeFigures:
     """One encode row: our Encode Dataset and ComfyUI's folder loader + ``MakeTrainingDataset`` on one folder.
 
     ``*_s``: wall seconds for the whole folder (encoders unloaded before each, so model loading is included);
+    ours includes its release of the encoders (``ours_release_s`` of it), the built-in leaves them loaded, and
+    ``builtin_release_s`` is what unloading them afterwards took (what training pays before it starts);
     ``*_free_gib``: device memory free right after each (what training gets: ours releases its encoders, the
-    built-in leaves them loaded); ``free_before_gib``: free before either loaded anything.
+    built-in leaves them loaded), ``builtin_released_free_gib`` after the built-in's encoders were unloaded;
+    ``free_before_gib``: free before either loaded anything.
     """
 
     id: str
@@ -91,6 +97,9 @@ class EncodeFigures:
     note: str = ""
     error: str = ""
     skipped: str = ""
+    ours_release_s: float | None = None
+    builtin_release_s: float | None = None
+    builtin_released_free_gib: float | None = None
 
 
 @dataclass
@@ -135,6 +144,16 @@ class GpuRun:
     """Seconds to build each family's model (random weights generated on the device, loaded by ComfyUI)."""
     seconds: float = 0.0
     finished: bool = False
+    date: str = ""
+    """When the run started (UTC, ``YYYY-MM-DD HH:MM:SS``; a converted older run: the day only). With the device
+    and the command it tells runs apart (the same run merged again replaces itself)."""
+    commit: str = ""
+    """The code measured: ``git rev-parse --short HEAD`` (``+changes`` when tracked files differed), or what
+    ``scripts/device-prep`` wrote to ``.device/commit`` where the copy has no git."""
+    repeat: int = 1
+    """``--repeat N``: how many times each batch-1 row's arms ran."""
+    number: int = 0
+    """The run's number in the ledger of accumulated runs (``R1``, ``R2``, …; 0: not merged yet)."""
 
 
 def save_run(run: GpuRun, path: Path) -> None:
@@ -147,7 +166,12 @@ def save_run(run: GpuRun, path: Path) -> None:
 
 def load_run(path: Path) -> GpuRun:
     """The run saved by :func:`save_run`."""
-    data = json.loads(path.read_text())
+    return run_from_dict(json.loads(path.read_text()))
+
+
+def run_from_dict(data: dict[str, Any]) -> GpuRun:
+    """A :class:`GpuRun` from its JSON form (fields added since a run was written take their defaults)."""
+    data = dict(data)
     data["device"] = Device(**data["device"])
     data["train"] = [TrainFigures(**t) for t in data["train"]]
     data["encode"] = [EncodeFigures(**{**e, "size": tuple(e["size"])}) for e in data["encode"]]

@@ -1,23 +1,28 @@
-"""What ``scripts/bench-gpu`` runs and in which order, and the time budget that decides what still fits.
+"""What ``scripts/bench-gpu`` runs and in which order: the arms, the groups they are measured and merged in, and
+which groups ``--only`` / ``--missing`` select.
 
-Plain data and arithmetic (no torch, no ComfyUI), so the unit tests check the plan, ``--only`` and the budget.
+Plain data (no torch, no ComfyUI), so the unit tests check the plan and the selection. What fits the time is
+:mod:`bench.gpu_budget`'s job.
 
 Order: the four required families (SD1.5, SDXL, Flux-dev, WAN 2.1 1.3B), each at batch 1 and its batch ≥ 2, three
-arms side by side (bound, ours, built-in); then Encode Dataset; then the memory-capped arms of #25 and the multi-GPU
-arms of #26 (present, skipped with one line where this checkout's trainer lacks the setting or the machine has one
-GPU); then Qwen-Image and Lumina 2 where time allows. Each arm's cost is estimated (H100 step times of the first run,
-scaled by how the arms measured so far compared with their estimates) and an arm that would not fit before the
-deadline, less what the later required sections reserve, is skipped with its reason.
+arms side by side (bound, ours, built-in); then Encode Dataset per VAE; then the memory-capped arms of #25 and the
+multi-GPU arms of #26 (present, skipped with one line where this checkout's trainer lacks the setting or the machine
+has one GPU); then Qwen-Image and Lumina 2.
+
+A **group** is what must come from one run, side by side: a family/batch row's three arms (``sd15/b1``), a capped
+family's capped and uncapped arms (``cap/flux``), one multi-GPU family (``devices/sdxl``), one encode row
+(``encode/flux``), one profile (its own id). Runs accumulate by group (:mod:`bench.gpu_ledger`).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["ArmPlan", "Budget", "BATCHES", "REQUIRED", "EXTRA", "CAPS", "plan_family", "plan_caps", "plan_devices",
-           "matches", "choose_depth"]
+__all__ = ["ArmPlan", "GroupPlan", "BATCHES", "REQUIRED", "EXTRA", "CAPS", "plan_family", "plan_caps",
+           "plan_devices", "plan_groups", "select", "matches", "choose_depth", "group_key", "expected_ids",
+           "rounds"]
 
 REQUIRED = ("sd15", "sdxl", "flux", "wan21")
 EXTRA = ("lumina2", "qwen_image")
@@ -25,16 +30,11 @@ BATCHES: dict[str, tuple[int, ...]] = {"sd15": (1, 8), "sdxl": (1, 4), "flux": (
                                        "lumina2": (1, 2), "qwen_image": (1,)}
 """Batch 1 and the batch ≥ 2 of each family (gpu-notes: SD1.5 512² b8, SDXL 1024² b4, Flux 1024² b1/b2, WAN 33 frames
 480×832 b1)."""
-EST_STEP_S: dict[tuple[str, int], float] = {
-    ("sd15", 1): 0.12, ("sd15", 8): 0.55, ("sdxl", 1): 0.4, ("sdxl", 4): 1.3, ("flux", 1): 1.25, ("flux", 2): 2.0,
-    ("wan21", 1): 1.0, ("lumina2", 1): 0.6, ("lumina2", 2): 1.0, ("qwen_image", 1): 2.5}
-"""Seconds per step expected on one H100 (the first run's H200 medians × 1.1, bound arm; guesses where none)."""
-BUILTIN_FACTOR = 1.8
-"""The built-in's step at batch ≥ 2 against the bound (it runs B conditionings × B rows: 1.3–1.9× measured)."""
+ARMS = ("bound", "ours", "builtin")
 DEPTH1_PEAK_GIB: dict[tuple[str, int], float] = {
-    ("sd15", 1): 8.0, ("sd15", 8): 79.6, ("sdxl", 1): 16.0, ("sdxl", 4): float("inf"), ("wan21", 1): 54.5}
-"""Largest peak of the three arms at ``checkpoint_depth`` 1 on the first run (built-in included; inf: out of memory
-on 141 GB); a family/batch not listed is taken not to fit (Flux, Lumina 2, Qwen-Image)."""
+    ("sd15", 1): 8.0, ("sd15", 8): 79.6, ("sdxl", 1): 22.5, ("sdxl", 4): float("inf"), ("wan21", 1): 54.5}
+"""Largest peak of the three arms at ``checkpoint_depth`` 1 on the H200 runs (built-in included; inf: out of memory on
+141 GB); a family/batch not listed is taken not to fit (Flux, Lumina 2, Qwen-Image)."""
 CAPS: tuple[tuple[str, int, float | None], ...] = (
     ("sdxl", 1, None), ("sdxl", 1, 8.0), ("flux", 1, None), ("flux", 1, 24.0), ("flux", 1, 12.0),
     ("flux_fp8", 1, None), ("flux_fp8", 1, 12.0), ("wan21", 1, None), ("wan21", 1, 12.0))
@@ -44,7 +44,10 @@ CAPS: tuple[tuple[str, int, float | None], ...] = (
 
 @dataclass(frozen=True)
 class ArmPlan:
-    """One arm to run: its id (``family/bB/arm``, ``cap/family-12/ours``, ``devices/family-N/ours``) and settings."""
+    """One arm to run: its id (``family/bB/arm``, ``cap/family-12/ours``, ``devices/family-N/ours``) and settings.
+
+    ``rep``: which repetition (``--repeat``); ``est_step_s`` and ``setup_s``: what :mod:`bench.gpu_budget` expects
+    of it on an H200 (a step; the model load and first step's extra, the arm's own set-up)."""
 
     id: str
     family: str
@@ -56,11 +59,52 @@ class ArmPlan:
     cap_gib: float | None = None
     est_step_s: float = 1.0
     group: str = "main"
+    setup_s: float = 0.0
+    rep: int = 0
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One group (see the module's docstring) in run order: its key, its section (``main``, ``encode``, ``cap``,
+    ``devices``, ``extra``), the model it needs (a family, ``flux_fp8`` for a capped fp8 arm; an encode row: its
+    VAE), its arms in the order they run (repetitions included; an encode row has none), the text encoders an
+    encode row needs, and the family's parameters in billions (what building its model costs)."""
+
+    key: str
+    section: str
+    family: str
+    arms: tuple[ArmPlan, ...] = ()
+    text: str = ""
+    params_b: float = 0.0
+
+
+def group_key(fig_id: str) -> str:
+    """The group a figure belongs to: ``sd15/b1/ours`` → ``sd15/b1``; ``cap/flux_fp8-12/ours`` → ``cap/flux_fp8``;
+    ``devices/sdxl-4/ours`` → ``devices/sdxl``; an encode row or a profile is its own group."""
+    parts = fig_id.split("/")
+    if parts[0] in ("encode", "profile"):
+        return fig_id
+    if parts[0] in ("cap", "devices") and len(parts) >= 2:
+        return f"{parts[0]}/{parts[1].rsplit('-', 1)[0]}"
+    if len(parts) == 3:
+        return f"{parts[0]}/{parts[1]}"
+    return fig_id
+
+
+def expected_ids(key: str) -> set[str] | None:
+    """The arm ids a complete training group holds (``None``: a group of one figure, any: encode, devices, profile)."""
+    head = key.split("/", 1)[0]
+    if head == "cap":
+        family = key.split("/", 1)[1]
+        return {a.id for a in plan_caps() if a.family == family}
+    if head in ("encode", "devices", "profile") or key.count("/") != 1:
+        return None
+    return {f"{key}/{arm}" for arm in ARMS}
 
 
 def choose_depth(family: str, batch: int, device_gib: float, forced: int | None = None) -> tuple[int, str]:
-    """``checkpoint_depth`` for all three arms of a family/batch, and why: 1 (ComfyUI's default) where the first run's
-    depth-1 peak fits 90% of this device, else 2 (per block; ComfyUI counts the model itself as depth 1)."""
+    """``checkpoint_depth`` for all three arms of a family/batch, and why: 1 (ComfyUI's default) where the depth-1
+    peak measured so far fits 90% of this device, else 2 (per block; ComfyUI counts the model itself as depth 1)."""
     if forced is not None:
         return forced, "set by --depth"
     peak = DEPTH1_PEAK_GIB.get((family, batch), float("inf"))
@@ -70,41 +114,110 @@ def choose_depth(family: str, batch: int, device_gib: float, forced: int | None 
     return 2, f"depth 1 would not fit ({known})"
 
 
+def rounds(arms: list[ArmPlan], repeat: int) -> list[ArmPlan]:
+    """``arms`` run ``repeat`` times, each round starting one arm later (bound, ours, built-in, then ours, built-in,
+    bound, …): every arm runs ``repeat`` times and no arm always follows the same one (the device's warmth, the
+    page cache and the allocator's state left by the previous arm then spread over all three)."""
+    out = []
+    for rep in range(max(repeat, 1)):
+        turn = rep % len(arms)
+        out += [replace(a, rep=rep) for a in arms[turn:] + arms[:turn]]
+    return out
+
+
 def plan_family(family: str, device_gib: float, batches: tuple[int, ...] | None = None,
-                depth: int | None = None) -> list[ArmPlan]:
-    """The three arms of ``family`` at each batch: bound, ours, built-in (side by side, same depth)."""
+                depth: int | None = None, params_b: float = 0.0, repeat: int = 1) -> list[ArmPlan]:
+    """The three arms of ``family`` at each batch: bound, ours, built-in (side by side, same depth); batch-1 rows
+    ``repeat`` times (:func:`rounds`)."""
+    from .gpu_budget import arm_setup_s, est_step_s
+
     arms = []
     group = "main" if family in REQUIRED else "extra"
     for batch in batches or BATCHES[family]:
         d, note = choose_depth(family, batch, device_gib, depth)
-        est = EST_STEP_S.get((family, batch), 1.0)
-        for arm in ("bound", "ours", "builtin"):
-            factor = BUILTIN_FACTOR if arm == "builtin" and batch > 1 else 1.0
-            arms.append(ArmPlan(f"{family}/b{batch}/{arm}", family, batch, arm, d, note, est_step_s=est * factor,
-                                group=group))
+        row = [ArmPlan(f"{family}/b{batch}/{arm}", family, batch, arm, d, note,
+                       est_step_s=est_step_s(family, batch, arm), group=group,
+                       setup_s=arm_setup_s(family, arm, params_b)) for arm in ARMS]
+        arms += rounds(row, repeat if batch == 1 else 1)
     return arms
 
 
-def plan_caps() -> list[ArmPlan]:
+def plan_caps(params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:
     """#25's memory-capped arms: ours with the memory plan ``auto`` under each cap (and uncapped, the reference)."""
+    from .gpu_budget import arm_setup_s, cap_step_s
+
+    params_b = params_b or {}
     arms = []
     for family, batch, cap in CAPS:
         tag = f"{cap:g}" if cap is not None else "none"
+        params = params_b.get(family.removesuffix("_fp8"), 0.0) * (0.5 if family.endswith("_fp8") else 1.0)
         arms.append(ArmPlan(f"cap/{family}-{tag}/ours", family, batch, "ours", 1, "the memory plan decides",
-                            extra={"memory": "auto"}, cap_gib=cap,
-                            est_step_s=EST_STEP_S.get((family, batch), 1.0) * 1.3, group="cap"))
+                            extra={"memory": "auto"}, cap_gib=cap, est_step_s=cap_step_s(family, batch, cap, params),
+                            group="cap", setup_s=arm_setup_s(family, "ours", params)))
     return arms
 
 
-def plan_devices(count: int) -> list[ArmPlan]:
+def plan_devices(count: int, params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:
     """#26's scaling arms: ours on every GPU (``devices`` auto) at each required family's batch ≥ 2."""
+    from .gpu_budget import arm_setup_s, est_step_s
+
+    params_b = params_b or {}
     arms = []
     for family in REQUIRED:
         batch = BATCHES[family][-1]
         arms.append(ArmPlan(f"devices/{family}-{count}/ours", family, batch, "ours", 2, "",
-                            extra={"devices": "auto"}, est_step_s=EST_STEP_S.get((family, batch), 1.0),
-                            group="devices"))
+                            extra={"devices": "auto"}, est_step_s=est_step_s(family, batch, "ours"),
+                            group="devices", setup_s=arm_setup_s(family, "ours", params_b.get(family, 0.0))))
     return arms
+
+
+def _grouped(section: str, arms: list[ArmPlan], params_b: Mapping[str, float]) -> list[GroupPlan]:
+    keys = list(dict.fromkeys(group_key(a.id) for a in arms))
+    out = []
+    for key in keys:
+        members = tuple(a for a in arms if group_key(a.id) == key)
+        family = members[0].family
+        out.append(GroupPlan(key, section, family, members, params_b=params_b.get(family.removesuffix("_fp8"), 0.0)))
+    return out
+
+
+def plan_groups(params_b: Mapping[str, float], vaes: Mapping[str, str], device_gib: float, gpus: int = 1, *,
+                batches: Mapping[str, tuple[int, ...]] | None = None, depth: int | None = None, repeat: int = 1,
+                extras: bool = True) -> list[GroupPlan]:
+    """Every group of a whole run, in run order. ``params_b``: the families there are (name → parameters in
+    billions); ``vaes``: the encode rows (VAE name → the text encoders it uses); ``gpus``: the devices (#26's
+    arms name their count)."""
+    batches = batches or {}
+    out: list[GroupPlan] = []
+    for family in (f for f in REQUIRED if f in params_b):
+        out += _grouped("main", plan_family(family, device_gib, batches.get(family), depth, params_b[family], repeat),
+                        params_b)
+    out += [GroupPlan(f"encode/{name}", "encode", name, text=text) for name, text in vaes.items()]
+    present = [a for a in plan_caps(params_b) if a.family.removesuffix("_fp8") in params_b]
+    out += _grouped("cap", present, params_b)
+    out += _grouped("devices", [a for a in plan_devices(gpus, params_b) if a.family in params_b], params_b)
+    if extras:
+        for family in (f for f in EXTRA if f in params_b):
+            out += _grouped("extra", plan_family(family, device_gib, batches.get(family), depth, params_b[family],
+                                                 repeat), params_b)
+    return out
+
+
+def select(groups: list[GroupPlan], only: list[str], keys: set[str] | None = None) -> list[GroupPlan]:
+    """The groups and arms ``--only`` patterns select (an encode row by its key), of those in ``keys`` when given
+    (``--missing``); a group left without arms is dropped."""
+    out = []
+    for g in groups:
+        if keys is not None and g.key not in keys:
+            continue
+        if g.section == "encode":
+            if matches(g.key, only):
+                out.append(g)
+            continue
+        arms = tuple(a for a in g.arms if matches(a.id, only))
+        if arms:
+            out.append(replace(g, arms=arms))
+    return out
 
 
 def matches(arm_id: str, patterns: list[str]) -> bool:
@@ -118,42 +231,3 @@ def matches(arm_id: str, patterns: list[str]) -> bool:
         if all(p in parts or any(x.startswith(p + "-") for x in parts) for p in wanted):
             return True
     return False
-
-
-class Budget:
-    """The run's deadline and what later required sections reserve; estimates corrected as arms measure."""
-
-    def __init__(self, seconds: float, start: float | None = None) -> None:
-        self.start = time.perf_counter() if start is None else start
-        self.seconds = seconds
-        self.reserved: dict[str, float] = {}
-        self.scale = 1.0
-        self._seen: list[tuple[float, float]] = []
-
-    def left(self) -> float:
-        return self.seconds - (time.perf_counter() - self.start)
-
-    def reserve(self, section: str, seconds: float) -> None:
-        self.reserved[section] = seconds
-
-    def release(self, section: str) -> None:
-        self.reserved.pop(section, None)
-
-    def fits(self, estimate: float) -> bool:
-        return estimate <= self.left() - sum(self.reserved.values())
-
-    def learn(self, expected_s: float, measured_s: float) -> None:
-        """Scale later estimates by the median ratio of measured to expected step times so far."""
-        if expected_s > 0 and measured_s > 0:
-            self._seen.append((expected_s, measured_s))
-            ratios = sorted(m / e for e, m in self._seen)
-            self.scale = ratios[len(ratios) // 2]
-
-    def arm_cost(self, arm: ArmPlan, steps: int, setup_s: float) -> float:
-        """Seconds ``arm`` should take: its setup plus its steps at the corrected step time."""
-        return setup_s + steps * arm.est_step_s * self.scale
-
-    def why_not(self, estimate: float) -> str:
-        return (f"time budget: needs ~{estimate:.0f} s, {max(self.left(), 0):.0f} s left"
-                + (f" ({sum(self.reserved.values()):.0f} s kept for {', '.join(self.reserved)})"
-                   if self.reserved else ""))

@@ -1,4 +1,5 @@
-"""The GPU section of docs/BENCHMARKS.md, rendered from a :class:`~bench.gpu_figures.GpuRun` (nothing measured here).
+"""The GPU section of docs/BENCHMARKS.md, rendered from the accumulated runs (:class:`~bench.gpu_ledger.Ledger`;
+nothing measured here). Every row names the run that measured it (``R1`` …), and the header lists the runs.
 
 Goals checked per family/batch (issue #24 item 3): ours ≥ 99% of the in-memory bound's speed; at batch 1 ours at
 least as fast as the built-in; at batch ≥ 2 ours ≥ 1.5× the built-in and never more device memory than it.
@@ -6,43 +7,100 @@ least as fast as the built-in; at batch ≥ 2 ours ≥ 1.5× the built-in and ne
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from .gpu_figures import EncodeFigures, GpuRun, ProfileFigures, TrainFigures
+from .gpu_ledger import Figure, Ledger, owners
 from .gpu_models import FULL_FAMILIES, FamilySpec
 
-__all__ = ["render", "PLACEHOLDER", "SECTION"]
+__all__ = ["render", "PLACEHOLDER", "SECTION", "Arm"]
 
 SECTION = "gpu"
 TITLE = "## GPU benchmarks (`scripts/bench-gpu`)"
 PLACEHOLDER = f"""{TITLE}
 
 **Unmeasured**: these figures come from `scripts/bench-gpu` on a machine with a CUDA GPU, which has not run on this
-version yet (the first figures of an earlier version, on one H200, are in `../shared/docs/gpu-notes.md`). On a GPU
-machine without network, `scripts/device-prep` here and `scripts/device-run` there (README, "Benchmarks on a GPU")
-rewrite this section: step time of the in-memory bound, ours and ComfyUI's `TrainLoraNode` per family and batch,
-time to the first step, peak device memory, data wait, Encode Dataset against `MakeTrainingDataset`, and with
-`--profile` where a step's time goes.
+version yet. On a GPU machine without network, `scripts/device-prep` here and `scripts/device-run` there (README,
+"Benchmarks on a GPU") rewrite this section: step time of the in-memory bound, ours and ComfyUI's `TrainLoraNode` per
+family and batch, time to the first step, peak device memory, data wait, Encode Dataset against `MakeTrainingDataset`,
+and with `--profile` where a step's time goes.
 """
+ACCUMULATE = ("Runs accumulate: a GPU session measures what earlier ones left (`bash scripts/device-run` runs "
+              "`scripts/bench-gpu --missing`) and the figures of the groups it did not run again stay, each row "
+              "naming the run that measured it; a group measured again replaces the old one (a group = the figures "
+              "compared side by side, which always come from one run). The figures: `docs/bench-gpu-results.json`; "
+              "`scripts/bench-gpu --merge RESULTS.json` adds a run's `results.json` to it and rewrites this section.")
 
 
 def _f(value: float | None, fmt: str = ".3f") -> str:
     return "—" if value is None else f"{value:{fmt}}"
 
 
-def _arm_cell(fig: TrainFigures | None, what: str) -> str:
-    if fig is None:
+@dataclass
+class Arm:
+    """One arm of a group, over its repetitions (``--repeat``): the median of the per-run medians and their range."""
+
+    figs: list[TrainFigures]
+
+    @property
+    def done(self) -> list[TrainFigures]:
+        return [f for f in self.figs if f.ok]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.done)
+
+    @property
+    def median_s(self) -> float | None:
+        meds = [f.median_s for f in self.done if f.median_s is not None]
+        return statistics.median(meds) if meds else None
+
+    @property
+    def spread(self) -> tuple[float, float] | None:
+        meds = [f.median_s for f in self.done if f.median_s is not None]
+        return (min(meds), max(meds)) if len(meds) > 1 else None
+
+    @property
+    def first_s(self) -> float | None:
+        firsts = [f.first_s for f in self.done if f.first_s is not None]
+        return statistics.median(firsts) if firsts else None
+
+    @property
+    def peak_gib(self) -> float | None:
+        peaks = [f.peak_gib for f in self.done if f.peak_gib is not None]
+        return max(peaks) if peaks else None
+
+    @property
+    def data_wait_pct(self) -> float | None:
+        waits = [f.data_wait_pct for f in self.done if f.data_wait_pct is not None]
+        return statistics.median(waits) if waits else None
+
+    @property
+    def error(self) -> str:
+        return next((f.error for f in self.figs if f.error), "")
+
+    @property
+    def skipped(self) -> str:
+        return next((f.skipped for f in self.figs if f.skipped), "")
+
+
+def _cell(arm: Arm | None, what: str) -> str:
+    if arm is None:
         return "—"
-    if fig.skipped:
-        return "skipped"
-    if fig.error:
-        return "out of memory" if fig.error.startswith("out of memory") else "failed"
-    value = {"step": fig.median_s, "first": fig.first_s, "peak": fig.peak_gib}[what]
-    return _f(value, {"step": ".3f", "first": ".1f", "peak": ".1f"}[what])
+    if not arm.ok:
+        if arm.skipped:
+            return "skipped"
+        return "out of memory" if arm.error.startswith("out of memory") else "failed"
+    if what == "step":
+        spread = arm.spread
+        return _f(arm.median_s) + (f" ({spread[0]:.3f}–{spread[1]:.3f})" if spread else "")
+    value = {"first": arm.first_s, "peak": arm.peak_gib}[what]
+    return _f(value, ".1f")
 
 
-def _goals(batch: int, bound: TrainFigures | None, ours: TrainFigures | None,
-           builtin: TrainFigures | None) -> tuple[str, str, str]:
+def _goals(batch: int, bound: Arm | None, ours: Arm | None, builtin: Arm | None) -> tuple[str, str, str]:
     """(ours / bound speed, built-in / ours speed, goals met or not)."""
     goals = []
     vs_bound = vs_builtin = "—"
@@ -64,97 +122,147 @@ def _goals(batch: int, bound: TrainFigures | None, ours: TrainFigures | None,
     return vs_bound, vs_builtin, "; ".join(goals)
 
 
-def _training(run: GpuRun, families: dict[str, FamilySpec]) -> list[str]:
-    groups: dict[tuple[str, int], dict[str, TrainFigures]] = {}
-    for fig in run.train:
-        if fig.arm in ("bound", "ours", "builtin") and fig.id.count("/") == 2 and not fig.id.startswith(("cap/",
-                                                                                                          "devices/")):
-            groups.setdefault((fig.family, fig.batch), {})[fig.arm] = fig
+def _label(run: GpuRun, figs: Iterable[Figure] = ()) -> str:
+    reps = max((getattr(f, "rep", 0) for f in figs), default=0) + 1
+    return f"R{run.number}" + (f" ×{reps}" if reps > 1 else "")
+
+
+def _order(families: dict[str, FamilySpec], family: str, batch: int) -> tuple[int, int]:
+    names = list(families)
+    return (names.index(family) if family in names else len(names), batch)
+
+
+def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str, FamilySpec]) -> list[str]:
+    rows = []
+    for key, (run, figs) in shown.items():
+        train = [f for f in figs if isinstance(f, TrainFigures)]
+        if train and key.count("/") == 1 and not key.startswith(("cap/", "devices/", "profile/", "encode/")):
+            rows.append((_order(families, train[0].family, train[0].batch), run, train))
     o = ["### G1. Training step: the in-memory bound, ours, ComfyUI's `TrainLoraNode`", "",
-         f"Median seconds per step over {run.steps} steps after {run.warmup} warm-up steps (bf16 model and LoRA, rank "
-         "16, AdamW, gradient checkpointing at the depth shown, one caption per image); ours = Train LoRA's "
-         "`train_lora` reading the cache through `PrefetchLoader` after the cache's pages were dropped; bound = the "
-         "same trainer with every batch on the device before the loop; built-in = `ResolutionBucket` → "
-         "`TrainLoraNode(bucket_mode=True)` with the samples in memory. First step: from the trainer's call (model "
-         "copy and load included) to the end of its first step. Peak: `torch.cuda.max_memory_allocated` over the "
+         "Median seconds per step over the steps after the warm-up (the run's line says how many; bf16 model and "
+         "LoRA, rank 16, AdamW, gradient checkpointing at the depth shown, one caption per image); ours = Train "
+         "LoRA's `train_lora` reading the cache through `PrefetchLoader` after the cache's pages were dropped; bound "
+         "= the same trainer with every batch on the device before the loop; built-in = `ResolutionBucket` → "
+         "`TrainLoraNode(bucket_mode=True)` with the samples in memory. A run ×N (`--repeat N`) ran the row's arms N "
+         "times in turn: the median of the N medians (their range). First step: from the trainer's call (model copy "
+         "and load included) to the end of its first step (ours and the bound report a step's loss once the next "
+         "one is queued: their first report can come a step late). Peak: `torch.cuda.max_memory_allocated` over the "
          "arm, model included. Speed ratios are of step times (ours / bound = bound time ÷ ours).", "",
-         "| family | shape, batch | depth | bound s/step | ours s/step | built-in s/step | ours vs bound "
+         "| family | shape, batch | run | depth | bound s/step | ours s/step | built-in s/step | ours vs bound "
          "| built-in time ÷ ours | first step s: bound / ours / built-in | peak GiB: bound / ours / built-in "
          "| ours data wait | goals |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|"]
-    for (family, batch), arms in groups.items():
-        bound, ours, builtin = arms.get("bound"), arms.get("ours"), arms.get("builtin")
-        any_fig = next(iter(arms.values()))
+         "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|"]
+    problems: list[tuple[GpuRun, TrainFigures]] = []
+    for (_, batch), run, train in sorted(rows, key=lambda r: r[0]):
+        arms = {k: Arm([f for f in train if f.arm == k]) for k in ("bound", "ours", "builtin")}
+        bound, ours, builtin = (a if a.figs else None for a in arms.values())
+        first = train[0]
         vs_bound, vs_builtin, goals = _goals(batch, bound, ours, builtin)
         wait = _f(ours.data_wait_pct, ".1f") + "%" if ours is not None and ours.data_wait_pct is not None else "—"
-        depth = f"{any_fig.checkpoint_depth}" + (f" ({any_fig.depth_note})" if any_fig.depth_note else "")
-        spec = families.get(family)
-        title, shape = (spec.title, f"{spec.shape_note}, " if spec.shape_note else "") if spec else (family, "")
-        o.append(f"| {title} | {shape}b{batch} | {depth} "
-                 f"| {_arm_cell(bound, 'step')} | {_arm_cell(ours, 'step')} | {_arm_cell(builtin, 'step')} "
+        depth = f"{first.checkpoint_depth}" + (f" ({first.depth_note})" if first.depth_note else "")
+        spec = families.get(first.family)
+        title, shape = (spec.title, f"{spec.shape_note}, " if spec.shape_note else "") if spec else (first.family, "")
+        o.append(f"| {title} | {shape}b{batch} | {_label(run, train)} | {depth} "
+                 f"| {_cell(bound, 'step')} | {_cell(ours, 'step')} | {_cell(builtin, 'step')} "
                  f"| {vs_bound} | {vs_builtin} "
-                 f"| {' / '.join(_arm_cell(f, 'first') for f in (bound, ours, builtin))} "
-                 f"| {' / '.join(_arm_cell(f, 'peak') for f in (bound, ours, builtin))} | {wait} | {goals} |")
-    o += _problems(f for f in run.train if f in [x for g in groups.values() for x in g.values()])
-    return o
+                 f"| {' / '.join(_cell(a, 'first') for a in (bound, ours, builtin))} "
+                 f"| {' / '.join(_cell(a, 'peak') for a in (bound, ours, builtin))} | {wait} | {goals} |")
+        problems += [(run, f) for f in train if f.skipped or f.error]
+    return o + _problems(problems)
 
 
-def _problems(figs: Iterable[TrainFigures]) -> list[str]:
-    lines = [f"- `{f.id}`: {f.skipped or f.error}" for f in figs if f.skipped or f.error]
+def _problems(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
+    seen: set[tuple[str, str]] = set()
+    lines = []
+    for run, f in figs:
+        why = f.skipped or f.error
+        if (f.id, why) not in seen:
+            seen.add((f.id, why))
+            lines.append(f"- `{f.id}` (R{run.number}): {why}")
     return ["", "Arms without figures:", *lines] if lines else []
 
 
-def _grouped(run: GpuRun, prefix: str, title: str, intro: str) -> list[str]:
-    figs = [f for f in run.train if f.id.startswith(prefix)]
+def _grouped(shown: dict[str, tuple[GpuRun, list[Figure]]], prefix: str, title: str, intro: str) -> list[str]:
+    groups = [(run, [f for f in figs if isinstance(f, TrainFigures)]) for key, (run, figs) in shown.items()
+              if key.startswith(prefix)]
     o = [title, "", intro]
-    if not figs:
+    if not groups:
         return o
-    ref = {f.family: f for f in figs if f.cap_gib is None and f.ok}
-    o += ["", "| arm | cap GB | s/step | vs uncapped | peak GiB | first step s | max loss Δ vs uncapped |",
-          "|---|---:|---:|---:|---:|---:|---:|"]
-    for f in figs:
-        base = ref.get(f.family)
-        speed = "—"
-        delta = "—"
-        if f.ok and base is not None and base is not f:
-            speed = f"{base.median_s / f.median_s:.1%}"  # type: ignore[operator]
-            n = min(len(base.losses), len(f.losses))
-            if n:
-                delta = f"{max(abs(a - b) for a, b in zip(base.losses[:n], f.losses[:n])):.2e}"
-        o.append(f"| `{f.id}` | {_f(f.cap_gib, 'g')} | {_arm_cell(f, 'step')} | {speed} | {_arm_cell(f, 'peak')} "
-                 f"| {_arm_cell(f, 'first')} | {delta} |")
-    return o + _problems(figs)
+    o += ["", "| arm | run | cap GB | s/step | vs uncapped | peak GiB | first step s | max loss Δ vs uncapped |",
+          "|---|---|---:|---:|---:|---:|---:|---:|"]
+    problems: list[tuple[GpuRun, TrainFigures]] = []
+    for run, figs in groups:
+        ref = next((f for f in figs if f.cap_gib is None and f.ok), None)
+        for f in figs:
+            speed = delta = "—"
+            if f.ok and ref is not None and ref is not f:
+                speed = f"{ref.median_s / f.median_s:.1%}"  # type: ignore[operator]
+                n = min(len(ref.losses), len(f.losses))
+                if n:
+                    delta = f"{max(abs(a - b) for a, b in zip(ref.losses[:n], f.losses[:n])):.2e}"
+            arm = Arm([f])
+            o.append(f"| `{f.id}` | R{run.number} | {_f(f.cap_gib, 'g')} | {_cell(arm, 'step')} | {speed} "
+                     f"| {_cell(arm, 'peak')} | {_cell(arm, 'first')} | {delta} |")
+            if f.skipped or f.error:
+                problems.append((run, f))
+    return o + _problems(problems)
 
 
-def _encode(rows: list[EncodeFigures]) -> list[str]:
+def _rate(images: int, seconds: float | None) -> float | None:
+    return images / seconds if seconds else None
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}×" if a and b else "—"
+
+
+def _encode(shown: dict[str, tuple[GpuRun, list[Figure]]]) -> list[str]:
+    rows = [(run, f) for key, (run, figs) in shown.items() if key.startswith("encode/")
+            for f in figs if isinstance(f, EncodeFigures)]
     o = ["### G4. Encode Dataset on the GPU against `MakeTrainingDataset`", "",
          "The same folder of PNG images with one caption each, full-size random-weight encoders built from ComfyUI's "
          "classes (VAE fp32 weights, ComfyUI picks the working dtype; CLIP-L fp16; T5-XXL stored in fp8 e4m3fn). "
          "Ours: `StreamCache_EncodeDataset.execute` from the folder to a written cache (batch 4; fingerprints and "
-         "writes included). Built-in: `LoadImageTextDataSetFromFolder` → `MakeTrainingDataset` into memory. Every "
-         "model unloaded before each, so loading the encoders onto the device is included. Free memory: "
-         "`torch.cuda.mem_get_info` right after each, what training would get.", ""]
+         "writes included); at its end it unloads its encoders (*release*: their weights copied back to the host, "
+         "~5 GB for T5-XXL), timed inside its run. Built-in: `LoadImageTextDataSetFromFolder` → "
+         "`MakeTrainingDataset` into memory, which leaves the encoders loaded; training unloads them later, when it "
+         "needs the memory: the same copy, paid then, timed here right after it as `unload_all_models()` + "
+         "`soft_empty_cache()`. *Encode* = without the release, *+ release* = with it, for both. Every model unloaded "
+         "before each, so loading the encoders onto the device is included. Free memory: `torch.cuda.mem_get_info` "
+         "right after each (the built-in's: with its encoders loaded / after the release), what training would get.",
+         ""]
     if not rows:
         return [*o, "Not run."]
-    o += ["| row | images | ours images/s | built-in images/s | ours ÷ built-in | free GiB before | free after ours "
-          "| free after built-in |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    o += ["| row | run | images | ours images/s: encode / + release | built-in images/s: encode / + release "
+          "| ours ÷ built-in: encode / + release | release s: ours / built-in | free GiB before | free after ours "
+          "| free after built-in: loaded / released |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
-    for r in rows:
+    for run, r in rows:
+        size = f"{r.images} × {r.size[0]}×{r.size[1]}"
         if r.error or r.skipped:
-            o.append(f"| {r.title} | {r.images} × {r.size[0]}×{r.size[1]} | {'skipped' if r.skipped else 'failed'} "
-                     "| | | | | |")
-            notes.append(f"- `{r.id}`: {r.skipped or r.error}")
+            o.append(f"| {r.title} | R{run.number} | {size} | {'skipped' if r.skipped else 'failed'} | | | | | | |")
+            notes.append(f"- `{r.id}` (R{run.number}): {r.skipped or r.error}")
             continue
-        ours = r.images / r.ours_s if r.ours_s else None
-        builtin = r.images / r.builtin_s if r.builtin_s else None
-        ratio = f"{ours / builtin:.2f}×" if ours and builtin else "—"
-        o.append(f"| {r.title} | {r.images} × {r.size[0]}×{r.size[1]} | {_f(ours, '.2f')} | {_f(builtin, '.2f')} "
-                 f"| {ratio} | {_f(r.free_before_gib, '.1f')} | {_f(r.ours_free_gib, '.1f')} "
-                 f"| {_f(r.builtin_free_gib, '.1f')} |")
+        ours_with = _rate(r.images, r.ours_s)
+        ours_enc = _rate(r.images, r.ours_s - r.ours_release_s) if r.ours_s and r.ours_release_s is not None \
+            else None
+        builtin_enc = _rate(r.images, r.builtin_s)
+        builtin_with = _rate(r.images, r.builtin_s + r.builtin_release_s) \
+            if r.builtin_s and r.builtin_release_s is not None else None
+        o.append(f"| {r.title} | R{run.number} | {size} | {_f(ours_enc, '.2f')} / {_f(ours_with, '.2f')} "
+                 f"| {_f(builtin_enc, '.2f')} / {_f(builtin_with, '.2f')} "
+                 f"| {_ratio(ours_enc, builtin_enc)} / {_ratio(ours_with, builtin_with)} "
+                 f"| {_f(r.ours_release_s, '.2f')} / {_f(r.builtin_release_s, '.2f')} | {_f(r.free_before_gib, '.1f')} "
+                 f"| {_f(r.ours_free_gib, '.1f')} | {_f(r.builtin_free_gib, '.1f')} / "
+                 f"{_f(r.builtin_released_free_gib, '.1f')} |")
+        if r.ours_release_s is None:
+            notes.append(f"- `{r.id}` (R{run.number}): the releases were not timed in that run; ours with its "
+                         f"release ÷ the built-in without: {_ratio(ours_with, builtin_enc)}")
     return o + (["", *notes] if notes else [])
 
 
-def _profile(rows: list[ProfileFigures]) -> list[str]:
+def _profile(shown: dict[str, tuple[GpuRun, list[Figure]]]) -> list[str]:
+    rows = [(run, p) for run, figs in shown.values() for p in figs if isinstance(p, ProfileFigures)]
     if not rows:
         return []
     o = ["### G5. Where a step's time goes (`--profile`, `torch.profiler`)", "",
@@ -162,48 +270,68 @@ def _profile(rows: list[ProfileFigures]) -> list[str]:
          "in `cuda*Synchronize`: its own Python and kernel-launch work (ours above the bound = the data path's cost on "
          "the training thread, GIL contention with the loader's threads included). H2D: host-to-device copies from "
          "pageable / pinned memory. Labels: time inside our loop's parts.", "",
-         "| arm | steps | step ms | CPU ms | blocked ms (syncs) | .item() | device busy ms | H2D pageable (ms) "
+         "| arm | run | steps | step ms | CPU ms | blocked ms (syncs) | .item() | device busy ms | H2D pageable (ms) "
          "| H2D pinned | labelled parts ms | top CPU ops ms | trace |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
-    for p in rows:
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    for run, p in rows:
         if p.error:
-            o.append(f"| `{p.id}` | failed: {p.error[:120]} | | | | | | | | | | |")
+            o.append(f"| `{p.id}` | R{run.number} | failed: {p.error[:120]} | | | | | | | | | | |")
             continue
         labels = ", ".join(f"{k.split('.')[-1]} {v:.1f}" for k, v in p.labels_ms.items()) or "—"
         top = ", ".join(f"{name} {ms:.1f}" for name, ms in p.top_ops[:4])
-        o.append(f"| `{p.id}` | {p.steps} | {p.step_ms:.1f} | {p.cpu_ms:.1f} | {p.sync_ms:.1f} ({p.syncs:.1f}) "
-                 f"| {p.items:.1f} | {p.gpu_busy_ms:.1f} | {p.h2d_pageable:.1f} ({p.h2d_pageable_ms:.2f}) "
-                 f"| {p.h2d_pinned:.1f} | {labels} | {top} | {p.trace or '—'} |")
+        o.append(f"| `{p.id}` | R{run.number} | {p.steps} | {p.step_ms:.1f} | {p.cpu_ms:.1f} "
+                 f"| {p.sync_ms:.1f} ({p.syncs:.1f}) | {p.items:.1f} | {p.gpu_busy_ms:.1f} "
+                 f"| {p.h2d_pageable:.1f} ({p.h2d_pageable_ms:.2f}) | {p.h2d_pinned:.1f} | {labels} | {top} "
+                 f"| {p.trace or '—'} |")
     return o
 
 
-def render(run: GpuRun, families: dict[str, FamilySpec] | None = None) -> str:
-    """The section's Markdown (without the markers); ``families`` names and shapes the rows (default: full size)."""
-    families = families if families is not None else FULL_FAMILIES
+def _run_line(run: GpuRun, families: dict[str, FamilySpec]) -> str:
     d = run.device
-    state = "finished" if run.finished else "stopped before the end: figures so far"
-    o = [TITLE, "",
-         f"Regenerate: `{run.command}` (this run: {run.seconds / 60:.1f} min of a {run.budget_s / 60:.1f} min budget, "
-         f"{state}).", "",
-         f"- Device: {d.name}, {d.memory_gib:.1f} GiB" + (f" (×{d.count})" if d.count > 1 else "")
-         + f"; torch {d.torch}" + (f", CUDA {d.cuda}" if d.cuda else "") + (f", cuDNN {d.cudnn}" if d.cudnn else "")
-         + f"; ComfyUI {d.comfyui}; Python {d.python}",
-         f"- Host: {d.host}",
+    state = "finished" if run.finished else "stopped before the end"
+    builds = ", ".join(f"{families[k].title if k in families else k} {v:.0f} s" for k, v in run.builds.items())
+    return (f"- **R{run.number}** {run.date or 'date unknown'}, {d.name} {d.memory_gib:.1f} GiB"
+            + (f" (×{d.count})" if d.count > 1 else "") + f", commit {run.commit or 'unknown'}: `{run.command}` "
+            f"({run.seconds / 60:.1f} min of a {run.budget_s / 60:.1f} min budget, {state}; {run.steps} steps after "
+            f"{run.warmup} warm-up" + (f", batch-1 rows ×{run.repeat}" if run.repeat > 1 else "") + "). "
+            f"torch {d.torch}" + (f", CUDA {d.cuda}" if d.cuda else "") + (f", cuDNN {d.cudnn}" if d.cudnn else "")
+            + f"; ComfyUI {d.comfyui}; Python {d.python}; host: {d.host}."
+            + (f" Models built in: {builds}." if builds else "")
+            + (" Notes: " + "; ".join(n.rstrip(".") for n in run.notes) + "." if run.notes else ""))
+
+
+def render(runs: Ledger | GpuRun, families: dict[str, FamilySpec] | None = None,
+           pending: list[str] | None = None) -> str:
+    """The section's Markdown (without the markers) from the accumulated runs (or one run); ``families`` names and
+    shapes the rows (default: full size); ``pending``: the groups still without figures, in the order
+    ``--missing`` runs them."""
+    families = families if families is not None else FULL_FAMILIES
+    ledger = runs if isinstance(runs, Ledger) else Ledger([runs if runs.number else _numbered(runs)])
+    if not ledger.runs:
+        return PLACEHOLDER
+    shown = owners(ledger.runs)
+    o = [TITLE, "", ACCUMULATE, "", "Runs:", "", *[_run_line(r, families) for r in ledger.runs],
          "- Models: full-size, random weights, built from ComfyUI's classes on `meta` and loaded by "
-         "`comfy.sd.load_diffusion_model_state_dict` (ComfyUI's detection names each family); "
-         + ", ".join(f"{families[k].title if k in families else k} built in {v:.0f} s"
-                   for k, v in run.builds.items()),
-         *[f"- {n}" for n in run.notes], ""]
-    o += _training(run, families)
-    o += ["", *_grouped(run, "cap/", "### G2. Memory plan under a device cap (#25)",
+         "`comfy.sd.load_diffusion_model_state_dict` (ComfyUI's detection names each family).", ""]
+    o += _training(shown, families)
+    o += ["", *_grouped(shown, "cap/", "### G2. Memory plan under a device cap (#25)",
                         "Ours with `memory` = auto, the device capped with "
                         "`torch.cuda.set_per_process_memory_fraction`; speed against the uncapped run of the same "
-                        "settings, losses compared step by step (bf16: equal up to rounding).")]
-    o += ["", *_grouped(run, "devices/", "### G3. Every GPU of the machine (#26)",
+                        "settings (same run), losses compared step by step (bf16: equal up to rounding).")]
+    o += ["", *_grouped(shown, "devices/", "### G3. Every GPU of the machine (#26)",
                         "Ours with `devices` = auto against one GPU: samples/s scale with the GPUs when the step time "
                         "stays flat at the same per-GPU batch.")]
-    o += ["", *_encode(run.encode)]
-    prof = _profile(run.profile)
+    o += ["", *_encode(shown)]
+    prof = _profile(shown)
     if prof:
         o += ["", *prof]
+    if pending:
+        o += ["", "Still without figures (or whose last figures are partial, skipped or failed), in the order "
+              "`scripts/bench-gpu --missing` runs them: " + ", ".join(f"`{k}`" for k in pending) + "."]
     return "\n".join(o) + "\n"
+
+
+def _numbered(run: GpuRun) -> GpuRun:
+    from dataclasses import replace
+
+    return replace(run, number=1)

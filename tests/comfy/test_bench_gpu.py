@@ -4,7 +4,8 @@ The full-size families are built on ``meta`` only (ComfyUI's detection must name
 parameter counts must be those the report states); the harness itself (model construction from a random state dict,
 the clone factory, the cache, the bound / ours / built-in arms, Encode Dataset against ``MakeTrainingDataset``, the
 profiler breakdown, the one-line skips of #25/#26's arms, the files written as it goes) runs on tiny configs of the
-same classes. Nothing here is timed: the figures' presence and shape are checked, not their values.
+same classes, twice: a second run adds to the first's ledger what ``--missing`` finds left (its batch-1 row with
+``--repeat 2``). Nothing here is timed: the figures' presence and shape are checked, not their values.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from support.pack import import_bench
 import_bench()
 
 from bench.gpu import STANDIN_SETTINGS, Options, context_from_pack, device_info, measure, tiny_specs  # noqa: E402
-from bench.gpu_figures import load_run  # noqa: E402
+from bench.gpu_figures import GpuRun, load_run  # noqa: E402
+from bench.gpu_ledger import load_ledger, owners  # noqa: E402
 from bench.gpu_models import FULL_FAMILIES, diffusion_shapes, param_count  # noqa: E402
 
 
@@ -38,31 +40,45 @@ def test_full_size_families_are_named_by_comfyuis_detection(name: str) -> None:
     assert param_count(shapes) / 1e9 == pytest.approx(spec.params_b, rel=0.02)
 
 
-def test_the_harness_runs_every_part_on_tiny_models(pack: ModuleType, comfy_folders: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def first_run(pack: ModuleType, comfy_folders: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[GpuRun, list[str], Path]:
+    """Run 1 on tiny models: SD1.5's bound and ours, WAN's built-in, one encode row, the profile, and #25's and
+    #26's arms (skipped here); the ledger and the section written as it goes."""
+    tmp_path = tmp_path_factory.mktemp("bench_gpu")
     lines: list[str] = []
-    out = tmp_path / "out"
-    ctx = context_from_pack(pack, tmp_path / "work", out, lines.append)
+    ctx = context_from_pack(pack, tmp_path / "work", tmp_path / "out1", lines.append)
     ctx.work.mkdir()
+    ctx.ledger = tmp_path / "bench-gpu-results.json"
     families, vaes = tiny_specs()
-    only = ["sd15/b1", "wan21/b1/builtin", "encode/sd15", "cap", "devices"]
+    only = ["sd15/b1/bound", "sd15/b1/ours", "wan21/b1/builtin", "encode/sd15", "cap", "devices"]
     opts = Options(steps=2, warmup=1, budget_s=3600.0, only=only,
                    profile=True, profile_steps=1, encode_images=2, extras=False, settings=STANDIN_SETTINGS,
-                   batches={"sd15": (1,), "wan21": (1,)}, command="scripts/bench-gpu --cpu-standin")
+                   batches={"sd15": (1,), "wan21": (1,)}, command="scripts/bench-gpu --cpu-standin", commit="first")
     run = measure(ctx, opts, families, vaes, device_info(ctx.device, "test"), torch.float32)
+    return run, lines, tmp_path
 
-    assert run.finished and run.device.kind == "cpu"
+
+def test_the_harness_runs_every_part_on_tiny_models(first_run: tuple[GpuRun, list[str], Path]) -> None:
+    run, lines, tmp_path = first_run
+    out = tmp_path / "out1"
+    assert run.finished and run.device.kind == "cpu" and run.commit == "first" and run.date
     by_id = {f.id: f for f in run.train}
-    assert list(by_id) == ["sd15/b1/bound", "sd15/b1/ours", "sd15/b1/builtin", "wan21/b1/builtin"]
+    assert list(by_id) == ["sd15/b1/bound", "sd15/b1/ours", "wan21/b1/builtin"]
     for fig in by_id.values():
         assert fig.ok, (fig.id, fig.error, fig.skipped)
         assert len(fig.step_s) == 2 and fig.first_s is not None and fig.peak_gib is None  # no device memory here
-        assert len(fig.losses) == 3 and all(math.isfinite(x) for x in fig.losses)
+        # ours and the bound train one step more than they time (their last report follows the one before at once)
+        assert len(fig.losses) == (3 if fig.arm == "builtin" else 4) and all(math.isfinite(x) for x in fig.losses)
         assert fig.settings["rank"] == 16 and fig.settings["training_dtype"] == "fp32"
-    assert by_id["sd15/b1/ours"].data_wait_pct is not None and by_id["sd15/b1/builtin"].data_wait_pct is None
+    assert by_id["sd15/b1/ours"].data_wait_pct is not None and by_id["wan21/b1/builtin"].data_wait_pct is None
     assert set(run.builds) == {"sd15", "wan21"}
 
     (row,) = run.encode
     assert not row.error and row.ours_s and row.builtin_s and row.images == 2
+    # the releases, timed on both sides (on the CPU there is nothing to move: ComfyUI's encoders stay put)
+    assert row.ours_release_s is not None and 0 <= row.ours_release_s < row.ours_s
+    assert row.builtin_release_s is not None and row.builtin_release_s >= 0
 
     assert [p.id for p in run.profile] == ["profile/sd15/b1/bound", "profile/sd15/b1/ours"]
     for prof in run.profile:
@@ -75,10 +91,63 @@ def test_the_harness_runs_every_part_on_tiny_models(pack: ModuleType, comfy_fold
     assert sum(n.startswith("Memory-capped arms (#25") and "skipped" in n for n in run.notes) == 1
     assert any(n.startswith("Multi-GPU arms (#26): skipped") for n in run.notes)
     assert any(n.startswith("Page cache before ours: ") for n in run.notes)
+    # the plan, printed before the first figure: the three groups that run (the rest was not selected)
+    start = next(i for i, x in enumerate(lines) if x.startswith("plan (3600 s budget):"))
+    assert [x.split()[:2] for x in lines[start + 1:start + 4]] == [["run", "sd15/b1"], ["run", "wan21/b1"],
+                                                                   ["run", "encode/sd15"]]
+    assert lines[start + 4].startswith("  expected: 3 of 3 groups in ~") and "building the model" in lines[start + 5]
 
     saved = load_run(out / "results.json")
     assert [f.id for f in saved.train] == list(by_id) and saved.finished
     section = (out / "section.md").read_text()
-    assert section.startswith("## GPU benchmarks (`scripts/bench-gpu`)") and "| SD1.5 (tiny) | 64², b1 | 1 |" in section
+    assert section.startswith("## GPU benchmarks (`scripts/bench-gpu`)")
+    assert "| SD1.5 (tiny) | 64², b1 | R1 | 1 |" in section and "- **R1** " in section
+    assert "| WAN 2.1 (tiny) | 9 frames 64², b1 | R1 | 1 | — | — |" in section  # its built-in arm alone
+    enc = next(x for x in section.splitlines() if x.startswith("| SD1.5 (SD VAE, CLIP-L) | R1 | 2 × 64×64 |"))
+    # encode-only and with-release figures for both, their ratios, both releases (free memory: none on a CPU)
+    assert "—" not in "|".join(enc.split("|")[1:8]) and enc.endswith("| — | — | — / — |")
     assert json.loads((out / "results.json").read_text())["device"]["kind"] == "cpu"
     assert any(line.startswith("sd15/b1/ours (depth 1): median") for line in lines)
+    ledger = load_ledger(tmp_path / "bench-gpu-results.json")
+    assert [r.number for r in ledger.runs] == [1]
+    assert group_keys(ledger) == {"sd15/b1": 1, "wan21/b1": 1, "encode/sd15": 1, "profile/sd15/b1/bound": 1,
+                                  "profile/sd15/b1/ours": 1}
+
+
+def group_keys(ledger: object) -> dict[str, int]:
+    return {k: run.number for k, (run, _) in owners(ledger.runs).items()}  # type: ignore[attr-defined]
+
+
+def test_a_second_run_measures_what_the_first_left_and_adds_to_it(
+        pack: ModuleType, first_run: tuple[GpuRun, list[str], Path]) -> None:
+    first, _, tmp_path = first_run
+    lines: list[str] = []
+    ctx = context_from_pack(pack, tmp_path / "work", tmp_path / "out2", lines.append)
+    ctx.ledger = tmp_path / "bench-gpu-results.json"
+    ctx.base = load_ledger(ctx.ledger)
+    families, vaes = tiny_specs()
+    # --missing within SD1.5, whose batch-1 row the first run left partial (its built-in arm was not selected)
+    opts = Options(steps=1, warmup=1, budget_s=3600.0, only=["sd15"], missing=True, repeat=2, extras=False,
+                   settings=STANDIN_SETTINGS, batches={"sd15": (1,), "wan21": (1,)},
+                   command="scripts/bench-gpu --cpu-standin --missing --repeat 2", commit="second")
+    run = measure(ctx, opts, families, vaes, device_info(ctx.device, "test"), torch.float32)
+
+    said = next(x for x in lines if x.startswith("--missing: "))
+    assert "sd15/b1" in said and "wan21/b1" in said and "flux/b1" in said and "encode/sd15" not in said
+    assert [(f.id, f.rep) for f in run.train] == [
+        ("sd15/b1/bound", 0), ("sd15/b1/ours", 0), ("sd15/b1/builtin", 0),
+        ("sd15/b1/ours", 1), ("sd15/b1/builtin", 1), ("sd15/b1/bound", 1)]
+    assert all(f.ok and len(f.step_s) == 1 for f in run.train) and run.repeat == 2 and not run.encode
+
+    ledger = load_ledger(ctx.ledger)
+    assert [(r.number, r.commit) for r in ledger.runs] == [(1, "first"), (2, "second")]
+    assert group_keys(ledger) == {"sd15/b1": 2, "wan21/b1": 1, "encode/sd15": 1, "profile/sd15/b1/bound": 1,
+                                  "profile/sd15/b1/ours": 1}
+    assert [f.id for f in ledger.runs[0].train] == ["wan21/b1/builtin"]  # R1's SD1.5 arms were replaced
+    assert ledger.runs[0].encode == first.encode and ledger.runs[0].profile == first.profile
+    section = (tmp_path / "out2" / "section.md").read_text()
+    assert "| SD1.5 (tiny) | 64², b1 | R2 ×2 | 1 |" in section
+    assert "| WAN 2.1 (tiny) | 9 frames 64², b1 | R1 | 1 |" in section
+    assert "- **R1** " in section and "- **R2** " in section and "batch-1 rows ×2" in section
+    pending = next(x for x in section.splitlines() if x.startswith("Still without figures"))
+    assert "`flux/b1`" in pending and "`wan21/b1`" in pending and "`sd15/b1`" not in pending

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from bench.gpu_figures import Device, EncodeFigures, GpuRun, ProfileFigures, TrainFigures, load_run, save_run
-from bench.gpu_plan import Budget, choose_depth, matches, plan_caps, plan_devices, plan_family
+from bench.gpu_budget import Budget
+from bench.gpu_plan import choose_depth, matches, plan_caps, plan_devices, plan_family
 from bench.gpu_report import PLACEHOLDER, render
 
 
@@ -48,18 +49,21 @@ def test_only_matches_the_family_of_a_capped_arm() -> None:
 
 
 def test_budget_keeps_what_later_sections_reserve_and_learns_from_measured_steps() -> None:
-    budget = Budget(100.0, start=0.0)
-    budget.left = lambda: 100.0  # type: ignore[method-assign]  # a fixed clock: nothing here is timed
+    clock = [0.0]  # a fixed clock: nothing here is timed
+    budget = Budget(100.0, start=0.0, clock=lambda: clock[0])
     arm = plan_family("sd15", 79.2)[0]
-    assert budget.fits(budget.arm_cost(arm, 23, 3.0))
+    assert budget.fits(budget.arm_cost(arm, 23))
     budget.reserve("encode", 90.0)
     assert not budget.fits(20.0) and "kept for encode" in budget.why_not(20.0)
+    assert budget.fits(20.0, reserved=False)  # a group under way may use what later sections keep
     budget.release("encode")
-    budget.learn(1.0, 2.0)
-    budget.learn(1.0, 4.0)
-    budget.learn(1.0, 3.0)
-    assert budget.scale == 3.0  # the median ratio of measured to expected
-    assert budget.arm_cost(arm, 10, 1.0) == pytest.approx(1.0 + 10 * arm.est_step_s * 3.0)
+    for ratio in (2.0, 4.0, 3.0):
+        budget.learn(arm, 10, arm.est_step_s * ratio, 10 * arm.est_step_s * ratio + 2 * arm.setup_s)
+    # the median ratios of measured to expected: (est × 3) / est, equal to 3 up to one rounding of each operation
+    assert budget.scale == pytest.approx(3.0, rel=1e-12) and budget.setup_scale == pytest.approx(2.0, rel=1e-12)
+    assert budget.arm_cost(arm, 10) == pytest.approx(arm.setup_s * 2.0 + 10 * arm.est_step_s * 3.0)
+    clock[0] = 99.0
+    assert budget.left() == 1.0 and not budget.fits(2.0)
 
 
 def _fig(arm: str, batch: int, step: float, peak: float, **kw: object) -> TrainFigures:
@@ -81,36 +85,59 @@ def run() -> GpuRun:
              TrainFigures("cap/sdxl-none/ours", "sdxl", 1, "ours", 1, step_s=[0.4] * 20, losses=[0.5001] * 23,
                           peak_gib=14.0)]
     encode = [EncodeFigures("encode/sd15", "SD1.5 (SD VAE, CLIP-L)", 24, (512, 512), ours_s=4.0, builtin_s=6.0,
-                            ours_free_gib=78.0, builtin_free_gib=77.0, free_before_gib=78.5),
+                            ours_free_gib=78.0, builtin_free_gib=77.0, free_before_gib=78.5, ours_release_s=1.0,
+                            builtin_release_s=0.5, builtin_released_free_gib=78.4),
+              EncodeFigures("encode/sdxl", "SDXL", 24, (1024, 1024), ours_s=2.0, builtin_s=3.0),  # an older run's
               EncodeFigures("encode/flux", "Flux", 24, (1024, 1024), error="RuntimeError: boom")]
     profile = [ProfileFigures("profile/sdxl/b1/ours", 3, 402.0, 30.0, 372.0, 1.0, 1.0, 395.0, 0.0, 0.0, 3.0,
                               labels_ms={"streamcache.conditioning": 2.5}, top_ops=[("aten::mm", 4.0)],
                               trace="trace_profile_sdxl_b1_ours.json.gz")]
     return GpuRun(device, "scripts/bench-gpu", 20, 3, 450.0, train, encode, profile,
                   notes=["Multi-GPU arms (#26): skipped, 1 CUDA GPU here (they need 2 or more)."],
-                  builds={"sdxl": 21.0}, seconds=430.0, finished=True)
+                  builds={"sdxl": 21.0}, seconds=430.0, finished=True, date="2026-11-27 09:00 UTC", commit="abc1234")
 
 
 def test_the_section_names_the_device_and_checks_every_goal(run: GpuRun) -> None:
     text = render(run)
     lines = text.splitlines()
     assert lines[0] == "## GPU benchmarks (`scripts/bench-gpu`)"
-    assert "- Device: NVIDIA H100 80GB HBM3, 79.2 GiB; torch 2.11.0+cu130, CUDA 13.0, cuDNN 91900; ComfyUI 0.28.0; " \
-           "Python 3.12.3" in lines
-    b1 = next(line for line in lines if line.startswith("| SDXL | 1024², b1 |"))
+    head = next(line for line in lines if line.startswith("- **R1** "))
+    assert head.startswith("- **R1** 2026-11-27 09:00 UTC, NVIDIA H100 80GB HBM3 79.2 GiB, commit abc1234: "
+                           "`scripts/bench-gpu` (7.2 min of a 7.5 min budget, finished; 20 steps after 3 warm-up). "
+                           "torch 2.11.0+cu130, CUDA 13.0, cuDNN 91900; ComfyUI 0.28.0; Python 3.12.3; host: 16 cores.")
+    assert "Notes: Multi-GPU arms (#26): skipped, 1 CUDA GPU here (they need 2 or more)." in head
+    b1 = next(line for line in lines if line.startswith("| SDXL | 1024², b1 | R1 |"))
     assert "| 0.400 | 0.402 | 0.410 | 99.5% | 1.02× |" in b1 and "≥ 99% of bound: met; ≥ 1× built-in: met" in b1
     assert "9.0 / 9.0 / 9.0 | 12.0 / 12.1 / 12.5 | 0.3% |" in b1
-    b4 = next(line for line in lines if line.startswith("| SDXL | 1024², b4 |"))
+    b4 = next(line for line in lines if line.startswith("| SDXL | 1024², b4 | R1 |"))
     assert "| out of memory |" in b4 and "≥ 99% of bound: NOT met" in b4 and "built-in out of memory: met" in b4
-    assert "- `flux/b1/bound`: time budget: needs ~80 s, 20 s left" in lines
-    assert "- `sdxl/b4/builtin`: out of memory (tried 2 GiB)" in lines
-    cap = next(line for line in lines if line.startswith("| `cap/sdxl-8/ours` |"))
+    assert "- `flux/b1/bound` (R1): time budget: needs ~80 s, 20 s left" in lines
+    assert "- `sdxl/b4/builtin` (R1): out of memory (tried 2 GiB)" in lines
+    cap = next(line for line in lines if line.startswith("| `cap/sdxl-8/ours` | R1 |"))
     assert "| 8 | 0.500 | 80.0% | 7.5 |" in cap and "| 1.00e-04 |" in cap
-    assert "| SD1.5 (SD VAE, CLIP-L) | 24 × 512×512 | 6.00 | 4.00 | 1.50× | 78.5 | 78.0 | 77.0 |" in lines
-    assert "- `encode/flux`: RuntimeError: boom" in lines
-    assert any(line.startswith("| `profile/sdxl/b1/ours` | 3 | 402.0 | 30.0 | 372.0 (1.0) |") for line in lines)
-    assert "- Multi-GPU arms (#26): skipped, 1 CUDA GPU here (they need 2 or more)." in lines
-    assert "(this run: 7.2 min of a 7.5 min budget, finished)." in text
+    # 24 images: ours 4.0 s with a 1.0 s release, the built-in 6.0 s and 0.5 s to release after it
+    assert ("| SD1.5 (SD VAE, CLIP-L) | R1 | 24 × 512×512 | 8.00 / 6.00 | 4.00 / 3.69 | 2.00× / 1.62× | 1.00 / 0.50 "
+            "| 78.5 | 78.0 | 77.0 / 78.4 |") in lines
+    assert "| SDXL | R1 | 24 × 1024×1024 | — / 12.00 | 8.00 / — | — / — | — / — | — | — | — / — |" in lines
+    assert "- `encode/sdxl` (R1): the releases were not timed in that run; ours with its release ÷ the built-in " \
+           "without: 1.50×" in lines
+    assert "- `encode/flux` (R1): RuntimeError: boom" in lines
+    assert any(line.startswith("| `profile/sdxl/b1/ours` | R1 | 3 | 402.0 | 30.0 | 372.0 (1.0) |") for line in lines)
+
+
+def test_repeated_arms_give_the_median_of_their_medians_and_its_range(run: GpuRun) -> None:
+    order = [("bound", 0, 0.40, 2.0), ("ours", 0, 0.41, 2.1), ("builtin", 0, 0.42, 6.0),  # --repeat 2's order
+             ("ours", 1, 0.39, 2.2), ("builtin", 1, 0.46, 6.1), ("bound", 1, 0.42, 2.0)]
+    run.train = [TrainFigures(f"sd15/b1/{arm}", "sd15", 1, arm, 1, step_s=[step] * 5, first_s=2.0 + rep,
+                              peak_gib=peak, rep=rep) for arm, rep, step, peak in order]
+    run.repeat = 2
+    text = render(run)
+    line = next(x for x in text.splitlines() if x.startswith("| SD1.5 | 512², b1 |"))
+    # medians: bound 0.40, 0.42; ours 0.41, 0.39; built-in 0.42, 0.46 → 0.410, 0.400, 0.440 (and their ranges)
+    assert ("| R1 ×2 | 1 | 0.410 (0.400–0.420) | 0.400 (0.390–0.410) | 0.440 (0.420–0.460) | 102.5% | 1.10× |"
+            in line)
+    assert "| 2.5 / 2.5 / 2.5 | 2.0 / 2.2 / 6.1 |" in line  # first step: the median; peak: the largest
+    assert "batch-1 rows ×2" in text
 
 
 def test_a_run_stopped_early_says_so_and_survives_its_json(run: GpuRun, tmp_path: Path) -> None:
@@ -118,7 +145,7 @@ def test_a_run_stopped_early_says_so_and_survives_its_json(run: GpuRun, tmp_path
     save_run(run, tmp_path / "results.json")
     again = load_run(tmp_path / "results.json")
     assert again == run
-    assert "stopped before the end: figures so far" in render(again)
+    assert "stopped before the end;" in render(again)
 
 
 def test_the_placeholder_says_the_figures_are_unmeasured() -> None:
