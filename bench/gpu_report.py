@@ -144,8 +144,9 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
          "LoRA's `train_lora` reading the cache through `PrefetchLoader` after the cache's pages were dropped; bound "
          "= the same trainer with every batch on the device before the loop; built-in = `ResolutionBucket` → "
          "`TrainLoraNode(bucket_mode=True)` with the samples in memory. A run ×N (`--repeat N`) ran the row's arms N "
-         "times in turn: the median of the N medians (their range). First step: from the trainer's call (model copy "
-         "and load included) to the end of its first step (ours and the bound report a step's loss once the next "
+         "times in turn: the median of the N medians (their range). First step: from the trainer's call (model copy, "
+         "load and memory probe included: its remembered result is forgotten before each arm) to the end of its "
+         "first step (ours and the bound report a step's loss once the next "
          "one is queued: their first report can come a step late). Peak: `torch.cuda.max_memory_allocated` over the "
          "arm, model included. Speed ratios are of step times (ours / bound = bound time ÷ ours).", "",
          "| family | shape, batch | run | depth | bound s/step | ours s/step | built-in s/step | ours vs bound "

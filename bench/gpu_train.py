@@ -78,6 +78,20 @@ def memory_gib(device: Any) -> tuple[float | None, float | None]:
     return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB
 
 
+def forget_probes(trainers: Trainers) -> None:
+    """Forget the memory probe's remembered results, so each arm's first step includes its probe as a first run
+    of a model in a fresh ComfyUI does (a checkout without the cache has nothing to forget)."""
+    import importlib
+
+    try:
+        probe = importlib.import_module(f"{trainers.loop.__name__}.probe")
+    except ImportError:
+        return
+    clear = getattr(probe, "clear_probe_cache", None)
+    if clear is not None:
+        clear()
+
+
 def free_device(device: Any) -> None:
     """Unload every model ComfyUI holds, collect, return cached blocks, and reset the peak counters."""
     import torch
@@ -112,6 +126,7 @@ def run_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures,
         fig.skipped = f"this checkout's Train LoRA has no {', '.join(missing)} setting yet"
         return fig
     free_device(trainers.device)
+    forget_probes(trainers)
     total = warmup + steps
     fig.settings = arm_settings(fig, total + (0 if fig.arm == "builtin" else 1), extra)
     capped = _cap(trainers.device, fig.cap_gib)

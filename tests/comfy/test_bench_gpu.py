@@ -10,6 +10,7 @@ same classes, twice: a second run adds to the first's ledger what ``--missing`` 
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from pathlib import Path
@@ -151,3 +152,17 @@ def test_a_second_run_measures_what_the_first_left_and_adds_to_it(
     assert "- **R1** " in section and "- **R2** " in section and "batch-1 rows ×2" in section
     pending = next(x for x in section.splitlines() if x.startswith("Still without figures"))
     assert "`flux/b1`" in pending and "`wan21/b1`" in pending and "`sd15/b1`" not in pending
+
+
+def test_each_arm_starts_without_a_remembered_probe(pack: ModuleType, comfy_folders: Path, tmp_path: Path) -> None:
+    """Train LoRA remembers its memory probe's result within a process; the benchmark forgets it before every arm,
+    so each arm's first step includes the probe (as a model's first run in a fresh ComfyUI does) and the arm that
+    runs second is not favoured."""
+    from bench.gpu_train import forget_probes
+
+    probe = importlib.import_module(f"{pack.__name__}.nodes.training.probe")
+    ctx = context_from_pack(pack, tmp_path / "work", tmp_path / "out", print)
+    probe.PROBES.put("a key", "a result")
+    assert "a key" in probe.PROBES.keys()
+    forget_probes(ctx.trainers)
+    assert len(probe.PROBES) == 0
