@@ -61,7 +61,8 @@ PHASES = ("forward", "recompute", "backward", "optimizer", "loop")
 KINDS = ("kernel", "meta", "sync", "host")
 CATEGORIES = {
     "cast": "ComfyUI weight cast (`comfy/ops.py` cast_bias_weight, `model_management.cast_to`)",
-    "adapter": "ComfyUI LoRA adapter (`comfy/weight_adapter`)",
+    "adapter": "ComfyUI's LoRA adapter (`comfy/weight_adapter`)",
+    "bias": "ComfyUI's bias and norm adapter (`BiasDiff` in `comfy_extras/nodes_train.py`; both trainers use it)",
     "model": "the model's layers (`comfy/ldm`, `comfy/ops.py` forwards)",
     "wrapper": "ComfyUI's model wrapper and conditioning (`model_base`, `samplers`, `conds`, ...)",
     "checkpoint": "torch's checkpoint machinery (`torch/utils/checkpoint.py`)",
@@ -163,6 +164,8 @@ def _classify(code: Any) -> tuple[str, str]:
             return "cast", site
         if rel.startswith("comfy/ldm/") or rel == "comfy/ops.py":
             return "model", site
+        if rel == "comfy_extras/nodes_train.py" and name == "__call__":
+            return "bias", site  # BiasDiff, the adapter of biases and norms ComfyUI's _setup_lora_adapters makes
         if rel.startswith("comfy_extras/"):
             return "builtin", site
         return "wrapper", site

@@ -142,8 +142,9 @@ def _site_steps(r: Any) -> dict[str, float]:
 
 def _layer_path(results: list[Any], families: dict[str, FamilySpec]) -> list[str]:
     out = ["### S5. ComfyUI's per-layer weight path (ours, batch 1)", "",
-           "Ops per step of the weight cast and the LoRA adapter (forward and recompute; their backward is in "
-           "`backward`), and per adapted layer and pass (layers: the adapter's `mm` count / 2).", "",
+           "Ops per step of the weight cast and the adapters (forward and recompute; their backward is in "
+           "`backward`), and per LoRA layer and pass (LoRA layers: the adapter's `mm` count / 2, the two passes "
+           "being the forward and the recompute).", "",
            "| family | layers | op | kind | per step | per layer and pass |", "|---|---:|---|---|---:|---:|"]
     for r in _ok(results):
         if r.arm != "ours" or r.batch != 1:
@@ -152,7 +153,7 @@ def _layer_path(results: list[Any], families: dict[str, FamilySpec]) -> list[str
         ops: collections.Counter = collections.Counter()
         for key, v in r.counts.ops.items():
             cat, rest = key.split("|", 1)
-            if cat in ("cast", "adapter"):
+            if cat in ("cast", "adapter", "bias"):
                 ops[(cat, rest)] += v / n
         layers = ops.get(("adapter", "kernel:mm"), 0) / 2
         for (cat, rest), v in sorted(ops.items(), key=lambda kv: -kv[1]):
