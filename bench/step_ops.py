@@ -11,7 +11,8 @@ ComfyUI's ``TrainLoraNode``, with the CPU stand-in's settings (fp32, rank 16, Ad
 Per arm: 2 warm-up steps, ``timed`` steps timed without counting (the CPU wall time, a rough proxy), ``counted``
 steps counted by :class:`bench.step_ops_count.OpCounter` (window = one optimizer step: ours from one ``on_step`` to
 the next, the built-in from one ``fwd_bwd`` call to the next), and one more step. Optimizers left at
-``foreach=None`` take the ``foreach`` implementation as on CUDA (:func:`bench.step_ops_count.cuda_like_optimizers`).
+``foreach=None`` take the ``foreach`` implementation and ComfyUI's models attend with torch's SDPA, as on CUDA
+(:func:`bench.step_ops_count.cuda_like_optimizers`, :func:`~bench.step_ops_count.cuda_like_attention`).
 
     scripts/bench-step-ops                    # every family, rewrites the step-ops section of docs/BENCHMARKS.md
     scripts/bench-step-ops --only sd15,flux --no-doc
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .gpu_models import FULL_FAMILIES, FamilySpec
-from .step_ops_count import OpCounter, StepCounts, cuda_like_optimizers, phases_marked
+from .step_ops_count import OpCounter, StepCounts, cuda_like_attention, cuda_like_optimizers, phases_marked
 
 __all__ = ["NARROW", "BATCHES", "ArmCounts", "count_arm", "measure", "main"]
 
@@ -153,7 +154,7 @@ def count_arm(trainers: Any, model: Any, data: Any, family: str, arm: str, batch
     fig.settings = arm_settings(fig, windows.total, SETTINGS)
     free_device(trainers.device)
     try:
-        with cuda_like_optimizers(), phases_marked(counter):
+        with cuda_like_optimizers(), cuda_like_attention(), phases_marked(counter):
             if arm == "builtin":
                 result.params = _run_builtin(trainers, model, data, fig, windows)
             else:
@@ -270,15 +271,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None, help="results folder (default out/bench-step-ops)")
     ap.add_argument("--doc", type=Path, default=None, help="markdown file to update (default docs/BENCHMARKS.md)")
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--render", type=Path, default=None, metavar="RESULTS",
+                    help="render a saved results.json again instead of measuring")
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Count every arm, print the tables, rewrite the step-ops section of the doc (unless ``--no-doc``)."""
+    """Count every arm, print the tables, rewrite the step-ops section of the doc (unless ``--no-doc``); with
+    ``--render``, only render a saved run again."""
     from .common import DOC, PACK_ROOT
-    from .gpu import _setup
     from .report import update_doc
-    from .step_ops_report import render
 
     argv = list(sys.argv[1:] if argv is None else argv)
     a = _parser().parse_args(argv)
@@ -287,8 +289,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"{PROG}: unknown families {', '.join(unknown)} (known: {', '.join(NARROW)})", file=sys.stderr)
         return 2
-    families = {k: v for k, v in NARROW.items() if not only or k in only}
     out = a.out or PACK_ROOT / "out" / "bench-step-ops"
+    if a.render is not None:
+        saved = json.loads(a.render.read_text())
+    else:
+        families = {k: v for k, v in NARROW.items() if not only or k in only}
+        command = " ".join([PROG, *(x for x in argv if x != "--no-doc")])
+        saved = _measure_all(families, a.timed, a.counted, out, command)
+    text = _render_saved(saved)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "section.md").write_text(text)
+    if not a.no_doc:
+        update_doc(a.doc or DOC, SECTION, text)
+    sys.stdout.write(text)
+    return 0
+
+
+def _measure_all(families: dict[str, FamilySpec], timed: int, counted: int, out: Path, command: str
+                 ) -> dict[str, Any]:
+    """Measure every arm, saving ``out/results.json`` after each; the saved run."""
+    import dataclasses
+
+    import torch
+
+    from .gpu import _setup
+
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
@@ -297,23 +322,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="streamcache-step-ops-"))
     try:
-        import torch
-
         torch.set_num_threads(1)  # the count does not depend on it; the times then compare on a shared machine
         ctx, device, _, _ = _setup(work, out, say, True)
-        results: list[ArmCounts] = []
+        saved: dict[str, Any] = {"device": dataclasses.asdict(device), "command": command, "timed": timed,
+                                 "counted": counted, "families": list(families), "seconds": 0.0, "arms": []}
 
         def save(res: ArmCounts) -> None:
-            results.append(res)
-            (out / "results.json").write_text(json.dumps([r.to_json() for r in results], indent=1))
+            saved["arms"].append(res.to_json())
+            saved["seconds"] = time.perf_counter() - t0
+            (out / "results.json").write_text(json.dumps(saved, indent=1))
 
-        measure(ctx, families, BATCHES, a.timed, a.counted, say, save)
-        command = " ".join([PROG, *(x for x in argv if x != "--no-doc")])
-        text = render(results, families, device, command, time.perf_counter() - t0)
-        (out / "section.md").write_text(text)
-        if not a.no_doc:
-            update_doc(a.doc or DOC, SECTION, text)
-        sys.stdout.write(text)
+        measure(ctx, families, BATCHES, timed, counted, say, save)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return saved
+
+
+def _render_saved(saved: dict[str, Any]) -> str:
+    from .gpu_figures import Device
+    from .step_ops_report import render
+
+    families = {k: NARROW[k] for k in saved["families"]}
+    results = [ArmCounts.from_json(r) for r in saved["arms"]]
+    return render(results, families, Device(**saved["device"]), saved["command"], saved["seconds"],
+                  saved["timed"], saved["counted"])

@@ -36,7 +36,7 @@ from typing import Any
 from .step_ops_transfers import Transfers
 
 __all__ = ["METADATA_OPS", "SYNC_OPS", "HOST_DRAWS", "PHASES", "KINDS", "CATEGORIES", "OpCounter", "StepCounts",
-           "site_of", "caller_of", "cuda_like_optimizers", "phases_marked"]
+           "site_of", "caller_of", "cuda_like_optimizers", "cuda_like_attention", "phases_marked"]
 
 METADATA_OPS = frozenset({
     # views and aliases: a new tensor header over the same storage
@@ -434,3 +434,27 @@ def cuda_like_optimizers() -> Iterator[None]:
         yield
     finally:
         topt._get_foreach_kernels_supported_devices = original  # type: ignore[attr-defined]
+
+
+@contextmanager
+def cuda_like_attention() -> Iterator[None]:
+    """ComfyUI's models attend with ``attention_pytorch`` (torch's scaled-dot-product attention, one op) as ComfyUI
+    picks on an NVIDIA GPU, instead of the sub-quadratic attention it picks on the CPU (dozens of ops a call): every
+    ComfyUI module's ``optimized_attention`` / ``optimized_attention_masked`` is switched while inside."""
+    import comfy.ldm.modules.attention as attention
+
+    chosen = {attention.optimized_attention, attention.optimized_attention_masked}
+    saved: list[tuple[Any, str, Any]] = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "comfy" or name.startswith("comfy.")):
+            continue
+        for attr in ("optimized_attention", "optimized_attention_masked"):
+            value = getattr(module, attr, None)
+            if value is not None and value in chosen and value is not attention.attention_pytorch:
+                saved.append((module, attr, value))
+                setattr(module, attr, attention.attention_pytorch)
+    try:
+        yield
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)

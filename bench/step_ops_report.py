@@ -14,8 +14,9 @@ TITLE = "## Ops per training step, counted on the CPU (`scripts/bench-step-ops`)
 _PYTHON_CATEGORIES = {**CATEGORIES, "torch": "torch's own Python with no caller of ours or ComfyUI's"}
 
 
-def render(results: list[Any], families: dict[str, FamilySpec], device: Any, command: str, seconds: float) -> str:
-    """The whole section (title, how it was made, the four tables)."""
+def render(results: list[Any], families: dict[str, FamilySpec], device: Any, command: str, seconds: float,
+           timed: int = 3, counted: int = 2) -> str:
+    """The whole section (title, how it was made, the tables)."""
     lines = [TITLE, "", f"Regenerate: `{command}` (this run: {seconds / 60:.1f} min, torch's intra-op threads: 1).",
              "", f"- Machine: {device.name}; {device.host}",
              f"- Versions: torch {device.torch}; ComfyUI {device.comfyui}; Python {device.python}",
@@ -24,23 +25,34 @@ def render(results: list[Any], families: dict[str, FamilySpec], device: Any, com
              "- Settings: fp32 model and LoRA, rank 16, AdamW, MSE, checkpoint depth 1 (the built-in's one checkpoint "
              "around the whole model; ours checkpoints every block); AdamW takes its `foreach` implementation as on "
              "CUDA (the CPU added to torch's list of foreach devices for the run; on the CPU it would loop over the "
-             "parameters, ~10 ops and an `.item()` each)",
-             "- Per arm: 2 warm-up steps, 3 steps timed (nothing counted), 1 step of Python calls counted, 1 step "
-             "following host tensors, 2 steps counted (the windows are equal op for op), 1 more step. A step: ours "
-             "from one `on_step` to the next, the built-in from one `fwd_bwd` call to the next",
+             "parameters, ~10 ops and an `.item()` each); ComfyUI's models attend with `attention_pytorch` (torch's "
+             "SDPA), as ComfyUI picks on an NVIDIA GPU (on the CPU it picks its sub-quadratic attention)",
+             f"- Per arm: 2 warm-up steps, {timed} steps timed (nothing counted), 1 step of Python calls counted, 1 "
+             f"step following host tensors, {counted} steps counted (" + _equal(results) + "), 1 more step. A "
+             "step: ours from one `on_step` to the next, the built-in from one `fwd_bwd` call to the next",
              f"- No kernel on a GPU: {', '.join(f'`{n}`' for n in sorted(METADATA_OPS))}",
-             f"- Host syncs: {', '.join(f'`{n}`' for n in sorted(SYNC_OPS))} on a device tensor, and a blocking "
-             "`Tensor.to(device)` of a host tensor (a no-op on the CPU, counted by patching `Tensor.to`)",
-             "- Host ops: on tensors a GPU run keeps on the host (AdamW's `step` counters, the loops' random draws "
-             "with the CPU's generator, `torch.tensor(data)`, what is computed from them alone): no kernel, no sync",
-             "- Not seen on the CPU: other host-to-device copies, bf16 autocast's casts, the several kernels one "
-             "`_foreach_*` op launches (one per ~50–110 tensors)", ""]
+             f"- Host syncs: {', '.join(f'`{n}`' for n in sorted(SYNC_OPS))} on a device tensor; copies between host "
+             "and device (no-ops on the CPU, seen by wrapping `Tensor.to`, `Tensor.cpu`, `torch.tensor(device=)`): "
+             "device → host, and host → device unless `non_blocking` (torch makes a pageable copy blocking)",
+             "- Host ops: on tensors a GPU run keeps on the host (AdamW's `step` counters; outside the model, tensors "
+             "made from nothing: random draws with the CPU's generator, `torch.tensor(data)`, `torch.arange(n)`; "
+             "what is computed from host tensors alone): no kernel, no sync",
+             "- Not seen on the CPU: bf16 autocast's casts, the several kernels one `_foreach_*` op launches (one per "
+             "~50–110 tensors), a device tensor indexed by a host one, the loss read of ours on CUDA (a "
+             "non-blocking copy to pinned memory, waited for a step later)", ""]
     lines += _totals(results, families)
     lines += _by_category(results, families)
     lines += _python(results, families)
     lines += _differences(results, families)
     lines += _layer_path(results, families)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _equal(results: list[Any]) -> str:
+    ok = _ok(results)
+    same = sum(all(w == r.counts.windows[0] for w in r.counts.windows) for r in ok)
+    return (f"equal op for op in {same} of {len(ok)} arms" if same < len(ok) else
+            "every arm's counted steps equal op for op")
 
 
 def _structure(spec: FamilySpec) -> str:
@@ -126,7 +138,7 @@ def _differences(results: list[Any], families: dict[str, FamilySpec], top: int =
            "", "| family | batch | site | built-in | ours | difference |", "|---|---|---|---:|---:|---:|"]
     for ours, builtin in _pairs(results):
         o, b = _site_steps(ours), _site_steps(builtin)
-        diffs = sorted(set(o) | set(b), key=lambda s: -abs(b.get(s, 0) - o.get(s, 0)))[:top]
+        diffs = sorted(set(o) | set(b), key=lambda s: (-abs(b.get(s, 0) - o.get(s, 0)), s))[:top]
         for site in diffs:
             cat, where = site.split("|", 1)
             delta = b.get(site, 0) - o.get(site, 0)

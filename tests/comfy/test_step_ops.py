@@ -32,7 +32,8 @@ def counted(pack: ModuleType, comfy_folders: Path, tmp_path_factory: pytest.Temp
     ctx = context_from_pack(pack, work, work / "out", lines.append)
     families = {k: v for k, v in tiny_specs()[0].items() if k in FAMILIES}
     results = measure(ctx, families, {k: (1,) for k in families}, timed=0, counted=2, say=lines.append)
-    section = render(results, families, device_info(ctx.device, "test"), "scripts/bench-step-ops --test", 1.0)
+    section = render(results, families, device_info(ctx.device, "test"), "scripts/bench-step-ops --test", 1.0,
+                     timed=0, counted=2)
     return {(r.family, r.arm): r for r in results}, section
 
 
@@ -88,3 +89,4 @@ def test_the_section_has_every_table(counted: Any) -> None:
     for heading in ("### S1.", "### S2.", "### S3.", "### S4.", "### S5."):
         assert heading in section
     assert "| SD1.5 (tiny) | 1 | ours |" in section and "| Flux (tiny) | 1 | builtin |" in section
+    assert "every arm's counted steps equal op for op" in section
