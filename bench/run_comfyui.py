@@ -13,6 +13,7 @@ ComfyUI runs.
     "$COMFYUI_PYTHON" bench/run_comfyui.py [options]      # what scripts/bench-comfy does; --help for options
     "$COMFYUI_PYTHON" bench/run_comfyui.py encode-memory [options]   # bench/encode_memory.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py gpu [options]             # scripts/bench-gpu: bench/gpu.py
+    "$COMFYUI_PYTHON" bench/run_comfyui.py step-ops [options]        # scripts/bench-step-ops: bench/step_ops.py
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def main() -> int:
         from bench.gpu import main as gpu_main
 
         return gpu_main(argv[1:])
+    if argv[:1] == ["step-ops"]:
+        from bench.step_ops import main as step_ops_main
+
+        return step_ops_main(argv[1:])
     from bench.comfyui import main as bench_main
 
     return bench_main(argv)

@@ -23,6 +23,11 @@ class Conditioner:
     different token lengths the way ComfyUI's sampler does. Rows whose conditionings cannot be joined (an LLM
     encoder's captions of different lengths, a T5 prompt past its padded length) form groups of their own, each
     run through the model separately, as ComfyUI's sampler runs conditionings it cannot batch.
+
+    What ``extra_conds`` makes on the host (Flux's guidance, SDXL's size-and-pooled vector) reaches a CUDA device
+    through pinned memory without blocking (:func:`_to_device`): ``cond_cat``'s own ``.to(device)`` is a pageable
+    copy, and each one makes the training thread wait until the device has finished the step before
+    (docs/BENCHMARKS.md, "Ops per training step").
     """
 
     def __init__(self, model: Any, device: torch.device) -> None:
@@ -48,7 +53,22 @@ class Conditioner:
                 groups.append([i])
             else:
                 home.append(i)
-        return [(g, comfy.samplers.cond_cat([rows[i] for i in g], device=self.device)) for g in groups]
+        return [(g, self._on_device(comfy.samplers.cond_cat([rows[i] for i in g]))) for g in groups]
+
+    def _on_device(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``cond_cat(..., device=)``'s last step (every value that has ``.to`` moved to the device), each host
+        tensor copied without blocking."""
+        return {k: _to_device(v, self.device) if hasattr(v, "to") else v for k, v in kwargs.items()}
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """``value.to(device)``, the same values; a host tensor bound for the CPU or a CUDA device is copied without
+    blocking, through pinned memory for CUDA (torch's caching host allocator keeps the pinned block until the copy
+    is done; on the CPU there is nothing to copy)."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and device.type in ("cpu", "cuda"):
+        source = value.pin_memory() if device.type == "cuda" else value
+        return source.to(device, non_blocking=True)
+    return value.to(device)
 
 
 class ModelCall:
