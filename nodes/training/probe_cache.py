@@ -110,17 +110,13 @@ class ProbeCache:
         self.size = size
         self._entries: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
 
     def get(self, key: str) -> Any | None:
         with self._lock:
             found = self._entries.get(key)
             if found is None:
-                self.misses += 1
                 return None
             self._entries.move_to_end(key)
-            self.hits += 1
             return copy.deepcopy(found)
 
     def put(self, key: str, value: T) -> T:

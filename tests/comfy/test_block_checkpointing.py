@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from support.encoded import write_random_samples
 from support.tiny_families import BLOCK_COUNTS, FAMILIES, Family, build_family_patcher
 
 SETTINGS = {"steps": 2, "batch_size": 2, "learning_rate": 1e-3, "rank": 2, "optimizer": "AdamW", "seed": 3,
@@ -43,18 +44,7 @@ def family(request: pytest.FixtureRequest) -> Family:
 @pytest.fixture(scope="module")
 def dataset(pack: ModuleType, family: Family, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Two samples of the family's latent shape and conditionings (one bucket: every step a batch of two)."""
-    writer_mod = _module(pack, "dataset_cache.format.writer")
-    sample_cls = _module(pack, "dataset_cache.dataset").Sample
-    root = tmp_path_factory.mktemp(f"ckpt_{family.name}") / "cache"
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    with torch.inference_mode(), writer_mod.CacheWriter(root) as writer:
-        for i in range(2):
-            writer.add(f"{i:032x}", {"samples": torch.randn(family.latent, generator=gen)}, kind="latent")
-            writer.add(f"{i + 100:032x}", family.conditioning(gen, 12), kind="conditioning")
-            samples.append(sample_cls(f"{i:032x}", (f"{i + 100:032x}",), source=f"img{i}.png"))
-        writer.set_dataset("train", samples)
-    return _module(pack, "nodes.handles").StreamDatasetHandle(str(root), "train")
+    return write_random_samples(pack, family, tmp_path_factory.mktemp(f"ckpt_{family.name}") / "cache")
 
 
 @dataclasses.dataclass

@@ -6,7 +6,6 @@ The bucket is moto's S3 server on 127.0.0.1 (``support.s3server``); skipped with
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from support.encoded import write_comfy_encoded
 from support.s3server import S3Server, start_s3
 
 BUCKET = "team"
@@ -30,10 +30,6 @@ def _module(pack: ModuleType, name: str) -> ModuleType:
     return importlib.import_module(f"{pack.__name__}.{name}")
 
 
-def _key(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
     with start_s3(BUCKET) as server:
@@ -44,20 +40,9 @@ def s3() -> Iterator[S3Server]:
 def local_cache(pack: ModuleType, comfy_nodes: ModuleType, models: tuple,
                 tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache encoded with ComfyUI's own VAEEncode and CLIPTextEncode: dataset "train", 4 samples, 2 buckets."""
-    writer_mod = _module(pack, "dataset_cache.format.writer")
-    sample_cls = _module(pack, "dataset_cache.dataset").Sample
     _, clip, vae = models
     root = tmp_path_factory.mktemp("remote_nodes") / "cache"
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    with torch.inference_mode(), writer_mod.CacheWriter(root) as writer:
-        for i, (h, w) in enumerate([(64, 64), (64, 96), (64, 64), (64, 96)]):
-            (latent,) = comfy_nodes.VAEEncode().encode(vae, torch.rand(1, h, w, 3, generator=gen))
-            (cond,) = comfy_nodes.CLIPTextEncode().encode(clip, f"a photo of pattern {i}")
-            writer.add(_key(f"latent{i}"), latent, kind="latent")
-            writer.add(_key(f"caption{i}"), cond, kind="conditioning")
-            samples.append(sample_cls(_key(f"latent{i}"), (_key(f"caption{i}"),), source=f"img{i}.png"))
-        writer.set_dataset("train", samples)
+    write_comfy_encoded(pack, comfy_nodes, clip, vae, root, [(64, 64), (64, 96), (64, 64), (64, 96)], seed=0)
     return root
 
 

@@ -25,7 +25,6 @@ bypass-mode test of test_train_lora.py derives the same bound for another reorde
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import os
 import signal
@@ -37,6 +36,8 @@ from typing import Any
 
 import pytest
 import torch
+from support.encoded import key as _key
+from support.encoded import write_comfy_encoded
 from support.processes import PROC_READABLE, wait_gone, workers_of
 
 OPTIONS = {
@@ -56,10 +57,6 @@ def _module(pack: ModuleType, name: str) -> ModuleType:
     return importlib.import_module(f"{pack.__name__}.{name}")
 
 
-def _key(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
 @pytest.fixture(scope="module")
 def node(pack: ModuleType) -> type:
     return _module(pack, "nodes.train_lora").TrainLoRA
@@ -68,23 +65,14 @@ def node(pack: ModuleType) -> type:
 @pytest.fixture(scope="module")
 def dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
             tmp_path_factory: pytest.TempPathFactory) -> Any:
-    writer_mod = _module(pack, "dataset_cache.format.writer")
-    sample_cls = _module(pack, "dataset_cache.dataset").Sample
     _, clip, vae = models
     root = tmp_path_factory.mktemp("train_ddp") / "cache"
-    gen = torch.Generator().manual_seed(1)
-    samples = []
-    with torch.inference_mode(), writer_mod.CacheWriter(root) as writer:
-        for i, (h, w) in enumerate(SIZES):
-            (latent,) = comfy_nodes.VAEEncode().encode(vae, torch.rand(1, h, w, 3, generator=gen))
-            (cond,) = comfy_nodes.CLIPTextEncode().encode(clip, f"a photo of pattern {i}")
-            writer.add(_key(f"l{i}"), latent, kind="latent")
-            writer.add(_key(f"c{i}"), cond, kind="conditioning")
-            samples.append(sample_cls(_key(f"l{i}"), (_key(f"c{i}"),), source=f"img{i}.png"))
-        writer.set_dataset("train", samples)
-        # the same entries with odd buckets: 5 occurrences of 64×64 (sample 0 twice) and one of 64×96
-        writer.set_dataset("odd", [sample_cls(samples[0].latent, samples[0].captions, repeats=2, source="img0.png"),
-                                   *samples[1:5]])
+
+    def odd(sample_cls: Any, samples: list[Any]) -> list[Any]:
+        """The same entries with odd buckets: 5 occurrences of 64×64 (sample 0 twice) and one of 64×96."""
+        return [sample_cls(samples[0].latent, samples[0].captions, repeats=2, source="img0.png"), *samples[1:5]]
+
+    write_comfy_encoded(pack, comfy_nodes, clip, vae, root, SIZES, seed=1, extra={"odd": odd})
     return handles.StreamDatasetHandle(str(root), "train")
 
 

@@ -8,7 +8,6 @@ one short run covers the node's defaults (bf16, gradient checkpointing).
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import logging
 import sys
@@ -20,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from support.encoded import key as _key
+from support.encoded import write_comfy_encoded
 
 STEPS = 20
 FAST = {  # the options every run shares unless a test says otherwise
@@ -43,30 +44,14 @@ def node(pack: ModuleType) -> type:
     return _module(pack, "nodes.train_lora").TrainLoRA
 
 
-def _key(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
 @pytest.fixture(scope="module")
 def dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
             tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A cache with dataset "train" (6 samples, 2 buckets) and an empty dataset "empty"; returns its handle."""
-    writer_mod = _module(pack, "dataset_cache.format.writer")
-    sample_cls = _module(pack, "dataset_cache.dataset").Sample
     _, clip, vae = models
     root = tmp_path_factory.mktemp("train_lora") / "cache"
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    with torch.inference_mode(), writer_mod.CacheWriter(root) as writer:  # as ComfyUI runs nodes
-        for i, (h, w) in enumerate(SIZES):
-            image = torch.rand(1, h, w, 3, generator=gen)
-            (latent,) = comfy_nodes.VAEEncode().encode(vae, image)
-            (cond,) = comfy_nodes.CLIPTextEncode().encode(clip, f"a photo of test pattern number {i}")
-            writer.add(_key(f"latent{i}"), latent, kind="latent")
-            writer.add(_key(f"caption{i}"), cond, kind="conditioning")
-            samples.append(sample_cls(_key(f"latent{i}"), (_key(f"caption{i}"),), source=f"img{i}.png"))
-        writer.set_dataset("train", samples)
-        writer.set_dataset("empty", [])
+    write_comfy_encoded(pack, comfy_nodes, clip, vae, root, SIZES, seed=0,
+                        caption="a photo of test pattern number {}", extra={"empty": lambda _cls, _samples: []})
     return handles.StreamDatasetHandle(str(root), "train")
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.encoded import write_random_samples
 from support.tiny_families import FAMILIES, build_family_patcher
 
 from .test_block_checkpointing import SETTINGS, Run, train
@@ -28,18 +29,7 @@ def _module(pack: ModuleType, name: str) -> ModuleType:
 
 @pytest.fixture(scope="module")
 def dataset(pack: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    writer_mod = _module(pack, "dataset_cache.format.writer")
-    sample_cls = _module(pack, "dataset_cache.dataset").Sample
-    root = tmp_path_factory.mktemp("train_memory") / "cache"
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    with torch.inference_mode(), writer_mod.CacheWriter(root) as writer:
-        for i in range(2):
-            writer.add(f"{i:032x}", {"samples": torch.randn(FLUX.latent, generator=gen)}, kind="latent")
-            writer.add(f"{i + 100:032x}", FLUX.conditioning(gen, 12), kind="conditioning")
-            samples.append(sample_cls(f"{i:032x}", (f"{i + 100:032x}",), source=f"img{i}.png"))
-        writer.set_dataset("train", samples)
-    return _module(pack, "nodes.handles").StreamDatasetHandle(str(root), "train")
+    return write_random_samples(pack, FLUX, tmp_path_factory.mktemp("train_memory") / "cache")
 
 
 @pytest.fixture(scope="module")
