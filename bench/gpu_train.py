@@ -253,9 +253,10 @@ def _steady_wait(waits: list[tuple[float, float]], warmup: int) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------ built-in
-def _builtin(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures, total: int
-             ) -> tuple[list[float], list[float]]:
-    """ComfyUI's ResolutionBucket → TrainLoraNode (bucket mode) on the in-memory samples; step ends, losses."""
+def _builtin(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures, total: int,
+             before: Callable[[], None] | None = None) -> tuple[list[float], list[float]]:
+    """ComfyUI's ResolutionBucket → TrainLoraNode (bucket mode) on the in-memory samples; step ends, losses.
+    ``before``: also called as each step's forward and backward begin."""
     import torch
 
     nt, nd = trainers.nodes_train, trainers.nodes_dataset
@@ -263,6 +264,8 @@ def _builtin(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures
     original = nt.TrainSampler.fwd_bwd
 
     def fwd_bwd(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before()
         out = original(self, *args, **kwargs)
         _sync(trainers.device)
         ends.append(time.perf_counter())

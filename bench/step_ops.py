@@ -198,19 +198,10 @@ def _run_ours(trainers: Any, model: Any, data: Any, fig: Any, windows: _Windows)
 def _run_builtin(trainers: Any, model: Any, data: Any, fig: Any, windows: _Windows) -> int:
     from .gpu_train import _builtin
 
-    nt = trainers.nodes_train
-    original = nt.TrainSampler.fwd_bwd
-
-    def fwd_bwd(self: Any, *args: Any, **kwargs: Any) -> Any:
-        windows.boundary()
-        return original(self, *args, **kwargs)
-
     captured, handle = _capture_optimizers()
-    nt.TrainSampler.fwd_bwd = fwd_bwd
     try:
-        _builtin(trainers, model, data, fig, windows.total)
+        _builtin(trainers, model, data, fig, windows.total, before=windows.boundary)
     finally:
-        nt.TrainSampler.fwd_bwd = original
         handle.remove()
     return _optimized_tensors(captured)
 
