@@ -80,6 +80,8 @@ class ArmCounts:
     params: int = 0
     """Tensors the optimizer steps (the LoRA's)."""
     error: str = ""
+    gc_passes: list[tuple[int, float]] = field(default_factory=list)
+    """The cyclic collector's passes on the training thread during the timed steps: (generation, seconds)."""
 
     @property
     def id(self) -> str:
@@ -91,12 +93,43 @@ class ArmCounts:
 
     def to_json(self) -> dict[str, Any]:
         return {"family": self.family, "arm": self.arm, "batch": self.batch, "counts": self.counts.to_json(),
-                "step_s": self.step_s, "params": self.params, "error": self.error}
+                "step_s": self.step_s, "params": self.params, "error": self.error,
+                "gc_passes": [list(p) for p in self.gc_passes]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ArmCounts:
         return cls(d["family"], d["arm"], d["batch"], StepCounts.from_json(d["counts"]), d["step_s"], d["params"],
-                   d["error"])
+                   d["error"], [(int(g), float(t)) for g, t in d.get("gc_passes", [])])
+
+
+class _CollectorClock:
+    """The cyclic collector's passes on the thread that marks the timed steps, while they run (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[int, float]] = []
+        self._thread: int | None = None
+        self._start = 0.0
+
+    def timing(self, on: bool) -> None:
+        import gc
+        import threading
+
+        if on and self._thread is None:
+            self._thread = threading.get_ident()
+            gc.callbacks.append(self._seen)
+        elif not on and self._thread is not None:
+            gc.callbacks.remove(self._seen)
+            self._thread = None
+
+    def _seen(self, phase: str, info: dict[str, Any]) -> None:
+        import threading
+
+        if threading.get_ident() != self._thread:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.passes.append((int(info["generation"]), time.perf_counter() - self._start))
 
 
 class _Windows:
@@ -110,6 +143,7 @@ class _Windows:
         self.counter, self.timed, self.counted, self.skip = counter, timed, counted, skip
         self.seen = -skip
         self.times: list[float] = []
+        self.collector = _CollectorClock()
 
     @property
     def total(self) -> int:
@@ -125,6 +159,7 @@ class _Windows:
         calls = self.timed + 1  # boundary 1 ends the warm-up
         if self.seen <= calls:
             self.times.append(time.perf_counter())
+            self.collector.timing(self.seen < calls)
         if self.seen == calls:
             self.counter.start_calls()
         elif self.seen == calls + 1:
@@ -163,10 +198,12 @@ def count_arm(trainers: Any, model: Any, data: Any, family: str, arm: str, batch
             raise RuntimeError(f"counted {counter.counts.steps} steps of {counted} (ran {windows.seen} boundaries)")
         result.counts = counter.counts
         result.step_s = windows.step_s()
+        result.gc_passes = windows.collector.passes
     except Exception as exc:  # a failed arm is a figure of the run
         result.error = f"{type(exc).__name__}: {str(exc)[:400]}"
     finally:
         counter.stop()
+        windows.collector.timing(False)
         free_device(trainers.device)
     return result
 

@@ -15,6 +15,7 @@ import torch
 import comfy.model_management
 import comfy.utils
 
+from ...dataset_cache.gcpause import StepCollector
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.sampler import BatchPlan
 from ...dataset_cache.seeding import derive_seed, seeded_generator
@@ -179,40 +180,48 @@ class StepLoop:
         tally = _Tally(s.steps, on_step)
         lagged = _LaggedLosses(self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        for step in range(s.steps):
-            step_losses: list[torch.Tensor] = []
-            step_batches: list[Batch] = []
-            stopping = False
-            for micro in range(s.grad_accumulation_steps):
-                throw_if_interrupted()
-                t_wait = time.perf_counter()
-                batch: Batch = next(batches)
-                tally.wait += time.perf_counter() - t_wait
-                index = self.first_batch + step * s.grad_accumulation_steps + micro
-                try:
-                    loss = self._fwd_bwd(batch, index)
-                except comfy.model_management.InterruptProcessingException:  # from any of ComfyUI's ops
-                    if self.world is None:
-                        raise
-                    stopping = True  # several ranks: all stop after this step's exchanges, none is left waiting
-                    break
-                if self.world is not None:
-                    _finite(step, [loss], [batch])  # this rank stops at once with its own message
-                step_losses.append(loss)
-                step_batches.append(batch)
-                tally.rows += share_of(batch.plan, batch.latents.shape[0])[0]  # one rank of several: the global's
-            if self.world is not None:
-                self.world.reduce_gradients(p for g in self.optimizer.param_groups for p in g["params"])
-            if not stopping:
-                self._optimizer_step()
-            if self.world is not None:
-                values = [float(v) for v in step_losses]
-                tally.add(step, self.world.agree(sum(values) / s.grad_accumulation_steps, stop=stopping),
-                          step_batches[-1] if step_batches else batch)
-            else:
-                self._report(lagged.swap(step, step_losses, step_batches), tally)
+        with StepCollector() as collector:  # the collector's passes between steps, not inside them
+            for step in range(s.steps):
+                self._step(step, batches, tally, lagged, throw_if_interrupted)
+                collector.step()
         self._report(lagged.swap(None, [], []), tally)
         return tally.losses, time.perf_counter() - tally.t0, tally.rows, tally.wait
+
+    def _step(self, step: int, batches: Any, tally: _Tally, lagged: _LaggedLosses,
+              throw_if_interrupted: Callable[[], None]) -> None:
+        """One optimizer step: its batches forward and backward, the optimizer, the report of a finished step."""
+        s = self.settings
+        step_losses: list[torch.Tensor] = []
+        step_batches: list[Batch] = []
+        stopping = False
+        for micro in range(s.grad_accumulation_steps):
+            throw_if_interrupted()
+            t_wait = time.perf_counter()
+            batch: Batch = next(batches)
+            tally.wait += time.perf_counter() - t_wait
+            index = self.first_batch + step * s.grad_accumulation_steps + micro
+            try:
+                loss = self._fwd_bwd(batch, index)
+            except comfy.model_management.InterruptProcessingException:  # from any of ComfyUI's ops
+                if self.world is None:
+                    raise
+                stopping = True  # several ranks: all stop after this step's exchanges, none is left waiting
+                break
+            if self.world is not None:
+                _finite(step, [loss], [batch])  # this rank stops at once with its own message
+            step_losses.append(loss)
+            step_batches.append(batch)
+            tally.rows += share_of(batch.plan, batch.latents.shape[0])[0]  # one rank of several: the global's
+        if self.world is not None:
+            self.world.reduce_gradients(p for g in self.optimizer.param_groups for p in g["params"])
+        if not stopping:
+            self._optimizer_step()
+        if self.world is not None:
+            values = [float(v) for v in step_losses]
+            tally.add(step, self.world.agree(sum(values) / s.grad_accumulation_steps, stop=stopping),
+                      step_batches[-1] if step_batches else batch)
+        else:
+            self._report(lagged.swap(step, step_losses, step_batches), tally)
 
     def _report(self, done: tuple[int, list[float], list[Batch]] | None, tally: _Tally) -> None:
         """A step's losses read back from the device: checked, averaged over its batches, reported."""

@@ -26,14 +26,15 @@ FAMILIES = ("sd15", "flux")
 @pytest.fixture(scope="module")
 def counted(pack: ModuleType, comfy_folders: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> tuple[dict[tuple[str, str], ArmCounts], str]:
-    """Every arm of tiny SD1.5 and Flux at batch 1, counted (2 steps each), and the rendered section."""
+    """Every arm of tiny SD1.5 and Flux at batch 1, timed (2 steps) and counted (2 steps), and the rendered
+    section."""
     work = tmp_path_factory.mktemp("step_ops")
     lines: list[str] = []
     ctx = context_from_pack(pack, work, work / "out", lines.append)
     families = {k: v for k, v in tiny_specs()[0].items() if k in FAMILIES}
-    results = measure(ctx, families, {k: (1,) for k in families}, timed=0, counted=2, say=lines.append)
+    results = measure(ctx, families, {k: (1,) for k in families}, timed=2, counted=2, say=lines.append)
     section = render(results, families, device_info(ctx.device, "test"), "scripts/bench-step-ops --test", 1.0,
-                     timed=0, counted=2)
+                     timed=2, counted=2)
     return {(r.family, r.arm): r for r in results}, section
 
 
@@ -83,10 +84,18 @@ def test_the_bound_and_ours_run_the_same_step(counted: Any) -> None:
             assert bound.per_step(phase=phase) == ours.per_step(phase=phase), (family, phase)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ours_collects_garbage_once_a_step_between_steps(counted: Any, family: str) -> None:
+    """Ours' training thread runs no collector pass inside a step: exactly one young pass at each step's end."""
+    ours, _ = _both(counted, family)
+    assert len(ours.step_s) == 2
+    assert [generation for generation, _ in ours.gc_passes] == [1, 1]
+
+
 def test_the_section_has_every_table(counted: Any) -> None:
     section = counted[1]
     assert section.startswith(TITLE)
-    for heading in ("### S1.", "### S2.", "### S3.", "### S4.", "### S5."):
+    for heading in ("### S1.", "### S2.", "### S3.", "### S4.", "### S5.", "### S6."):
         assert heading in section
     assert "| SD1.5 (tiny) | 1 | ours |" in section and "| Flux (tiny) | 1 | builtin |" in section
     assert "every arm's counted steps equal op for op" in section

@@ -8,6 +8,7 @@ one short run covers the node's defaults (bf16, gradient checkpointing).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import sys
@@ -548,6 +549,31 @@ def test_interrupt_stops_within_a_step_and_leaves_no_threads(node: type, models:
     assert fired and updates[-1] == fired[0]  # no step finished after the interrupt
     assert _loader_threads() == []
     assert comfy.model_management.in_training is False
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # the step collector ended with the run
+
+
+def test_the_collector_runs_between_steps_only_and_is_back_after_training(node: type, models: tuple,
+                                                                          dataset: Any) -> None:
+    """While the steps run the cyclic collector is paused and the objects from before the run are frozen (a pass
+    never walks the model); after the run both are as they were."""
+    import comfy.utils
+
+    inside: list[tuple[bool, int]] = []
+
+    def hook(value: int, total: int, preview: Any, node_id: str | None = None) -> None:
+        inside.append((gc.isenabled(), gc.get_freeze_count()))
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    saved = comfy.utils.PROGRESS_BAR_HOOK
+    comfy.utils.set_progress_bar_global_hook(hook)
+    try:
+        _train(node, models[0], dataset, steps=3)
+    finally:
+        comfy.utils.set_progress_bar_global_hook(saved)
+    # a step is reported when the next one is queued: the last one's report comes after the loop, the collector back
+    assert inside[:2] and all(not enabled and frozen > 0 for enabled, frozen in inside[:2])
+    assert inside[2:] == [(True, 0)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 # ------------------------------------------------------------------------------------------------- bad inputs
