@@ -13,7 +13,7 @@ limit still leaves its figures, and the figures of earlier runs that this one di
     scripts/bench-gpu --missing            # only what the earlier runs left (what scripts/device-run runs)
     scripts/bench-gpu --quick              # 1 warm-up + 5 steps, fewer images
     scripts/bench-gpu --only flux/ours,sd15/b8,encode --no-doc
-    scripts/bench-gpu --repeat 3 --only b1 # each batch-1 row's arms 3 times in turn
+    scripts/bench-gpu --repeat 3 --only sdxl/b4   # each selected row's arms 3 times in turn
     scripts/bench-gpu --profile --only sdxl
     scripts/bench-gpu --merge out/device/results.json   # add a GPU run's results to the ledger and the doc
     scripts/bench-gpu --render             # the doc's section again from the ledger (after a change of the report)
@@ -75,7 +75,8 @@ class Options:
     missing: bool = False
     """Only the groups the earlier runs (:attr:`Context.base`) left without figures, or partial, skipped, failed."""
     repeat: int = 1
-    """Each batch-1 row's arms this many times, in turn (:func:`bench.gpu_plan.rounds`)."""
+    """Each selected training row's arms (capped and multi-GPU groups included; encode rows and profiles once)
+    this many times, in turn (:func:`bench.gpu_plan.rounds`)."""
     commit: str = ""
     """The code measured (:func:`checkout_commit`)."""
 
@@ -442,7 +443,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", default="", help="comma-separated FAMILY[/bB][/ARM] patterns (e.g. flux/ours,encode)")
     ap.add_argument("--missing", action="store_true",
                     help="only the groups the ledger has no figures for (or partial, skipped, failed ones)")
-    ap.add_argument("--repeat", type=int, default=1, help="run each batch-1 row's arms N times in turn (default 1)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each selected training row's arms N times in turn (default 1; encode rows once)")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per arm (default 20)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per arm (default 3)")
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for the whole run (%(default)s)")

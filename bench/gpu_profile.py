@@ -127,11 +127,11 @@ def breakdown(prof: Any, arm_id: str, out_dir: Path | None = None) -> ProfileFig
         h2d_pageable=len(pageable) / n, h2d_pageable_ms=sum(_us(e) for e in pageable) / n / 1e3,
         h2d_pinned=len(pinned) / n, labels_ms=labels, top_ops=top)
     if out_dir is not None:
-        fig.trace = _keep_trace(prof, out_dir, arm_id.replace("/", "_"))
+        fig.trace = keep_trace(prof, out_dir, arm_id.replace("/", "_"))
     return fig
 
 
-def _keep_trace(prof: Any, out_dir: Path, stem: str) -> str:
+def keep_trace(prof: Any, out_dir: Path, stem: str) -> str:
     """Export the Chrome trace, gzip it, and keep it only under :data:`MAX_TRACE_BYTES` (else say its size)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / f"trace_{stem}.json"
