@@ -341,21 +341,33 @@ def _free(ctx: Context, root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+PROFILE_SKIP = 2
+"""Steps before the profiler records (model load and the first kernels' set-up are not a step's cost)."""
+
+
 def _profile_pass(ctx: Context, opts: Options, rec: _Recorder, budget: Budget, model: Any, data: Any,
                   arms: list[ArmPlan]) -> None:
-    """``--profile``: a few steps of the bound and of ours at the family's first batch, with their breakdown."""
-    from .gpu_profile import describe, profile_arm
+    """``--profile``: a few steps of the bound and of ours at the family's first batch, with their breakdown; one
+    that should not fit the budget (:meth:`Budget.profile_cost`: the profiler's own cost included) is skipped with
+    a note, and one under way is stopped at the budget's end (:func:`bench.gpu_profile.profile_arm`)."""
+    from .gpu_profile import MAX_TRACE_BYTES, describe, failed, profile_arm
 
     for arm in [a for a in arms if a.arm in ("bound", "ours") and a.batch == arms[0].batch and a.rep == 0][:2]:
-        steps = 2 + opts.profile_steps + 1
-        cost = budget.arm_cost(arm, steps) * 1.5
-        if not budget.fits(cost):
-            ctx.say(f"profile {arm.id}: skipped, {budget.why_not(cost)}")
+        cost = budget.profile_cost(arm, PROFILE_SKIP, opts.profile_steps, MAX_TRACE_BYTES)
+        if not budget.fits(cost.seconds):
+            rec.note(f"profile {arm.id}: skipped, {budget.why_not(cost.seconds)} ({cost.describe()})")
             continue
-        fig = TrainFigures(f"profile/{arm.id}", arm.family, arm.batch, arm.arm, arm.depth)
-        prof = profile_arm(ctx.trainers, model, data, fig, 2, opts.profile_steps, ctx.out, opts.settings)
-        ctx.say(describe(prof))
-        rec.run.profile.append(prof)
+        fig_id, t0 = f"profile/{arm.id}", time.perf_counter()
+        # saved before it starts: a run stopped during the profile says so, beside every figure before it
+        rec.run.profile.append(failed(fig_id, f"started at {t0 - rec.start:.0f} s of the run, expected to take "
+                                              f"~{cost.seconds:.0f} s ({cost.describe()}); the run ended first"))
+        rec.save()
+        fig = TrainFigures(fig_id, arm.family, arm.batch, arm.arm, arm.depth)
+        prof = profile_arm(ctx.trainers, model, data, fig, PROFILE_SKIP, cost.active,
+                           ctx.out if cost.trace else None, opts.settings, deadline=t0 + budget.left())
+        rec.run.profile[-1] = prof
+        ctx.say(f"{describe(prof)} ({cost.describe()}: ~{cost.seconds:.0f} s expected, "
+                f"{time.perf_counter() - t0:.0f} s taken)")
         rec.save()
 
 

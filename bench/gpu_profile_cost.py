@@ -8,7 +8,7 @@ full-depth, narrow models of ``scripts/bench-step-ops`` (:data:`bench.step_ops.N
 arithmetic per op): per family, the bound's plain steps against its profiled ones, the events recorded, and the
 time of each part of the analysis. The figures go to docs/BENCHMARKS.md ("GPU benchmarks", ``--profile``).
 
-    "$COMFYUI_PYTHON" bench/run_comfyui.py profile-cost [--only sd15,sdxl] [--active 1,3]
+    "$COMFYUI_PYTHON" bench/run_comfyui.py profile-cost [--only sd15,sdxl] [--active 1,3] [--parse]
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ def _plain(trainers: Any, model: Any, data: Any, fig: Any, steps: int) -> tuple[
     return statistics.median(gaps), wall
 
 
-def _profiled(trainers: Any, model: Any, data: Any, fig: Any, active: int, out: Path) -> dict[str, Any]:
-    """One profiled run of the bound (2 steps skipped, ``active`` recorded): its times, part by part."""
+def _profiled(trainers: Any, model: Any, data: Any, fig: Any, active: int, out: Path, parse: bool
+              ) -> dict[str, Any]:
+    """One profiled run of the bound (2 steps skipped, ``active`` recorded): its times, part by part (``parse``:
+    also torch's own parse of the events, ``prof.events()``)."""
     from .gpu_profile import breakdown, keep_trace, profiled_steps
     from .gpu_train import arm_settings, free_device, train_ours
     from .step_ops import SETTINGS
@@ -57,16 +59,17 @@ def _profiled(trainers: Any, model: Any, data: Any, fig: Any, active: int, out: 
 
     def ready(prof: Any) -> None:
         t0 = time.perf_counter()
-        got["events"] = len(prof.events())
-        t1 = time.perf_counter()
         fig_p = breakdown(prof, fig.id, None)
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         got["trace"] = keep_trace(prof, out, f"cost_{fig.family}_{active}")
-        t3 = time.perf_counter()
+        t2 = time.perf_counter()
         packed = out / f"trace_cost_{fig.family}_{active}.json.gz"
-        got.update(parse_s=t1 - t0, breakdown_s=t2 - t1, export_s=t3 - t2, step_ms=fig_p.step_ms,
-                   cpu_ops=sum(1 for e in prof.events() if e.device_type.name == "CPU"),
+        got.update(events=fig_p.events, analysis_s=t1 - t0, export_s=t2 - t1, step_ms=fig_p.step_ms,
                    gz_bytes=packed.stat().st_size if packed.exists() else None)
+        if parse:  # what the breakdown took before it read the raw events: torch's FunctionEvent tree
+            got["parse_s"] = -time.perf_counter()
+            got["parsed_events"] = len(prof.events())
+            got["parse_s"] += time.perf_counter()
 
     t0 = time.perf_counter()
     with profiled_steps(2, active, trainers.device, ready) as prof:
@@ -78,7 +81,8 @@ def _profiled(trainers: Any, model: Any, data: Any, fig: Any, active: int, out: 
     return got
 
 
-def measure_family(ctx: Any, name: str, actives: Sequence[int], out: Path, say: Any) -> dict[str, Any]:
+def measure_family(ctx: Any, name: str, actives: Sequence[int], out: Path, say: Any, parse: bool = False
+                   ) -> dict[str, Any]:
     """The bound of ``name``'s narrow model: plain steps, then profiled with each of ``actives`` recorded steps."""
     import torch
 
@@ -99,7 +103,7 @@ def measure_family(ctx: Any, name: str, actives: Sequence[int], out: Path, say: 
                                "profiled": []}
         say(f"{name}: plain {step:.3f} s/step, {wall:.1f} s for 8 steps")
         for active in actives:
-            got = _profiled(ctx.trainers, model, data, fig, active, out)
+            got = _profiled(ctx.trainers, model, data, fig, active, out, parse)
             res["profiled"].append(got)
             say(f"{name} active {active}: " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in got.items()))
@@ -120,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="sd15,sdxl,flux", help="families of bench.step_ops.NARROW (%(default)s)")
     ap.add_argument("--active", default="1,3", help="recorded steps to try (%(default)s)")
+    ap.add_argument("--parse", action="store_true", help="also time torch's parse of the events (prof.events())")
     ap.add_argument("--out", type=Path, default=PACK_ROOT / "out" / "profile-cost")
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     t0 = time.perf_counter()
@@ -132,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         torch.set_num_threads(1)  # as scripts/bench-step-ops: comparable on a shared machine
         ctx, _, _, _ = _setup(work, a.out, say, True)
-        results = [measure_family(ctx, n.strip(), [int(x) for x in a.active.split(",")], a.out, say)
+        results = [measure_family(ctx, n.strip(), [int(x) for x in a.active.split(",")], a.out, say, a.parse)
                    for n in a.only.split(",") if n.strip()]
     finally:
         shutil.rmtree(work, ignore_errors=True)
