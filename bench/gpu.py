@@ -13,7 +13,7 @@ limit still leaves its figures, and the figures of earlier runs that this one di
     scripts/bench-gpu --missing            # only what the earlier runs left (what scripts/device-run runs)
     scripts/bench-gpu --quick              # 1 warm-up + 5 steps, fewer images
     scripts/bench-gpu --only flux/ours,sd15/b8,encode --no-doc
-    scripts/bench-gpu --repeat 3 --only b1 # each batch-1 row's arms 3 times in turn
+    scripts/bench-gpu --repeat 3 --only sdxl/b4   # each selected row's arms 3 times in turn
     scripts/bench-gpu --profile --only sdxl
     scripts/bench-gpu --merge out/device/results.json   # add a GPU run's results to the ledger and the doc
     scripts/bench-gpu --render             # the doc's section again from the ledger (after a change of the report)
@@ -75,7 +75,8 @@ class Options:
     missing: bool = False
     """Only the groups the earlier runs (:attr:`Context.base`) left without figures, or partial, skipped, failed."""
     repeat: int = 1
-    """Each batch-1 row's arms this many times, in turn (:func:`bench.gpu_plan.rounds`)."""
+    """Each selected training row's arms (capped and multi-GPU groups included; encode rows and profiles once)
+    this many times, in turn (:func:`bench.gpu_plan.rounds`)."""
     commit: str = ""
     """The code measured (:func:`checkout_commit`)."""
 
@@ -340,21 +341,33 @@ def _free(ctx: Context, root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+PROFILE_SKIP = 2
+"""Steps before the profiler records (model load and the first kernels' set-up are not a step's cost)."""
+
+
 def _profile_pass(ctx: Context, opts: Options, rec: _Recorder, budget: Budget, model: Any, data: Any,
                   arms: list[ArmPlan]) -> None:
-    """``--profile``: a few steps of the bound and of ours at the family's first batch, with their breakdown."""
-    from .gpu_profile import describe, profile_arm
+    """``--profile``: a few steps of the bound and of ours at the family's first batch, with their breakdown; one
+    that should not fit the budget (:meth:`Budget.profile_cost`: the profiler's own cost included) is skipped with
+    a note, and one under way is stopped at the budget's end (:func:`bench.gpu_profile.profile_arm`)."""
+    from .gpu_profile import MAX_TRACE_BYTES, describe, failed, profile_arm
 
     for arm in [a for a in arms if a.arm in ("bound", "ours") and a.batch == arms[0].batch and a.rep == 0][:2]:
-        steps = 2 + opts.profile_steps + 1
-        cost = budget.arm_cost(arm, steps) * 1.5
-        if not budget.fits(cost):
-            ctx.say(f"profile {arm.id}: skipped, {budget.why_not(cost)}")
+        cost = budget.profile_cost(arm, PROFILE_SKIP, opts.profile_steps, MAX_TRACE_BYTES)
+        if not budget.fits(cost.seconds):
+            rec.note(f"profile {arm.id}: skipped, {budget.why_not(cost.seconds)} ({cost.describe()})")
             continue
-        fig = TrainFigures(f"profile/{arm.id}", arm.family, arm.batch, arm.arm, arm.depth)
-        prof = profile_arm(ctx.trainers, model, data, fig, 2, opts.profile_steps, ctx.out, opts.settings)
-        ctx.say(describe(prof))
-        rec.run.profile.append(prof)
+        fig_id, t0 = f"profile/{arm.id}", time.perf_counter()
+        # saved before it starts: a run stopped during the profile says so, beside every figure before it
+        rec.run.profile.append(failed(fig_id, f"started at {t0 - rec.start:.0f} s of the run, expected to take "
+                                              f"~{cost.seconds:.0f} s ({cost.describe()}); the run ended first"))
+        rec.save()
+        fig = TrainFigures(fig_id, arm.family, arm.batch, arm.arm, arm.depth)
+        prof = profile_arm(ctx.trainers, model, data, fig, PROFILE_SKIP, cost.active,
+                           ctx.out if cost.trace else None, opts.settings, deadline=t0 + budget.left())
+        rec.run.profile[-1] = prof
+        ctx.say(f"{describe(prof)} ({cost.describe()}: ~{cost.seconds:.0f} s expected, "
+                f"{time.perf_counter() - t0:.0f} s taken)")
         rec.save()
 
 
@@ -442,7 +455,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", default="", help="comma-separated FAMILY[/bB][/ARM] patterns (e.g. flux/ours,encode)")
     ap.add_argument("--missing", action="store_true",
                     help="only the groups the ledger has no figures for (or partial, skipped, failed ones)")
-    ap.add_argument("--repeat", type=int, default=1, help="run each batch-1 row's arms N times in turn (default 1)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each selected training row's arms N times in turn (default 1; encode rows once)")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per arm (default 20)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per arm (default 3)")
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for the whole run (%(default)s)")

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from .gpu_plan import ArmPlan, GroupPlan
 
 __all__ = ["EST_STEP_S", "Budget", "RunState", "Forecast", "forecast", "device_factor", "est_step_s",
-           "arm_setup_s", "cap_step_s", "build_s", "encode_s", "encode_reserve", "describe_forecast"]
+           "arm_setup_s", "cap_step_s", "build_s", "encode_s", "encode_reserve", "describe_forecast",
+           "ProfileCost", "profile_events"]
 
 EST_STEP_S: dict[tuple[str, int], float] = {
     ("sd15", 1): 0.40, ("sd15", 8): 0.38, ("sdxl", 1): 1.25, ("sdxl", 4): 1.13, ("flux", 1): 1.10, ("flux", 2): 1.78,
@@ -49,6 +50,23 @@ ENCODE_S: dict[str, float] = {"sd15": 2.5, "sdxl": 7.0, "flux": 14.0, "wan21": 1
 T5_BUILD_S = 10.0
 """Building CLIP-L + T5-XXL fp8 (measured: 22.5 s for the flux row = 11.2 + this + its VAE)."""
 CLIP_BUILD_S = 1.0
+OPS_PER_STEP: dict[str, int] = {"sd15": 21_541, "sdxl": 62_214, "flux": 38_293, "wan21": 34_066}
+"""Dispatcher ops per training step of the bound at batch 1 (docs/BENCHMARKS.md, "Ops per training step", S1:
+counted on the CPU at full depth; the batch barely changes it). Other families: :data:`UNKNOWN_OPS`."""
+UNKNOWN_OPS = 62_214
+EVENTS_PER_OP = 5.5
+"""Profiler events per op: 4.0–4.7 on the CPU (an op's nested ops and autograd's records), plus on CUDA a launch
+and a kernel record for each kernel-launching op (36–45% of them)."""
+PROFILE_RECORD_S = 6e-6
+"""Seconds a step slows per event recorded (docs/BENCHMARKS.md, "GPU runs accumulate": 0.8–6.4 µs on the CPU)."""
+PROFILE_ANALYSIS_S = 10e-6
+"""Seconds per event of :func:`bench.gpu_profile.breakdown` from the raw events (5.8 µs on the CPU)."""
+PROFILE_EXPORT_S = 6e-6
+"""Seconds per event to export the Chrome trace and gzip it (2.3–5.8 µs on the CPU)."""
+TRACE_BYTES_PER_EVENT = 20.0
+"""Bytes per event of the gzipped trace (18.5–20.0 on the CPU)."""
+PROFILE_MAX_EVENTS = 400_000
+"""The most events one profile records: its recorded steps are as many as fit, at least one."""
 SPEEDS = (("H200", 1.0), ("H100", 1.1))
 UNKNOWN_SPEED = 1.1
 
@@ -97,6 +115,26 @@ def build_s(params_b: float) -> float:
 def encode_s(vae: str, images: int) -> float:
     """H200 seconds of one encode row of ``images`` images (:data:`ENCODE_S`)."""
     return ENCODE_S.get(vae, 12.0) * max(images, 4) / 24
+
+
+def profile_events(family: str) -> float:
+    """Profiler events of one recorded step of ``family`` (:data:`OPS_PER_STEP` × :data:`EVENTS_PER_OP`)."""
+    return OPS_PER_STEP.get(family, UNKNOWN_OPS) * EVENTS_PER_OP
+
+
+@dataclass(frozen=True)
+class ProfileCost:
+    """What a profile of one arm should take: the steps it records, their events, whether its trace is exported
+    (only where the gzipped trace would be small enough to keep), and seconds in all."""
+
+    active: int
+    events: float
+    trace: bool
+    seconds: float
+
+    def describe(self) -> str:
+        return (f"{self.active} recorded step{'s' if self.active > 1 else ''}, ~{self.events / 1e3:.0f}k profiler "
+                f"events{'' if self.trace else ', no trace'}")
 
 
 @dataclass
@@ -179,6 +217,19 @@ class Budget:
         build = build_s(group.params_b) * self.speed if state.built != group.family else 0.0
         arms = sum(self.arm_cost(a, steps) for a in group.arms)
         return build + arms + (FIRST_ARM_S * self.speed if not state.warm else 0.0)
+
+    def profile_cost(self, arm: ArmPlan, skip: int, wanted: int, trace_bytes: float) -> ProfileCost:
+        """A profile of ``arm``: ``skip`` steps, then as many of ``wanted`` recorded steps as
+        :data:`PROFILE_MAX_EVENTS` allows (at least one), then one more; the set-up and steps as
+        :meth:`arm_cost`, the profiler's recording (the schedule's warm-up step records too), the analysis, and the
+        trace where it stays under ``trace_bytes``."""
+        per_step = profile_events(arm.family)
+        active = max(1, min(wanted, int(PROFILE_MAX_EVENTS // per_step)))
+        events = per_step * active
+        trace = events * TRACE_BYTES_PER_EVENT <= trace_bytes
+        profiler = (per_step * (active + 1) * PROFILE_RECORD_S
+                    + events * (PROFILE_ANALYSIS_S + (PROFILE_EXPORT_S if trace else 0.0)))
+        return ProfileCost(active, events, trace, self.arm_cost(arm, skip + active + 1) + profiler)
 
     def why_not(self, estimate: float) -> str:
         return (f"time budget: needs ~{estimate:.0f} s, {max(self.left(), 0):.0f} s left"

@@ -124,6 +124,10 @@ class ProfileFigures:
     top_ops: list[tuple[str, float]] = field(default_factory=list)
     trace: str = ""
     error: str = ""
+    events: int = 0
+    """Events the profiler recorded (what its analysis and trace cost grow with: :mod:`bench.gpu_budget`)."""
+    analysis_s: float = 0.0
+    """Seconds the breakdown (and the trace's export) took after the recorded steps."""
 
 
 @dataclass
@@ -151,7 +155,8 @@ class GpuRun:
     """The code measured: ``git rev-parse --short HEAD`` (``+changes`` when tracked files differed), or what
     ``scripts/device-prep`` wrote to ``.device/commit`` where the copy has no git."""
     repeat: int = 1
-    """``--repeat N``: how many times each batch-1 row's arms ran."""
+    """``--repeat N``: how many times each selected training row's arms ran (before 2026-11-26 afternoon: batch-1
+    rows only)."""
     number: int = 0
     """The run's number in the ledger of accumulated runs (``R1``, ``R2``, …; 0: not merged yet)."""
 

@@ -127,7 +127,7 @@ def rounds(arms: list[ArmPlan], repeat: int) -> list[ArmPlan]:
 
 def plan_family(family: str, device_gib: float, batches: tuple[int, ...] | None = None,
                 depth: int | None = None, params_b: float = 0.0, repeat: int = 1) -> list[ArmPlan]:
-    """The three arms of ``family`` at each batch: bound, ours, built-in (side by side, same depth); batch-1 rows
+    """The three arms of ``family`` at each batch: bound, ours, built-in (side by side, same depth); every row
     ``repeat`` times (:func:`rounds`)."""
     from .gpu_budget import arm_setup_s, est_step_s
 
@@ -138,7 +138,7 @@ def plan_family(family: str, device_gib: float, batches: tuple[int, ...] | None 
         row = [ArmPlan(f"{family}/b{batch}/{arm}", family, batch, arm, d, note,
                        est_step_s=est_step_s(family, batch, arm), group=group,
                        setup_s=arm_setup_s(family, arm, params_b)) for arm in ARMS]
-        arms += rounds(row, repeat if batch == 1 else 1)
+        arms += rounds(row, repeat)
     return arms
 
 
@@ -181,12 +181,17 @@ def _grouped(section: str, arms: list[ArmPlan], params_b: Mapping[str, float]) -
     return out
 
 
+def _repeated(groups: list[GroupPlan], repeat: int) -> list[GroupPlan]:
+    """Each group's arms ``repeat`` times in rotating order (:func:`rounds`), as a family's rows are."""
+    return [replace(g, arms=tuple(rounds(list(g.arms), repeat))) for g in groups]
+
+
 def plan_groups(params_b: Mapping[str, float], vaes: Mapping[str, str], device_gib: float, gpus: int = 1, *,
                 batches: Mapping[str, tuple[int, ...]] | None = None, depth: int | None = None, repeat: int = 1,
                 extras: bool = True) -> list[GroupPlan]:
     """Every group of a whole run, in run order. ``params_b``: the families there are (name → parameters in
     billions); ``vaes``: the encode rows (VAE name → the text encoders it uses); ``gpus``: the devices (#26's
-    arms name their count)."""
+    arms name their count); ``repeat``: every training group's arms that many times in turn (encode rows once)."""
     batches = batches or {}
     out: list[GroupPlan] = []
     for family in (f for f in REQUIRED if f in params_b):
@@ -194,8 +199,9 @@ def plan_groups(params_b: Mapping[str, float], vaes: Mapping[str, str], device_g
                         params_b)
     out += [GroupPlan(f"encode/{name}", "encode", name, text=text) for name, text in vaes.items()]
     present = [a for a in plan_caps(params_b) if a.family.removesuffix("_fp8") in params_b]
-    out += _grouped("cap", present, params_b)
-    out += _grouped("devices", [a for a in plan_devices(gpus, params_b) if a.family in params_b], params_b)
+    out += _repeated(_grouped("cap", present, params_b), repeat)
+    out += _repeated(_grouped("devices", [a for a in plan_devices(gpus, params_b) if a.family in params_b],
+                              params_b), repeat)
     if extras:
         for family in (f for f in EXTRA if f in params_b):
             out += _grouped("extra", plan_family(family, device_gib, batches.get(family), depth, params_b[family],

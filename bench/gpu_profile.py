@@ -19,6 +19,7 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +30,8 @@ from .gpu_data import FamilyData
 from .gpu_figures import ProfileFigures, TrainFigures
 from .gpu_train import Trainers, arm_settings, free_device, train_ours
 
-__all__ = ["labelled", "breakdown", "profiled_steps", "profile_arm", "describe"]
+__all__ = ["labelled", "breakdown", "raw_events", "self_times", "keep_trace", "profiled_steps", "profile_arm",
+           "describe", "failed", "PastDeadline"]
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 LABELS = {"Conditioner": "streamcache.conditioning", "ModelCall": "streamcache.model_call"}
@@ -93,53 +95,84 @@ def profiled_steps(skip: int, active: int, device: Any, on_ready: Any) -> Any:
                    schedule=schedule(wait=max(skip - 1, 0), warmup=1, active=active, repeat=1))
 
 
+def raw_events(prof: Any) -> list[Any]:
+    """The profiler's events as kineto recorded them (``_KinetoEvent``: name, device, start and duration), hidden
+    ones left out. Not ``prof.events()``: that builds a Python ``FunctionEvent`` tree of every event, 30–90 µs an
+    event on the CPU (docs/BENCHMARKS.md, ``--profile``), 10–30 s for one full-size SDXL step."""
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        raise RuntimeError("the profiler holds no kineto results (nothing recorded, or a torch without kineto)")
+    return [e for e in results.events() if not e.is_hidden_event()]
+
+
 def _us(evt: Any) -> float:
-    return float(evt.time_range.elapsed_us())
+    return float(evt.duration_ns()) / 1e3
+
+
+def self_times(cpu_events: list[Any]) -> dict[str, float]:
+    """Self time (µs) per op name: each event's duration less that of the events nested in it on its thread."""
+    ordered = sorted(cpu_events, key=lambda e: (e.start_thread_id(), e.start_ns(), -e.duration_ns()))
+    self_us: dict[str, float] = {}
+    stack: list[tuple[int, int, str]] = []  # (thread, end ns, name) of the open events
+    for e in ordered:
+        thread, start, dur = e.start_thread_id(), e.start_ns(), e.duration_ns()
+        while stack and (stack[-1][0] != thread or stack[-1][1] <= start):
+            stack.pop()
+        name = e.name()
+        self_us[name] = self_us.get(name, 0.0) + dur / 1e3
+        if stack:
+            parent = stack[-1][2]
+            self_us[parent] = self_us.get(parent, 0.0) - dur / 1e3
+        stack.append((thread, start + dur, name))
+    return self_us
 
 
 def breakdown(prof: Any, arm_id: str, out_dir: Path | None = None) -> ProfileFigures:
-    """Per-step averages of the recorded steps of ``prof`` (see the module docstring); the trace is kept (gzip)
-    in ``out_dir`` when it is small enough to bring back."""
+    """Per-step averages of the recorded steps of ``prof`` (see the module docstring), from its raw events; the
+    trace is kept (gzip) in ``out_dir`` when given and small enough to bring back."""
     from torch.autograd import DeviceType
 
-    events = list(prof.events())
-    steps = [e for e in events if e.name.startswith("ProfilerStep")]
+    t0 = time.perf_counter()
+    events = raw_events(prof)
+    cpu = [e for e in events if e.device_type() == DeviceType.CPU]
+    dev = [e for e in events if e.device_type() != DeviceType.CPU and not e.is_user_annotation()]
+    steps = [e for e in cpu if e.name().startswith("ProfilerStep")]
     n = max(len(steps), 1)
     step_ms = sum(_us(e) for e in steps) / n / 1e3
-    cpu_events = [e for e in events if e.device_type == DeviceType.CPU]
-    dev_events = [e for e in events if e.device_type != DeviceType.CPU]
-    sync_ms = sum(_us(e) for e in cpu_events if e.name in SYNCS) / n / 1e3
-    syncs = sum(1 for e in cpu_events if e.name in SYNCS) / n
-    items = sum(1 for e in cpu_events if e.name == "aten::_local_scalar_dense") / n
-    pageable = [e for e in dev_events if "HtoD" in e.name and "Pageable" in e.name]
-    pinned = [e for e in dev_events if "HtoD" in e.name and "Pinned" in e.name]
+    syncs = [e for e in cpu if e.name() in SYNCS]
+    sync_ms = sum(_us(e) for e in syncs) / n / 1e3
+    pageable = [e for e in dev if "HtoD" in e.name() and "Pageable" in e.name()]
+    pinned = [e for e in dev if "HtoD" in e.name() and "Pinned" in e.name()]
     labels = {}
     for label in (*LABELS.values(), WAIT_LABEL):
-        inside = [e for e in cpu_events if e.name == label]
+        inside = [e for e in cpu if e.name() == label]
         if inside:
             labels[label] = sum(_us(e) for e in inside) / n / 1e3
-    averages = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
-    top = [(a.key, a.self_cpu_time_total / n / 1e3) for a in averages
-           if not a.key.startswith("ProfilerStep") and not a.key.startswith("streamcache.")][:8]
+    ranked = sorted(self_times(cpu).items(), key=lambda kv: kv[1], reverse=True)
+    top = [(k, us / n / 1e3) for k, us in ranked if not k.startswith(("ProfilerStep", "streamcache."))][:8]
     fig = ProfileFigures(
         id=arm_id, steps=len(steps), step_ms=step_ms, cpu_ms=max(step_ms - sync_ms, 0.0), sync_ms=sync_ms,
-        syncs=syncs, items=items, gpu_busy_ms=sum(_us(e) for e in dev_events) / n / 1e3,
-        h2d_pageable=len(pageable) / n, h2d_pageable_ms=sum(_us(e) for e in pageable) / n / 1e3,
-        h2d_pinned=len(pinned) / n, labels_ms=labels, top_ops=top)
+        syncs=len(syncs) / n, items=sum(1 for e in cpu if e.name() == "aten::_local_scalar_dense") / n,
+        gpu_busy_ms=sum(_us(e) for e in dev) / n / 1e3, h2d_pageable=len(pageable) / n,
+        h2d_pageable_ms=sum(_us(e) for e in pageable) / n / 1e3, h2d_pinned=len(pinned) / n, labels_ms=labels,
+        top_ops=top, events=len(events))
     if out_dir is not None:
-        fig.trace = _keep_trace(prof, out_dir, arm_id.replace("/", "_"))
+        fig.trace = keep_trace(prof, out_dir, arm_id.replace("/", "_"))
+    fig.analysis_s = time.perf_counter() - t0
     return fig
 
 
-def _keep_trace(prof: Any, out_dir: Path, stem: str) -> str:
+def keep_trace(prof: Any, out_dir: Path, stem: str) -> str:
     """Export the Chrome trace, gzip it, and keep it only under :data:`MAX_TRACE_BYTES` (else say its size)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / f"trace_{stem}.json"
     prof.export_chrome_trace(str(raw))
     packed = raw.with_suffix(".json.gz")
-    with raw.open("rb") as src, gzip.open(packed, "wb", compresslevel=6) as dst:
+    part = packed.with_name(packed.name + ".part")  # a run stopped while packing leaves no half trace to bring back
+    with raw.open("rb") as src, gzip.open(part, "wb", compresslevel=6) as dst:
         shutil.copyfileobj(src, dst)
     os.unlink(raw)
+    os.replace(part, packed)
     size = packed.stat().st_size
     if size > MAX_TRACE_BYTES:
         packed.unlink()
@@ -159,22 +192,46 @@ def describe(fig: ProfileFigures) -> str:
 
 
 
+class PastDeadline(RuntimeError):
+    """The profile reached the end of the time it was given (the run's budget) before it was done."""
+
+
 def profile_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures, skip: int, active: int,
-                out_dir: Path | None, extra: dict[str, Any] | None = None) -> ProfileFigures:
-    """Record ``active`` steps of ours (or the bound: ``fig.arm``) after ``skip`` steps; their breakdown."""
+                out_dir: Path | None, extra: dict[str, Any] | None = None, deadline: float | None = None
+                ) -> ProfileFigures:
+    """Record ``active`` steps of ours (or the bound: ``fig.arm``) after ``skip`` steps; their breakdown (the
+    trace exported to ``out_dir`` unless ``None``). ``deadline`` (``time.perf_counter``): a step that ends past it
+    stops the arm, and a breakdown is not begun past it; the profile is then reported as stopped, with no figure."""
     free_device(trainers.device)
     fig.settings = arm_settings(fig, skip + active + 1, extra or {})
     done: list[ProfileFigures] = []
+
+    def ready(prof: Any) -> None:
+        _check(deadline, "before its analysis")
+        done.append(breakdown(prof, fig.id, out_dir))
+
+    def step(prof: Any) -> None:
+        _check(deadline, f"after {prof.step_num} of {skip + active} steps")
+        prof.step()
+
     try:
-        with labelled(trainers.maker), profiled_steps(
-                skip, active, trainers.device, lambda p: done.append(breakdown(p, fig.id, out_dir))) as prof:
-            train_ours(trainers, model, data, fig, bound=fig.arm == "bound", hook=lambda _report: prof.step())
+        with labelled(trainers.maker), profiled_steps(skip, active, trainers.device, ready) as prof:
+            train_ours(trainers, model, data, fig, bound=fig.arm == "bound", hook=lambda _report: step(prof))
         if not done:
             raise RuntimeError(f"the profiler recorded no step (ran {skip + active + 1} steps)")
         return done[0]
     except Exception as exc:  # a failed profile is reported, the run goes on
-        return ProfileFigures(id=fig.id, steps=0, step_ms=0.0, cpu_ms=0.0, sync_ms=0.0, syncs=0.0, items=0.0,
-                              gpu_busy_ms=0.0, h2d_pageable=0.0, h2d_pageable_ms=0.0, h2d_pinned=0.0,
-                              error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        return failed(fig.id, f"{type(exc).__name__}: {str(exc)[:300]}")
     finally:
         free_device(trainers.device)
+
+
+def _check(deadline: float | None, where: str) -> None:
+    if deadline is not None and time.perf_counter() > deadline:
+        raise PastDeadline(f"stopped at the run's time budget, {where}")
+
+
+def failed(fig_id: str, error: str) -> ProfileFigures:
+    """A profile without figures, saying why."""
+    return ProfileFigures(id=fig_id, steps=0, step_ms=0.0, cpu_ms=0.0, sync_ms=0.0, syncs=0.0, items=0.0,
+                          gpu_busy_ms=0.0, h2d_pageable=0.0, h2d_pageable_ms=0.0, h2d_pinned=0.0, error=error)

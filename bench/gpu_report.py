@@ -62,6 +62,13 @@ class Arm:
         meds = [f.median_s for f in self.done if f.median_s is not None]
         return (min(meds), max(meds)) if len(meds) > 1 else None
 
+    def quantile(self, q: int) -> float | None:
+        """The ``q``-th percentile (10, 90) of every step of every repetition (``None`` under 2 steps)."""
+        steps = [x for f in self.done for x in f.step_s]
+        if len(steps) < 2:
+            return None
+        return statistics.quantiles(steps, n=10, method="inclusive")[q // 10 - 1]
+
     @property
     def first_s(self) -> float | None:
         firsts = [f.first_s for f in self.done if f.first_s is not None]
@@ -122,6 +129,18 @@ def _goals(batch: int, bound: Arm | None, ours: Arm | None, builtin: Arm | None)
     return vs_bound, vs_builtin, "; ".join(goals)
 
 
+def _spread(bound: Arm | None, ours: Arm | None) -> str:
+    """Ours' steps from p10 to p90 and ours against the bound at p10 (their fast steps, which noise on the host
+    slows least), e.g. ``1.048–1.440; 100.7%``."""
+    if ours is None or not ours.ok:
+        return "—"
+    lo, hi = ours.quantile(10), ours.quantile(90)
+    if lo is None or hi is None:
+        return "—"
+    bound_lo = bound.quantile(10) if bound is not None and bound.ok else None
+    return f"{lo:.3f}–{hi:.3f}" + (f"; {bound_lo / lo:.1%}" if bound_lo is not None else "")
+
+
 def _label(run: GpuRun, figs: Iterable[Figure] = ()) -> str:
     reps = max((getattr(f, "rep", 0) for f in figs), default=0) + 1
     return f"R{run.number}" + (f" ×{reps}" if reps > 1 else "")
@@ -148,11 +167,13 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
          "load and memory probe included: its remembered result is forgotten before each arm) to the end of its "
          "first step (ours and the bound report a step's loss once the next "
          "one is queued: their first report can come a step late). Peak: `torch.cuda.max_memory_allocated` over the "
-         "arm, model included. Speed ratios are of step times (ours / bound = bound time ÷ ours).", "",
+         "arm, model included. Speed ratios are of step times (ours / bound = bound time ÷ ours). Ours' steps "
+         "p10–p90: the spread of ours' step times (every repetition's steps together), then ours vs bound at p10 "
+         "(bound p10 ÷ ours p10: the fast steps, which noise on the host slows least).", "",
          "| family | shape, batch | run | depth | bound s/step | ours s/step | built-in s/step | ours vs bound "
          "| built-in time ÷ ours | first step s: bound / ours / built-in | peak GiB: bound / ours / built-in "
-         "| ours data wait | goals |",
-         "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|"]
+         "| ours' steps p10–p90 s; vs bound at p10 | ours data wait | goals |",
+         "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|"]
     problems: list[tuple[GpuRun, TrainFigures]] = []
     for (_, batch), run, train in sorted(rows, key=lambda r: r[0]):
         arms = {k: Arm([f for f in train if f.arm == k]) for k in ("bound", "ours", "builtin")}
@@ -167,7 +188,8 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
                  f"| {_cell(bound, 'step')} | {_cell(ours, 'step')} | {_cell(builtin, 'step')} "
                  f"| {vs_bound} | {vs_builtin} "
                  f"| {' / '.join(_cell(a, 'first') for a in (bound, ours, builtin))} "
-                 f"| {' / '.join(_cell(a, 'peak') for a in (bound, ours, builtin))} | {wait} | {goals} |")
+                 f"| {' / '.join(_cell(a, 'peak') for a in (bound, ours, builtin))} | {_spread(bound, ours)} "
+                 f"| {wait} | {goals} |")
         problems += [(run, f) for f in train if f.skipped or f.error]
     return o + _problems(problems)
 
@@ -193,20 +215,24 @@ def _grouped(shown: dict[str, tuple[GpuRun, list[Figure]]], prefix: str, title: 
           "|---|---|---:|---:|---:|---:|---:|---:|"]
     problems: list[tuple[GpuRun, TrainFigures]] = []
     for run, figs in groups:
-        ref = next((f for f in figs if f.cap_gib is None and f.ok), None)
-        for f in figs:
+        arms = {i: Arm([f for f in figs if f.id == i]) for i in dict.fromkeys(f.id for f in figs)}
+        ref = next((a for a in arms.values() if a.figs[0].cap_gib is None and a.ok), None)
+        for arm_id, arm in arms.items():
             speed = delta = "—"
-            if f.ok and ref is not None and ref is not f:
-                speed = f"{ref.median_s / f.median_s:.1%}"  # type: ignore[operator]
-                n = min(len(ref.losses), len(f.losses))
-                if n:
-                    delta = f"{max(abs(a - b) for a, b in zip(ref.losses[:n], f.losses[:n])):.2e}"
-            arm = Arm([f])
-            o.append(f"| `{f.id}` | R{run.number} | {_f(f.cap_gib, 'g')} | {_cell(arm, 'step')} | {speed} "
-                     f"| {_cell(arm, 'peak')} | {_cell(arm, 'first')} | {delta} |")
-            if f.skipped or f.error:
-                problems.append((run, f))
+            if arm.ok and ref is not None and ref is not arm:
+                speed = f"{ref.median_s / arm.median_s:.1%}"  # type: ignore[operator]
+                delta = _loss_delta(ref.done[0], arm.done[0])
+            o.append(f"| `{arm_id}` | {_label(run, arm.figs)} | {_f(arm.figs[0].cap_gib, 'g')} "
+                     f"| {_cell(arm, 'step')} | {speed} | {_cell(arm, 'peak')} | {_cell(arm, 'first')} | {delta} |")
+            problems += [(run, f) for f in arm.figs if f.skipped or f.error]
     return o + _problems(problems)
+
+
+def _loss_delta(ref: TrainFigures, fig: TrainFigures) -> str:
+    """The largest difference of the two arms' losses step by step (their first repetitions: same seed, same
+    batches)."""
+    n = min(len(ref.losses), len(fig.losses))
+    return f"{max(abs(a - b) for a, b in zip(ref.losses[:n], fig.losses[:n])):.2e}" if n else "—"
 
 
 def _rate(images: int, seconds: float | None) -> float | None:
@@ -294,7 +320,7 @@ def _run_line(run: GpuRun, families: dict[str, FamilySpec]) -> str:
     return (f"- **R{run.number}** {run.date or 'date unknown'}, {d.name} {d.memory_gib:.1f} GiB"
             + (f" (×{d.count})" if d.count > 1 else "") + f", commit {run.commit or 'unknown'}: `{run.command}` "
             f"({run.seconds / 60:.1f} min of a {run.budget_s / 60:.1f} min budget, {state}; {run.steps} steps after "
-            f"{run.warmup} warm-up" + (f", batch-1 rows ×{run.repeat}" if run.repeat > 1 else "") + "). "
+            f"{run.warmup} warm-up" + (f", rows ×{run.repeat}" if run.repeat > 1 else "") + "). "
             f"torch {d.torch}" + (f", CUDA {d.cuda}" if d.cuda else "") + (f", cuDNN {d.cudnn}" if d.cudnn else "")
             + f"; ComfyUI {d.comfyui}; Python {d.python}; host: {d.host}."
             + (f" Models built in: {builds}." if builds else "")

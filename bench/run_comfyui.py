@@ -14,6 +14,7 @@ ComfyUI runs.
     "$COMFYUI_PYTHON" bench/run_comfyui.py encode-memory [options]   # bench/encode_memory.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py gpu [options]             # scripts/bench-gpu: bench/gpu.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py step-ops [options]        # scripts/bench-step-ops: bench/step_ops.py
+    "$COMFYUI_PYTHON" bench/run_comfyui.py profile-cost [options]    # bench/gpu_profile_cost.py
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def main() -> int:
         from bench.gpu import main as gpu_main
 
         return gpu_main(argv[1:])
+    if argv[:1] == ["profile-cost"]:
+        from bench.gpu_profile_cost import main as profile_cost_main
+
+        return profile_cost_main(argv[1:])
     if argv[:1] == ["step-ops"]:
         from bench.step_ops import main as step_ops_main
 

@@ -108,7 +108,8 @@ def test_the_section_names_the_device_and_checks_every_goal(run: GpuRun) -> None
     assert "Notes: Multi-GPU arms (#26): skipped, 1 CUDA GPU here (they need 2 or more)." in head
     b1 = next(line for line in lines if line.startswith("| SDXL | 1024², b1 | R1 |"))
     assert "| 0.400 | 0.402 | 0.410 | 99.5% | 1.02× |" in b1 and "≥ 99% of bound: met; ≥ 1× built-in: met" in b1
-    assert "9.0 / 9.0 / 9.0 | 12.0 / 12.1 / 12.5 | 0.3% |" in b1
+    # every step equal: ours' p10–p90 is one value, and ours vs the bound at p10 is the ratio of the medians
+    assert "9.0 / 9.0 / 9.0 | 12.0 / 12.1 / 12.5 | 0.402–0.402; 99.5% | 0.3% |" in b1
     b4 = next(line for line in lines if line.startswith("| SDXL | 1024², b4 | R1 |"))
     assert "| out of memory |" in b4 and "≥ 99% of bound: NOT met" in b4 and "built-in out of memory: met" in b4
     assert "- `flux/b1/bound` (R1): time budget: needs ~80 s, 20 s left" in lines
@@ -137,7 +138,33 @@ def test_repeated_arms_give_the_median_of_their_medians_and_its_range(run: GpuRu
     assert ("| R1 ×2 | 1 | 0.410 (0.400–0.420) | 0.400 (0.390–0.410) | 0.440 (0.420–0.460) | 102.5% | 1.10× |"
             in line)
     assert "| 2.5 / 2.5 / 2.5 | 2.0 / 2.2 / 6.1 |" in line  # first step: the median; peak: the largest
-    assert "batch-1 rows ×2" in text
+    assert "rows ×2" in text
+
+
+def test_the_spread_of_each_arms_steps_is_shown_beside_its_median(run: GpuRun) -> None:
+    ours = [1.0 + 0.1 * i for i in range(11)]  # 1.0 … 2.0: p10 1.1, p90 1.9 (inclusive deciles of 11 values)
+    bound = [1.0 + 0.05 * i for i in range(11)]  # p10 1.05: ours vs bound at p10 = 1.05 / 1.1
+    run.train = [TrainFigures("sdxl/b4/bound", "sdxl", 4, "bound", 2, step_s=bound, first_s=9.0, peak_gib=10.0),
+                 TrainFigures("sdxl/b4/ours", "sdxl", 4, "ours", 2, step_s=ours, first_s=9.0, peak_gib=10.0)]
+    line = next(x for x in render(run).splitlines() if x.startswith("| SDXL | 1024², b4 |"))
+    assert "| 1.100–1.900; 95.5% |" in line
+    # repetitions: the steps of every repetition together (22 values 1.0 … 2.0, 3.0 … 4.0: the inclusive p10 lies
+    # at 2.1 of 21 intervals, 1.2 + 0.1 × 0.1 = 1.21; p90 at 18.9, 3.7 + 0.9 × 0.1 = 3.79; 1.05 / 1.21 = 86.8%)
+    run.train += [TrainFigures("sdxl/b4/ours", "sdxl", 4, "ours", 2, step_s=[x + 2.0 for x in ours], first_s=9.0,
+                               peak_gib=10.0, rep=1)]
+    line = next(x for x in render(run).splitlines() if x.startswith("| SDXL | 1024², b4 | R1 ×2 |"))
+    assert "| 1.210–3.790; 86.8% |" in line
+
+
+def test_repeated_capped_arms_give_one_row_each_against_the_repeated_reference(run: GpuRun) -> None:
+    run.train = [TrainFigures(f"cap/sdxl-{tag}/ours", "sdxl", 1, "ours", 1, step_s=[step] * 5, losses=[loss] * 7,
+                              cap_gib=cap, peak_gib=6.0, first_s=8.0, rep=rep)
+                 for tag, cap, rep, step, loss in (("none", None, 0, 1.0, 0.5), ("8", 8.0, 0, 1.2, 0.5002),
+                                                   ("8", 8.0, 1, 1.0, 0.5002), ("none", None, 1, 1.2, 0.5))]
+    rows = [x for x in render(run).splitlines() if x.startswith("| `cap/sdxl-")]
+    # medians of medians: 1.1 each, so 100.0%; the loss difference of the first repetitions
+    assert rows == ["| `cap/sdxl-none/ours` | R1 ×2 | — | 1.100 (1.000–1.200) | — | 6.0 | 8.0 | — |",
+                    "| `cap/sdxl-8/ours` | R1 ×2 | 8 | 1.100 (1.000–1.200) | 100.0% | 6.0 | 8.0 | 2.00e-04 |"]
 
 
 def test_a_run_stopped_early_says_so_and_survives_its_json(run: GpuRun, tmp_path: Path) -> None:

@@ -35,9 +35,31 @@ def test_repeated_rows_alternate_the_order_and_run_every_arm_n_times() -> None:
     assert [(a.arm, a.rep) for a in order] == [
         ("bound", 0), ("ours", 0), ("builtin", 0), ("ours", 1), ("builtin", 1), ("bound", 1),
         ("builtin", 2), ("bound", 2), ("ours", 2)]
-    arms = plan_family("sd15", 139.8, repeat=2)  # only batch 1 repeats
-    assert [a.id for a in arms if a.batch == 8] == ["sd15/b8/bound", "sd15/b8/ours", "sd15/b8/builtin"]
+    arms = plan_family("sd15", 139.8, repeat=2)  # every row repeats, batch ≥ 2 as batch 1, each in rotating order
+    assert [(a.id, a.rep) for a in arms if a.batch == 8] == [
+        ("sd15/b8/bound", 0), ("sd15/b8/ours", 0), ("sd15/b8/builtin", 0),
+        ("sd15/b8/ours", 1), ("sd15/b8/builtin", 1), ("sd15/b8/bound", 1)]
     assert len([a for a in arms if a.batch == 1]) == 6
+
+
+def test_repeat_covers_every_training_group_but_not_the_encode_rows() -> None:
+    once = {g.key: g for g in plan_groups(PARAMS, TEXTS, 139.8, 2)}
+    twice = {g.key: g for g in plan_groups(PARAMS, TEXTS, 139.8, 2, repeat=2)}
+    assert list(once) == list(twice)
+    for key, g in twice.items():
+        reps = 1 if g.section == "encode" else 2
+        assert len(g.arms) == reps * len(once[key].arms), key
+        assert sorted((a.id, a.rep) for a in g.arms) == sorted((a.id, r) for a in once[key].arms
+                                                               for r in range(reps)), key
+    assert [(a.id, a.rep) for a in twice["cap/sdxl"].arms] == [
+        ("cap/sdxl-none/ours", 0), ("cap/sdxl-8/ours", 0), ("cap/sdxl-8/ours", 1), ("cap/sdxl-none/ours", 1)]
+    # --only picks the rows; the repetitions come with them, and the budget's plan counts every one
+    (b4,) = select(list(twice.values()), ["sdxl/b4"])
+    assert len(b4.arms) == 6
+    budget = Budget(1e6, clock=lambda: 0.0)
+    (one,) = forecast(select(list(once.values()), ["sdxl/b4"]), budget, 24)
+    (two,) = forecast([b4], budget, 24)
+    assert two.seconds - one.seconds == pytest.approx(sum(budget.arm_cost(a, 24) for a in b4.arms[:3]), rel=1e-9)
 
 
 def test_the_plan_is_every_group_in_run_order() -> None:
