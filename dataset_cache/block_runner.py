@@ -7,6 +7,15 @@ around it. The checkpoint is torch's non-reentrant one with the RNG state kept, 
 what the forward did; the block's top-level tensors are its inputs, which torch saves through the saved-tensor
 hooks in force (:class:`~dataset_cache.host_activations.HostActivations` can move them to host memory), and
 nothing else keeps them alive.
+
+``reentrant=True`` (opt-in, Train LoRA's ``checkpoint_mode`` "fast") uses torch's reentrant checkpoint instead: the
+forward runs without autograd and the backward recomputes the block into an ordinary graph, with far fewer
+Python calls and dispatcher ops than the non-reentrant form's per-tensor hooks. Not bit-identical: the gradient
+of a tensor every block reads is summed per block, then across blocks (the last bits differ). Its outputs are
+flattened for it (nested lists and dicts keep their gradients); a call none of whose tensors requires a gradient
+keeps the non-reentrant form (the reentrant one would leave the block's parameters without gradients); and the
+recompute, which runs inside the backward, saves its tensors as they are, whatever saved-tensor hooks are in
+force there (host activations would otherwise offload a whole block's activations).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.utils.checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["BlockRunners", "Probe", "Streamer", "out_of_place_assignments"]
 
@@ -121,6 +131,36 @@ def _fill(template: tuple[list[Any], dict[str, Any]], where: list[Any], tensors:
     return a, k
 
 
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _hooks_lifted() -> contextlib.AbstractContextManager[Any]:
+    """Saved tensors kept as they are, whatever saved-tensor hooks are in force outside (the innermost pair
+    wins). Only pushed where some hooks are in force: an identity pair still costs two Python calls a tensor."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is not None and top(False) is None:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+
+
+def _reentrant_checkpoint(body: Callable[..., Any], tensors: Sequence[torch.Tensor]) -> Any:
+    """``body(*tensors)`` through torch's reentrant checkpoint: its output flattened into a tuple (the form the
+    reentrant checkpoint takes gradients through) and rebuilt after; the recompute with outer hooks lifted."""
+    spec: list[Any] = []
+
+    def flat(*inputs: torch.Tensor) -> tuple[Any, ...]:
+        recompute = bool(spec)
+        with _hooks_lifted() if recompute else contextlib.nullcontext():
+            leaves, structure = tree_flatten(body(*inputs))
+        if not recompute:
+            spec.append(structure)
+        return tuple(leaves)
+
+    leaves = torch.utils.checkpoint.checkpoint(flat, *tensors, use_reentrant=True)
+    return tree_unflatten(list(leaves), spec[0])
+
+
 class BlockRunners:
     """The runner installed as the ``forward`` of each of ``blocks``; :meth:`remove` puts the originals back.
 
@@ -135,10 +175,14 @@ class BlockRunners:
     without checkpointing autograd refuses the modified tensor. ``None``: not known, every tensor input is
     copied. The copies are exact: nothing changes in the results. ``out_of_place``: blocks that modify tensors
     they saved for the backward pass, run under :func:`out_of_place_assignments`.
+
+    ``reentrant``: checkpoint through torch's reentrant form where some tensor input requires a gradient (fewer
+    host calls; gradients equal up to float rounding, see the module's docstring).
     """
 
-    def __init__(self, blocks: Sequence[torch.nn.Module], *, checkpoint: bool) -> None:
+    def __init__(self, blocks: Sequence[torch.nn.Module], *, checkpoint: bool, reentrant: bool = False) -> None:
         self.checkpoint = checkpoint
+        self.reentrant = reentrant
         self.copied: dict[int, set[Any]] | None = {}
         self.out_of_place: set[int] = set()
         self.streamer: Streamer | None = None
@@ -208,7 +252,10 @@ class BlockRunners:
                 with self._around(index, recompute):
                     return original(*a, **k)
 
-            out = torch.utils.checkpoint.checkpoint(body, *tensors, use_reentrant=False)
+            if self.reentrant and any(t.requires_grad for t in tensors):
+                out = _reentrant_checkpoint(body, tensors)
+            else:
+                out = torch.utils.checkpoint.checkpoint(body, *tensors, use_reentrant=False)
             del calls["forward"], tensors
             return out
         return run_block
