@@ -31,9 +31,10 @@ from .comfy_parts import nodes_train_module
 from .loop import NonFiniteLossError
 from .report import RowCounts, StepReport, TrainResult
 from .run import train_lora
-from .settings import LOSS_FUNCTIONS, MAX_REG_RATIO, MAX_REG_WEIGHT, OPTIMIZERS, TrainSettings
+from .settings import CHECKPOINT_MODES, LOSS_FUNCTIONS, MAX_REG_RATIO, MAX_REG_WEIGHT, OPTIMIZERS, TrainSettings
 
 __all__ = [
+    "CHECKPOINT_MODES",
     "LOSS_FUNCTIONS",
     "MAX_REG_RATIO",
     "MAX_REG_WEIGHT",

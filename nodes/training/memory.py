@@ -218,7 +218,8 @@ def plan_run_memory(run: Any, reader: Any, samples: Sequence[Any], buckets: Sequ
     settings, mp = run.settings, run.mp
     dm = mp.model.diffusion_model
     blocks, how = find_blocks(dm)
-    runners = BlockRunners([b.module for b in blocks], checkpoint=settings.gradient_checkpointing)
+    runners = BlockRunners([b.module for b in blocks], checkpoint=settings.gradient_checkpointing,
+                           reentrant=settings.checkpoint_mode == "fast")
     trainable = _trainable_bytes(run.lora_sd, settings.optimizer)
     try:
         shape, conditioning = probe_inputs(reader, samples, buckets, settings.batch_size)
@@ -233,7 +234,8 @@ def plan_run_memory(run: Any, reader: Any, samples: Sequence[Any], buckets: Sequ
         runners.remove()
         log.warning("Train LoRA: the memory probe failed (%s: %s); planning from the weights alone",
                     type(e).__name__, e)
-        runners = BlockRunners([b.module for b in blocks], checkpoint=settings.gradient_checkpointing)
+        runners = BlockRunners([b.module for b in blocks], checkpoint=settings.gradient_checkpointing,
+                               reentrant=settings.checkpoint_mode == "fast")
         runners.copied = None  # which inputs a block modifies is not known: every block gets copies
         needs, order = _weights_only(blocks, dm, trainable, f"the probe failed ({type(e).__name__})"), []
     sequence = [*order, *(i for i in range(len(blocks)) if i not in order)]

@@ -9,7 +9,8 @@ from comfy.weight_adapter import adapter_maps
 
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 
-__all__ = ["LORA_DTYPES", "LOSS_FUNCTIONS", "MAX_REG_RATIO", "MAX_REG_WEIGHT", "MEMORY_MODES", "OPTIMIZERS",
+__all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS",
+           "MAX_REG_RATIO", "MAX_REG_WEIGHT", "MEMORY_MODES", "OPTIMIZERS",
            "TRAINING_DTYPES",
            "TrainSettings"]
 
@@ -19,6 +20,9 @@ LOSS_FUNCTIONS = ("MSE", "L1", "Huber", "SmoothL1")
 """The losses ComfyUI's ``_create_loss_function`` knows."""
 TRAINING_DTYPES = ("bf16", "fp32", "none")
 LORA_DTYPES = ("bf16", "fp32")
+CHECKPOINT_MODES = ("exact", "fast")
+"""How blocks are checkpointed: "exact" (torch's non-reentrant checkpoint: the built-in node's gradients bit for
+bit) or "fast" (the reentrant one: fewer host calls, gradients equal up to float rounding)."""
 
 MAX_REG_RATIO = 16.0
 """Regularization occurrences per main occurrence: kohya's default is 1; past 16 the main dataset is noise."""
@@ -36,7 +40,8 @@ class TrainSettings:
     where the dataset has any (``unmasked_weight``: the weight where a mask is 0); see :meth:`~.loop.StepLoop._loss`.
     ``memory`` picks the memory plan (:mod:`dataset_cache.memory_plan`; ``stream_blocks``: its block count for
     the stream modes, 0 as many as needed; ``allow_fp8``: block weights may be stored in fp8). ``checkpoint_depth``
-    is no longer used: with ``gradient_checkpointing`` every block is its own checkpoint (0: set by a new node).
+    is no longer used: with ``gradient_checkpointing`` every block is its own checkpoint (0: set by a new node);
+    ``checkpoint_mode`` picks how (:data:`CHECKPOINT_MODES`).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -56,6 +61,7 @@ class TrainSettings:
     algorithm: str = "LoRA"
     gradient_checkpointing: bool = True
     checkpoint_depth: int = 0
+    checkpoint_mode: str = "exact"
     offloading: bool = False
     existing_lora: str = "[None]"
     prefetch_batches: int = 2
@@ -82,6 +88,7 @@ class TrainSettings:
             ("training_dtype", self.training_dtype, TRAINING_DTYPES),
             ("lora_dtype", self.lora_dtype, LORA_DTYPES),
             ("memory", self.memory, MEMORY_MODES),
+            ("checkpoint_mode", self.checkpoint_mode, CHECKPOINT_MODES),
         ):
             if value not in allowed:
                 raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(allowed)}")

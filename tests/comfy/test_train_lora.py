@@ -31,7 +31,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
     "bypass_mode": False, "masked_loss": True, "unmasked_weight": 0.1,
     "caption_dropout": 0.0, "reg_dataset": None, "reg_ratio": 1.0, "reg_weight": 1.0,
-    "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto",
+    "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact",
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -117,7 +117,7 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "prefetch_batches", "loader_threads",
                                                            "quantized_backward", "bypass_mode",
                                                            "masked_loss", "unmasked_weight", "stream_blocks",
-                                                           "allow_fp8"}
+                                                           "allow_fp8", "checkpoint_mode"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -134,6 +134,9 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     assert (inputs["checkpoint_depth"].default, inputs["checkpoint_depth"].min) == (0, 0)  # 0: no note
     # #26: one device (or a CPU) trains exactly as before; several GPUs data-parallel
     assert inputs["devices"].optional and inputs["devices"].default == "auto" and "devices" in info["input"]["optional"]
+    # a prompt without it checkpoints exactly as before; "fast" is opt-in
+    assert inputs["checkpoint_mode"].optional and inputs["checkpoint_mode"].default == "exact"
+    assert inputs["checkpoint_mode"].options == ["exact", "fast"] and "checkpoint_mode" in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
