@@ -237,7 +237,9 @@ def clear_probe_cache() -> None:
 def probe_key(mp: Any, model_options: dict[str, Any], dtype: torch.dtype, blocks: list[Block], runners: BlockRunners,
               shape: tuple[int, ...], conditioning: Any, trainable_bytes: int, weight_copies: bool) -> str | None:
     """The key of a probe's result: everything it depends on (:mod:`.probe_cache`), or ``None`` when something
-    cannot be described as plain data (the run is then probed and nothing is remembered)."""
+    cannot be described as plain data (the run is then probed and nothing is remembered). ``runners.reentrant``
+    (``checkpoint_mode``) is left out: the probe runs the blocks itself (``probe.run``), never through either
+    checkpoint, and both forms keep the same tensors (each block's inputs) for the backward pass."""
     try:
         return value_digest(structure_digest(mp.model), [b.name for b in blocks], runners.checkpoint, str(dtype),
                             tuple(shape), conditioning, model_options, trainable_bytes, weight_copies)

@@ -169,3 +169,49 @@ def test_streamed_weights_and_host_activations_train_bit_identically(
     some = train(pack, family, n, dataset, monkeypatch, memory="stream blocks", stream_blocks=2)
     assert some.memory_plan["streamed_blocks"] == 2 and not some.memory_plan["host_activations"]
     _same(some, runs[n, True])
+
+
+
+FAST_FAMILIES = ("sd15", "flux")
+"""The families whose "fast" checkpoints are compared (a UNet with a timestep embedding every res block reads, a
+transformer with a modulation vector every block reads)."""
+
+
+def test_fast_checkpoints_train_as_exact_ones_up_to_float_rounding(
+        pack: ModuleType, family: Family, dataset: Any, runs: dict[tuple[int, bool], Run],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``checkpoint_mode`` "fast" (torch's reentrant checkpoint) against "exact". The first step's forward is the
+    same computation: the same loss bit for bit. Its gradients are sums of the same fp32 terms, those of a tensor
+    several blocks read associated per block first: within U·eps·sum|terms| (U: the uses, about two per block);
+    compared per tensor against 1e-4 × its largest element, which allows sums whose terms cancel to 1/40 of their
+    magnitudes (found: under 2e-6). From then on the weights differ by those roundings through AdamW, whose update
+    is about ``learning_rate`` per element wherever a gradient is non-zero: the LoRAs must agree to 5% of one
+    update (a wrong or missing gradient moves an element by a whole one; found: under 1%), and the later losses to
+    1e-5 relative (a step changes the loss by ~10% here; found: 6e-8). What a step keeps for the backward pass
+    (measured by hooks around forward *and* backward) is the same: the recompute inside the backward saves past
+    outer hooks, and the memory probe's figures hold for both forms."""
+    if family.name not in FAST_FAMILIES:
+        pytest.skip("compared on SD1.5 and Flux")
+    n = BLOCK_COUNTS[family.name][1]
+    exact, fast = runs[n, True], train(pack, family, n, dataset, monkeypatch, checkpoint_mode="fast")
+    assert fast.losses[0] == exact.losses[0]
+    assert fast.losses[1:] == pytest.approx(exact.losses[1:], rel=1e-5, abs=0)
+    first_exact, first_fast = exact.grads[0], fast.grads[0]
+    assert len(first_exact) == len(first_fast) > 0
+    assert any(bool(a.abs().max() > 0) for a in first_exact)  # (the LoRAs' up halves start at 0: their downs' too)
+    for a, b in zip(first_exact, first_fast):
+        assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
+    lr, steps = SETTINGS["learning_rate"], SETTINGS["steps"]
+    assert exact.lora.keys() == fast.lora.keys()
+    assert all(torch.allclose(exact.lora[k], fast.lora[k], rtol=0, atol=0.05 * lr) for k in exact.lora)
+    assert steps == len(exact.losses) == len(fast.losses)
+    assert fast.saved == exact.saved
+    predicted = fast.memory_plan["needs"]["held_checkpointed"]
+    assert predicted == exact.memory_plan["needs"]["held_checkpointed"] and 0.97 * fast.saved <= predicted <= fast.saved
+
+
+def test_an_unknown_checkpoint_mode_is_refused_by_name(pack: ModuleType) -> None:
+    settings = _module(pack, "nodes.training").TrainSettings
+    with pytest.raises(ValueError, match="checkpoint_mode 'quick'; use one of exact, fast"):
+        settings(checkpoint_mode="quick").validate()
+    settings(checkpoint_mode="fast").validate()
