@@ -106,7 +106,7 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
             "bypass_mode": False, "masked_loss": True, "unmasked_weight": 0.1,
             "caption_dropout": 0.0, "reg_ratio": 1.0, "reg_weight": 1.0, "memory": "auto", "stream_blocks": 0,
-            "allow_fp8": False, "devices": "auto"}},
+            "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact"}},
         str(SAVE): {"class_type": "SaveLoRA", "inputs": {"lora": [str(TRAIN), 0], "prefix": "loras/streamcache_fe",
                                                          "steps": [str(TRAIN), 2]}},
         str(INFO): {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": damaged}},
