@@ -248,6 +248,9 @@ def _runnable(ctx: Context, opts: Options, rec: _Recorder, device: Device, every
         elif device.kind != "cuda":
             rec.note("Memory-capped arms (#25): skipped, no CUDA device to cap.")
             groups = [g for g in groups if g.section != "cap"]
+    if any(g.section == "ckpt" for g in groups) and missing_settings(ctx.trainers, {"checkpoint_mode": "fast"}):
+        rec.note("Checkpoint-mode arms: skipped, this checkout's Train LoRA has no `checkpoint_mode` setting yet.")
+        groups = [g for g in groups if g.section != "ckpt"]
     if any(g.section == "devices" for g in groups):
         count = device.count if device.kind == "cuda" else 0
         if count < 2:

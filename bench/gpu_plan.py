@@ -5,12 +5,13 @@ Plain data (no torch, no ComfyUI), so the unit tests check the plan and the sele
 :mod:`bench.gpu_budget`'s job.
 
 Order: the four required families (SD1.5, SDXL, Flux-dev, WAN 2.1 1.3B), each at batch 1 and its batch ≥ 2, three
-arms side by side (bound, ours, built-in); then Encode Dataset per VAE; then the memory-capped arms of #25 and the
-multi-GPU arms of #26 (present, skipped with one line where this checkout's trainer lacks the setting or the machine
-has one GPU); then Qwen-Image and Lumina 2.
+arms side by side (bound, ours, built-in); then Encode Dataset per VAE; then the memory-capped arms of #25, ours' two
+``checkpoint_mode`` forms, and the multi-GPU arms of #26 (present, skipped with one line where this checkout's
+trainer lacks the setting or the machine has one GPU); then Qwen-Image and Lumina 2.
 
 A **group** is what must come from one run, side by side: a family/batch row's three arms (``sd15/b1``), a capped
-family's capped and uncapped arms (``cap/flux``), one multi-GPU family (``devices/sdxl``), one encode row
+family's capped and uncapped arms (``cap/flux``), a family's exact and fast checkpoint arms (``ckpt/sdxl``), one
+multi-GPU family (``devices/sdxl``), one encode row
 (``encode/flux``), one profile (its own id). Runs accumulate by group (:mod:`bench.gpu_ledger`).
 """
 
@@ -20,9 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["ArmPlan", "GroupPlan", "BATCHES", "REQUIRED", "EXTRA", "CAPS", "plan_family", "plan_caps",
-           "plan_devices", "plan_groups", "select", "matches", "choose_depth", "group_key", "expected_ids",
-           "rounds"]
+__all__ = ["ArmPlan", "GroupPlan", "BATCHES", "REQUIRED", "EXTRA", "CAPS", "CKPT_MODES", "plan_family",
+           "plan_caps", "plan_ckpt_modes", "plan_devices", "plan_groups", "select", "matches", "choose_depth",
+           "group_key", "expected_ids", "rounds"]
 
 REQUIRED = ("sd15", "sdxl", "flux", "wan21")
 EXTRA = ("lumina2", "qwen_image")
@@ -40,6 +41,9 @@ CAPS: tuple[tuple[str, int, float | None], ...] = (
     ("flux_fp8", 1, None), ("flux_fp8", 1, 12.0), ("wan21", 1, None), ("wan21", 1, 12.0))
 """#25's targets: (family, batch, device cap in GB; None = the uncapped reference), memory plan ``auto``;
 ``flux_fp8`` is Flux-dev with its weights stored in fp8 e4m3fn."""
+CKPT_MODES: tuple[tuple[str, int], ...] = (("sd15", 1), ("sdxl", 1), ("flux", 1), ("wan21", 1))
+"""Train LoRA's ``checkpoint_mode``: ours ``exact`` (the reference) against ours ``fast`` at batch 1, where a step
+is host-bound (the fast form's fewer ops and Python calls are what it saves)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ def group_key(fig_id: str) -> str:
     parts = fig_id.split("/")
     if parts[0] in ("encode", "profile"):
         return fig_id
-    if parts[0] in ("cap", "devices") and len(parts) >= 2:
+    if parts[0] in ("cap", "devices", "ckpt") and len(parts) >= 2:
         return f"{parts[0]}/{parts[1].rsplit('-', 1)[0]}"
     if len(parts) == 3:
         return f"{parts[0]}/{parts[1]}"
@@ -97,6 +101,9 @@ def expected_ids(key: str) -> set[str] | None:
     if head == "cap":
         family = key.split("/", 1)[1]
         return {a.id for a in plan_caps() if a.family == family}
+    if head == "ckpt":
+        family = key.split("/", 1)[1]
+        return {a.id for a in plan_ckpt_modes() if a.family == family}
     if head in ("encode", "devices", "profile") or key.count("/") != 1:
         return None
     return {f"{key}/{arm}" for arm in ARMS}
@@ -157,6 +164,17 @@ def plan_caps(params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:
     return arms
 
 
+def plan_ckpt_modes(params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:
+    """Ours with ``checkpoint_mode`` exact (the reference) and fast, per family of :data:`CKPT_MODES`."""
+    from .gpu_budget import arm_setup_s, est_step_s
+
+    params_b = params_b or {}
+    return [ArmPlan(f"ckpt/{family}-{mode}/ours", family, batch, "ours", 1, "ours checkpoints every block",
+                    extra={"checkpoint_mode": mode}, est_step_s=est_step_s(family, batch, "ours"), group="ckpt",
+                    setup_s=arm_setup_s(family, "ours", params_b.get(family, 0.0)))
+            for family, batch in CKPT_MODES for mode in ("exact", "fast")]
+
+
 def plan_devices(count: int, params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:
     """#26's scaling arms: ours on every GPU (``devices`` auto) at each required family's batch ≥ 2."""
     from .gpu_budget import arm_setup_s, est_step_s
@@ -200,6 +218,8 @@ def plan_groups(params_b: Mapping[str, float], vaes: Mapping[str, str], device_g
     out += [GroupPlan(f"encode/{name}", "encode", name, text=text) for name, text in vaes.items()]
     present = [a for a in plan_caps(params_b) if a.family.removesuffix("_fp8") in params_b]
     out += _repeated(_grouped("cap", present, params_b), repeat)
+    out += _repeated(_grouped("ckpt", [a for a in plan_ckpt_modes(params_b) if a.family in params_b], params_b),
+                     repeat)
     out += _repeated(_grouped("devices", [a for a in plan_devices(gpus, params_b) if a.family in params_b],
                               params_b), repeat)
     if extras:

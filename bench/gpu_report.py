@@ -155,7 +155,7 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
     rows = []
     for key, (run, figs) in shown.items():
         train = [f for f in figs if isinstance(f, TrainFigures)]
-        if train and key.count("/") == 1 and not key.startswith(("cap/", "devices/", "profile/", "encode/")):
+        if train and key.count("/") == 1 and not key.startswith(("cap/", "ckpt/", "devices/", "profile/", "encode/")):
             rows.append((_order(families, train[0].family, train[0].batch), run, train))
     o = ["### G1. Training step: the in-memory bound, ours, ComfyUI's `TrainLoraNode`", "",
          "Median seconds per step over the steps after the warm-up (the run's line says how many; bf16 model and "
@@ -205,25 +205,31 @@ def _problems(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
     return ["", "Arms without figures:", *lines] if lines else []
 
 
-def _grouped(shown: dict[str, tuple[GpuRun, list[Figure]]], prefix: str, title: str, intro: str) -> list[str]:
+def _grouped(shown: dict[str, tuple[GpuRun, list[Figure]]], prefix: str, title: str, intro: str,
+             reference: str = "uncapped") -> list[str]:
+    """A section of groups of ours' arms, each against its group's reference arm: the uncapped one (caps, devices)
+    or, with ``reference`` "exact", the ``checkpoint_mode`` exact one."""
     groups = [(run, [f for f in figs if isinstance(f, TrainFigures)]) for key, (run, figs) in shown.items()
               if key.startswith(prefix)]
     o = [title, "", intro]
     if not groups:
         return o
-    o += ["", "| arm | run | cap GB | s/step | vs uncapped | peak GiB | first step s | max loss Δ vs uncapped |",
-          "|---|---|---:|---:|---:|---:|---:|---:|"]
+    capped = reference == "uncapped"
+    o += ["", f"| arm | run |{' cap GB |' if capped else ''} s/step | vs {reference} | peak GiB | first step s "
+          f"| max loss Δ vs {reference} |", "|---|---|" + "---:|" * (6 if capped else 5)]
     problems: list[tuple[GpuRun, TrainFigures]] = []
     for run, figs in groups:
         arms = {i: Arm([f for f in figs if f.id == i]) for i in dict.fromkeys(f.id for f in figs)}
-        ref = next((a for a in arms.values() if a.figs[0].cap_gib is None and a.ok), None)
+        ref = next((a for i, a in arms.items() if a.ok and (
+            a.figs[0].cap_gib is None if capped else i.endswith(f"-{reference}/ours"))), None)
         for arm_id, arm in arms.items():
             speed = delta = "—"
             if arm.ok and ref is not None and ref is not arm:
                 speed = f"{ref.median_s / arm.median_s:.1%}"  # type: ignore[operator]
                 delta = _loss_delta(ref.done[0], arm.done[0])
-            o.append(f"| `{arm_id}` | {_label(run, arm.figs)} | {_f(arm.figs[0].cap_gib, 'g')} "
-                     f"| {_cell(arm, 'step')} | {speed} | {_cell(arm, 'peak')} | {_cell(arm, 'first')} | {delta} |")
+            cap = f" {_f(arm.figs[0].cap_gib, 'g')} |" if capped else ""
+            o.append(f"| `{arm_id}` | {_label(run, arm.figs)} |{cap} {_cell(arm, 'step')} | {speed} "
+                     f"| {_cell(arm, 'peak')} | {_cell(arm, 'first')} | {delta} |")
             problems += [(run, f) for f in arm.figs if f.skipped or f.error]
     return o + _problems(problems)
 
@@ -349,6 +355,11 @@ def render(runs: Ledger | GpuRun, families: dict[str, FamilySpec] | None = None,
                         "Ours with `devices` = auto against one GPU: samples/s scale with the GPUs when the step time "
                         "stays flat at the same per-GPU batch.")]
     o += ["", *_encode(shown)]
+    o += ["", *_grouped(shown, "ckpt/", "### G6. Train LoRA's `checkpoint_mode`: exact against fast",
+                        "Ours with `checkpoint_mode` = exact (torch's non-reentrant checkpoint per block: the same "
+                        "gradients bit for bit as ComfyUI's node) and fast (the reentrant one: fewer ops and Python "
+                        "calls per step, gradients equal up to rounding), at batch 1 where the step is host-bound; "
+                        "speed of fast against exact (same run), losses compared step by step.", reference="exact")]
     prof = _profile(shown)
     if prof:
         o += ["", *prof]

@@ -11,7 +11,7 @@ import pytest
 
 from bench.gpu_figures import Device, EncodeFigures, GpuRun, ProfileFigures, TrainFigures, load_run, save_run
 from bench.gpu_budget import Budget
-from bench.gpu_plan import choose_depth, matches, plan_caps, plan_devices, plan_family
+from bench.gpu_plan import choose_depth, matches, plan_caps, plan_ckpt_modes, plan_devices, plan_family
 from bench.gpu_report import PLACEHOLDER, render
 
 
@@ -34,6 +34,10 @@ def test_each_family_batch_has_three_arms_side_by_side_at_one_depth() -> None:
     assert all(a.extra == {"memory": "auto"} for a in plan_caps())
     assert {a.cap_gib for a in plan_caps()} == {None, 8.0, 12.0, 24.0}
     assert all(a.extra == {"devices": "auto"} and a.id.endswith("-4/ours") for a in plan_devices(4))
+    assert [(a.id, a.extra, a.batch) for a in plan_ckpt_modes() if a.family == "sdxl"] == [
+        ("ckpt/sdxl-exact/ours", {"checkpoint_mode": "exact"}, 1),
+        ("ckpt/sdxl-fast/ours", {"checkpoint_mode": "fast"}, 1)]
+    assert {a.family for a in plan_ckpt_modes()} == {"sd15", "sdxl", "flux", "wan21"}
 
 
 @pytest.mark.parametrize(("patterns", "selected"), [
@@ -165,6 +169,18 @@ def test_repeated_capped_arms_give_one_row_each_against_the_repeated_reference(r
     # medians of medians: 1.1 each, so 100.0%; the loss difference of the first repetitions
     assert rows == ["| `cap/sdxl-none/ours` | R1 ×2 | — | 1.100 (1.000–1.200) | — | 6.0 | 8.0 | — |",
                     "| `cap/sdxl-8/ours` | R1 ×2 | 8 | 1.100 (1.000–1.200) | 100.0% | 6.0 | 8.0 | 2.00e-04 |"]
+
+
+def test_the_fast_checkpoint_arm_is_shown_against_the_exact_one_and_not_in_g1(run: GpuRun) -> None:
+    run.train = [TrainFigures(f"ckpt/flux-{mode}/ours", "flux", 1, "ours", 1, step_s=[step] * 5, losses=[loss] * 7,
+                              peak_gib=26.0, first_s=13.0) for mode, step, loss in (("exact", 1.0, 0.5),
+                                                                                   ("fast", 0.8, 0.5003))]
+    text = render(run)
+    rows = [x for x in text.splitlines() if x.startswith("| `ckpt/flux-")]
+    # fast's speed against exact: 1.0 / 0.8; its losses against exact's, step by step
+    assert rows == ["| `ckpt/flux-exact/ours` | R1 | 1.000 | — | 26.0 | 13.0 | — |",
+                    "| `ckpt/flux-fast/ours` | R1 | 0.800 | 125.0% | 26.0 | 13.0 | 3.00e-04 |"]
+    assert "### G6." in text and not any(x.startswith("| Flux-dev |") for x in text.splitlines())
 
 
 def test_a_run_stopped_early_says_so_and_survives_its_json(run: GpuRun, tmp_path: Path) -> None:

@@ -22,7 +22,8 @@ H100 = Device("cuda", "NVIDIA H100 80GB HBM3", 79.2)
 
 @pytest.mark.parametrize(("fig_id", "key"), [
     ("sd15/b1/ours", "sd15/b1"), ("qwen_image/b1/builtin", "qwen_image/b1"), ("cap/flux_fp8-12/ours", "cap/flux_fp8"),
-    ("cap/sdxl-none/ours", "cap/sdxl"), ("devices/wan21-4/ours", "devices/wan21"), ("encode/flux", "encode/flux"),
+    ("cap/sdxl-none/ours", "cap/sdxl"), ("ckpt/sdxl-fast/ours", "ckpt/sdxl"), ("devices/wan21-4/ours", "devices/wan21"),
+    ("encode/flux", "encode/flux"),
     ("profile/sdxl/b1/ours", "profile/sdxl/b1/ours")])
 def test_each_figure_belongs_to_the_group_compared_side_by_side(fig_id: str, key: str) -> None:
     assert group_key(fig_id) == key
@@ -67,10 +68,14 @@ def test_the_plan_is_every_group_in_run_order() -> None:
     assert keys == ["sd15/b1", "sd15/b8", "sdxl/b1", "sdxl/b4", "flux/b1", "flux/b2", "wan21/b1",
                     "encode/sd15", "encode/sdxl", "encode/flux", "encode/wan21",
                     "cap/sdxl", "cap/flux", "cap/flux_fp8", "cap/wan21",
+                    "ckpt/sd15", "ckpt/sdxl", "ckpt/flux", "ckpt/wan21",
                     "devices/sd15", "devices/sdxl", "devices/flux", "devices/wan21",
                     "lumina2/b1", "lumina2/b2", "qwen_image/b1"]
     groups = plan_groups(PARAMS, TEXTS, 139.8, 1)
     assert {g.section for g in groups if g.key.startswith("cap/")} == {"cap"}
+    assert {g.section for g in groups if g.key.startswith("ckpt/")} == {"ckpt"}
+    assert [a.id for a in next(g for g in groups if g.key == "ckpt/flux").arms] == [
+        "ckpt/flux-exact/ours", "ckpt/flux-fast/ours"]
     assert next(g for g in groups if g.key == "cap/flux_fp8").family == "flux_fp8"
     assert next(g for g in groups if g.key == "encode/flux").text == "clip_l+t5xxl"
 
