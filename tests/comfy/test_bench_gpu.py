@@ -128,8 +128,9 @@ def test_a_second_run_measures_what_the_first_left_and_adds_to_it(
     ctx.ledger = tmp_path / "bench-gpu-results.json"
     ctx.base = load_ledger(ctx.ledger)
     families, vaes = tiny_specs()
-    # --missing within SD1.5, whose batch-1 row the first run left partial (its built-in arm was not selected)
-    opts = Options(steps=1, warmup=1, budget_s=3600.0, only=["sd15"], missing=True, repeat=2, extras=False,
+    # --missing within SD1.5's batch-1 row, which the first run left partial (its built-in arm was not selected);
+    # "sd15" alone would select the family's checkpoint-mode group too (ckpt/sd15)
+    opts = Options(steps=1, warmup=1, budget_s=3600.0, only=["sd15/b1"], missing=True, repeat=2, extras=False,
                    settings=STANDIN_SETTINGS, batches={"sd15": (1,), "wan21": (1,)},
                    command="scripts/bench-gpu --cpu-standin --missing --repeat 2", commit="second")
     run = measure(ctx, opts, families, vaes, device_info(ctx.device, "test"), torch.float32)
