@@ -97,13 +97,10 @@ def group_key(fig_id: str) -> str:
 
 def expected_ids(key: str) -> set[str] | None:
     """The arm ids a complete training group holds (``None``: a group of one figure, any: encode, devices, profile)."""
-    head = key.split("/", 1)[0]
-    if head == "cap":
-        family = key.split("/", 1)[1]
-        return {a.id for a in plan_caps() if a.family == family}
-    if head == "ckpt":
-        family = key.split("/", 1)[1]
-        return {a.id for a in plan_ckpt_modes() if a.family == family}
+    head, _, rest = key.partition("/")
+    planned = {"cap": plan_caps, "ckpt": plan_ckpt_modes}.get(head)
+    if planned is not None:
+        return {a.id for a in planned() if a.family == rest}
     if head in ("encode", "devices", "profile") or key.count("/") != 1:
         return None
     return {f"{key}/{arm}" for arm in ARMS}

@@ -205,29 +205,27 @@ def _problems(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
     return ["", "Arms without figures:", *lines] if lines else []
 
 
-def _grouped(shown: dict[str, tuple[GpuRun, list[Figure]]], prefix: str, title: str, intro: str,
-             reference: str = "uncapped") -> list[str]:
-    """A section of groups of ours' arms, each against its group's reference arm: the uncapped one (caps, devices)
-    or, with ``reference`` "exact", the ``checkpoint_mode`` exact one."""
+def _grouped(shown: dict[str, tuple[GpuRun, list[Figure]]], prefix: str, title: str, intro: str, *,
+             reference: str = "none", versus: str = "uncapped", cap_column: bool = True) -> list[str]:
+    """A section of groups of ours' arms, each against its group's reference arm (the one whose id ends in
+    ``-{reference}/ours``: ``cap/sdxl-none/ours``, ``ckpt/sdxl-exact/ours``), named ``versus`` in the header."""
     groups = [(run, [f for f in figs if isinstance(f, TrainFigures)]) for key, (run, figs) in shown.items()
               if key.startswith(prefix)]
     o = [title, "", intro]
     if not groups:
         return o
-    capped = reference == "uncapped"
-    o += ["", f"| arm | run |{' cap GB |' if capped else ''} s/step | vs {reference} | peak GiB | first step s "
-          f"| max loss Δ vs {reference} |", "|---|---|" + "---:|" * (6 if capped else 5)]
+    o += ["", f"| arm | run |{' cap GB |' if cap_column else ''} s/step | vs {versus} | peak GiB | first step s "
+          f"| max loss Δ vs {versus} |", "|---|---|" + "---:|" * (6 if cap_column else 5)]
     problems: list[tuple[GpuRun, TrainFigures]] = []
     for run, figs in groups:
         arms = {i: Arm([f for f in figs if f.id == i]) for i in dict.fromkeys(f.id for f in figs)}
-        ref = next((a for i, a in arms.items() if a.ok and (
-            a.figs[0].cap_gib is None if capped else i.endswith(f"-{reference}/ours"))), None)
+        ref = next((a for i, a in arms.items() if a.ok and i.endswith(f"-{reference}/ours")), None)
         for arm_id, arm in arms.items():
             speed = delta = "—"
             if arm.ok and ref is not None and ref is not arm:
                 speed = f"{ref.median_s / arm.median_s:.1%}"  # type: ignore[operator]
                 delta = _loss_delta(ref.done[0], arm.done[0])
-            cap = f" {_f(arm.figs[0].cap_gib, 'g')} |" if capped else ""
+            cap = f" {_f(arm.figs[0].cap_gib, 'g')} |" if cap_column else ""
             o.append(f"| `{arm_id}` | {_label(run, arm.figs)} |{cap} {_cell(arm, 'step')} | {speed} "
                      f"| {_cell(arm, 'peak')} | {_cell(arm, 'first')} | {delta} |")
             problems += [(run, f) for f in arm.figs if f.skipped or f.error]
@@ -359,7 +357,8 @@ def render(runs: Ledger | GpuRun, families: dict[str, FamilySpec] | None = None,
                         "Ours with `checkpoint_mode` = exact (torch's non-reentrant checkpoint per block: the same "
                         "gradients bit for bit as ComfyUI's node) and fast (the reentrant one: fewer ops and Python "
                         "calls per step, gradients equal up to rounding), at batch 1 where the step is host-bound; "
-                        "speed of fast against exact (same run), losses compared step by step.", reference="exact")]
+                        "speed of fast against exact (same run), losses compared step by step.",
+                        reference="exact", versus="exact", cap_column=False)]
     prof = _profile(shown)
     if prof:
         o += ["", *prof]

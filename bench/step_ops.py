@@ -21,11 +21,13 @@ the next, the built-in from one ``fwd_bwd`` call to the next), and one more step
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -111,9 +113,6 @@ class _CollectorClock:
         self._start = 0.0
 
     def timing(self, on: bool) -> None:
-        import gc
-        import threading
-
         if on and self._thread is None:
             self._thread = threading.get_ident()
             gc.callbacks.append(self._seen)
@@ -122,8 +121,6 @@ class _CollectorClock:
             self._thread = None
 
     def _seen(self, phase: str, info: dict[str, Any]) -> None:
-        import threading
-
         if threading.get_ident() != self._thread:
             return
         if phase == "start":
@@ -248,8 +245,6 @@ def measure(ctx: Any, families: dict[str, FamilySpec], batches: dict[str, tuple[
             counted: int, say: Callable[[str], None], on_arm: Callable[[ArmCounts], None] | None = None
             ) -> list[ArmCounts]:
     """Every arm of every family in ``families`` at ``batches``; each result handed to ``on_arm`` as it comes."""
-    import gc
-
     import torch
 
     from .gpu_data import write_family_cache

@@ -206,6 +206,11 @@ def _wrap_forward(dm: torch.nn.Module, host: HostActivations, undo: list[Callabl
     undo.append(lambda: dm.__dict__.pop("forward", None))
 
 
+def _runners(blocks: Sequence[Block], settings: TrainSettings) -> BlockRunners:
+    return BlockRunners([b.module for b in blocks], checkpoint=settings.gradient_checkpointing,
+                        reentrant=settings.checkpoint_mode == "fast")
+
+
 def _request(settings: TrainSettings, managed_by: str) -> MemoryRequest:
     return MemoryRequest(settings.memory, settings.gradient_checkpointing, settings.stream_blocks,
                          settings.allow_fp8, managed_by)
@@ -218,8 +223,7 @@ def plan_run_memory(run: Any, reader: Any, samples: Sequence[Any], buckets: Sequ
     settings, mp = run.settings, run.mp
     dm = mp.model.diffusion_model
     blocks, how = find_blocks(dm)
-    runners = BlockRunners([b.module for b in blocks], checkpoint=settings.gradient_checkpointing,
-                           reentrant=settings.checkpoint_mode == "fast")
+    runners = _runners(blocks, settings)
     trainable = _trainable_bytes(run.lora_sd, settings.optimizer)
     try:
         shape, conditioning = probe_inputs(reader, samples, buckets, settings.batch_size)
@@ -234,8 +238,7 @@ def plan_run_memory(run: Any, reader: Any, samples: Sequence[Any], buckets: Sequ
         runners.remove()
         log.warning("Train LoRA: the memory probe failed (%s: %s); planning from the weights alone",
                     type(e).__name__, e)
-        runners = BlockRunners([b.module for b in blocks], checkpoint=settings.gradient_checkpointing,
-                               reentrant=settings.checkpoint_mode == "fast")
+        runners = _runners(blocks, settings)
         runners.copied = None  # which inputs a block modifies is not known: every block gets copies
         needs, order = _weights_only(blocks, dm, trainable, f"the probe failed ({type(e).__name__})"), []
     sequence = [*order, *(i for i in range(len(blocks)) if i not in order)]
