@@ -15,6 +15,7 @@ import torch
 import comfy.model_management
 import comfy.utils
 
+from ...dataset_cache.autograd_release import release_failed_backward
 from ...dataset_cache.gcpause import StepCollector
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.sampler import BatchPlan
@@ -180,10 +181,14 @@ class StepLoop:
         tally = _Tally(s.steps, on_step)
         lagged = _LaggedLosses(self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        with StepCollector() as collector:  # the collector's passes between steps, not inside them
-            for step in range(s.steps):
-                self._step(step, batches, tally, lagged, throw_if_interrupted)
-                collector.step()
+        try:
+            with StepCollector() as collector:  # the collector's passes between steps, not inside them
+                for step in range(s.steps):
+                    self._step(step, batches, tally, lagged, throw_if_interrupted)
+                    collector.step()
+        except BaseException:  # out of memory in a backward pass: autograd would keep its graph (autograd_release)
+            release_failed_backward([self.device])
+            raise
         self._report(lagged.swap(None, [], []), tally)
         return tally.losses, time.perf_counter() - tally.t0, tally.rows, tally.wait
 

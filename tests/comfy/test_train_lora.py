@@ -579,6 +579,62 @@ def test_the_collector_runs_between_steps_only_and_is_back_after_training(node: 
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
+class _BackwardOOM(RuntimeError):
+    pass
+
+
+def _fail_in_backward() -> tuple[Any, list[Any]]:
+    """A hook on every module call that fails the backward pass in its middle (as a CUDA out-of-memory error there
+    would) and keeps weak references to the convolutions' outputs, which later ops save for the backward pass.
+    Global, not on the test's model: Train LoRA trains a fresh copy of it."""
+    import weakref
+
+    saved: list[Any] = []
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise _BackwardOOM("CUDA out of memory (raised in the backward pass by the test)")
+
+    def hook(module: Any, args: Any, out: Any) -> None:
+        # every convolution's output but the last one's (4 latent channels: the first to get its gradient), in
+        # every forward pass (the memory probe's forward passes run no backward)
+        if isinstance(module, torch.nn.Conv2d) and out.requires_grad:
+            saved.append(weakref.ref(out))
+            if module.out_channels > 4:
+                out.register_hook(fail)
+
+    return torch.nn.modules.module.register_module_forward_hook(hook), saved
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_a_failed_backward_pass_leaves_no_activations_behind(pack: ModuleType, node: type, models: tuple,
+                                                             dataset: Any, checkpointing: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of memory in a backward pass fails the run with that error, and the failed step's graph is freed at
+    once: without the release, autograd keeps it (and on a GPU its memory) until the thread's next backward pass,
+    so a retry with a smaller batch would start short of memory (dataset_cache/autograd_release.py)."""
+    loop = _module(pack, "nodes.training.loop")
+
+    def failed_run() -> list[Any]:
+        hook, saved = _fail_in_backward()
+        try:
+            with pytest.raises(_BackwardOOM):
+                _train(node, models[0], dataset, steps=3, gradient_checkpointing=checkpointing)
+        finally:
+            hook.remove()
+        gc.collect()
+        assert saved, "the hooks saw no activation"
+        return [ref for ref in saved if ref() is not None]
+
+    with monkeypatch.context() as m:  # the premise: without the release the failed graph stays
+        m.setattr(loop, "release_failed_backward", lambda devices: None)
+        kept = failed_run()
+    if not kept:
+        pytest.skip(f"torch {torch.__version__} frees a failed backward pass's graph by itself")
+    loop.release_failed_backward([torch.device("cpu")])  # what the premise run left
+    assert failed_run() == []
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
 # ------------------------------------------------------------------------------------------------- bad inputs
 def test_missing_cache_is_a_clear_error(node: type, models: tuple, handles: ModuleType, tmp_path: Path) -> None:
     handle = handles.StreamDatasetHandle(str(tmp_path / "nothing"), "train")

@@ -1,0 +1,39 @@
+"""Freeing what a backward pass that raised leaves behind.
+
+When a backward pass raises (a CUDA out-of-memory error in its middle is the usual way a batch or resolution too
+large for the device fails), PyTorch's autograd engine keeps the failed graph alive: its saved activations, the
+tensors recomputed for checkpointed blocks, the gradients made so far. Nothing in Python refers to them any more, so
+neither dropping the exception nor ``gc.collect()`` frees them; the thread that ran the pass frees them when it runs
+its next backward pass (pytorch/pytorch#82218; ``tests/unit/test_autograd_release.py`` shows both). In ComfyUI that
+thread is the prompt worker, whose next backward pass may never come: the memory stays taken while the user samples,
+and a retry with a smaller batch starts with less free memory than the first try had. Running a backward pass of two
+nodes on the same thread right after the failure releases it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["release_failed_backward"]
+
+log = logging.getLogger("streamcache.train")
+
+
+def release_failed_backward(devices: Iterable[torch.device | str] = ()) -> None:
+    """After a forward or backward pass raised on this thread, free the graph autograd still holds of it.
+
+    Runs a two-node backward pass on the CPU and on each of ``devices``; cheap (microseconds on the CPU, one tiny
+    kernel launch per device) and harmless when nothing failed. Never raises: it runs while an error is on its way
+    to the user, which it must not replace (a device left unusable by the failure is logged at debug level).
+    """
+    targets = {torch.device("cpu"), *(torch.device(d) for d in devices)}
+    for device in targets:
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                leaf = torch.ones(1, device=device, requires_grad=True)
+                (leaf * 2.0).sum().backward()
+        except Exception:  # a device in an error state: the original error is the one to report
+            log.debug("could not run the release backward pass on %s", device, exc_info=True)

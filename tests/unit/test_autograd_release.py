@@ -1,0 +1,110 @@
+"""``release_failed_backward``: what a backward pass that raised leaves alive is freed on the same thread.
+
+Each case fails a backward pass of a small model the way a real run fails: an error raised in Python in the middle
+of it (an out-of-memory error while a checkpointed block is recomputed runs through Python), an error raised by the
+engine itself (C++: an out-of-memory error in a kernel), inside a non-reentrant and a reentrant checkpoint. A weak
+reference to an activation the graph saved tells whether the graph is still alive: a tensor kept by C++ keeps its
+Python object, and with it the weak reference, alive.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from dataset_cache.autograd_release import release_failed_backward
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _python_error(grad: torch.Tensor) -> torch.Tensor:
+    raise _Boom("out of memory (raised in Python during backward)")
+
+
+def _engine_error(grad: torch.Tensor) -> torch.Tensor:
+    return grad.new_zeros(3)  # the engine raises: a hook may not change a gradient's size
+
+
+def _failed_step(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str, device: str = "cpu",
+                 rows: int = 64) -> weakref.ref[torch.Tensor]:
+    """Forward and backward through two branches, the failing one first (so the other's work is queued when it
+    fails, as in a real model); a weak reference to a tensor the graph saved. ``wrap``: none, or the failing
+    block checkpointed (``exact``: non-reentrant, ``fast``: reentrant)."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(256, 256, generator=gen).to(device).requires_grad_() for _ in range(4)]
+    x = torch.randn(rows, 256, generator=gen).to(device)
+    saved = (x @ weights[0]).relu()
+    ref = weakref.ref(saved)
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        out = (h @ weights[1]).relu() @ weights[2]
+        if out.requires_grad:  # a reentrant checkpoint's first forward runs without grad: its recompute registers
+            out.register_hook(hook)
+        return out
+
+    other = (saved @ weights[3]).relu()  # made first, so its backward comes after the failing branch's: pending
+    if wrap == "none":
+        failing = block(saved)
+    else:
+        failing = checkpoint(block, saved, use_reentrant=wrap == "fast")
+    with pytest.raises((_Boom, RuntimeError)):
+        (failing * other).sum().backward()
+    return ref
+
+
+def _alive(ref: weakref.ref[torch.Tensor]) -> bool:
+    gc.collect()
+    return ref() is not None
+
+
+@pytest.mark.parametrize("hook", [_python_error, _engine_error], ids=["python-error", "engine-error"])
+@pytest.mark.parametrize("wrap", ["none", "exact", "fast"])
+def test_the_failed_graph_is_kept_by_autograd_until_the_release(hook: Callable[[torch.Tensor], torch.Tensor],
+                                                                 wrap: str) -> None:
+    """Nothing in Python holds the failed graph, and ``gc.collect()`` does not free it; the release does. Skipped
+    where a torch frees it by itself (pytorch/pytorch#82218 fixed: the release then does no harm)."""
+    ref = _failed_step(hook, wrap)
+    if not _alive(ref):
+        pytest.skip(f"torch {torch.__version__} frees a failed backward pass's graph by itself")
+    release_failed_backward()
+    assert not _alive(ref)
+
+
+def test_the_release_works_under_inference_mode() -> None:
+    """ComfyUI runs nodes under ``torch.inference_mode()``, where no backward pass could run."""
+    ref = _failed_step(_python_error, "exact")
+    with torch.inference_mode():
+        release_failed_backward()
+    assert not _alive(ref)
+
+
+def test_the_release_never_raises() -> None:
+    """It runs while the failure's own error is on its way to the user: a device it cannot use is skipped."""
+    ref = _failed_step(_python_error, "none")
+    release_failed_backward(["cuda:97"])  # no machine that runs this has 98 GPUs; the CPU is still released
+    assert not _alive(ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("wrap", ["none", "exact", "fast"])
+def test_the_failed_graphs_device_memory_comes_back(wrap: str) -> None:
+    """On a GPU: the device memory the failed pass held is allocated no more after the release."""
+    device = torch.device("cuda")
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    _failed_step(_engine_error, wrap, "cuda", rows=16384)  # 16 MiB per saved activation
+    gc.collect()
+    held = torch.cuda.memory_allocated(device) - before
+    release_failed_backward([device])
+    gc.collect()
+    torch.cuda.synchronize(device)
+    left = torch.cuda.memory_allocated(device) - before
+    assert left <= 1 << 20, f"{left} bytes still allocated after the release ({held} before it)"
