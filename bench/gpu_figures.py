@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Device", "TrainFigures", "EncodeFigures", "ProfileFigures", "GpuRun", "save_run", "load_run",
+__all__ = ["LEFT_GIB", "Device", "TrainFigures", "EncodeFigures", "ProfileFigures", "GpuRun", "save_run", "load_run",
            "run_from_dict"]
 
 
@@ -30,6 +30,10 @@ class Device:
     python: str = ""
     host: str = ""
     """CPU model, cores and RAM of the machine around the device."""
+
+
+LEFT_GIB = 0.25
+"""An arm that leaves more than this allocated after its clean-up is named in its line and in the report."""
 
 
 @dataclass
@@ -62,6 +66,12 @@ class TrainFigures:
     skipped: str = ""
     rep: int = 0
     """Which repetition of the arm this is (``--repeat N``: 0 … N-1; the arm's id is the same in each)."""
+    start_gib: float | None = None
+    """``torch.cuda.memory_allocated`` as the arm started, every model unloaded: the harness's own tensors, plus what
+    an earlier arm failed to give back (``None`` on the CPU and in runs before it was measured)."""
+    left_gib: float | None = None
+    """What the arm left allocated after its clean-up, over ``start_gib``: every later arm of the run starts with it
+    (and its peak includes it)."""
 
     @property
     def median_s(self) -> float | None:

@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .gpu_figures import EncodeFigures, GpuRun, ProfileFigures, TrainFigures
+from .gpu_figures import LEFT_GIB, EncodeFigures, GpuRun, ProfileFigures, TrainFigures
 from .gpu_ledger import Figure, Ledger, owners
 from .gpu_models import FULL_FAMILIES, FamilySpec
 
@@ -190,19 +190,28 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
                  f"| {' / '.join(_cell(a, 'first') for a in (bound, ours, builtin))} "
                  f"| {' / '.join(_cell(a, 'peak') for a in (bound, ours, builtin))} | {_spread(bound, ours)} "
                  f"| {wait} | {goals} |")
-        problems += [(run, f) for f in train if f.skipped or f.error]
+        problems += [(run, f) for f in train if _noted(f)]
     return o + _problems(problems)
+
+
+def _noted(f: TrainFigures) -> bool:
+    """An arm the section names below its table: without figures, or one that left memory allocated."""
+    return bool(f.skipped or f.error) or (f.left_gib or 0.0) > LEFT_GIB
 
 
 def _problems(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
     seen: set[tuple[str, str]] = set()
-    lines = []
+    lines, left = [], []
     for run, f in figs:
         why = f.skipped or f.error
-        if (f.id, why) not in seen:
+        if why and (f.id, why) not in seen:
             seen.add((f.id, why))
             lines.append(f"- `{f.id}` (R{run.number}): {why}")
-    return ["", "Arms without figures:", *lines] if lines else []
+        if (f.left_gib or 0.0) > LEFT_GIB:
+            left.append(f"- `{f.id}` (R{run.number}): {f.left_gib:.1f} GiB still allocated after its clean-up; the "
+                        "arms after it in that run started with it, and their peaks include it")
+    out = ["", "Arms without figures:", *lines] if lines else []
+    return out + (["", "Arms that did not give their device memory back:", *left] if left else [])
 
 
 def _grouped(shown: dict[str, tuple[GpuRun, list[Figure]]], prefix: str, title: str, intro: str, *,
@@ -228,7 +237,7 @@ def _grouped(shown: dict[str, tuple[GpuRun, list[Figure]]], prefix: str, title: 
             cap = f" {_f(arm.figs[0].cap_gib, 'g')} |" if cap_column else ""
             o.append(f"| `{arm_id}` | {_label(run, arm.figs)} |{cap} {_cell(arm, 'step')} | {speed} "
                      f"| {_cell(arm, 'peak')} | {_cell(arm, 'first')} | {delta} |")
-            problems += [(run, f) for f in arm.figs if f.skipped or f.error]
+            problems += [(run, f) for f in arm.figs if _noted(f)]
     return o + _problems(problems)
 
 

@@ -16,6 +16,11 @@ steps, the last report left out: ``steps`` gaps timed, as for the built-in). Pea
 ``torch.cuda.max_memory_allocated`` from the arm's start (every model unloaded first), so it includes the model.
 Settings a checkout's trainer lacks (#25's ``memory``, #26's ``devices``) make the arm ``skipped`` with one line
 instead of failing.
+
+A failed arm gives its memory back before the next one starts: autograd keeps a failed backward pass's graph until
+the thread's next backward pass (``dataset_cache/autograd_release.py``; ComfyUI's node does not release it). In the
+H100 run R4, ~57 GiB stayed allocated after the built-in's out-of-memory failure, under every later arm. Each arm
+now records what was allocated as it started and what it left after its clean-up, so a leak shows in its own line.
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ from types import ModuleType
 from typing import Any
 
 from .gpu_data import FamilyData
-from .gpu_figures import TrainFigures
+from .gpu_figures import LEFT_GIB, TrainFigures
 
 __all__ = ["BASE_SETTINGS", "Trainers", "run_arm", "arm_settings", "train_ours", "missing_settings", "free_device",
-           "memory_gib"]
+           "allocated_gib", "memory_gib"]
 
 BASE_SETTINGS: dict[str, Any] = {
     "grad_accumulation_steps": 1, "learning_rate": 1e-4, "rank": 16, "optimizer": "AdamW", "loss_function": "MSE",
@@ -107,6 +112,15 @@ def free_device(device: Any) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def allocated_gib(device: Any) -> float | None:
+    """GiB the caching allocator has handed out now; ``None`` off CUDA."""
+    import torch
+
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    return torch.cuda.memory_allocated(device) / GIB
+
+
 def _sync(device: Any) -> None:
     import torch
 
@@ -127,6 +141,7 @@ def run_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures,
         return fig
     free_device(trainers.device)
     forget_probes(trainers)
+    fig.start_gib = allocated_gib(trainers.device)
     total = warmup + steps
     fig.settings = arm_settings(fig, total + (0 if fig.arm == "builtin" else 1), extra)
     capped = _cap(trainers.device, fig.cap_gib)
@@ -152,7 +167,14 @@ def run_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures,
         fig.peak_gib, fig.reserved_gib = memory_gib(trainers.device)
         if capped:
             torch.cuda.set_per_process_memory_fraction(1.0, trainers.device)
+        if fig.error:  # autograd keeps a failed backward pass's graph until the next one (the built-in's too)
+            from dataset_cache.autograd_release import release_failed_backward
+
+            release_failed_backward([trainers.device])
         free_device(trainers.device)
+        end = allocated_gib(trainers.device)
+        if end is not None and fig.start_gib is not None:
+            fig.left_gib = end - fig.start_gib
     say(_line(fig))
     return fig
 
@@ -177,7 +199,7 @@ def _cap(device: Any, cap_gib: float | None) -> bool:
 def _line(fig: TrainFigures) -> str:
     """One progress line for the arm."""
     if fig.error:
-        return f"{fig.id}: FAILED {fig.error[:200]}"
+        return f"{fig.id}: FAILED {fig.error[:200]}" + _left(fig)
     med = fig.median_s
     parts = [f"{fig.id} (depth {fig.checkpoint_depth}): median {med:.3f} s/step over {len(fig.step_s)}"
              if med is not None else f"{fig.id}: no steady steps"]
@@ -187,7 +209,13 @@ def _line(fig: TrainFigures) -> str:
         parts.append(f"peak {fig.peak_gib:.1f} GiB")
     if fig.data_wait_pct is not None:
         parts.append(f"data wait {fig.data_wait_pct:.1f}%")
-    return ", ".join(parts)
+    return ", ".join(parts) + _left(fig)
+
+
+def _left(fig: TrainFigures) -> str:
+    if fig.left_gib is None or fig.left_gib <= LEFT_GIB:
+        return ""
+    return f"; WARNING: {fig.left_gib:.1f} GiB still allocated after its clean-up (every later arm starts with it)"
 
 
 # ------------------------------------------------------------------------------------------------ ours / bound
