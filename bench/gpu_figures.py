@@ -72,6 +72,9 @@ class TrainFigures:
     left_gib: float | None = None
     """What the arm left allocated after its clean-up, over ``start_gib``: every later arm of the run starts with it
     (and its peak includes it)."""
+    released_gib: float | None = None
+    """A failed arm: what releasing the graph autograd kept of it gave back, after every model was unloaded (shows
+    on the GPU whether that, or something else, held a failed arm's memory)."""
 
     @property
     def median_s(self) -> float | None:

@@ -167,12 +167,16 @@ def run_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures,
         fig.peak_gib, fig.reserved_gib = memory_gib(trainers.device)
         if capped:
             torch.cuda.set_per_process_memory_fraction(1.0, trainers.device)
+        free_device(trainers.device)
+        end = allocated_gib(trainers.device)
         if fig.error:  # autograd keeps a failed backward pass's graph until the next one (the built-in's too)
             from dataset_cache.autograd_release import release_failed_backward
 
             release_failed_backward([trainers.device])
-        free_device(trainers.device)
-        end = allocated_gib(trainers.device)
+            free_device(trainers.device)
+            held, end = end, allocated_gib(trainers.device)
+            if held is not None and end is not None:
+                fig.released_gib = held - end
         if end is not None and fig.start_gib is not None:
             fig.left_gib = end - fig.start_gib
     say(_line(fig))
@@ -213,9 +217,12 @@ def _line(fig: TrainFigures) -> str:
 
 
 def _left(fig: TrainFigures) -> str:
-    if fig.left_gib is None or fig.left_gib <= LEFT_GIB:
-        return ""
-    return f"; WARNING: {fig.left_gib:.1f} GiB still allocated after its clean-up (every later arm starts with it)"
+    out = ""
+    if fig.released_gib is not None:
+        out += f"; releasing the failed pass's graph gave back {fig.released_gib:.2f} GiB"
+    if fig.left_gib is not None and fig.left_gib > LEFT_GIB:
+        out += f"; WARNING: {fig.left_gib:.1f} GiB still allocated after its clean-up (every later arm starts with it)"
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ ours / bound

@@ -94,13 +94,15 @@ def test_the_release_never_raises() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("hook", [_python_error, _engine_error], ids=["python-error", "engine-error"])
 @pytest.mark.parametrize("wrap", ["none", "exact", "fast"])
-def test_the_failed_graphs_device_memory_comes_back(wrap: str) -> None:
-    """On a GPU: the device memory the failed pass held is allocated no more after the release."""
+def test_the_failed_graphs_device_memory_comes_back(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str) -> None:
+    """On a GPU (where the backward pass runs on the device's own autograd thread): the device memory the failed
+    pass held is allocated no more after the release."""
     device = torch.device("cuda")
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    _failed_step(_engine_error, wrap, "cuda", rows=16384)  # 16 MiB per saved activation
+    _failed_step(hook, wrap, "cuda", rows=16384)  # 16 MiB per saved activation
     gc.collect()
     held = torch.cuda.memory_allocated(device) - before
     release_failed_backward([device])

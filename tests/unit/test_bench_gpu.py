@@ -200,12 +200,13 @@ def test_the_placeholder_says_the_figures_are_unmeasured() -> None:
 
 def test_an_arm_that_kept_device_memory_is_named_under_its_table(run: GpuRun, tmp_path: Path) -> None:
     """R4 lost ~57 GiB to a failed arm and every later arm's peak carried it; now each arm records what it left."""
-    run.train[5].left_gib = 57.5  # the built-in's out-of-memory arm
+    run.train[5].left_gib, run.train[5].released_gib = 57.5, 0.5  # the built-in's out-of-memory arm
     run.train[7].left_gib = 0.1  # under LEFT_GIB: allocator noise, not named
     lines = render(run).splitlines()
     at = lines.index("Arms that did not give their device memory back:")
-    assert lines[at + 1] == ("- `sdxl/b4/builtin` (R1): 57.5 GiB still allocated after its clean-up; the arms after "
-                             "it in that run started with it, and their peaks include it")
+    assert lines[at + 1] == ("- `sdxl/b4/builtin` (R1): 57.5 GiB still allocated after its clean-up (releasing the "
+                             "graph autograd kept of its failed pass gave back 0.5 GiB); the arms after it in that run "
+                             "started with it, and their peaks include it")
     assert not any("`cap/sdxl-8/ours` (R1): 0.1 GiB" in x for x in lines)
     save_run(run, tmp_path / "results.json")
     assert load_run(tmp_path / "results.json").train[5].left_gib == 57.5
