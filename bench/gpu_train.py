@@ -167,20 +167,25 @@ def run_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures,
         fig.peak_gib, fig.reserved_gib = memory_gib(trainers.device)
         if capped:
             torch.cuda.set_per_process_memory_fraction(1.0, trainers.device)
-        free_device(trainers.device)
-        end = allocated_gib(trainers.device)
-        if fig.error:  # autograd keeps a failed backward pass's graph until the next one (the built-in's too)
-            from dataset_cache.autograd_release import release_failed_backward
-
-            release_failed_backward([trainers.device])
-            free_device(trainers.device)
-            held, end = end, allocated_gib(trainers.device)
-            if held is not None and end is not None:
-                fig.released_gib = held - end
-        if end is not None and fig.start_gib is not None:
-            fig.left_gib = end - fig.start_gib
+        _clean_up(trainers.device, fig)
     say(_line(fig))
     return fig
+
+
+def _clean_up(device: Any, fig: TrainFigures) -> None:
+    """Give the arm's memory back before the next arm (a failed one's graph too) and record what it kept."""
+    free_device(device)
+    end = allocated_gib(device)
+    if fig.error:  # autograd keeps a failed backward pass's graph until the next one (the built-in's too)
+        from dataset_cache.autograd_release import release_failed_backward
+
+        release_failed_backward([device])
+        free_device(device)
+        held, end = end, allocated_gib(device)
+        if held is not None and end is not None:
+            fig.released_gib = held - end
+    if end is not None and fig.start_gib is not None:
+        fig.left_gib = end - fig.start_gib
 
 
 def arm_settings(fig: TrainFigures, total: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -217,6 +222,7 @@ def _line(fig: TrainFigures) -> str:
 
 
 def _left(fig: TrainFigures) -> str:
+    """The line's memory warnings: what a failed arm's release gave back, and what the arm kept."""
     out = ""
     if fig.released_gib is not None:
         out += f"; releasing the failed pass's graph gave back {fig.released_gib:.2f} GiB"
