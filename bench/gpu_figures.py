@@ -84,6 +84,11 @@ class TrainFigures:
     def ok(self) -> bool:
         return bool(self.step_s) and not self.error and not self.skipped
 
+    @property
+    def kept_memory(self) -> bool:
+        """It left more than :data:`LEFT_GIB` allocated after its clean-up."""
+        return self.left_gib is not None and self.left_gib > LEFT_GIB
+
 
 @dataclass
 class EncodeFigures:

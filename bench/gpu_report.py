@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .gpu_figures import LEFT_GIB, EncodeFigures, GpuRun, ProfileFigures, TrainFigures
+from .gpu_figures import EncodeFigures, GpuRun, ProfileFigures, TrainFigures
 from .gpu_ledger import Figure, Ledger, owners
 from .gpu_models import FULL_FAMILIES, FamilySpec
 
@@ -196,7 +196,7 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
 
 def _noted(f: TrainFigures) -> bool:
     """An arm the section names below its table: without figures, or one that left memory allocated."""
-    return bool(f.skipped or f.error) or (f.left_gib or 0.0) > LEFT_GIB
+    return bool(f.skipped or f.error) or f.kept_memory
 
 
 def _problems(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
@@ -207,7 +207,7 @@ def _problems(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
         if why and (f.id, why) not in seen:
             seen.add((f.id, why))
             lines.append(f"- `{f.id}` (R{run.number}): {why}")
-        if (f.left_gib or 0.0) > LEFT_GIB:
+        if f.kept_memory:
             released = "" if f.released_gib is None else \
                 f" (releasing the graph autograd kept of its failed pass gave back {f.released_gib:.1f} GiB)"
             left.append(f"- `{f.id}` (R{run.number}): {f.left_gib:.1f} GiB still allocated after its clean-up"

@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import Any
 
 from .gpu_data import FamilyData
-from .gpu_figures import LEFT_GIB, TrainFigures
+from .gpu_figures import TrainFigures
 
 __all__ = ["BASE_SETTINGS", "Trainers", "run_arm", "arm_settings", "train_ours", "missing_settings", "free_device",
            "allocated_gib", "memory_gib"]
@@ -226,7 +226,7 @@ def _left(fig: TrainFigures) -> str:
     out = ""
     if fig.released_gib is not None:
         out += f"; releasing the failed pass's graph gave back {fig.released_gib:.2f} GiB"
-    if fig.left_gib is not None and fig.left_gib > LEFT_GIB:
+    if fig.kept_memory:
         out += f"; WARNING: {fig.left_gib:.1f} GiB still allocated after its clean-up (every later arm starts with it)"
     return out
 

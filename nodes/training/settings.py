@@ -9,10 +9,8 @@ from comfy.weight_adapter import adapter_maps
 
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 
-__all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS",
-           "MAX_REG_RATIO", "MAX_REG_WEIGHT", "MEMORY_MODES", "OPTIMIZERS",
-           "TRAINING_DTYPES",
-           "TrainSettings"]
+__all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "MAX_REG_RATIO", "MAX_REG_WEIGHT", "MEMORY_MODES",
+           "OPTIMIZERS", "TRAINING_DTYPES", "TrainSettings"]
 
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
 """The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node)."""

@@ -179,22 +179,13 @@ def test_a_failed_arm_gives_back_the_graph_autograd_kept(pack: ModuleType, comfy
 
     import bench.gpu_train as gpu_train
     from bench.gpu_figures import TrainFigures
+    from support.failed_backward import failing_backward
 
     refs: list[weakref.ref[torch.Tensor]] = []
-
-    def failing_builtin(*args: object, **kwargs: object) -> None:
-        w = [torch.randn(64, 64, requires_grad=True) for _ in range(3)]
-        saved = (torch.randn(8, 64) @ w[0]).relu()
-        refs.append(weakref.ref(saved))
-        other = (saved @ w[1]).relu()  # its backward is queued when the branch below fails
-        failing = saved @ w[2]
-        failing.register_hook(lambda g: g.new_zeros(3))  # the engine raises, as a kernel out of memory would
-        (failing * other).sum().backward()
-
-    monkeypatch.setattr(gpu_train, "_builtin", failing_builtin)
+    monkeypatch.setattr(gpu_train, "_builtin", lambda *args, **kwargs: failing_backward(refs))
     ctx = context_from_pack(pack, tmp_path / "work", tmp_path / "out", print)
     fig = TrainFigures("sd15/b1/builtin", "sd15", 1, "builtin", 1)
     gpu_train.run_arm(ctx.trainers, None, None, fig, 2, 1, dict(STANDIN_SETTINGS), say=lambda line: None)  # type: ignore[arg-type]
-    assert fig.error.startswith("RuntimeError: hook '<lambda>' has changed the size")
+    assert fig.error.startswith("RuntimeError: hook 'engine_error' has changed the size")
     gc.collect()
     assert refs and refs[0]() is None

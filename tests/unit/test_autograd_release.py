@@ -15,48 +15,19 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from dataset_cache.autograd_release import release_failed_backward
-
-
-class _Boom(RuntimeError):
-    pass
-
-
-def _python_error(grad: torch.Tensor) -> torch.Tensor:
-    raise _Boom("out of memory (raised in Python during backward)")
-
-
-def _engine_error(grad: torch.Tensor) -> torch.Tensor:
-    return grad.new_zeros(3)  # the engine raises: a hook may not change a gradient's size
+from support.failed_backward import engine_error, failing_backward, python_error
 
 
 def _failed_step(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str, device: str = "cpu",
                  rows: int = 64) -> weakref.ref[torch.Tensor]:
-    """Forward and backward through two branches, the failing one first (so the other's work is queued when it
-    fails, as in a real model); a weak reference to a tensor the graph saved. ``wrap``: none, or the failing
-    block checkpointed (``exact``: non-reentrant, ``fast``: reentrant)."""
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(256, 256, generator=gen).to(device).requires_grad_() for _ in range(4)]
-    x = torch.randn(rows, 256, generator=gen).to(device)
-    saved = (x @ weights[0]).relu()
-    ref = weakref.ref(saved)
-
-    def block(h: torch.Tensor) -> torch.Tensor:
-        out = (h @ weights[1]).relu() @ weights[2]
-        if out.requires_grad:  # a reentrant checkpoint's first forward runs without grad: its recompute registers
-            out.register_hook(hook)
-        return out
-
-    other = (saved @ weights[3]).relu()  # made first, so its backward comes after the failing branch's: pending
-    if wrap == "none":
-        failing = block(saved)
-    else:
-        failing = checkpoint(block, saved, use_reentrant=wrap == "fast")
-    with pytest.raises((_Boom, RuntimeError)):
-        (failing * other).sum().backward()
-    return ref
+    """A backward pass that failed (:func:`support.failed_backward.failing_backward`); a weak reference to a tensor
+    its graph saved."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    with pytest.raises(RuntimeError):  # BackwardError is one
+        failing_backward(refs, hook, wrap, device, rows)
+    return refs[0]
 
 
 def _alive(ref: weakref.ref[torch.Tensor]) -> bool:
@@ -64,7 +35,7 @@ def _alive(ref: weakref.ref[torch.Tensor]) -> bool:
     return ref() is not None
 
 
-@pytest.mark.parametrize("hook", [_python_error, _engine_error], ids=["python-error", "engine-error"])
+@pytest.mark.parametrize("hook", [python_error, engine_error], ids=["python-error", "engine-error"])
 @pytest.mark.parametrize("wrap", ["none", "exact", "fast"])
 def test_the_failed_graph_is_kept_by_autograd_until_the_release(hook: Callable[[torch.Tensor], torch.Tensor],
                                                                  wrap: str) -> None:
@@ -79,7 +50,7 @@ def test_the_failed_graph_is_kept_by_autograd_until_the_release(hook: Callable[[
 
 def test_the_release_works_under_inference_mode() -> None:
     """ComfyUI runs nodes under ``torch.inference_mode()``, where no backward pass could run."""
-    ref = _failed_step(_python_error, "exact")
+    ref = _failed_step(python_error, "exact")
     with torch.inference_mode():
         release_failed_backward()
     assert not _alive(ref)
@@ -87,14 +58,14 @@ def test_the_release_works_under_inference_mode() -> None:
 
 def test_the_release_never_raises() -> None:
     """It runs while the failure's own error is on its way to the user: a device it cannot use is skipped."""
-    ref = _failed_step(_python_error, "none")
+    ref = _failed_step(python_error, "none")
     release_failed_backward(["cuda:97"])  # no machine that runs this has 98 GPUs; the CPU is still released
     assert not _alive(ref)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("hook", [_python_error, _engine_error], ids=["python-error", "engine-error"])
+@pytest.mark.parametrize("hook", [python_error, engine_error], ids=["python-error", "engine-error"])
 @pytest.mark.parametrize("wrap", ["none", "exact", "fast"])
 def test_the_failed_graphs_device_memory_comes_back(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str) -> None:
     """On a GPU (where the backward pass runs on the device's own autograd thread): the device memory the failed
