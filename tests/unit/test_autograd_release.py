@@ -63,10 +63,20 @@ def test_the_release_never_raises() -> None:
     assert not _alive(ref)
 
 
+# On the H100 (R6, torch 2.11 cu130) the release gave back nothing of these two cases' 32 MiB; the other four came
+# back whole. Why is for tests/support/release_probe.py to show on the next GPU run (scripts/device-run runs it);
+# strict, so the day they pass the marks must go.
+KEPT = {("none", "python-error"), ("fast", "python-error")}
+_KEPT_ON_CUDA = pytest.mark.xfail(strict=True, reason="R6: an error raised in Python with no or a reentrant "
+                                  "checkpoint keeps its memory on CUDA after the release (cause not yet known)")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("hook", [python_error, engine_error], ids=["python-error", "engine-error"])
-@pytest.mark.parametrize("wrap", ["none", "exact", "fast"])
+@pytest.mark.parametrize(("wrap", "hook"), [
+    pytest.param(wrap, hook, id=f"{wrap}-{name}", marks=[_KEPT_ON_CUDA] if (wrap, name) in KEPT else [])
+    for wrap in ("none", "exact", "fast") for name, hook in (("python-error", python_error),
+                                                             ("engine-error", engine_error))])
 def test_the_failed_graphs_device_memory_comes_back(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str) -> None:
     """On a GPU (where the backward pass runs on the device's own autograd thread): the device memory the failed
     pass held is allocated no more after the release."""

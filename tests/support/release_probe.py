@@ -1,0 +1,138 @@
+"""What a backward pass that failed on a CUDA device leaves allocated, and which step gives it back: a diagnostic
+for a GPU session (``scripts/device-run`` runs it after the CUDA tests; by hand: ``python
+tests/support/release_probe.py``).
+
+Why: on the H100 (R6), ``release_failed_backward`` gave back all of a failed pass's memory when the engine raised
+the error, and when Python raised it inside a non-reentrant checkpoint, but none of it (32 of 32 MiB) when Python
+raised it with no checkpoint or inside a reentrant one; on the CPU every case is given back. For each of the six
+cases this prints what stayed allocated after the failure and what each further step gives back, in order: waiting
+(a device thread still finishing), clearing the error's traceback frames, dropping the error, the release, a
+collection, a backward pass that runs a Python hook on the device's autograd thread, and a whole successful
+backward pass of the same shape; and, once the error is dropped and at the end, the tensors of the failed pass's
+size that Python's gc still reaches, with what refers to each ("nothing in Python": only C++ holds it, e.g.
+autograd's engine).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+
+from dataset_cache.autograd_release import release_failed_backward  # noqa: E402
+from support.failed_backward import engine_error, failing_backward, python_error  # noqa: E402
+
+MIB = 1 << 20
+ROWS = 16384  # 16 MiB per saved activation of failing_backward's 256 columns
+
+
+def _allocated(device: torch.device) -> int:
+    """Bytes allocated on ``device``; 0 on the CPU, where the probe only checks itself (the tests run it there)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _referrers(obj: object, own: set[int]) -> list[str]:
+    names = []
+    for ref in gc.get_referrers(obj):
+        if id(ref) in own:
+            continue
+        if isinstance(ref, type(sys._getframe())):
+            names.append(f"frame {ref.f_code.co_name}")
+        elif isinstance(ref, dict):
+            names.append(f"dict({len(ref)})")
+        else:
+            names.append(type(ref).__name__)
+    return names
+
+
+def _reachable(device: torch.device, min_bytes: int) -> list[str]:
+    """The tensors on ``device`` of ``min_bytes`` or more that Python's gc reaches, with what refers to each."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on some of torch's deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device == device
+                 and o.untyped_storage().nbytes() >= min_bytes]
+    own = {id(found), id(sys._getframe())}
+    return [f"{tuple(t.shape)} {str(t.dtype)[6:]} <- {', '.join(_referrers(t, own)) or 'nothing in Python'}"
+            for t in found]
+
+
+def _python_hook_release(device: torch.device) -> None:
+    leaf = torch.ones(1, device=device, requires_grad=True)
+    out = leaf * 2.0
+    out.register_hook(lambda g: g)
+    out.sum().backward()
+
+
+def _good_backward(device: torch.device, rows: int) -> None:
+    refs: list[weakref.ref[torch.Tensor]] = []
+    failing_backward(refs, lambda g: g, "none", str(device), rows)
+
+
+def probe(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str, device: torch.device, rows: int = ROWS) -> str:
+    """One case: fail a backward pass, then report what each step gives back (MiB still allocated after it)."""
+    gc.collect()
+    base = _allocated(device)
+    refs: list[weakref.ref[torch.Tensor]] = []
+    error: BaseException | None = None
+    try:
+        failing_backward(refs, hook, wrap, str(device), rows)
+    except RuntimeError as exc:
+        error = exc
+    steps: list[tuple[str, float]] = [("failed", (_allocated(device) - base) / MIB)]
+    time.sleep(0.2)
+    steps.append(("after 0.2 s", (_allocated(device) - base) / MIB))
+    min_bytes = rows * 256 * 4 // 2
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+        steps.append(("frames cleared", (_allocated(device) - base) / MIB))
+    error = None
+    gc.collect()
+    steps.append(("error dropped", (_allocated(device) - base) / MIB))
+    reachable = _reachable(device, min_bytes)
+    release_failed_backward([device])
+    steps.append(("release", (_allocated(device) - base) / MIB))
+    gc.collect()
+    steps.append(("gc", (_allocated(device) - base) / MIB))
+    _python_hook_release(device)
+    steps.append(("python-hook backward", (_allocated(device) - base) / MIB))
+    _good_backward(device, rows)
+    gc.collect()
+    steps.append(("good backward", (_allocated(device) - base) / MIB))
+    alive = refs[0]() is not None if refs else None
+    left = _reachable(device, min_bytes)
+    return (f"{wrap}/{hook.__name__}: " + "; ".join(f"{name} {mib:.1f}" for name, mib in steps)
+            + f" MiB; saved activation alive at the end: {alive}\n    reachable once the error was dropped: "
+            + ("; ".join(reachable) or "none") + "\n    reachable at the end: " + ("; ".join(left) or "none"))
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("release probe: no CUDA device, nothing to probe")
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    print(f"release probe: torch {torch.__version__}, Python {sys.version.split()[0]}, "
+          f"{torch.cuda.get_device_name(device)}")
+    for wrap in ("none", "exact", "fast"):  # the CUDA test's order
+        for hook in (python_error, engine_error):
+            try:
+                print(probe(hook, wrap, device), flush=True)
+            except Exception as exc:  # a probe that breaks says how, and the others still run
+                print(f"{wrap}/{hook.__name__}: probe failed: {type(exc).__name__}: {exc}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
