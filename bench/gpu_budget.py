@@ -47,6 +47,10 @@ FIRST_ARM_S = 7.5
 ENCODE_S: dict[str, float] = {"sd15": 2.5, "sdxl": 7.0, "flux": 14.0, "wan21": 14.5}
 """H200 seconds of one encode row of 24 images (folder written, VAE built, ours + built-in, the built-in's release):
 2.1 / 7.1 / 11.2 / 12.4 measured without the release, + ~2 s to unload T5-XXL's 5 GB (flux, wan21)."""
+ENCODE_WARMUP_S: dict[str, float] = {"sd15": 1.5, "sdxl": 3.0, "flux": 10.0, "wan21": 9.0}
+"""H200 seconds of a row's untimed warm-up (both sides on 4 images, then everything unloaded): mostly what does
+not grow with the images, i.e. loading the encoders and releasing them (R7, H100: ~4 s for T5-XXL's release on our
+side, ~2.5 s on the built-in's)."""
 T5_BUILD_S = 10.0
 """Building CLIP-L + T5-XXL fp8 (measured: 22.5 s for the flux row = 11.2 + this + its VAE)."""
 CLIP_BUILD_S = 1.0
@@ -113,8 +117,9 @@ def build_s(params_b: float) -> float:
 
 
 def encode_s(vae: str, images: int) -> float:
-    """H200 seconds of one encode row of ``images`` images (:data:`ENCODE_S`)."""
-    return ENCODE_S.get(vae, 12.0) * max(images, 4) / 24
+    """H200 seconds of one encode row of ``images`` images, its warm-up included (:data:`ENCODE_S`,
+    :data:`ENCODE_WARMUP_S`)."""
+    return ENCODE_S.get(vae, 12.0) * max(images, 4) / 24 + ENCODE_WARMUP_S.get(vae, 5.0)
 
 
 def profile_events(family: str) -> float:

@@ -99,7 +99,8 @@ class EncodeFigures:
     ``builtin_release_s`` is what unloading them afterwards took (what training pays before it starts);
     ``*_free_gib``: device memory free right after each (what training gets: ours releases its encoders, the
     built-in leaves them loaded), ``builtin_released_free_gib`` after the built-in's encoders were unloaded;
-    ``free_before_gib``: free before either loaded anything.
+    ``free_before_gib``: free before either loaded anything; ``warmup_s``: the untimed run of both on a few
+    images before the timed pair (``None`` in runs before it existed: there ours ran first on a cold device).
     """
 
     id: str
@@ -118,6 +119,7 @@ class EncodeFigures:
     ours_release_s: float | None = None
     builtin_release_s: float | None = None
     builtin_released_free_gib: float | None = None
+    warmup_s: float | None = None
 
 
 @dataclass

@@ -270,7 +270,9 @@ def _encode(shown: dict[str, tuple[GpuRun, list[Figure]]]) -> list[str]:
          "`MakeTrainingDataset` into memory, which leaves the encoders loaded; training unloads them later, when it "
          "needs the memory: the same copy, paid then, timed here right after it as `unload_all_models()` + "
          "`soft_empty_cache()`. *Encode* = without the release, *+ release* = with it, for both. Every model unloaded "
-         "before each, so loading the encoders onto the device is included. Free memory: `torch.cuda.mem_get_info` "
+         "before each, so loading the encoders onto the device is included; both ran once untimed on 4 images "
+         "first, so neither pays for the first use of the kernels (a row without it says so below: ours, always "
+         "first, paid it). Free memory: `torch.cuda.mem_get_info` "
          "right after each (the built-in's: with its encoders loaded / after the release), what training would get.",
          ""]
     if not rows:
@@ -300,6 +302,9 @@ def _encode(shown: dict[str, tuple[GpuRun, list[Figure]]]) -> list[str]:
         if r.ours_release_s is None:
             notes.append(f"- `{r.id}` (R{run.number}): the releases were not timed in that run; ours with its "
                          f"release ÷ the built-in without: {_ratio(ours_with, builtin_enc)}")
+        if r.warmup_s is None and r.ours_release_s is not None:
+            notes.append(f"- `{r.id}` (R{run.number}): no warm-up in that run: ours ran first on kernels the process "
+                         "had not used yet")
     return o + (["", *notes] if notes else [])
 
 

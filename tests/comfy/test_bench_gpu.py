@@ -60,7 +60,8 @@ def first_run(pack: ModuleType, comfy_folders: Path, tmp_path_factory: pytest.Te
     return run, lines, tmp_path
 
 
-def test_the_harness_runs_every_part_on_tiny_models(first_run: tuple[GpuRun, list[str], Path]) -> None:
+def test_the_harness_runs_every_part_on_tiny_models(first_run: tuple[GpuRun, list[str], Path],
+                                                    comfy_folders: Path) -> None:
     run, lines, tmp_path = first_run
     out = tmp_path / "out1"
     assert run.finished and run.device.kind == "cpu" and run.commit == "first" and run.date
@@ -109,6 +110,9 @@ def test_the_harness_runs_every_part_on_tiny_models(first_run: tuple[GpuRun, lis
     # encode-only and with-release figures for both, their ratios, both releases (free memory: none on a CPU)
     assert "—" not in "|".join(enc.split("|")[1:8]) and enc.endswith("| — | — | — / — |")
     assert json.loads((out / "results.json").read_text())["device"]["kind"] == "cpu"
+    # both sides ran once untimed before the timed pair (their folder and cache are gone again)
+    assert saved.encode[0].warmup_s is not None and saved.encode[0].warmup_s > 0
+    assert not any(p.name.endswith("_warmup") for p in comfy_folders.rglob("bench_gpu_*"))
     assert any(line.startswith("sd15/b1/ours (depth 1): median") for line in lines)
     ledger = load_ledger(tmp_path / "bench-gpu-results.json")
     assert [r.number for r in ledger.runs] == [1]

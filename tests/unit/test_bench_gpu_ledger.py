@@ -237,9 +237,10 @@ def test_the_docs_gpu_section_is_the_ledger_rendered_with_the_h200_run_as_r1() -
     r1 = ledger.runs[0]
     assert (r1.number, r1.date, r1.device.name, r1.steps, r1.warmup) == (1, "2026-11-26", "NVIDIA H200", 20, 3)
     shown = {k: (run.number, group_state(k, figs)) for k, (run, figs) in owners(ledger.runs).items()}
-    for key in ("sd15/b1", "sd15/b8", "sdxl/b1", "cap/sdxl", "encode/sd15", "encode/sdxl", "encode/flux",
-                "encode/wan21"):
+    for key in ("sd15/b8", "sdxl/b1", "cap/sdxl"):  # R1's groups no later run measured again
         assert shown[key] == (1, "measured"), key
+    for key in ("sd15/b1", "encode/sd15", "encode/sdxl", "encode/flux", "encode/wan21"):  # measured again since
+        assert shown[key][0] > 1 and shown[key][1] == "measured", key
     doc = (DOCS / "BENCHMARKS.md").read_text()
     section = doc.split("<!-- bench:gpu:begin -->\n", 1)[1].split("\n<!-- bench:gpu:end -->", 1)[0]
     assert section + "\n" == section_of(ledger), "rewrite it: scripts/bench-gpu --render"
