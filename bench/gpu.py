@@ -350,12 +350,14 @@ PROFILE_SKIP = 2
 
 def _profile_pass(ctx: Context, opts: Options, rec: _Recorder, budget: Budget, model: Any, data: Any,
                   arms: list[ArmPlan]) -> None:
-    """``--profile``: a few steps of the bound and of ours at the family's first batch, with their breakdown; one
+    """``--profile``: a few steps of the bound, ours and the built-in at the family's first batch, with their
+    breakdown; one
     that should not fit the budget (:meth:`Budget.profile_cost`: the profiler's own cost included) is skipped with
     a note, and one under way is stopped at the budget's end (:func:`bench.gpu_profile.profile_arm`)."""
     from .gpu_profile import MAX_TRACE_BYTES, describe, failed, profile_arm
 
-    for arm in [a for a in arms if a.arm in ("bound", "ours") and a.batch == arms[0].batch and a.rep == 0][:2]:
+    for arm in [a for a in arms if a.arm in ("bound", "ours", "builtin") and a.batch == arms[0].batch
+                and a.rep == 0][:3]:
         cost = budget.profile_cost(arm, PROFILE_SKIP, opts.profile_steps, MAX_TRACE_BYTES)
         if not budget.fits(cost.seconds):
             rec.note(f"profile {arm.id}: skipped, {budget.why_not(cost.seconds)} ({cost.describe()})")
@@ -465,7 +467,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for the whole run (%(default)s)")
     ap.add_argument("--depth", type=int, choices=(1, 2), default=None, help="checkpoint_depth for every arm")
     ap.add_argument("--images", type=int, default=None, help="images per encode row (default 24)")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of ours and the bound")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler breakdown of the bound, ours and the built-in")
     ap.add_argument("--no-extras", action="store_true", help="leave out Qwen-Image and Lumina 2")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default out/bench-gpu)")
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: temporary, deleted)")

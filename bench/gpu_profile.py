@@ -1,9 +1,11 @@
 """``scripts/bench-gpu --profile``: where one training step's time goes, from a ``torch.profiler`` trace.
 
-A few steps of ours and of the bound are recorded per family (the first steps are skipped: model loading and the
-first kernels' set-up are not a step's cost). Parts of our loop are labelled for the trace while it runs
-(``record_function`` around the per-row conditioning preparation, the model call and the wait for the next batch;
-a label whose function a refactor renamed is simply absent). The breakdown per step:
+A few steps of the bound, ours and the built-in are recorded per family (the first steps are skipped: model loading
+and the first kernels' set-up are not a step's cost); the built-in's step runs from the start of one of its
+``fwd_bwd`` calls to the next (its optimizer step, loss read and progress bar included), as its timed steps do.
+Parts of our loop are labelled for the trace while it runs (``record_function`` around the per-row conditioning
+preparation, the model call and the wait for the next batch; a label whose function a refactor renamed is simply
+absent). The breakdown per step:
 
 * step time (the profiler's ``ProfilerStep`` ranges, one per optimizer step);
 * time the training thread was blocked in synchronizations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
@@ -28,7 +30,7 @@ from typing import Any
 
 from .gpu_data import FamilyData
 from .gpu_figures import ProfileFigures, TrainFigures
-from .gpu_train import Trainers, arm_settings, free_device, train_ours
+from .gpu_train import Trainers, arm_settings, builtin_steps, free_device, train_ours
 
 __all__ = ["labelled", "breakdown", "raw_events", "self_times", "keep_trace", "profiled_steps", "profile_arm",
            "describe", "failed", "PastDeadline"]
@@ -199,8 +201,8 @@ class PastDeadline(RuntimeError):
 def profile_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures, skip: int, active: int,
                 out_dir: Path | None, extra: dict[str, Any] | None = None, deadline: float | None = None
                 ) -> ProfileFigures:
-    """Record ``active`` steps of ours (or the bound: ``fig.arm``) after ``skip`` steps; their breakdown (the
-    trace exported to ``out_dir`` unless ``None``). ``deadline`` (``time.perf_counter``): a step that ends past it
+    """Record ``active`` steps of ``fig.arm`` (ours, the bound or the built-in) after ``skip`` steps; their breakdown
+    (the trace exported to ``out_dir`` unless ``None``). ``deadline`` (``time.perf_counter``): a step that ends past it
     stops the arm, and a breakdown is not begun past it; the profile is then reported as stopped, with no figure."""
     free_device(trainers.device)
     fig.settings = arm_settings(fig, skip + active + 1, extra or {})
@@ -216,7 +218,10 @@ def profile_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigu
 
     try:
         with labelled(trainers.maker), profiled_steps(skip, active, trainers.device, ready) as prof:
-            train_ours(trainers, model, data, fig, bound=fig.arm == "bound", hook=lambda _report: step(prof))
+            if fig.arm == "builtin":  # a step from one forward and backward's start to the next one's
+                builtin_steps(trainers, model, data, fig, skip + active + 1, before=lambda: step(prof))
+            else:
+                train_ours(trainers, model, data, fig, bound=fig.arm == "bound", hook=lambda _report: step(prof))
         if not done:
             raise RuntimeError(f"the profiler recorded no step (ran {skip + active + 1} steps)")
         return done[0]

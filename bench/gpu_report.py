@@ -315,7 +315,9 @@ def _profile(shown: dict[str, tuple[GpuRun, list[Figure]]]) -> list[str]:
     o = ["### G5. Where a step's time goes (`--profile`, `torch.profiler`)", "",
          "Per step, averaged over the recorded steps. CPU = step time minus the time the training thread was blocked "
          "in `cuda*Synchronize`: its own Python and kernel-launch work (ours above the bound = the data path's cost on "
-         "the training thread, GIL contention with the loader's threads included). H2D: host-to-device copies from "
+         "the training thread, GIL contention with the loader's threads included; the built-in against the bound = "
+         "what the two trainers' steps cost the host, data aside: its step runs from one `fwd_bwd` call's start to "
+         "the next). H2D: host-to-device copies from "
          "pageable / pinned memory. Labels: time inside our loop's parts.", "",
          "| arm | run | steps | step ms | CPU ms | blocked ms (syncs) | .item() | device busy ms | H2D pageable (ms) "
          "| H2D pinned | labelled parts ms | top CPU ops ms | trace |",

@@ -36,8 +36,8 @@ from typing import Any
 from .gpu_data import FamilyData
 from .gpu_figures import TrainFigures
 
-__all__ = ["BASE_SETTINGS", "Trainers", "run_arm", "arm_settings", "train_ours", "missing_settings", "free_device",
-           "allocated_gib", "memory_gib"]
+__all__ = ["BASE_SETTINGS", "Trainers", "run_arm", "arm_settings", "train_ours", "builtin_steps", "missing_settings",
+           "free_device", "allocated_gib", "memory_gib"]
 
 BASE_SETTINGS: dict[str, Any] = {
     "grad_accumulation_steps": 1, "learning_rate": 1e-4, "rank": 16, "optimizer": "AdamW", "loss_function": "MSE",
@@ -148,7 +148,7 @@ def run_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures,
     t0 = time.perf_counter()
     try:
         if fig.arm == "builtin":
-            ends, losses = _builtin(trainers, model, data, fig, total)
+            ends, losses = builtin_steps(trainers, model, data, fig, total)
             waits: list[tuple[float, float]] = []
         else:
             ends, losses, waits = train_ours(trainers, model, data, fig, bound=fig.arm == "bound")
@@ -294,8 +294,8 @@ def _steady_wait(waits: list[tuple[float, float]], warmup: int) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------ built-in
-def _builtin(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures, total: int,
-             before: Callable[[], None] | None = None) -> tuple[list[float], list[float]]:
+def builtin_steps(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures, total: int,
+                  before: Callable[[], None] | None = None) -> tuple[list[float], list[float]]:
     """ComfyUI's ResolutionBucket → TrainLoraNode (bucket mode) on the in-memory samples; step ends, losses.
     ``before``: also called as each step's forward and backward begin."""
     import torch

@@ -230,11 +230,11 @@ def _run_ours(trainers: Any, model: Any, data: Any, fig: Any, windows: _Windows)
 
 
 def _run_builtin(trainers: Any, model: Any, data: Any, fig: Any, windows: _Windows) -> int:
-    from .gpu_train import _builtin
+    from .gpu_train import builtin_steps
 
     captured, handle = _capture_optimizers()
     try:
-        _builtin(trainers, model, data, fig, windows.total, before=windows.boundary)
+        builtin_steps(trainers, model, data, fig, windows.total, before=windows.boundary)
     finally:
         handle.remove()
     return _optimized_tensors(captured)

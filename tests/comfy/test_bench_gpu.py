@@ -82,12 +82,14 @@ def test_the_harness_runs_every_part_on_tiny_models(first_run: tuple[GpuRun, lis
     assert row.ours_release_s is not None and 0 <= row.ours_release_s < row.ours_s
     assert row.builtin_release_s is not None and row.builtin_release_s >= 0
 
-    assert [p.id for p in run.profile] == ["profile/sd15/b1/bound", "profile/sd15/b1/ours"]
+    # each family's selected arms at its first batch: SD1.5's bound and ours, WAN's built-in alone
+    assert [p.id for p in run.profile] == ["profile/sd15/b1/bound", "profile/sd15/b1/ours", "profile/wan21/b1/builtin"]
     for prof in run.profile:
         assert not prof.error and prof.steps == 1 and prof.step_ms > 0 and prof.top_ops
         assert prof.events > 0 and prof.trace.endswith(".json.gz")  # read from kineto's raw events; small: kept
-        assert "streamcache.model_call" in prof.labels_ms
+    assert all("streamcache.model_call" in p.labels_ms for p in run.profile[:2])
     assert "streamcache.next_batch" in run.profile[1].labels_ms
+    assert not any(label.startswith("streamcache.") for label in run.profile[2].labels_ms)  # none of ours in it
 
     # #25's and #26's arms: selected, and skipped with one line each (no `memory` setting yet, or no CUDA device
     # to cap; one device here)
@@ -117,7 +119,7 @@ def test_the_harness_runs_every_part_on_tiny_models(first_run: tuple[GpuRun, lis
     ledger = load_ledger(tmp_path / "bench-gpu-results.json")
     assert [r.number for r in ledger.runs] == [1]
     assert group_keys(ledger) == {"sd15/b1": 1, "wan21/b1": 1, "encode/sd15": 1, "profile/sd15/b1/bound": 1,
-                                  "profile/sd15/b1/ours": 1}
+                                  "profile/sd15/b1/ours": 1, "profile/wan21/b1/builtin": 1}
 
 
 def group_keys(ledger: object) -> dict[str, int]:
@@ -149,7 +151,7 @@ def test_a_second_run_measures_what_the_first_left_and_adds_to_it(
     ledger = load_ledger(ctx.ledger)
     assert [(r.number, r.commit) for r in ledger.runs] == [(1, "first"), (2, "second")]
     assert group_keys(ledger) == {"sd15/b1": 2, "wan21/b1": 1, "encode/sd15": 1, "profile/sd15/b1/bound": 1,
-                                  "profile/sd15/b1/ours": 1}
+                                  "profile/sd15/b1/ours": 1, "profile/wan21/b1/builtin": 1}
     assert [f.id for f in ledger.runs[0].train] == ["wan21/b1/builtin"]  # R1's SD1.5 arms were replaced
     assert ledger.runs[0].encode == first.encode and ledger.runs[0].profile == first.profile
     section = (tmp_path / "out2" / "section.md").read_text()
@@ -186,7 +188,7 @@ def test_a_failed_arm_gives_back_the_graph_autograd_kept(pack: ModuleType, comfy
     from support.failed_backward import failing_backward
 
     refs: list[weakref.ref[torch.Tensor]] = []
-    monkeypatch.setattr(gpu_train, "_builtin", lambda *args, **kwargs: failing_backward(refs))
+    monkeypatch.setattr(gpu_train, "builtin_steps", lambda *args, **kwargs: failing_backward(refs))
     ctx = context_from_pack(pack, tmp_path / "work", tmp_path / "out", print)
     fig = TrainFigures("sd15/b1/builtin", "sd15", 1, "builtin", 1)
     gpu_train.run_arm(ctx.trainers, None, None, fig, 2, 1, dict(STANDIN_SETTINGS), say=lambda line: None)  # type: ignore[arg-type]

@@ -57,7 +57,8 @@ def test_a_profile_that_does_not_fit_is_skipped_with_a_note_and_the_figures_stay
     arms = [a for a in plan_family("sdxl", 139.8) if a.batch == 4]
     _profile_pass(ctx, _Options(), rec, budget, model=None, data=None, arms=arms)  # type: ignore[arg-type]
     assert run.profile == []  # nothing started: no model was touched (it is None here)
-    assert [n.split(",")[0] for n in run.notes] == ["profile sdxl/b4/bound: skipped", "profile sdxl/b4/ours: skipped"]
+    assert [n.split(",")[0] for n in run.notes] == ["profile sdxl/b4/bound: skipped", "profile sdxl/b4/ours: skipped",
+                                                  "profile sdxl/b4/builtin: skipped"]
     assert "7 s left" in run.notes[0] and "1 recorded step, ~342k profiler events" in run.notes[0]
     assert load_run(tmp_path / "out" / "results.json").notes == run.notes  # saved with the run's figures
 
