@@ -13,9 +13,10 @@ training would have to do first (``unload_all_models()`` + ``soft_empty_cache()`
 device synchronize, so work still queued is counted where it was asked for.
 
 Before the timed pair, both run once untimed on a few images of the row's size (``warmup_s``): what a process pays
-the first time it runs a model's kernels (CUDA's lazy kernel loading, cuDNN's choices per shape, Triton's compile of
-quantized layers) would otherwise fall on whichever side runs first, which is always ours (R7: SD1.5, the first row
-of its process, 0.80× the built-in; 1.05× in R1, where training had run first).
+the first time it runs a model's kernels (CUDA loads kernels lazily, cuDNN picks per shape; the first release may
+also be the first to allocate the host memory the weights go back to) would otherwise fall on whichever side runs
+first, which is always ours (R7: SD1.5, the first row of its process, 0.80× the built-in; 1.05× in R1, where
+training had run first).
 """
 
 from __future__ import annotations
