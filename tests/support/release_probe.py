@@ -57,14 +57,30 @@ def _referrers(obj: object, own: set[int]) -> list[str]:
     return names
 
 
-def _reachable(device: torch.device, min_bytes: int) -> list[str]:
-    """The tensors on ``device`` of ``min_bytes`` or more that Python's gc reaches, with what refers to each."""
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage under ``t``; 0 for what has none to read (sparse, nested, tensor subclasses)."""
+    if t.layout != torch.strided:
+        return 0
+    try:
+        return t.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):
+        return 0
+
+
+def _tensors(device: torch.device, min_bytes: int) -> list[torch.Tensor]:
+    """The tensors on ``device`` of ``min_bytes`` or more that Python's gc reaches."""
     gc.collect()
     with warnings.catch_warnings():  # isinstance() on some of torch's deprecated module attributes warns
         warnings.simplefilter("ignore")
-        found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device == device
-                 and o.untyped_storage().nbytes() >= min_bytes]
-    own = {id(found), id(sys._getframe())}
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device == device
+                and _nbytes(o) >= min_bytes]
+
+
+def _reachable(device: torch.device, min_bytes: int, before: list[torch.Tensor]) -> list[str]:
+    """The tensors :func:`_tensors` finds that were not there ``before``, with what refers to each."""
+    known = {id(t) for t in before}
+    found = [t for t in _tensors(device, min_bytes) if id(t) not in known]
+    own = {id(found), id(before), id(sys._getframe())}
     return [f"{tuple(t.shape)} {str(t.dtype)[6:]} <- {', '.join(_referrers(t, own)) or 'nothing in Python'}"
             for t in found]
 
@@ -83,7 +99,8 @@ def _good_backward(device: torch.device, rows: int) -> None:
 
 def probe(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str, device: torch.device, rows: int = ROWS) -> str:
     """One case: fail a backward pass, then report what each step gives back (MiB still allocated after it)."""
-    gc.collect()
+    min_bytes = rows * 256 * 4 // 2
+    before = _tensors(device, min_bytes)  # held to the end, so no new tensor can take one of their ids
     base = _allocated(device)
     refs: list[weakref.ref[torch.Tensor]] = []
     error: BaseException | None = None
@@ -94,14 +111,13 @@ def probe(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str, device: torch
     steps: list[tuple[str, float]] = [("failed", (_allocated(device) - base) / MIB)]
     time.sleep(0.2)
     steps.append(("after 0.2 s", (_allocated(device) - base) / MIB))
-    min_bytes = rows * 256 * 4 // 2
     if error is not None:
         traceback.clear_frames(error.__traceback__)
         steps.append(("frames cleared", (_allocated(device) - base) / MIB))
     error = None
     gc.collect()
     steps.append(("error dropped", (_allocated(device) - base) / MIB))
-    reachable = _reachable(device, min_bytes)
+    reachable = _reachable(device, min_bytes, before)
     release_failed_backward([device])
     steps.append(("release", (_allocated(device) - base) / MIB))
     gc.collect()
@@ -112,7 +128,7 @@ def probe(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str, device: torch
     gc.collect()
     steps.append(("good backward", (_allocated(device) - base) / MIB))
     alive = refs[0]() is not None if refs else None
-    left = _reachable(device, min_bytes)
+    left = _reachable(device, min_bytes, before)
     return (f"{wrap}/{hook.__name__}: " + "; ".join(f"{name} {mib:.1f}" for name, mib in steps)
             + f" MiB; saved activation alive at the end: {alive}\n    reachable once the error was dropped: "
             + ("; ".join(reachable) or "none") + "\n    reachable at the end: " + ("; ".join(left) or "none"))
