@@ -129,16 +129,18 @@ def _goals(batch: int, bound: Arm | None, ours: Arm | None, builtin: Arm | None)
     return vs_bound, vs_builtin, "; ".join(goals)
 
 
-def _spread(bound: Arm | None, ours: Arm | None) -> str:
-    """Ours' steps from p10 to p90 and ours against the bound at p10 (their fast steps, which noise on the host
-    slows least), e.g. ``1.048–1.440; 100.7%``."""
+def _spread(bound: Arm | None, ours: Arm | None, builtin: Arm | None = None) -> str:
+    """Ours' steps from p10 to p90, then ours against the bound and against the built-in at p10 (the fast steps,
+    which noise on the host slows least), e.g. ``1.048–1.440; 100.7%; 1.21×``."""
     if ours is None or not ours.ok:
         return "—"
     lo, hi = ours.quantile(10), ours.quantile(90)
     if lo is None or hi is None:
         return "—"
     bound_lo = bound.quantile(10) if bound is not None and bound.ok else None
-    return f"{lo:.3f}–{hi:.3f}" + (f"; {bound_lo / lo:.1%}" if bound_lo is not None else "")
+    builtin_lo = builtin.quantile(10) if builtin is not None and builtin.ok else None
+    return (f"{lo:.3f}–{hi:.3f}; " + (f"{bound_lo / lo:.1%}" if bound_lo is not None else "—")
+            + (f"; {builtin_lo / lo:.2f}×" if builtin_lo is not None else ""))
 
 
 def _label(run: GpuRun, figs: Iterable[Figure] = ()) -> str:
@@ -169,10 +171,11 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
          "one is queued: their first report can come a step late). Peak: `torch.cuda.max_memory_allocated` over the "
          "arm, model included. Speed ratios are of step times (ours / bound = bound time ÷ ours). Ours' steps "
          "p10–p90: the spread of ours' step times (every repetition's steps together), then ours vs bound at p10 "
-         "(bound p10 ÷ ours p10: the fast steps, which noise on the host slows least).", "",
+         "(bound p10 ÷ ours p10: the fast steps, which noise on the host slows least) and the built-in's time ÷ "
+         "ours at p10.", "",
          "| family | shape, batch | run | depth | bound s/step | ours s/step | built-in s/step | ours vs bound "
          "| built-in time ÷ ours | first step s: bound / ours / built-in | peak GiB: bound / ours / built-in "
-         "| ours' steps p10–p90 s; vs bound at p10 | ours data wait | goals |",
+         "| ours' steps p10–p90 s; vs bound, built-in ÷ ours at p10 | ours data wait | goals |",
          "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|"]
     problems: list[tuple[GpuRun, TrainFigures]] = []
     for (_, batch), run, train in sorted(rows, key=lambda r: r[0]):
@@ -188,7 +191,7 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
                  f"| {_cell(bound, 'step')} | {_cell(ours, 'step')} | {_cell(builtin, 'step')} "
                  f"| {vs_bound} | {vs_builtin} "
                  f"| {' / '.join(_cell(a, 'first') for a in (bound, ours, builtin))} "
-                 f"| {' / '.join(_cell(a, 'peak') for a in (bound, ours, builtin))} | {_spread(bound, ours)} "
+                 f"| {' / '.join(_cell(a, 'peak') for a in (bound, ours, builtin))} | {_spread(bound, ours, builtin)} "
                  f"| {wait} | {goals} |")
         problems += [(run, f) for f in train if _noted(f)]
     return o + _problems(problems)
