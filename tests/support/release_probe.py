@@ -7,10 +7,10 @@ the error, and when Python raised it inside a non-reentrant checkpoint, but none
 raised it with no checkpoint or inside a reentrant one; on the CPU every case is given back. For each of the six
 cases this prints what stayed allocated after the failure and what each further step gives back, in order: waiting
 (a device thread still finishing), clearing the error's traceback frames, dropping the error, the release, a
-collection, a backward pass that runs a Python hook on the device's autograd thread, and a whole successful
-backward pass of the same shape; and, once the error is dropped and at the end, the tensors of the failed pass's
-size that Python's gc still reaches, with what refers to each ("nothing in Python": only C++ holds it, e.g.
-autograd's engine).
+collection, a backward pass that runs a Python hook on the device's autograd thread, a whole successful backward
+pass of the same shape through a reentrant checkpoint (a backward pass nested in the device thread's), and one
+without; and, once the error is dropped and at the end, the tensors of the failed pass's size that Python's gc
+still reaches, with what refers to each ("nothing in Python": only C++ holds it, e.g. autograd's engine).
 """
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ def _python_hook_release(device: torch.device) -> None:
     out.sum().backward()
 
 
-def _good_backward(device: torch.device, rows: int) -> None:
+def _good_backward(device: torch.device, rows: int, wrap: str = "none") -> None:
     refs: list[weakref.ref[torch.Tensor]] = []
-    failing_backward(refs, lambda g: g, "none", str(device), rows)
+    failing_backward(refs, lambda g: g, wrap, str(device), rows)
 
 
 def probe(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str, device: torch.device, rows: int = ROWS) -> str:
@@ -124,6 +124,9 @@ def probe(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str, device: torch
     steps.append(("gc", (_allocated(device) - base) / MIB))
     _python_hook_release(device)
     steps.append(("python-hook backward", (_allocated(device) - base) / MIB))
+    _good_backward(device, rows, "fast")
+    gc.collect()
+    steps.append(("good reentrant backward", (_allocated(device) - base) / MIB))
     _good_backward(device, rows)
     gc.collect()
     steps.append(("good backward", (_allocated(device) - base) / MIB))
