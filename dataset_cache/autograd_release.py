@@ -7,17 +7,25 @@ neither dropping the exception nor ``gc.collect()`` frees them; the thread that 
 its next backward pass (pytorch/pytorch#82218; ``tests/unit/test_autograd_release.py`` shows both). In ComfyUI that
 thread is the prompt worker, whose next backward pass may never come: the memory stays taken while the user samples,
 and a retry with a smaller batch starts with less free memory than the first try had. Running a backward pass of two
-nodes on the same thread right after the failure releases it.
+nodes on the same thread right after the failure releases it (:func:`release_failed_backward`).
+
+The error itself holds the rest: its traceback keeps the frames it passed through, and their locals (the step's
+batch, its loss, and through the loss every node of the graph the failed pass had not reached yet, with their
+saved tensors). ComfyUI keeps the error it reports in a reference cycle (its ``execute`` keeps the traceback in a
+local of a frame that traceback holds), so those tensors would live until the collector's next full pass.
+:func:`release_error_frames` clears the locals of the frames that have finished; the traceback still prints the
+same (files, lines, code), which is all ComfyUI shows.
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Iterable
 
 import torch
 
-__all__ = ["release_failed_backward"]
+__all__ = ["release_failed_backward", "release_error_frames"]
 
 log = logging.getLogger("streamcache.train")
 
@@ -37,3 +45,12 @@ def release_failed_backward(devices: Iterable[torch.device | str] = ()) -> None:
                 (leaf * 2.0).sum().backward()
         except Exception:  # a device in an error state: the original error is the one to report
             log.debug("could not run the release backward pass on %s", device, exc_info=True)
+
+
+def release_error_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames ``error``'s traceback holds, so whoever keeps the error does not keep
+    the failed step's tensors; frames still running (the caller's own) are left as they are. Never raises."""
+    try:
+        traceback.clear_frames(error.__traceback__)
+    except Exception:  # the error on its way to the user is the one to report
+        log.debug("could not clear the frames of %r", error, exc_info=True)

@@ -13,6 +13,7 @@ import importlib
 import logging
 import sys
 import threading
+import traceback
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
@@ -633,6 +634,49 @@ def test_a_failed_backward_pass_leaves_no_activations_behind(pack: ModuleType, n
     loop.release_failed_backward([torch.device("cpu")])  # what the premise run left
     assert failed_run() == []
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def _held_as_comfyui_holds_it(run: Any) -> BaseException:
+    """Call ``run`` and return its error the way ComfyUI's ``execute`` does: with the traceback kept in a local of a
+    frame that traceback holds (a reference cycle, freed only by the collector)."""
+    try:
+        run()
+    except Exception as ex:
+        typ, _, tb = sys.exc_info()  # what execution.execute keeps
+        return ex
+    raise AssertionError("the run did not fail")
+
+
+def test_the_failed_step_is_freed_while_comfyui_still_holds_the_error(pack: ModuleType, node: type, models: tuple,
+                                                                       dataset: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """ComfyUI keeps the error it reports, in a reference cycle, until the collector's next full pass; the frames
+    its traceback holds would keep the failed step's batch and loss, and through the loss its graph. Train LoRA
+    clears those frames' locals as the error leaves its loop, so the step's activations go at once, with the
+    collector off and the error still held (dataset_cache/autograd_release.py)."""
+    loop = _module(pack, "nodes.training.loop")
+
+    def held_run() -> tuple[BaseException, list[Any]]:
+        hook, saved = _fail_in_backward()
+        gc.collect()
+        gc.disable()
+        try:
+            error = _held_as_comfyui_holds_it(lambda: _train(node, models[0], dataset, steps=3))
+            return error, [ref for ref in saved if ref() is not None]
+        finally:
+            gc.enable()
+            hook.remove()
+
+    with monkeypatch.context() as m:  # the premise: without clearing the frames the held error keeps them
+        m.setattr(loop, "release_error_frames", lambda error: None)
+        error, kept = held_run()
+    assert isinstance(error, _BackwardOOM) and kept
+    del error, kept
+    gc.collect()
+    error, kept = held_run()
+    assert isinstance(error, _BackwardOOM) and kept == []
+    assert "CUDA out of memory (raised in the backward pass by the test)" in "".join(
+        traceback.format_exception(error))  # what ComfyUI shows is still there
 
 
 # ------------------------------------------------------------------------------------------------- bad inputs

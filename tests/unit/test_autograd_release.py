@@ -10,14 +10,15 @@ Python object, and with it the weak reference, alive.
 from __future__ import annotations
 
 import gc
+import traceback
 import weakref
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from dataset_cache.autograd_release import release_failed_backward
-from support.failed_backward import engine_error, failing_backward, python_error
+from dataset_cache.autograd_release import release_error_frames, release_failed_backward
+from support.failed_backward import BackwardError, engine_error, failing_backward, python_error
 
 
 def _failed_step(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str, device: str = "cpu",
@@ -61,6 +62,37 @@ def test_the_release_never_raises() -> None:
     ref = _failed_step(python_error, "none")
     release_failed_backward(["cuda:97"])  # no machine that runs this has 98 GPUs; the CPU is still released
     assert not _alive(ref)
+
+
+def _raise_with(refs: list[weakref.ref[torch.Tensor]]) -> None:
+    step_tensor = torch.ones(1000)  # a local of a frame the error passes through, as a step's batch is
+    refs.append(weakref.ref(step_tensor))
+    raise BackwardError(f"out of memory with {step_tensor.numel()} values")
+
+
+def test_the_errors_finished_frames_let_go_of_their_tensors_and_it_still_prints_the_same() -> None:
+    """Whoever keeps the error (ComfyUI, in a reference cycle) no longer keeps the tensors its frames held."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    try:
+        _raise_with(refs)
+    except BackwardError as exc:
+        error = exc
+    before = traceback.format_exception(error)
+    assert refs[0]() is not None  # kept by _raise_with's finished frame, which the traceback holds
+    release_error_frames(error)
+    assert refs[0]() is None
+    assert traceback.format_exception(error) == before  # files, lines, code and message: what ComfyUI shows
+
+
+def test_clearing_leaves_running_frames_alone_and_never_raises() -> None:
+    """The frame handling the error is still running: it keeps its locals and nothing is raised."""
+    mine = torch.ones(3)
+    try:
+        raise BackwardError("here")
+    except BackwardError as exc:
+        release_error_frames(exc)
+    release_error_frames(BackwardError("never raised: no traceback"))
+    assert mine.sum() == 3
 
 
 # On the H100 (R6, torch 2.11 cu130) the release gave back nothing of these two cases' 32 MiB; the other four came
