@@ -1,13 +1,16 @@
 """Freeing what a backward pass that raised leaves behind.
 
-When a backward pass raises (a CUDA out-of-memory error in its middle is the usual way a batch or resolution too
-large for the device fails), PyTorch's autograd engine keeps the failed graph alive: its saved activations, the
-tensors recomputed for checkpointed blocks, the gradients made so far. Nothing in Python refers to them any more, so
-neither dropping the exception nor ``gc.collect()`` frees them; the thread that ran the pass frees them when it runs
-its next backward pass (pytorch/pytorch#82218; ``tests/unit/test_autograd_release.py`` shows both). In ComfyUI that
-thread is the prompt worker, whose next backward pass may never come: the memory stays taken while the user samples,
-and a retry with a smaller batch starts with less free memory than the first try had. Running a backward pass of two
-nodes on the same thread right after the failure releases it (:func:`release_failed_backward`).
+When a backward pass raises (out of memory in its middle is the usual way a batch or resolution too large for the
+device fails), PyTorch's autograd engine can keep the failed graph alive: the nodes it had queued but not run, with
+their saved activations, the tensors recomputed for checkpointed blocks, the gradients made so far. A node runs on
+the thread of its device: CPU nodes on the thread that called ``backward``, whose queue keeps what the failure left
+until that thread runs its next backward pass (pytorch/pytorch#82218; ``tests/unit/test_autograd_release.py`` shows
+it); each CUDA device has an autograd thread of its own that drains its queue by itself. Nothing in Python refers to
+what the caller's queue keeps, so neither dropping the exception nor ``gc.collect()`` frees it. In ComfyUI the
+caller is the prompt worker, whose next backward pass may never come: the memory stays taken while the user
+samples, and a retry with a smaller batch starts with less free memory than the first try had. Running a backward
+pass of two nodes on the same thread (and one on each device) right after the failure releases it
+(:func:`release_failed_backward`).
 
 The error itself holds the rest: its traceback keeps the frames it passed through, and their locals (the step's
 batch, its loss, and through the loss every node of the graph the failed pass had not reached yet, with their
