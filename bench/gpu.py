@@ -351,9 +351,8 @@ PROFILE_SKIP = 2
 def _profile_pass(ctx: Context, opts: Options, rec: _Recorder, budget: Budget, model: Any, data: Any,
                   arms: list[ArmPlan]) -> None:
     """``--profile``: a few steps of the bound, ours and the built-in at the family's first batch, with their
-    breakdown; one
-    that should not fit the budget (:meth:`Budget.profile_cost`: the profiler's own cost included) is skipped with
-    a note, and one under way is stopped at the budget's end (:func:`bench.gpu_profile.profile_arm`)."""
+    breakdown; one that should not fit the budget (:meth:`Budget.profile_cost`: the profiler's own cost included) is
+    skipped with a note, and one under way is stopped at the budget's end (:func:`bench.gpu_profile.profile_arm`)."""
     from .gpu_profile import MAX_TRACE_BYTES, describe, failed, profile_arm
 
     for arm in [a for a in arms if a.arm in ("bound", "ours", "builtin") and a.batch == arms[0].batch
