@@ -213,8 +213,10 @@ def _problems(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
         if f.kept_memory:
             released = "" if f.released_gib is None else \
                 f" (releasing the graph autograd kept of its failed pass gave back {f.released_gib:.1f} GiB)"
+            census = f"; Python reaches {f.kept_census}" if f.kept_census else ""
             left.append(f"- `{f.id}` (R{run.number}): {f.left_gib:.1f} GiB still allocated after its clean-up"
-                        f"{released}; the arms after it in that run started with it, and their peaks include it")
+                        f"{released}{census}; the arms after it in that run started with it, and their peaks "
+                        "include it")
     out = ["", "Arms without figures:", *lines] if lines else []
     return out + (["", "Arms that did not give their device memory back:", *left] if left else [])
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.gpu_figures import Device, EncodeFigures, GpuRun, ProfileFigures, TrainFigures, load_run, save_run
 from bench.gpu_budget import Budget
@@ -207,12 +208,31 @@ def test_the_placeholder_says_the_figures_are_unmeasured() -> None:
 def test_an_arm_that_kept_device_memory_is_named_under_its_table(run: GpuRun, tmp_path: Path) -> None:
     """R4 lost ~57 GiB to a failed arm and every later arm's peak carried it; now each arm records what it left."""
     run.train[5].left_gib, run.train[5].released_gib = 57.5, 0.5  # the built-in's out-of-memory arm
+    run.train[5].kept_census = "2.0 GiB in 14 tensors (frame 1.5, dict 0.5)"
     run.train[7].left_gib = 0.1  # under LEFT_GIB: allocator noise, not named
     lines = render(run).splitlines()
     at = lines.index("Arms that did not give their device memory back:")
     assert lines[at + 1] == ("- `sdxl/b4/builtin` (R1): 57.5 GiB still allocated after its clean-up (releasing the "
-                             "graph autograd kept of its failed pass gave back 0.5 GiB); the arms after it in that run "
-                             "started with it, and their peaks include it")
+                             "graph autograd kept of its failed pass gave back 0.5 GiB); Python reaches 2.0 GiB in 14 "
+                             "tensors (frame 1.5, dict 0.5); the arms after it in that run started with it, and their "
+                             "peaks include it")
     assert not any("`cap/sdxl-8/ours` (R1): 0.1 GiB" in x for x in lines)
     save_run(run, tmp_path / "results.json")
-    assert load_run(tmp_path / "results.json").train[5].left_gib == 57.5
+    loaded = load_run(tmp_path / "results.json").train[5]
+    assert (loaded.left_gib, loaded.kept_census) == (57.5, "2.0 GiB in 14 tensors (frame 1.5, dict 0.5)")
+
+
+def test_the_census_of_a_device_counts_what_python_reaches_by_its_holder() -> None:
+    """On ``meta``: a tensor held by a dict and one by a list, counted by size and holder (other tests may leave
+    tensors there: what is compared is what these two add)."""
+    from bench.gpu_train import census, device_census
+
+    meta = torch.device("meta")
+    total0, count0, by0 = census(meta)
+    held = {"activation": torch.empty(1024, 1024, 64, device="meta")}  # 256 MiB of float32
+    listed = [torch.empty(1024, 1024, 128, device="meta")]  # 512 MiB
+    total, count, by = census(meta)
+    assert (total - total0, count - count0) == (768 << 20, 2)
+    assert (by["dict"] - by0["dict"], by["list"] - by0["list"]) == (256 << 20, 512 << 20)
+    assert device_census(meta).startswith(f"{total / (1 << 30):.1f} GiB in {count} tensors (")
+    del held, listed
