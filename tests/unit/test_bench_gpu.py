@@ -236,3 +236,19 @@ def test_the_census_of_a_device_counts_what_python_reaches_by_its_holder() -> No
     assert (by["dict"] - by0["dict"], by["list"] - by0["list"]) == (256 << 20, 512 << 20)
     assert device_census(meta).startswith(f"{total / (1 << 30):.1f} GiB in {count} tensors (")
     del held, listed
+
+
+def test_an_arm_that_keeps_memory_takes_the_census_of_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the clean-up: more than LEFT_GIB left over the arm's start takes a census; less does not."""
+    import bench.gpu_train as gpu_train
+
+    left = {"gib": 1.5}
+    monkeypatch.setattr(gpu_train, "free_device", lambda device: None)
+    monkeypatch.setattr(gpu_train, "allocated_gib", lambda device: left["gib"])
+    kept = TrainFigures("flux/b2/builtin", "flux", 2, "builtin", 2, start_gib=0.5)
+    gpu_train._clean_up(torch.device("meta"), kept)
+    assert kept.left_gib == 1.0 and " GiB in " in kept.kept_census
+    left["gib"] = 0.6
+    fine = TrainFigures("flux/b2/ours", "flux", 2, "ours", 2, start_gib=0.5)
+    gpu_train._clean_up(torch.device("meta"), fine)
+    assert fine.left_gib == pytest.approx(0.1) and fine.kept_census == ""
