@@ -40,8 +40,11 @@ SETUP_S: dict[tuple[str, str], float] = {
     ("sdxl", "bound"): 11.0, ("sdxl", "ours"): 11.5, ("sdxl", "builtin"): 5.5}
 """H200 seconds per arm beyond its steps (wall − steps × median, + ~0.7 s between arms): SD1.5 bound 4.6 (b8; b1 12.2
 as the run's first arm), ours 2.6–3.8, built-in 2.0–2.9; SDXL 10.0 / 10.7 / 4.7 (its cap arms 9.3–9.8)."""
-SETUP_PER_B = {"ours": (1.2, 3.8), "bound": (1.2, 3.8), "builtin": (1.7, 1.5)}
-"""(seconds, seconds per billion parameters): the line through SD1.5 (0.86B) and SDXL (2.57B) above, for the rest."""
+SETUP_PER_B = {"ours": (1.4, 2.2), "bound": (1.4, 2.2), "builtin": (1.6, 0.45)}
+"""(seconds, seconds per billion parameters), for the families :data:`SETUP_S` lacks: the line through SD1.5
+(0.86B: ours and the bound 3.3 s, the built-in 2.0, R8) and Flux-dev (11.9B: 25.7–29.5 s and 6.8, R2 and R4); WAN
+(1.3B: 5.5–8.8 / 3.0) and Lumina 2 (2.6B: 3.3–5.1 / 1.9–2.6) fall near it. The line through SD1.5 and SDXL it
+replaces put Flux at 46 s and Qwen-Image (20B) at 79 s an arm, so a run never found Qwen-Image's ~420 s."""
 FIRST_ARM_S = 7.5
 """What the run's first arm pays on top: SD1.5 b1's bound set-up 12.2 s against 4.6 at b8."""
 ENCODE_S: dict[str, float] = {"sd15": 2.5, "sdxl": 7.0, "flux": 14.0, "wan21": 14.5}
