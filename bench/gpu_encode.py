@@ -111,53 +111,69 @@ def run_encode_row(spec: VaeSpec, vae: Any, clip: Any, encode_node: type, nodes_
 
     fig = EncodeFigures(id=f"encode/{spec.name}", title=spec.title, images=images, size=spec.size)
     name = f"bench_gpu_{spec.name}"
-    folder = input_dir / name
-    shutil.rmtree(folder, ignore_errors=True)
-    write_image_folder(folder, images, spec.size)
-    cache = sys.modules[encode_node.__module__].resolve_cache(name)  # models/streamcache/<name>
-    shutil.rmtree(cache, ignore_errors=True)  # a cache left by an earlier run would leave nothing to encode
     h, w = spec.size
     resolution = -(-int((h * w) ** 0.5) // 8) * 8
     step = 64 if h % 64 == 0 and w % 64 == 0 else 32
     inputs = {"dataset_name": "default", "resolution": resolution, "bucket_step": step, "crop": "center",
               "caption_prefix": "", "caption_suffix": "", "batch_size": 4, "on_failure": "stop"}
+    node_module = sys.modules[encode_node.__module__]
     try:
         t = time.perf_counter()
         _warm_up(spec, vae, clip, encode_node, nodes_dataset, input_dir, min(images, WARMUP_IMAGES), inputs, device)
         fig.warmup_s = time.perf_counter() - t
-        inputs = {**inputs, "folder": name, "cache": name}
-        free_device(device)
-        fig.free_before_gib = _free_gib(device)
-        released: list[float] = []
-        t = time.perf_counter()
-        with torch.inference_mode(), timed_release(sys.modules[encode_node.__module__], device, released) as hooked:
-            _, report = encode_node.execute(vae=vae, clip=clip, **inputs).result
-            _sync(device)
-        fig.ours_s = time.perf_counter() - t
-        fig.ours_release_s = sum(released) if hooked else None
-        fig.ours_free_gib = _free_gib(device)
-        fig.note = report.splitlines()[0][:160]
-        free_device(device)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            loaded = nodes_dataset.LoadImageTextDataSetFromFolderNode.execute(name)
-            pics, texts = loaded.result if hasattr(loaded, "result") else loaded
-            nodes_dataset.MakeTrainingDataset.execute(pics, [vae], [clip], texts)
-            _sync(device)
-        fig.builtin_s = time.perf_counter() - t
-        fig.builtin_free_gib = _free_gib(device)
-        if getattr(device, "type", "cpu") == "cuda":
-            fig.peak_gib = torch.cuda.max_memory_allocated(device) / GIB
-        fig.builtin_release_s = release_all(device)
-        fig.builtin_released_free_gib = _free_gib(device)
+        with _scratch_folder(input_dir, node_module, name, images, spec.size):
+            free_device(device)
+            fig.free_before_gib = _free_gib(device)
+            released: list[float] = []
+            t = time.perf_counter()
+            with torch.inference_mode(), timed_release(node_module, device, released) as hooked:
+                _, report = encode_node.execute(vae=vae, clip=clip, folder=name, cache=name, **inputs).result
+                _sync(device)
+            fig.ours_s = time.perf_counter() - t
+            fig.ours_release_s = sum(released) if hooked else None
+            fig.ours_free_gib = _free_gib(device)
+            fig.note = report.splitlines()[0][:160]
+            free_device(device)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                _builtin_encode(nodes_dataset, name, vae, clip)
+                _sync(device)
+            fig.builtin_s = time.perf_counter() - t
+            fig.builtin_free_gib = _free_gib(device)
+            if getattr(device, "type", "cpu") == "cuda":
+                fig.peak_gib = torch.cuda.max_memory_allocated(device) / GIB
+            fig.builtin_release_s = release_all(device)
+            fig.builtin_released_free_gib = _free_gib(device)
     except Exception as exc:  # a failed row is a figure of the run
         fig.error = f"{type(exc).__name__}: {str(exc)[:400]}"
     finally:
         free_device(device)
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.rmtree(cache, ignore_errors=True)
     say(_line(fig))
     return fig
+
+
+@contextmanager
+def _scratch_folder(input_dir: Path, node_module: ModuleType, name: str, images: int, size: tuple[int, int],
+                    seed: int = 0) -> Iterator[None]:
+    """While inside: ``input_dir/name`` holds ``images`` fresh images and no cache of that name exists (one left
+    by an earlier run would leave nothing to encode); both are removed after."""
+    folder = input_dir / name
+    cache = node_module.resolve_cache(name)  # models/streamcache/<name>
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    try:
+        write_image_folder(folder, images, size, seed)
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _builtin_encode(nodes_dataset: ModuleType, name: str, vae: Any, clip: Any) -> None:
+    """ComfyUI's ``LoadImageTextDataSetFromFolder`` → ``MakeTrainingDataset`` on the folder ``name``."""
+    loaded = nodes_dataset.LoadImageTextDataSetFromFolderNode.execute(name)
+    pics, texts = loaded.result if hasattr(loaded, "result") else loaded
+    nodes_dataset.MakeTrainingDataset.execute(pics, [vae], [clip], texts)
 
 
 WARMUP_IMAGES = 4
@@ -171,21 +187,11 @@ def _warm_up(spec: VaeSpec, vae: Any, clip: Any, encode_node: type, nodes_datase
     import torch
 
     name = f"bench_gpu_{spec.name}_warmup"
-    folder = input_dir / name
-    cache = sys.modules[encode_node.__module__].resolve_cache(name)
-    shutil.rmtree(folder, ignore_errors=True)
-    shutil.rmtree(cache, ignore_errors=True)
-    write_image_folder(folder, images, spec.size, seed=1)
-    try:
-        with torch.inference_mode():
-            encode_node.execute(vae=vae, clip=clip, **{**inputs, "folder": name, "cache": name})
-            loaded = nodes_dataset.LoadImageTextDataSetFromFolderNode.execute(name)
-            pics, texts = loaded.result if hasattr(loaded, "result") else loaded
-            nodes_dataset.MakeTrainingDataset.execute(pics, [vae], [clip], texts)
-        _sync(device)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.rmtree(cache, ignore_errors=True)
+    with _scratch_folder(input_dir, sys.modules[encode_node.__module__], name, images, spec.size, seed=1), \
+            torch.inference_mode():
+        encode_node.execute(vae=vae, clip=clip, folder=name, cache=name, **inputs)
+        _builtin_encode(nodes_dataset, name, vae, clip)
+    _sync(device)
 
 
 def _line(fig: EncodeFigures) -> str:

@@ -77,7 +77,7 @@ class TrainFigures:
     on the GPU whether that, or something else, held a failed arm's memory)."""
     kept_census: str = ""
     """An arm that kept memory (:attr:`kept_memory`): what of it Python still reaches, by what refers to it
-    (:func:`bench.gpu_train.device_census`); what it does not reach, only C++ holds."""
+    (:func:`bench.tensor_census.device_census`); what it does not reach, only C++ holds."""
 
     @property
     def median_s(self) -> float | None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -36,9 +35,10 @@ from typing import Any
 
 from .gpu_data import FamilyData
 from .gpu_figures import TrainFigures
+from .tensor_census import device_census
 
 __all__ = ["BASE_SETTINGS", "Trainers", "run_arm", "arm_settings", "train_ours", "builtin_steps", "missing_settings",
-           "free_device", "allocated_gib", "memory_gib", "device_census"]
+           "free_device", "allocated_gib", "memory_gib"]
 
 BASE_SETTINGS: dict[str, Any] = {
     "grad_accumulation_steps": 1, "learning_rate": 1e-4, "rank": 16, "optimizer": "AdamW", "loss_function": "MSE",
@@ -189,39 +189,6 @@ def _clean_up(device: Any, fig: TrainFigures) -> None:
         fig.left_gib = end - fig.start_gib
     if fig.kept_memory:
         fig.kept_census = device_census(device)
-
-
-def device_census(device: Any, top: int = 4) -> str:
-    """The tensors on ``device`` that Python's gc reaches, and the largest ones' GiB by the type of what refers to
-    them (largest first), e.g. ``2.0 GiB in 14 tensors (frame 1.5, dict 0.5)``: what an arm kept that Python
-    holds, so the rest of what it kept is held by C++ alone (autograd's engine, a C++ cycle)."""
-    total, count, by = census(device)
-    parts = ", ".join(f"{name} {n / GIB:.1f}" for name, n in by.most_common(top))
-    return f"{total / GIB:.1f} GiB in {count} tensors" + (f" ({parts})" if parts else "")
-
-
-def census(device: Any, largest: int = 16) -> tuple[int, int, Counter[str]]:
-    """(bytes, tensors, bytes by the type of each referrer) of the strided tensors on ``device`` gc reaches; the
-    referrers of the ``largest`` ones only (each lookup walks every object of the process: ComfyUI's ~400,000)."""
-    import warnings
-
-    import torch
-
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() on some of torch's deprecated module attributes warns
-        warnings.simplefilter("ignore")
-        found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == device.type
-                 and o.layout == torch.strided]
-    sizes = {id(t): t.untyped_storage().nbytes() for t in found}
-    by: Counter[str] = Counter()
-    ranked = sorted(found, key=lambda t: sizes[id(t)], reverse=True)
-    top = ranked[:largest]
-    own = {id(found), id(ranked), id(top)}
-    for t in top:
-        for ref in gc.get_referrers(t):
-            if id(ref) not in own:
-                by[type(ref).__name__] += sizes[id(t)]
-    return sum(sizes.values()), len(found), by
 
 
 def arm_settings(fig: TrainFigures, total: int, extra: dict[str, Any]) -> dict[str, Any]:

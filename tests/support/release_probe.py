@@ -22,7 +22,6 @@ import gc
 import sys
 import time
 import traceback
-import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
+from bench.tensor_census import device_tensors  # noqa: E402
 from dataset_cache.autograd_release import release_failed_backward  # noqa: E402
 from support.failed_backward import engine_error, failing_backward, python_error  # noqa: E402
 
@@ -60,29 +60,10 @@ def _referrers(obj: object, own: set[int]) -> list[str]:
     return names
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    """Bytes of the storage under ``t``; 0 for what has none to read (sparse, nested, tensor subclasses)."""
-    if t.layout != torch.strided:
-        return 0
-    try:
-        return t.untyped_storage().nbytes()
-    except (NotImplementedError, RuntimeError):
-        return 0
-
-
-def _tensors(device: torch.device, min_bytes: int) -> list[torch.Tensor]:
-    """The tensors on ``device`` of ``min_bytes`` or more that Python's gc reaches."""
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() on some of torch's deprecated module attributes warns
-        warnings.simplefilter("ignore")
-        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device == device
-                and _nbytes(o) >= min_bytes]
-
-
 def _reachable(device: torch.device, min_bytes: int, before: list[torch.Tensor]) -> list[str]:
-    """The tensors :func:`_tensors` finds that were not there ``before``, with what refers to each."""
+    """The tensors of ``min_bytes`` or more on ``device`` that were not there ``before``, with what refers to each."""
     known = {id(t) for t in before}
-    found = [t for t in _tensors(device, min_bytes) if id(t) not in known]
+    found = [t for t in device_tensors(device, min_bytes) if id(t) not in known]
     own = {id(found), id(before), id(sys._getframe())}
     return [f"{tuple(t.shape)} {str(t.dtype)[6:]} <- {', '.join(_referrers(t, own)) or 'nothing in Python'}"
             for t in found]
@@ -103,7 +84,7 @@ def _good_backward(device: torch.device, rows: int, wrap: str = "none") -> None:
 def probe(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str, device: torch.device, rows: int = ROWS) -> str:
     """One case: fail a backward pass, then report what each step gives back (MiB still allocated after it)."""
     min_bytes = rows * 256 * 4 // 2
-    before = _tensors(device, min_bytes)  # held to the end, so no new tensor can take one of their ids
+    before = device_tensors(device, min_bytes)  # held to the end, so no new tensor can take one of their ids
     base = _allocated(device)
     refs: list[weakref.ref[torch.Tensor]] = []
     error: BaseException | None = None

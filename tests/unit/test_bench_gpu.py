@@ -225,7 +225,7 @@ def test_an_arm_that_kept_device_memory_is_named_under_its_table(run: GpuRun, tm
 def test_the_census_of_a_device_counts_what_python_reaches_by_its_holder() -> None:
     """On ``meta``: a tensor held by a dict and one by a list, counted by size and holder (other tests may leave
     tensors there: what is compared is what these two add)."""
-    from bench.gpu_train import census, device_census
+    from bench.tensor_census import census, device_census
 
     meta = torch.device("meta")
     total0, count0, by0 = census(meta)
