@@ -164,7 +164,8 @@ def _reentrant_checkpoint(body: Callable[..., Any], tensors: Sequence[torch.Tens
 class BlockRunners:
     """The runner installed as the ``forward`` of each of ``blocks``; :meth:`remove` puts the originals back.
 
-    ``checkpoint``: each block is its own gradient checkpoint while gradients are on. ``streamer`` and
+    ``checkpoint``: each block is its own gradient checkpoint while gradients are on, but those in ``whole``
+    (block indices the memory plan keeps whole: run as they are, not recomputed). ``streamer`` and
     ``streamed`` (block index → streamer index): those blocks' weights are brought in around each run and
     recompute (a streamed block must be checkpointed: its weights leave the device after its forward). ``probe``:
     every block runs through it instead. ``order`` records the order the blocks first ran in.
@@ -183,6 +184,7 @@ class BlockRunners:
     def __init__(self, blocks: Sequence[torch.nn.Module], *, checkpoint: bool, reentrant: bool = False) -> None:
         self.checkpoint = checkpoint
         self.reentrant = reentrant
+        self.whole: set[int] = set()
         self.copied: dict[int, set[Any]] | None = {}
         self.out_of_place: set[int] = set()
         self.streamer: Streamer | None = None
@@ -237,7 +239,7 @@ class BlockRunners:
         def run_block(*args: Any, **kwargs: Any) -> Any:
             if self.probe is not None:
                 return self.probe.run(index, original, args, kwargs)
-            if not (self.checkpoint and torch.is_grad_enabled()):
+            if not (self.checkpoint and torch.is_grad_enabled()) or index in self.whole:
                 a, k = self._copies(index, args, kwargs)
                 with self._around(index, recompute=False):
                     return original(*a, **k)

@@ -5,8 +5,9 @@ arithmetic for the GPUs people own).
 
 The plans, cheapest first (each costs time the one before does not):
 
-1. every block its own gradient checkpoint, every weight on the device (no checkpointing at all when the user
-   turned it off and it fits);
+1. every weight on the device, every block its own gradient checkpoint (no checkpointing at all when the user
+   turned it off and it fits); under ``auto`` the blocks whose recompute is dearest per byte are then kept whole
+   (not checkpointed) while the estimate stays within :data:`SPARE_SHARE` of the memory this plan leaves free;
 2. the weights of some blocks streamed from pinned host memory into a ring of device slots, the next block
    copied while the current one computes (forward and recompute): the fewest bytes streamed that make it fit;
 3. as 2, with the tensors a checkpoint keeps (each block's inputs) held in host memory;
@@ -25,7 +26,8 @@ from typing import Any
 from .units import format_bytes
 
 __all__ = ["AUTO", "BlockCost", "Budget", "Estimate", "MEMORY_MODES", "MemoryNeeds", "MemoryPlan", "MemoryRequest",
-           "NO_OFFLOAD", "STREAM", "STREAM_HOST", "estimate", "pick_streamed", "plan_memory", "spread"]
+           "NO_OFFLOAD", "SPARE_SHARE", "STREAM", "STREAM_HOST", "estimate", "pick_kept", "pick_streamed",
+           "plan_memory", "spread"]
 
 AUTO = "auto"
 NO_OFFLOAD = "no offload"
@@ -43,6 +45,10 @@ RESERVE = 0.05
 fragmentation, cuBLAS workspaces, the batch itself."""
 DEFAULT_SLOTS = 2
 """Device slots for streamed blocks: the block computing and the next one arriving."""
+SPARE_SHARE = 0.5
+"""Share of the memory the checkpointed plan leaves free that ``auto`` spends on keeping blocks whole: a kept block
+is not recomputed in the backward pass (at batch 1 a GPU step is bound by the host's ops, and a recompute is a
+third of them); the other half stays free for what the estimate does not see and for the user's other work."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,8 @@ class BlockCost:
             e.g. it is fp8 already).
         streamable: whether its weights can be streamed (plain tensors, not shared with another block, and its
             forward runs through the block: the probe saw it).
+        saves: tensors its forward saves for the backward pass: the measure of what its recompute replays (ops
+            and the checkpoint's per-tensor hooks) that :func:`pick_kept` weighs against its bytes (0: unknown).
     """
 
     name: str
@@ -68,6 +76,7 @@ class BlockCost:
     input_bytes: int = 0
     fp8_weight_bytes: int | None = None
     streamable: bool = True
+    saves: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,8 @@ class MemoryRequest:
         checkpoint: the ``gradient_checkpointing`` input (streaming turns it on: a streamed block must be
             recomputed in the backward pass, its weights present again).
         stream_blocks: with a stream mode, how many blocks (0: as many as needed to fit).
+        spare_share: with ``auto``, the share of the memory the checkpointed plan leaves free that may keep blocks
+            whole (0: every block checkpointed).
         allow_fp8: the blocks' matrices may be stored in fp8 when nothing else fits (``auto``) or always (stream
             modes).
         managed_by: non-empty when ComfyUI manages the weights itself (its offloading, dynamic VRAM, --lowvram):
@@ -133,6 +144,7 @@ class MemoryRequest:
     stream_blocks: int = 0
     allow_fp8: bool = False
     managed_by: str = ""
+    spare_share: float = SPARE_SHARE
 
 
 @dataclass(frozen=True)
@@ -164,7 +176,7 @@ class MemoryPlan:
 
     Attributes:
         mode: what the user asked (:data:`MEMORY_MODES`).
-        checkpoint: every block is its own gradient checkpoint.
+        checkpoint: every block is its own gradient checkpoint (but those in ``kept``).
         streamed: indices (into ``names``) of the blocks whose weights are streamed.
         host_activations: what a checkpoint keeps lives in host memory.
         fp8: the blocks' matrices are stored in fp8.
@@ -174,6 +186,8 @@ class MemoryPlan:
         managed_by: ComfyUI manages the weights (the reason), or ``""``.
         transfer_bytes: weight bytes copied to the device per forward pass (twice per step: forward and recompute).
         notes: what the user should know (an override that does not fit, checkpointing turned on, ...).
+        kept: indices (into ``names``) of the blocks kept whole although ``checkpoint``: their activations stay
+            from the forward to their backward, and they are not recomputed.
     """
 
     mode: str
@@ -187,6 +201,7 @@ class MemoryPlan:
     managed_by: str = ""
     transfer_bytes: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    kept: tuple[int, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -194,7 +209,13 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """``"blocks checkpointed, 22 of 57 blocks streamed, estimated 11.2 GiB of 12.0 GiB"``."""
-        parts = [f"{len(self.names)} blocks checkpointed" if self.checkpoint else "no checkpointing"]
+        n = len(self.names)
+        if not self.checkpoint:
+            parts = ["no checkpointing"]
+        elif self.kept:
+            parts = [f"{n - len(self.kept)} of {n} blocks checkpointed ({len(self.kept)} kept whole in spare memory)"]
+        else:
+            parts = [f"{n} blocks checkpointed"]
         if self.managed_by:
             parts.append(f"weights managed by ComfyUI ({self.managed_by})")
         elif self.streamed:
@@ -220,6 +241,7 @@ class MemoryPlan:
         return {
             "mode": self.mode, "checkpoint": self.checkpoint, "blocks": len(self.names),
             "streamed_blocks": len(self.streamed), "streamed": [self.names[i] for i in self.streamed],
+            "kept_blocks": len(self.kept), "kept": [self.names[i] for i in self.kept],
             "host_activations": self.host_activations, "fp8": self.fp8, "managed_by": self.managed_by,
             "estimate_bytes": e.total, "budget_bytes": self.budget_bytes, "fits": self.fits,
             "transfer_bytes_per_pass": self.transfer_bytes,
@@ -234,8 +256,9 @@ def _weights(needs: MemoryNeeds, fp8: bool) -> list[int]:
 
 
 def estimate(needs: MemoryNeeds, *, checkpoint: bool, streamed: Sequence[int] = (), host_activations: bool = False,
-             fp8: bool = False, slots: int = DEFAULT_SLOTS) -> Estimate:
-    """Device bytes of one plan at its peak (the backward pass of the block that saves the most)."""
+             fp8: bool = False, slots: int = DEFAULT_SLOTS, kept: Sequence[int] = ()) -> Estimate:
+    """Device bytes of one plan at its peak (the backward pass of the block that saves the most; a kept block's
+    activations held from the forward on, its backward adding its gradients)."""
     weights = _weights(needs, fp8)
     chosen = set(streamed)
     resident = needs.other_weight_bytes + sum(w for i, w in enumerate(weights) if i not in chosen)
@@ -245,6 +268,12 @@ def estimate(needs: MemoryNeeds, *, checkpoint: bool, streamed: Sequence[int] = 
         activations = needs.held_bytes + int(largest_saved * (BACKWARD_FACTOR - 1))
     elif host_activations:  # the device keeps one block's inputs (back for its recompute) and its backward
         activations = max((b.input_bytes for b in needs.blocks), default=0) + int(largest_saved * BACKWARD_FACTOR)
+    elif kept:
+        whole = set(kept)
+        saved = [b.saved_bytes for b in needs.blocks]
+        recomputed = max((s for i, s in enumerate(saved) if i not in whole), default=0)
+        peak = max(int(recomputed * BACKWARD_FACTOR), max(int(saved[i] * (BACKWARD_FACTOR - 1)) for i in whole))
+        activations = needs.held_checkpointed_bytes + sum(saved[i] for i in whole) + peak
     else:
         activations = needs.held_checkpointed_bytes + int(largest_saved * BACKWARD_FACTOR)
     return Estimate(resident, slot_bytes, activations, needs.trainable_bytes, 2 * needs.largest_weight_bytes)
@@ -290,6 +319,24 @@ def pick_streamed(weights: Sequence[int], need: int, slots: int = DEFAULT_SLOTS,
     return best[2] if best is not None else None
 
 
+def pick_kept(needs: MemoryNeeds, limit: int, fp8: bool = False) -> tuple[int, ...]:
+    """The blocks to keep whole (not checkpointed) with every weight on the device, the estimate at most ``limit``.
+
+    Most recompute saved per byte first: blocks by saved tensors per saved byte (a low-resolution UNet block
+    replays as many ops as a high-resolution one for a fraction of its activations), smallest first where the
+    probe counted none; a block that does not fit is passed over for smaller ones after it."""
+    def value(i: int) -> tuple[float, int, int]:
+        b = needs.blocks[i]
+        return (-(b.saves or 1) / max(b.saved_bytes, 1), b.saved_bytes, i)
+
+    chosen: list[int] = []
+    for i in sorted(range(len(needs.blocks)), key=value):
+        trial = [*chosen, i]
+        if estimate(needs, checkpoint=True, fp8=fp8, kept=trial).total <= limit:
+            chosen = trial
+    return tuple(sorted(chosen))
+
+
 def _largest_first(weights: Sequence[int], k: int, streamable: Sequence[bool]) -> tuple[int, ...]:
     """``k`` blocks for an expert's fixed count: the largest, equal ones spread over the forward order."""
     chosen: list[int] = []
@@ -310,13 +357,25 @@ class _Option:
 
 
 def _make(needs: MemoryNeeds, budget: Budget, request: MemoryRequest, option: _Option,
-          streamed: tuple[int, ...], notes: Sequence[str] = ()) -> MemoryPlan:
+          streamed: tuple[int, ...], notes: Sequence[str] = (), kept: tuple[int, ...] = ()) -> MemoryPlan:
     weights = _weights(needs, option.fp8)
     est = estimate(needs, checkpoint=option.checkpoint, streamed=streamed, host_activations=option.host,
-                   fp8=option.fp8, slots=budget.slots)
+                   fp8=option.fp8, slots=budget.slots, kept=kept)
     return MemoryPlan(request.mode, option.checkpoint, streamed, option.host, option.fp8, est, budget.device_bytes,
                       tuple(b.name for b in needs.blocks), request.managed_by, sum(weights[i] for i in streamed),
-                      tuple(notes))
+                      tuple(notes), kept)
+
+
+def _keep_whole(needs: MemoryNeeds, request: MemoryRequest, plan: MemoryPlan) -> MemoryPlan:
+    """``plan`` (every block checkpointed, every weight on the device, fitting) with the blocks kept whole that
+    :data:`SPARE_SHARE` of the memory it leaves free holds."""
+    if not plan.checkpoint or plan.streamed or plan.host_activations or not plan.fits or request.spare_share <= 0:
+        return plan
+    spare = plan.budget_bytes - plan.estimate.total
+    limit = plan.estimate.total + int(min(request.spare_share, 1.0) * spare)
+    kept = pick_kept(needs, limit, plan.fp8)
+    return dataclasses.replace(plan, kept=kept, estimate=estimate(needs, checkpoint=True, fp8=plan.fp8, kept=kept)) \
+        if kept else plan
 
 
 def _fitted(needs: MemoryNeeds, budget: Budget, request: MemoryRequest, option: _Option,
@@ -371,6 +430,7 @@ def plan_memory(needs: MemoryNeeds, budget: Budget, request: MemoryRequest) -> M
         for option in rungs:
             plan = _fitted(needs, budget, request, option)
             if plan is not None:
+                plan = _keep_whole(needs, request, plan)
                 if option.checkpoint and not request.checkpoint:
                     plan = _with_note(plan, "gradient_checkpointing was off, but the run does not "
                                                            "fit without it: blocks are checkpointed")

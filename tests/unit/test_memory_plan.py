@@ -13,7 +13,8 @@ import random
 import pytest
 
 from dataset_cache.memory_plan import (
-    BlockCost, Budget, MemoryNeeds, MemoryRequest, estimate, pick_streamed, plan_memory, spread,
+    SPARE_SHARE, BlockCost, Budget, MemoryNeeds, MemoryRequest, estimate, pick_kept, pick_streamed, plan_memory,
+    spread,
 )
 
 MB = 1_000_000
@@ -217,3 +218,73 @@ def test_pick_streamed_is_close_to_the_fewest_bytes(seed: int) -> None:
     assert picked is not None and saves(picked) >= need
     best = min(sum(weights[i] for i in c) for c in options)
     assert sum(weights[i] for i in picked) <= best + max(weights)
+
+
+# ------------------------------------------------------------------------------------- blocks kept whole (auto)
+def unet(n_low: int = 6, n_high: int = 4) -> MemoryNeeds:
+    """A UNet-like model at batch 1: low-resolution blocks replay as many saved tensors as high-resolution ones
+    (350) for a fraction of their bytes, so keeping them whole saves the most recompute per byte."""
+    blocks = tuple([BlockCost(f"high.{i}", 10 * MB, 350 * MB, 3 * MB, saves=350) for i in range(n_high)]
+                   + [BlockCost(f"low.{i}", 130 * MB, 90 * MB, 1 * MB, saves=350) for i in range(n_low)]
+                   + [BlockCost("resnet", 20 * MB, 25 * MB, 3 * MB, saves=56)])
+    return MemoryNeeds(blocks, other_weight_bytes=50 * MB, trainable_bytes=10 * MB,
+                       held_bytes=sum(b.saved_bytes for b in blocks), held_checkpointed_bytes=30 * MB,
+                       largest_weight_bytes=20 * MB)
+
+
+def test_auto_keeps_blocks_whole_within_half_the_spare_memory() -> None:
+    needs = unet()
+    frugal = _plan(needs, 2.0, spare_share=0)
+    assert frugal.kept == () and frugal.checkpoint
+    for gb in (1.6, 2.0, 3.0, 6.0):
+        plan = _plan(needs, gb)
+        spare = plan.budget_bytes - _plan(needs, gb, spare_share=0).estimate.total
+        assert plan.checkpoint and not plan.streamed and plan.fits
+        assert plan.estimate == estimate(needs, checkpoint=True, kept=plan.kept)
+        assert plan.estimate.total <= frugal.estimate.total + SPARE_SHARE * spare
+    assert len(_plan(needs, 6.0).kept) == len(needs.blocks)  # everything fits in half of what is left
+
+
+def test_the_cheapest_recompute_per_byte_is_kept_first() -> None:
+    """With room for a few blocks: the low-resolution ones (350 saves in 90 MB), not the high-resolution ones
+    (350 in 350 MB) nor the small resnet (56 in 25 MB, fewer per byte than the low ones)."""
+    needs = unet()
+    checkpointed = estimate(needs, checkpoint=True).total
+    kept = pick_kept(needs, checkpointed + 300 * MB)
+    assert kept and all(needs.blocks[i].name.startswith("low.") for i in kept)
+    assert estimate(needs, checkpoint=True, kept=kept).total <= checkpointed + 300 * MB
+    # a block that does not fit is passed over for smaller ones after it
+    assert pick_kept(needs, checkpointed + 30 * MB) == (10,)  # 25 MB and its 5% reserve
+
+
+def test_more_spare_memory_never_keeps_fewer_bytes() -> None:
+    needs = unet()
+    kept = [sum(needs.blocks[i].saved_bytes for i in _plan(needs, gb).kept) for gb in (1.2, 1.6, 2, 3, 4, 8)]
+    assert kept == sorted(kept) and kept[-1] > kept[0]
+
+
+def test_no_block_is_kept_whole_where_memory_is_short_or_the_user_fixed_the_plan() -> None:
+    needs = flux_dev()
+    assert _plan(needs, 24).kept == ()  # blocks streamed: every one must be recomputed with its weights
+    assert _plan(needs, 141, mode="no offload").kept == ()  # the leanest plan without streaming, as asked
+    assert _plan(needs, 141, managed_by="offloading is on").kept == ()
+    assert _plan(needs, 141, checkpoint=False).kept == ()  # no checkpointing at all fits
+    assert _plan(needs, 141).kept  # an H200: the same model keeps blocks whole
+
+
+def test_a_kept_estimate_holds_their_activations_and_the_largest_backward() -> None:
+    needs = uniform(n=4, weight=100 * MB, saved=50 * MB)
+    est = estimate(needs, checkpoint=True, kept=[0, 2])
+    assert est.activations == 20 * MB + 100 * MB + 75 * MB  # inputs + two blocks' saved + a recomputed backward
+    every = estimate(needs, checkpoint=True, kept=range(4))
+    assert every.activations == 20 * MB + 200 * MB + 25 * MB  # no recompute left: a kept block's gradients
+
+
+def test_describe_and_as_dict_name_the_blocks_kept_whole() -> None:
+    needs = unet()
+    plan = _plan(needs, 2.0)
+    assert 0 < len(plan.kept) < len(needs.blocks)
+    assert plan.describe().startswith(f"{len(needs.blocks) - len(plan.kept)} of {len(needs.blocks)} blocks "
+                                      f"checkpointed ({len(plan.kept)} kept whole in spare memory), all weights")
+    data = plan.as_dict()
+    assert data["kept_blocks"] == len(plan.kept) and data["kept"] == [needs.blocks[i].name for i in plan.kept]
