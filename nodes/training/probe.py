@@ -57,6 +57,7 @@ class _Meter:
         self.fix = fix
         self.current = -1
         self.saved: dict[int, dict[int, int]] = {}
+        self.saves: dict[int, int] = {}  # tensors saved (parameters too): what a recompute replays
         self.inputs: dict[int, dict[int, int]] = {}
         self._alive: list[torch.Tensor] = []  # inputs kept until the end: a freed storage's id could come back
         self._kept: list[tuple[torch.Tensor, int]] = []  # the current block's saved tensors and their versions
@@ -70,6 +71,7 @@ class _Meter:
         ``softmax``...), a cycle through C++ that Python's collector cannot see, which kept the model's weights
         alive for good."""
         self._alive.append(t)
+        self.saves[self.current] = self.saves.get(self.current, 0) + 1
         key, nbytes = _storage(t)
         if key not in self.params:
             self.saved.setdefault(self.current, {})[key] = nbytes
@@ -183,7 +185,8 @@ def _costs(blocks: list[Block], meter: _Meter, order: Sequence[int], copy_size: 
         costs.append(BlockCost(
             blocks[index].name, weight, sum(meter.saved.get(index, {}).values()) + copy,
             sum(meter.inputs.get(index, {}).values()), fp8 if fp8 < weight else None,
-            streamable=index in order and not shared and not streamable(blocks[index].module) and weight > 0))
+            streamable=index in order and not shared and not streamable(blocks[index].module) and weight > 0,
+            saves=meter.saves.get(index, 0)))
     return costs, copies
 
 

@@ -44,14 +44,57 @@ def test_auto_on_a_large_device_keeps_every_weight_and_reports_its_figures(resid
     assert plan["blocks"] == 8 and plan["measured"] == "probe" and plan["blocks_found"].startswith("Flux's")
     needs = plan["needs"]
     assert needs["held_checkpointed"] < needs["held"] and needs["largest_block_saved"] > 0
-    assert plan["description"].startswith("8 blocks checkpointed, all weights on the device, estimated ")
+    # a CPU's memory free is the host's RAM: every block is kept whole in half of what checkpointing leaves free
+    assert plan["description"].startswith("0 of 8 blocks checkpointed (8 kept whole in spare memory), all weights "
+                                          "on the device, estimated ")
+
+
+@pytest.fixture(scope="module")
+def lean(pack: ModuleType, dataset: Any) -> Run:
+    """Every block checkpointed (``no offload``: the leanest plan without streaming)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return train(pack, FLUX, 4, dataset, monkeypatch, memory="no offload", gradient_checkpointing=True)
+
+
+def _same_numbers(a: Run, b: Run) -> None:
+    assert a.losses == b.losses
+    assert all(torch.equal(x, y) for step_a, step_b in zip(a.grads, b.grads, strict=True)
+               for x, y in zip(step_a, step_b, strict=True))
+    assert all(torch.equal(a.lora[k], b.lora[k]) for k in b.lora)
+
+
+def test_blocks_kept_whole_train_bit_for_bit_as_checkpointed_and_hold_more(resident: Run, lean: Run) -> None:
+    """Kept whole, a block is not recomputed: the same kernels on the same values, so the same gradients bit for
+    bit; what the step keeps for its backward grows by the kept blocks' activations, as the plan estimated."""
+    assert resident.memory_plan["kept_blocks"] == 8 and lean.memory_plan["kept_blocks"] == 0
+    assert lean.memory_plan["description"].startswith("8 blocks checkpointed, all weights on the device")
+    _same_numbers(resident, lean)
+    assert resident.saved > lean.saved
+    assert resident.memory_plan["estimate_bytes"] > lean.memory_plan["estimate_bytes"]
+
+
+def test_a_budget_between_keeps_some_blocks_whole_within_half_the_spare(
+        pack: ModuleType, dataset: Any, resident: Run, lean: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    memory = _module(pack, "nodes.training.memory")
+    plans = _module(pack, "dataset_cache.memory_plan")
+    low, high = lean.memory_plan["estimate_bytes"], resident.memory_plan["estimate_bytes"]
+    budget = high  # half of what checkpointing leaves free holds about half of the kept blocks' bytes
+    monkeypatch.setattr(memory, "device_budget", lambda _device, slots, _there: plans.Budget(budget, None, slots))
+    run = train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
+    plan = run.memory_plan
+    assert 0 < plan["kept_blocks"] < 8 and plan["streamed_blocks"] == 0
+    assert plan["estimate_bytes"] <= low + plans.SPARE_SHARE * (budget - low)
+    assert f"{8 - plan['kept_blocks']} of 8 blocks checkpointed ({plan['kept_blocks']} kept whole" \
+        in plan["description"]
+    _same_numbers(run, lean)
+    assert lean.saved < run.saved < resident.saved
 
 
 def test_auto_streams_blocks_when_the_memory_free_is_small(pack: ModuleType, dataset: Any, resident: Run,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           lean: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     memory = _module(pack, "nodes.training.memory")
     budget_cls = _module(pack, "dataset_cache.memory_plan").Budget
-    small = int(resident.memory_plan["estimate_bytes"] * 0.9)
+    small = int(lean.memory_plan["estimate_bytes"] * 0.9)  # less than every block checkpointed needs
     monkeypatch.setattr(memory, "device_budget", lambda _device, slots, _there: budget_cls(small, None, slots))
     run = train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
     plan = run.memory_plan
