@@ -75,6 +75,9 @@ class TrainFigures:
     released_gib: float | None = None
     """A failed arm: what releasing the graph autograd kept of it gave back, after every model was unloaded (shows
     on the GPU whether that, or something else, held a failed arm's memory)."""
+    memory_plan: str = ""
+    """Ours and the bound: the description of the memory plan the run trained with (which blocks were checkpointed,
+    kept whole or streamed, and the estimate); empty for the built-in and in runs before it was recorded."""
     kept_census: str = ""
     """An arm that kept memory (:attr:`kept_memory`): what of it Python still reaches, by what refers to it
     (:func:`bench.tensor_census.device_census`); what it does not reach, only C++ holds."""

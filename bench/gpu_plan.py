@@ -10,7 +10,7 @@ arms side by side (bound, ours, built-in); then Encode Dataset per VAE; then the
 trainer lacks the setting or the machine has one GPU); then Qwen-Image and Lumina 2.
 
 A **group** is what must come from one run, side by side: a family/batch row's three arms (``sd15/b1``), a capped
-family's capped and uncapped arms (``cap/flux``), a family's exact and fast checkpoint arms (``ckpt/sdxl``), one
+family's capped and uncapped arms (``cap/flux``), a family's checkpointing arms (``ckpt/sdxl``: exact, fast, kept), one
 multi-GPU family (``devices/sdxl``), one encode row
 (``encode/flux``), one profile (its own id). Runs accumulate by group (:mod:`bench.gpu_ledger`).
 """
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["ArmPlan", "GroupPlan", "BATCHES", "REQUIRED", "EXTRA", "CAPS", "CKPT_MODES", "plan_family",
+__all__ = ["ArmPlan", "GroupPlan", "BATCHES", "REQUIRED", "EXTRA", "CAPS", "CKPT_ARMS", "CKPT_MODES", "plan_family",
            "plan_caps", "plan_ckpt_modes", "plan_devices", "plan_groups", "select", "matches", "choose_depth",
            "group_key", "expected_ids", "rounds"]
 
@@ -42,8 +42,13 @@ CAPS: tuple[tuple[str, int, float | None], ...] = (
 """#25's targets: (family, batch, device cap in GB; None = the uncapped reference), memory plan ``auto``;
 ``flux_fp8`` is Flux-dev with its weights stored in fp8 e4m3fn."""
 CKPT_MODES: tuple[tuple[str, int], ...] = (("sd15", 1), ("sdxl", 1), ("flux", 1), ("wan21", 1))
-"""Train LoRA's ``checkpoint_mode``: ours ``exact`` (the reference) against ours ``fast`` at batch 1, where a step
-is host-bound (the fast form's fewer ops and Python calls are what it saves)."""
+"""How ours checkpoints, at batch 1 where a step is host-bound: every block checkpointed (``memory`` no offload)
+``exact`` (the reference) and ``fast`` (the reentrant form's fewer ops and Python calls), and ``kept`` (``memory``
+auto: blocks kept whole, not recomputed, in half the spare memory; exact checkpoints for the rest)."""
+CKPT_ARMS: dict[str, dict[str, str]] = {
+    "exact": {"checkpoint_mode": "exact", "memory": "no offload"},
+    "fast": {"checkpoint_mode": "fast", "memory": "no offload"},
+    "kept": {"checkpoint_mode": "exact", "memory": "auto"}}
 
 
 @dataclass(frozen=True)
@@ -162,14 +167,15 @@ def plan_caps(params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:
 
 
 def plan_ckpt_modes(params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:
-    """Ours with ``checkpoint_mode`` exact (the reference) and fast, per family of :data:`CKPT_MODES`."""
+    """Ours' :data:`CKPT_ARMS` (exact the reference) per family of :data:`CKPT_MODES`."""
     from .gpu_budget import arm_setup_s, est_step_s
 
     params_b = params_b or {}
-    return [ArmPlan(f"ckpt/{family}-{mode}/ours", family, batch, "ours", 1, "ours checkpoints every block",
-                    extra={"checkpoint_mode": mode}, est_step_s=est_step_s(family, batch, "ours"), group="ckpt",
+    return [ArmPlan(f"ckpt/{family}-{mode}/ours", family, batch, "ours", 1,
+                    "the memory plan decides" if mode == "kept" else "ours checkpoints every block",
+                    extra=dict(extra), est_step_s=est_step_s(family, batch, "ours"), group="ckpt",
                     setup_s=arm_setup_s(family, "ours", params_b.get(family, 0.0)))
-            for family, batch in CKPT_MODES for mode in ("exact", "fast")]
+            for family, batch in CKPT_MODES for mode, extra in CKPT_ARMS.items()]
 
 
 def plan_devices(count: int, params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:

@@ -165,9 +165,12 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
          "LoRA's `train_lora` reading the cache through `PrefetchLoader` after the cache's pages were dropped; bound "
          "= the same trainer with every batch on the device before the loop; built-in = `ResolutionBucket` → "
          "`TrainLoraNode(bucket_mode=True)` with the samples in memory. A run ×N (`--repeat N`) ran the row's arms N "
-         "times in turn: the median of the N medians (their range). First step: from the trainer's call (model copy, "
-         "load and memory probe included: its remembered result is forgotten before each arm) to the end of its "
-         "first step (ours and the bound report a step's loss once the next "
+         "times in turn: the median of the N medians (their range). Ours and the bound train with `memory` = auto "
+         "(the default): from R9 on it keeps blocks whole (not recomputed) in half the memory every block "
+         "checkpointed leaves free, so at batch 1 on a large GPU no block is recomputed (before R9 every block was "
+         "checkpointed; their plans are listed below the table from R9 on). First step: from the trainer's call "
+         "(model copy, load and memory probe included: its remembered result is forgotten before each arm) to "
+         "the end of its first step (ours and the bound report a step's loss once the next "
          "one is queued: their first report can come a step late). Peak: `torch.cuda.max_memory_allocated` over the "
          "arm, model included. Speed ratios are of step times (ours / bound = bound time ÷ ours). Ours' steps "
          "p10–p90: the spread of ours' step times (every repetition's steps together), then ours vs bound at p10 "
@@ -178,6 +181,7 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
          "| ours' steps p10–p90 s; vs bound, built-in ÷ ours at p10 | ours data wait | goals |",
          "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|"]
     problems: list[tuple[GpuRun, TrainFigures]] = []
+    planned: list[tuple[GpuRun, TrainFigures]] = []
     for (_, batch), run, train in sorted(rows, key=lambda r: r[0]):
         arms = {k: Arm([f for f in train if f.arm == k]) for k in ("bound", "ours", "builtin")}
         bound, ours, builtin = (a if a.figs else None for a in arms.values())
@@ -194,12 +198,24 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
                  f"| {' / '.join(_cell(a, 'peak') for a in (bound, ours, builtin))} | {_spread(bound, ours, builtin)} "
                  f"| {wait} | {goals} |")
         problems += [(run, f) for f in train if _noted(f)]
-    return o + _problems(problems)
+        planned += [(run, f) for f in train if f.arm == "ours"]
+    return o + _plans(planned) + _problems(problems)
 
 
 def _noted(f: TrainFigures) -> bool:
     """An arm the section names below its table: without figures, or one that left memory allocated."""
     return bool(f.skipped or f.error) or f.kept_memory
+
+
+def _plans(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
+    """Ours' memory plans, one line per arm that recorded one (the first repetition's: the plan is the same in each)."""
+    seen: set[str] = set()
+    lines = []
+    for run, f in figs:
+        if f.memory_plan and f.id not in seen:
+            seen.add(f.id)
+            lines.append(f"- `{f.id}` (R{run.number}): {f.memory_plan}")
+    return ["", "Ours' memory plans:", *lines] if lines else []
 
 
 def _problems(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
@@ -233,6 +249,7 @@ def _grouped(shown: dict[str, tuple[GpuRun, list[Figure]]], prefix: str, title: 
     o += ["", f"| arm | run |{' cap GB |' if cap_column else ''} s/step | vs {versus} | peak GiB | first step s "
           f"| max loss Δ vs {versus} |", "|---|---|" + "---:|" * (6 if cap_column else 5)]
     problems: list[tuple[GpuRun, TrainFigures]] = []
+    planned: list[tuple[GpuRun, TrainFigures]] = []
     for run, figs in groups:
         arms = {i: Arm([f for f in figs if f.id == i]) for i in dict.fromkeys(f.id for f in figs)}
         ref = next((a for i, a in arms.items() if a.ok and i.endswith(f"-{reference}/ours")), None)
@@ -245,7 +262,8 @@ def _grouped(shown: dict[str, tuple[GpuRun, list[Figure]]], prefix: str, title: 
             o.append(f"| `{arm_id}` | {_label(run, arm.figs)} |{cap} {_cell(arm, 'step')} | {speed} "
                      f"| {_cell(arm, 'peak')} | {_cell(arm, 'first')} | {delta} |")
             problems += [(run, f) for f in arm.figs if _noted(f)]
-    return o + _problems(problems)
+            planned += [(run, f) for f in arm.figs]
+    return o + _plans(planned) + _problems(problems)
 
 
 def _loss_delta(ref: TrainFigures, fig: TrainFigures) -> str:
@@ -376,11 +394,15 @@ def render(runs: Ledger | GpuRun, families: dict[str, FamilySpec] | None = None,
                         "Ours with `devices` = auto against one GPU: samples/s scale with the GPUs when the step time "
                         "stays flat at the same per-GPU batch.")]
     o += ["", *_encode(shown)]
-    o += ["", *_grouped(shown, "ckpt/", "### G6. Train LoRA's `checkpoint_mode`: exact against fast",
-                        "Ours with `checkpoint_mode` = exact (torch's non-reentrant checkpoint per block: the same "
-                        "gradients bit for bit as ComfyUI's node) and fast (the reentrant one: fewer ops and Python "
-                        "calls per step, gradients equal up to rounding), at batch 1 where the step is host-bound; "
-                        "speed of fast against exact (same run), losses compared step by step.",
+    o += ["", *_grouped(shown, "ckpt/", "### G6. How ours checkpoints: exact, fast, blocks kept whole",
+                        "Ours at batch 1, where the step is host-bound. `exact`: every block checkpointed (`memory` = "
+                        "no offload) with torch's non-reentrant checkpoint (the same gradients bit for bit as "
+                        "ComfyUI's node); `fast`: the same with the reentrant one (fewer ops and Python calls per "
+                        "step, gradients equal up to rounding); `kept` (runs from R9 on): `memory` = auto, blocks "
+                        "kept whole (not recomputed) in half the memory every block checkpointed leaves free, the "
+                        "rest exact (bit for bit as exact). Speed against exact (same run), losses compared step by "
+                        "step; the plans below the table. Runs before R9 measured `exact` and `fast` with `memory` = "
+                        "auto, which then checkpointed every block: the same plan.",
                         reference="exact", versus="exact", cap_column=False)]
     prof = _profile(shown)
     if prof:

@@ -74,6 +74,10 @@ def test_the_harness_runs_every_part_on_tiny_models(first_run: tuple[GpuRun, lis
         assert len(fig.losses) == (3 if fig.arm == "builtin" else 4) and all(math.isfinite(x) for x in fig.losses)
         assert fig.settings["rank"] == 16 and fig.settings["training_dtype"] == "fp32"
     assert by_id["sd15/b1/ours"].data_wait_pct is not None and by_id["wan21/b1/builtin"].data_wait_pct is None
+    # the plan ours and the bound trained with (the CPU's memory free is its RAM: every block kept whole)
+    for arm in ("bound", "ours"):
+        assert " blocks checkpointed (" in by_id[f"sd15/b1/{arm}"].memory_plan
+    assert by_id["wan21/b1/builtin"].memory_plan == ""
     assert set(run.builds) == {"sd15", "wan21"}
 
     (row,) = run.encode

@@ -36,8 +36,9 @@ def test_each_family_batch_has_three_arms_side_by_side_at_one_depth() -> None:
     assert {a.cap_gib for a in plan_caps()} == {None, 8.0, 12.0, 24.0}
     assert all(a.extra == {"devices": "auto"} and a.id.endswith("-4/ours") for a in plan_devices(4))
     assert [(a.id, a.extra, a.batch) for a in plan_ckpt_modes() if a.family == "sdxl"] == [
-        ("ckpt/sdxl-exact/ours", {"checkpoint_mode": "exact"}, 1),
-        ("ckpt/sdxl-fast/ours", {"checkpoint_mode": "fast"}, 1)]
+        ("ckpt/sdxl-exact/ours", {"checkpoint_mode": "exact", "memory": "no offload"}, 1),
+        ("ckpt/sdxl-fast/ours", {"checkpoint_mode": "fast", "memory": "no offload"}, 1),
+        ("ckpt/sdxl-kept/ours", {"checkpoint_mode": "exact", "memory": "auto"}, 1)]
     assert {a.family for a in plan_ckpt_modes()} == {"sd15", "sdxl", "flux", "wan21"}
 
 
@@ -180,14 +181,23 @@ def test_repeated_capped_arms_give_one_row_each_against_the_repeated_reference(r
 
 def test_the_fast_checkpoint_arm_is_shown_against_the_exact_one_and_not_in_g1(run: GpuRun) -> None:
     run.train = [TrainFigures(f"ckpt/flux-{mode}/ours", "flux", 1, "ours", 1, step_s=[step] * 5, losses=[loss] * 7,
-                              peak_gib=26.0, first_s=13.0) for mode, step, loss in (("exact", 1.0, 0.5),
-                                                                                   ("fast", 0.8, 0.5003))]
+                              peak_gib=peak, first_s=13.0, memory_plan=plan)
+                 for mode, step, loss, peak, plan in (
+                     ("exact", 1.0, 0.5, 26.0, "57 blocks checkpointed, …"), ("fast", 0.8, 0.5003, 26.0, ""),
+                     ("kept", 0.7, 0.5, 40.0, "0 of 57 blocks checkpointed (57 kept whole in spare memory), …"))]
     text = render(run)
-    rows = [x for x in text.splitlines() if x.startswith("| `ckpt/flux-")]
-    # fast's speed against exact: 1.0 / 0.8; its losses against exact's, step by step
+    lines = text.splitlines()
+    rows = [x for x in lines if x.startswith("| `ckpt/flux-")]
+    # fast's and kept's speed against exact: 1.0 / 0.8, 1.0 / 0.7; their losses against exact's, step by step
     assert rows == ["| `ckpt/flux-exact/ours` | R1 | 1.000 | — | 26.0 | 13.0 | — |",
-                    "| `ckpt/flux-fast/ours` | R1 | 0.800 | 125.0% | 26.0 | 13.0 | 3.00e-04 |"]
-    assert "### G6." in text and not any(x.startswith("| Flux-dev |") for x in text.splitlines())
+                    "| `ckpt/flux-fast/ours` | R1 | 0.800 | 125.0% | 26.0 | 13.0 | 3.00e-04 |",
+                    "| `ckpt/flux-kept/ours` | R1 | 0.700 | 142.9% | 40.0 | 13.0 | 0.00e+00 |"]
+    assert "### G6." in text and not any(x.startswith("| Flux-dev |") for x in lines)
+    g6 = lines.index("### G6. How ours checkpoints: exact, fast, blocks kept whole")
+    plans = lines.index("Ours' memory plans:", g6)
+    assert lines[plans + 1:plans + 3] == [  # an arm that recorded none (runs before R9) is left out
+        "- `ckpt/flux-exact/ours` (R1): 57 blocks checkpointed, …",
+        "- `ckpt/flux-kept/ours` (R1): 0 of 57 blocks checkpointed (57 kept whole in spare memory), …"]
 
 
 def test_a_run_stopped_early_says_so_and_survives_its_json(run: GpuRun, tmp_path: Path) -> None:

@@ -75,7 +75,7 @@ def test_the_plan_is_every_group_in_run_order() -> None:
     assert {g.section for g in groups if g.key.startswith("cap/")} == {"cap"}
     assert {g.section for g in groups if g.key.startswith("ckpt/")} == {"ckpt"}
     assert [a.id for a in next(g for g in groups if g.key == "ckpt/flux").arms] == [
-        "ckpt/flux-exact/ours", "ckpt/flux-fast/ours"]
+        "ckpt/flux-exact/ours", "ckpt/flux-fast/ours", "ckpt/flux-kept/ours"]
     assert next(g for g in groups if g.key == "cap/flux_fp8").family == "flux_fp8"
     assert next(g for g in groups if g.key == "encode/flux").text == "clip_l+t5xxl"
 
