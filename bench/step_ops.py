@@ -5,8 +5,10 @@ batch 8 as at batch 1), so which trainer is faster there is decided by how many 
 those can be counted exactly on the CPU. Each family is built with ComfyUI's classes at its real depth (every
 block, every layer) but narrow (:data:`NARROW`: small widths and latents, so a step takes a second), by
 :func:`bench.gpu_models.build_diffusion_model` (ComfyUI's detection must name the family). The arms are those of
-``scripts/bench-gpu`` (:mod:`bench.gpu_train`): the in-memory bound, ours (Train LoRA's loop reading the cache) and
-ComfyUI's ``TrainLoraNode``, with the CPU stand-in's settings (fp32, rank 16, AdamW, checkpoint depth 1).
+``scripts/bench-gpu`` (:mod:`bench.gpu_train`): the in-memory bound, ours (Train LoRA's loop reading the cache,
+``memory`` auto: on a CPU, whose memory free is its RAM, every block kept whole), ``lean`` (ours with ``memory`` no
+offload: every block checkpointed, as ours was before blocks were kept whole) and ComfyUI's ``TrainLoraNode``, with
+the CPU stand-in's settings (fp32, rank 16, AdamW, checkpoint depth 1).
 
 Per arm: 2 warm-up steps, ``timed`` steps timed without counting (the CPU wall time, a rough proxy), ``counted``
 steps counted by :class:`bench.step_ops_count.OpCounter` (window = one optimizer step: ours from one ``on_step`` to
@@ -41,7 +43,9 @@ __all__ = ["NARROW", "BATCHES", "ArmCounts", "count_arm", "measure", "main"]
 
 PROG = "scripts/bench-step-ops"
 SECTION = "step-ops"
-ARMS = ("bound", "ours", "builtin")
+ARMS = ("bound", "ours", "lean", "builtin")
+LEAN = {"memory": "no offload"}
+"""The ``lean`` arm's options: ours with every block checkpointed (the leanest plan without streaming)."""
 
 
 def _narrow(name: str, title: str, changes: dict[str, Any], latent: tuple[int, ...], tokens: int,
@@ -175,7 +179,7 @@ class _Windows:
 
 def count_arm(trainers: Any, model: Any, data: Any, family: str, arm: str, batch: int, timed: int = 3,
               counted: int = 2) -> ArmCounts:
-    """Run one arm (``bound``, ``ours`` or ``builtin``) and count its steps (see the module docstring)."""
+    """Run one arm (``bound``, ``ours``, ``lean`` or ``builtin``) and count its steps (see the module docstring)."""
     from .gpu_figures import TrainFigures
     from .gpu_train import arm_settings, free_device
 
@@ -183,7 +187,7 @@ def count_arm(trainers: Any, model: Any, data: Any, family: str, arm: str, batch
     counter = OpCounter()
     windows = _Windows(counter, timed, counted, skip=_Windows.WARMUP if arm == "builtin" else 0)
     fig = TrainFigures(result.id, family, batch, arm, 1)
-    fig.settings = arm_settings(fig, windows.total, SETTINGS)
+    fig.settings = arm_settings(fig, windows.total, {**SETTINGS, **(LEAN if arm == "lean" else {})})
     free_device(trainers.device)
     try:
         with cuda_like_optimizers(), cuda_like_attention(), phases_marked(counter):

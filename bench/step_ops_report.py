@@ -23,7 +23,10 @@ def render(results: list[Any], families: dict[str, FamilySpec], device: Any, com
              "- Models: " + "; ".join(f"{f.title} {_structure(f)}" for f in families.values())
              + " (ComfyUI's classes at full depth, narrow; random weights; ComfyUI's detection names each family)",
              "- Settings: fp32 model and LoRA, rank 16, AdamW, MSE, checkpoint depth 1 (the built-in's one checkpoint "
-             "around the whole model; ours checkpoints every block); AdamW takes its `foreach` implementation as on "
+             "around the whole model); ours and the bound with `memory` auto (on a CPU, whose memory free is its "
+             "RAM, every block is kept whole: nothing recomputed), `lean` = ours with `memory` no offload (every "
+             "block its own checkpoint, as ours was before blocks were kept whole); AdamW takes its `foreach` "
+             "implementation as on "
              "CUDA (the CPU added to torch's list of foreach devices for the run; on the CPU it would loop over the "
              "parameters, ~10 ops and an `.item()` each); ComfyUI's models attend with `attention_pytorch` (torch's "
              "SDPA), as ComfyUI picks on an NVIDIA GPU (on the CPU it picks its sub-quadratic attention)",
@@ -154,13 +157,13 @@ def _site_steps(r: Any) -> dict[str, float]:
 
 
 def _layer_path(results: list[Any], families: dict[str, FamilySpec]) -> list[str]:
-    out = ["### S5. ComfyUI's per-layer weight path (ours, batch 1)", "",
+    out = ["### S5. ComfyUI's per-layer weight path (ours with every block checkpointed, `lean`, batch 1)", "",
            "Ops per step of the weight cast and the adapters (forward and recompute; their backward is in "
            "`backward`), and per LoRA layer and pass (LoRA layers: the adapter's `mm` count / 2, the two passes "
            "being the forward and the recompute).", "",
            "| family | layers | op | kind | per step | per layer and pass |", "|---|---:|---|---|---:|---:|"]
     for r in _ok(results):
-        if r.arm != "ours" or r.batch != 1:
+        if r.arm != "lean" or r.batch != 1:
             continue
         n = max(r.counts.steps, 1)
         ops: collections.Counter = collections.Counter()

@@ -40,7 +40,7 @@ def counted(pack: ModuleType, comfy_folders: Path, tmp_path_factory: pytest.Temp
 
 def _both(counted: Any, family: str) -> tuple[ArmCounts, ArmCounts]:
     arms = counted[0]
-    for arm in ("bound", "ours", "builtin"):
+    for arm in ("bound", "ours", "lean", "builtin"):
         res = arms[(family, arm)]
         assert not res.error, (family, arm, res.error)
         c = res.counts
@@ -82,6 +82,19 @@ def test_the_bound_and_ours_run_the_same_step(counted: Any) -> None:
         bound, ours = arms[(family, "bound")].counts, arms[(family, "ours")].counts
         for phase in ("forward", "recompute", "backward", "optimizer"):
             assert bound.per_step(phase=phase) == ours.per_step(phase=phase), (family, phase)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blocks_kept_whole_are_not_recomputed(counted: Any, family: str) -> None:
+    """On a CPU the memory free is its RAM, so ours keeps every block whole: no recompute, fewer ops and Python
+    calls a step than ``lean`` (every block checkpointed), the same optimizer; lean recomputes what ours ran once."""
+    ours, _ = _both(counted, family)
+    lean = counted[0][(family, "lean")]
+    o, n = ours.counts, lean.counts
+    assert o.per_step(phase="recompute") == 0 < n.per_step(phase="recompute")
+    assert o.per_step() < n.per_step() and o.calls_per_step() < n.calls_per_step()
+    assert o.per_step(phase="optimizer") == n.per_step(phase="optimizer")
+    assert o.per_step(category="checkpoint") == 0 < n.per_step(category="checkpoint")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
