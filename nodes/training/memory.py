@@ -102,6 +102,16 @@ class MemoryStep:
         """What the node's summary should say about memory (once)."""
         return (*self.extra_notes, *self.plan.notes)
 
+    def out_of_memory_hint(self) -> str:
+        """What to try when the run ran out of device memory with blocks kept whole (``""``: none were): the plan
+        spent spare memory on speed, on an estimate."""
+        if not self.plan.kept:
+            return ""
+        n = len(self.plan.names)
+        return (f"Train LoRA memory: {len(self.plan.kept)} of {n} blocks were kept whole (not checkpointed) in memory "
+                "the plan found free; set memory to 'no offload' to checkpoint every block, or free the device "
+                "memory something else took since the run started")
+
     def place(self, mp: Any, device: torch.device) -> None:
         """Checkpoint the blocks, store fp8 where planned, pack the streamed blocks into host memory."""
         self.runners.checkpoint = self.plan.checkpoint

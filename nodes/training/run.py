@@ -110,6 +110,11 @@ def train_lora(
             prepare(run, train)
             losses, seconds, rows, waited = loop.run(counted(iter(loader), counts, sampler.main_samples), on_step)
             counts = team.total(counts)
+        except torch.OutOfMemoryError as error:
+            hint = run.memory.out_of_memory_hint()
+            if not hint:
+                raise
+            raise torch.OutOfMemoryError(f"{error}\n{hint}") from error
         finally:
             loader.close()
             unprepare(run, train)

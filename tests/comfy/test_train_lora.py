@@ -606,6 +606,35 @@ def _fail_in_backward() -> tuple[Any, list[Any]]:
     return torch.nn.modules.module.register_module_forward_hook(hook), saved
 
 
+@pytest.mark.parametrize("memory", ["auto", "no offload"])
+def test_out_of_memory_with_blocks_kept_whole_says_what_to_try(node: type, models: tuple, dataset: Any,
+                                                               memory: str) -> None:
+    """``auto`` spends memory it found free on keeping blocks whole, on an estimate: running out of memory then
+    says so and what to set (the original error kept as the cause); with every block checkpointed the error is
+    ComfyUI's and torch's as it was."""
+    message = "CUDA out of memory (raised in the backward pass by the test)"
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError(message)
+
+    def hook(module: Any, args: Any, out: Any) -> None:
+        if isinstance(module, torch.nn.Conv2d) and out.requires_grad and module.out_channels > 4:
+            out.register_hook(fail)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as failure:
+            _train(node, models[0], dataset, steps=1, gradient_checkpointing=True, memory=memory)
+    finally:
+        handle.remove()
+    text = str(failure.value)
+    if memory == "auto":  # a CPU's memory free is its RAM: every block was kept whole
+        assert text.startswith(message + "\nTrain LoRA memory: ") and "blocks were kept whole" in text
+        assert "set memory to 'no offload'" in text and str(failure.value.__cause__) == message
+    else:
+        assert text == message
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_a_failed_backward_pass_leaves_no_activations_behind(pack: ModuleType, node: type, models: tuple,
                                                              dataset: Any, checkpointing: bool,
