@@ -170,7 +170,8 @@ class MemoryStep:
         n = self.needs
         out["needs"] = {"weights": n.weight_bytes, "trainable": n.trainable_bytes, "held": n.held_bytes,
                         "held_checkpointed": n.held_checkpointed_bytes,
-                        "largest_block_saved": max((b.saved_bytes for b in n.blocks), default=0)}
+                        "largest_block_saved": max((b.saved_bytes for b in n.blocks), default=0),
+                        "kept_saved": sum(n.blocks[i].saved_bytes for i in self.plan.kept)}
         out["blocks_found"] = self.how
         if self.streamer is not None:
             s = self.streamer.stats
