@@ -116,7 +116,8 @@ class MemoryStep:
         """Checkpoint the blocks, store fp8 where planned, pack the streamed blocks into host memory."""
         self.runners.checkpoint = self.plan.checkpoint
         self.runners.whole = {self.sequence[j] for j in self.plan.kept}  # forward order → block index
-        if not self.plan.checkpoint and not self.plan.streamed and not self.runners.needs_copies():
+        none_checkpointed = not self.plan.checkpoint or len(self.plan.kept) == len(self.plan.names)
+        if none_checkpointed and not self.plan.streamed and not self.runners.needs_copies():
             self.runners.remove()  # nothing to do around the blocks: their forwards stay ComfyUI's own
         if self.plan.fp8:
             _store_fp8(self.blocks, self._undo)
