@@ -266,7 +266,7 @@ def train_ours(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigur
     finally:
         maker.PrefetchLoader = real
         reader.close()
-    fig.memory_plan = str((getattr(result, "memory_plan", None) or {}).get("description", ""))
+    fig.memory_plan = str(result.memory_plan.get("description", ""))
     return ends, list(result.losses), waits
 
 

@@ -16,8 +16,10 @@ The error itself holds the rest: its traceback keeps the frames it passed throug
 batch, its loss, and through the loss every node of the graph the failed pass had not reached yet, with their
 saved tensors). ComfyUI keeps the error it reports in a reference cycle (its ``execute`` keeps the traceback in a
 local of a frame that traceback holds), so those tensors would live until the collector's next full pass.
-:func:`release_error_frames` clears the locals of the frames that have finished; the traceback still prints the
-same (files, lines, code), which is all ComfyUI shows.
+:func:`release_error_frames` clears the locals of the frames that have finished, those of the errors it was raised
+from included; the traceback still prints the same (files, lines, code), which is all ComfyUI shows. Train LoRA
+calls it where the error leaves the pack (the node), so every frame of the run is finished by then: the loop's
+(the step's tensors) and the run's (the LoRA, its gradients and the optimizer's state, on the device).
 """
 
 from __future__ import annotations
@@ -51,9 +53,18 @@ def release_failed_backward(devices: Iterable[torch.device | str] = ()) -> None:
 
 
 def release_error_frames(error: BaseException) -> None:
-    """Clear the locals of the finished frames ``error``'s traceback holds, so whoever keeps the error does not keep
-    the failed step's tensors; frames still running (the caller's own) are left as they are. Never raises."""
-    try:
-        traceback.clear_frames(error.__traceback__)
-    except Exception:  # the error on its way to the user is the one to report
-        log.debug("could not clear the frames of %r", error, exc_info=True)
+    """Clear the locals of the finished frames the tracebacks of ``error`` and of the errors it came from
+    (``__cause__``, ``__context__``) hold, so whoever keeps the error does not keep the failed run's tensors; frames
+    still running (the caller's own) are left as they are. Never raises."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        try:
+            traceback.clear_frames(e.__traceback__)
+        except Exception:  # the error on its way to the user is the one to report
+            log.debug("could not clear the frames of %r", e, exc_info=True)
+        pending += [e.__cause__, e.__context__]

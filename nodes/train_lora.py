@@ -18,6 +18,7 @@ from comfy_api.latest import io
 
 import folder_paths
 
+from ..dataset_cache.autograd_release import release_error_frames
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
 from ..dataset_cache.devices import AUTO as ALL_DEVICES
 from ..dataset_cache.lock import READ_LOCK, CacheLock
@@ -335,6 +336,9 @@ class TrainLoRA(io.ComfyNode):
             result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
                                 reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "",
                                 on_plan=_ShowPlan(node_id))
+        except BaseException as error:  # ComfyUI keeps its error in a reference cycle: the run's finished frames
+            release_error_frames(error)  # would keep its tensors until a full collection (autograd_release)
+            raise
         finally:
             for reader in readers.values():
                 reader.close()

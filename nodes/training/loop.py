@@ -15,7 +15,7 @@ import torch
 import comfy.model_management
 import comfy.utils
 
-from ...dataset_cache.autograd_release import release_error_frames, release_failed_backward
+from ...dataset_cache.autograd_release import release_failed_backward
 from ...dataset_cache.gcpause import StepCollector
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.sampler import BatchPlan
@@ -186,9 +186,8 @@ class StepLoop:
                 for step in range(s.steps):
                     self._step(step, batches, tally, lagged, throw_if_interrupted)
                     collector.step()
-        except BaseException as error:  # out of memory in a backward pass: autograd and the error's frames would
-            release_failed_backward([self.device])  # keep the failed step's graph (dataset_cache/autograd_release.py)
-            release_error_frames(error)
+        except BaseException:  # out of memory in a backward pass: autograd would keep the failed step's graph
+            release_failed_backward([self.device])  # (dataset_cache/autograd_release.py; its frames: the node)
             raise
         self._report(lagged.swap(None, [], []), tally)
         return tally.losses, time.perf_counter() - tally.t0, tally.rows, tally.wait

@@ -681,30 +681,32 @@ def test_the_failed_step_is_freed_while_comfyui_still_holds_the_error(pack: Modu
                                                                        dataset: Any,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """ComfyUI keeps the error it reports, in a reference cycle, until the collector's next full pass; the frames
-    its traceback holds would keep the failed step's batch and loss, and through the loss its graph. Train LoRA
-    clears those frames' locals as the error leaves its loop, so the step's activations go at once, with the
-    collector off and the error still held (dataset_cache/autograd_release.py)."""
-    loop = _module(pack, "nodes.training.loop")
+    its traceback holds would keep the failed step's batch and loss, and through the loss its graph, and the run's
+    LoRA and optimizer (on a GPU: their tensors on the device). Train LoRA clears those frames' locals as the error
+    leaves the node, so they go at once, with the collector off and the error still held
+    (dataset_cache/autograd_release.py)."""
+    node_module = _module(pack, "nodes.train_lora")
 
-    def held_run() -> tuple[BaseException, list[Any]]:
+    def held_run() -> tuple[BaseException, list[Any], int]:
         hook, saved = _fail_in_backward()
         gc.collect()
         gc.disable()
         try:
             error = _held_as_comfyui_holds_it(lambda: _train(node, models[0], dataset, steps=3))
-            return error, [ref for ref in saved if ref() is not None]
+            optimizers = sum(isinstance(o, torch.optim.Optimizer) for o in gc.get_objects())
+            return error, [ref for ref in saved if ref() is not None], optimizers
         finally:
             gc.enable()
             hook.remove()
 
     with monkeypatch.context() as m:  # the premise: without clearing the frames the held error keeps them
-        m.setattr(loop, "release_error_frames", lambda error: None)
-        error, kept = held_run()
-    assert isinstance(error, _BackwardOOM) and kept
+        m.setattr(node_module, "release_error_frames", lambda error: None)
+        error, kept, optimizers = held_run()
+    assert isinstance(error, _BackwardOOM) and kept and optimizers == 1
     del error, kept
     gc.collect()
-    error, kept = held_run()
-    assert isinstance(error, _BackwardOOM) and kept == []
+    error, kept, optimizers = held_run()
+    assert isinstance(error, _BackwardOOM) and kept == [] and optimizers == 0
     assert "CUDA out of memory (raised in the backward pass by the test)" in "".join(
         traceback.format_exception(error))  # what ComfyUI shows is still there
 

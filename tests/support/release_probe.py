@@ -21,7 +21,6 @@ from __future__ import annotations
 import gc
 import sys
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 from bench.tensor_census import device_tensors  # noqa: E402
-from dataset_cache.autograd_release import release_failed_backward  # noqa: E402
+from dataset_cache.autograd_release import release_error_frames, release_failed_backward  # noqa: E402
 from support.failed_backward import engine_error, failing_backward, python_error  # noqa: E402
 
 MIB = 1 << 20
@@ -96,7 +95,7 @@ def probe(hook: Callable[[torch.Tensor], torch.Tensor], wrap: str, device: torch
     time.sleep(0.2)
     steps.append(("after 0.2 s", (_allocated(device) - base) / MIB))
     if error is not None:
-        traceback.clear_frames(error.__traceback__)
+        release_error_frames(error)  # what Train LoRA does as the error leaves the node
         steps.append(("frames cleared", (_allocated(device) - base) / MIB))
     error = None
     gc.collect()

@@ -84,6 +84,22 @@ def test_the_errors_finished_frames_let_go_of_their_tensors_and_it_still_prints_
     assert traceback.format_exception(error) == before  # files, lines, code and message: what ComfyUI shows
 
 
+def test_the_frames_of_the_errors_it_was_raised_from_are_cleared_too() -> None:
+    """An error raised ``from`` another (Train LoRA's out-of-memory hint) or while handling one: their finished
+    frames let go of their tensors as well."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    try:
+        try:
+            _raise_with(refs)
+        except BackwardError as exc:
+            raise RuntimeError("with a hint") from exc
+    except RuntimeError as exc:
+        error = exc
+    assert refs[0]() is not None  # kept by the cause's traceback
+    release_error_frames(error)
+    assert refs[0]() is None and isinstance(error.__cause__, BackwardError)
+
+
 def test_clearing_leaves_running_frames_alone_and_never_raises() -> None:
     """The frame handling the error is still running: it keeps its locals and nothing is raised."""
     mine = torch.ones(3)
