@@ -44,7 +44,8 @@ CAPS: tuple[tuple[str, int, float | None], ...] = (
 CKPT_MODES: tuple[tuple[str, int], ...] = (("sd15", 1), ("sdxl", 1), ("flux", 1), ("wan21", 1))
 """How ours checkpoints, at batch 1 where a step is host-bound: every block checkpointed (``memory`` no offload)
 ``exact`` (the reference) and ``fast`` (the reentrant form's fewer ops and Python calls), and ``kept`` (``memory``
-auto: blocks kept whole, not recomputed, in half the spare memory; exact checkpoints for the rest)."""
+auto, which at batch 1 keeps blocks whole, not recomputed, in half the spare memory; exact checkpoints for the
+rest)."""
 CKPT_ARMS: dict[str, dict[str, str]] = {
     "exact": {"checkpoint_mode": "exact", "memory": "no offload"},
     "fast": {"checkpoint_mode": "fast", "memory": "no offload"},

@@ -6,8 +6,9 @@ arithmetic for the GPUs people own).
 The plans, cheapest first (each costs time the one before does not):
 
 1. every weight on the device, every block its own gradient checkpoint (no checkpointing at all when the user
-   turned it off and it fits); under ``auto`` the blocks whose recompute is dearest per byte are then kept whole
-   (not checkpointed) while the estimate stays within :data:`SPARE_SHARE` of the memory this plan leaves free;
+   turned it off and it fits); under ``auto`` at batch size 1 (and under ``auto + keep blocks whole`` at any)
+   the blocks whose recompute is dearest per byte are then kept whole (not checkpointed) while the estimate stays
+   within :data:`SPARE_SHARE` of the memory this plan leaves free;
 2. the weights of some blocks streamed from pinned host memory into a ring of device slots, the next block
    copied while the current one computes (forward and recompute): the fewest bytes streamed that make it fit;
 3. as 2, with the tensors a checkpoint keeps (each block's inputs) held in host memory;
@@ -25,16 +26,18 @@ from typing import Any
 
 from .units import format_bytes
 
-__all__ = ["AUTO", "BlockCost", "Budget", "Estimate", "MEMORY_MODES", "MemoryNeeds", "MemoryPlan", "MemoryRequest",
-           "NO_OFFLOAD", "SPARE_SHARE", "STREAM", "STREAM_HOST", "estimate", "pick_kept", "pick_streamed",
-           "plan_memory", "spread"]
+__all__ = ["AUTO", "BlockCost", "Budget", "Estimate", "KEEP_WHOLE", "MEMORY_MODES", "MemoryNeeds", "MemoryPlan",
+           "MemoryRequest", "NO_OFFLOAD", "SPARE_SHARE", "STREAM", "STREAM_HOST", "estimate", "pick_kept",
+           "pick_streamed", "plan_memory", "spread"]
 
 AUTO = "auto"
+KEEP_WHOLE = "auto + keep blocks whole"
 NO_OFFLOAD = "no offload"
 STREAM = "stream blocks"
 STREAM_HOST = "stream blocks + host activations"
-MEMORY_MODES = (AUTO, NO_OFFLOAD, STREAM, STREAM_HOST)
-"""The ``memory`` choices: the plan picked for the user, or one rung fixed by an expert."""
+MEMORY_MODES = (AUTO, KEEP_WHOLE, NO_OFFLOAD, STREAM, STREAM_HOST)
+"""The ``memory`` choices: the plan picked for the user (``auto``; with blocks kept whole at any batch size), or one
+rung fixed by an expert."""
 
 BACKWARD_FACTOR = 1.5
 """A block's backward holds what its recompute saved plus the gradients it makes on the way (each op's output
@@ -46,9 +49,9 @@ fragmentation, cuBLAS workspaces, the batch itself."""
 DEFAULT_SLOTS = 2
 """Device slots for streamed blocks: the block computing and the next one arriving."""
 SPARE_SHARE = 0.5
-"""Share of the memory the checkpointed plan leaves free that ``auto`` spends on keeping blocks whole: a kept block
-is not recomputed in the backward pass (at batch 1 a GPU step is bound by the host's ops, and a recompute is a
-third of them); the other half stays free for what the estimate does not see and for the user's other work."""
+"""Share of the memory the checkpointed plan leaves free that is spent on keeping blocks whole: a kept block is not
+recomputed in the backward pass (at batch 1 a GPU step is bound by the host's ops, and a recompute is a third of
+them); the other half stays free for what the estimate does not see and for the user's other work."""
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,12 @@ class MemoryRequest:
         checkpoint: the ``gradient_checkpointing`` input (streaming turns it on: a streamed block must be
             recomputed in the backward pass, its weights present again).
         stream_blocks: with a stream mode, how many blocks (0: as many as needed to fit).
-        spare_share: with ``auto``, the share of the memory the checkpointed plan leaves free that may keep blocks
-            whole (0: every block checkpointed).
+        spare_share: where blocks are kept whole, the share of the memory the checkpointed plan leaves free that
+            they may take (0: every block checkpointed).
+        batch_size: rows per step on the device. ``auto`` keeps blocks whole at 1 only: there the step waits on
+            the host and a kept block's activations are the smallest; from 2 on they grow with the batch, and
+            ``auto`` holds the least memory without streaming, as ComfyUI's own checkpointing would
+            (``auto + keep blocks whole`` spends the spare memory at any batch size).
         allow_fp8: the blocks' matrices may be stored in fp8 when nothing else fits (``auto``) or always (stream
             modes).
         managed_by: non-empty when ComfyUI manages the weights itself (its offloading, dynamic VRAM, --lowvram):
@@ -145,6 +152,12 @@ class MemoryRequest:
     allow_fp8: bool = False
     managed_by: str = ""
     spare_share: float = SPARE_SHARE
+    batch_size: int = 1
+
+    @property
+    def keeps_whole(self) -> bool:
+        """Whether spare memory goes to blocks kept whole (module docstring, rung 1)."""
+        return self.mode == KEEP_WHOLE or (self.mode == AUTO and self.batch_size <= 1)
 
 
 @dataclass(frozen=True)
@@ -188,6 +201,8 @@ class MemoryPlan:
         notes: what the user should know (an override that does not fit, checkpointing turned on, ...).
         kept: indices (into ``names``) of the blocks kept whole although ``checkpoint``: their activations stay
             from the forward to their backward, and they are not recomputed.
+        keepable: under ``auto`` at a batch size above 1, the blocks ``auto + keep blocks whole`` would keep
+            (the plan says so, so the user can choose speed), and ``keepable_bytes`` what they would add.
     """
 
     mode: str
@@ -202,6 +217,8 @@ class MemoryPlan:
     transfer_bytes: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
     kept: tuple[int, ...] = ()
+    keepable: tuple[int, ...] = ()
+    keepable_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -214,6 +231,9 @@ class MemoryPlan:
             parts = ["no checkpointing"]
         elif self.kept:
             parts = [f"{n - len(self.kept)} of {n} blocks checkpointed ({len(self.kept)} kept whole in spare memory)"]
+        elif self.keepable:
+            parts = [f"{n} blocks checkpointed ('{KEEP_WHOLE}' would keep {len(self.keepable)} whole, faster, in "
+                     f"{format_bytes(self.keepable_bytes)} more)"]
         else:
             parts = [f"{n} blocks checkpointed"]
         if self.managed_by:
@@ -242,6 +262,7 @@ class MemoryPlan:
             "mode": self.mode, "checkpoint": self.checkpoint, "blocks": len(self.names),
             "streamed_blocks": len(self.streamed), "streamed": [self.names[i] for i in self.streamed],
             "kept_blocks": len(self.kept), "kept": [self.names[i] for i in self.kept],
+            "keepable_blocks": len(self.keepable), "keepable_bytes": self.keepable_bytes,
             "host_activations": self.host_activations, "fp8": self.fp8, "managed_by": self.managed_by,
             "estimate_bytes": e.total, "budget_bytes": self.budget_bytes, "fits": self.fits,
             "transfer_bytes_per_pass": self.transfer_bytes,
@@ -368,14 +389,19 @@ def _make(needs: MemoryNeeds, budget: Budget, request: MemoryRequest, option: _O
 
 def _keep_whole(needs: MemoryNeeds, request: MemoryRequest, plan: MemoryPlan) -> MemoryPlan:
     """``plan`` (every block checkpointed, every weight on the device, fitting) with the blocks kept whole that
-    :data:`SPARE_SHARE` of the memory it leaves free holds."""
+    :data:`SPARE_SHARE` of the memory it leaves free holds; where the request does not keep blocks whole, the plan
+    names them as ``keepable``."""
     if not plan.checkpoint or plan.streamed or plan.host_activations or not plan.fits or request.spare_share <= 0:
         return plan
     spare = plan.budget_bytes - plan.estimate.total
     limit = plan.estimate.total + int(min(request.spare_share, 1.0) * spare)
     kept = pick_kept(needs, limit, plan.fp8)
-    return dataclasses.replace(plan, kept=kept, estimate=estimate(needs, checkpoint=True, fp8=plan.fp8, kept=kept)) \
-        if kept else plan
+    if not kept:
+        return plan
+    whole = estimate(needs, checkpoint=True, fp8=plan.fp8, kept=kept)
+    if request.keeps_whole:
+        return dataclasses.replace(plan, kept=kept, estimate=whole)
+    return dataclasses.replace(plan, keepable=kept, keepable_bytes=whole.total - plan.estimate.total)
 
 
 def _fitted(needs: MemoryNeeds, budget: Budget, request: MemoryRequest, option: _Option,
@@ -424,7 +450,7 @@ def plan_memory(needs: MemoryNeeds, budget: Budget, request: MemoryRequest) -> M
                              f"weights ({request.managed_by}): turn offloading off or set memory to auto")
         return _make(needs, budget, request, _Option(request.checkpoint, False, False, False), ())
     convertible = any(b.fp8_weight_bytes is not None for b in needs.blocks)
-    if request.mode == AUTO:
+    if request.mode in (AUTO, KEEP_WHOLE):
         fp8_options = [False, True] if request.allow_fp8 and convertible else [False]
         rungs = _ladder(request, fp8_options)
         for option in rungs:

@@ -205,12 +205,14 @@ class TrainLoRA(io.ComfyNode):
                 # the memory plan (#25)
                 io.Combo.Input("memory", options=list(MEMORY_MODES), default=AUTO, optional=True,
                                tooltip="How the run fits the device: 'auto' measures the model and the batch, reads "
-                               "the memory free and picks the fastest plan that fits (every weight on the device, and "
-                               "blocks kept whole, not recomputed, in up to half the memory left free; else some "
-                               "blocks' weights streamed from CPU memory while the others compute; else also the "
-                               "checkpointed activations in CPU memory), shown on the node before the first step. "
-                               "The others fix one plan ('no offload': every weight on the device, every block "
-                               "checkpointed: the least memory without streaming). None changes the results."),
+                               "the memory free and picks the fastest plan that fits (every weight on the device, "
+                               "at batch_size 1 with blocks kept whole, not recomputed, in up to half the memory left "
+                               "free; else some blocks' weights streamed from CPU memory while the others compute; "
+                               "else also the checkpointed activations in CPU memory), shown on the node before the "
+                               "first step. 'auto + keep blocks whole': the same, blocks kept whole at any batch size "
+                               "(faster, more memory). The others fix one plan ('no offload': every weight on the "
+                               "device, every block checkpointed: the least memory without streaming). None changes "
+                               "the results."),
                 io.Int.Input("stream_blocks", default=0, min=0, max=1000, optional=True, advanced=True,
                              tooltip="With memory 'stream blocks...': how many blocks to stream (0: as many as "
                              "needed to fit)."),

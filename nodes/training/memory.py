@@ -226,7 +226,7 @@ def _runners(blocks: Sequence[Block], settings: TrainSettings) -> BlockRunners:
 
 def _request(settings: TrainSettings, managed_by: str) -> MemoryRequest:
     return MemoryRequest(settings.memory, settings.gradient_checkpointing, settings.stream_blocks,
-                         settings.allow_fp8, managed_by)
+                         settings.allow_fp8, managed_by, batch_size=settings.batch_size)
 
 
 def plan_run_memory(run: Any, reader: Any, samples: Sequence[Any], buckets: Sequence[tuple[int, ...]],

@@ -152,11 +152,11 @@ def test_the_memory_probe_predicts_what_the_forward_keeps(family: Family, runs: 
 def test_blocks_kept_whole_hold_what_the_probe_predicts_and_train_bit_identically(
         pack: ModuleType, family: Family, dataset: Any, runs: dict[tuple[int, bool], Run],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``memory`` auto with room for some blocks kept whole (a budget that leaves twice their bytes free): the forward
-    keeps the checkpoints' inputs plus the kept blocks' saves, as the probe predicted: never under by more than the
-    3% above, and over by at most the kept blocks' inputs, counted in both (byte counts, the same on any machine:
-    0–2% on most families, 5% on Flux, whose blocks take copies of their inputs); and it trains bit for bit as every
-    block checkpointed."""
+    """``memory`` auto + keep blocks whole (this batch of 2) with room for some blocks kept whole (a budget that
+    leaves twice their bytes free): the forward keeps the checkpoints' inputs plus the kept blocks' saves, as the
+    probe predicted: never under by more than the 3% above, and over by at most the kept blocks' inputs, counted in
+    both (byte counts, the same on any machine: 0–2% on most families, 5% on Flux, whose blocks take copies of their
+    inputs); and it trains bit for bit as every block checkpointed."""
     n = BLOCK_COUNTS[family.name][-1]
     lean = runs[n, True]
     plans = _module(pack, "dataset_cache.memory_plan")
@@ -165,7 +165,7 @@ def test_blocks_kept_whole_hold_what_the_probe_predicts_and_train_bit_identicall
     low = lean.memory_plan["estimate_bytes"]
     budget = low + (needs["held"] - needs["held_checkpointed"])  # half of it: about half of what keeping all holds
     monkeypatch.setattr(memory, "device_budget", lambda _device, slots, _there: plans.Budget(budget, None, slots))
-    run = train(pack, family, n, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
+    run = train(pack, family, n, dataset, monkeypatch, memory="auto + keep blocks whole", gradient_checkpointing=True)
     plan = run.memory_plan
     assert 0 < plan["kept_blocks"] < plan["blocks"] and plan["fits"], (family.name, plan["description"])
     predicted = plan["needs"]["held_checkpointed"] + plan["needs"]["kept_saved"]

@@ -131,7 +131,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # #25: the memory plan; a prompt without these inputs runs 'auto', which only changes where memory goes
     for name, default in (("memory", "auto"), ("stream_blocks", 0), ("allow_fp8", False)):
         assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
-    assert inputs["memory"].options == ["auto", "no offload", "stream blocks", "stream blocks + host activations"]
+    assert inputs["memory"].options == ["auto", "auto + keep blocks whole", "no offload", "stream blocks",
+                                        "stream blocks + host activations"]
     assert (inputs["checkpoint_depth"].default, inputs["checkpoint_depth"].min) == (0, 0)  # 0: no note
     # #26: one device (or a CPU) trains exactly as before; several GPUs data-parallel
     assert inputs["devices"].optional and inputs["devices"].default == "auto" and "devices" in info["input"]["optional"]
@@ -606,12 +607,12 @@ def _fail_in_backward() -> tuple[Any, list[Any]]:
     return torch.nn.modules.module.register_module_forward_hook(hook), saved
 
 
-@pytest.mark.parametrize("memory", ["auto", "no offload"])
+@pytest.mark.parametrize("memory", ["auto + keep blocks whole", "auto", "no offload"])
 def test_out_of_memory_with_blocks_kept_whole_says_what_to_try(node: type, models: tuple, dataset: Any,
                                                                memory: str) -> None:
-    """``auto`` spends memory it found free on keeping blocks whole, on an estimate: running out of memory then
-    says so and what to set (the original error kept as the cause); with every block checkpointed the error is
-    ComfyUI's and torch's as it was."""
+    """Blocks kept whole take memory found free, on an estimate: running out of memory then says so and what to
+    set (the original error kept as the cause); with every block checkpointed (``auto`` at this batch of 2, as
+    ``no offload``) the error is ComfyUI's and torch's as it was."""
     message = "CUDA out of memory (raised in the backward pass by the test)"
 
     def fail(grad: torch.Tensor) -> torch.Tensor:
@@ -628,7 +629,7 @@ def test_out_of_memory_with_blocks_kept_whole_says_what_to_try(node: type, model
     finally:
         handle.remove()
     text = str(failure.value)
-    if memory == "auto":  # a CPU's memory free is its RAM: every block was kept whole
+    if memory == "auto + keep blocks whole":  # a CPU's memory free is its RAM: every block was kept whole
         assert text.startswith(message + "\nTrain LoRA memory: ") and "blocks were kept whole" in text
         assert "set memory to 'no offload'" in text and str(failure.value.__cause__) == message
     else:

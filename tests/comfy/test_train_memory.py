@@ -32,14 +32,21 @@ def dataset(pack: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return write_random_samples(pack, FLUX, tmp_path_factory.mktemp("train_memory") / "cache")
 
 
+KEEP_WHOLE = "auto + keep blocks whole"
+
+
 @pytest.fixture(scope="module")
 def resident(pack: ModuleType, dataset: Any) -> Run:
+    """Batch 2 (``SETTINGS``) with blocks kept whole: ``auto`` keeps them at batch 1 only, this mode at any."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        return train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
+        return train(pack, FLUX, 4, dataset, monkeypatch, memory=KEEP_WHOLE, gradient_checkpointing=True)
 
 
-def test_auto_on_a_large_device_keeps_every_weight_and_reports_its_figures(resident: Run) -> None:
-    plan = resident.memory_plan
+def test_auto_at_batch_1_on_a_large_device_keeps_every_weight_and_reports_its_figures(
+        pack: ModuleType, dataset: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True, batch_size=1,
+                steps=1)
+    plan = run.memory_plan
     assert plan["mode"] == "auto" and plan["checkpoint"] and plan["streamed_blocks"] == 0 and plan["fits"]
     assert plan["blocks"] == 8 and plan["measured"] == "probe" and plan["blocks_found"].startswith("Flux's")
     needs = plan["needs"]
@@ -47,6 +54,20 @@ def test_auto_on_a_large_device_keeps_every_weight_and_reports_its_figures(resid
     # a CPU's memory free is the host's RAM: every block is kept whole in half of what checkpointing leaves free
     assert plan["description"].startswith("0 of 8 blocks checkpointed (8 kept whole in spare memory), all weights "
                                           "on the device, estimated ")
+
+
+def test_auto_above_batch_1_checkpoints_every_block_and_names_the_mode_that_keeps_them(
+        pack: ModuleType, dataset: Any, resident: Run, lean: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At batch 2 ``auto`` holds what every block checkpointed holds (the plan ``no offload`` fixes), trains the same
+    numbers, and says what ``auto + keep blocks whole`` would keep and hold more."""
+    run = train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
+    plan = run.memory_plan
+    assert plan["mode"] == "auto" and plan["kept_blocks"] == 0 and plan["keepable_blocks"] == 8
+    assert plan["estimate_bytes"] == lean.memory_plan["estimate_bytes"] and run.saved == lean.saved
+    assert plan["keepable_bytes"] == resident.memory_plan["estimate_bytes"] - plan["estimate_bytes"] > 0
+    assert plan["description"].startswith(f"8 blocks checkpointed ('{KEEP_WHOLE}' would keep 8 whole, faster, in ")
+    _same_numbers(run, lean)
+    assert resident.memory_plan["mode"] == KEEP_WHOLE and resident.memory_plan["kept_blocks"] == 8
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +101,7 @@ def test_a_budget_between_keeps_some_blocks_whole_within_half_the_spare(
     low, high = lean.memory_plan["estimate_bytes"], resident.memory_plan["estimate_bytes"]
     budget = high  # half of what checkpointing leaves free holds about half of the kept blocks' bytes
     monkeypatch.setattr(memory, "device_budget", lambda _device, slots, _there: plans.Budget(budget, None, slots))
-    run = train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", gradient_checkpointing=True)
+    run = train(pack, FLUX, 4, dataset, monkeypatch, memory=KEEP_WHOLE, gradient_checkpointing=True)
     plan = run.memory_plan
     assert 0 < plan["kept_blocks"] < 8 and plan["streamed_blocks"] == 0
     assert plan["estimate_bytes"] <= low + plans.SPARE_SHARE * (budget - low)

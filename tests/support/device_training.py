@@ -84,7 +84,8 @@ CASES: tuple[Case, ...] = (
     Case("lumina2_attention_mask", "lumina2", expect=("option:attention_mask", "groups")),
     Case("wan21_video", "wan21", "video", expect=("video",)),
     # every block its own checkpoint on the device: torch's non-reentrant form (exact) and the reentrant one (fast);
-    # memory "no offload" (auto would keep these tiny models' blocks whole: the uncheckpointed path of the cases above)
+    # memory "no offload", pinned: what auto checkpoints depends on the batch size and the memory free (at batch 1
+    # it would keep these tiny models' blocks whole: the uncheckpointed path of the cases above)
     Case("sd15_checkpointed", "sd15", options={"gradient_checkpointing": True, "memory": "no offload"}),
     Case("flux_fast_checkpoint", "flux", options={"gradient_checkpointing": True, "checkpoint_mode": "fast",
                                                   "memory": "no offload"}, expect=("option:guidance",)),

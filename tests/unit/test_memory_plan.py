@@ -13,8 +13,8 @@ import random
 import pytest
 
 from dataset_cache.memory_plan import (
-    SPARE_SHARE, BlockCost, Budget, MemoryNeeds, MemoryRequest, estimate, pick_kept, pick_streamed, plan_memory,
-    spread,
+    KEEP_WHOLE, SPARE_SHARE, BlockCost, Budget, MemoryNeeds, MemoryRequest, estimate, pick_kept, pick_streamed,
+    plan_memory, spread,
 )
 
 MB = 1_000_000
@@ -150,7 +150,7 @@ def test_comfyui_managing_the_weights_wins() -> None:
 
 
 def test_an_unknown_mode_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="unknown memory 'lots'; use one of auto, no offload"):
+    with pytest.raises(ValueError, match=r"unknown memory 'lots'; use one of auto, auto \+ keep blocks whole, no "):
         _plan(uniform(), 10, mode="lots")
 
 
@@ -288,3 +288,34 @@ def test_describe_and_as_dict_name_the_blocks_kept_whole() -> None:
                                       f"checkpointed ({len(plan.kept)} kept whole in spare memory), all weights")
     data = plan.as_dict()
     assert data["kept_blocks"] == len(plan.kept) and data["kept"] == [needs.blocks[i].name for i in plan.kept]
+
+
+@pytest.mark.parametrize("batch_size", [2, 8])
+def test_auto_above_batch_1_checkpoints_every_block_and_names_what_keeping_would_cost(batch_size: int) -> None:
+    """From batch 2 on a kept block's activations grow with the batch: ``auto`` holds the least memory without
+    streaming and says what ``auto + keep blocks whole`` would keep, which keeps exactly what ``auto`` keeps at
+    batch 1 on the same figures."""
+    needs = unet()
+    lean = _plan(needs, 2.0, spare_share=0)
+    plan = _plan(needs, 2.0, batch_size=batch_size)
+    assert plan.kept == () and plan.estimate == lean.estimate and not plan.streamed
+    speed = _plan(needs, 2.0, mode=KEEP_WHOLE, batch_size=batch_size)
+    assert speed.kept == _plan(needs, 2.0).kept and 0 < len(speed.kept) < len(needs.blocks)
+    assert plan.keepable == speed.kept and plan.keepable_bytes == speed.estimate.total - lean.estimate.total > 0
+    assert plan.describe().startswith(f"{len(needs.blocks)} blocks checkpointed ('{KEEP_WHOLE}' would keep "
+                                      f"{len(speed.kept)} whole, faster, in ")
+    assert plan.as_dict()["keepable_blocks"] == len(speed.kept)
+    assert speed.keepable == () and speed.as_dict()["keepable_blocks"] == 0
+
+
+def test_keep_blocks_whole_follows_autos_ladder_where_every_weight_does_not_fit() -> None:
+    """The mode spends spare memory, never memory the run needs: where blocks must be streamed it streams them as
+    ``auto`` does and keeps none (a streamed block is recomputed with its weights)."""
+    needs = flux_dev()
+    for batch_size in (1, 4):
+        plan = _plan(needs, 24, mode=KEEP_WHOLE, batch_size=batch_size)
+        auto = _plan(needs, 24, batch_size=batch_size)
+        assert plan.streamed == auto.streamed and plan.streamed and plan.kept == () and plan.keepable == ()
+    assert _plan(needs, 141, mode=KEEP_WHOLE, managed_by="offloading is on").kept == ()
+    assert _plan(needs, 141, mode=KEEP_WHOLE, batch_size=4).kept
+    assert _plan(needs, 141, batch_size=4).keepable  # the same device under auto only names them
