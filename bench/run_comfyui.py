@@ -15,6 +15,7 @@ ComfyUI runs.
     "$COMFYUI_PYTHON" bench/run_comfyui.py gpu [options]             # scripts/bench-gpu: bench/gpu.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py step-ops [options]        # scripts/bench-step-ops: bench/step_ops.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py profile-cost [options]    # bench/gpu_profile_cost.py
+    "$COMFYUI_PYTHON" bench/run_comfyui.py plan-shapes [options]     # bench/plan_shapes.py
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ def main() -> int:
         from bench.gpu_profile_cost import main as profile_cost_main
 
         return profile_cost_main(argv[1:])
+    if argv[:1] == ["plan-shapes"]:
+        from bench.plan_shapes import main as plan_shapes_main
+
+        return plan_shapes_main(argv[1:])
     if argv[:1] == ["step-ops"]:
         from bench.step_ops import main as step_ops_main
 
