@@ -137,9 +137,9 @@ class MemoryRequest:
         spare_share: where blocks are kept whole, the share of the memory the checkpointed plan leaves free that
             they may take (0: every block checkpointed).
         batch_size: rows per step on the device. ``auto`` keeps blocks whole at 1 only: there the step waits on
-            the host and a kept block's activations are the smallest; from 2 on they grow with the batch, and
-            ``auto`` holds the least memory without streaming, as ComfyUI's own checkpointing would
-            (``auto + keep blocks whole`` spends the spare memory at any batch size).
+            the host and a kept block's activations are the smallest; from 2 on they grow with the batch (on a
+            large GPU, past what ComfyUI's own node holds in all), so ``auto`` holds the least memory without
+            streaming (``auto + keep blocks whole`` spends the spare memory at any batch size).
         allow_fp8: the blocks' matrices may be stored in fp8 when nothing else fits (``auto``) or always (stream
             modes).
         managed_by: non-empty when ComfyUI manages the weights itself (its offloading, dynamic VRAM, --lowvram):
