@@ -660,29 +660,75 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         frames = [f for clip in scan.clips for f in clip.frames]
         save_record(record.with_image_sizes([*scan.images, *frames]), record_path)  # before any encode: never re-hash
 
-    samples: list[Sample] = []
-    latents: dict[str, LatentJob] = {}
-    masks: dict[str, MaskJob] = {}
-    texts: dict[str, str] = {}
-    keys = PlanKeys(vae_fingerprint, text_fingerprint)
+    acc = _Planned(PlanKeys(vae_fingerprint, text_fingerprint))
+    if settings.empty_caption:  # the text "" itself: no prefix or suffix (dropout trains with no caption)
+        acc.empty = acc.keys.conditioning("")
+        acc.texts[acc.empty] = ""
+    _plan_images(scan.images, record, validation.listing, settings, acc)
+    samples, latents, masks, texts, empty = acc.samples, acc.latents, acc.masks, acc.texts, acc.empty
+    unplannable, cut, many, no_mask = acc.unplannable, acc.cut, acc.many, acc.no_mask
+
+    have, _stored, info = _cache_view(root, dataset, load=False)
+    short: list[str] = []  # clips that give fewer frames than asked, each with why
+    clips = _plan_clips(scan.clips, record, settings, vae_fingerprint, acc.keys, samples, texts, unplannable, cut,
+                        many, empty, have, short)
+    try:
+        check_epoch_size(samples, f"dataset {dataset!r}")
+    except ValueError as exc:  # before any encode: the dataset could never be stored
+        raise DatasetFolderError(src, str(exc)) from None
+    digest = samples_digest(samples)
+    missing = _Missing.of(latents, texts, masks, clips, have)
+    unused = _unused_masks(settings, validation.listing)
+    unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures, *unplannable)}
+    counts = validation.counts()
+    return EncodePlan(
+        cache_root=root, dataset=dataset, folder=src, settings=settings, vae_fingerprint=vae_fingerprint,
+        text_fingerprint=text_fingerprint, new=counts["new"], changed=counts["changed"],
+        unchanged=counts["unchanged"], removed=counts["removed"],
+        failures=tuple(unique[k] for k in sorted(unique)), samples=tuple(samples),
+        missing_latents=missing.latents, missing_conditionings=missing.texts,
+        reused=(sum(k in have for k in latents) + sum(k in have for k in clips) + sum(k in have for k in texts)
+                + sum(k in have for k in masks)),
+        dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
+        skipped=_listed_samples(validation) - len(samples),
+        notes=(_caption_notes(cut, many) + _clip_notes(settings, short)
+               + _mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
+               + shuffle_notes(settings, [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)])),
+        missing_clips=missing.clips, missing_masks=missing.masks, empty_caption=empty,
+        images_without_mask=len(no_mask), unused_masks=len(unused), short_clips=tuple(short),
+    )
+
+
+@dataclass
+class _Planned:
+    """What planning the folder's images (then its clips) adds up: the samples and the entries they need."""
+
+    keys: PlanKeys
+    samples: list[Sample] = field(default_factory=list)
+    latents: dict[str, LatentJob] = field(default_factory=dict)
+    masks: dict[str, MaskJob] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+    unplannable: list[SourceFailure] = field(default_factory=list)
+    cut: list[str] = field(default_factory=list)  # images with a caption line cut at MAX_CAPTION_CHARS
+    many: list[str] = field(default_factory=list)  # images with more than CAPTION_VARIANTS_NOTE caption lines
+    no_mask: list[str] = field(default_factory=list)  # images without a mask file (masklabel) or alpha (alpha)
+    empty: str | None = None  # the empty caption's key, when caption dropout is planned
+
+
+def _plan_images(images: Sequence[SourceImage], record: SourcesRecord, listing: FolderListing,
+                 settings: EncodeSettings, acc: _Planned) -> None:
+    """Key each image's crop plan, mirror, mask and captions into ``acc``; one that cannot be planned is named
+    among ``acc.unplannable``."""
     bucket = settings.bucket
     center: dict[tuple[int, int], CropPlan] = {}  # a center crop depends on the size alone
     mirrors: dict[CropPlan, CropPlan] = {}
-    unplannable: list[SourceFailure] = []
-    cut: list[str] = []  # images with a caption line cut at MAX_CAPTION_CHARS
-    many: list[str] = []  # images with more than CAPTION_VARIANTS_NOTE caption lines
-    no_mask: list[str] = []  # images without a mask file (masklabel) or an alpha channel (alpha)
-    empty = None
-    if settings.empty_caption:  # the text "" itself: no prefix or suffix (dropout trains with no caption)
-        empty = keys.conditioning("")
-        texts[empty] = ""
-    for img in scan.images:
+    for img in images:
         entry = record.get(img.relpath)
         if entry is None:  # could not be hashed: already listed among the validation failures
             continue
         too_many = _too_many_variants(img.captions, settings)
         if too_many:
-            unplannable.append(SourceFailure(img.relpath, img.path, too_many))
+            acc.unplannable.append(SourceFailure(img.relpath, img.path, too_many))
             continue
         try:
             if bucket.crop == "center":
@@ -692,71 +738,57 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
             else:
                 plan = bucket.plan(img.width, img.height, token=entry.hash)
         except ValueError as exc:  # e.g. smaller than one bucket step with upscale off: left out, named
-            unplannable.append(SourceFailure(img.relpath, img.path, str(exc)))
+            acc.unplannable.append(SourceFailure(img.relpath, img.path, str(exc)))
             continue
         mkey = None
         if settings.masks != "none":
-            found = _mask_job(img, entry.hash, plan, settings, validation.listing, record)
+            found = _mask_job(img, entry.hash, plan, settings, listing, record)
             if isinstance(found, SourceFailure):
-                unplannable.append(found)
+                acc.unplannable.append(found)
                 continue
             if found is None:
-                no_mask.append(img.relpath)
+                acc.no_mask.append(img.relpath)
             else:
                 mkey = found.key
-                masks.setdefault(mkey, found)
-        lkey = keys.latent(entry.hash, plan)
-        if lkey not in latents:
-            latents[lkey] = LatentJob(lkey, img.path, img.relpath, entry.hash, plan)
+                acc.masks.setdefault(mkey, found)
+        lkey = acc.keys.latent(entry.hash, plan)
+        if lkey not in acc.latents:
+            acc.latents[lkey] = LatentJob(lkey, img.path, img.relpath, entry.hash, plan)
         mirror = None
         if bucket.flip == "random":
             mplan = mirrors.get(plan)
             if mplan is None:
                 mplan = mirrors[plan] = bucket.mirror_plan(plan)
-            mirror = keys.latent(entry.hash, mplan)
-            if mirror not in latents:
-                latents[mirror] = LatentJob(mirror, img.path, img.relpath, entry.hash, mplan, mirror=True)
-        ckeys = _caption_keys(img.captions, img.relpath, settings, keys, texts, cut, many)
-        samples.append(Sample(lkey, ckeys, img.repeats, img.relpath, mirror=mirror, mask=mkey, empty_caption=empty))
+            mirror = acc.keys.latent(entry.hash, mplan)
+            if mirror not in acc.latents:
+                acc.latents[mirror] = LatentJob(mirror, img.path, img.relpath, entry.hash, mplan, mirror=True)
+        ckeys = _caption_keys(img.captions, img.relpath, settings, acc.keys, acc.texts, acc.cut, acc.many)
+        acc.samples.append(Sample(lkey, ckeys, img.repeats, img.relpath, mirror=mirror, mask=mkey,
+                                  empty_caption=acc.empty))
 
-    have, _stored, info = _cache_view(root, dataset, load=False)
-    short: list[str] = []  # clips that give fewer frames than asked, each with why
-    clips = _plan_clips(scan.clips, record, settings, vae_fingerprint, keys, samples, texts, unplannable, cut, many,
-                        empty, have, short)
-    try:
-        check_epoch_size(samples, f"dataset {dataset!r}")
-    except ValueError as exc:  # before any encode: the dataset could never be stored
-        raise DatasetFolderError(src, str(exc)) from None
-    digest = samples_digest(samples)
-    by_bucket: dict[tuple[int, int], list[LatentJob]] = {}
-    for job in latents.values():
-        if job.key not in have:
-            by_bucket.setdefault(job.bucket, []).append(job)
-    missing_texts = {k: t for k, t in texts.items() if k not in have}
-    missing_masks = tuple(sorted((j for j in masks.values() if j.key not in have), key=lambda j: (j.relpath, j.key)))
-    unused = _unused_masks(settings, validation.listing)
-    missing_clips = tuple(sorted((j for j in clips.values() if j.key not in have),
-                                 key=lambda j: (len(j.clip.indices) if j.clip else 0, j.bucket[1], j.bucket[0],
-                                                j.relpath)))
-    unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures, *unplannable)}
-    counts = validation.counts()
-    return EncodePlan(
-        cache_root=root, dataset=dataset, folder=src, settings=settings, vae_fingerprint=vae_fingerprint,
-        text_fingerprint=text_fingerprint, new=counts["new"], changed=counts["changed"],
-        unchanged=counts["unchanged"], removed=counts["removed"],
-        failures=tuple(unique[k] for k in sorted(unique)), samples=tuple(samples),
-        missing_latents={b: tuple(sorted(jobs, key=lambda j: j.relpath)) for b, jobs in sorted(by_bucket.items())},
-        missing_conditionings=missing_texts,
-        reused=(sum(k in have for k in latents) + sum(k in have for k in clips) + sum(k in have for k in texts)
-                + sum(k in have for k in masks)),
-        dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
-        skipped=_listed_samples(validation) - len(samples),
-        notes=(_caption_notes(cut, many) + _clip_notes(settings, short)
-               + _mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
-               + shuffle_notes(settings, [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)])),
-        missing_clips=missing_clips, missing_masks=missing_masks, empty_caption=empty,
-        images_without_mask=len(no_mask), unused_masks=len(unused), short_clips=tuple(short),
-    )
+
+@dataclass(frozen=True)
+class _Missing:
+    """The planned entries the cache does not hold yet, in the order the run encodes them."""
+
+    latents: dict[tuple[int, int], tuple[LatentJob, ...]]
+    texts: dict[str, str]
+    masks: tuple[MaskJob, ...]
+    clips: tuple[LatentJob, ...]
+
+    @classmethod
+    def of(cls, latents: dict[str, LatentJob], texts: dict[str, str], masks: dict[str, MaskJob],
+           clips: dict[str, LatentJob], have: set[str]) -> _Missing:
+        by_bucket: dict[tuple[int, int], list[LatentJob]] = {}
+        for job in latents.values():
+            if job.key not in have:
+                by_bucket.setdefault(job.bucket, []).append(job)
+        return cls(
+            {b: tuple(sorted(jobs, key=lambda j: j.relpath)) for b, jobs in sorted(by_bucket.items())},
+            {k: t for k, t in texts.items() if k not in have},
+            tuple(sorted((j for j in masks.values() if j.key not in have), key=lambda j: (j.relpath, j.key))),
+            tuple(sorted((j for j in clips.values() if j.key not in have),
+                         key=lambda j: (len(j.clip.indices) if j.clip else 0, j.bucket[1], j.bucket[0], j.relpath))))
 
 
 def _mask_job(img: SourceImage, image_hash: str, plan: CropPlan, settings: EncodeSettings, listing: FolderListing,

@@ -641,24 +641,11 @@ def run_encode(
         CacheError: the cache cannot be written.
     """
     start = time.perf_counter()
-    settings = plan.settings
-    report = EncodeReport(plan.dataset, new=plan.new, changed=plan.changed, unchanged=plan.unchanged,
-                          removed=plan.removed, failures=list(plan.failures), sourceless=plan.sourceless,
-                          notes=list(plan.notes), short_clips=plan.short_clips)
-    report.timings.update(encoder=0.0, decode_wait=0.0, decode_cpu=0.0, commit=0.0, commit_wait=0.0, finish=0.0,
-                          lock_wait=0.0)
-    if plan.failures and settings.failure_policy == "stop":
+    report = _new_report(plan)
+    if plan.failures and plan.settings.failure_policy == "stop":
         raise plan.failures[0].error()
-    report.skipped = plan.skipped
     if plan.sourceless or plan.up_to_date:
-        report.samples, report.reused = len(plan.samples), plan.reused
-        report.variants = variant_counts(plan.samples, None if plan.sourceless else settings)
-        report.skipped = 0 if plan.sourceless else plan.skipped
-        report.failed = len(report.failures)
-        settle_sources(plan)
-        report.seconds = time.perf_counter() - start
-        return report
-
+        return _nothing_to_encode(plan, report, start)
     lock = CacheLock(plan.cache_root, WRITE_LOCK, timeout=0, purpose="encode")  # polled: see _acquire
     t_lock = time.perf_counter()
     if not _acquire(lock, plan.cache_root, should_stop):
@@ -668,87 +655,20 @@ def run_encode(
     report.timings["lock_wait"] = time.perf_counter() - t_lock
     try:
         before = _shard_sizes(plan.cache_root)
-        writer = CacheWriter(plan.cache_root, shard_bytes=settings.shard_bytes, checkpoints=True,
+        writer = CacheWriter(plan.cache_root, shard_bytes=plan.settings.shard_bytes, checkpoints=True,
                              sync_seconds=sync_seconds)
         try:
-            # another process may have stored some of it since the plan was made: encode only what is still absent
-            needed = {k for s in plan.samples for k in s.keys()}
-            report.reused = sum(1 for k in needed if writer.has(k))
-            texts = [(k, t) for k, t in plan.missing_conditionings.items() if not writer.has(k)]
-            batches = [b for bucket, jobs in plan.missing_latents.items()
-                       for b in batched([j for j in jobs if not writer.has(j.key)],
-                                         images_per_call(bucket, settings.batch_size))]
-            smaller = [b for b in plan.missing_latents if images_per_call(b, settings.batch_size) < settings.batch_size]
-            if smaller:
-                w, h = max(smaller, key=lambda b: (b[0] * b[1], b))
-                report.notes.append(f"images of {len(smaller)} bucket(s) are encoded fewer per VAE call than "
-                                    f"batch_size {settings.batch_size} (the {w}x{h} ones "
-                                    f"{images_per_call((w, h), settings.batch_size)} per call): more would pass "
-                                    f"{format_bytes(MAX_PIXEL_BATCH_BYTES)} of pixels per call")
-            clips = [j for j in plan.missing_clips if not writer.has(j.key)]
-            masks = [j for j in plan.missing_masks if not writer.has(j.key)]
-            if masks and settings.mask_factor is None:
-                raise ValueError(f"dataset {plan.dataset!r}: {len(masks)} masks must be made but the VAE's spatial "
-                                 "compression (EncodeSettings.mask_factor) is unknown; plan with the loaded VAE")
-            if clips and settings.video.stride is None:
-                raise ValueError(f"dataset {plan.dataset!r}: {len(clips)} clips must be encoded but the VAE's "
-                                 "temporal compression (FrameSettings.stride) is unknown; plan with the loaded VAE")
-            if clips and encode_clips is None:
-                raise ValueError(f"dataset {plan.dataset!r}: {len(clips)} clips must be encoded but encode_clips "
-                                 "is None (connect a video VAE)")
-            if batches and encode_images is None:
-                raise ValueError(f"dataset {plan.dataset!r}: {sum(map(len, batches))} latents must be encoded but "
-                                 "encode_images is None (connect a VAE)")
-            if texts and encode_texts is None:
-                raise ValueError(f"dataset {plan.dataset!r}: {len(texts)} conditionings must be encoded but "
-                                 "encode_texts is None (connect a text encoder)")
+            work = _pending_work(plan, writer, report)
+            _check_encoders(plan, work, encode_images, encode_texts, encode_clips)
             run = _Run(plan, writer, report, progress, should_stop)
             run.min_commit_seconds = max(0.0, float(min_commit_seconds))
-            run.total = len(texts) + sum(map(len, batches)) + len(clips) + len(masks)
+            run.total = work.total
             if progress is not None:
                 progress(0, run.total)
-            if background_commits:
-                run.start_background_commits()
-            try:
-                if texts:
-                    run.encode_texts(encode_texts, texts)  # type: ignore[arg-type]
-                    run.wait_for_commit()
-                    writer.sync_log()  # the VAE may take a while to load: no checkpoint should wait unsynced
-                threads = resolve_threads(settings.encode_threads, purpose="encode threads", maximum=16)
-                if masks:
-                    run.make_masks(masks, threads)
-                if batches:
-                    run.encode_images(encode_images, batches, threads)  # type: ignore[arg-type]
-                if clips:
-                    run.encode_clips(encode_clips, clips, threads)  # type: ignore[arg-type]
-            except _Stopped:
-                report.stopped = True
-            except BaseException:
-                run.stop_background_commits(failing=True)  # what is finished is kept (committed below)
-                raise
-            run.stop_background_commits(failing=False)  # the last batch's checkpoint (its error is raised)
-            t_commit = time.perf_counter()
-            writer.commit()  # publish the rest (the recovery log is deleted)
-            report.timings["commit"] += time.perf_counter() - t_commit
-            report.log_syncs = writer.log_syncs
-            # jobs were planned for keys the writer lacked: one it has now was encoded by this run
-            report.encoded_mirrors = sum(1 for j in (*(j for b in batches for j in b), *clips)
-                                         if j.mirror and writer.has(j.key))
-            report.encoded_empty_caption = plan.empty_caption is not None and any(
-                k == plan.empty_caption for k, _ in texts) and writer.has(plan.empty_caption)
-            written = _shard_sizes(plan.cache_root)
-            report.bytes_written = sum(size for name, size in written.items() if name not in before)
+            _encode_all(run, work, encode_images, encode_texts, encode_clips, background_commits)
+            _commit_and_count(run, work, before)
             if not report.stopped:
-                t_finish = time.perf_counter()
-                samples = _finish(run, plan)
-                if not (plan.dataset_current and samples == plan.samples):
-                    writer.set_dataset(plan.dataset, samples, info=_info(plan, report, samples))
-                if report.encoded:  # the run's last shard is partly filled: merge it with earlier small ones
-                    report.compaction = compact_if_unread(writer, plan.cache_root)
-                report.samples = len(samples)
-                report.variants = variant_counts(samples, settings)
-                settle_sources(plan)
-                report.timings["finish"] = time.perf_counter() - t_finish
+                _store_dataset(run)
         except BaseException:
             # Entries already added are finished encodes (the failing batch never reached add), so keep them.
             try:
@@ -765,6 +685,141 @@ def run_encode(
     report.seconds = time.perf_counter() - start
     log.info("%s", report.summary())
     return report
+
+
+def _new_report(plan: EncodePlan) -> EncodeReport:
+    report = EncodeReport(plan.dataset, new=plan.new, changed=plan.changed, unchanged=plan.unchanged,
+                          removed=plan.removed, failures=list(plan.failures), sourceless=plan.sourceless,
+                          notes=list(plan.notes), short_clips=plan.short_clips)
+    report.timings.update(encoder=0.0, decode_wait=0.0, decode_cpu=0.0, commit=0.0, commit_wait=0.0, finish=0.0,
+                          lock_wait=0.0)
+    report.skipped = plan.skipped
+    return report
+
+
+def _nothing_to_encode(plan: EncodePlan, report: EncodeReport, start: float) -> EncodeReport:
+    """The report of a plan with nothing to encode (every entry stored, or a cache without its sources): no lock,
+    no writer; the sources' record still settles."""
+    report.samples, report.reused = len(plan.samples), plan.reused
+    report.variants = variant_counts(plan.samples, None if plan.sourceless else plan.settings)
+    report.skipped = 0 if plan.sourceless else plan.skipped
+    report.failed = len(report.failures)
+    settle_sources(plan)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+@dataclass
+class _Work:
+    """What is still absent from the cache once the write lock is held (another process may have stored some of
+    the plan's entries since it was made)."""
+
+    texts: list[tuple[str, str]]
+    batches: list[Sequence[LatentJob]]
+    clips: list[LatentJob]
+    masks: list[MaskJob]
+
+    @property
+    def total(self) -> int:
+        return len(self.texts) + sum(map(len, self.batches)) + len(self.clips) + len(self.masks)
+
+
+def _pending_work(plan: EncodePlan, writer: CacheWriter, report: EncodeReport) -> _Work:
+    settings = plan.settings
+    needed = {k for s in plan.samples for k in s.keys()}
+    report.reused = sum(1 for k in needed if writer.has(k))
+    texts = [(k, t) for k, t in plan.missing_conditionings.items() if not writer.has(k)]
+    batches = [b for bucket, jobs in plan.missing_latents.items()
+               for b in batched([j for j in jobs if not writer.has(j.key)],
+                                 images_per_call(bucket, settings.batch_size))]
+    smaller = [b for b in plan.missing_latents if images_per_call(b, settings.batch_size) < settings.batch_size]
+    if smaller:
+        w, h = max(smaller, key=lambda b: (b[0] * b[1], b))
+        report.notes.append(f"images of {len(smaller)} bucket(s) are encoded fewer per VAE call than "
+                            f"batch_size {settings.batch_size} (the {w}x{h} ones "
+                            f"{images_per_call((w, h), settings.batch_size)} per call): more would pass "
+                            f"{format_bytes(MAX_PIXEL_BATCH_BYTES)} of pixels per call")
+    clips = [j for j in plan.missing_clips if not writer.has(j.key)]
+    masks = [j for j in plan.missing_masks if not writer.has(j.key)]
+    return _Work(texts, batches, clips, masks)
+
+
+def _check_encoders(plan: EncodePlan, work: _Work, encode_images: ImageEncoder | None,
+                    encode_texts: TextEncoder | None, encode_clips: ClipEncoder | None) -> None:
+    """Refuse, before anything is encoded, a run that lacks an encoder (or a compression factor) it needs."""
+    settings, name = plan.settings, plan.dataset
+    if work.masks and settings.mask_factor is None:
+        raise ValueError(f"dataset {name!r}: {len(work.masks)} masks must be made but the VAE's spatial "
+                         "compression (EncodeSettings.mask_factor) is unknown; plan with the loaded VAE")
+    if work.clips and settings.video.stride is None:
+        raise ValueError(f"dataset {name!r}: {len(work.clips)} clips must be encoded but the VAE's "
+                         "temporal compression (FrameSettings.stride) is unknown; plan with the loaded VAE")
+    if work.clips and encode_clips is None:
+        raise ValueError(f"dataset {name!r}: {len(work.clips)} clips must be encoded but encode_clips "
+                         "is None (connect a video VAE)")
+    if work.batches and encode_images is None:
+        raise ValueError(f"dataset {name!r}: {sum(map(len, work.batches))} latents must be encoded but "
+                         "encode_images is None (connect a VAE)")
+    if work.texts and encode_texts is None:
+        raise ValueError(f"dataset {name!r}: {len(work.texts)} conditionings must be encoded but "
+                         "encode_texts is None (connect a text encoder)")
+
+
+def _encode_all(run: _Run, work: _Work, encode_images: ImageEncoder | None, encode_texts: TextEncoder | None,
+                encode_clips: ClipEncoder | None, background_commits: bool) -> None:
+    """Texts first (their encoder is released before the VAE loads), then masks, images and clips; a stop request
+    ends it with ``report.stopped``, an error after the finished batches' checkpoints."""
+    if background_commits:
+        run.start_background_commits()
+    try:
+        if work.texts:
+            run.encode_texts(encode_texts, work.texts)  # type: ignore[arg-type]
+            run.wait_for_commit()
+            run.writer.sync_log()  # the VAE may take a while to load: no checkpoint should wait unsynced
+        threads = resolve_threads(run.plan.settings.encode_threads, purpose="encode threads", maximum=16)
+        if work.masks:
+            run.make_masks(work.masks, threads)
+        if work.batches:
+            run.encode_images(encode_images, work.batches, threads)  # type: ignore[arg-type]
+        if work.clips:
+            run.encode_clips(encode_clips, work.clips, threads)  # type: ignore[arg-type]
+    except _Stopped:
+        run.report.stopped = True
+    except BaseException:
+        run.stop_background_commits(failing=True)  # what is finished is kept (committed by the caller)
+        raise
+    run.stop_background_commits(failing=False)  # the last batch's checkpoint (its error is raised)
+
+
+def _commit_and_count(run: _Run, work: _Work, before: dict[str, int]) -> None:
+    """Publish what was encoded (the recovery log is deleted) and count it into the report."""
+    report, writer, plan = run.report, run.writer, run.plan
+    t_commit = time.perf_counter()
+    writer.commit()
+    report.timings["commit"] += time.perf_counter() - t_commit
+    report.log_syncs = writer.log_syncs
+    # jobs were planned for keys the writer lacked: one it has now was encoded by this run
+    report.encoded_mirrors = sum(1 for j in (*(j for b in work.batches for j in b), *work.clips)
+                                 if j.mirror and writer.has(j.key))
+    report.encoded_empty_caption = plan.empty_caption is not None and any(
+        k == plan.empty_caption for k, _ in work.texts) and writer.has(plan.empty_caption)
+    written = _shard_sizes(plan.cache_root)
+    report.bytes_written = sum(size for name, size in written.items() if name not in before)
+
+
+def _store_dataset(run: _Run) -> None:
+    """Store the dataset's samples (when they changed), compact the run's small shards, settle the sources."""
+    report, writer, plan = run.report, run.writer, run.plan
+    t_finish = time.perf_counter()
+    samples = _finish(run, plan)
+    if not (plan.dataset_current and samples == plan.samples):
+        writer.set_dataset(plan.dataset, samples, info=_info(plan, report, samples))
+    if report.encoded:  # the run's last shard is partly filled: merge it with earlier small ones
+        report.compaction = compact_if_unread(writer, plan.cache_root)
+    report.samples = len(samples)
+    report.variants = variant_counts(samples, plan.settings)
+    settle_sources(plan)
+    report.timings["finish"] = time.perf_counter() - t_finish
 
 
 def _info(plan: EncodePlan, report: EncodeReport, samples: Sequence[Sample]) -> dict[str, Any]:

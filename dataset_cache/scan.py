@@ -295,6 +295,18 @@ def _is_mask_name(name: str, dot: int) -> bool:
     return dot > len(MASK_SUFFIX) and name[dot - len(MASK_SUFFIX):dot].lower() == MASK_SUFFIX
 
 
+@dataclass
+class _Entries:
+    """What one pass over a directory found (:func:`_scan_entries`), before images are paired with captions."""
+
+    images: list[tuple[str, str, os.DirEntry[str]]] = field(default_factory=list)  # (name, stem, entry)
+    captions: dict[str, os.DirEntry[str]] = field(default_factory=dict)
+    mask_entries: dict[str, os.DirEntry[str]] = field(default_factory=dict)  # image stem -> its mask (first name)
+    mask_files: list[_Caption] = field(default_factory=list)
+    refused_captions: set[str] = field(default_factory=set)  # stems whose caption links outside the folder
+    refused_masks: set[str] = field(default_factory=set)  # image stems whose mask links outside the folder
+
+
 def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: frozenset[tuple[int, int]],
               clip_caption: _Caption | None = None
               ) -> tuple[list[ListedImage], list[SourceFailure], list[_Pending], _Masks]:
@@ -304,87 +316,110 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
     frames_dir = clip_folder_of(reldir + "/x") is not None if reldir else False
     absdir = os.path.join(root, *reldir.split("/")) if reldir else root
     prefix = reldir + "/" if reldir else ""
-    images: list[tuple[str, str, os.DirEntry[str]]] = []  # (name, stem, entry)
-    captions: dict[str, os.DirEntry[str]] = {}
-    out: list[ListedImage] = []
     failures: list[SourceFailure] = []
     subdirs: list[_Pending] = []
-    refused_captions: set[str] = set()  # stems whose caption is a link leading outside the folder
-    mask_entries: dict[str, os.DirEntry[str]] = {}  # image stem -> its mask file (the first name in order)
-    mask_files: list[_Caption] = []
-    refused_masks: set[str] = set()  # image stems whose mask is a link leading outside the folder
-    masks: _Masks = (mask_files, [], [])
+    found = _Entries()
+    masks: _Masks = (found.mask_files, [], [])
     try:
-        with os.scandir(absdir) as it:
-            for entry in it:  # hot loop: one pass, d_type checks only, no syscall per entry
-                name = entry.name
-                if name[0] == ".":
-                    continue
-                dot = name.rfind(".")
-                ext = name[dot:].lower() if dot > 0 else ""
-                try:
-                    if entry.is_symlink():
-                        target = _link_outside(entry.path, real_root)
-                        if target is not None:
-                            failures.append(SourceFailure(prefix + name, entry.path, (
-                                f"is a symbolic link to {target}, outside the dataset folder {root}; links out of "
-                                "the folder are not followed (the pack reads only inside the folders you gave "
-                                "ComfyUI): copy the file into the folder instead")))
-                            if ext == CAPTION_EXTENSION:
-                                refused_captions.add(name[:dot])
-                            elif ext in IMAGE_EXTENSIONS and _is_mask_name(name, dot):
-                                refused_masks.add(name[:dot - len(MASK_SUFFIX)])
-                            continue
-                    if entry.is_dir():
-                        if not frames_dir:  # a clip's folder holds frames only
-                            _add_subdir(entry, reldir, prefix, repeats, ancestors, failures, subdirs)
-                        continue
-                except OSError as exc:
-                    failures.append(SourceFailure(prefix + name, entry.path, f"cannot inspect: {exc.strerror}"))
-                    continue
-                if ext in IMAGE_EXTENSIONS and _is_mask_name(name, dot):  # never a sample
-                    try:
-                        mst = entry.stat()
-                    except OSError as exc:
-                        failures.append(SourceFailure(prefix + name, entry.path, f"cannot stat: {exc.strerror}"))
-                        continue
-                    mask_files.append((prefix + name, mst.st_size, mst.st_mtime_ns))
-                    stem = name[:dot - len(MASK_SUFFIX)]
-                    if not frames_dir and (stem not in mask_entries or name < mask_entries[stem].name):
-                        mask_entries[stem] = entry
-                elif ext in IMAGE_EXTENSIONS or (ext in VIDEO_EXTENSIONS and not frames_dir):
-                    images.append((name, name[:dot], entry))
-                elif ext == CAPTION_EXTENSION and not frames_dir:
-                    stem = name[:dot]
-                    # a.txt wins over a.TXT; otherwise the first name in sorted order, so the choice is stable
-                    if stem not in captions or _caption_rank(name) < _caption_rank(captions[stem].name):
-                        captions[stem] = entry
+        _scan_entries(found, root, real_root, reldir, repeats, ancestors, frames_dir, failures, subdirs)
     except OSError as exc:
         failures.append(SourceFailure(reldir or ".", absdir, f"cannot list folder: {exc.strerror or exc}"))
-        return out, failures, subdirs, masks
-    new = tuple.__new__  # builds the NamedTuple without its Python-level __new__: ~1 us less per image
+        return [], failures, subdirs, masks
     if frames_dir:
-        cap_rel, cap_size, cap_mtime = clip_caption if clip_caption is not None else (None, 0, 0)
-        for name, _stem, entry in images:
-            try:
-                st = entry.stat()
-            except OSError as exc:
-                failures.append(SourceFailure(prefix + name, entry.path, f"cannot stat: {exc.strerror or exc}"))
+        return _frame_images(found, prefix, repeats, clip_caption, failures), failures, subdirs, masks
+    _clip_captions(found, subdirs, prefix, absdir, failures)
+    _pair_masks(found, prefix, masks)
+    return _captioned_images(found, prefix, repeats, failures), failures, subdirs, masks
+
+
+def _scan_entries(found: _Entries, root: str, real_root: str, reldir: str, repeats: int,
+                  ancestors: frozenset[tuple[int, int]], frames_dir: bool, failures: list[SourceFailure],
+                  subdirs: list[_Pending]) -> None:
+    """One pass over the directory's entries into ``found`` (subfolders into ``subdirs``, links out of the folder
+    and unreadable entries into ``failures``). Raises the ``OSError`` of listing the directory itself."""
+    absdir = os.path.join(root, *reldir.split("/")) if reldir else root
+    prefix = reldir + "/" if reldir else ""
+    images, captions, mask_entries, mask_files = found.images, found.captions, found.mask_entries, found.mask_files
+    with os.scandir(absdir) as it:
+        for entry in it:  # hot loop: one pass, d_type checks only, no syscall per entry
+            name = entry.name
+            if name[0] == ".":
                 continue
-            out.append(new(ListedImage, (prefix + name, st.st_size, st.st_mtime_ns, repeats, cap_rel, cap_size,
-                                         cap_mtime)))
-        return out, failures, subdirs, masks
-    for i, (sub, sub_repeats, sub_ancestors, _) in enumerate(subdirs):  # a clip folder's caption is beside it
+            dot = name.rfind(".")
+            ext = name[dot:].lower() if dot > 0 else ""
+            try:
+                if entry.is_symlink():
+                    target = _link_outside(entry.path, real_root)
+                    if target is not None:
+                        failures.append(SourceFailure(prefix + name, entry.path, (
+                            f"is a symbolic link to {target}, outside the dataset folder {root}; links out of "
+                            "the folder are not followed (the pack reads only inside the folders you gave "
+                            "ComfyUI): copy the file into the folder instead")))
+                        if ext == CAPTION_EXTENSION:
+                            found.refused_captions.add(name[:dot])
+                        elif ext in IMAGE_EXTENSIONS and _is_mask_name(name, dot):
+                            found.refused_masks.add(name[:dot - len(MASK_SUFFIX)])
+                        continue
+                if entry.is_dir():
+                    if not frames_dir:  # a clip's folder holds frames only
+                        _add_subdir(entry, reldir, prefix, repeats, ancestors, failures, subdirs)
+                    continue
+            except OSError as exc:
+                failures.append(SourceFailure(prefix + name, entry.path, f"cannot inspect: {exc.strerror}"))
+                continue
+            if ext in IMAGE_EXTENSIONS and _is_mask_name(name, dot):  # never a sample
+                try:
+                    mst = entry.stat()
+                except OSError as exc:
+                    failures.append(SourceFailure(prefix + name, entry.path, f"cannot stat: {exc.strerror}"))
+                    continue
+                mask_files.append((prefix + name, mst.st_size, mst.st_mtime_ns))
+                stem = name[:dot - len(MASK_SUFFIX)]
+                if not frames_dir and (stem not in mask_entries or name < mask_entries[stem].name):
+                    mask_entries[stem] = entry
+            elif ext in IMAGE_EXTENSIONS or (ext in VIDEO_EXTENSIONS and not frames_dir):
+                images.append((name, name[:dot], entry))
+            elif ext == CAPTION_EXTENSION and not frames_dir:
+                stem = name[:dot]
+                # a.txt wins over a.TXT; otherwise the first name in sorted order, so the choice is stable
+                if stem not in captions or _caption_rank(name) < _caption_rank(captions[stem].name):
+                    captions[stem] = entry
+
+
+_new = tuple.__new__  # builds the NamedTuple without its Python-level __new__: ~1 us less per image
+
+
+def _frame_images(found: _Entries, prefix: str, repeats: int, clip_caption: _Caption | None,
+                  failures: list[SourceFailure]) -> list[ListedImage]:
+    """A ``.frames`` folder's images, each with the clip's caption."""
+    out: list[ListedImage] = []
+    cap_rel, cap_size, cap_mtime = clip_caption if clip_caption is not None else (None, 0, 0)
+    for name, _stem, entry in found.images:
+        try:
+            st = entry.stat()
+        except OSError as exc:
+            failures.append(SourceFailure(prefix + name, entry.path, f"cannot stat: {exc.strerror or exc}"))
+            continue
+        out.append(_new(ListedImage, (prefix + name, st.st_size, st.st_mtime_ns, repeats, cap_rel, cap_size,
+                                      cap_mtime)))
+    return out
+
+
+def _clip_captions(found: _Entries, subdirs: list[_Pending], prefix: str, absdir: str,
+                   failures: list[SourceFailure]) -> None:
+    """Give each clip folder (``<stem>.frames``) among ``subdirs`` the caption beside it; drop a clip folder whose
+    caption is a link out of the dataset folder."""
+    for i, (sub, sub_repeats, sub_ancestors, _) in enumerate(subdirs):
         folder = sub.rpartition("/")[2]
         if folder.lower().endswith(FRAMES_SUFFIX):
             stem = folder[:-len(FRAMES_SUFFIX)]
-            if stem in refused_captions:
+            if stem in found.refused_captions:
                 failures.append(SourceFailure(sub, os.path.join(absdir, folder), (
                     f"left out: its caption {prefix}{stem}{CAPTION_EXTENSION} is a symbolic link outside the "
                     "dataset folder (see that file's line)")))
                 subdirs[i] = ("", 0, sub_ancestors, None)  # dropped below
                 continue
-            cap = captions.get(stem)
+            cap = found.captions.get(stem)
             if cap is not None:
                 try:
                     cst = cap.stat()
@@ -392,15 +427,29 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
                 except OSError as exc:
                     failures.append(SourceFailure(prefix + cap.name, cap.path, f"cannot stat: {exc.strerror or exc}"))
     subdirs[:] = [s for s in subdirs if s[0]]
-    for name, stem, _entry in images if (mask_entries or refused_masks) else ():
+
+
+def _pair_masks(found: _Entries, prefix: str, masks: _Masks) -> None:
+    """Pair each image (not video) with its mask file, or name it among those whose mask links out of the folder."""
+    if not (found.mask_entries or found.refused_masks):
+        return
+    for name, stem, _entry in found.images:
         if name[len(stem):].lower() not in IMAGE_EXTENSIONS:  # a video: clips get no mask
             continue
-        if stem in refused_masks:
+        if stem in found.refused_masks:
             masks[2].append(prefix + name)
-        elif stem in mask_entries:
-            masks[1].append((prefix + name, prefix + mask_entries[stem].name))
-    for name, stem, entry in images:
-        if stem in refused_captions:
+        elif stem in found.mask_entries:
+            masks[1].append((prefix + name, prefix + found.mask_entries[stem].name))
+
+
+def _captioned_images(found: _Entries, prefix: str, repeats: int,
+                      failures: list[SourceFailure]) -> list[ListedImage]:
+    """The folder's images and videos with their captions' stats; one whose caption links out of the folder is
+    left out, and said so."""
+    out: list[ListedImage] = []
+    captions, refused = found.captions, found.refused_captions
+    for name, stem, entry in found.images:
+        if stem in refused:
             failures.append(SourceFailure(prefix + name, entry.path, (
                 f"left out: its caption {prefix}{stem}{CAPTION_EXTENSION} is a symbolic link outside the dataset "
                 "folder (see that file's line)")))
@@ -409,14 +458,14 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
             st = entry.stat()
             cap = captions.get(stem)
             if cap is None:
-                out.append(new(ListedImage, (prefix + name, st.st_size, st.st_mtime_ns, repeats, None, 0, 0)))
+                out.append(_new(ListedImage, (prefix + name, st.st_size, st.st_mtime_ns, repeats, None, 0, 0)))
             else:
                 cst = cap.stat()
-                out.append(new(ListedImage, (prefix + name, st.st_size, st.st_mtime_ns, repeats,
-                                             prefix + cap.name, cst.st_size, cst.st_mtime_ns)))
+                out.append(_new(ListedImage, (prefix + name, st.st_size, st.st_mtime_ns, repeats,
+                                              prefix + cap.name, cst.st_size, cst.st_mtime_ns)))
         except OSError as exc:  # broken symlink, or removed while listing
             failures.append(SourceFailure(prefix + name, entry.path, f"cannot stat: {exc.strerror or exc}"))
-    return out, failures, subdirs, masks
+    return out
 
 
 def _caption_rank(name: str) -> tuple[bool, str]:
