@@ -49,7 +49,7 @@ import re
 import struct
 import time
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -411,45 +411,92 @@ def validate_sources(
     """
     prev = previous.entries if previous is not None else {}
     trust_before = previous.scanned_ns - racy_window_ns if previous is not None else 0
-    entries: dict[str, SourceEntry] = {}
-    pending: dict[str, tuple[int, int, SourceEntry | None]] = {}
-    captions: set[str] = set()  # pending caption files
-    fill: list[str] = []  # trusted caption files recorded without their variants
-    get = prev.get
     with gc_paused():  # hundreds of thousands of acyclic objects: see .gcpause
         listing = source if isinstance(source, FolderListing) else list_folder(source, threads=list_threads)
-        # hot loop (every file of the folder): a dict lookup and two int compares per file
-        for relpath, size, mtime_ns, _, cap, cap_size, cap_mtime in listing.images:
-            old = get(relpath)
-            if old is not None and old[0] == size and old[1] == mtime_ns and mtime_ns < trust_before:
-                entries[relpath] = old
-            else:
-                pending[relpath] = (size, mtime_ns, old)
-            if cap is None or cap in entries or cap in pending:  # no caption, or one shared with a.jpg / a.png
-                continue
-            old = get(cap)
-            if old is not None and old[0] == cap_size and old[1] == cap_mtime and cap_mtime < trust_before:
-                entries[cap] = old
-                if old.captions is None:
-                    fill.append(cap)
-            else:
-                pending[cap] = (cap_size, cap_mtime, old)
-                captions.add(cap)
-        for relpath, size, mtime_ns in listing.masks:  # mask files: hashed like images (their size is read too)
-            old = get(relpath)
-            if old is not None and old[0] == size and old[1] == mtime_ns and mtime_ns < trust_before:
-                entries[relpath] = old
-            else:
-                pending[relpath] = (size, mtime_ns, old)
-    new, changed, refreshed, failures = [], [], [], list(listing.failures)
-    hashes = _hash_all(listing.root, [(p, p in captions) for p in pending] + [(p, True) for p in fill], threads)
+        trusted = _trust(listing, prev, trust_before)
+    entries, pending = trusted.entries, trusted.pending
+    failures = list(listing.failures)
+    hashes = _hash_all(listing.root, [(p, p in trusted.captions) for p in pending] + [(p, True) for p in trusted.fill],
+                       threads)
+    added = _fill_captions(entries, trusted.fill, hashes[len(pending):])
+    new, changed, refreshed = _classify(pending, hashes, entries, failures, listing)
+    failed = {f.relpath for f in failures}
+    removed = sorted(prev.keys() - entries.keys() - failed)  # set algebra runs in C
+    moved = bool(new or changed or removed)
+    owed = previous.pending if previous is not None else {}
+    if owed or moved:  # against the stored dataset's sources, not the previous record
+        new, changed, removed, owed = _against_stored(prev, owed, entries, failed, (*new, *changed, *removed))
+    unchanged = sorted(entries.keys() - set(new) - set(changed) if new or changed else entries)
+    record = SourcesRecord(entries, listing.started_ns, listing.root, owed)
+    return Validation(
+        new=tuple(sorted(new)), changed=tuple(sorted(changed)), unchanged=tuple(unchanged),
+        removed=tuple(sorted(removed)), refreshed=tuple(sorted(refreshed)), hashed=len(pending),
+        failures=tuple(sorted(failures, key=lambda f: f.relpath)), record=record, listing=listing,
+        captions_added=added, moved=moved,
+    )
+
+
+@dataclass
+class _Trusted:
+    """The first pass of :func:`validate_sources`: files whose stat the record vouches for, and those to hash."""
+
+    entries: dict[str, SourceEntry] = field(default_factory=dict)
+    pending: dict[str, tuple[int, int, SourceEntry | None]] = field(default_factory=dict)  # (size, mtime, old)
+    captions: set[str] = field(default_factory=set)  # pending caption files
+    fill: list[str] = field(default_factory=list)  # trusted caption files recorded without their variants
+
+
+def _trust(listing: FolderListing, prev: Mapping[str, SourceEntry], trust_before: int) -> _Trusted:
+    """Take each listed file's record entry where its size and mtime match and it was older than the previous
+    scan by the racy window; every other file is pending (to hash)."""
+    out = _Trusted()
+    entries, pending, get = out.entries, out.pending, prev.get
+    # hot loop (every file of the folder): a dict lookup and two int compares per file
+    for relpath, size, mtime_ns, _, cap, cap_size, cap_mtime in listing.images:
+        old = get(relpath)
+        if old is not None and old[0] == size and old[1] == mtime_ns and mtime_ns < trust_before:
+            entries[relpath] = old
+        else:
+            pending[relpath] = (size, mtime_ns, old)
+        if cap is None or cap in entries or cap in pending:  # no caption, or one shared with a.jpg / a.png
+            continue
+        old = get(cap)
+        if old is not None and old[0] == cap_size and old[1] == cap_mtime and cap_mtime < trust_before:
+            entries[cap] = old
+            if old.captions is None:
+                out.fill.append(cap)
+        else:
+            pending[cap] = (cap_size, cap_mtime, old)
+            out.captions.add(cap)
+    for relpath, size, mtime_ns in listing.masks:  # mask files: hashed like images (their size is read too)
+        old = get(relpath)
+        if old is not None and old[0] == size and old[1] == mtime_ns and mtime_ns < trust_before:
+            entries[relpath] = old
+        else:
+            pending[relpath] = (size, mtime_ns, old)
+    return out
+
+
+def _fill_captions(entries: dict[str, SourceEntry], fill: Sequence[str], reads: Sequence[Any]) -> int:
+    """Store the caption lines of trusted caption files recorded without them; how many were stored."""
     added = 0
-    for relpath, read in zip(fill, hashes[len(pending):]):
+    for relpath, read in zip(fill, reads):
         # stored only when the content still has the recorded hash (else the stat-trusted file was edited in a
         # way the trust rule ignores: keep the entry as it was, the scan reads the caption as before)
         if not isinstance(read, OSError) and read[1] is not None and read[0] == entries[relpath].hash:
             entries[relpath] = entries[relpath]._replace(captions=read[1])
             added += 1
+    return added
+
+
+def _classify(pending: Mapping[str, tuple[int, int, SourceEntry | None]], hashes: Sequence[Any],
+              entries: dict[str, SourceEntry], failures: list[SourceFailure], listing: FolderListing
+              ) -> tuple[list[str], list[str], list[str]]:
+    """Enter each hashed file in ``entries`` as new, changed or the same (its stat refreshed); one that could not
+    be read goes to ``failures``. Returns (new, changed, refreshed)."""
+    new: list[str] = []
+    changed: list[str] = []
+    refreshed: list[str] = []
     for (relpath, (size, mtime_ns, old)), read in zip(pending.items(), hashes):
         dims = None
         if isinstance(read, OSError):
@@ -471,20 +518,7 @@ def validate_sources(
             if (old.size, old.mtime_ns) != (size, mtime_ns):
                 refreshed.append(relpath)
             entries[relpath] = old._replace(size=size, mtime_ns=mtime_ns, captions=lines)
-    failed = {f.relpath for f in failures}
-    removed = sorted(prev.keys() - entries.keys() - failed)  # set algebra runs in C
-    moved = bool(new or changed or removed)
-    owed = previous.pending if previous is not None else {}
-    if owed or moved:  # against the stored dataset's sources, not the previous record
-        new, changed, removed, owed = _against_stored(prev, owed, entries, failed, (*new, *changed, *removed))
-    unchanged = sorted(entries.keys() - set(new) - set(changed) if new or changed else entries)
-    record = SourcesRecord(entries, listing.started_ns, listing.root, owed)
-    return Validation(
-        new=tuple(sorted(new)), changed=tuple(sorted(changed)), unchanged=tuple(unchanged),
-        removed=tuple(sorted(removed)), refreshed=tuple(sorted(refreshed)), hashed=len(pending),
-        failures=tuple(sorted(failures, key=lambda f: f.relpath)), record=record, listing=listing,
-        captions_added=added, moved=moved,
-    )
+    return new, changed, refreshed
 
 
 def _against_stored(prev: Mapping[str, SourceEntry], owed: Mapping[str, str | None],
