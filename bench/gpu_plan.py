@@ -41,15 +41,18 @@ CAPS: tuple[tuple[str, int, float | None], ...] = (
     ("flux_fp8", 1, None), ("flux_fp8", 1, 12.0), ("wan21", 1, None), ("wan21", 1, 12.0))
 """#25's targets: (family, batch, device cap in GB; None = the uncapped reference), memory plan ``auto``;
 ``flux_fp8`` is Flux-dev with its weights stored in fp8 e4m3fn."""
-CKPT_MODES: tuple[tuple[str, int], ...] = (("sd15", 1), ("sdxl", 1), ("flux", 1), ("wan21", 1))
+CKPT_MODES: tuple[tuple[str, int], ...] = (("sd15", 1), ("sdxl", 1), ("flux", 1), ("wan21", 1), ("sdxl", 4))
 """How ours checkpoints, at batch 1 where a step is host-bound: every block checkpointed (``memory`` no offload)
 ``exact`` (the reference) and ``fast`` (the reentrant form's fewer ops and Python calls), and ``kept`` (``memory``
-auto, which at batch 1 keeps blocks whole, not recomputed, in half the spare memory; exact checkpoints for the
-rest)."""
+auto + keep blocks whole: at batch 1 the plan ``auto`` picks, blocks kept whole, not recomputed, in half the spare
+memory; exact checkpoints for the rest). SDXL at batch 4 (``ckpt/sdxl_b4``, exact and kept only): what ``auto +
+keep blocks whole`` buys, and costs, where ``auto`` checkpoints every block."""
 CKPT_ARMS: dict[str, dict[str, str]] = {
     "exact": {"checkpoint_mode": "exact", "memory": "no offload"},
     "fast": {"checkpoint_mode": "fast", "memory": "no offload"},
-    "kept": {"checkpoint_mode": "exact", "memory": "auto"}}
+    "kept": {"checkpoint_mode": "exact", "memory": "auto + keep blocks whole"}}
+CKPT_ARMS_ABOVE_B1 = ("exact", "kept")
+"""The arms of a :data:`CKPT_MODES` entry above batch 1 (``fast`` is a batch-1 question: the host's ops)."""
 
 
 @dataclass(frozen=True)
@@ -172,11 +175,12 @@ def plan_ckpt_modes(params_b: Mapping[str, float] | None = None) -> list[ArmPlan
     from .gpu_budget import arm_setup_s, est_step_s
 
     params_b = params_b or {}
-    return [ArmPlan(f"ckpt/{family}-{mode}/ours", family, batch, "ours", 1,
+    return [ArmPlan(f"ckpt/{family}{'' if batch == 1 else f'_b{batch}'}-{mode}/ours", family, batch, "ours", 1,
                     "the memory plan decides" if mode == "kept" else "ours checkpoints every block",
                     extra=dict(extra), est_step_s=est_step_s(family, batch, "ours"), group="ckpt",
                     setup_s=arm_setup_s(family, "ours", params_b.get(family, 0.0)))
-            for family, batch in CKPT_MODES for mode, extra in CKPT_ARMS.items()]
+            for family, batch in CKPT_MODES for mode, extra in CKPT_ARMS.items()
+            if batch == 1 or mode in CKPT_ARMS_ABOVE_B1]
 
 
 def plan_devices(count: int, params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:

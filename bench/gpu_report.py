@@ -399,9 +399,11 @@ def render(runs: Ledger | GpuRun, families: dict[str, FamilySpec] | None = None,
                         "Ours at batch 1, where the step is host-bound. `exact`: every block checkpointed (`memory` = "
                         "no offload) with torch's non-reentrant checkpoint (the same gradients bit for bit as "
                         "ComfyUI's node); `fast`: the same with the reentrant one (fewer ops and Python calls per "
-                        "step, gradients equal up to rounding); `kept` (runs from R9 on): `memory` = auto, blocks "
-                        "kept whole (not recomputed) in half the memory every block checkpointed leaves free, the "
-                        "rest exact (bit for bit as exact). Speed against exact (same run), losses compared step by "
+                        "step, gradients equal up to rounding); `kept` (runs from R9 on): `memory` = auto + keep "
+                        "blocks whole (at batch 1 the plan auto picks), blocks kept whole (not recomputed) in half the "
+                        "memory every block checkpointed leaves free, the rest exact (bit for bit as exact). "
+                        "`ckpt/sdxl_b4`: exact and kept at batch 4, where auto checkpoints every block: what the mode "
+                        "buys and what memory it costs. Speed against exact (same run), losses compared step by "
                         "step; the plans below the table. Runs before R9 measured `exact` and `fast` with `memory` = "
                         "auto, which then checkpointed every block: the same plan.",
                         reference="exact", versus="exact", cap_column=False)]

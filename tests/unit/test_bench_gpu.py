@@ -38,7 +38,10 @@ def test_each_family_batch_has_three_arms_side_by_side_at_one_depth() -> None:
     assert [(a.id, a.extra, a.batch) for a in plan_ckpt_modes() if a.family == "sdxl"] == [
         ("ckpt/sdxl-exact/ours", {"checkpoint_mode": "exact", "memory": "no offload"}, 1),
         ("ckpt/sdxl-fast/ours", {"checkpoint_mode": "fast", "memory": "no offload"}, 1),
-        ("ckpt/sdxl-kept/ours", {"checkpoint_mode": "exact", "memory": "auto"}, 1)]
+        ("ckpt/sdxl-kept/ours", {"checkpoint_mode": "exact", "memory": "auto + keep blocks whole"}, 1),
+        # batch 4: what keeping blocks whole buys where auto checkpoints every block (no fast: a batch-1 question)
+        ("ckpt/sdxl_b4-exact/ours", {"checkpoint_mode": "exact", "memory": "no offload"}, 4),
+        ("ckpt/sdxl_b4-kept/ours", {"checkpoint_mode": "exact", "memory": "auto + keep blocks whole"}, 4)]
     assert {a.family for a in plan_ckpt_modes()} == {"sd15", "sdxl", "flux", "wan21"}
 
 

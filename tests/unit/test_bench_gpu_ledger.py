@@ -68,7 +68,7 @@ def test_the_plan_is_every_group_in_run_order() -> None:
     assert keys == ["sd15/b1", "sd15/b8", "sdxl/b1", "sdxl/b4", "flux/b1", "flux/b2", "wan21/b1",
                     "encode/sd15", "encode/sdxl", "encode/flux", "encode/wan21",
                     "cap/sdxl", "cap/flux", "cap/flux_fp8", "cap/wan21",
-                    "ckpt/sd15", "ckpt/sdxl", "ckpt/flux", "ckpt/wan21",
+                    "ckpt/sd15", "ckpt/sdxl", "ckpt/flux", "ckpt/wan21", "ckpt/sdxl_b4",
                     "devices/sd15", "devices/sdxl", "devices/flux", "devices/wan21",
                     "lumina2/b1", "lumina2/b2", "qwen_image/b1"]
     groups = plan_groups(PARAMS, TEXTS, 139.8, 1)
