@@ -91,6 +91,36 @@ def timed_release(node_module: ModuleType, device: Any, spent: list[float]) -> I
         node_module._release = real  # type: ignore[attr-defined]
 
 
+@contextmanager
+def timed_phases(node_module: ModuleType, device: Any, phases: dict[str, float]) -> Iterator[None]:
+    """While inside, the node module's ``plan_encode`` and ``run_encode`` add their seconds to ``phases`` (``plan``,
+    ``run``), and the run's report its own timings (each name once: the last run's)."""
+    real_plan, real_run = getattr(node_module, "plan_encode", None), getattr(node_module, "run_encode", None)
+    if not (callable(real_plan) and callable(real_run)):
+        yield
+        return
+
+    def timed(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                out = real(*args, **kwargs)
+            finally:
+                _sync(device)
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t
+            for key, seconds in (getattr(out, "timings", None) or {}).items():
+                phases[key] = float(seconds)
+            return out
+        return call
+
+    node_module.plan_encode = timed("plan", real_plan)  # type: ignore[attr-defined]
+    node_module.run_encode = timed("run", real_run)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        node_module.plan_encode, node_module.run_encode = real_plan, real_run  # type: ignore[attr-defined]
+
+
 def release_all(device: Any) -> float:
     """Seconds to unload every model ComfyUI holds and return the cached blocks: what training does before it
     loads its model when the built-in's encoders are still on the device."""
@@ -126,7 +156,8 @@ def run_encode_row(spec: VaeSpec, vae: Any, clip: Any, encode_node: type, nodes_
             fig.free_before_gib = _free_gib(device)
             released: list[float] = []
             t = time.perf_counter()
-            with torch.inference_mode(), timed_release(node_module, device, released) as hooked:
+            with torch.inference_mode(), timed_release(node_module, device, released) as hooked, \
+                    timed_phases(node_module, device, fig.ours_phases):
                 _, report = encode_node.execute(vae=vae, clip=clip, folder=name, cache=name, **inputs).result
                 _sync(device)
             fig.ours_s = time.perf_counter() - t

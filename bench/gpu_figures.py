@@ -106,7 +106,10 @@ class EncodeFigures:
     ``*_free_gib``: device memory free right after each (what training gets: ours releases its encoders, the
     built-in leaves them loaded), ``builtin_released_free_gib`` after the built-in's encoders were unloaded;
     ``free_before_gib``: free before either loaded anything; ``warmup_s``: the untimed run of both on a few
-    images before the timed pair (``None`` in runs before it existed: there ours ran first on a cold device).
+    images before the timed pair (``None`` in runs before it existed: there ours ran first on a cold device);
+    ``ours_phases``: where ours' seconds went (``plan``: the library's plan, the folder hashed; ``run``: its
+    encode run, whose own timings follow: ``encoder`` (the encoders' calls, their loading included),
+    ``decode_wait``, ``commit``, ``commit_wait``, ``finish``, ...; empty in runs before it was recorded).
     """
 
     id: str
@@ -126,6 +129,7 @@ class EncodeFigures:
     builtin_release_s: float | None = None
     builtin_released_free_gib: float | None = None
     warmup_s: float | None = None
+    ours_phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

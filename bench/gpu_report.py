@@ -297,7 +297,9 @@ def _encode(shown: dict[str, tuple[GpuRun, list[Figure]]]) -> list[str]:
          "before each, so loading the encoders onto the device is included; both ran once untimed on 4 images "
          "first, so neither pays for the first use of the kernels (a row without it says so below: ours, always "
          "first, paid it). Free memory: `torch.cuda.mem_get_info` "
-         "right after each (the built-in's: with its encoders loaded / after the release), what training would get.",
+         "right after each (the built-in's: with its encoders loaded / after the release), what training would get. "
+         "From R9 on, where ours' seconds went is listed below the table: `plan` (the folder listed and hashed), "
+         "`run` (the encode), and the run's own parts (`encoder`: the encoders' calls, loading them included).",
          ""]
     if not rows:
         return [*o, "Not run."]
@@ -326,6 +328,9 @@ def _encode(shown: dict[str, tuple[GpuRun, list[Figure]]]) -> list[str]:
         if r.ours_release_s is None:
             notes.append(f"- `{r.id}` (R{run.number}): the releases were not timed in that run; ours with its "
                          f"release ÷ the built-in without: {_ratio(ours_with, builtin_enc)}")
+        if r.ours_phases:
+            notes.append(f"- `{r.id}` (R{run.number}): ours' seconds: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in r.ours_phases.items() if v >= 0.005))
         if r.warmup_s is None and r.ours_release_s is not None:
             notes.append(f"- `{r.id}` (R{run.number}): no warm-up in that run: ours ran first on kernels the process "
                          "had not used yet")

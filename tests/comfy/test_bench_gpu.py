@@ -85,6 +85,10 @@ def test_the_harness_runs_every_part_on_tiny_models(first_run: tuple[GpuRun, lis
     # the releases, timed on both sides (on the CPU there is nothing to move: ComfyUI's encoders stay put)
     assert row.ours_release_s is not None and 0 <= row.ours_release_s < row.ours_s
     assert row.builtin_release_s is not None and row.builtin_release_s >= 0
+    # where ours' seconds went: the plan, the run, and the run's own timings, within the row's wall time
+    phases = row.ours_phases
+    assert {"plan", "run", "encoder", "commit", "finish"} <= phases.keys()
+    assert 0 < phases["encoder"] <= phases["run"] and phases["plan"] + phases["run"] <= row.ours_s
 
     # each family's selected arms at its first batch: SD1.5's bound and ours, WAN's built-in alone
     assert [p.id for p in run.profile] == ["profile/sd15/b1/bound", "profile/sd15/b1/ours", "profile/wan21/b1/builtin"]

@@ -97,7 +97,8 @@ def run() -> GpuRun:
                             ours_free_gib=78.0, builtin_free_gib=77.0, free_before_gib=78.5, ours_release_s=1.0,
                             builtin_release_s=0.5, builtin_released_free_gib=78.4),
               EncodeFigures("encode/sd15x", "SD1.5 again", 24, (512, 512), ours_s=4.0, builtin_s=6.0,
-                            ours_release_s=1.0, builtin_release_s=0.5, warmup_s=3.0),
+                            ours_release_s=1.0, builtin_release_s=0.5, warmup_s=3.0,
+                            ours_phases={"plan": 0.25, "run": 2.5, "encoder": 2.0, "lock_wait": 0.001}),
               EncodeFigures("encode/sdxl", "SDXL", 24, (1024, 1024), ours_s=2.0, builtin_s=3.0),  # an older run's
               EncodeFigures("encode/flux", "Flux", 24, (1024, 1024), error="RuntimeError: boom")]
     profile = [ProfileFigures("profile/sdxl/b1/ours", 3, 402.0, 30.0, 372.0, 1.0, 1.0, 395.0, 0.0, 0.0, 3.0,
@@ -138,6 +139,9 @@ def test_the_section_names_the_device_and_checks_every_goal(run: GpuRun) -> None
     notes = [line for line in lines if "no warm-up in that run" in line]
     assert notes == ["- `encode/sd15` (R1): no warm-up in that run: ours ran first on kernels the process had not "
                      "used yet"]
+    # where ours' seconds went, when recorded (a phase under 5 ms left out)
+    assert [line for line in lines if line.startswith("- `") and "ours' seconds" in line] == [
+        "- `encode/sd15x` (R1): ours' seconds: plan 0.25, run 2.50, encoder 2.00"]
     assert any(line.startswith("| `profile/sdxl/b1/ours` | R1 | 3 | 402.0 | 30.0 | 372.0 (1.0) |") for line in lines)
 
 
