@@ -67,58 +67,63 @@ def _sync(device: Any) -> None:
 
 
 @contextmanager
-def timed_release(node_module: ModuleType, device: Any, spent: list[float]) -> Iterator[bool]:
-    """While inside, each call of the node module's ``_release`` (our encoders unloaded at the end of a run) adds
-    its seconds to ``spent``; yields whether there was one to time (a checkout without it: nothing timed)."""
-    real = getattr(node_module, "_release", None)
-    if not callable(real):
+def _wrapped(module: ModuleType, wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]
+             ) -> Iterator[bool]:
+    """While inside, each ``module.<name>`` is ``wrappers[name]`` applied to it; yields whether every one existed
+    (a checkout without them: nothing wrapped)."""
+    real = {name: getattr(module, name, None) for name in wrappers}
+    if not all(callable(f) for f in real.values()):
         yield False
         return
-
-    def release(*args: Any, **kwargs: Any) -> Any:
-        _sync(device)
-        t = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            _sync(device)
-            spent.append(time.perf_counter() - t)
-
-    node_module._release = release  # type: ignore[attr-defined]
+    for name, wrap in wrappers.items():
+        setattr(module, name, wrap(real[name]))  # type: ignore[arg-type]
     try:
         yield True
     finally:
-        node_module._release = real  # type: ignore[attr-defined]
+        for name, f in real.items():
+            setattr(module, name, f)
+
+
+@contextmanager
+def timed_release(node_module: ModuleType, device: Any, spent: list[float]) -> Iterator[bool]:
+    """While inside, each call of the node module's ``_release`` (our encoders unloaded at the end of a run) adds
+    its seconds to ``spent``; yields whether there was one to time (a checkout without it: nothing timed)."""
+    def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
+        def release(*args: Any, **kwargs: Any) -> Any:
+            _sync(device)
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                _sync(device)
+                spent.append(time.perf_counter() - t)
+        return release
+
+    with _wrapped(node_module, {"_release": wrap}) as hooked:
+        yield hooked
 
 
 @contextmanager
 def timed_phases(node_module: ModuleType, device: Any, phases: dict[str, float]) -> Iterator[None]:
     """While inside, the node module's ``plan_encode`` and ``run_encode`` add their seconds to ``phases`` (``plan``,
     ``run``), and the run's report its own timings (each name once: the last run's)."""
-    real_plan, real_run = getattr(node_module, "plan_encode", None), getattr(node_module, "run_encode", None)
-    if not (callable(real_plan) and callable(real_run)):
-        yield
-        return
+    def timed(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    out = real(*args, **kwargs)
+                finally:
+                    _sync(device)
+                    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t
+                for key, seconds in (getattr(out, "timings", None) or {}).items():
+                    phases[key] = float(seconds)
+                return out
+            return call
+        return wrap
 
-    def timed(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                out = real(*args, **kwargs)
-            finally:
-                _sync(device)
-                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t
-            for key, seconds in (getattr(out, "timings", None) or {}).items():
-                phases[key] = float(seconds)
-            return out
-        return call
-
-    node_module.plan_encode = timed("plan", real_plan)  # type: ignore[attr-defined]
-    node_module.run_encode = timed("run", real_run)  # type: ignore[attr-defined]
-    try:
+    with _wrapped(node_module, {"plan_encode": timed("plan"), "run_encode": timed("run")}):
         yield
-    finally:
-        node_module.plan_encode, node_module.run_encode = real_plan, real_run  # type: ignore[attr-defined]
 
 
 def release_all(device: Any) -> float:

@@ -103,11 +103,11 @@ def measure_shape(pack: Any, spec: Any, batch: int, free_bytes: int) -> PlanFigu
     finally:
         runners.remove()
     needs = result.needs
-    estimates, kept, keepable = {}, {}, 0
-    for mode in MODES:
-        plan = plans.plan_memory(needs, plans.Budget(free_bytes), plans.MemoryRequest(mode, batch_size=batch))
-        estimates[mode], kept[mode] = plan.estimate.total, len(plan.kept)
-        keepable = max(keepable, plan.keepable_bytes)
+    made = {mode: plans.plan_memory(needs, plans.Budget(free_bytes), plans.MemoryRequest(mode, batch_size=batch))
+            for mode in MODES}
+    estimates = {mode: plan.estimate.total for mode, plan in made.items()}
+    kept = {mode: len(plan.kept) for mode, plan in made.items()}
+    keepable = made["auto"].keepable_bytes  # only auto names what keeping would add
     del mp, dm, blocks, runners, result
     gc.collect()
     return PlanFigures(spec.name, spec.title, spec.shape_note, batch, len(needs.blocks), needs.held_bytes,

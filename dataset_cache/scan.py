@@ -297,8 +297,11 @@ def _is_mask_name(name: str, dot: int) -> bool:
 
 @dataclass
 class _Entries:
-    """What one pass over a directory found (:func:`_scan_entries`), before images are paired with captions."""
+    """What one pass over a directory found (:func:`_scan_entries`), before images are paired with captions; the
+    steps after it add their failures and drop subfolders here too."""
 
+    failures: list[SourceFailure] = field(default_factory=list)
+    subdirs: list[_Pending] = field(default_factory=list)  # subfolders still to list
     images: list[tuple[str, str, os.DirEntry[str]]] = field(default_factory=list)  # (name, stem, entry)
     captions: dict[str, os.DirEntry[str]] = field(default_factory=dict)
     mask_entries: dict[str, os.DirEntry[str]] = field(default_factory=dict)  # image stem -> its mask (first name)
@@ -316,29 +319,26 @@ def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: f
     frames_dir = clip_folder_of(reldir + "/x") is not None if reldir else False
     absdir = os.path.join(root, *reldir.split("/")) if reldir else root
     prefix = reldir + "/" if reldir else ""
-    failures: list[SourceFailure] = []
-    subdirs: list[_Pending] = []
     found = _Entries()
     masks: _Masks = (found.mask_files, [], [])
     try:
-        _scan_entries(found, root, real_root, reldir, repeats, ancestors, frames_dir, failures, subdirs)
+        _scan_entries(found, root, real_root, reldir, absdir, prefix, repeats, ancestors, frames_dir)
     except OSError as exc:
-        failures.append(SourceFailure(reldir or ".", absdir, f"cannot list folder: {exc.strerror or exc}"))
-        return [], failures, subdirs, masks
+        found.failures.append(SourceFailure(reldir or ".", absdir, f"cannot list folder: {exc.strerror or exc}"))
+        return [], found.failures, found.subdirs, masks
     if frames_dir:
-        return _frame_images(found, prefix, repeats, clip_caption, failures), failures, subdirs, masks
-    _clip_captions(found, subdirs, prefix, absdir, failures)
+        return _frame_images(found, prefix, repeats, clip_caption), found.failures, found.subdirs, masks
+    _clip_captions(found, prefix, absdir)
     _pair_masks(found, prefix, masks)
-    return _captioned_images(found, prefix, repeats, failures), failures, subdirs, masks
+    return _captioned_images(found, prefix, repeats), found.failures, found.subdirs, masks
 
 
-def _scan_entries(found: _Entries, root: str, real_root: str, reldir: str, repeats: int,
-                  ancestors: frozenset[tuple[int, int]], frames_dir: bool, failures: list[SourceFailure],
-                  subdirs: list[_Pending]) -> None:
-    """One pass over the directory's entries into ``found`` (subfolders into ``subdirs``, links out of the folder
-    and unreadable entries into ``failures``). Raises the ``OSError`` of listing the directory itself."""
-    absdir = os.path.join(root, *reldir.split("/")) if reldir else root
-    prefix = reldir + "/" if reldir else ""
+def _scan_entries(found: _Entries, root: str, real_root: str, reldir: str, absdir: str, prefix: str, repeats: int,
+                  ancestors: frozenset[tuple[int, int]], frames_dir: bool) -> None:
+    """One pass over the directory's entries (``absdir``, ``reldir`` in the dataset folder ``root``) into ``found``
+    (links out of the folder and unreadable entries among its failures). Raises the ``OSError`` of listing the
+    directory itself."""
+    failures, subdirs = found.failures, found.subdirs
     images, captions, mask_entries, mask_files = found.images, found.captions, found.mask_entries, found.mask_files
     with os.scandir(absdir) as it:
         for entry in it:  # hot loop: one pass, d_type checks only, no syscall per entry
@@ -389,10 +389,10 @@ def _scan_entries(found: _Entries, root: str, real_root: str, reldir: str, repea
 _new = tuple.__new__  # builds the NamedTuple without its Python-level __new__: ~1 us less per image
 
 
-def _frame_images(found: _Entries, prefix: str, repeats: int, clip_caption: _Caption | None,
-                  failures: list[SourceFailure]) -> list[ListedImage]:
+def _frame_images(found: _Entries, prefix: str, repeats: int, clip_caption: _Caption | None) -> list[ListedImage]:
     """A ``.frames`` folder's images, each with the clip's caption."""
     out: list[ListedImage] = []
+    failures = found.failures
     cap_rel, cap_size, cap_mtime = clip_caption if clip_caption is not None else (None, 0, 0)
     for name, _stem, entry in found.images:
         try:
@@ -405,10 +405,10 @@ def _frame_images(found: _Entries, prefix: str, repeats: int, clip_caption: _Cap
     return out
 
 
-def _clip_captions(found: _Entries, subdirs: list[_Pending], prefix: str, absdir: str,
-                   failures: list[SourceFailure]) -> None:
-    """Give each clip folder (``<stem>.frames``) among ``subdirs`` the caption beside it; drop a clip folder whose
+def _clip_captions(found: _Entries, prefix: str, absdir: str) -> None:
+    """Give each clip folder (``<stem>.frames``) among the subfolders the caption beside it; drop a clip folder whose
     caption is a link out of the dataset folder."""
+    subdirs, failures = found.subdirs, found.failures
     for i, (sub, sub_repeats, sub_ancestors, _) in enumerate(subdirs):
         folder = sub.rpartition("/")[2]
         if folder.lower().endswith(FRAMES_SUFFIX):
@@ -442,12 +442,11 @@ def _pair_masks(found: _Entries, prefix: str, masks: _Masks) -> None:
             masks[1].append((prefix + name, prefix + found.mask_entries[stem].name))
 
 
-def _captioned_images(found: _Entries, prefix: str, repeats: int,
-                      failures: list[SourceFailure]) -> list[ListedImage]:
+def _captioned_images(found: _Entries, prefix: str, repeats: int) -> list[ListedImage]:
     """The folder's images and videos with their captions' stats; one whose caption links out of the folder is
     left out, and said so."""
     out: list[ListedImage] = []
-    captions, refused = found.captions, found.refused_captions
+    captions, refused, failures = found.captions, found.refused_captions, found.failures
     for name, stem, entry in found.images:
         if stem in refused:
             failures.append(SourceFailure(prefix + name, entry.path, (
