@@ -58,3 +58,55 @@ def test_pictures_in_help_pages_exist(pack: ModuleType, suffix: str) -> None:
         for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
             if target.endswith(suffix):
                 assert not re.match(r"[a-z]+:", target) and (docs / target).is_file(), f"{page.name}: {target}"
+
+
+def _readme_input_rows() -> dict[str, list[str]]:
+    """README's Inputs table: the inputs its rows name, by node (a row with an empty first cell continues the
+    node above it)."""
+    readme = (PACK_ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("### Inputs", 1)[1].split("\n#", 1)[0]
+    rows: dict[str, list[str]] = {}
+    node = ""
+    for first, second in re.findall(r"^\|([^|]*)\|([^|]*)\|", table, flags=re.MULTILINE):
+        if first.strip() == "Node" or set(first.strip()) == {"-"}:
+            continue
+        node = first.strip() or node
+        rows.setdefault(node, []).extend(re.findall(r"`([^`]+)`", second))
+    return rows
+
+
+def test_readme_inputs_table_names_every_input(pack: ModuleType) -> None:
+    """README's Inputs table has each node's inputs, and no input the node does not have: a new input, or a
+    renamed one, fails here until the table says what it is."""
+    rows = _readme_input_rows()
+    for schema in _schemas(pack):
+        named = rows.get(schema.display_name)
+        assert named is not None, f"README's Inputs table has no rows for {schema.display_name}"
+        ids = [inp.id for inp in schema.inputs]
+        assert sorted(set(named)) == sorted(ids), (
+            f"README, {schema.display_name}: missing {sorted(set(ids) - set(named))}, "
+            f"not inputs {sorted(set(named) - set(ids))}")
+
+
+def _fixed_options(schema: object) -> dict[str, list[str]]:
+    """The combo inputs whose options are fixed by the pack (not lists of the user's folders, caches or LoRAs,
+    whose entries on a fresh install are a placeholder or ``[None]``)."""
+    fixed = {}
+    for inp in schema.inputs:  # type: ignore[attr-defined]
+        options = getattr(inp, "options", None)
+        if options and len(options) > 1 and all(isinstance(o, str) and o[:1] not in "([" for o in options):
+            fixed[inp.id] = list(options)
+    return fixed
+
+
+def test_help_pages_name_every_option(pack: ModuleType) -> None:
+    """A help page names each option of each of its node's fixed combo inputs: a new choice (a memory mode, a
+    sampling mode) fails here until the page says what it does."""
+    checked = 0
+    for schema in _schemas(pack):
+        text = (_docs(pack) / f"{schema.node_id}.md").read_text(encoding="utf-8")
+        for name, options in _fixed_options(schema).items():
+            missing = [o for o in options if f"`{o}`" not in text]
+            assert not missing, f"{schema.node_id}.md does not name the options {missing} of `{name}`"
+            checked += 1
+    assert checked >= 10  # the pack's fixed combos: crop, flip, masks, optimizer, memory, ...
