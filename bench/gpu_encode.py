@@ -7,10 +7,10 @@ the built-in from ``LoadImageTextDataSetFromFolder`` to ``MakeTrainingDataset``'
 device's free memory is what training would get: our node releases its encoders, the built-in leaves them loaded
 until the next model load evicts them.
 
-The release is timed on both sides, so each can be compared with and without it: ours' inside its run (the node's
-``_release`` wrapped while the row runs; the node itself is unchanged), the built-in's right after its run as what
-training would have to do first (``unload_all_models()`` + ``soft_empty_cache()``). Each timed span ends with a
-device synchronize, so work still queued is counted where it was asked for.
+The release is timed on both sides, so each can be compared with and without it: ours' inside its run (the pack's
+``nodes.encoders.release`` wrapped while the row runs; the node itself is unchanged), the built-in's right after its
+run as what training would have to do first (``unload_all_models()`` + ``soft_empty_cache()``). Each timed span ends
+with a device synchronize, so work still queued is counted where it was asked for.
 
 Before the timed pair, both run once untimed on a few images of the row's size (``warmup_s``): what a process pays
 the first time it runs a model's kernels (CUDA loads kernels lazily, cuDNN picks per shape; the first release may
@@ -86,8 +86,9 @@ def _wrapped(module: ModuleType, wrappers: dict[str, Callable[[Callable[..., Any
 
 @contextmanager
 def timed_release(node_module: ModuleType, device: Any, spent: list[float]) -> Iterator[bool]:
-    """While inside, each call of the node module's ``_release`` (our encoders unloaded at the end of a run) adds
-    its seconds to ``spent``; yields whether there was one to time (a checkout without it: nothing timed)."""
+    """While inside, each call of the pack's ``nodes.encoders.release`` (our encoders unloaded at the end of a run,
+    ``node_module`` being the Encode Dataset node's module) adds its seconds to ``spent``; yields whether there was
+    one to time."""
     def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
         def release(*args: Any, **kwargs: Any) -> Any:
             _sync(device)
@@ -99,7 +100,8 @@ def timed_release(node_module: ModuleType, device: Any, spent: list[float]) -> I
                 spent.append(time.perf_counter() - t)
         return release
 
-    with _wrapped(node_module, {"_release": wrap}) as hooked:
+    encoders = sys.modules[f"{node_module.__package__}.encoders"]
+    with _wrapped(encoders, {"release": wrap}) as hooked:
         yield hooked
 
 

@@ -1,14 +1,15 @@
 """Node "Encode Dataset": an image + caption folder → entries in a cache, encoding only what is missing.
 
 The work is the library's (:func:`dataset_cache.encode_plan.plan_encode`, :func:`dataset_cache.encode_run.
-run_encode`); this node resolves the folder and cache names, wraps ComfyUI's VAE and CLIP as encoder callables,
-reports progress, honours Cancel and turns the result into a ``STREAM_DATASET`` handle plus a report.
+run_encode`); this node resolves the folder and cache names, hands ComfyUI's VAE and CLIP over as encoder callables
+(:mod:`.encoders`), reports progress, honours Cancel and turns the result into a ``STREAM_DATASET`` handle plus a
+report.
 
 Warm re-runs load no model: ``vae`` and ``clip`` are lazy inputs, requested only when the plan lacks an entry
 they make, with the encoders' fingerprints assumed from the identity of the upstream loader nodes recorded by an
-earlier run (a wrong assumption can never store an entry under a wrong key). ``fingerprint_inputs`` lets ComfyUI's
-node cache skip an unchanged folder and cache. How and why, with the trade-offs: docs/ARCHITECTURE.md ("Encode
-Dataset: deciding before loading").
+earlier run (:mod:`.encoder_record`; a wrong assumption can never store an entry under a wrong key).
+``fingerprint_inputs`` lets ComfyUI's node cache skip an unchanged folder and cache. How and why, with the
+trade-offs: docs/ARCHITECTURE.md ("Encode Dataset: deciding before loading").
 
 Folders are resolved inside ComfyUI's input directory; absolute folders elsewhere need
 ``STREAMCACHE_ALLOW_ABSOLUTE_FOLDERS=1`` in ComfyUI's environment (workflows are shared files: a node must not
@@ -21,15 +22,12 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import comfy.model_management
 import comfy.utils
 import folder_paths
-import torch
 from comfy_api.latest import io
 
 from ..dataset_cache.buckets import CROP_MODES, FLIP_MODES, BucketConfig
@@ -41,53 +39,28 @@ from ..dataset_cache.encode_plan import (
     plan_encode,
 )
 from ..dataset_cache.imaging import MASK_MODES
-from ..dataset_cache import check_dataset_name, read_state, update_dataset_info
+from ..dataset_cache import check_dataset_name
 from ..dataset_cache.encode_run import EncodeReport, run_encode
-from ..dataset_cache.errors import CacheError, CacheNotFoundError
 from ..dataset_cache.video import FRAMES_SUFFIX, MAX_CLIP_FRAMES, MAX_FPS, MIN_FPS, SAMPLING_MODES, FrameSettings
-from .fingerprints import (
-    OwnWrites,
-    cache_identity,
-    clip_fingerprint,
-    folder_digest,
-    upstream_identity,
-    vae_fingerprint,
-)
+from . import encoders
+from .encoder_record import Encoders, choose_encoders, store_record
+from .fingerprints import OwnWrites, cache_identity, folder_digest
 from .handles import StreamDataset, StreamDatasetHandle
 from .inputs import NO_FOLDER_YET, existing_caches_hint, input_folders
-from .paths import explain_disk_full, resolve_cache, resolve_cache_to_write
+from .paths import env_flag, explain_disk_full, resolve_cache, resolve_cache_to_write
 from .ui_output import EventSender, TextWithData
 
-__all__ = ["ALLOW_ABSOLUTE_ENV", "EVENT", "TRUST_UPSTREAM_ENV", "RECORD_KEY", "EncodeDataset", "report_fields",
-           "resolve_folder"]
+__all__ = ["ALLOW_ABSOLUTE_ENV", "EVENT", "EncodeDataset", "report_fields", "resolve_folder"]
 
 log = logging.getLogger("streamcache.encode_dataset")
 
 ALLOW_ABSOLUTE_ENV = "STREAMCACHE_ALLOW_ABSOLUTE_FOLDERS"
 """Set to ``1`` to allow absolute dataset folders outside ComfyUI's input directory."""
-TRUST_UPSTREAM_ENV = "STREAMCACHE_TRUST_UPSTREAM"
-"""Set to ``0`` to always load the encoders instead of assuming recorded fingerprints."""
-RECORD_KEY = "upstream_encoders"
-"""Dataset-info key of the ``{"vae"|"clip": {upstream identity: fingerprint}}`` record."""
-STRIDE_KEY = "vae_frame_stride"
-"""Key, inside the ``RECORD_KEY`` record, of ``{vae fingerprint: temporal compression}``: a warm re-run of a clip
-folder keys its clips without loading the VAE (frame counts depend on its temporal compression)."""
-FACTOR_KEY = "vae_spatial_factor"
-"""Key, inside the ``RECORD_KEY`` record, of ``{vae fingerprint: spatial compression}``: a warm re-run whose only
-change is a mask file makes the mask (at the latent's resolution) without loading the VAE."""
-RECORD_LIMIT = 8
-"""Identities remembered per encoder: switching between a few VAEs or text encoders stays load-free."""
 EVENT = "streamcache.encode"
 """Websocket event of the live encode report (at most two a second, plus the first and the last): ``{"node",
 "phase": "encoding", "done", "total", "samples", "new", "changed", "unchanged", "removed", "failed"}``."""
-_UNRESOLVED = "unresolved:{}"  # a fingerprint no entry was ever keyed with: every key it yields is missing
 
 _OWN_WRITES = OwnWrites()
-
-
-def _flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    return default if not value else value not in ("0", "false", "no", "off")
 
 
 def resolve_folder(folder: str) -> Path:
@@ -110,7 +83,7 @@ def resolve_folder(folder: str) -> Path:
     if os.path.isabs(folder):
         path = os.path.normpath(folder)
         inside = os.path.commonpath([path, base]) == base
-        if not inside and not _flag(ALLOW_ABSOLUTE_ENV, False):
+        if not inside and not env_flag(ALLOW_ABSOLUTE_ENV, False):
             raise ValueError(f"folder {folder!r} is outside ComfyUI's input directory. {how}")
         return Path(path)
     return Path(os.path.normpath(os.path.join(base, folder)))
@@ -161,210 +134,12 @@ def _frame_problem(frame_count: Any, frame_step: Any, fps: Any) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------------ encoders
-
-
-@dataclass
-class _Encoders:
-    """The fingerprints a plan uses, where they came from, and the upstream identities of the inputs."""
-
-    vae_fp: str
-    text_fp: str
-    vae_identity: str | None
-    clip_identity: str | None
-    vae_loaded: bool
-    clip_loaded: bool
-    record: dict[str, dict[str, Any]]
-    frame_stride: int | None = None
-    mask_factor: int | None = None
-
-
-def _record_of(info: Any) -> dict[str, dict[str, Any]]:
-    record = info.get(RECORD_KEY) if isinstance(info, dict) else None
-    return {k: dict(v) for k, v in record.items() if isinstance(v, dict)} if isinstance(record, dict) else {}
-
-
-def _recorded(root: Path, dataset: str) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """The ``{encoder: {identity: fingerprint}}`` record of the dataset, and every dataset's record of the cache
-    merged (the dataset's own first, then the others by name): encoders are the cache's, not one dataset's, so a
-    new dataset name loads no encoder only to fingerprint it. Empty when there is none."""
-    try:
-        state = read_state(root)
-    except CacheNotFoundError:
-        return {}, {}
-    except CacheError as exc:
-        log.warning("%s: cannot read the encoder record (%s); encoders will be loaded", root, exc)
-        return {}, {}
-    current = state.datasets.get(dataset)
-    own = _record_of(current.info if current is not None else None)
-    known = {name: dict(entries) for name, entries in own.items()}
-    for name in sorted(state.datasets):
-        if name != dataset:
-            for encoder, entries in _record_of(state.datasets[name].info).items():
-                mine = known.setdefault(encoder, {})
-                for identity, value in entries.items():
-                    mine.setdefault(identity, value)
-    return own, known
-
-
 def _hidden(cls: type, name: str) -> Any:
     hidden = getattr(cls, "hidden", None)
     return getattr(hidden, name, None) if hidden is not None else None
 
 
-def _encoders(cls: type, root: Path, dataset: str, vae: Any, clip: Any) -> _Encoders:
-    dynprompt, node_id = _hidden(cls, "dynprompt"), _hidden(cls, "unique_id")
-    ids = {name: upstream_identity(dynprompt, node_id, name) for name in ("vae", "clip")}
-    record, known = _recorded(root, dataset)
-    trusted = known if _flag(TRUST_UPSTREAM_ENV, True) else {}
-
-    def pick(name: str, obj: Any, compute: Callable[[Any], str]) -> str:
-        if obj is not None:
-            return compute(obj)
-        assumed = (trusted.get(name) or {}).get(ids[name]) if ids[name] else None
-        return assumed if isinstance(assumed, str) and assumed else _UNRESOLVED.format(name)
-
-    vae_fp = pick("vae", vae, vae_fingerprint)
-    if vae is not None:
-        stride: int | None = frame_stride(vae)
-        factor = spatial_factor(vae)
-    else:  # assumed fingerprint: its recorded stride and factor (None: unknown, so clips and masks ask for the VAE)
-        recorded = (trusted.get(STRIDE_KEY) or {}).get(vae_fp)
-        stride = recorded if type(recorded) is int and recorded >= 0 else None
-        recorded = (trusted.get(FACTOR_KEY) or {}).get(vae_fp)
-        factor = recorded if type(recorded) is int and 1 <= recorded <= 64 else None
-    return _Encoders(vae_fp, pick("clip", clip, clip_fingerprint), ids["vae"],
-                     ids["clip"], vae is not None, clip is not None, record, stride, factor)
-
-
-def spatial_factor(vae: Any) -> int | None:
-    """Pixels per latent cell along a side for ``vae``, as ComfyUI's VAE reports it (``spacial_compression_encode``:
-    8 for SD/SDXL/Flux, 16 for some video VAEs); ``None`` when it reports nothing usable (masks then cannot be
-    made at its latent resolution, and the encode says so)."""
-    try:
-        value = vae.spacial_compression_encode()
-    except Exception:
-        return None
-    return int(value) if isinstance(value, int) and 1 <= value <= 64 else None
-
-
-def reads_batch_as_frames(vae: Any) -> bool:
-    """Whether ComfyUI's ``VAE`` treats a batch of images as the frames of one clip (a video VAE such as WAN's),
-    as its own ``VAE.encode`` decides: ``latent_dim == 3`` unless ``not_video``."""
-    return getattr(vae, "latent_dim", 2) == 3 and not getattr(vae, "not_video", False)
-
-
-def frame_stride(vae: Any) -> int:
-    """How a clip's frame count must step for ``vae``: its temporal compression as ComfyUI's VAE reports it
-    (``temporal_compression_decode()``: 4 for WAN, so clips of ``1 + 4m`` frames), 1 for a video VAE that reports
-    none, and 0 for an image VAE (it cannot encode a clip)."""
-    if not reads_batch_as_frames(vae):
-        return 0
-    try:
-        value = vae.temporal_compression_decode()
-    except Exception:
-        value = None
-    return int(value) if isinstance(value, (int, float)) and value >= 1 else 1
-
-
-def _clip_encoder(vae: Any) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
-    def encode(frames: torch.Tensor) -> dict[str, torch.Tensor]:  # [T, H, W, 3]: one clip → [1, C, T', h, w]
-        return {"samples": vae.encode(frames[:, :, :, :3])}
-    return encode
-
-
-def _image_encoder(vae: Any) -> Callable[[torch.Tensor], list[dict[str, torch.Tensor]]]:
-    if reads_batch_as_frames(vae):  # one call per image, each a one-frame clip: [1, C, 1, h, w]
-        def encode_each(images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-            return [{"samples": vae.encode(images[i:i + 1, :, :, :3])} for i in range(images.shape[0])]
-        return encode_each
-
-    def encode(images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        latents = vae.encode(images[:, :, :, :3])
-        return [{"samples": latents[i:i + 1]} for i in range(latents.shape[0])]
-    return encode
-
-
-MAX_TOKEN_WINDOWS = 3
-"""77-token windows of one caption line that reach a CLIP-style text encoder: 225 tokens, kohya's longest
-``max_token_length``. ComfyUI's CLIP tokenizers split a long prompt into windows and encode every one; T5 and LLM
-tokenizers return a single window and are bounded by the library's character limit instead."""
-
-
-def cut_token_windows(tokens: Any) -> tuple[Any, bool]:
-    """Keep at most :data:`MAX_TOKEN_WINDOWS` windows of each of a CLIP tokenizer's outputs; say whether any
-    was cut. Anything that is not a list of windows (other tokenizers' formats) is passed through."""
-    if not isinstance(tokens, dict):
-        return tokens, False
-    cut = False
-    out = {}
-    for name, windows in tokens.items():
-        if isinstance(windows, list) and len(windows) > MAX_TOKEN_WINDOWS and all(
-                isinstance(w, list) for w in windows):
-            windows, cut = windows[:MAX_TOKEN_WINDOWS], True
-        out[name] = windows
-    return out, cut
-
-
-def _text_encoder(clip: Any, cut_texts: list[str] | None = None) -> Callable[[Sequence[str]], list[Any]]:
-    def encode(texts: Sequence[str]) -> list[Any]:
-        out = []
-        for text in texts:
-            tokens, cut = cut_token_windows(clip.tokenize(text))
-            if cut and cut_texts is not None:
-                cut_texts.append(text)
-            out.append(clip.encode_from_tokens_scheduled(tokens))
-        return out
-    return encode
-
-
-def _release(*encoders: Any) -> None:
-    """Unload the encoders this node used (ComfyUI's model management), so training gets the device memory.
-
-    Models whose load device is the CPU are left alone: unloading frees no memory there (the offload device is
-    the same RAM) and would only make the next encode load them again.
-    """
-    unloaded = False
-    for enc in encoders:
-        patcher = getattr(enc, "patcher", None)
-        device = getattr(patcher, "load_device", None)
-        if patcher is not None and getattr(device, "type", "cpu") != "cpu":
-            comfy.model_management.unload_model_and_clones(patcher)
-            unloaded = True
-    if unloaded:
-        comfy.model_management.soft_empty_cache()
-
-
-def _store_record(root: Path, dataset: str, enc: _Encoders) -> None:
-    """Record ``identity -> real fingerprint`` of the encoders this run loaded in the dataset's info, and those it
-    assumed from another dataset's record of the cache (so this dataset's record stands on its own).
-
-    The record read before the run is the base: storing a changed dataset rewrites its info, and the identities
-    of encoders this run did not need must survive that. An assumption the record already holds is not written
-    again, so a warm run writes nothing.
-    """
-    record = {k: dict(v) for k, v in enc.record.items()}
-
-    def remember(name: str, key: str, value: Any, loaded: bool) -> None:  # newest first, at most RECORD_LIMIT
-        if not loaded and record.get(name, {}).get(key) == value:
-            return
-        entries = {key: value, **{k: v for k, v in record.get(name, {}).items() if k != key}}
-        record[name] = dict(list(entries.items())[:RECORD_LIMIT])
-
-    for name, ident, fp, loaded in (("vae", enc.vae_identity, enc.vae_fp, enc.vae_loaded),
-                                    ("clip", enc.clip_identity, enc.text_fp, enc.clip_loaded)):
-        if ident and (loaded or not fp.startswith(_UNRESOLVED.format(""))):
-            remember(name, ident, fp, loaded)
-    resolved = enc.vae_loaded or not enc.vae_fp.startswith(_UNRESOLVED.format(""))
-    if resolved and enc.frame_stride is not None:  # 0 too: an image VAE refuses clips without loading
-        remember(STRIDE_KEY, enc.vae_fp, enc.frame_stride, enc.vae_loaded)
-    if resolved and enc.mask_factor is not None:
-        remember(FACTOR_KEY, enc.vae_fp, enc.mask_factor, enc.vae_loaded)
-    if record:
-        update_dataset_info(root, dataset, RECORD_KEY, record)
-
-
-def _format(report: EncodeReport, enc: _Encoders) -> str:
+def _format(report: EncodeReport, enc: Encoders) -> str:
     def state(label: str, loaded: bool, fp: str) -> str:
         return f"{label} loaded (fingerprint {fp[:12]})" if loaded else f"{label} not loaded (nothing to encode)"
 
@@ -393,22 +168,23 @@ def _run(plan: EncodePlan, vae: Any, clip: Any, node_id: str | None = None) -> E
 
     cut_texts: list[str] = []
     try:
-        report = run_encode(plan, encode_images=_image_encoder(vae) if vae is not None else None,
-                            encode_texts=_text_encoder(clip, cut_texts) if clip is not None else None,
-                            encode_clips=_clip_encoder(vae) if vae is not None else None,
+        report = run_encode(plan, encode_images=encoders.image_encoder(vae) if vae is not None else None,
+                            encode_texts=encoders.text_encoder(clip, cut_texts) if clip is not None else None,
+                            encode_clips=encoders.clip_encoder(vae) if vae is not None else None,
                             progress=progress, should_stop=comfy.model_management.processing_interrupted)
     finally:
-        _release(*(e for e in (vae, clip) if e is not None))
+        encoders.release(*(e for e in (vae, clip) if e is not None))
     if cut_texts:
-        report.notes.append(f"{len(cut_texts)} caption line(s) were longer than {MAX_TOKEN_WINDOWS * 75} tokens "
-                            f"and were encoded cut to that length (first: {cut_texts[0][:60]!r}...)")
+        report.notes.append(f"{len(cut_texts)} caption line(s) were longer than "
+                            f"{encoders.MAX_TOKEN_WINDOWS * 75} tokens and were encoded cut to that length "
+                            f"(first: {cut_texts[0][:60]!r}...)")
     if report.stopped:  # every finished batch is committed; let ComfyUI record the interrupt
         comfy.model_management.throw_exception_if_processing_interrupted()
         raise comfy.model_management.InterruptProcessingException()
     return report
 
 
-def report_fields(report: EncodeReport, enc: _Encoders | None = None) -> dict[str, Any]:
+def report_fields(report: EncodeReport, enc: Encoders | None = None) -> dict[str, Any]:
     """The report as JSON-able fields: the node's ``streamcache_report`` UI output (drawn by the web extension)."""
     fields: dict[str, Any] = {
         "dataset": report.dataset, "samples": report.samples, "new": report.new, "changed": report.changed,
@@ -462,7 +238,7 @@ def _folder_input() -> io.Input:
     text field while absolute folders are allowed (:data:`ALLOW_ABSOLUTE_ENV`), since those are typed."""
     about = ("The image folder (kohya `<repeats>_<name>` subfolders allowed; captions in same-name .txt files, "
              "one variant per line).")
-    if _flag(ALLOW_ABSOLUTE_ENV, False):
+    if env_flag(ALLOW_ABSOLUTE_ENV, False):
         return io.String.Input("folder", default="my_dataset",
                                tooltip=f"{about} A folder inside ComfyUI's input directory, or an absolute path "
                                f"({ALLOW_ABSOLUTE_ENV} is set).")
@@ -585,11 +361,11 @@ class EncodeDataset(io.ComfyNode):
 
     @classmethod
     def _plan(cls, folder: str, cache: str, dataset_name: str, vae: Any, clip: Any,
-              options: dict[str, Any]) -> tuple[EncodePlan, _Encoders, Path]:
+              options: dict[str, Any]) -> tuple[EncodePlan, Encoders, Path]:
         _check_folder(folder)
         _check_dataset_name(dataset_name)
         root, src = resolve_cache_to_write(cache), resolve_folder(folder)
-        enc = _encoders(cls, root, dataset_name, vae, clip)
+        enc = choose_encoders(root, dataset_name, vae, clip, _hidden(cls, "dynprompt"), _hidden(cls, "unique_id"))
         plan = plan_encode(src, root, dataset=dataset_name,
                            settings=_settings(**options, frame_stride=enc.frame_stride, mask_factor=enc.mask_factor),
                            vae_fingerprint=enc.vae_fp, text_fingerprint=enc.text_fp)
@@ -623,7 +399,7 @@ class EncodeDataset(io.ComfyNode):
         with explain_disk_full(root, "encoding"):
             report = _run(plan, vae, clip, _hidden(cls, "unique_id"))
         if not report.sourceless:
-            _store_record(root, dataset, enc)
+            store_record(root, dataset, enc)
         _OWN_WRITES.remember(_key(root, dataset), _source_state(Path(plan.folder)), cache_identity(root, dataset))
         text = _format(report, enc)
         return io.NodeOutput(StreamDatasetHandle(str(root), dataset), text,

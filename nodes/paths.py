@@ -41,9 +41,16 @@ from ..dataset_cache.format.layout import (
 
 __all__ = ["FOLDER_NAME", "REMOTE_CONFIG", "REMOTE_PREFIX", "cache_roots", "register_cache_folder", "resolve_cache",
            "resolve_cache_to_write", "resolve_under", "explain_disk_full", "RemoteConfig", "remote_config",
-           "remote_choices", "resolve_remote", "remote_options"]
+           "remote_choices", "resolve_remote", "remote_options", "env_flag"]
 
 log = logging.getLogger("streamcache.paths")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off setting from ComfyUI's environment (``0``, ``false``, ``no``, ``off``: off; unset or empty:
+    ``default``): the pack's few escape hatches (absolute dataset folders, trusting recorded encoders)."""
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value not in ("0", "false", "no", "off")
 
 MAX_NAME_BYTES = 255
 """Bytes in one folder name (Linux, macOS and Windows file systems all stop at 255)."""

@@ -32,6 +32,16 @@ def mod(pack: ModuleType) -> ModuleType:
 
 
 @pytest.fixture(scope="module")
+def record_mod(pack: ModuleType) -> ModuleType:
+    return importlib.import_module(f"{pack.__name__}.nodes.encoder_record")
+
+
+@pytest.fixture(scope="module")
+def encoders_mod(pack: ModuleType) -> ModuleType:
+    return importlib.import_module(f"{pack.__name__}.nodes.encoders")
+
+
+@pytest.fixture(scope="module")
 def encoders(comfy_nodes: ModuleType, tiny_models: TinyModels) -> tuple[Any, Any]:
     (vae,) = comfy_nodes.VAELoader().load_vae(tiny_models.name("vae"))
     (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny_models.name("clip"), "stable_diffusion")
@@ -114,7 +124,7 @@ def kohya(input_dir: Path, names: tuple[str, str]) -> Iterator[Any]:
 
 def test_encode_then_warm_rerun_loads_nothing(mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels,
                                               names: tuple[str, str], cache_root: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                              monkeypatch: pytest.MonkeyPatch, record_mod: ModuleType) -> None:
     vae, clip = encoders
     prompt = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"))
     run = Run(mod, prompt)
@@ -142,7 +152,7 @@ def test_encode_then_warm_rerun_loads_nothing(mod: ModuleType, encoders: tuple, 
     assert asked2 == [] and handle2 == handle
     assert _encoded(report2) == (0, 0)
     assert "VAE not loaded" in report2 and "text encoder not loaded" in report2
-    monkeypatch.setenv(mod.TRUST_UPSTREAM_ENV, "0")  # the escape hatch: always look at the real encoders
+    monkeypatch.setenv(record_mod.TRUST_UPSTREAM_ENV, "0")  # the escape hatch: always look at the real encoders
     assert Run(mod, prompt).lazy() == ["clip", "vae"]
 
 
@@ -389,11 +399,12 @@ def test_a_bucket_step_larger_than_the_resolution_says_what_is_allowed(mod: Modu
 
 
 def test_a_caption_longer_than_225_tokens_is_encoded_in_three_windows_and_the_report_says_so(
-        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str]) -> None:
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str],
+        encoders_mod: ModuleType) -> None:
     vae, clip = encoders
     long_caption = ", ".join(f"tag{i}" for i in range(300))  # ~900 CLIP tokens, under the character limit
     kohya.images[0].path.with_suffix(".txt").write_text(long_caption, encoding="utf-8")
-    assert len(clip.tokenize(long_caption)["l"]) > mod.MAX_TOKEN_WINDOWS  # ComfyUI would encode every window
+    assert len(clip.tokenize(long_caption)["l"]) > encoders_mod.MAX_TOKEN_WINDOWS  # ComfyUI encodes every window
     handle, report, _ = Run(mod, _prompt(names[0], names[1], tiny_models.name("vae"),
                                          tiny_models.name("clip"))).queue(vae, clip)
     assert "caption line(s) were longer than 225 tokens and were encoded cut to that length" in report
@@ -404,7 +415,7 @@ def test_a_caption_longer_than_225_tokens_is_encoded_in_three_windows_and_the_re
         cond = reader.read([sample.captions[0]])[0]
     finally:
         reader.close()
-    assert cond[0][0].shape == (1, 77 * mod.MAX_TOKEN_WINDOWS, 768)
+    assert cond[0][0].shape == (1, 77 * encoders_mod.MAX_TOKEN_WINDOWS, 768)
 
 
 def _half_mask(path: Path, size: tuple[int, int], *, left: bool) -> None:
@@ -418,7 +429,7 @@ def _half_mask(path: Path, size: tuple[int, int], *, left: bool) -> None:
 
 def test_masks_are_made_at_the_real_vaes_latent_size_and_a_mask_edit_loads_no_model(
         mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str],
-        cache_root: Path) -> None:
+        cache_root: Path, record_mod: ModuleType) -> None:
     from comfyui_streamcache.dataset_cache.format.reader import open_cache
 
     vae, clip = encoders
@@ -445,8 +456,8 @@ def test_masks_are_made_at_the_real_vaes_latent_size_and_a_mask_edit_loads_no_mo
     w = m.shape[-1]
     assert (m[..., : w // 2] == 255).all() and (m[..., w // 2:] == 0).all()
     assert mirror["samples"].shape == lat.shape and not torch.equal(mirror["samples"], lat)
-    info = mod.read_state(root).datasets["default"].info
-    assert info[mod.RECORD_KEY][mod.FACTOR_KEY] == {mod.vae_fingerprint(vae): factor}
+    info = record_mod.read_state(root).datasets["default"].info
+    assert info[record_mod.RECORD_KEY][record_mod.FACTOR_KEY] == {record_mod.vae_fingerprint(vae): factor}
 
     # the mask edited: ComfyUI's node cache sees it, the mask alone is made, neither the VAE nor CLIP is asked for
     before = Run(mod, prompt).fingerprint()

@@ -107,7 +107,7 @@ def test_encode_dataset_unloads_encoders_loaded_on_an_accelerator(
     set to ``cuda`` after loading: nothing runs on it); encoders on the CPU stay, since unloading frees nothing."""
     import comfy.model_management
 
-    encode = importlib.import_module(f"{pack.__name__}.nodes.encode_dataset")
+    encode = importlib.import_module(f"{pack.__name__}.nodes.encoders")
     (vae,) = comfy_nodes.VAELoader().load_vae(tiny_models.name("vae"))
     (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny_models.name("clip"), "stable_diffusion")
     with torch.inference_mode():
@@ -115,13 +115,13 @@ def test_encode_dataset_unloads_encoders_loaded_on_an_accelerator(
         clip.encode_from_tokens_scheduled(clip.tokenize("a photo"))
     assert _is_loaded(vae.patcher) and _is_loaded(clip.patcher)
 
-    encode._release(vae, clip)  # on the CPU: left alone
+    encode.release(vae, clip)  # on the CPU: left alone
     assert _is_loaded(vae.patcher) and _is_loaded(clip.patcher)
 
     for patcher in (vae.patcher, clip.patcher):
         patcher.load_device = torch.device("cuda", 0)
     try:
-        encode._release(vae, clip)
+        encode.release(vae, clip)
     finally:
         for patcher in (vae.patcher, clip.patcher):
             patcher.load_device = torch.device("cpu")
