@@ -13,8 +13,8 @@ text encoder at all: when nothing is missing neither is loaded. Steps:
    text (prefix + line + suffix) and the text encoder fingerprint (:mod:`.keys`);
 4. look the keys up in the cache: what is absent is what :func:`.encode_run.run_encode` encodes.
 
-This module holds the steps and the images' planning; what a plan is made of is :mod:`.encode_jobs`, and what caption
-lines become :mod:`.captions`.
+This module holds the steps and the images' planning; what a plan is made of is :mod:`.encode_jobs`, what caption
+lines become :mod:`.captions`, and the masks' planning :mod:`.mask_plan`.
 
 Keys are content addressed, so a caption line shared by 100 images is one conditioning to encode, renamed or
 touched files cost nothing, and a new VAE fingerprint re-encodes latents but no conditioning.
@@ -40,7 +40,6 @@ Entries stay in the cache until ``clean`` removes what no dataset references.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -54,13 +53,13 @@ from .buckets import CropPlan
 from .captions import caption_keys, caption_notes, shuffle_notes, too_many_variants
 from .dataset import Sample, check_epoch_size
 from .encode_jobs import ClipJob, EncodePlan, EncodeSettings, LatentJob, MaskJob, Planned
-from .errors import CacheError, CacheNotFoundError, SourceError
+from .errors import CacheError, CacheNotFoundError
 from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file
 from .format.manifest import check_dataset_name
 from .format.reader import open_cache
 from .gcpause import gc_paused
-from .imaging import has_alpha, mask_aspect_problem, read_image_size
-from .keys import PlanKeys, content_key, hash_bytes, latent_key, mask_key
+from .keys import PlanKeys, hash_bytes, latent_key
+from .mask_plan import mask_job, mask_notes, unused_masks
 from .scan import DatasetFolderError, FolderListing, SourceClip, SourceFailure, SourceImage, scan_folder
 from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
 from .video import (MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_folder_of, clip_key_fields,
@@ -270,7 +269,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         raise DatasetFolderError(src, str(exc)) from None
     digest = samples_digest(samples)
     missing = _Missing.of(latents, texts, masks, clips, have)
-    unused = _unused_masks(settings, validation.listing)
+    unused = unused_masks(settings, validation.listing)
     unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures, *unplannable)}
     counts = validation.counts()
     return EncodePlan(
@@ -284,7 +283,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
         skipped=_listed_samples(validation) - len(samples),
         notes=(caption_notes(cut, many) + _clip_notes(settings, short)
-               + _mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
+               + mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
                + shuffle_notes(settings, [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)])),
         missing_clips=missing.clips, missing_masks=missing.masks, empty_caption=empty,
         images_without_mask=len(no_mask), unused_masks=len(unused), short_clips=tuple(short),
@@ -318,7 +317,7 @@ def _plan_images(images: Sequence[SourceImage], record: SourcesRecord, listing: 
             continue
         mkey = None
         if settings.masks != "none":
-            found = _mask_job(img, entry.hash, plan, settings, listing, record)
+            found = mask_job(img, entry.hash, plan, settings, listing, record)
             if isinstance(found, SourceFailure):
                 acc.unplannable.append(found)
                 continue
@@ -379,84 +378,6 @@ def _listed_samples(validation: Validation) -> int:
             folders.add(folder)
             n += 1
     return n
-
-
-def _mask_job(img: SourceImage, image_hash: str, plan: CropPlan, settings: EncodeSettings, listing: FolderListing,
-              record: SourcesRecord) -> MaskJob | SourceFailure | None:
-    """The mask of one image (``None``: it has no mask file), or why the image must be left out (a mask that is
-    a link out of the folder, unreadable, or of another aspect ratio: named, never a crash)."""
-    mode = settings.masks
-    if mode == "alpha":
-        path, relpath, source_hash = img.path, img.relpath, image_hash
-        try:
-            if not _has_alpha(path, image_hash):  # e.g. a JPEG: no mask, trained as with masks off
-                return None
-        except SourceError as exc:
-            return SourceFailure(img.relpath, img.path, f"left out: {exc.reason}")
-    else:
-        if img.relpath in listing.refused_masks:
-            return SourceFailure(img.relpath, img.path, "left out: its mask file is a symbolic link outside the "
-                                 "dataset folder (see that file's line)")
-        relpath = listing.mask_of.get(img.relpath)  # type: ignore[assignment]
-        if relpath is None:
-            return None
-        path = listing.abspath(relpath)
-        entry = record.get(relpath)
-        if entry is None:  # could not be hashed: listed among the validation failures
-            return SourceFailure(img.relpath, img.path, f"left out: its mask {relpath} cannot be read (see that "
-                                 "file's line)")
-        source_hash = entry.hash
-        if entry.width is not None and entry.height is not None:
-            size = (entry.width, entry.height)
-        else:
-            try:
-                size = read_image_size(path)
-            except SourceError as exc:
-                return SourceFailure(relpath, path, f"mask of {img.relpath}: {exc.reason}")
-        problem = mask_aspect_problem(size, (img.width, img.height))
-        if problem:
-            return SourceFailure(relpath, path, f"mask of {img.relpath}: {problem}")
-    factor = settings.mask_factor
-    if factor is None:  # unknown until the VAE is loaded: a key no stored mask has, so the VAE is asked for
-        key = content_key("mask-unresolved", {"source": source_hash, "mode": mode, "pixels": plan.key_fields()})
-        factor = 0
-    else:
-        key = mask_key(source_hash, mode, plan.key_fields(), factor)
-    return MaskJob(key, path, relpath, source_hash, plan, mode, factor)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _has_alpha(path: str, content_hash: str) -> bool:
-    """:func:`.imaging.has_alpha`, once per file content in a process: a plan runs two or three times per encode
-    (the node plans before loading anything), and a warm one should not open every image again."""
-    return has_alpha(path)
-
-
-def _unused_masks(settings: EncodeSettings, listing: FolderListing) -> tuple[str, ...]:
-    """The mask files no sample uses: those of no image, or every one unless ``masks`` is ``masklabel``."""
-    return listing.unused_masks if settings.masks == "masklabel" else tuple(m[0] for m in listing.masks)
-
-
-def _mask_notes(settings: EncodeSettings, no_mask: Sequence[str], unused: Sequence[str], listing: FolderListing,
-                clips: bool) -> tuple[str, ...]:
-    notes = []
-    if settings.masks == "none":
-        if listing.masks:
-            notes.append(f"{len(listing.masks)} mask file(s) (<name>-masklabel.<ext>, e.g. {listing.masks[0][0]}) "
-                         "are in the folder but masks is none: they are not used (set masks to masklabel)")
-        return tuple(notes)
-    if no_mask and settings.masks == "alpha":
-        names = sorted(no_mask)
-        notes.append(f"{len(names)} image(s) have no alpha channel (e.g. JPEGs) and train unmasked, as with masks "
-                     f"none: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}")
-    elif no_mask:
-        notes.append(f"{len(no_mask)} image(s) have no mask file <name>-masklabel.<ext> and train at full weight "
-                     f"(first: {sorted(no_mask)[0]})")
-    if unused:
-        notes.append(f"{len(unused)} mask file(s) belong to no image and are not used (first: {unused[0]})")
-    if clips:
-        notes.append("clips get no loss mask: masks apply to images only")
-    return tuple(notes)
 
 
 SHORT_CLIPS_NAMED = 20
