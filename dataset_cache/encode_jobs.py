@@ -1,6 +1,6 @@
 """What an encode plan is made of: the settings it was computed with, its jobs, the plan itself and its tallies.
 
-Shared by the planning (:mod:`.encode_plan`), the run (:mod:`.encode_run`)
+Shared by the planning (:mod:`.encode_plan`, :mod:`.clip_plan`, :mod:`.mask_plan`), the run (:mod:`.encode_run`)
 and the node, none of which needs the others' code to name them; the settings' ``describe`` is stored in a dataset's
 info, so its fields and defaults are part of the format.
 """
@@ -342,7 +342,8 @@ def variant_counts(samples: Sequence[Sample], settings: EncodeSettings | None = 
 
 @dataclass
 class Planned:
-    """What planning the folder's images (then its clips) adds up: the samples and the entries they need."""
+    """What planning the folder's images (then its clips) adds up: the samples and the entries they need (here,
+    beside the jobs it holds, so the images' planning and :mod:`.clip_plan` share it)."""
 
     keys: PlanKeys
     samples: list[Sample] = field(default_factory=list)

@@ -14,7 +14,7 @@ text encoder at all: when nothing is missing neither is loaded. Steps:
 4. look the keys up in the cache: what is absent is what :func:`.encode_run.run_encode` encodes.
 
 This module holds the steps and the images' planning; what a plan is made of is :mod:`.encode_jobs`, what caption
-lines become :mod:`.captions`, and the masks' planning :mod:`.mask_plan`.
+lines become :mod:`.captions`, and the clips' and masks' planning :mod:`.clip_plan` and :mod:`.mask_plan`.
 
 Keys are content addressed, so a caption line shared by 100 images is one conditioning to encode, renamed or
 touched files cost nothing, and a new VAE fingerprint re-encodes latents but no conditioning.
@@ -51,19 +51,19 @@ import xxhash
 
 from .buckets import CropPlan
 from .captions import caption_keys, caption_notes, shuffle_notes, too_many_variants
+from .clip_plan import clip_notes, plan_clips
 from .dataset import Sample, check_epoch_size
-from .encode_jobs import ClipJob, EncodePlan, EncodeSettings, LatentJob, MaskJob, Planned
+from .encode_jobs import EncodePlan, EncodeSettings, LatentJob, MaskJob, Planned
 from .errors import CacheError, CacheNotFoundError
 from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file
 from .format.manifest import check_dataset_name
 from .format.reader import open_cache
 from .gcpause import gc_paused
-from .keys import PlanKeys, hash_bytes, latent_key
+from .keys import PlanKeys
 from .mask_plan import mask_job, mask_notes, unused_masks
-from .scan import DatasetFolderError, FolderListing, SourceClip, SourceFailure, SourceImage, scan_folder
+from .scan import DatasetFolderError, FolderListing, SourceFailure, SourceImage, scan_folder
 from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
-from .video import (MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_folder_of, clip_key_fields,
-                    legacy_clip_key_fields)
+from .video import FrameSettings, clip_folder_of
 
 __all__ = [
     "SOURCES_DIR",
@@ -261,8 +261,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
 
     have, _stored, info = _cache_view(root, dataset, load=False)
     short: list[str] = []  # clips that give fewer frames than asked, each with why
-    clips = _plan_clips(scan.clips, record, settings, vae_fingerprint, acc.keys, samples, texts, unplannable, cut,
-                        many, empty, have, short)
+    clips = plan_clips(scan.clips, record, settings, acc, have, short)
     try:
         check_epoch_size(samples, f"dataset {dataset!r}")
     except ValueError as exc:  # before any encode: the dataset could never be stored
@@ -282,7 +281,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
                 + sum(k in have for k in masks)),
         dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
         skipped=_listed_samples(validation) - len(samples),
-        notes=(caption_notes(cut, many) + _clip_notes(settings, short)
+        notes=(caption_notes(cut, many) + clip_notes(settings, short)
                + mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
                + shuffle_notes(settings, [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)])),
         missing_clips=missing.clips, missing_masks=missing.masks, empty_caption=empty,
@@ -379,102 +378,3 @@ def _listed_samples(validation: Validation) -> int:
             n += 1
     return n
 
-
-SHORT_CLIPS_NAMED = 20
-"""Clips giving fewer frames than asked that the report's note names one by one (then a count; the plan's
-``short_clips`` and the node's structured report hold them all)."""
-
-
-def _clip_notes(settings: EncodeSettings, short: Sequence[str]) -> tuple[str, ...]:
-    video = settings.video
-    notes = []
-    if video.stride and video.stride > 1 and video.effective_frames != video.frames:
-        notes.append(f"frame count {video.frames} is taken as {video.effective_frames}: the VAE compresses time by "
-                     f"{video.stride}, so it encodes 1 + {video.stride}·m frames without dropping any")
-    if short:
-        more = f"; and {len(short) - SHORT_CLIPS_NAMED} more" if len(short) > SHORT_CLIPS_NAMED else ""
-        notes.append(f"{len(short)} clip(s) give fewer frames than the {video.effective_frames} asked; each trains "
-                     "with the frames it gives, in the bucket of that frame count: "
-                     + "; ".join(short[:SHORT_CLIPS_NAMED]) + more)
-    return tuple(notes)
-
-
-def _clip_key(source_hash: str, plan: CropPlan, vae_fp: str, video: FrameSettings, kind: str,
-              indices: tuple[int, ...], have: set[str]) -> str:
-    """A clip's latent key: the frames it takes (:func:`.video.clip_key_fields`), or the key an earlier build
-    gave it for these settings when the cache holds that one (its clips are kept, not encoded again)."""
-    key = latent_key(source_hash, plan.key_fields(), vae_fp, extra=clip_key_fields(kind, indices, video.stride))
-    if key not in have and video.stride is not None:
-        legacy = latent_key(source_hash, plan.key_fields(), vae_fp,
-                            extra=legacy_clip_key_fields(video, kind, indices))
-        if legacy in have:
-            return legacy
-    return key
-
-
-def _plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: EncodeSettings, vae_fp: str,
-                keys: PlanKeys, samples: list[Sample], texts: dict[str, str], unplannable: list[SourceFailure],
-                cut: list[str], many: list[str], empty: str | None, have: set[str], short: list[str]
-                ) -> dict[str, LatentJob]:
-    """Key every clip (its bytes, or its frames' in order, plus the crop plan and the frames it takes), add its
-    sample; return the latent jobs by key. Clips that cannot be planned are added to ``unplannable``, clips that
-    give fewer frames than asked to ``short`` (``"<relpath>: <taken> of <asked> frames (why)"``)."""
-    jobs: dict[str, LatentJob] = {}
-    video = settings.video
-    for clip in clips:
-        if video.stride == 0:
-            unplannable.append(SourceFailure(clip.relpath, clip.path, (
-                "is a video clip, but the VAE encodes still images only (it reads a batch as separate images); "
-                "connect a video VAE (e.g. WAN's) or move the clip out of the folder")))
-            continue
-        too_many = too_many_variants(clip.captions, settings)
-        if too_many:
-            unplannable.append(SourceFailure(clip.relpath, clip.path, too_many))
-            continue
-        if clip.kind == "video":
-            entry = record.get(clip.relpath)
-            if entry is None:  # could not be hashed: already a validation failure
-                continue
-            source_hash = entry.hash
-            frame_paths: tuple[str, ...] = ()
-            frame_hashes: tuple[str, ...] = ()
-        else:
-            entries = [record.get(f.relpath) for f in clip.frames]
-            if any(e is None for e in entries):
-                continue
-            frame_hashes = tuple(e.hash for e in entries if e is not None)
-            names = [f.relpath.rpartition("/")[2] for f in clip.frames]
-            # the frames' names (within the folder) and contents in order: moving the folder keeps the key
-            source_hash = hash_bytes("\n".join(f"{n}\t{h}" for n, h in zip(names, frame_hashes)).encode("utf-8",
-                                                                                                 "surrogatepass"))
-            frame_paths = tuple(f.path for f in clip.frames)
-        try:
-            plan = settings.bucket.plan(clip.width, clip.height, token=source_hash)
-        except ValueError as exc:
-            unplannable.append(SourceFailure(clip.relpath, clip.path, str(exc)))
-            continue
-        indices = video.indices(clip.frame_count, clip.rate)
-        width, height = plan.bucket
-        need = len(indices) * width * height * 3 * 4
-        if need > MAX_CLIP_PIXEL_BYTES:
-            unplannable.append(SourceFailure(clip.relpath, clip.path, (
-                f"{len(indices)} frames at {width}x{height} take {need / (1 << 30):.1f} GiB of pixels to encode, "
-                f"above the limit of {MAX_CLIP_PIXEL_BYTES >> 30} GiB; lower the frame count or the resolution")))
-            continue
-        lack = video.shortfall(clip.frame_count, clip.rate)
-        if lack is not None:
-            short.append(f"{clip.relpath}: {lack}")
-        lkey = _clip_key(source_hash, plan, vae_fp, video, clip.kind, indices, have)
-        if lkey not in jobs:
-            jobs[lkey] = LatentJob(lkey, clip.path, clip.relpath, source_hash, plan,
-                                   ClipJob(indices, frame_paths, frame_hashes))
-        mirror = None
-        if settings.bucket.flip == "random":
-            mplan = settings.bucket.mirror_plan(plan)
-            mirror = _clip_key(source_hash, mplan, vae_fp, video, clip.kind, indices, have)
-            if mirror not in jobs:
-                jobs[mirror] = LatentJob(mirror, clip.path, clip.relpath, source_hash, mplan,
-                                         ClipJob(indices, frame_paths, frame_hashes), mirror=True)
-        ckeys = caption_keys(clip.captions, clip.relpath, settings, keys, texts, cut, many)
-        samples.append(Sample(lkey, ckeys, clip.repeats, clip.relpath, mirror=mirror, empty_caption=empty))
-    return jobs
