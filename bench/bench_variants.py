@@ -27,7 +27,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_plan import EncodeSettings, plan_encode
+from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_plan import plan_encode
 from dataset_cache.imaging import load_image, load_mask
 
 OLD = 1_600_000_000  # dated long before the scan: trusted by stat

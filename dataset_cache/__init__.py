@@ -33,7 +33,8 @@ from .errors import (
 from .format import CacheReader, CacheWriter, CompactReport, ReadBuffer, open_cache
 from .format.layout import is_cache_folder
 from .format.manifest import CacheState, check_dataset_name, read_state
-from .encode_plan import EncodePlan, EncodeSettings, plan_encode
+from .encode_jobs import EncodePlan, EncodeSettings
+from .encode_plan import plan_encode
 from .encode_run import EncodeReport, run_encode
 from .loader import Batch, LoaderStats, LoaderWorkerError, PrefetchLoader
 from .multi_reader import MultiCacheReader

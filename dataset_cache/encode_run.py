@@ -44,7 +44,8 @@ import torch
 
 from .batching import batched
 from .dataset import Sample
-from .encode_plan import EncodePlan, LatentJob, MaskJob, samples_digest, settle_sources, variant_counts
+from .encode_jobs import EncodePlan, LatentJob, MaskJob, variant_counts
+from .encode_plan import samples_digest, settle_sources
 from .errors import CacheLockedError, SourceError
 from .format.writer import LOG_SYNC_SECONDS, CacheWriter, CompactReport
 from .imaging import load_image, load_mask
@@ -126,7 +127,7 @@ class EncodeReport:
         encoded_masks: loss masks this run made and committed.
         encoded_mirrors: mirrored latents among ``encoded_latents``.
         encoded_empty_caption: this run encoded the empty caption.
-        variants: what the stored dataset holds (:func:`.encode_plan.variant_counts`): distinct ``captions``,
+        variants: what the stored dataset holds (:func:`.encode_jobs.variant_counts`): distinct ``captions``,
             ``mirrors``, ``masks``, ``masked_samples``, ``empty_caption`` (0/1), ``shuffle_variants`` and, with
             ``flip="always"``, ``flipped``.
         short_clips: clips that give fewer frames than asked, each ``"<relpath>: <taken> of <asked> frames

@@ -31,13 +31,9 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..dataset_cache.buckets import CROP_MODES, FLIP_MODES, BucketConfig
-from ..dataset_cache.encode_plan import (
-    FAILURE_POLICIES,
-    MAX_SHUFFLE_VARIANTS,
-    EncodePlan,
-    EncodeSettings,
-    plan_encode,
-)
+from ..dataset_cache.captions import MAX_SHUFFLE_VARIANTS
+from ..dataset_cache.encode_jobs import FAILURE_POLICIES, EncodePlan, EncodeSettings
+from ..dataset_cache.encode_plan import plan_encode
 from ..dataset_cache.imaging import MASK_MODES
 from ..dataset_cache import check_dataset_name
 from ..dataset_cache.encode_run import EncodeReport, run_encode

@@ -29,7 +29,8 @@ from dataset_cache.errors import CacheLinkError, SourceError, UnstorableValueErr
 from dataset_cache.format.layout import CacheNestingError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.format.writer import CacheWriter
-from dataset_cache.encode_plan import EncodeSettings, plan_encode, sources_record_path
+from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_plan import plan_encode, sources_record_path
 from dataset_cache.encode_run import run_encode
 from dataset_cache.lock import WRITE_LOCK, CacheLock
 from dataset_cache.scan import DatasetFolderError
@@ -779,7 +780,7 @@ def test_an_image_smaller_than_one_bucket_step_is_left_out_and_named_when_upscal
 
 
 def test_hostile_captions_are_cut_noted_or_left_out_naming_the_file(folder: Path, cache: Path) -> None:
-    from dataset_cache.encode_plan import CAPTION_VARIANTS_NOTE, MAX_CAPTION_CHARS, MAX_CAPTION_VARIANTS
+    from dataset_cache.captions import CAPTION_VARIANTS_NOTE, MAX_CAPTION_CHARS, MAX_CAPTION_VARIANTS
 
     images = sorted(p for p in folder.rglob("*") if p.suffix in (".png", ".jpg"))
     huge, many, too_many = images[0], images[1], images[2]

@@ -20,7 +20,9 @@ import torch
 from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_plan import EncodeSettings, plan_encode, samples_digest, shuffle_tags, tag_orders
+from dataset_cache.captions import shuffle_tags, tag_orders
+from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_plan import plan_encode, samples_digest
 from dataset_cache.encode_run import run_encode
 from dataset_cache.errors import SourceError
 from dataset_cache.format.reader import open_cache
@@ -113,7 +115,7 @@ def test_shuffle_keeps_tokens_and_tags_and_is_deterministic() -> None:
     assert shuffle_tags(line, 4, keep_tokens=2) == texts[:4]  # variant i depends on (line, i) alone
     assert shuffle_tags(" ohwx ,a,, b ", 1, keep_tokens=3) == ("ohwx, a, b",)  # stripped, empty tags dropped
     # the same in another process with another hash seed (no use of Python's salted hash)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from dataset_cache.encode_plan import shuffle_tags; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from dataset_cache.captions import shuffle_tags; "
             f"print(repr(shuffle_tags({line!r}, 16, keep_tokens=2)))")
     out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parents[2])], capture_output=True,
                          text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
@@ -420,7 +422,7 @@ def test_datasets_encoded_without_variants_stay_current(folder: Path, cache: Pat
 def test_lines_times_shuffles_above_the_variant_limit_leave_the_image_out_by_name(folder: Path, cache: Path) -> None:
     """5 lines × 64 shuffles would be 320 encodes for one image: above MAX_CAPTION_VARIANTS, the image is a failure
     naming both numbers; 4 lines × 64 (256) still plan."""
-    from dataset_cache.encode_plan import MAX_CAPTION_VARIANTS, MAX_SHUFFLE_VARIANTS
+    from dataset_cache.captions import MAX_CAPTION_VARIANTS, MAX_SHUFFLE_VARIANTS
 
     tags = ", ".join(f"tag{i}" for i in range(12))
     (folder / "a.txt").write_text("\n".join(f"{tags}, line{j}" for j in range(5)), encoding="utf-8")

@@ -23,7 +23,8 @@ from dataset_cache.errors import CacheCorruptError, CacheError, CacheUnreadableE
 from dataset_cache.format import CacheWriter, open_cache
 from dataset_cache.format import manifest as manifest_module
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_plan import EncodeSettings, plan_encode
+from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_plan import plan_encode
 from dataset_cache.encode_run import run_encode
 from support.datasets import make_kohya_folder
 from support.fake_encoders import FakeEncoders

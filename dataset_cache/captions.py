@@ -1,0 +1,213 @@
+"""Caption lines → the texts that are encoded: the limits on them, kohya-style tag shuffles, and the report's notes.
+
+Kept apart from the planning of sources because what a caption line becomes is one rule shared by images and clips
+(and by the settings, which validate against its limits); every text this module gives is keyed as it is, so a
+changed rule here changes conditioning keys.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from .keys import PlanKeys
+
+if TYPE_CHECKING:  # encode_jobs imports this module's limits and shuffles
+    from .encode_jobs import EncodeSettings
+
+__all__ = [
+    "MAX_CAPTION_CHARS",
+    "CAPTION_VARIANTS_NOTE",
+    "MAX_CAPTION_VARIANTS",
+    "MAX_SHUFFLE_VARIANTS",
+    "MAX_KEEP_TOKENS",
+    "tag_orders",
+    "shuffle_tags",
+    "too_many_variants",
+    "caption_keys",
+    "shuffle_notes",
+    "caption_notes",
+]
+
+MAX_CAPTION_CHARS = 2000
+"""Characters of one caption line that are encoded; the rest is cut off, with a note naming the file. kohya's
+longest setting is 225 CLIP tokens (about 1,000 characters of English); a 240 KB line (169k tokens) used to take
+the server down inside the text encoder."""
+
+CAPTION_VARIANTS_NOTE = 32
+"""Caption lines (variants) of one image above which the report says so: each line is encoded on its own."""
+
+MAX_CAPTION_VARIANTS = 256
+"""Caption variants of one image (its lines, times the tag shuffles of each) above which the image is left out as a
+failure naming its caption file (a file of thousands of lines is a log or a list pasted by mistake, and each
+variant would be encoded)."""
+
+MAX_SHUFFLE_VARIANTS = 64
+"""Shuffled-tag variants per caption line: each is a conditioning to encode and store (a few MB each for large
+text encoders), and past a few dozen epochs more variants add nothing the sampler would use."""
+
+MAX_KEEP_TOKENS = 255
+
+
+_DRAWS_PER_VARIANT = 64
+"""Seeded draws per variant before the distinct orders still missing are taken in enumeration order (reached only
+by lines with few orders, where random draws keep hitting the ones already chosen)."""
+
+
+def _tags(line: str, keep_tokens: int) -> tuple[list[str], list[str]]:
+    """The line's tags split on ``,`` (stripped, empty ones dropped): the first ``keep_tokens`` and the rest."""
+    tags = [t for t in (part.strip() for part in line.split(",")) if t]
+    return tags[:keep_tokens], tags[keep_tokens:]
+
+
+def tag_orders(line: str, keep_tokens: int = 0, limit: int = MAX_SHUFFLE_VARIANTS + 1) -> int:
+    """How many distinct orders the shuffled tags of ``line`` have (repeated tags counted once per order), capped
+    at ``limit``: 1 means the line cannot be shuffled (one tag to move or none, e.g. ``keep_tokens`` keeps all)."""
+    rest = _tags(line, keep_tokens)[1]
+    n = math.factorial(len(rest))
+    for count in Counter(rest).values():
+        n //= math.factorial(count)
+    return min(n, limit)
+
+
+def _distinct_orders(rest: Sequence[str]) -> Iterator[tuple[str, ...]]:
+    """Every distinct order of ``rest`` (a multiset), lazily, in lexicographic order of first appearance."""
+    first = {t: i for i, t in reversed(list(enumerate(rest)))}
+    perm = sorted(first[t] for t in rest)
+    while True:
+        yield tuple(rest[i] for i in perm)
+        k = next((k for k in range(len(perm) - 2, -1, -1) if perm[k] < perm[k + 1]), -1)
+        if k < 0:
+            return
+        j = next(j for j in range(len(perm) - 1, k, -1) if perm[j] > perm[k])
+        perm[k], perm[j] = perm[j], perm[k]
+        perm[k + 1:] = reversed(perm[k + 1:])
+
+
+def shuffle_tags(line: str, variants: int, keep_tokens: int = 0) -> tuple[str, ...]:
+    """Return up to ``variants`` shuffled-tag versions of one caption line (kohya's ``shuffle_caption`` with
+    ``keep_tokens``), before prefix and suffix: distinct orders, none the line's own order where the tags allow.
+
+    The line is split on ``,``; each tag is stripped and empty tags dropped; the first ``keep_tokens`` tags stay
+    in place and the rest are shuffled; tags are joined with ``", "``. Draw ``i`` is an order shuffled by a private
+    ``random.Random`` seeded with the xxh64 of ``"<i>\\0<line>"`` (UTF-8), so the texts depend on the line alone:
+    the same on every machine and run, and a changed line changes only its own variants. Draws ``0, 1, 2, ...``
+    are taken in turn, skipping an order already taken and the line's own order, until ``variants`` are taken: a
+    line whose first ``variants`` draws were distinct and shuffled gives the texts it gave before this rule (so
+    its conditionings stay cached). A line with fewer shuffled orders than ``variants`` (:func:`tag_orders`) gives
+    every order it has, its own last: fewer texts (one for a line that cannot be shuffled).
+    """
+    fixed, rest = _tags(line, keep_tokens)
+    own = tuple(rest)
+    orders = tag_orders(line, keep_tokens, variants + 1)
+    chosen: list[tuple[str, ...]] = []
+    if orders - 1 < variants:  # every order, the shuffled ones first
+        every = list(_distinct_orders(rest))
+        chosen = [o for o in every if o != own] + [own]
+    else:
+        seen = {own}
+        for i in range(variants * _DRAWS_PER_VARIANT):
+            drawn = list(rest)
+            random.Random(xxhash.xxh64_intdigest(f"{i}\0{line}".encode("utf-8", "surrogatepass"))).shuffle(drawn)
+            if tuple(drawn) not in seen:
+                seen.add(tuple(drawn))
+                chosen.append(tuple(drawn))
+                if len(chosen) == variants:
+                    break
+        for order in _distinct_orders(rest):  # draws kept repeating (few orders): the rest in enumeration order
+            if len(chosen) == variants:
+                break
+            if order not in seen:
+                seen.add(order)
+                chosen.append(order)
+    return tuple(", ".join([*fixed, *order]) for order in chosen)
+
+
+def too_many_variants(captions: Sequence[str], settings: EncodeSettings) -> str | None:
+    """Why a sample's caption variants (lines, times the shuffles of each) are too many to encode, or ``None``."""
+    lines = len(captions)
+    variants = lines * max(1, settings.shuffle_variants)
+    if variants <= MAX_CAPTION_VARIANTS:
+        return None
+    if settings.shuffle_variants:
+        return (f"its caption file has {lines} lines × {settings.shuffle_variants} tag shuffles = {variants} "
+                f"caption variants, above the limit of {MAX_CAPTION_VARIANTS}; each is encoded separately: lower "
+                "shuffle_variants or keep fewer caption lines")
+    return (f"its caption file has {lines} lines (variants), above the limit of {MAX_CAPTION_VARIANTS}; each "
+            "line is encoded separately: keep one caption per line")
+
+
+def caption_keys(captions: Sequence[str], relpath: str, settings: EncodeSettings, keys: PlanKeys,
+                 texts: dict[str, str], cut: list[str], many: list[str]) -> tuple[str, ...]:
+    """The conditioning keys of one sample's caption lines (with shuffling, every line's variants, each text
+    once; without, one per line, duplicates kept: they weight that line); adds their texts to ``texts``."""
+    if len(captions) > CAPTION_VARIANTS_NOTE:
+        many.append(relpath)
+    out = []
+    for line in captions:
+        if len(line) > MAX_CAPTION_CHARS:
+            cut.append(relpath)
+            line = line[:MAX_CAPTION_CHARS]
+        for text in settings.caption_texts(line):
+            ckey = keys.conditioning(text)
+            texts.setdefault(ckey, text)
+            out.append(ckey)
+    return tuple(dict.fromkeys(out)) if settings.shuffle_variants else tuple(out)
+
+
+def shuffle_notes(settings: EncodeSettings, captions: Iterable[Sequence[str]]) -> tuple[str, ...]:
+    """What the report says about tag shuffling: ``keep_tokens`` without shuffling (no effect), lines that cannot
+    be shuffled at all and why, lines with fewer orders than ``shuffle_variants`` (they give every order they have,
+    their own among them). Lines are counted once each, however many images share them."""
+    variants, keep = settings.shuffle_variants, settings.keep_tokens
+    if not variants:
+        if keep:
+            return (f"keep_tokens {keep} has no effect: shuffle_variants is 0, so no tags are shuffled (set "
+                    "shuffle_variants to shuffle the tags after the first keep_tokens)",)
+        return ()
+    kept: list[str] = []  # keep_tokens leaves at most one tag to move
+    single: list[str] = []  # one tag or none, or all the same
+    short: dict[str, int] = {}
+    for lines in captions:
+        for line in lines:
+            line = line[:MAX_CAPTION_CHARS]
+            orders = tag_orders(line, keep, variants + 1)
+            if orders == 1:
+                fixed, rest = _tags(line, keep)
+                (kept if len(fixed) + len(rest) > 1 and len(rest) <= 1 else single).append(line)
+            elif orders - 1 < variants:
+                short.setdefault(line, orders)
+    notes = []
+    if kept:
+        kept = sorted(set(kept))
+        notes.append(f"{len(kept)} caption line(s) cannot be shuffled: keep_tokens {keep} keeps all their tags in "
+                     f"place (or all but one), so they train unshuffled (e.g. {kept[0][:80]!r}); lower keep_tokens")
+    if single:
+        single = sorted(set(single))
+        notes.append(f"{len(single)} caption line(s) cannot be shuffled: they have one comma-separated tag (or "
+                     f"only the same tag repeated), so they train unshuffled (e.g. {single[0][:80]!r})")
+    if short:
+        line, orders = min(short.items())
+        notes.append(f"{len(short)} caption line(s) have fewer tag orders than shuffle_variants {variants} asks for "
+                     f"(e.g. {line[:80]!r}: {orders} orders): each gives every order it has, its own among them")
+    return tuple(notes)
+
+
+def caption_notes(cut: Sequence[str], many: Sequence[str]) -> tuple[str, ...]:
+    """What the report says about caption files: lines cut at :data:`MAX_CAPTION_CHARS` (``cut``: their samples),
+    samples with more than :data:`CAPTION_VARIANTS_NOTE` lines (``many``)."""
+    notes = []
+    if cut:
+        names = sorted(set(cut))
+        notes.append(f"{len(names)} caption file(s) have lines over {MAX_CAPTION_CHARS} characters, encoded cut to "
+                     f"that length (first: the caption of {names[0]})")
+    if many:
+        names = sorted(set(many))
+        notes.append(f"{len(names)} image(s) have more than {CAPTION_VARIANTS_NOTE} caption lines, each encoded as "
+                     f"a variant (first: the caption of {names[0]}); is that what you meant?")
+    return tuple(notes)

@@ -1,0 +1,357 @@
+"""What an encode plan is made of: the settings it was computed with, its jobs, the plan itself and its tallies.
+
+Shared by the planning (:mod:`.encode_plan`, :mod:`.clip_plan`, :mod:`.mask_plan`), the run (:mod:`.encode_run`)
+and the node, none of which needs the others' code to name them; the settings' ``describe`` is stored in a dataset's
+info, so its fields and defaults are part of the format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .buckets import BucketConfig, CropPlan
+from .captions import MAX_KEEP_TOKENS, MAX_SHUFFLE_VARIANTS, shuffle_tags
+from .constants import DEFAULT_SHARD_BYTES
+from .dataset import Sample
+from .imaging import MASK_MODES
+from .keys import PlanKeys
+from .scan import SourceFailure
+from .sources import Validation
+from .variants import role_keys
+from .video import FrameSettings
+
+__all__ = [
+    "FAILURE_POLICIES",
+    "EncodeSettings",
+    "ClipJob",
+    "LatentJob",
+    "MaskJob",
+    "EncodePlan",
+    "Planned",
+    "variant_counts",
+]
+
+FAILURE_POLICIES = ("skip", "stop")
+"""``skip``: leave a sample whose image or caption cannot be read out of the dataset (counted and listed);
+``stop``: raise :class:`.errors.SourceError` naming the file. A zero tensor never stands in for data."""
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    """How a folder becomes cache entries. Fields that change stored values reach the entry keys.
+
+    Attributes:
+        bucket: aspect-ratio bucketing and crop settings (their crop plan is part of every latent key).
+        caption_prefix: text put before every caption line, e.g. a trigger word ``"ohwx, "``. Prefix, line and
+            suffix are joined verbatim (include your own separator), then stripped of surrounding whitespace;
+            the result is the exact text encoded and keyed, so changing it encodes each distinct line once.
+        caption_suffix: text put after every caption line, e.g. ``", ohwx"``.
+        batch_size: images (of one bucket) or captions per encoder call; each finished batch is checkpointed, so
+            an interruption loses at most one batch.
+        failure_policy: ``"skip"`` or ``"stop"`` (see :data:`FAILURE_POLICIES`).
+        encode_threads: image decode threads working ahead of the encoder; ``None`` chooses from the CPUs this
+            process may use.
+        shard_bytes: target size of the cache's shard files.
+        video: which frames a clip (video file or ``.frames`` folder) gives, and the VAE's temporal compression
+            (see :class:`.video.FrameSettings`); images ignore it.
+        shuffle_variants: ``0`` (off) or how many shuffled-tag texts each caption line gives (kohya's
+            ``shuffle_caption``, see :func:`.captions.shuffle_tags`); the unshuffled line itself is then not encoded.
+        keep_tokens: with shuffling, the leading comma-separated tags that stay in place (kohya's
+            ``keep_tokens``, e.g. 1 for a trigger word at the start of every caption).
+        empty_caption: also encode the empty caption ``""`` (one conditioning per text encoder), which caption
+            dropout in training uses (``Sample.empty_caption``).
+        masks: loss masks: ``"none"``, ``"masklabel"`` (``<stem>-masklabel.<ext>`` beside the image) or
+            ``"alpha"`` (the image's alpha channel); see :func:`.imaging.load_mask`. Images only.
+        mask_factor: the VAE's spatial compression (8 for SD/SDXL/Flux), which sets a mask's latent resolution;
+            a property of the VAE, not a user setting (not described). ``None``: unknown (the VAE was not
+            loaded): mask keys are then unresolved, so the VAE is asked for, and such a plan cannot be encoded.
+    """
+
+    bucket: BucketConfig = field(default_factory=BucketConfig)
+    caption_prefix: str = ""
+    caption_suffix: str = ""
+    batch_size: int = 8
+    failure_policy: str = "skip"
+    encode_threads: int | None = None
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    video: FrameSettings = field(default_factory=FrameSettings)
+    shuffle_variants: int = 0
+    keep_tokens: int = 0
+    empty_caption: bool = False
+    masks: str = "none"
+    mask_factor: int | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.shuffle_variants) is not int or not 0 <= self.shuffle_variants <= MAX_SHUFFLE_VARIANTS:
+            raise ValueError(f"EncodeSettings.shuffle_variants must be an int from 0 (off) to "
+                             f"{MAX_SHUFFLE_VARIANTS}, got {self.shuffle_variants!r}")
+        if type(self.keep_tokens) is not int or not 0 <= self.keep_tokens <= MAX_KEEP_TOKENS:
+            raise ValueError(f"EncodeSettings.keep_tokens must be an int from 0 to {MAX_KEEP_TOKENS}, "
+                             f"got {self.keep_tokens!r}")
+        if type(self.empty_caption) is not bool:
+            raise TypeError(f"EncodeSettings.empty_caption must be a bool, got {self.empty_caption!r}")
+        if self.masks not in MASK_MODES:
+            raise ValueError(f"EncodeSettings.masks must be one of {MASK_MODES}, got {self.masks!r}")
+        if self.mask_factor is not None and (type(self.mask_factor) is not int or not 1 <= self.mask_factor <= 64):
+            raise ValueError(f"EncodeSettings.mask_factor must be None or an int from 1 to 64, "
+                             f"got {self.mask_factor!r}")
+        if not isinstance(self.video, FrameSettings):
+            raise TypeError(f"EncodeSettings.video must be a FrameSettings, got {type(self.video).__name__}")
+        if not isinstance(self.bucket, BucketConfig):
+            raise TypeError(f"EncodeSettings.bucket must be a BucketConfig, got {type(self.bucket).__name__}")
+        for name in ("caption_prefix", "caption_suffix"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"EncodeSettings.{name} must be a str, got {type(getattr(self, name)).__name__}")
+        if self.failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"EncodeSettings.failure_policy must be one of {FAILURE_POLICIES}, "
+                             f"got {self.failure_policy!r}")
+        for name in ("batch_size", "shard_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"EncodeSettings.{name} must be an int >= 1, got {value!r}")
+        if self.encode_threads is not None and (type(self.encode_threads) is not int or self.encode_threads < 0):
+            raise ValueError(f"EncodeSettings.encode_threads must be None or an int >= 0, got {self.encode_threads!r}")
+
+    def caption_text(self, line: str) -> str:
+        """Return the text encoded for one caption line: ``(prefix + line + suffix).strip()``."""
+        return (self.caption_prefix + line + self.caption_suffix).strip()
+
+    def caption_texts(self, line: str) -> tuple[str, ...]:
+        """Return the texts encoded for one caption line: ``(caption_text(line),)``, or with shuffling the
+        :func:`.captions.shuffle_tags` variants (distinct orders), each through :meth:`caption_text`."""
+        if not self.shuffle_variants:
+            return (self.caption_text(line),)
+        return tuple(self.caption_text(t) for t in shuffle_tags(line, self.shuffle_variants, self.keep_tokens))
+
+    def describe(self) -> dict[str, Any]:
+        """Return the settings as plain JSON (stored in the dataset's info).
+
+        The variant settings appear only when not at their defaults, so the info of a dataset encoded without
+        them is what it was before they existed.
+        """
+        out = {
+            "bucket": self.bucket.describe(), "caption_prefix": self.caption_prefix,
+            "caption_suffix": self.caption_suffix, "batch_size": self.batch_size,
+            "failure_policy": self.failure_policy, "shard_bytes": self.shard_bytes, "video": self.video.describe(),
+        }
+        if self.shuffle_variants:
+            out["shuffle_variants"] = self.shuffle_variants
+            if self.keep_tokens:
+                out["keep_tokens"] = self.keep_tokens
+        if self.empty_caption:
+            out["empty_caption"] = True
+        if self.masks != "none":
+            out["masks"] = self.masks
+        return out
+
+
+@dataclass(frozen=True)
+class ClipJob:
+    """What makes a latent job a clip: which frames, and for a frame folder the frame files.
+
+    Attributes:
+        indices: source frame indices to decode, in order (their count is the clip's frame count).
+        frames: a ``.frames`` folder's frame files (absolute, in order; ``indices`` index them); empty for a video.
+        frame_hashes: the content hash of each frame file, re-checked when it is decoded.
+    """
+
+    indices: tuple[int, ...]
+    frames: tuple[str, ...] = ()
+    frame_hashes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LatentJob:
+    """One latent to encode: the image, the hash its key was made from, and its crop plan.
+
+    Attributes:
+        key: the latent entry key.
+        path: absolute image path.
+        relpath: path relative to the dataset folder (reports).
+        source_hash: xxh3-128 of the image bytes the key was computed from; the encoder re-checks it, so a file
+            edited after planning can never be stored under the old content's key.
+        plan: how the image becomes the bucket's pixels (each frame's, for a clip).
+        clip: for a clip, its frames (``None`` for an image).
+    """
+
+    key: str
+    path: str
+    relpath: str
+    source_hash: str
+    plan: CropPlan
+    clip: ClipJob | None = None
+    mirror: bool = False
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        """``(width, height)`` of the bucket."""
+        return self.plan.bucket
+
+
+@dataclass(frozen=True)
+class MaskJob:
+    """One loss mask to make (no encoder: see :func:`.imaging.load_mask`).
+
+    Attributes:
+        key: the mask entry key (:func:`.keys.mask_key`).
+        path: the mask file (``masklabel``) or the image (``alpha``), absolute.
+        relpath: ``path`` relative to the dataset folder (reports).
+        source_hash: xxh3-128 of ``path``'s bytes, re-checked when it is read.
+        plan: the crop plan of the latent the mask belongs to.
+        mode: ``"masklabel"`` or ``"alpha"``.
+        factor: the VAE's spatial compression.
+    """
+
+    key: str
+    path: str
+    relpath: str
+    source_hash: str
+    plan: CropPlan
+    mode: str
+    factor: int
+
+
+@dataclass(frozen=True, eq=False)
+class EncodePlan:
+    """What :func:`.encode_plan.plan_encode` found. Source counts are files (images and caption files).
+
+    Attributes:
+        cache_root: the cache directory.
+        dataset: the dataset's name in the cache.
+        folder: the source folder (absolute).
+        settings: the settings the keys were computed with.
+        vae_fingerprint: identity of the VAE the latent keys name.
+        text_fingerprint: identity of the text encoder the conditioning keys name.
+        new / changed / unchanged / removed: source files added, edited, as before, gone since the last plan.
+        failures: unusable files (file + reason), sorted by path; their samples are not in ``samples``.
+        skipped: listed images left out of ``samples`` because of a failure.
+        samples: the dataset as it will be once encoded (scan order).
+        missing_latents: bucket -> latents of images to encode (one job per distinct key, sorted by path).
+        missing_clips: latents of clips to encode, by bucket ``(frames, height, width)`` then path.
+        missing_conditionings: key -> final caption text to encode (each distinct text once).
+        reused: distinct entries the samples need that the cache already has.
+        dataset_current: the cache already holds this dataset with exactly these samples (by the
+            ``samples_digest`` its info records, so the dataset file is not loaded).
+        sourceless: the folder is gone and the dataset is served from the cache as it was.
+        validation: the sources validation (``None`` when sourceless).
+        notes: what the plan changed or wants the user to know (caption lines cut at
+            :data:`.captions.MAX_CAPTION_CHARS`, images with many caption variants, images without a mask, unused
+            mask files), for the report.
+        missing_masks: loss masks to make, sorted by path.
+        empty_caption: the empty caption's conditioning key (``settings.empty_caption``), else ``None``.
+        images_without_mask: images that train unmasked (full weight): with ``masks="masklabel"`` those without
+            a mask file, with ``masks="alpha"`` those without an alpha channel.
+        unused_masks: mask files in the folder that no sample uses.
+        short_clips: clips that give fewer frames than asked, each ``"<relpath>: <taken> of <asked> frames
+            (why)"``, sorted by path (they are kept, in frame buckets of their own, and named in ``notes``).
+    """
+
+    cache_root: str
+    dataset: str
+    folder: str
+    settings: EncodeSettings
+    vae_fingerprint: str
+    text_fingerprint: str
+    new: int
+    changed: int
+    unchanged: int
+    removed: int
+    failures: tuple[SourceFailure, ...]
+    samples: tuple[Sample, ...]
+    missing_latents: Mapping[tuple[int, int], tuple[LatentJob, ...]]
+    missing_conditionings: Mapping[str, str]
+    reused: int
+    dataset_current: bool
+    skipped: int = 0
+    sourceless: bool = False
+    validation: Validation | None = None
+    notes: tuple[str, ...] = ()
+    missing_clips: tuple[LatentJob, ...] = ()
+    missing_masks: tuple[MaskJob, ...] = ()
+    empty_caption: str | None = None
+    images_without_mask: int = 0
+    unused_masks: int = 0
+    short_clips: tuple[str, ...] = ()
+
+    @property
+    def needs_vae(self) -> bool:
+        """Whether any latent must be encoded, or a mask while the VAE's spatial factor is unknown (load the VAE
+        only then: masks are made without it)."""
+        return (any(self.missing_latents.values()) or bool(self.missing_clips)
+                or (bool(self.missing_masks) and self.settings.mask_factor is None))
+
+    @property
+    def needs_text_encoder(self) -> bool:
+        """Whether any conditioning must be encoded (load the text encoder only then)."""
+        return bool(self.missing_conditionings)
+
+    @property
+    def latent_count(self) -> int:
+        """Number of latents to encode."""
+        return sum(len(jobs) for jobs in self.missing_latents.values()) + len(self.missing_clips)
+
+    @property
+    def up_to_date(self) -> bool:
+        """True when there is nothing to encode and the dataset is already stored as planned."""
+        return (not self.needs_vae and not self.needs_text_encoder and not self.missing_masks
+                and self.dataset_current)
+
+    def counts(self) -> dict[str, int]:
+        """Source file counts and work to do, for logs and the dataset's info."""
+        return {
+            "new": self.new, "changed": self.changed, "unchanged": self.unchanged, "removed": self.removed,
+            "failed": len(self.failures), "skipped": self.skipped, "samples": len(self.samples),
+            "latents_to_encode": self.latent_count,
+            "conditionings_to_encode": len(self.missing_conditionings), "reused": self.reused,
+            "masks_to_encode": len(self.missing_masks),
+        }
+
+    def variants(self) -> dict[str, int]:
+        """What the planned dataset holds beyond one latent and caption per sample, for the report: distinct
+        caption conditionings, mirrors and masks, whether the empty caption is named (0/1), and the settings."""
+        return variant_counts(self.samples, self.settings)
+
+    def summary(self) -> str:
+        """A one-line description for logs and UI."""
+        if self.sourceless:
+            return (f"dataset {self.dataset!r}: source folder {self.folder} is gone; {len(self.samples)} samples "
+                    f"are served from the cache ({self.removed} source files removed, nothing to encode)")
+        masks = f", {len(self.missing_masks)} masks" if self.missing_masks else ""
+        return (f"dataset {self.dataset!r}: {len(self.samples)} samples; to encode {self.latent_count} latents "
+                f"and {len(self.missing_conditionings)} conditionings{masks}, {self.reused} entries reused; sources "
+                f"{self.new} new, {self.changed} changed, {self.unchanged} unchanged, {self.removed} removed"
+                + (f"; {len(self.failures)} failed" if self.failures else ""))
+
+
+def variant_counts(samples: Sequence[Sample], settings: EncodeSettings | None = None) -> dict[str, int]:
+    """Distinct caption conditionings, mirrors and masks the samples name, and whether they name an empty
+    caption (0/1); with ``settings``, the shuffle count too (``shuffle_variants``) and, with ``flip="always"``, how
+    many samples are stored mirrored (``flipped``: all of them)."""
+    keys = role_keys(samples)
+    out = {"captions": len(keys["captions"]), "mirrors": len(keys["mirrors"]), "masks": len(keys["masks"]),
+           "masked_samples": sum(1 for s in samples if s.mask is not None),
+           "empty_caption": int(bool(keys["empty_caption"]))}
+    if settings is not None:
+        out["shuffle_variants"] = settings.shuffle_variants
+        if settings.bucket.flip == "always":
+            out["flipped"] = len(samples)
+    return out
+
+
+@dataclass
+class Planned:
+    """What planning the folder's images (then its clips) adds up: the samples and the entries they need (here,
+    beside the jobs it holds, so the images' planning and :mod:`.clip_plan` share it)."""
+
+    keys: PlanKeys
+    samples: list[Sample] = field(default_factory=list)
+    latents: dict[str, LatentJob] = field(default_factory=dict)
+    masks: dict[str, MaskJob] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+    unplannable: list[SourceFailure] = field(default_factory=list)
+    cut: list[str] = field(default_factory=list)  # images with a caption line cut at captions.MAX_CAPTION_CHARS
+    many: list[str] = field(default_factory=list)  # images with more than captions.CAPTION_VARIANTS_NOTE caption lines
+    no_mask: list[str] = field(default_factory=list)  # images without a mask file (masklabel) or alpha (alpha)
+    empty: str | None = None  # the empty caption's key, when caption dropout is planned
