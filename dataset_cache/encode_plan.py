@@ -52,14 +52,14 @@ import xxhash
 from .buckets import BucketConfig, CropPlan
 from .constants import DEFAULT_SHARD_BYTES
 from .dataset import Sample, check_epoch_size
-from .errors import CacheError, CacheNotFoundError, SourceError
+from .errors import CacheError, CacheNotFoundError, DatasetFolderError, SourceError, SourceFailure
 from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file
 from .format.manifest import check_dataset_name
 from .format.reader import open_cache
 from .gcpause import gc_paused
 from .imaging import MASK_MODES, has_alpha, mask_aspect_problem, read_image_size
 from .keys import PlanKeys, content_key, hash_bytes, latent_key, mask_key
-from .scan import DatasetFolderError, FolderListing, SourceClip, SourceFailure, SourceImage, scan_folder
+from .scan import FolderListing, SourceClip, SourceImage, scan_folder
 from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
 from .variants import role_keys
 from .video import (MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_folder_of, clip_key_fields,

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .dataset import MAX_REPEATS
-from .errors import CacheError, SourceError
+from .errors import DatasetFolderError, SourceError, SourceFailure
 from .imaging import read_image_size
 from .threads import resolve_threads
 from .video import FRAMES_SUFFIX, VIDEO_EXTENSIONS, clip_folder_of, frame_order, probe_video
@@ -60,8 +60,6 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "CAPTION_EXTENSION",
     "MASK_SUFFIX",
-    "DatasetFolderError",
-    "SourceFailure",
     "ListedImage",
     "FolderListing",
     "SourceImage",
@@ -86,37 +84,6 @@ MASK_SUFFIX = "-masklabel"
 
 _REPEAT_DIR = re.compile(r"^(\d+)_(.+)$")
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
-
-
-class DatasetFolderError(CacheError, ValueError):
-    """The dataset folder is missing, not a folder, or holds no usable image.
-
-    Attributes:
-        path: the folder.
-    """
-
-    def __init__(self, path: str, message: str) -> None:
-        self.path = str(path)
-        super().__init__(f"{self.path}: {message}")
-
-
-@dataclass(frozen=True)
-class SourceFailure:
-    """A source file that could not be used; the scan goes on without it.
-
-    Attributes:
-        relpath: path relative to the dataset folder (POSIX separators).
-        path: absolute path.
-        reason: what went wrong and, where possible, how to fix it.
-    """
-
-    relpath: str
-    path: str
-    reason: str
-
-    def error(self) -> SourceError:
-        """Return this failure as an exception, for callers whose policy is to stop."""
-        return SourceError(self.path, self.reason)
 
 
 class ListedImage(NamedTuple):

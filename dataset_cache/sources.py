@@ -58,13 +58,13 @@ from typing import Any, NamedTuple
 import xxhash
 from PIL import Image, PngImagePlugin
 
-from .errors import CacheError, SourceError
+from .errors import CacheError, SourceError, SourceFailure
 from .format.manifest import atomic_write
 from .format.safetensors_io import read_regular
 from .gcpause import gc_paused
 from .imaging import read_image_size
 from .keys import hash_file, is_key
-from .scan import FolderListing, SourceFailure, SourceImage, decode_captions, list_folder
+from .scan import FolderListing, SourceImage, decode_captions, list_folder
 from .threads import resolve_threads
 from .video import VIDEO_EXTENSIONS
 

@@ -22,10 +22,10 @@ from PIL import Image
 from dataset_cache.buckets import BucketConfig
 from dataset_cache.encode_plan import EncodeSettings, plan_encode, samples_digest, shuffle_tags, tag_orders
 from dataset_cache.encode_run import run_encode
-from dataset_cache.errors import SourceError
+from dataset_cache.errors import DatasetFolderError, SourceError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.keys import conditioning_key
-from dataset_cache.scan import DatasetFolderError, list_folder
+from dataset_cache.scan import list_folder
 from support.fake_encoders import FakeEncoders, age
 
 BASE = EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32), batch_size=2, mask_factor=8)
