@@ -64,7 +64,8 @@ from .format.safetensors_io import read_regular
 from .gcpause import gc_paused
 from .imaging import read_image_size
 from .keys import hash_file, is_key
-from .scan import FolderListing, SourceImage, decode_captions, list_folder
+from .listing import FolderListing, list_folder
+from .scan import SourceImage, decode_captions
 from .threads import resolve_threads
 from .video import VIDEO_EXTENSIONS
 

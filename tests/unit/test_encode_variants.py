@@ -25,7 +25,7 @@ from dataset_cache.encode_run import run_encode
 from dataset_cache.errors import DatasetFolderError, SourceError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.keys import conditioning_key
-from dataset_cache.scan import list_folder
+from dataset_cache.listing import list_folder
 from support.fake_encoders import FakeEncoders, age
 
 BASE = EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32), batch_size=2, mask_factor=8)

@@ -329,7 +329,7 @@ def test_second_run_reads_no_image_header(tmp_path: Path, monkeypatch) -> None:
 
 def test_record_time_is_the_listing_time_not_the_validation_time(folder: Path) -> None:
     """A listing made earlier must not let edits between listing and validation be trusted later."""
-    from dataset_cache.scan import list_folder
+    from dataset_cache.listing import list_folder
 
     listing = list_folder(folder)
     v = validate_sources(listing, None)
