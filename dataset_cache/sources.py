@@ -42,13 +42,10 @@ content addressed).
 from __future__ import annotations
 
 import functools
-import io
 import json
 import os
 import re
-import struct
 import time
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,13 +53,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import xxhash
-from PIL import Image, PngImagePlugin
 
 from .errors import CacheError, SourceError, SourceFailure
 from .format.manifest import atomic_write
 from .format.safetensors_io import read_regular
 from .gcpause import gc_paused
-from .imaging import read_image_size
+from .imaging import image_size_from_bytes
 from .keys import hash_file, is_key
 from .listing import FolderListing, list_folder
 from .scan import SourceImage, decode_captions
@@ -286,52 +282,6 @@ def _read_caption(path: str) -> tuple[str, tuple[str, ...] | None]:
     return xxhash.xxh3_128_hexdigest(raw), captions
 
 
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_PNG_MODES = frozenset({(1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (8, 2), (16, 2), (1, 3), (2, 3), (4, 3), (8, 3),
-                        (8, 4), (16, 4), (8, 6), (16, 6)})  # (bit depth, colour type) pairs Pillow opens
-_PNG_CID = re.compile(rb"\w\w\w\w")  # Pillow's test of a chunk type
-_PNG_MIN_LENGTH = {b"gAMA": 4, b"cHRM": 32, b"sRGB": 1, b"pHYs": 9, b"PLTE": 0, b"tEXt": 0}
-_PNG_PILLOW_CHUNKS = frozenset({b"IHDR", b"IDAT", b"IEND", b"PLTE", b"tRNS", b"gAMA", b"cHRM", b"sRGB", b"pHYs",
-                                b"tEXt", b"zTXt", b"iTXt", b"eXIf", b"acTL", b"fcTL", b"fdAT", b"iCCP"})
-
-
-def _png_size(raw: bytes) -> tuple[int, int] | None:
-    """``(width, height)`` of a plain PNG exactly as :func:`.imaging.read_image_size` reports it, parsed without
-    Pillow (whose pure-Python PNG header parser was half the cost of hashing a new dataset); ``None`` for anything
-    not plain — an EXIF block (orientation), an animation, a chunk Pillow parses in ways this does not repeat, a
-    bad checksum, a size over Pillow's decompression-bomb limit, a truncated header — which then goes to Pillow.
-    """
-    if not raw.startswith(_PNG_SIGNATURE) or len(raw) < 33 or raw[12:16] != b"IHDR":
-        return None
-    width, height = struct.unpack_from(">II", raw, 16)
-    if struct.unpack_from(">I", raw, 8)[0] < 13 or raw[27] != 0 or (raw[24], raw[25]) not in _PNG_MODES:
-        return None
-    limit = Image.MAX_IMAGE_PIXELS
-    if width <= 0 or height <= 0 or (limit is not None and width * height > limit):
-        return None
-    text = 0
-    pos = 8
-    while pos + 12 <= len(raw):
-        length, cid = struct.unpack_from(">I", raw, pos)[0], raw[pos + 4:pos + 8]
-        if cid == b"IDAT":
-            return width, height
-        end = pos + 8 + length
-        if not _PNG_CID.match(cid) or end + 4 > len(raw):
-            return None
-        if cid in _PNG_PILLOW_CHUNKS and (cid != b"IHDR" or pos != 8):
-            if cid not in _PNG_MIN_LENGTH or length < _PNG_MIN_LENGTH[cid]:
-                return None
-            if cid == b"tEXt":
-                key, _, value = raw[pos + 8:end].partition(b"\0")
-                text += len(value)
-                if key == b"exif" or text > PngImagePlugin.MAX_TEXT_MEMORY:
-                    return None
-        if zlib.crc32(raw[pos + 4:end]) != struct.unpack_from(">I", raw, end)[0]:
-            return None
-        pos = end + 4
-    return None
-
-
 def _read_image(path: str) -> tuple[str, None, tuple[int, int] | None]:
     """Hash an image; for one up to :data:`_WHOLE_IMAGE_BYTES`, also read its size (as the scan would) from the
     same bytes (``None`` when the header is unreadable: the scan reads it again and reports the problem)."""
@@ -343,13 +293,7 @@ def _read_image(path: str) -> tuple[str, None, tuple[int, int] | None]:
         raw = _read_whole(fd, size)
     finally:
         os.close(fd)
-    dims = _png_size(raw)
-    if dims is None:
-        try:
-            dims = read_image_size(io.BytesIO(raw))  # type: ignore[arg-type]  # Pillow reads file objects
-        except SourceError:
-            pass
-    return xxhash.xxh3_128_hexdigest(raw), None, dims
+    return xxhash.xxh3_128_hexdigest(raw), None, image_size_from_bytes(raw)
 
 
 def _hash_chunk(root: str, items: list[tuple[str, bool]]) -> list[_Read]:

@@ -491,7 +491,7 @@ def _png_variants(tmp: Path) -> dict[str, bytes]:
 def test_png_fast_header_agrees_with_pillow_or_defers_to_it(tmp_path: Path) -> None:
     import warnings
 
-    from dataset_cache.imaging import read_image_size
+    from dataset_cache.imaging import _png_size, read_image_size
 
     fast_ok = 0
     for name, raw in _png_variants(tmp_path).items():
@@ -503,11 +503,11 @@ def test_png_fast_header_agrees_with_pillow_or_defers_to_it(tmp_path: Path) -> N
                 want: Any = read_image_size(str(path))
             except Exception as exc:
                 want = type(exc)
-            fast = sources_mod._png_size(raw)
+            fast = _png_size(raw)
             got = sources_mod._read_image(str(path))[2]
         if fast is not None:
             fast_ok += 1
             assert fast == want, name
         assert got == (want if isinstance(want, tuple) else None), name
     assert fast_ok >= 10  # the common kinds really take the fast path
-    assert sources_mod._png_size(_png_variants(tmp_path)["exif_rotated"]) is None  # orientation: Pillow decides
+    assert _png_size(_png_variants(tmp_path)["exif_rotated"]) is None  # orientation: Pillow decides
