@@ -61,7 +61,8 @@ from .imaging import MASK_MODES, has_alpha, mask_aspect_problem, read_image_size
 from .keys import PlanKeys, content_key, hash_bytes, latent_key, mask_key
 from .listing import FolderListing
 from .scan import SourceClip, SourceImage, scan_folder
-from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
+from .sources import Validation, validate_sources
+from .sources_record import SourcesRecord, SourcesRecordError, load_record, save_record
 from .variants import role_keys
 from .video import (MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_folder_of, clip_key_fields,
                     legacy_clip_key_fields)

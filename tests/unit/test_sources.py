@@ -13,14 +13,13 @@ import pytest
 from dataset_cache import sources as sources_mod
 from dataset_cache.keys import hash_file
 from dataset_cache.scan import scan_folder
-from dataset_cache.sources import (
+from dataset_cache.sources import build_record, validate_sources
+from dataset_cache.sources_record import (
     SourceEntry,
     SourcesRecord,
     SourcesRecordError,
-    build_record,
     load_record,
     save_record,
-    validate_sources,
 )
 
 OLD_NS = 1_600_000_000 * 10**9  # long before any scan: never "racy"
