@@ -222,10 +222,10 @@ def validate_sources(
     """Compare a folder with the record of a previous run (``None``: everything is new).
 
     Args:
-        source: the dataset folder, or a listing of it made by :func:`.scan.list_folder` just before.
+        source: the dataset folder, or a listing of it made by :func:`.listing.list_folder` just before.
         previous: the record saved by the previous run.
         threads: hashing threads; ``None`` chooses from the CPUs this process may use.
-        list_threads: folders listed concurrently (see :func:`.scan.list_folder`: 1 suits local disks).
+        list_threads: folders listed concurrently (see :func:`.listing.list_folder`: 1 suits local disks).
         racy_window_ns: see :data:`RACY_WINDOW_NS`.
 
     Raises:
