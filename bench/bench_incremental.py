@@ -48,7 +48,8 @@ from dataset_cache.buckets import BucketConfig
 from dataset_cache.encode_jobs import EncodeSettings
 from dataset_cache.encode_plan import plan_encode, sources_record_path
 from dataset_cache.encode_run import run_encode
-from dataset_cache.sources import load_record, validate_sources
+from dataset_cache.sources import validate_sources
+from dataset_cache.sources_record import load_record
 
 MARKER = ".bench-incremental"
 _LATENT = torch.zeros(1, 4, 8, 8)

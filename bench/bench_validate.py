@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dataset_cache.scan import list_folder
-from dataset_cache.sources import build_record, load_record, save_record, validate_sources
+from dataset_cache.listing import list_folder
+from dataset_cache.sources import build_record, validate_sources
+from dataset_cache.sources_record import load_record, save_record
 
 MARKER = ".bench-validate"
 

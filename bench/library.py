@@ -381,7 +381,8 @@ def incremental_bench(work: Path, n: int, runs: int) -> IncrementalFigures | str
         from dataset_cache.encode_jobs import EncodeSettings
         from dataset_cache.encode_plan import plan_encode, sources_record_path
         from dataset_cache.encode_run import run_encode
-        from dataset_cache.sources import load_record, validate_sources
+        from dataset_cache.sources import validate_sources
+        from dataset_cache.sources_record import load_record
 
         from . import bench_incremental as mod  # here, not at the top: the L1 child must not import it
 

@@ -15,9 +15,9 @@ from .buckets import BucketConfig, CropPlan
 from .captions import MAX_KEEP_TOKENS, MAX_SHUFFLE_VARIANTS, shuffle_tags
 from .constants import DEFAULT_SHARD_BYTES
 from .dataset import Sample
+from .errors import SourceFailure
 from .imaging import MASK_MODES
 from .keys import PlanKeys
-from .scan import SourceFailure
 from .sources import Validation
 from .variants import role_keys
 from .video import FrameSettings

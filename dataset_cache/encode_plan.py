@@ -54,15 +54,17 @@ from .captions import caption_keys, caption_notes, shuffle_notes, too_many_varia
 from .clip_plan import clip_notes, plan_clips
 from .dataset import Sample, check_epoch_size
 from .encode_jobs import EncodePlan, EncodeSettings, LatentJob, MaskJob, Planned
-from .errors import CacheError, CacheNotFoundError
+from .errors import CacheError, CacheNotFoundError, DatasetFolderError, SourceFailure
 from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file
 from .format.manifest import check_dataset_name
 from .format.reader import open_cache
 from .gcpause import gc_paused
 from .keys import PlanKeys
+from .listing import FolderListing
 from .mask_plan import mask_job, mask_notes, unused_masks
-from .scan import DatasetFolderError, FolderListing, SourceFailure, SourceImage, scan_folder
-from .sources import SourcesRecord, SourcesRecordError, Validation, load_record, save_record, validate_sources
+from .scan import SourceImage, scan_folder
+from .sources import Validation, validate_sources
+from .sources_record import SourcesRecord, SourcesRecordError, load_record, save_record
 from .video import FrameSettings, clip_folder_of
 
 __all__ = [
@@ -210,7 +212,7 @@ def plan_encode(
     Saves the updated sources record of ``dataset`` before returning (creating ``<cache>/sources/``).
 
     Args:
-        folder: the image + caption folder (kohya layout allowed, see :mod:`.scan`).
+        folder: the image + caption folder (kohya layout allowed, see :mod:`.listing`).
         cache_root: the cache directory (it need not exist yet).
         dataset: the dataset's name in the cache; the sources record is kept per name.
         settings: bucketing, caption and batching settings.

@@ -46,12 +46,11 @@ from .batching import batched
 from .dataset import Sample
 from .encode_jobs import EncodePlan, LatentJob, MaskJob, variant_counts
 from .encode_plan import samples_digest, settle_sources
-from .errors import CacheLockedError, SourceError
+from .errors import CacheLockedError, DatasetFolderError, SourceError, SourceFailure
 from .format.writer import LOG_SYNC_SECONDS, CacheWriter, CompactReport
 from .imaging import load_image, load_mask
 from .keys import hash_bytes, hash_file
 from .lock import READ_LOCK, WRITE_LOCK, CacheLock
-from .scan import DatasetFolderError, SourceFailure
 from .threads import resolve_threads
 from .units import format_bytes
 from .video import load_clip

@@ -1,12 +1,16 @@
-"""Exceptions raised by :mod:`dataset_cache`.
+"""Exceptions raised by :mod:`dataset_cache`, and :class:`SourceFailure`, a source error reported instead.
 
 Each error subclasses the built-in exception that callers already catch for the same kind of problem
 (``ValueError`` for bad data, ``TypeError`` for a value of the wrong kind, ``FileNotFoundError`` for a
 missing cache), so generic handlers keep working, while :class:`CacheError` catches them all.
-Messages name the file, entry or field at fault and say what to do about it.
+Messages name the file, entry or field at fault and say what to do about it. Listing, scanning and validating a
+dataset folder report each unusable file as a :class:`SourceFailure` and go on; it lives here so that all three
+(and the encode) share it without importing one another.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 __all__ = [
     "CacheError",
@@ -22,6 +26,8 @@ __all__ = [
     "UnstorableValueError",
     "MaterializeRequired",
     "SourceError",
+    "DatasetFolderError",
+    "SourceFailure",
 ]
 
 
@@ -172,3 +178,34 @@ class SourceError(CacheError, ValueError):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"{self.path}: {reason}")
+
+
+class DatasetFolderError(CacheError, ValueError):
+    """The dataset folder is missing, not a folder, or holds no usable image.
+
+    Attributes:
+        path: the folder.
+    """
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = str(path)
+        super().__init__(f"{self.path}: {message}")
+
+
+@dataclass(frozen=True)
+class SourceFailure:
+    """A source file that could not be used; the scan goes on without it.
+
+    Attributes:
+        relpath: path relative to the dataset folder (POSIX separators).
+        path: absolute path.
+        reason: what went wrong and, where possible, how to fix it.
+    """
+
+    relpath: str
+    path: str
+    reason: str
+
+    def error(self) -> SourceError:
+        """Return this failure as an exception, for callers whose policy is to stop."""
+        return SourceError(self.path, self.reason)

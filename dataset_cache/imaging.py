@@ -1,5 +1,8 @@
 """Image decoding for the encoder path: header-only sizes, and decode → orient → RGB → resize → crop → tensor.
 
+Sizes come from a file's header (:func:`read_image_size`) or from a whole file's bytes already read to hash it
+(:func:`image_size_from_bytes`, with a Pillow-free parser for plain PNGs), both as :func:`load_image` sees them.
+
 Two rules keep scanning and decoding consistent, which matters because the bucket (and so the key) is chosen from
 the size the scanner reports while the pixels come from the decoder:
 
@@ -16,13 +19,17 @@ decoding and resampling).
 
 from __future__ import annotations
 
+import io
 import os
+import re
+import struct
+import zlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from .errors import SourceError
 
@@ -34,6 +41,7 @@ __all__ = [
     "RESIZE_METHODS",
     "exif_orientation",
     "read_image_size",
+    "image_size_from_bytes",
     "decode_image",
     "apply_plan",
     "load_image",
@@ -108,6 +116,65 @@ def read_image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
     if width <= 0 or height <= 0:
         raise SourceError(str(path), f"image header claims an empty size {width}x{height}")
     return width, height
+
+
+def image_size_from_bytes(raw: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` of the image whose whole file is ``raw``, as :func:`read_image_size` reports it for that
+    file; ``None`` when its header is unreadable. Validation hashes a new image from these very bytes, so its size
+    costs no second open; a plain PNG skips Pillow's header parser (:func:`_png_size`)."""
+    dims = _png_size(raw)
+    if dims is None:
+        try:
+            dims = read_image_size(io.BytesIO(raw))  # type: ignore[arg-type]  # Pillow reads file objects
+        except SourceError:
+            pass
+    return dims
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_MODES = frozenset({(1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (8, 2), (16, 2), (1, 3), (2, 3), (4, 3), (8, 3),
+                        (8, 4), (16, 4), (8, 6), (16, 6)})  # (bit depth, colour type) pairs Pillow opens
+_PNG_CID = re.compile(rb"\w\w\w\w")  # Pillow's test of a chunk type
+_PNG_MIN_LENGTH = {b"gAMA": 4, b"cHRM": 32, b"sRGB": 1, b"pHYs": 9, b"PLTE": 0, b"tEXt": 0}
+_PNG_PILLOW_CHUNKS = frozenset({b"IHDR", b"IDAT", b"IEND", b"PLTE", b"tRNS", b"gAMA", b"cHRM", b"sRGB", b"pHYs",
+                                b"tEXt", b"zTXt", b"iTXt", b"eXIf", b"acTL", b"fcTL", b"fdAT", b"iCCP"})
+
+
+def _png_size(raw: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` of a plain PNG exactly as :func:`read_image_size` reports it, parsed without
+    Pillow (whose pure-Python PNG header parser was half the cost of hashing a new dataset); ``None`` for anything
+    not plain — an EXIF block (orientation), an animation, a chunk Pillow parses in ways this does not repeat, a
+    bad checksum, a size over Pillow's decompression-bomb limit, a truncated header — which then goes to Pillow.
+    """
+    if not raw.startswith(_PNG_SIGNATURE) or len(raw) < 33 or raw[12:16] != b"IHDR":
+        return None
+    width, height = struct.unpack_from(">II", raw, 16)
+    if struct.unpack_from(">I", raw, 8)[0] < 13 or raw[27] != 0 or (raw[24], raw[25]) not in _PNG_MODES:
+        return None
+    limit = Image.MAX_IMAGE_PIXELS
+    if width <= 0 or height <= 0 or (limit is not None and width * height > limit):
+        return None
+    text = 0
+    pos = 8
+    while pos + 12 <= len(raw):
+        length, cid = struct.unpack_from(">I", raw, pos)[0], raw[pos + 4:pos + 8]
+        if cid == b"IDAT":
+            return width, height
+        end = pos + 8 + length
+        if not _PNG_CID.match(cid) or end + 4 > len(raw):
+            return None
+        if cid in _PNG_PILLOW_CHUNKS and (cid != b"IHDR" or pos != 8):
+            if cid not in _PNG_MIN_LENGTH or length < _PNG_MIN_LENGTH[cid]:
+                return None
+            if cid == b"tEXt":
+                key, _, value = raw[pos + 8:end].partition(b"\0")
+                text += len(value)
+                if key == b"exif" or text > PngImagePlugin.MAX_TEXT_MEMORY:
+                    return None
+        if zlib.crc32(raw[pos + 4:end]) != struct.unpack_from(">I", raw, end)[0]:
+            return None
+        pos = end + 4
+    return None
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:

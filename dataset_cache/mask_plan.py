@@ -12,11 +12,12 @@ from collections.abc import Sequence
 
 from .buckets import CropPlan
 from .encode_jobs import EncodeSettings, MaskJob
-from .errors import SourceError
+from .errors import SourceError, SourceFailure
 from .imaging import has_alpha, mask_aspect_problem, read_image_size
 from .keys import content_key, mask_key
-from .scan import FolderListing, SourceFailure, SourceImage
-from .sources import SourcesRecord
+from .listing import FolderListing
+from .scan import SourceImage
+from .sources_record import SourcesRecord
 
 __all__ = ["mask_job", "unused_masks", "mask_notes"]
 

@@ -1,9 +1,7 @@
-"""The stat/hash record of a dataset folder's source files, and exact, fast validation against it.
+"""Exact, fast validation of a dataset folder against its sources record (:mod:`.sources_record`): what changed.
 
-The record maps each source file (images, their caption files and mask files, by path relative to the folder) to
-its size, ``mtime_ns``, xxh3-128 content hash and, for images and masks, the scanned width and height, for caption
-files their caption variants (:func:`.scan.decode_captions`, parsed from the very bytes that were hashed), so that
-planning an unchanged folder opens no file at all. Validation checks every file of the folder, none sampled:
+Planning an encode starts here, so an unchanged folder must cost no more than its listing, and a changed one no
+more than reading the files that changed. Validation checks every file of the folder, none sampled:
 
 * same ``(size, mtime_ns)`` as recorded → trusted without reading the file;
 * different stat (or a new file) → the file is re-hashed; an unchanged hash only refreshes the stored stat, so a
@@ -29,163 +27,39 @@ file is opened. Changed files are hashed on a small thread pool (caption files a
 in one go; images are read whole, hashed, and their width and height read from the same bytes, so the scan does
 not open them again). Trusted caption files recorded without variants (a version-1 record, or a caption that is not
 UTF-8) are read once more to store them when their content still has the recorded hash.
-
-Storage: JSON with one list per field (columnar: compact, fast to load; ``captions`` holds a list of variants
-for caption files and ``null`` otherwise; version-1 records, which lack it, still load), written atomically (temp
-file, fsync, ``os.replace``, directory fsync) at a path the caller chooses (the cache keeps them under
-``<cache>/sources/``).
-A record that fails validation on load raises :class:`SourcesRecordError`; callers that prefer to carry on can
-catch it and validate against an empty record, which re-hashes every file but re-encodes nothing (keys are
-content addressed).
 """
 
 from __future__ import annotations
 
-import functools
-import io
-import json
 import os
-import re
-import struct
 import time
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import xxhash
-from PIL import Image, PngImagePlugin
 
-from .errors import CacheError, SourceError
-from .format.manifest import atomic_write
-from .format.safetensors_io import read_regular
+from .errors import SourceError, SourceFailure
 from .gcpause import gc_paused
-from .imaging import read_image_size
-from .keys import hash_file, is_key
-from .scan import FolderListing, SourceFailure, SourceImage, decode_captions, list_folder
+from .imaging import image_size_from_bytes
+from .keys import hash_file
+from .listing import FolderListing, list_folder
+from .scan import decode_captions
+from .sources_record import SourceEntry, SourcesRecord
 from .threads import resolve_threads
 from .video import VIDEO_EXTENSIONS
 
 __all__ = [
-    "RECORD_FORMAT",
-    "RECORD_VERSION",
     "RACY_WINDOW_NS",
-    "SourcesRecordError",
-    "SourceEntry",
-    "SourcesRecord",
     "Validation",
     "validate_sources",
     "build_record",
-    "save_record",
-    "load_record",
 ]
-
-RECORD_FORMAT = "streamcache-sources"
-"""Value of the ``format`` field of every record file."""
-
-RECORD_VERSION = 2
-"""Version of the record file layout written; version 1 (no ``captions`` column) is still read, others are refused
-with an explicit message."""
-
-_READABLE_VERSIONS = (1, 2)
 
 RACY_WINDOW_NS = 2_000_000_000
 """Files modified less than 2 s before the previous scan began are re-hashed even when their stat matches: 2 s
 covers the coarsest common timestamp granularity (FAT/exFAT), so an edit in the same tick as the scan is caught."""
-
-_COLUMNS = ("paths", "size", "mtime_ns", "hash", "width", "height")
-_CAPTIONS = "captions"  # version 2 on
-_PENDING = "pending"  # optional: {relpath: hash in the stored dataset's sources, or null}
-
-
-class SourcesRecordError(CacheError, ValueError):
-    """A sources record file is unreadable, of an unknown version, or inconsistent.
-
-    Attributes:
-        path: the record file.
-        reason: what is wrong.
-    """
-
-    def __init__(self, path: str, reason: str) -> None:
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(
-            f"{self.path}: {reason}. Delete this file to rebuild it: every source is then re-hashed once, "
-            "nothing is re-encoded."
-        )
-
-
-class SourceEntry(NamedTuple):
-    """The recorded state of one source file (``width``/``height`` only for images whose size was scanned,
-    ``captions`` only for caption files: their variants, parsed from the content that has ``hash``)."""
-
-    size: int
-    mtime_ns: int
-    hash: str
-    width: int | None = None
-    height: int | None = None
-    captions: tuple[str, ...] | None = None
-
-
-@dataclass
-class SourcesRecord:
-    """Stat and content hash of every source file of one folder.
-
-    Attributes:
-        entries: ``relpath -> SourceEntry``.
-        scanned_ns: wall-clock time (``time.time_ns()``) when the listing this record reflects began
-            (``FolderListing.started_ns``; 0 when unknown, which makes every file re-hashed next time).
-        root: the folder the record was made from (informational; paths are relative, so a moved folder matches).
-        pending: files that differ from the sources of the dataset as last stored: ``relpath -> the hash it had
-            there`` (``None``: it had no such file). Emptied by :meth:`settled` once the dataset is stored.
-    """
-
-    entries: dict[str, SourceEntry] = field(default_factory=dict)
-    scanned_ns: int = 0
-    root: str | None = None
-    pending: dict[str, str | None] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __contains__(self, relpath: object) -> bool:
-        return relpath in self.entries
-
-    def get(self, relpath: str) -> SourceEntry | None:
-        """Return the entry of ``relpath``, or ``None``."""
-        return self.entries.get(relpath)
-
-    def image_sizes(self) -> dict[str, tuple[int, int, int, int]]:
-        """Return ``relpath -> (size, mtime_ns, width, height)`` for :func:`.scan.scan_folder`'s ``known_sizes``."""
-        return {
-            p: (e.size, e.mtime_ns, e.width, e.height)
-            for p, e in self.entries.items()
-            if e.width is not None and e.height is not None
-        }
-
-    def caption_lines(self) -> dict[str, tuple[int, int, tuple[str, ...]]]:
-        """Return ``relpath -> (size, mtime_ns, variants)`` for :func:`.scan.scan_folder`'s ``known_captions``."""
-        return {p: (e.size, e.mtime_ns, e.captions) for p, e in self.entries.items() if e.captions is not None}
-
-    def with_image_sizes(self, images: Iterable[SourceImage]) -> SourcesRecord:
-        """Return a copy with the scanned sizes of ``images`` stored (entries whose stat matches only)."""
-        entries = dict(self.entries)
-        for img in images:
-            e = entries.get(img.relpath)
-            if e is not None and e.size == img.size and e.mtime_ns == img.mtime_ns:
-                entries[img.relpath] = e._replace(width=img.width, height=img.height)
-        return SourcesRecord(entries, self.scanned_ns, self.root, dict(self.pending))
-
-    def settled(self) -> SourcesRecord:
-        """A copy with no pending change: the sources as recorded are now those of the stored dataset."""
-        return SourcesRecord(dict(self.entries), self.scanned_ns, self.root)
-
-    def same_sources(self, other: SourcesRecord) -> bool:
-        """Whether ``other`` records the same files with the same contents and the same pending changes."""
-        return (self.pending == other.pending and self.entries.keys() == other.entries.keys()
-                and all(e.hash == other.entries[p].hash for p, e in self.entries.items()))
 
 
 @dataclass(frozen=True)
@@ -285,52 +159,6 @@ def _read_caption(path: str) -> tuple[str, tuple[str, ...] | None]:
     return xxhash.xxh3_128_hexdigest(raw), captions
 
 
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_PNG_MODES = frozenset({(1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (8, 2), (16, 2), (1, 3), (2, 3), (4, 3), (8, 3),
-                        (8, 4), (16, 4), (8, 6), (16, 6)})  # (bit depth, colour type) pairs Pillow opens
-_PNG_CID = re.compile(rb"\w\w\w\w")  # Pillow's test of a chunk type
-_PNG_MIN_LENGTH = {b"gAMA": 4, b"cHRM": 32, b"sRGB": 1, b"pHYs": 9, b"PLTE": 0, b"tEXt": 0}
-_PNG_PILLOW_CHUNKS = frozenset({b"IHDR", b"IDAT", b"IEND", b"PLTE", b"tRNS", b"gAMA", b"cHRM", b"sRGB", b"pHYs",
-                                b"tEXt", b"zTXt", b"iTXt", b"eXIf", b"acTL", b"fcTL", b"fdAT", b"iCCP"})
-
-
-def _png_size(raw: bytes) -> tuple[int, int] | None:
-    """``(width, height)`` of a plain PNG exactly as :func:`.imaging.read_image_size` reports it, parsed without
-    Pillow (whose pure-Python PNG header parser was half the cost of hashing a new dataset); ``None`` for anything
-    not plain — an EXIF block (orientation), an animation, a chunk Pillow parses in ways this does not repeat, a
-    bad checksum, a size over Pillow's decompression-bomb limit, a truncated header — which then goes to Pillow.
-    """
-    if not raw.startswith(_PNG_SIGNATURE) or len(raw) < 33 or raw[12:16] != b"IHDR":
-        return None
-    width, height = struct.unpack_from(">II", raw, 16)
-    if struct.unpack_from(">I", raw, 8)[0] < 13 or raw[27] != 0 or (raw[24], raw[25]) not in _PNG_MODES:
-        return None
-    limit = Image.MAX_IMAGE_PIXELS
-    if width <= 0 or height <= 0 or (limit is not None and width * height > limit):
-        return None
-    text = 0
-    pos = 8
-    while pos + 12 <= len(raw):
-        length, cid = struct.unpack_from(">I", raw, pos)[0], raw[pos + 4:pos + 8]
-        if cid == b"IDAT":
-            return width, height
-        end = pos + 8 + length
-        if not _PNG_CID.match(cid) or end + 4 > len(raw):
-            return None
-        if cid in _PNG_PILLOW_CHUNKS and (cid != b"IHDR" or pos != 8):
-            if cid not in _PNG_MIN_LENGTH or length < _PNG_MIN_LENGTH[cid]:
-                return None
-            if cid == b"tEXt":
-                key, _, value = raw[pos + 8:end].partition(b"\0")
-                text += len(value)
-                if key == b"exif" or text > PngImagePlugin.MAX_TEXT_MEMORY:
-                    return None
-        if zlib.crc32(raw[pos + 4:end]) != struct.unpack_from(">I", raw, end)[0]:
-            return None
-        pos = end + 4
-    return None
-
-
 def _read_image(path: str) -> tuple[str, None, tuple[int, int] | None]:
     """Hash an image; for one up to :data:`_WHOLE_IMAGE_BYTES`, also read its size (as the scan would) from the
     same bytes (``None`` when the header is unreadable: the scan reads it again and reports the problem)."""
@@ -342,13 +170,7 @@ def _read_image(path: str) -> tuple[str, None, tuple[int, int] | None]:
         raw = _read_whole(fd, size)
     finally:
         os.close(fd)
-    dims = _png_size(raw)
-    if dims is None:
-        try:
-            dims = read_image_size(io.BytesIO(raw))  # type: ignore[arg-type]  # Pillow reads file objects
-        except SourceError:
-            pass
-    return xxhash.xxh3_128_hexdigest(raw), None, dims
+    return xxhash.xxh3_128_hexdigest(raw), None, image_size_from_bytes(raw)
 
 
 def _hash_chunk(root: str, items: list[tuple[str, bool]]) -> list[_Read]:
@@ -400,10 +222,10 @@ def validate_sources(
     """Compare a folder with the record of a previous run (``None``: everything is new).
 
     Args:
-        source: the dataset folder, or a listing of it made by :func:`.scan.list_folder` just before.
+        source: the dataset folder, or a listing of it made by :func:`.listing.list_folder` just before.
         previous: the record saved by the previous run.
         threads: hashing threads; ``None`` chooses from the CPUs this process may use.
-        list_threads: folders listed concurrently (see :func:`.scan.list_folder`: 1 suits local disks).
+        list_threads: folders listed concurrently (see :func:`.listing.list_folder`: 1 suits local disks).
         racy_window_ns: see :data:`RACY_WINDOW_NS`.
 
     Raises:
@@ -559,128 +381,3 @@ def _against_stored(prev: Mapping[str, SourceEntry], owed: Mapping[str, str | No
 def build_record(source: str | os.PathLike[str] | FolderListing, *, threads: int | None = None) -> SourcesRecord:
     """Hash every source file of a folder and return a fresh record (nothing pending)."""
     return validate_sources(source, None, threads=threads).record.settled()
-
-
-def save_record(record: SourcesRecord, path: str | os.PathLike[str]) -> None:
-    """Write ``record`` to ``path`` atomically (temp file in the same folder, fsync, ``os.replace``)."""
-    path = os.fspath(path)
-    paths = sorted(record.entries)
-    rows = [record.entries[p] for p in paths]
-    doc = {
-        "format": RECORD_FORMAT,
-        "version": RECORD_VERSION,
-        "root": record.root,
-        "scanned_ns": record.scanned_ns,
-        "paths": paths,
-        "size": [r.size for r in rows],
-        "mtime_ns": [r.mtime_ns for r in rows],
-        "hash": [r.hash for r in rows],
-        "width": [r.width for r in rows],
-        "height": [r.height for r in rows],
-        _CAPTIONS: [r.captions for r in rows],
-    }
-    if record.pending:  # absent when nothing is pending, as in records written before it existed
-        doc[_PENDING] = dict(sorted(record.pending.items()))
-    data = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    target = Path(os.path.abspath(path))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(target, lambda f: f.write(data))
-
-
-def _is_count(v: Any) -> bool:
-    return type(v) is int and v >= 0
-
-
-def _is_side(v: Any) -> bool:
-    return v is None or (type(v) is int and v > 0)
-
-
-_HEX_RUN = re.compile(r"[0-9a-f]*")
-
-
-def _column_ok(name: str, col: list[Any]) -> bool:
-    """Check a whole column with C-speed primitives (a 100k-row record loads in tens of ms)."""
-    types = set(map(type, col))
-    if name == "paths":
-        return types <= {str} and "" not in col
-    if name == "hash":
-        return types <= {str} and set(map(len, col)) <= {32} and _HEX_RUN.fullmatch("".join(col)) is not None
-    if name == _CAPTIONS:
-        lists = [v for v in col if v is not None]
-        return (types <= {list, type(None)} and all(lists)
-                and set(map(type, (line for v in lists for line in v))) <= {str})
-    if name in ("width", "height"):
-        ints = [v for v in col if v is not None]
-        return types <= {int, type(None)} and (not ints or min(ints) > 0)
-    return types <= {int} and (not col or min(col) >= 0)
-
-
-def _check_doc(doc: Any, path: str) -> int:
-    """Validate a parsed record document; return its row count."""
-    if not isinstance(doc, Mapping) or doc.get("format") != RECORD_FORMAT:
-        raise SourcesRecordError(path, f"not a sources record (expected \"format\": \"{RECORD_FORMAT}\")")
-    if doc.get("version") not in _READABLE_VERSIONS or type(doc.get("version")) is not int:
-        raise SourcesRecordError(
-            path, f"sources record version {doc.get('version')!r} is not supported (expected "
-                  f"{' or '.join(map(str, _READABLE_VERSIONS))})"
-        )
-    if not _is_count(doc.get("scanned_ns")) or not (doc.get("root") is None or isinstance(doc.get("root"), str)):
-        raise SourcesRecordError(path, "field scanned_ns must be an int >= 0 and root a str or null")
-    names = _COLUMNS + ((_CAPTIONS,) if doc["version"] >= 2 else ())
-    values = [doc.get(c) for c in names]
-    bad = [c for c, v in zip(names, values) if not isinstance(v, list)]
-    if bad:
-        raise SourcesRecordError(path, f"column(s) {', '.join(bad)} missing or not lists")
-    cols: list[list[Any]] = [v for v in values if isinstance(v, list)]
-    n = len(cols[0])
-    if any(len(v) != n for v in cols):
-        lengths = ", ".join(f"{c}={len(v)}" for c, v in zip(names, cols))
-        raise SourcesRecordError(path, f"columns differ in length ({lengths})")
-    checks = (("paths", lambda v: isinstance(v, str) and v != ""), ("size", _is_count), ("mtime_ns", _is_count),
-              ("hash", is_key), ("width", _is_side), ("height", _is_side),
-              (_CAPTIONS, lambda v: v is None or (isinstance(v, list) and bool(v)
-                                                   and all(isinstance(x, str) for x in v))))
-    for (name, ok), col in zip(checks, cols):
-        if not _column_ok(name, col):  # fast whole-column check; find the bad row only on failure
-            i, v = next((i, v) for i, v in enumerate(col) if not ok(v))
-            raise SourcesRecordError(path, f"row {i} of column {name} holds an invalid value {v!r}")
-    if len(set(cols[0])) != n:
-        raise SourcesRecordError(path, "column paths lists a file twice")
-    owed = doc.get(_PENDING, {})
-    if not isinstance(owed, Mapping) or not all(
-            isinstance(k, str) and k and (v is None or is_key(v)) for k, v in owed.items()):
-        raise SourcesRecordError(path, "field pending must map paths to a content hash or null")
-    return n
-
-
-def load_record(path: str | os.PathLike[str], *, missing_ok: bool = False) -> SourcesRecord:
-    """Read a record written by :func:`save_record`.
-
-    Args:
-        path: the record file.
-        missing_ok: return an empty record (everything will count as new) when the file does not exist.
-
-    Raises:
-        FileNotFoundError: the file does not exist and ``missing_ok`` is false.
-        CacheLinkError: the file is a symbolic link.
-        SourcesRecordError: the file is not valid JSON, not a record, of another version, or inconsistent.
-    """
-    path = os.fspath(path)
-    try:
-        raw = read_regular(path)  # a record that is a link is refused (CacheLinkError), never followed
-    except FileNotFoundError:
-        if missing_ok:
-            return SourcesRecord()
-        raise
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SourcesRecordError(path, f"not valid JSON ({exc})") from exc
-    _check_doc(doc, path)
-    cols = [doc[c] for c in _COLUMNS]
-    # version 1 has no variants: its trusted captions are read (once) by the next validation
-    cols.append([None if v is None else tuple(v) for v in doc[_CAPTIONS]] if doc["version"] >= 2
-                else [None] * len(cols[0]))
-    make = functools.partial(tuple.__new__, SourceEntry)  # SourceEntry._make without its per-row length check
-    entries = dict(zip(cols[0], map(make, zip(*cols[1:]))))
-    return SourcesRecord(entries, doc["scanned_ns"], doc["root"], dict(doc.get(_PENDING, {})))

@@ -1,6 +1,6 @@
 """Video clips as samples: frame settings, which frames a clip gives, and streaming their pixels.
 
-A clip is one training sample made of frames. Two kinds are found by :mod:`.scan`:
+A clip is one training sample made of frames. Two kinds are found by :mod:`.listing`:
 
 * a video file (``.mp4 .webm .mov .mkv``, any case), read with PyAV (``av``), which ComfyUI itself requires;
   the library imports it only when a video is met and names the file when it is missing;

@@ -48,7 +48,7 @@ import xxhash
 
 from ..dataset_cache import CacheError, CacheNotFoundError, read_state
 from ..dataset_cache.keys import fingerprint
-from ..dataset_cache.scan import list_folder
+from ..dataset_cache.listing import list_folder
 
 __all__ = [
     "FULL_TENSOR_BYTES",
@@ -329,7 +329,7 @@ def upstream_identity(dynprompt: Any, node_id: str, input_name: str) -> str | No
 def folder_digest(folder: str | os.PathLike[str]) -> str:
     """Digest of an image folder's listing: relative path, size and mtime of every image and caption file.
 
-    One ``os.scandir`` per directory and no file opened (:func:`dataset_cache.scan.list_folder`), so it is cheap
+    One ``os.scandir`` per directory and no file opened (:func:`dataset_cache.listing.list_folder`), so it is cheap
     enough for ``fingerprint_inputs``, which ComfyUI calls on every queue.
 
     Raises:

@@ -16,7 +16,7 @@ from dataset_cache.dataset import MAX_EPOCH_OCCURRENCES, MAX_REPEATS, Sample
 from dataset_cache.errors import CacheCorruptError
 from dataset_cache.format import CacheWriter, open_cache
 from dataset_cache.sampler import BucketSampler
-from dataset_cache.scan import list_folder
+from dataset_cache.listing import list_folder
 from support.datasets import Subset, make_kohya_folder
 
 

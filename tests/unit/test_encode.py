@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.errors import CacheLinkError, SourceError, UnstorableValueError
+from dataset_cache.errors import CacheLinkError, DatasetFolderError, SourceError, UnstorableValueError
 from dataset_cache.format.layout import CacheNestingError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.format.writer import CacheWriter
@@ -33,7 +33,6 @@ from dataset_cache.encode_jobs import EncodeSettings
 from dataset_cache.encode_plan import plan_encode, sources_record_path
 from dataset_cache.encode_run import run_encode
 from dataset_cache.lock import WRITE_LOCK, CacheLock
-from dataset_cache.scan import DatasetFolderError
 from support.datasets import make_kohya_folder
 from support.fake_encoders import OLD_NS, FakeEncoders, age as _age
 from support.paths import TESTS_DIR

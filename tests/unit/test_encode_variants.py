@@ -24,10 +24,10 @@ from dataset_cache.captions import shuffle_tags, tag_orders
 from dataset_cache.encode_jobs import EncodeSettings
 from dataset_cache.encode_plan import plan_encode, samples_digest
 from dataset_cache.encode_run import run_encode
-from dataset_cache.errors import SourceError
+from dataset_cache.errors import DatasetFolderError, SourceError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.keys import conditioning_key
-from dataset_cache.scan import DatasetFolderError, list_folder
+from dataset_cache.listing import list_folder
 from support.fake_encoders import FakeEncoders, age
 
 BASE = EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32), batch_size=2, mask_factor=8)

@@ -10,7 +10,9 @@ import pytest
 from PIL import Image
 
 from dataset_cache import scan as scan_mod
-from dataset_cache.scan import DatasetFolderError, FolderListing, list_folder, read_captions, scan_folder
+from dataset_cache.errors import DatasetFolderError
+from dataset_cache.listing import FolderListing, list_folder
+from dataset_cache.scan import read_captions, scan_folder
 
 
 

@@ -13,14 +13,13 @@ import pytest
 from dataset_cache import sources as sources_mod
 from dataset_cache.keys import hash_file
 from dataset_cache.scan import scan_folder
-from dataset_cache.sources import (
+from dataset_cache.sources import build_record, validate_sources
+from dataset_cache.sources_record import (
     SourceEntry,
     SourcesRecord,
     SourcesRecordError,
-    build_record,
     load_record,
     save_record,
-    validate_sources,
 )
 
 OLD_NS = 1_600_000_000 * 10**9  # long before any scan: never "racy"
@@ -329,7 +328,7 @@ def test_second_run_reads_no_image_header(tmp_path: Path, monkeypatch) -> None:
 
 def test_record_time_is_the_listing_time_not_the_validation_time(folder: Path) -> None:
     """A listing made earlier must not let edits between listing and validation be trusted later."""
-    from dataset_cache.scan import list_folder
+    from dataset_cache.listing import list_folder
 
     listing = list_folder(folder)
     v = validate_sources(listing, None)
@@ -491,7 +490,7 @@ def _png_variants(tmp: Path) -> dict[str, bytes]:
 def test_png_fast_header_agrees_with_pillow_or_defers_to_it(tmp_path: Path) -> None:
     import warnings
 
-    from dataset_cache.imaging import read_image_size
+    from dataset_cache.imaging import _png_size, read_image_size
 
     fast_ok = 0
     for name, raw in _png_variants(tmp_path).items():
@@ -503,11 +502,11 @@ def test_png_fast_header_agrees_with_pillow_or_defers_to_it(tmp_path: Path) -> N
                 want: Any = read_image_size(str(path))
             except Exception as exc:
                 want = type(exc)
-            fast = sources_mod._png_size(raw)
+            fast = _png_size(raw)
             got = sources_mod._read_image(str(path))[2]
         if fast is not None:
             fast_ok += 1
             assert fast == want, name
         assert got == (want if isinstance(want, tuple) else None), name
     assert fast_ok >= 10  # the common kinds really take the fast path
-    assert sources_mod._png_size(_png_variants(tmp_path)["exif_rotated"]) is None  # orientation: Pillow decides
+    assert _png_size(_png_variants(tmp_path)["exif_rotated"]) is None  # orientation: Pillow decides

@@ -19,11 +19,12 @@ from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
 from dataset_cache.encode_jobs import EncodeSettings
-from dataset_cache.errors import SourceError
+from dataset_cache.errors import DatasetFolderError, SourceError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.encode_plan import plan_encode
 from dataset_cache.encode_run import run_encode
-from dataset_cache.scan import DatasetFolderError, list_folder, scan_folder
+from dataset_cache.listing import list_folder
+from dataset_cache.scan import scan_folder
 from dataset_cache.keys import latent_key
 from dataset_cache.video import (MAX_CLIP_FRAMES, MIN_FPS, FrameSettings, clip_folder_of, frame_order, has_av,
                                  legacy_clip_key_fields, load_clip, probe_video)
