@@ -42,7 +42,8 @@ from ..dataset_cache.encode_plan import (
 )
 from ..dataset_cache.imaging import MASK_MODES
 from ..dataset_cache import check_dataset_name, read_state, update_dataset_info
-from ..dataset_cache.encode_run import EncodeReport, run_encode
+from ..dataset_cache.encode_report import EncodeReport
+from ..dataset_cache.encode_run import run_encode
 from ..dataset_cache.errors import CacheError, CacheNotFoundError
 from ..dataset_cache.video import FRAMES_SUFFIX, MAX_CLIP_FRAMES, MAX_FPS, MIN_FPS, SAMPLING_MODES, FrameSettings
 from .fingerprints import (
