@@ -30,7 +30,6 @@ naming the file. A zero tensor never stands in for data.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import time
@@ -44,17 +43,15 @@ import torch
 
 from .batching import batched
 from .dataset import Sample
+from .encode_decode import decode_clip, decode_rows, make_mask
 from .encode_plan import EncodePlan, LatentJob, MaskJob, samples_digest, settle_sources, variant_counts
 from .encode_report import EncodeReport
 from .errors import CacheLockedError, SourceError
 from .format.writer import LOG_SYNC_SECONDS, CacheWriter, CompactReport
-from .imaging import load_image, load_mask
-from .keys import hash_bytes, hash_file
 from .lock import READ_LOCK, WRITE_LOCK, CacheLock
 from .scan import DatasetFolderError, SourceFailure
 from .threads import resolve_threads
 from .units import format_bytes
-from .video import load_clip
 
 __all__ = [
     "LOOKAHEAD_BATCHES",
@@ -89,105 +86,9 @@ CLIP_LOOKAHEAD = 1
 """Clips decoded ahead of the one being encoded: a clip is up to :data:`.video.MAX_CLIP_PIXEL_BYTES` of pixels,
 so host memory stays at two clips while the decode of the next one hides behind the encode of this one."""
 
-WHOLE_VIDEO_BYTES = 64 << 20
-"""Videos up to this size are read once into memory, re-hashed and decoded from those very bytes; larger ones are
-re-hashed from the file, then decoded from it in a stream (memory stays flat; an edit in between is the
-source-record's ordinary trust window)."""
-
 ImageEncoder = Callable[[torch.Tensor], Sequence[Any]]
 ClipEncoder = Callable[[torch.Tensor], Any]
 TextEncoder = Callable[[list[str]], Sequence[Any]]
-
-
-def _read_source(path: str, source_hash: str, what: str) -> bytes:
-    """The bytes of a source file, checked against the hash its key was made from: a file edited after planning
-    must never be stored under the old content's key.
-
-    Raises:
-        SourceError: naming the file: it cannot be read, or it changed since the plan.
-    """
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise SourceError(path, f"cannot read {what}: {exc.strerror or exc}") from exc
-    if hash_bytes(data) != source_hash:
-        raise SourceError(path, "the file changed after the folder was scanned; run the encode again")
-    return data
-
-
-def _decode(job: LatentJob, out: torch.Tensor, row: int) -> tuple[torch.Tensor | SourceError | None, float]:
-    """Read, re-hash and decode one image (worker thread) into ``out[row]``.
-
-    Returns ``None`` (the pixels are in ``out[row]``), the pixels when they do not fit there, or the error; and the
-    seconds taken. Copying into the batch here, on the workers, spares the calling thread a ``torch.stack`` of
-    the whole batch between encoder calls.
-    """
-    start = time.perf_counter()
-    try:
-        data = _read_source(job.path, job.source_hash, "image")
-        try:
-            pixels = load_image(io.BytesIO(data), job.plan)  # type: ignore[arg-type]  # Pillow opens file objects
-        except SourceError as exc:  # the message named the BytesIO; name the file
-            raise SourceError(job.path, exc.reason) from exc
-        if pixels.shape == out.shape[1:] and pixels.dtype == out.dtype:
-            out[row].copy_(pixels)
-            return None, time.perf_counter() - start
-        return pixels, time.perf_counter() - start
-    except SourceError as exc:
-        return exc, time.perf_counter() - start
-
-
-def _make_mask(job: MaskJob) -> Any:
-    """Read, re-hash and reduce one mask (worker thread): its entry value ``{"mask": uint8 [1, 1, h, w]}``, or
-    the :class:`.SourceError` naming the file."""
-    try:
-        data = _read_source(job.path, job.source_hash, "mask")
-        return {"mask": load_mask(io.BytesIO(data), job.mode, job.plan, job.factor,  # type: ignore[arg-type]
-                                  name=job.path)}
-    except SourceError as exc:
-        return exc
-
-
-def _decode_clip(job: LatentJob, out: torch.Tensor) -> tuple[SourceError | None, float]:
-    """Read, re-hash and decode one clip's sampled frames into ``out`` (worker thread); the error, and the seconds."""
-    start = time.perf_counter()
-    clip = job.clip
-    assert clip is not None
-    try:
-        with torch.inference_mode(out.is_inference()):  # see _decode_rows
-            if clip.frames:
-                load_clip(None, clip.indices, job.plan, out, name=job.path, frames=clip.frames,
-                          frame_hashes=clip.frame_hashes)
-                return None, time.perf_counter() - start
-            try:
-                size = os.stat(job.path).st_size
-                if size <= WHOLE_VIDEO_BYTES:
-                    with open(job.path, "rb") as f:
-                        data: bytes | None = f.read()
-                    digest = hash_bytes(data)  # type: ignore[arg-type]
-                else:
-                    data, digest = None, hash_file(job.path)
-            except OSError as exc:
-                raise SourceError(job.path, f"cannot read video: {exc.strerror or exc}") from exc
-            if digest != job.source_hash:
-                raise SourceError(job.path, "the file changed after the folder was scanned; run the encode again")
-            load_clip(io.BytesIO(data) if data is not None else job.path, clip.indices, job.plan, out, name=job.path)
-        return None, time.perf_counter() - start
-    except SourceError as exc:
-        return exc, time.perf_counter() - start
-
-
-def _decode_rows(jobs: Sequence[LatentJob], out: torch.Tensor, first: int
-                 ) -> list[tuple[torch.Tensor | SourceError | None, float]]:
-    """Decode consecutive rows of a batch (one worker task: a task per image cost the calling thread a submit and
-    a wake-up each).
-
-    ``out`` was made by the calling thread, which may run under ``torch.inference_mode`` (ComfyUI executes nodes so);
-    that mode is thread-local, so the worker enters the same one before writing into it.
-    """
-    with torch.inference_mode(out.is_inference()):
-        return [_decode(job, out, first + i) for i, job in enumerate(jobs)]
 
 
 def _shard_sizes(root: str) -> dict[str, int]:
@@ -326,7 +227,7 @@ class _Run:
             for batch in batched(list(jobs), step):
                 self.check_stop()
                 start = time.perf_counter()
-                values = list(pool.map(_make_mask, batch))
+                values = list(pool.map(make_mask, batch))
                 self.t["decode_cpu"] += time.perf_counter() - start
                 good_keys, good_values = [], []
                 for job, value in zip(batch, values):
@@ -350,7 +251,7 @@ class _Run:
                     width, height = batch[0].bucket
                     out = torch.empty((len(batch), height, width, 3), dtype=torch.float32)  # filled by the workers
                     step = -(-len(batch) // threads)  # one task per worker
-                    pending.append((batch, out, [pool.submit(_decode_rows, batch[i:i + step], out, i)
+                    pending.append((batch, out, [pool.submit(decode_rows, batch[i:i + step], out, i)
                                                  for i in range(0, len(batch), step)]))
 
             try:
@@ -382,7 +283,7 @@ class _Run:
                     assert job.clip is not None
                     width, height = job.bucket
                     out = torch.empty((len(job.clip.indices), height, width, 3), dtype=torch.float32)
-                    pending.append((job, out, pool.submit(_decode_clip, job, out)))
+                    pending.append((job, out, pool.submit(decode_clip, job, out)))
 
             try:
                 for _ in range(CLIP_LOOKAHEAD + 1):
@@ -410,7 +311,8 @@ class _Run:
 
     def encode_batch(self, encode: ImageEncoder, batch: Sequence[LatentJob], out: torch.Tensor,
                      pixels: list[torch.Tensor | SourceError | None]) -> None:
-        """Encode one decoded batch: ``pixels[i]`` is None when image ``i`` is in ``out[i]`` (see :func:`_decode`)."""
+        """Encode one decoded batch: ``pixels[i]`` is None when image ``i`` is in ``out[i]`` (see
+        :func:`.encode_decode.decode_rows`)."""
         good: list[tuple[LatentJob, torch.Tensor | None]] = []
         for job, px in zip(batch, pixels):
             if isinstance(px, SourceError):
