@@ -35,7 +35,8 @@ from .format.layout import is_cache_folder
 from .format.manifest import CacheState, check_dataset_name, read_state
 from .encode_jobs import EncodePlan, EncodeSettings
 from .encode_plan import plan_encode
-from .encode_run import EncodeReport, run_encode
+from .encode_report import EncodeReport
+from .encode_run import run_encode
 from .loader import Batch, LoaderStats, LoaderWorkerError, PrefetchLoader
 from .multi_reader import MultiCacheReader
 from .refs import LazyTensor, is_lazy, materialize

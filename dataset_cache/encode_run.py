@@ -6,9 +6,9 @@ The first half, :func:`.encode_plan.plan_encode`, says what a folder needs; :fun
   then loss masks (no encoder: decoded and averaged down to latent resolution on the decode threads,
   :func:`.imaging.load_mask`), then latents bucket by bucket (mirrors among them), ``batch_size`` per encoder
   call, so each model is needed in one stretch;
-* images are decoded, resized and cropped on a small thread pool up to :data:`LOOKAHEAD_BATCHES` batches ahead
-  of the encoder, so the GPU does not wait on Pillow. Each image's bytes are re-hashed against the hash its key
-  was planned from: a file edited after planning is reported, never stored under the old content's key;
+* images are decoded, resized and cropped on a small thread pool up to :data:`.encode_feed.LOOKAHEAD_BATCHES`
+  batches ahead of the encoder, so the GPU does not wait on Pillow. Each image's bytes are re-hashed against the
+  hash its key was planned from: a file edited after planning is reported, never stored under the old content's key;
 * every finished batch is added and checkpointed (:meth:`.format.writer.CacheWriter.checkpoint`: one append to
   the writer's recovery log, no fsync, no small shard) on a background thread while the encoder runs the next
   batch, so an exception or a stop request loses at most the batch in flight, a ``kill -9`` at most that one and,
@@ -26,38 +26,36 @@ Callbacks (``progress``, ``should_stop``) are only ever called from the calling 
 and interrupt check do not work from other threads. Unreadable images follow ``settings.failure_policy``:
 ``"skip"`` leaves the sample out (counted and listed in the report), ``"stop"`` raises :class:`.SourceError`
 naming the file. A zero tensor never stands in for data.
+
+This module holds the run and its steps (the write lock, what is still missing once it is held, the final commit,
+storing the dataset, compacting); the encoders are fed by :mod:`.encode_feed` (the sources read and decoded by
+:mod:`.encode_decode`), each encoded batch is added and checkpointed by :mod:`.encode_commit`, and what the run did
+is an :class:`.encode_report.EncodeReport`.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from .batching import batched
 from .dataset import Sample
+from .encode_commit import BatchCommitter
+from .encode_feed import ClipEncoder, EncoderFeed, ImageEncoder, StopRequested, TextEncoder
 from .encode_jobs import EncodePlan, LatentJob, MaskJob, variant_counts
 from .encode_plan import samples_digest, settle_sources
-from .errors import CacheLockedError, DatasetFolderError, SourceError, SourceFailure
+from .encode_report import EncodeReport
+from .errors import CacheLockedError, DatasetFolderError
 from .format.writer import LOG_SYNC_SECONDS, CacheWriter, CompactReport
-from .imaging import load_image, load_mask
-from .keys import hash_bytes, hash_file
 from .lock import READ_LOCK, WRITE_LOCK, CacheLock
 from .threads import resolve_threads
 from .units import format_bytes
-from .video import load_clip
 
 __all__ = [
-    "LOOKAHEAD_BATCHES",
-    "EncodeReport",
     "run_encode",
     "compact_if_unread",
     "images_per_call",
@@ -79,226 +77,7 @@ def images_per_call(bucket: tuple[int, int], batch_size: int) -> int:
     return max(1, min(int(batch_size), MAX_PIXEL_BATCH_BYTES // per_image))
 
 
-LOOKAHEAD_BATCHES = 2
-"""Image batches decoded ahead of the one being encoded: one ready while one decodes hides decode jitter, and host
-memory stays bounded at ``(LOOKAHEAD_BATCHES + 1) * batch_size`` decoded images."""
-
 _LOCK_POLL_S = 0.2
-
-CLIP_LOOKAHEAD = 1
-"""Clips decoded ahead of the one being encoded: a clip is up to :data:`.video.MAX_CLIP_PIXEL_BYTES` of pixels,
-so host memory stays at two clips while the decode of the next one hides behind the encode of this one."""
-
-WHOLE_VIDEO_BYTES = 64 << 20
-"""Videos up to this size are read once into memory, re-hashed and decoded from those very bytes; larger ones are
-re-hashed from the file, then decoded from it in a stream (memory stays flat; an edit in between is the
-source-record's ordinary trust window)."""
-
-ImageEncoder = Callable[[torch.Tensor], Sequence[Any]]
-ClipEncoder = Callable[[torch.Tensor], Any]
-TextEncoder = Callable[[list[str]], Sequence[Any]]
-
-
-@dataclass
-class EncodeReport:
-    """What :func:`run_encode` did. Source counts are files; entry counts are distinct entries.
-
-    Attributes:
-        dataset: the dataset's name.
-        samples: samples in the stored dataset.
-        new / changed / unchanged / removed: source file counts from the plan.
-        encoded_latents / encoded_conditionings: entries this run encoded and committed.
-        reused: distinct entries the dataset needed that were already in the cache.
-        failed: unusable source files (plan time and encode time).
-        skipped: samples left out of the dataset because of a failure.
-        failures: each failure (file + reason).
-        bytes_written: bytes of the shards committed by this run (before compaction).
-        seconds: wall time of :func:`run_encode`.
-        stopped: ``should_stop()`` ended the run early; run again to encode the rest.
-        sourceless: the source folder is gone; the dataset was kept as stored.
-        compaction: what the final compaction did, when it ran.
-        timings: seconds spent in ``encoder`` calls, blocked on ``decode`` (``decode_wait``), decoding across the
-            worker threads (``decode_cpu``), adding, checkpointing and committing (``commit``; in the background
-            during the encode, see ``run_encode``), waiting for a background checkpoint (``commit_wait``), storing
-            the dataset and compacting (``finish``), and waiting for the write lock (``lock_wait``).
-        log_syncs: fsyncs of the recovery log (each bounds what a power loss can take).
-        notes: settings this run had to change, for the user (fewer images per VAE call for large buckets).
-        encoded_masks: loss masks this run made and committed.
-        encoded_mirrors: mirrored latents among ``encoded_latents``.
-        encoded_empty_caption: this run encoded the empty caption.
-        variants: what the stored dataset holds (:func:`.encode_jobs.variant_counts`): distinct ``captions``,
-            ``mirrors``, ``masks``, ``masked_samples``, ``empty_caption`` (0/1), ``shuffle_variants`` and, with
-            ``flip="always"``, ``flipped``.
-        short_clips: clips that give fewer frames than asked, each ``"<relpath>: <taken> of <asked> frames
-            (why)"`` (the plan's; ``notes`` names the first of them).
-    """
-
-    dataset: str
-    samples: int = 0
-    new: int = 0
-    changed: int = 0
-    unchanged: int = 0
-    removed: int = 0
-    encoded_latents: int = 0
-    encoded_conditionings: int = 0
-    reused: int = 0
-    failed: int = 0
-    skipped: int = 0
-    failures: list[SourceFailure] = field(default_factory=list)
-    bytes_written: int = 0
-    seconds: float = 0.0
-    stopped: bool = False
-    sourceless: bool = False
-    compaction: CompactReport | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    log_syncs: int = 0
-    notes: list[str] = field(default_factory=list)
-    encoded_masks: int = 0
-    encoded_mirrors: int = 0
-    encoded_empty_caption: bool = False
-    variants: dict[str, int] = field(default_factory=dict)
-    short_clips: tuple[str, ...] = ()
-
-    @property
-    def encoded(self) -> int:
-        """Entries encoded by this run (latents + conditionings + masks)."""
-        return self.encoded_latents + self.encoded_conditionings + self.encoded_masks
-
-    def variants_line(self) -> str | None:
-        """One line on the variants (shuffles, mirrors, masks, empty caption): made this run / in the dataset;
-        ``None`` when the dataset has none."""
-        v = self.variants
-        parts = []
-        if v.get("shuffle_variants"):
-            parts.append(f"{v['shuffle_variants']} tag shuffles per caption line ({v.get('captions', 0)} distinct "
-                         "caption texts in the dataset)")
-        if v.get("mirrors") or self.encoded_mirrors:
-            parts.append(f"mirrors: {self.encoded_mirrors} encoded, {v.get('mirrors', 0)} in the dataset")
-        if v.get("flipped"):
-            parts.append(f"flip always: all {v['flipped']} samples stored mirrored (training never sees the "
-                         "originals)")
-        if v.get("masks") or self.encoded_masks:
-            parts.append(f"masks: {self.encoded_masks} made, {v.get('masks', 0)} in the dataset "
-                         f"({v.get('masked_samples', 0)} of {self.samples} samples masked)")
-        if v.get("empty_caption") or self.encoded_empty_caption:
-            parts.append("empty caption: " + ("encoded" if self.encoded_empty_caption else "cached"))
-        return "variants: " + "; ".join(parts) if parts else None
-
-    def summary(self) -> str:
-        """A short human-readable account (a few lines) for logs and the UI."""
-        if self.sourceless:
-            head = (f"dataset {self.dataset!r}: source folder is gone ({self.removed} source files removed); "
-                    f"{self.samples} samples are served from the cache as stored")
-            return head
-        lines = [
-            f"dataset {self.dataset!r}: {self.samples} samples" + (" (STOPPED: run again to encode the rest)"
-                                                                    if self.stopped else ""),
-            f"encoded {self.encoded_latents} latents and {self.encoded_conditionings} conditionings"
-            + (f" and made {self.encoded_masks} masks" if self.encoded_masks else "") + ", "
-            f"reused {self.reused} cached entries, wrote {format_bytes(self.bytes_written)} in {self.seconds:.1f}s",
-            f"sources: {self.new} new, {self.changed} changed, {self.unchanged} unchanged, {self.removed} removed",
-        ]
-        variants = self.variants_line()
-        if variants:
-            lines.append(variants)
-        if self.failures:
-            lines.append(f"{self.failed} failed, {self.skipped} samples skipped; first: "
-                         f"{self.failures[0].relpath}: {self.failures[0].reason}")
-        if self.compaction is not None and self.compaction.findings():
-            lines.append(f"cache: {self.compaction.findings()}")
-        lines.extend(f"NOTE: {n}" for n in self.notes)
-        return "\n".join(lines)
-
-
-def _read_source(path: str, source_hash: str, what: str) -> bytes:
-    """The bytes of a source file, checked against the hash its key was made from: a file edited after planning
-    must never be stored under the old content's key.
-
-    Raises:
-        SourceError: naming the file: it cannot be read, or it changed since the plan.
-    """
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise SourceError(path, f"cannot read {what}: {exc.strerror or exc}") from exc
-    if hash_bytes(data) != source_hash:
-        raise SourceError(path, "the file changed after the folder was scanned; run the encode again")
-    return data
-
-
-def _decode(job: LatentJob, out: torch.Tensor, row: int) -> tuple[torch.Tensor | SourceError | None, float]:
-    """Read, re-hash and decode one image (worker thread) into ``out[row]``.
-
-    Returns ``None`` (the pixels are in ``out[row]``), the pixels when they do not fit there, or the error; and the
-    seconds taken. Copying into the batch here, on the workers, spares the calling thread a ``torch.stack`` of
-    the whole batch between encoder calls.
-    """
-    start = time.perf_counter()
-    try:
-        data = _read_source(job.path, job.source_hash, "image")
-        try:
-            pixels = load_image(io.BytesIO(data), job.plan)  # type: ignore[arg-type]  # Pillow opens file objects
-        except SourceError as exc:  # the message named the BytesIO; name the file
-            raise SourceError(job.path, exc.reason) from exc
-        if pixels.shape == out.shape[1:] and pixels.dtype == out.dtype:
-            out[row].copy_(pixels)
-            return None, time.perf_counter() - start
-        return pixels, time.perf_counter() - start
-    except SourceError as exc:
-        return exc, time.perf_counter() - start
-
-
-def _make_mask(job: MaskJob) -> Any:
-    """Read, re-hash and reduce one mask (worker thread): its entry value ``{"mask": uint8 [1, 1, h, w]}``, or
-    the :class:`.SourceError` naming the file."""
-    try:
-        data = _read_source(job.path, job.source_hash, "mask")
-        return {"mask": load_mask(io.BytesIO(data), job.mode, job.plan, job.factor,  # type: ignore[arg-type]
-                                  name=job.path)}
-    except SourceError as exc:
-        return exc
-
-
-def _decode_clip(job: LatentJob, out: torch.Tensor) -> tuple[SourceError | None, float]:
-    """Read, re-hash and decode one clip's sampled frames into ``out`` (worker thread); the error, and the seconds."""
-    start = time.perf_counter()
-    clip = job.clip
-    assert clip is not None
-    try:
-        with torch.inference_mode(out.is_inference()):  # see _decode_rows
-            if clip.frames:
-                load_clip(None, clip.indices, job.plan, out, name=job.path, frames=clip.frames,
-                          frame_hashes=clip.frame_hashes)
-                return None, time.perf_counter() - start
-            try:
-                size = os.stat(job.path).st_size
-                if size <= WHOLE_VIDEO_BYTES:
-                    with open(job.path, "rb") as f:
-                        data: bytes | None = f.read()
-                    digest = hash_bytes(data)  # type: ignore[arg-type]
-                else:
-                    data, digest = None, hash_file(job.path)
-            except OSError as exc:
-                raise SourceError(job.path, f"cannot read video: {exc.strerror or exc}") from exc
-            if digest != job.source_hash:
-                raise SourceError(job.path, "the file changed after the folder was scanned; run the encode again")
-            load_clip(io.BytesIO(data) if data is not None else job.path, clip.indices, job.plan, out, name=job.path)
-        return None, time.perf_counter() - start
-    except SourceError as exc:
-        return exc, time.perf_counter() - start
-
-
-def _decode_rows(jobs: Sequence[LatentJob], out: torch.Tensor, first: int
-                 ) -> list[tuple[torch.Tensor | SourceError | None, float]]:
-    """Decode consecutive rows of a batch (one worker task: a task per image cost the calling thread a submit and
-    a wake-up each).
-
-    ``out`` was made by the calling thread, which may run under ``torch.inference_mode`` (ComfyUI executes nodes so);
-    that mode is thread-local, so the worker enters the same one before writing into it.
-    """
-    with torch.inference_mode(out.is_inference()):
-        return [_decode(job, out, first + i) for i, job in enumerate(jobs)]
 
 
 def _shard_sizes(root: str) -> dict[str, int]:
@@ -311,239 +90,6 @@ def _shard_sizes(root: str) -> dict[str, int]:
     except FileNotFoundError:
         pass
     return out
-
-
-class _Stopped(Exception):
-    """Internal: should_stop() asked to end the run."""
-
-
-class _Run:
-    """The state of one :func:`run_encode` call (all methods run on the calling thread)."""
-
-    def __init__(self, plan: EncodePlan, writer: CacheWriter, report: EncodeReport,
-                 progress: Callable[[int, int], None] | None, should_stop: Callable[[], bool] | None) -> None:
-        self.plan, self.writer, self.report = plan, writer, report
-        self.progress, self.should_stop = progress, should_stop
-        self.done = 0
-        self.total = 0
-        self.failed_keys: set[str] = set()  # latents, mirrors and masks that could not be made
-        self.t = report.timings
-        self.min_commit_seconds = 0.0
-        self.last_commit = float("-inf")
-        self._committer: ThreadPoolExecutor | None = None
-        self._pending: tuple[Future[None], str, int, int] | None = None  # (checkpoint, kind, entries, items)
-
-    def tick(self, n: int) -> None:
-        self.done += n
-        if self.progress is not None:
-            self.progress(self.done, self.total)
-
-    def check_stop(self) -> None:
-        if self.should_stop is not None and self.should_stop():
-            raise _Stopped
-
-    def commit(self, keys: Sequence[str], values: Sequence[Any], kind: str) -> None:
-        """Add and checkpoint one encoded batch (on the committer thread when commits run in the background)."""
-        start = time.perf_counter()
-        for key, value in zip(keys, values):
-            self.writer.add(key, value, kind=kind, name=kind)
-        if start - self.last_commit >= self.min_commit_seconds:
-            self.writer.checkpoint()
-            self.last_commit = time.perf_counter()
-        self.t["commit"] += time.perf_counter() - start
-
-    def start_background_commits(self) -> None:
-        """Checkpoint each batch on one background thread while the encoder runs the next one (see run_encode)."""
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="encode-commit")
-
-    def hand_over(self, keys: Sequence[str], values: Sequence[Any], kind: str, items: int) -> None:
-        """Commit one encoded batch (``items`` work items, ``keys`` of them encoded); report it once checkpointed.
-
-        In the background, the previous batch's checkpoint is awaited first (one batch pending at most: bounded
-        memory, and its error surfaces here with its traceback); progress is reported per checkpointed batch.
-        """
-        if self._committer is None:
-            self.commit(keys, values, kind)
-            self._checkpointed(kind, len(keys), items)
-            return
-        self.wait_for_commit()
-        self._pending = (self._committer.submit(self.commit, keys, values, kind), kind, len(keys), items)
-
-    def wait_for_commit(self) -> None:
-        """Wait until the batch handed over last is checkpointed (raising its error); the writer is ours again."""
-        if self._pending is None:
-            return
-        future, kind, entries, items = self._pending
-        self._pending = None
-        start = time.perf_counter()
-        try:
-            future.result()
-        finally:
-            self.t["commit_wait"] += time.perf_counter() - start
-        self._checkpointed(kind, entries, items)
-
-    def _checkpointed(self, kind: str, entries: int, items: int) -> None:
-        if kind == "latent":
-            self.report.encoded_latents += entries
-        elif kind == "mask":
-            self.report.encoded_masks += entries
-        else:
-            self.report.encoded_conditionings += entries
-        self.tick(items)
-
-    def stop_background_commits(self, *, failing: bool) -> None:
-        """Checkpoint the batch still pending and end the committer thread.
-
-        With ``failing`` (the encode is ending by an exception or a stop), an error of that last checkpoint is
-        logged rather than raised, so the original exception is the one the caller sees.
-        """
-        if self._committer is None:
-            return
-        try:
-            self.wait_for_commit()
-        except Exception as exc:
-            if not failing:
-                raise
-            log.warning("%s: the last encoded batch could not be checkpointed (%s)", self.plan.cache_root, exc)
-        finally:
-            self._committer.shutdown(wait=True)
-            self._committer = None
-
-    def encode_texts(self, encode: TextEncoder, todo: list[tuple[str, str]]) -> None:
-        for batch in batched(todo, self.plan.settings.batch_size):
-            self.check_stop()
-            texts = [text for _, text in batch]
-            start = time.perf_counter()
-            out = list(encode(texts))
-            self.t["encoder"] += time.perf_counter() - start
-            if len(out) != len(batch):
-                raise ValueError(f"encode_texts returned {len(out)} values for {len(batch)} texts; "
-                                 "it must return one conditioning per text")
-            self.hand_over([k for k, _ in batch], out, "conditioning", len(batch))
-
-    def leave_out(self, job: LatentJob | MaskJob, error: SourceError) -> None:
-        """A source that failed to decode: raise it under ``failure_policy="stop"``, else leave its sample out of
-        the dataset and report it."""
-        if self.plan.settings.failure_policy == "stop":
-            raise error
-        log.warning("skipping %s: %s", job.relpath, error.reason)
-        self.report.failures.append(SourceFailure(job.relpath, job.path, error.reason))
-        self.failed_keys.add(job.key)
-
-    def make_masks(self, jobs: Sequence[MaskJob], threads: int) -> None:
-        """Make loss masks on the decode threads (no encoder), committing them ``batch_size * 8`` at a time."""
-        step = max(1, self.plan.settings.batch_size * 8)
-        with ThreadPoolExecutor(threads, thread_name_prefix="encode-mask") as pool:
-            for batch in batched(list(jobs), step):
-                self.check_stop()
-                start = time.perf_counter()
-                values = list(pool.map(_make_mask, batch))
-                self.t["decode_cpu"] += time.perf_counter() - start
-                good_keys, good_values = [], []
-                for job, value in zip(batch, values):
-                    if isinstance(value, SourceError):
-                        self.leave_out(job, value)
-                    else:
-                        good_keys.append(job.key)
-                        good_values.append(value)
-                if good_keys:
-                    self.hand_over(good_keys, good_values, "mask", len(batch))
-                else:
-                    self.tick(len(batch))
-
-    def encode_images(self, encode: ImageEncoder, batches: list[Sequence[LatentJob]], threads: int) -> None:
-        pending: deque[tuple[Sequence[LatentJob], torch.Tensor, list[Future]]] = deque()
-        source = iter(batches)
-        with ThreadPoolExecutor(threads, thread_name_prefix="encode-decode") as pool:
-            def submit_next() -> None:
-                batch = next(source, None)
-                if batch is not None:
-                    width, height = batch[0].bucket
-                    out = torch.empty((len(batch), height, width, 3), dtype=torch.float32)  # filled by the workers
-                    step = -(-len(batch) // threads)  # one task per worker
-                    pending.append((batch, out, [pool.submit(_decode_rows, batch[i:i + step], out, i)
-                                                 for i in range(0, len(batch), step)]))
-
-            try:
-                for _ in range(LOOKAHEAD_BATCHES + 1):
-                    submit_next()
-                while pending:
-                    self.check_stop()
-                    batch, out, futures = pending.popleft()
-                    start = time.perf_counter()
-                    results = [r for f in futures for r in f.result()]
-                    self.t["decode_wait"] += time.perf_counter() - start
-                    submit_next()
-                    self.t["decode_cpu"] += sum(sec for _, sec in results)
-                    self.encode_batch(encode, batch, out, [r for r, _ in results])
-                    del out
-            finally:
-                for _, _, futures in pending:  # an exception or a stop: drop the look-ahead, keep what is committed
-                    for f in futures:
-                        f.cancel()
-
-    def encode_clips(self, encode: ClipEncoder, jobs: Sequence[LatentJob], threads: int) -> None:
-        """Encode clips one per encoder call, the next :data:`CLIP_LOOKAHEAD` decoding meanwhile."""
-        pending: deque[tuple[LatentJob, torch.Tensor, Future]] = deque()
-        source = iter(jobs)
-        with ThreadPoolExecutor(max(1, min(threads, CLIP_LOOKAHEAD + 1)), thread_name_prefix="encode-clip") as pool:
-            def submit_next() -> None:
-                job = next(source, None)
-                if job is not None:
-                    assert job.clip is not None
-                    width, height = job.bucket
-                    out = torch.empty((len(job.clip.indices), height, width, 3), dtype=torch.float32)
-                    pending.append((job, out, pool.submit(_decode_clip, job, out)))
-
-            try:
-                for _ in range(CLIP_LOOKAHEAD + 1):
-                    submit_next()
-                while pending:
-                    self.check_stop()
-                    job, out, future = pending.popleft()
-                    start = time.perf_counter()
-                    error, seconds = future.result()
-                    self.t["decode_wait"] += time.perf_counter() - start
-                    self.t["decode_cpu"] += seconds
-                    submit_next()
-                    if error is not None:
-                        self.leave_out(job, error)
-                        self.tick(1)
-                        continue
-                    start = time.perf_counter()
-                    value = encode(out)
-                    self.t["encoder"] += time.perf_counter() - start
-                    del out
-                    self.hand_over([job.key], [value], "latent", 1)
-            finally:
-                for _, _, future in pending:
-                    future.cancel()
-
-    def encode_batch(self, encode: ImageEncoder, batch: Sequence[LatentJob], out: torch.Tensor,
-                     pixels: list[torch.Tensor | SourceError | None]) -> None:
-        """Encode one decoded batch: ``pixels[i]`` is None when image ``i`` is in ``out[i]`` (see :func:`_decode`)."""
-        good: list[tuple[LatentJob, torch.Tensor | None]] = []
-        for job, px in zip(batch, pixels):
-            if isinstance(px, SourceError):
-                self.leave_out(job, px)
-            else:
-                good.append((job, px))
-        if good:
-            if len(good) == len(batch) and all(px is None for px in pixels):
-                images = out  # the usual case: the workers filled the batch
-            else:  # a failure left a hole, or an image did not fit its row
-                images = torch.stack([out[i] if px is None else px
-                                      for i, px in enumerate(pixels) if not isinstance(px, SourceError)])
-            start = time.perf_counter()
-            latents = list(encode(images))
-            self.t["encoder"] += time.perf_counter() - start
-            del images
-            if len(latents) != len(good):
-                raise ValueError(f"encode_images returned {len(latents)} values for a batch of {len(good)} images; "
-                                 "it must return one latent per image")
-            self.hand_over([job.key for job, _ in good], latents, "latent", len(batch))
-        else:
-            self.tick(len(batch))
 
 
 def _acquire(lock: CacheLock, root: str, should_stop: Callable[[], bool] | None) -> bool:
@@ -578,12 +124,12 @@ def compact_if_unread(writer: CacheWriter, root: str | os.PathLike[str], *,
         return None
 
 
-def _finish(run: _Run, plan: EncodePlan) -> tuple[Sample, ...]:
+def _finish(plan: EncodePlan, report: EncodeReport, failed_keys: set[str]) -> tuple[Sample, ...]:
     """Return the dataset's samples after encode-time failures, checking failures against the policy."""
-    samples = tuple(s for s in plan.samples if run.failed_keys.isdisjoint((s.latent, s.mirror, s.mask)))
-    run.report.skipped += len(plan.samples) - len(samples)
+    samples = tuple(s for s in plan.samples if failed_keys.isdisjoint((s.latent, s.mirror, s.mask)))
+    report.skipped += len(plan.samples) - len(samples)
     if not samples:
-        first = run.report.failures[0] if run.report.failures else None
+        first = report.failures[0] if report.failures else None
         raise DatasetFolderError(plan.folder, "no image or clip could be encoded" + (
             f"; first problem: {first.relpath}: {first.reason}" if first else ""))
     return samples
@@ -660,15 +206,15 @@ def run_encode(
         try:
             work = _pending_work(plan, writer, report)
             _check_encoders(plan, work, encode_images, encode_texts, encode_clips)
-            run = _Run(plan, writer, report, progress, should_stop)
-            run.min_commit_seconds = max(0.0, float(min_commit_seconds))
-            run.total = work.total
+            commits = BatchCommitter(writer, report, progress, total=work.total,
+                                     min_commit_seconds=max(0.0, float(min_commit_seconds)), root=plan.cache_root)
+            feed = EncoderFeed(plan, report, commits, should_stop)
             if progress is not None:
-                progress(0, run.total)
-            _encode_all(run, work, encode_images, encode_texts, encode_clips, background_commits)
-            _commit_and_count(run, work, before)
+                progress(0, commits.total)
+            _encode_all(feed, work, encode_images, encode_texts, encode_clips, background_commits)
+            _commit_and_count(plan, writer, report, work, before)
             if not report.stopped:
-                _store_dataset(run)
+                _store_dataset(plan, writer, report, feed.failed_keys)
         except BaseException:
             # Entries already added are finished encodes (the failing batch never reached add), so keep them.
             try:
@@ -765,35 +311,36 @@ def _check_encoders(plan: EncodePlan, work: _Work, encode_images: ImageEncoder |
                          "encode_texts is None (connect a text encoder)")
 
 
-def _encode_all(run: _Run, work: _Work, encode_images: ImageEncoder | None, encode_texts: TextEncoder | None,
-                encode_clips: ClipEncoder | None, background_commits: bool) -> None:
+def _encode_all(feed: EncoderFeed, work: _Work, encode_images: ImageEncoder | None,
+                encode_texts: TextEncoder | None, encode_clips: ClipEncoder | None, background_commits: bool) -> None:
     """Texts first (their encoder is released before the VAE loads), then masks, images and clips; a stop request
     ends it with ``report.stopped``, an error after the finished batches' checkpoints."""
+    commits = feed.commits
     if background_commits:
-        run.start_background_commits()
+        commits.start_background_commits()
     try:
         if work.texts:
-            run.encode_texts(encode_texts, work.texts)  # type: ignore[arg-type]
-            run.wait_for_commit()
-            run.writer.sync_log()  # the VAE may take a while to load: no checkpoint should wait unsynced
-        threads = resolve_threads(run.plan.settings.encode_threads, purpose="encode threads", maximum=16)
+            feed.encode_texts(encode_texts, work.texts)  # type: ignore[arg-type]
+            commits.wait_for_commit()
+            commits.writer.sync_log()  # the VAE may take a while to load: no checkpoint should wait unsynced
+        threads = resolve_threads(feed.plan.settings.encode_threads, purpose="encode threads", maximum=16)
         if work.masks:
-            run.make_masks(work.masks, threads)
+            feed.make_masks(work.masks, threads)
         if work.batches:
-            run.encode_images(encode_images, work.batches, threads)  # type: ignore[arg-type]
+            feed.encode_images(encode_images, work.batches, threads)  # type: ignore[arg-type]
         if work.clips:
-            run.encode_clips(encode_clips, work.clips, threads)  # type: ignore[arg-type]
-    except _Stopped:
-        run.report.stopped = True
+            feed.encode_clips(encode_clips, work.clips, threads)  # type: ignore[arg-type]
+    except StopRequested:
+        feed.report.stopped = True
     except BaseException:
-        run.stop_background_commits(failing=True)  # what is finished is kept (committed by the caller)
+        commits.stop_background_commits(failing=True)  # what is finished is kept (committed by the caller)
         raise
-    run.stop_background_commits(failing=False)  # the last batch's checkpoint (its error is raised)
+    commits.stop_background_commits(failing=False)  # the last batch's checkpoint (its error is raised)
 
 
-def _commit_and_count(run: _Run, work: _Work, before: dict[str, int]) -> None:
+def _commit_and_count(plan: EncodePlan, writer: CacheWriter, report: EncodeReport, work: _Work,
+                      before: dict[str, int]) -> None:
     """Publish what was encoded (the recovery log is deleted) and count it into the report."""
-    report, writer, plan = run.report, run.writer, run.plan
     t_commit = time.perf_counter()
     writer.commit()
     report.timings["commit"] += time.perf_counter() - t_commit
@@ -807,11 +354,10 @@ def _commit_and_count(run: _Run, work: _Work, before: dict[str, int]) -> None:
     report.bytes_written = sum(size for name, size in written.items() if name not in before)
 
 
-def _store_dataset(run: _Run) -> None:
+def _store_dataset(plan: EncodePlan, writer: CacheWriter, report: EncodeReport, failed_keys: set[str]) -> None:
     """Store the dataset's samples (when they changed), compact the run's small shards, settle the sources."""
-    report, writer, plan = run.report, run.writer, run.plan
     t_finish = time.perf_counter()
-    samples = _finish(run, plan)
+    samples = _finish(plan, report, failed_keys)
     if not (plan.dataset_current and samples == plan.samples):
         writer.set_dataset(plan.dataset, samples, info=_info(plan, report, samples))
     if report.encoded:  # the run's last shard is partly filled: merge it with earlier small ones

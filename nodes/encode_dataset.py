@@ -36,7 +36,8 @@ from ..dataset_cache.encode_jobs import FAILURE_POLICIES, EncodePlan, EncodeSett
 from ..dataset_cache.encode_plan import plan_encode
 from ..dataset_cache.imaging import MASK_MODES
 from ..dataset_cache import check_dataset_name
-from ..dataset_cache.encode_run import EncodeReport, run_encode
+from ..dataset_cache.encode_report import EncodeReport
+from ..dataset_cache.encode_run import run_encode
 from ..dataset_cache.video import FRAMES_SUFFIX, MAX_CLIP_FRAMES, MAX_FPS, MIN_FPS, SAMPLING_MODES, FrameSettings
 from . import encoders
 from .encoder_record import Encoders, choose_encoders, store_record
