@@ -88,14 +88,18 @@ def test_readme_inputs_table_names_every_input(pack: ModuleType) -> None:
             f"not inputs {sorted(set(named) - set(ids))}")
 
 
+_USER_LISTS = frozenset({"folder", "cache", "publish_to", "existing_lora"})
+"""Combo inputs that list the user's own folders, caches, buckets or LoRAs (what the session's other tests
+created, here), not choices the pack defines."""
+
+
 def _fixed_options(schema: object) -> dict[str, list[str]]:
-    """The combo inputs whose options are fixed by the pack (not lists of the user's folders, caches or LoRAs,
-    whose entries on a fresh install are a placeholder or ``[None]``)."""
+    """The combo inputs whose options the pack defines."""
     fixed = {}
     for inp in schema.inputs:  # type: ignore[attr-defined]
         options = getattr(inp, "options", None)
-        if options and len(options) > 1 and all(isinstance(o, str) and o[:1] not in "([" for o in options):
-            fixed[inp.id] = list(options)
+        if options and inp.id not in _USER_LISTS:
+            fixed[inp.id] = [str(o) for o in options]
     return fixed
 
 
