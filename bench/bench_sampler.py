@@ -24,7 +24,8 @@ import torch
 
 from dataset_cache.dataset import Sample
 from dataset_cache.batch_assembly import assemble_cpu, latent_rows
-from dataset_cache.sampler import BatchPlan, BucketSampler, Regularization
+from dataset_cache.dataset_mix import Regularization
+from dataset_cache.sampler import BatchPlan, BucketSampler
 
 
 def _timed(fn: Callable[[], Any], runs: int) -> list[float]:

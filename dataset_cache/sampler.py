@@ -56,26 +56,17 @@ import hashlib
 import logging
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .dataset import MAX_EPOCH_OCCURRENCES, MAX_REPEATS, Sample, check_epoch_size
+from .dataset import Sample, check_epoch_size
+from .dataset_mix import DatasetMix, Regularization, reg_occurrences, reg_shares, unmix
 from .reading import EntryHeaders
 from .seeding import seeded_generator
 
-__all__ = [
-    "BatchPlan",
-    "BucketSampler",
-    "DatasetMix",
-    "DatasetPart",
-    "Regularization",
-    "buckets_from_reader",
-    "fit_batch_size",
-    "mix_datasets",
-    "shared_samples",
-]
+__all__ = ["BatchPlan", "BucketSampler", "buckets_from_reader", "fit_batch_size"]
 
 log = logging.getLogger("dataset_cache.sampler")
 
@@ -131,102 +122,6 @@ class _Epoch:
     dropped: torch.Tensor | None = None  # bool [batches, batch_size]: caption dropped (None: dropout is off)
 
 
-@dataclass(frozen=True)
-class DatasetPart:
-    """One dataset of a mix (kohya's ``[[datasets.subsets]]`` with ``num_repeats``).
-
-    Attributes:
-        name: the dataset's name, for messages.
-        samples: its samples.
-        repeats: multiplies every sample's own repeats (1: as encoded).
-    """
-
-    name: str
-    samples: Sequence[Sample]
-    repeats: int = 1
-
-
-@dataclass(frozen=True)
-class DatasetMix:
-    """Samples of one or more datasets trained together: the parts concatenated in order, each part's repeats
-    multiplied into its samples' repeats. Made by :func:`mix_datasets`; :class:`BucketSampler` takes it wherever it
-    takes a sample list, and names the part a sample comes from in its messages.
-
-    Attributes:
-        samples: every part's samples, in order.
-        parts: ``(name, number of samples)`` of each part, in order.
-    """
-
-    samples: tuple[Sample, ...]
-    parts: tuple[tuple[str, int], ...]
-
-    def name_of(self, index: int) -> str:
-        """The name of the dataset that ``samples[index]`` comes from."""
-        at = 0
-        for name, count in self.parts:
-            at += count
-            if index < at:
-                return name
-        raise IndexError(f"sample index {index} is past the mix's {at} samples")
-
-
-def mix_datasets(parts: Sequence[DatasetPart]) -> DatasetMix:
-    """Concatenate datasets with per-dataset repeats, refusing what no sampler could hold.
-
-    Raises:
-        ValueError: no part, a part's repeats not an int from 1 to ``MAX_REPEATS``, a sample whose repeats times its
-            dataset's reach past ``MAX_REPEATS``, or an epoch past ``MAX_EPOCH_OCCURRENCES`` (each names the dataset).
-    """
-    if not parts:
-        raise ValueError("no dataset to train on: give at least one")
-    out: list[Sample] = []
-    for part in parts:
-        if type(part.repeats) is not int or not 1 <= part.repeats <= MAX_REPEATS:
-            raise ValueError(f"dataset {part.name!r}: repeats must be an int from 1 to {MAX_REPEATS}, got "
-                             f"{part.repeats!r:.40}")
-        for sample in part.samples:
-            total = sample.repeats * part.repeats
-            if total > MAX_REPEATS:
-                raise ValueError(
-                    f"dataset {part.name!r}: sample {sample.source or sample.latent} repeats {sample.repeats} times "
-                    f"(its folder's count) × {part.repeats} (the dataset's repeats) = {total}, above the limit of "
-                    f"{MAX_REPEATS}; lower the dataset's repeats")
-            out.append(sample if part.repeats == 1 else replace(sample, repeats=total))
-    check_epoch_size(out, "the datasets " + " + ".join(f"{p.name!r}×{p.repeats}" for p in parts))
-    return DatasetMix(tuple(out), tuple((p.name, len(p.samples)) for p in parts))
-
-
-@dataclass(frozen=True)
-class Regularization:
-    """A second set of samples mixed into every epoch at a ratio, with its own loss weight (kohya's reg folders,
-    DreamBooth's prior preservation).
-
-    Attributes:
-        samples: the regularization samples (a list or a :class:`DatasetMix`).
-        bucket_of: their buckets, as :class:`BucketSampler`'s ``bucket_of`` (their own latents' shapes).
-        ratio: regularization occurrences per occurrence of the main dataset in an epoch (rounded to an integer
-            count per epoch; 0: none).
-        weight: loss weight of a regularization row (a main row weighs 1.0).
-        name: the dataset's name, for messages.
-    """
-
-    samples: Sequence[Sample] | DatasetMix
-    bucket_of: Callable[[Sample], Hashable] | Sequence[Hashable]
-    ratio: float = 1.0
-    weight: float = 1.0
-    name: str = "the regularization dataset"
-
-
-def shared_samples(main: Sequence[Sample] | DatasetMix, reg: Sequence[Sample] | DatasetMix) -> list[Sample]:
-    """The regularization samples whose latent (or mirror) the main dataset trains too: the same image, crop and VAE
-    (keys are content addresses, so this holds across caches). A dataset used as its own regularization set shares
-    all of them."""
-    main_samples = main.samples if isinstance(main, DatasetMix) else main
-    reg_samples = reg.samples if isinstance(reg, DatasetMix) else reg
-    trained = {k for s in main_samples for k in (s.latent, s.mirror) if k is not None}
-    return [s for s in reg_samples if s.latent in trained or (s.mirror is not None and s.mirror in trained)]
-
-
 def buckets_from_reader(reader: EntryHeaders, samples: Sequence[Sample]) -> list[tuple[int, ...]]:
     """Return each sample's bucket: its latent's shape without the leading 1 — ``(C, H, W)`` for images,
     ``(C, T, H, W)`` for video VAEs — read from headers only (no tensor I/O). Rows of one bucket stack.
@@ -279,27 +174,9 @@ def fit_batch_size(samples: Sequence[Sample], bucket_of: Sequence[Hashable], bat
     return max(1, min(int(batch_size), max(occurrences.values(), default=1)))
 
 
-def _unmix(samples: Sequence[Sample] | DatasetMix, name: str
-           ) -> tuple[Sequence[Sample], tuple[tuple[str, int, int], ...]]:
-    """The sample list and ``(dataset name, first index, end index)`` of each of its datasets."""
-    if isinstance(samples, DatasetMix):
-        spans, at = [], 0
-        for part, count in samples.parts:
-            spans.append((part, at, at + count))
-            at += count
-        return samples.samples, tuple(spans)
-    return samples, ((name, 0, len(samples)),)
-
-
 def _check_fraction(value: float, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{what} must be a number from 0 to 1, got {value!r:.40}")
-    return float(value)
-
-
-def _check_ratio(value: float, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value and math.isfinite(value)):
-        raise ValueError(f"{what} must be a finite number >= 0, got {value!r:.40}")
     return float(value)
 
 
@@ -388,7 +265,7 @@ class BucketSampler:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if tail not in _TAILS:
             raise ValueError(f"tail must be one of {_TAILS}, got {tail!r}")
-        main, self._names = _unmix(samples, name)
+        main, self._names = unmix(samples, name)
         if not main:
             raise ValueError("the dataset has no samples; nothing to sample")
         check_epoch_size(main, "the sampler's dataset")  # one index per occurrence is allocated below
@@ -397,7 +274,7 @@ class BucketSampler:
         self.reg = reg
         reg_samples: Sequence[Sample] = ()
         if reg is not None:
-            reg_samples, reg_names = _unmix(reg.samples, reg.name)
+            reg_samples, reg_names = unmix(reg.samples, reg.name)
             self._names += tuple((n, start + self._n_main, stop + self._n_main) for n, start, stop in reg_names)
             self.samples: Sequence[Sample] = [*main, *reg_samples]
         else:
@@ -447,26 +324,10 @@ class BucketSampler:
 
     def _add_reg(self, reg: Regularization, reg_samples: Sequence[Sample]) -> None:
         """Bucket the regularization samples by their own latents and fix each bucket's share of an epoch."""
-        ratio = _check_ratio(reg.ratio, f"{reg.name}: ratio")
-        _check_ratio(reg.weight, f"{reg.name}: loss weight")
-        if not reg_samples:
-            raise ValueError(f"{reg.name} has no samples; encode a folder of regularization images or leave the "
-                             "regularization dataset unconnected")
-        main_total = int(self._repeats[: self._n_main].sum().item())
-        wanted = math.floor(ratio * main_total + 0.5)  # per epoch; half rounds up
-        if main_total + wanted > MAX_EPOCH_OCCURRENCES:
-            raise ValueError(f"{reg.name}: ratio {ratio} × {main_total} occurrences of the main dataset makes "
-                             f"{main_total + wanted} occurrences per epoch, above the limit of "
-                             f"{MAX_EPOCH_OCCURRENCES}; lower the ratio or the repeats")
+        wanted = reg_occurrences(reg, reg_samples, int(self._repeats[: self._n_main].sum().item()))
         ids, members = self._group(reg_samples, reg.bucket_of)
         pools = [int(self._repeats[m + self._n_main].sum().item()) for m in members]
-        pool_total = sum(pools)
-        # Largest remainder: each bucket gets wanted × its share of the pool, rounded down; the units left go to
-        # the largest fractional parts (ties: the bucket that appeared first). Constant from epoch to epoch.
-        quota = [wanted * n // pool_total for n in pools]
-        rest = sorted(range(len(pools)), key=lambda k: (-(wanted * pools[k] % pool_total), k))
-        for k in rest[: wanted - sum(quota)]:
-            quota[k] += 1
+        quota = reg_shares(wanted, pools)
         slot = {b: i for i, b in enumerate(self._bucket_ids)}
         for bucket, q in zip(ids, quota):
             if bucket not in slot and q:  # a shape only the regularization set has: a bucket of its own
