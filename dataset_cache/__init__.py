@@ -35,10 +35,11 @@ from .format.layout import is_cache_folder
 from .format.manifest import CacheState, check_dataset_name, read_state
 from .encode_plan import EncodePlan, EncodeSettings, plan_encode
 from .encode_run import EncodeReport, run_encode
+from .latent_buckets import buckets_from_reader
 from .loader import Batch, LoaderStats, LoaderWorkerError, PrefetchLoader
 from .multi_reader import MultiCacheReader
 from .refs import LazyTensor, is_lazy, materialize
-from .sampler import BatchPlan, BucketSampler, buckets_from_reader
+from .sampler import BatchPlan, BucketSampler
 from .saving import SaveResult, copy_dataset, read_dataset_info, save_latent_lists, update_dataset_info
 from .variants import VariantSummary, summarize_variants
 from .video import FrameSettings

@@ -63,15 +63,12 @@ import torch
 
 from .dataset import Sample, check_epoch_size
 from .dataset_mix import DatasetMix, Regularization, reg_occurrences, reg_shares, unmix
-from .reading import EntryHeaders
+from .latent_buckets import group_buckets
 from .seeding import seeded_generator
 
-__all__ = ["BatchPlan", "BucketSampler", "buckets_from_reader", "fit_batch_size"]
+__all__ = ["BatchPlan", "BucketSampler"]
 
 log = logging.getLogger("dataset_cache.sampler")
-
-LATENT_RANKS = (4, 5)
-"""Ranks of a stored latent: ``[1, C, H, W]`` from image VAEs, ``[1, C, T, H, W]`` from video VAEs."""
 
 _STATE_VERSION = 1
 _TAILS = ("drop", "short", "wrap")
@@ -120,58 +117,6 @@ class _Epoch:
     variants: list[int]  # caption variant of each sample
     flips: list[bool] | None = None  # per sample: trains its mirror this epoch (None: no sample has one)
     dropped: torch.Tensor | None = None  # bool [batches, batch_size]: caption dropped (None: dropout is off)
-
-
-def buckets_from_reader(reader: EntryHeaders, samples: Sequence[Sample]) -> list[tuple[int, ...]]:
-    """Return each sample's bucket: its latent's shape without the leading 1 — ``(C, H, W)`` for images,
-    ``(C, T, H, W)`` for video VAEs — read from headers only (no tensor I/O). Rows of one bucket stack.
-
-    Args:
-        reader: an open :class:`~dataset_cache.format.reader.CacheReader`: its ``tensor_shapes(key)`` (or else
-            ``get(key)``, lazy) gives the latent dict's ``"samples"`` shape from the shard header.
-        samples: the dataset's samples.
-
-    Raises:
-        KeyError: a sample's latent entry is not in the cache.
-        ValueError: a latent is not a ``[1, C, H, W]`` or ``[1, C, T, H, W]`` ``"samples"`` tensor (the loader
-            stacks rows along the first dimension).
-    """
-    out: list[tuple[int, ...]] = []
-    shapes: dict[str, tuple[int, ...]] = {}
-    header = getattr(reader, "tensor_shapes", None) or reader.get  # shapes only; get() gives lazy tensors
-    for i, s in enumerate(samples):
-        shape = shapes.get(s.latent)
-        if shape is None:
-            value = header(s.latent)
-            if not isinstance(value, dict) or "samples" not in value:
-                raise ValueError(
-                    f"sample {i} ({s.source or s.latent}): latent entry {s.latent} is not a latent dict with a "
-                    f"'samples' tensor (got {type(value).__name__}); re-encode the dataset"
-                )
-            leaf = value["samples"]
-            shape = tuple(int(d) for d in (leaf if isinstance(leaf, torch.Size) else leaf.shape))
-            if len(shape) not in LATENT_RANKS or shape[0] != 1:
-                raise ValueError(
-                    f"sample {i} ({s.source or s.latent}): latent entry {s.latent} has samples shape {list(shape)}, "
-                    "expected [1, C, H, W] (images) or [1, C, T, H, W] (video VAEs); store one image or clip per "
-                    "latent entry"
-                )
-            shapes[s.latent] = shape
-        out.append(shape[1:])
-    return out
-
-
-def fit_batch_size(samples: Sequence[Sample], bucket_of: Sequence[Hashable], batch_size: int) -> int:
-    """The largest batch size up to ``batch_size`` that a bucketed epoch can fill without copies.
-
-    A batch holds one bucket, so rows beyond the largest bucket's occurrences per epoch (samples × repeats) would
-    only repeat its samples; a batch size far past the dataset must not turn into memory (a batch of 10000 on 4
-    images). Under ``tail="short"`` smaller buckets train shorter batches.
-    """
-    occurrences: dict[Hashable, int] = {}
-    for s, b in zip(samples, bucket_of):
-        occurrences[b] = occurrences.get(b, 0) + s.repeats
-    return max(1, min(int(batch_size), max(occurrences.values(), default=1)))
 
 
 def _check_fraction(value: float, what: str) -> float:
@@ -231,7 +176,8 @@ class BucketSampler:
     Args:
         samples: the dataset's samples (entry keys only), or a :class:`DatasetMix` of several datasets.
         bucket_of: the bucket of each sample: a callable ``bucket_of(sample) -> hashable`` or a sequence with one
-            hashable id per sample (e.g. :func:`buckets_from_reader`). Samples of one batch always share a bucket.
+            hashable id per sample (e.g. :func:`~.latent_buckets.buckets_from_reader`). Samples of one batch always
+            share a bucket.
         batch_size: rows per batch (>= 1).
         seed: the run's seed; an epoch's order depends on ``(seed, epoch)`` only.
         tail: ``"short"``, ``"drop"`` or ``"wrap"`` (see the module docstring); training uses ``"short"``.
@@ -284,7 +230,7 @@ class BucketSampler:
         self.tail = tail
         self.shuffle = bool(shuffle)
         self.caption_dropout = _check_fraction(caption_dropout, "caption_dropout")
-        self._bucket_ids, self._bucket_members = self._group(main, bucket_of)
+        self._bucket_ids, self._bucket_members = group_buckets(main, bucket_of)
         self._repeats = torch.tensor([s.repeats for s in self.samples], dtype=torch.int64)
         self._n_captions = torch.tensor([len(s.captions) for s in self.samples], dtype=torch.int64)
         self._occurrences = [int(self._repeats[m].sum().item()) for m in self._bucket_members]
@@ -325,7 +271,7 @@ class BucketSampler:
     def _add_reg(self, reg: Regularization, reg_samples: Sequence[Sample]) -> None:
         """Bucket the regularization samples by their own latents and fix each bucket's share of an epoch."""
         wanted = reg_occurrences(reg, reg_samples, int(self._repeats[: self._n_main].sum().item()))
-        ids, members = self._group(reg_samples, reg.bucket_of)
+        ids, members = group_buckets(reg_samples, reg.bucket_of)
         pools = [int(self._repeats[m + self._n_main].sum().item()) for m in members]
         quota = reg_shares(wanted, pools)
         slot = {b: i for i, b in enumerate(self._bucket_ids)}
@@ -376,21 +322,6 @@ class BucketSampler:
         if world < 1 or not 0 <= r < world:
             raise ValueError(f"rank must be in [0, world_size); got rank={r}, world_size={world}")
         return r, world
-
-    @staticmethod
-    def _group(
-        samples: Sequence[Sample], bucket_of: Callable[[Sample], Hashable] | Sequence[Hashable]
-    ) -> tuple[list[Hashable], list[torch.Tensor]]:
-        if callable(bucket_of):
-            ids = [bucket_of(s) for s in samples]
-        else:
-            ids = list(bucket_of)
-            if len(ids) != len(samples):
-                raise ValueError(f"bucket_of has {len(ids)} ids for {len(samples)} samples; give one per sample")
-        order: dict[Hashable, list[int]] = {}
-        for i, b in enumerate(ids):
-            order.setdefault(b, []).append(i)
-        return list(order), [torch.tensor(m, dtype=torch.int64) for m in order.values()]
 
     def _batches_in(self, occurrences: int) -> int:
         if self.tail == "drop":

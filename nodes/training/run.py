@@ -19,10 +19,10 @@ import comfy.samplers
 
 from ...dataset_cache.dataset import Sample
 from ...dataset_cache.dataset_mix import DatasetMix, Regularization
+from ...dataset_cache.latent_buckets import buckets_from_reader, fit_batch_size
 from ...dataset_cache.loader import PrefetchLoader
 from ...dataset_cache.memory_plan import MemoryPlan
 from ...dataset_cache.reading import DatasetReader
-from ...dataset_cache.sampler import buckets_from_reader, fit_batch_size
 from ...dataset_cache.sharding import shard_sampler
 from ...dataset_cache.seeding import derive_seed
 from ...dataset_cache.trainable import check_trainable

@@ -28,9 +28,10 @@ from dataset_cache.dataset import Sample
 from dataset_cache.dataset_mix import DatasetPart, Regularization, mix_datasets
 from dataset_cache.format.reader import ReadBuffer, open_cache
 from dataset_cache.format.writer import CacheWriter
+from dataset_cache.latent_buckets import buckets_from_reader
 from dataset_cache.loader import LoaderStats, PrefetchLoader
 from dataset_cache.multi_reader import MultiCacheReader
-from dataset_cache.sampler import BatchPlan, BucketSampler, buckets_from_reader
+from dataset_cache.sampler import BatchPlan, BucketSampler
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_loader as cpu
