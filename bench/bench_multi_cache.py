@@ -28,10 +28,12 @@ import torch
 
 from dataset_cache import MultiCacheReader
 from dataset_cache.dataset import Sample
+from dataset_cache.dataset_mix import Regularization
 from dataset_cache.format.reader import open_cache
 from dataset_cache.format.writer import CacheWriter
+from dataset_cache.latent_buckets import buckets_from_reader
 from dataset_cache.loader import PrefetchLoader
-from dataset_cache.sampler import BucketSampler, Regularization, buckets_from_reader
+from dataset_cache.sampler import BucketSampler
 
 
 def _entries(prefix: str, n: int, width: int) -> tuple[list[Sample], dict[str, Any]]:

@@ -35,8 +35,9 @@ from dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
 from dataset_cache.dataset import Sample
 from dataset_cache.format.reader import open_cache
 from dataset_cache.format.writer import CacheWriter
+from dataset_cache.latent_buckets import buckets_from_reader
 from dataset_cache.loader import PrefetchLoader
-from dataset_cache.sampler import BucketSampler, buckets_from_reader
+from dataset_cache.sampler import BucketSampler
 
 from .common import PACK_ROOT
 

@@ -1,6 +1,6 @@
 """Benchmark: what training-time variety (#16) costs the sampler and the loader's batch assembly.
 
-* Sampler: building one epoch's plan (``BucketSampler._build``, once per epoch) and ``plan()`` per batch for
+* Sampler: building one epoch's plan (``sampler_epoch.build_epoch``, once per epoch) and ``plan()`` per batch for
   ``--n`` samples (repeats 1-3, 5 buckets, batch 4, tail "wrap"): every setting off; mirrors + masks + caption
   dropout 0.1; the same plus a regularization set of ``n / 5`` samples at ratio 1.
 * Loader: assembling a CPU batch of ``--batch`` 128×128 latents (SDXL 1024², float16) from an in-memory read,
@@ -24,7 +24,9 @@ import torch
 
 from dataset_cache.dataset import Sample
 from dataset_cache.batch_assembly import assemble_cpu, latent_rows
-from dataset_cache.sampler import BatchPlan, BucketSampler, Regularization
+from dataset_cache.dataset_mix import Regularization
+from dataset_cache.sampler import BatchPlan, BucketSampler
+from dataset_cache.sampler_epoch import build_epoch
 
 
 def _timed(fn: Callable[[], Any], runs: int) -> list[float]:
@@ -55,7 +57,7 @@ def sampler_rows(n: int, runs: int) -> list[tuple[str, str, str, int]]:
                                                         reg=reg)),
     ):
         epochs = iter(range(10**6))  # a new epoch each run: nothing cached
-        build = _timed(lambda s=sampler, e=epochs: s._build(next(e)), runs)
+        build = _timed(lambda s=sampler, e=epochs: build_epoch(s._layout, s.seed, next(e)), runs)
         sampler.epoch_plans(0)  # built once; plan() alone from here
         per = min(len(sampler), 2000)
         plan = _timed(lambda s=sampler, k=per: [s.plan(0, i) for i in range(k)], runs)

@@ -37,10 +37,11 @@ from .encode_jobs import EncodePlan, EncodeSettings
 from .encode_plan import plan_encode
 from .encode_report import EncodeReport
 from .encode_run import run_encode
+from .latent_buckets import buckets_from_reader
 from .loader import Batch, LoaderStats, LoaderWorkerError, PrefetchLoader
 from .multi_reader import MultiCacheReader
 from .refs import LazyTensor, is_lazy, materialize
-from .sampler import BatchPlan, BucketSampler, buckets_from_reader
+from .sampler import BatchPlan, BucketSampler
 from .saving import SaveResult, copy_dataset, read_dataset_info, save_latent_lists, update_dataset_info
 from .variants import VariantSummary, summarize_variants
 from .video import FrameSettings

@@ -1,4 +1,5 @@
-"""Deterministic, bucketed batch order with exact mid-epoch resume and rank sharding.
+"""Deterministic, bucketed batch order with exact mid-epoch resume and rank sharding: the plans, the position and
+the resume state.
 
 Why a sampler of our own: ComfyUI's built-in trainer draws batch indices inside each step with the global RNG, so a
 prefetcher cannot know the next batch and a run is not reproducible once anything else consumes random numbers.
@@ -7,44 +8,17 @@ prefetcher cannot know the next batch and a run is not reproducible once anythin
 without communicating, and a run resumed from :meth:`BucketSampler.state_dict` continues on exactly the batch that
 came next.
 
-An epoch, for a given ``(seed, epoch)``:
-
-1. every sample appears ``repeats`` times (its *occurrences*) and uses ONE caption variant for the whole epoch,
-   drawn with the epoch's generator, and, when it has a mirror latent, the mirror or not for the whole epoch
-   (probability 1/2, its own ``"flip"`` stream); with a regularization set (:class:`Regularization`), each bucket
-   also receives its fixed share of the epoch's ``round(ratio × main occurrences)`` regularization occurrences
-   (shares by largest remainder over the buckets' regularization occurrences; which ones fill a share is drawn per
-   epoch), so the number of batches is the same every epoch;
-2. the occurrences of each bucket (same latent shape, so they stack) are permuted and cut into batches of
-   ``batch_size``; every batch holds occurrences of one bucket only;
-3. the tail of each bucket follows ``tail``: ``"short"`` (what training uses) makes the last batch shorter (kohya's
-   rule: a bucket of 5 at batch 4 trains a batch of 4 and one of 1, a bucket smaller than a batch trains as one
-   smaller batch), so every occurrence trains exactly once per epoch; ``"drop"`` drops the last incomplete batch
-   (the dropped occurrences differ from epoch to epoch because the permutation does; OneTrainer's rule);
-   ``"wrap"`` completes it with the bucket's first occurrences of the same epoch (cyclically: a bucket of one
-   image at batch 4 trains 4 copies of it, so its image trains more often than its repeats say; kept for the
-   plans recorded before ``"short"`` existed);
-4. the batches of all buckets are shuffled together (``shuffle=False`` keeps buckets in order of first appearance
-   and each bucket's samples in dataset order);
-5. with ``world_size`` ranks, every rank gets the same number of batches: rank ``r`` takes batches
-   ``r, r + world_size, ...``. Under ``"short"`` an order whose length is not a multiple of ``world_size`` is
-   first lengthened by splitting its longest batches in two (the first longest in the order, halves in place), so
-   no occurrence is repeated or left out; only when every batch is down to one row and the order still does not
-   divide (fewer occurrences than that would need) are its last ``total % world_size`` rows left out. Under
-   ``"drop"`` the last ``total % world_size`` batches of the shuffled order are dropped, so shares are disjoint;
-   under ``"wrap"`` the order is padded with its own first batches, so the few padding batches are seen twice;
-6. caption dropout is drawn per occurrence over that whole order (its own ``"dropout"`` stream), before the order
-   is cut into the ranks' shares.
+The rules of an epoch (occurrences and repeats, caption variants, mirrors, the regularization share, batches of one
+bucket, the tail policies ``"short"``/``"drop"``/``"wrap"``, the shuffle, the ranks' even shares, caption dropout)
+are :mod:`.sampler_epoch`'s, which builds each epoch; this module checks the arguments, fixes what every epoch is
+built from, hands out :class:`BatchPlan` objects and keeps the position and the resume state. Buckets come from the
+cache's headers (:mod:`.latent_buckets`); several datasets train together as a :class:`~.dataset_mix.DatasetMix`
+and a regularization set joins as a :class:`~.dataset_mix.Regularization` (:mod:`.dataset_mix`).
 
 ``len(sampler)`` (batches per rank) depends on the bucket sizes, ``batch_size`` and ``world_size`` only, so it is
 the same on every rank and in every epoch, and so is each batch's row count at a given position of an epoch on all
 ranks' common order. (Train LoRA shares global batches by rows instead, so its order does not depend on the number
-of ranks: :mod:`.sharding`.)
-
-Every draw has its own labelled generator, so with no mirror, no dropout and no regularization set the plans (and
-the resume fingerprint) are exactly those of the versions before them. Several datasets train together as a
-:class:`DatasetMix` (:func:`mix_datasets`: concatenated, each dataset's repeats multiplied in). docs/ARCHITECTURE.md
-("The sampler") has the rules and the reasons.
+of ranks: :mod:`.sharding`.) docs/ARCHITECTURE.md ("The sampler") has the rules and the reasons.
 
 Non-goals: weighting buckets, curriculum orders, changing ``batch_size`` or ``world_size`` mid-run (a state saved
 under one configuration is refused by another, because "the next batch" would mean something else).
@@ -54,38 +28,22 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .dataset import MAX_EPOCH_OCCURRENCES, MAX_REPEATS, Sample, check_epoch_size
-from .reading import EntryHeaders
-from .seeding import seeded_generator
+from .dataset import Sample, check_epoch_size
+from .dataset_mix import DatasetMix, Regularization, reg_occurrences, reg_shares, unmix
+from .latent_buckets import group_buckets
+from .sampler_epoch import TAILS, Epoch, EpochBuckets, EpochLayout, build_epoch, count_batches
 
-__all__ = [
-    "BatchPlan",
-    "BucketSampler",
-    "DatasetMix",
-    "DatasetPart",
-    "Regularization",
-    "buckets_from_reader",
-    "fit_batch_size",
-    "mix_datasets",
-    "shared_samples",
-]
+__all__ = ["BatchPlan", "BucketSampler"]
 
 log = logging.getLogger("dataset_cache.sampler")
 
-LATENT_RANKS = (4, 5)
-"""Ranks of a stored latent: ``[1, C, H, W]`` from image VAEs, ``[1, C, T, H, W]`` from video VAEs."""
-
 _STATE_VERSION = 1
-_TAILS = ("drop", "short", "wrap")
-FLIP_PROBABILITY = 0.5
-"""Chance that a sample with a cached mirror trains mirrored in an epoch (``flip="random"``)."""
 
 
 @dataclass(frozen=True)
@@ -118,222 +76,10 @@ class BatchPlan:
     weights: tuple[float, ...] = ()
 
 
-@dataclass(frozen=True)
-class _Epoch:
-    """One epoch of this rank: rows of sample indices (one row per batch), each sample's caption variant and
-    mirror choice, and each row's caption dropout."""
-
-    epoch: int
-    rows: list[list[int]]  # [batches][rows] sample indices (rows: batch_size, or fewer for a short batch)
-    row_bucket: list[int]  # bucket number of each batch
-    variants: list[int]  # caption variant of each sample
-    flips: list[bool] | None = None  # per sample: trains its mirror this epoch (None: no sample has one)
-    dropped: torch.Tensor | None = None  # bool [batches, batch_size]: caption dropped (None: dropout is off)
-
-
-@dataclass(frozen=True)
-class DatasetPart:
-    """One dataset of a mix (kohya's ``[[datasets.subsets]]`` with ``num_repeats``).
-
-    Attributes:
-        name: the dataset's name, for messages.
-        samples: its samples.
-        repeats: multiplies every sample's own repeats (1: as encoded).
-    """
-
-    name: str
-    samples: Sequence[Sample]
-    repeats: int = 1
-
-
-@dataclass(frozen=True)
-class DatasetMix:
-    """Samples of one or more datasets trained together: the parts concatenated in order, each part's repeats
-    multiplied into its samples' repeats. Made by :func:`mix_datasets`; :class:`BucketSampler` takes it wherever it
-    takes a sample list, and names the part a sample comes from in its messages.
-
-    Attributes:
-        samples: every part's samples, in order.
-        parts: ``(name, number of samples)`` of each part, in order.
-    """
-
-    samples: tuple[Sample, ...]
-    parts: tuple[tuple[str, int], ...]
-
-    def name_of(self, index: int) -> str:
-        """The name of the dataset that ``samples[index]`` comes from."""
-        at = 0
-        for name, count in self.parts:
-            at += count
-            if index < at:
-                return name
-        raise IndexError(f"sample index {index} is past the mix's {at} samples")
-
-
-def mix_datasets(parts: Sequence[DatasetPart]) -> DatasetMix:
-    """Concatenate datasets with per-dataset repeats, refusing what no sampler could hold.
-
-    Raises:
-        ValueError: no part, a part's repeats not an int from 1 to ``MAX_REPEATS``, a sample whose repeats times its
-            dataset's reach past ``MAX_REPEATS``, or an epoch past ``MAX_EPOCH_OCCURRENCES`` (each names the dataset).
-    """
-    if not parts:
-        raise ValueError("no dataset to train on: give at least one")
-    out: list[Sample] = []
-    for part in parts:
-        if type(part.repeats) is not int or not 1 <= part.repeats <= MAX_REPEATS:
-            raise ValueError(f"dataset {part.name!r}: repeats must be an int from 1 to {MAX_REPEATS}, got "
-                             f"{part.repeats!r:.40}")
-        for sample in part.samples:
-            total = sample.repeats * part.repeats
-            if total > MAX_REPEATS:
-                raise ValueError(
-                    f"dataset {part.name!r}: sample {sample.source or sample.latent} repeats {sample.repeats} times "
-                    f"(its folder's count) × {part.repeats} (the dataset's repeats) = {total}, above the limit of "
-                    f"{MAX_REPEATS}; lower the dataset's repeats")
-            out.append(sample if part.repeats == 1 else replace(sample, repeats=total))
-    check_epoch_size(out, "the datasets " + " + ".join(f"{p.name!r}×{p.repeats}" for p in parts))
-    return DatasetMix(tuple(out), tuple((p.name, len(p.samples)) for p in parts))
-
-
-@dataclass(frozen=True)
-class Regularization:
-    """A second set of samples mixed into every epoch at a ratio, with its own loss weight (kohya's reg folders,
-    DreamBooth's prior preservation).
-
-    Attributes:
-        samples: the regularization samples (a list or a :class:`DatasetMix`).
-        bucket_of: their buckets, as :class:`BucketSampler`'s ``bucket_of`` (their own latents' shapes).
-        ratio: regularization occurrences per occurrence of the main dataset in an epoch (rounded to an integer
-            count per epoch; 0: none).
-        weight: loss weight of a regularization row (a main row weighs 1.0).
-        name: the dataset's name, for messages.
-    """
-
-    samples: Sequence[Sample] | DatasetMix
-    bucket_of: Callable[[Sample], Hashable] | Sequence[Hashable]
-    ratio: float = 1.0
-    weight: float = 1.0
-    name: str = "the regularization dataset"
-
-
-def shared_samples(main: Sequence[Sample] | DatasetMix, reg: Sequence[Sample] | DatasetMix) -> list[Sample]:
-    """The regularization samples whose latent (or mirror) the main dataset trains too: the same image, crop and VAE
-    (keys are content addresses, so this holds across caches). A dataset used as its own regularization set shares
-    all of them."""
-    main_samples = main.samples if isinstance(main, DatasetMix) else main
-    reg_samples = reg.samples if isinstance(reg, DatasetMix) else reg
-    trained = {k for s in main_samples for k in (s.latent, s.mirror) if k is not None}
-    return [s for s in reg_samples if s.latent in trained or (s.mirror is not None and s.mirror in trained)]
-
-
-def buckets_from_reader(reader: EntryHeaders, samples: Sequence[Sample]) -> list[tuple[int, ...]]:
-    """Return each sample's bucket: its latent's shape without the leading 1 — ``(C, H, W)`` for images,
-    ``(C, T, H, W)`` for video VAEs — read from headers only (no tensor I/O). Rows of one bucket stack.
-
-    Args:
-        reader: an open :class:`~dataset_cache.format.reader.CacheReader`: its ``tensor_shapes(key)`` (or else
-            ``get(key)``, lazy) gives the latent dict's ``"samples"`` shape from the shard header.
-        samples: the dataset's samples.
-
-    Raises:
-        KeyError: a sample's latent entry is not in the cache.
-        ValueError: a latent is not a ``[1, C, H, W]`` or ``[1, C, T, H, W]`` ``"samples"`` tensor (the loader
-            stacks rows along the first dimension).
-    """
-    out: list[tuple[int, ...]] = []
-    shapes: dict[str, tuple[int, ...]] = {}
-    header = getattr(reader, "tensor_shapes", None) or reader.get  # shapes only; get() gives lazy tensors
-    for i, s in enumerate(samples):
-        shape = shapes.get(s.latent)
-        if shape is None:
-            value = header(s.latent)
-            if not isinstance(value, dict) or "samples" not in value:
-                raise ValueError(
-                    f"sample {i} ({s.source or s.latent}): latent entry {s.latent} is not a latent dict with a "
-                    f"'samples' tensor (got {type(value).__name__}); re-encode the dataset"
-                )
-            leaf = value["samples"]
-            shape = tuple(int(d) for d in (leaf if isinstance(leaf, torch.Size) else leaf.shape))
-            if len(shape) not in LATENT_RANKS or shape[0] != 1:
-                raise ValueError(
-                    f"sample {i} ({s.source or s.latent}): latent entry {s.latent} has samples shape {list(shape)}, "
-                    "expected [1, C, H, W] (images) or [1, C, T, H, W] (video VAEs); store one image or clip per "
-                    "latent entry"
-                )
-            shapes[s.latent] = shape
-        out.append(shape[1:])
-    return out
-
-
-def fit_batch_size(samples: Sequence[Sample], bucket_of: Sequence[Hashable], batch_size: int) -> int:
-    """The largest batch size up to ``batch_size`` that a bucketed epoch can fill without copies.
-
-    A batch holds one bucket, so rows beyond the largest bucket's occurrences per epoch (samples × repeats) would
-    only repeat its samples; a batch size far past the dataset must not turn into memory (a batch of 10000 on 4
-    images). Under ``tail="short"`` smaller buckets train shorter batches.
-    """
-    occurrences: dict[Hashable, int] = {}
-    for s, b in zip(samples, bucket_of):
-        occurrences[b] = occurrences.get(b, 0) + s.repeats
-    return max(1, min(int(batch_size), max(occurrences.values(), default=1)))
-
-
-def _unmix(samples: Sequence[Sample] | DatasetMix, name: str
-           ) -> tuple[Sequence[Sample], tuple[tuple[str, int, int], ...]]:
-    """The sample list and ``(dataset name, first index, end index)`` of each of its datasets."""
-    if isinstance(samples, DatasetMix):
-        spans, at = [], 0
-        for part, count in samples.parts:
-            spans.append((part, at, at + count))
-            at += count
-        return samples.samples, tuple(spans)
-    return samples, ((name, 0, len(samples)),)
-
-
 def _check_fraction(value: float, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{what} must be a number from 0 to 1, got {value!r:.40}")
     return float(value)
-
-
-def _check_ratio(value: float, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value and math.isfinite(value)):
-        raise ValueError(f"{what} must be a finite number >= 0, got {value!r:.40}")
-    return float(value)
-
-
-_PAD = -1
-"""Marks the missing rows of a short batch in an epoch's ``[batches, batch_size]`` order (``tail="short"``)."""
-
-
-def _short_shares(batches: int, occurrences: int, world: int) -> tuple[int, int]:
-    """``(batches per rank, batches to split per epoch)`` under ``tail="short"``.
-
-    ``batches`` (the buckets' batches, last ones short) is rounded up to a multiple of ``world`` by splitting batches
-    in two, each split adding one; a split needs a batch of two rows or more, so ``occurrences - batches`` splits
-    are possible. When that is too few, every batch becomes one row and the rows past the last multiple of
-    ``world`` are left out (the only case in which an occurrence does not train).
-    """
-    target = -(-batches // world) * world
-    if occurrences - batches >= target - batches:
-        return target // world, target - batches
-    return occurrences // world, occurrences - batches
-
-
-def _split_longest(rows: torch.Tensor, buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split the first longest batch of ``rows`` (``[batches, batch_size]``, short batches padded with ``_PAD``)
-    into its two halves, the second placed right after the first."""
-    lengths = (rows != _PAD).sum(dim=1)
-    at = int(torch.argmax(lengths))  # the first of the longest
-    n = int(lengths[at])
-    first, second = rows[at].clone(), torch.full_like(rows[at], _PAD)
-    half = (n + 1) // 2
-    second[: n - half] = rows[at, half:n]
-    first[half:] = _PAD
-    rows = torch.cat([rows[:at], first[None], second[None], rows[at + 1:]])
-    buckets = torch.cat([buckets[: at + 1], buckets[at:]])
-    return rows, buckets
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -344,7 +90,7 @@ def _dist_rank_world() -> tuple[int, int]:
 
 
 class BucketSampler:
-    """Deterministic bucketed batch plans, one epoch at a time (see the module docstring for the rules).
+    """Deterministic bucketed batch plans, one epoch at a time (see :mod:`.sampler_epoch` for the rules).
 
     Iterating yields the rest of the current epoch as :class:`BatchPlan` objects and moves the position as each plan
     is yielded, so :meth:`state_dict` taken while training on a batch resumes on the batch after it. After the last
@@ -354,10 +100,11 @@ class BucketSampler:
     Args:
         samples: the dataset's samples (entry keys only), or a :class:`DatasetMix` of several datasets.
         bucket_of: the bucket of each sample: a callable ``bucket_of(sample) -> hashable`` or a sequence with one
-            hashable id per sample (e.g. :func:`buckets_from_reader`). Samples of one batch always share a bucket.
+            hashable id per sample (e.g. :func:`~.latent_buckets.buckets_from_reader`). Samples of one batch always
+            share a bucket.
         batch_size: rows per batch (>= 1).
         seed: the run's seed; an epoch's order depends on ``(seed, epoch)`` only.
-        tail: ``"short"``, ``"drop"`` or ``"wrap"`` (see the module docstring); training uses ``"short"``.
+        tail: ``"short"``, ``"drop"`` or ``"wrap"`` (see :mod:`.sampler_epoch`); training uses ``"short"``.
         rank: this process's rank; default: ``torch.distributed``'s when initialised, else 0.
         world_size: number of ranks; default: ``torch.distributed``'s when initialised, else 1.
         shuffle: shuffle samples within buckets and batches across buckets (``False`` keeps dataset order).
@@ -386,9 +133,9 @@ class BucketSampler:
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if tail not in _TAILS:
-            raise ValueError(f"tail must be one of {_TAILS}, got {tail!r}")
-        main, self._names = _unmix(samples, name)
+        if tail not in TAILS:
+            raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
+        main, self._names = unmix(samples, name)
         if not main:
             raise ValueError("the dataset has no samples; nothing to sample")
         check_epoch_size(main, "the sampler's dataset")  # one index per occurrence is allocated below
@@ -397,7 +144,7 @@ class BucketSampler:
         self.reg = reg
         reg_samples: Sequence[Sample] = ()
         if reg is not None:
-            reg_samples, reg_names = _unmix(reg.samples, reg.name)
+            reg_samples, reg_names = unmix(reg.samples, reg.name)
             self._names += tuple((n, start + self._n_main, stop + self._n_main) for n, start, stop in reg_names)
             self.samples: Sequence[Sample] = [*main, *reg_samples]
         else:
@@ -407,87 +154,55 @@ class BucketSampler:
         self.tail = tail
         self.shuffle = bool(shuffle)
         self.caption_dropout = _check_fraction(caption_dropout, "caption_dropout")
-        self._bucket_ids, self._bucket_members = self._group(main, bucket_of)
         self._repeats = torch.tensor([s.repeats for s in self.samples], dtype=torch.int64)
-        self._n_captions = torch.tensor([len(s.captions) for s in self.samples], dtype=torch.int64)
-        self._occurrences = [int(self._repeats[m].sum().item()) for m in self._bucket_members]
-        self._reg_members: list[torch.Tensor] = []
-        self._reg_quota: list[int] = []
+        ids, members = group_buckets(main, bucket_of)
+        self._buckets = EpochBuckets(ids, members, [int(self._repeats[m].sum().item()) for m in members])
         if reg is not None:
             self._add_reg(reg, reg_samples)
         self._check_dropout()
-        self._has_mirror = torch.tensor([s.mirror is not None for s in self.samples], dtype=torch.bool)
-        self._any_mirror = bool(self._has_mirror.any())
         self._any_mask = any(s.mask is not None for s in self.samples)
-        if self.batch_size > max(self._occurrences):  # every row past that would be a copy: memory for nothing
-            raise ValueError(
-                f"batch_size {self.batch_size} is larger than the largest bucket ({max(self._occurrences)} "
-                "occurrences per epoch), so every batch would be filled with copies; use fit_batch_size() to "
-                "clamp it, or a smaller batch_size")
-        self._per_bucket = [self._batches_in(n) for n in self._occurrences]
-        total = sum(self._per_bucket)
-        self._splits = 0  # "short": batches split in two per epoch so that the ranks' shares are equal
-        if tail == "drop":
-            self._per_rank = total // self._world
-        elif tail == "wrap":
-            self._per_rank = math.ceil(total / self._world)
-        else:
-            self._per_rank, self._splits = _short_shares(total, sum(self._occurrences), self._world)
-        if self._per_rank == 0:
-            raise ValueError(
-                f"no batch of {self.batch_size} for each of {self._world} rank(s): buckets hold "
-                f"{sorted(self._occurrences, reverse=True)[:8]} occurrences; use tail='short', a smaller batch_size "
-                "or more samples"
-            )
+        self._layout = self._lay_out()
+        self._per_rank = self._layout.per_rank
         self._warn_unused()
         self.fingerprint = self._fingerprint()
         self._epoch = 0
         self._index = 0
-        self._cache: dict[int, _Epoch] = {}
+        self._cache: dict[int, Epoch] = {}
 
     def _add_reg(self, reg: Regularization, reg_samples: Sequence[Sample]) -> None:
         """Bucket the regularization samples by their own latents and fix each bucket's share of an epoch."""
-        ratio = _check_ratio(reg.ratio, f"{reg.name}: ratio")
-        _check_ratio(reg.weight, f"{reg.name}: loss weight")
-        if not reg_samples:
-            raise ValueError(f"{reg.name} has no samples; encode a folder of regularization images or leave the "
-                             "regularization dataset unconnected")
-        main_total = int(self._repeats[: self._n_main].sum().item())
-        wanted = math.floor(ratio * main_total + 0.5)  # per epoch; half rounds up
-        if main_total + wanted > MAX_EPOCH_OCCURRENCES:
-            raise ValueError(f"{reg.name}: ratio {ratio} × {main_total} occurrences of the main dataset makes "
-                             f"{main_total + wanted} occurrences per epoch, above the limit of "
-                             f"{MAX_EPOCH_OCCURRENCES}; lower the ratio or the repeats")
-        ids, members = self._group(reg_samples, reg.bucket_of)
-        pools = [int(self._repeats[m + self._n_main].sum().item()) for m in members]
-        pool_total = sum(pools)
-        # Largest remainder: each bucket gets wanted × its share of the pool, rounded down; the units left go to
-        # the largest fractional parts (ties: the bucket that appeared first). Constant from epoch to epoch.
-        quota = [wanted * n // pool_total for n in pools]
-        rest = sorted(range(len(pools)), key=lambda k: (-(wanted * pools[k] % pool_total), k))
-        for k in rest[: wanted - sum(quota)]:
-            quota[k] += 1
-        slot = {b: i for i, b in enumerate(self._bucket_ids)}
-        for bucket, q in zip(ids, quota):
-            if bucket not in slot and q:  # a shape only the regularization set has: a bucket of its own
-                slot[bucket] = len(self._bucket_ids)
-                self._bucket_ids.append(bucket)
-                self._bucket_members.append(torch.zeros(0, dtype=torch.int64))
-                self._occurrences.append(0)
-        self._reg_members = [torch.zeros(0, dtype=torch.int64) for _ in self._bucket_ids]
-        self._reg_quota = [0] * len(self._bucket_ids)
-        for bucket, m, q in zip(ids, members, quota):
-            if not q:  # no share (a tiny ratio): the bucket's samples sit this run out
-                continue
-            self._reg_members[slot[bucket]] = m + self._n_main
-            self._reg_quota[slot[bucket]] = q
-            self._occurrences[slot[bucket]] += q
+        wanted = reg_occurrences(reg, reg_samples, int(self._repeats[: self._n_main].sum().item()))
+        ids, members = group_buckets(reg_samples, reg.bucket_of)
+        members = [m + self._n_main for m in members]
+        pools = [int(self._repeats[m].sum().item()) for m in members]
+        self._buckets.add_regularization(ids, members, reg_shares(wanted, pools))
+
+    def _lay_out(self) -> EpochLayout:
+        """What every epoch is built from: the buckets' batches and each rank's share of them.
+
+        Raises:
+            ValueError: a batch larger than the largest bucket, or no batch for some rank.
+        """
+        occurrences = self._buckets.occurrences
+        if self.batch_size > max(occurrences):  # every row past that would be a copy: memory for nothing
+            raise ValueError(
+                f"batch_size {self.batch_size} is larger than the largest bucket ({max(occurrences)} "
+                "occurrences per epoch), so every batch would be filled with copies; use fit_batch_size() to "
+                "clamp it, or a smaller batch_size")
+        per_bucket, per_rank, splits = count_batches(occurrences, self.batch_size, self.tail, self._world)
+        n_captions = torch.tensor([len(s.captions) for s in self.samples], dtype=torch.int64)
+        has_mirror = torch.tensor([s.mirror is not None for s in self.samples], dtype=torch.bool)
+        return EpochLayout(
+            batch_size=self.batch_size, tail=self.tail, shuffle=self.shuffle, caption_dropout=self.caption_dropout,
+            rank=self._rank, world=self._world, n_main=self._n_main, repeats=self._repeats,
+            n_captions=n_captions, has_mirror=has_mirror, buckets=self._buckets, per_bucket=per_bucket,
+            per_rank=per_rank, splits=splits)
 
     def _check_dropout(self) -> None:
         if self.caption_dropout <= 0:
             return
         used = [range(self._n_main)]
-        if any(self._reg_quota):  # regularization rows train too
+        if any(self._buckets.reg_quota):  # regularization rows train too
             used.append(range(self._n_main, len(self.samples)))
         for indices in used:
             for i in indices:
@@ -516,30 +231,10 @@ class BucketSampler:
             raise ValueError(f"rank must be in [0, world_size); got rank={r}, world_size={world}")
         return r, world
 
-    @staticmethod
-    def _group(
-        samples: Sequence[Sample], bucket_of: Callable[[Sample], Hashable] | Sequence[Hashable]
-    ) -> tuple[list[Hashable], list[torch.Tensor]]:
-        if callable(bucket_of):
-            ids = [bucket_of(s) for s in samples]
-        else:
-            ids = list(bucket_of)
-            if len(ids) != len(samples):
-                raise ValueError(f"bucket_of has {len(ids)} ids for {len(samples)} samples; give one per sample")
-        order: dict[Hashable, list[int]] = {}
-        for i, b in enumerate(ids):
-            order.setdefault(b, []).append(i)
-        return list(order), [torch.tensor(m, dtype=torch.int64) for m in order.values()]
-
-    def _batches_in(self, occurrences: int) -> int:
-        if self.tail == "drop":
-            return occurrences // self.batch_size
-        return math.ceil(occurrences / self.batch_size)
-
     def _warn_unused(self) -> None:
         if self.tail != "drop":
             return
-        small = [b for b, n in zip(self._bucket_ids, self._occurrences) if n < self.batch_size]
+        small = [b for b, n in zip(self._buckets.ids, self._buckets.occurrences) if n < self.batch_size]
         if small:
             log.warning(
                 "%d bucket(s) hold fewer than batch_size=%d occurrences and never train with tail='drop' "
@@ -557,7 +252,7 @@ class BucketSampler:
         """
         h = hashlib.blake2b(digest_size=16)
         h.update(repr((_STATE_VERSION, self.batch_size, self.tail, self.shuffle, self._world)).encode())
-        for b, members in zip(self._bucket_ids, self._bucket_members):
+        for b, members in zip(self._buckets.ids, self._buckets.members):
             h.update(repr(b).encode())
             h.update(members.numpy().tobytes())
         for s in self.samples:
@@ -567,7 +262,7 @@ class BucketSampler:
             extra.append(("caption_dropout", self.caption_dropout.hex()))
         if self.reg is not None:
             extra.append(("reg", self._n_main, float(self.reg.ratio).hex(), float(self.reg.weight).hex(),
-                          self._reg_quota, [m.tolist() for m in self._reg_members]))
+                          self._buckets.reg_quota, [m.tolist() for m in self._buckets.reg_members]))
         if any(s.mirror or s.mask or s.empty_caption for s in self.samples):
             extra.append([(s.mirror, s.mask, s.empty_caption) for s in self.samples])
         if extra:
@@ -575,70 +270,12 @@ class BucketSampler:
         return h.hexdigest()
 
     # --------------------------------------------------------------------------------------------- epoch contents
-    def _epoch_of(self, epoch: int) -> _Epoch:
+    def _epoch_of(self, epoch: int) -> Epoch:
         cached = self._cache.get(epoch)
         if cached is None:
-            cached = self._build(epoch)
+            cached = build_epoch(self._layout, self.seed, epoch)
             self._cache = {epoch: cached}  # one epoch at a time: memory stays O(dataset), not O(epochs)
         return cached
-
-    def _build(self, epoch: int) -> _Epoch:
-        n_main = self._n_main
-        g = seeded_generator(self.seed, epoch, "captions")
-        variants = (torch.rand(n_main, generator=g, dtype=torch.float64) * self._n_captions[:n_main]).long()
-        if len(self.samples) > n_main:  # regularization samples: their own stream, so the main draws stay put
-            g = seeded_generator(self.seed, epoch, "reg-captions")
-            reg = torch.rand(len(self.samples) - n_main, generator=g, dtype=torch.float64) * self._n_captions[n_main:]
-            variants = torch.cat([variants, reg.long()])
-        rows: list[torch.Tensor] = []
-        row_bucket: list[int] = []
-        for b, members in enumerate(self._bucket_members):
-            occ = torch.repeat_interleave(members, self._repeats[members])
-            if self._reg_quota and self._reg_quota[b]:
-                occ = torch.cat([occ, self._reg_draw(epoch, b)])
-            if self.shuffle:
-                occ = occ[torch.randperm(len(occ), generator=seeded_generator(self.seed, epoch, "bucket", b))]
-            n_batches = self._per_bucket[b]
-            need = n_batches * self.batch_size
-            if need > len(occ):
-                if self.tail == "short":  # the last batch is short: padding marks its missing rows
-                    occ = torch.cat([occ, occ.new_full((need - len(occ),), _PAD)])
-                else:  # "wrap": complete the last batch with this epoch's first occurrences
-                    occ = occ.repeat(math.ceil(need / len(occ)))
-            rows.append(occ[:need].view(n_batches, self.batch_size))
-            row_bucket += [b] * n_batches
-        all_rows = torch.cat(rows)
-        buckets = torch.tensor(row_bucket, dtype=torch.int64)
-        if self.shuffle:
-            perm = torch.randperm(len(all_rows), generator=seeded_generator(self.seed, epoch, "order"))
-            all_rows, buckets = all_rows[perm], buckets[perm]
-        for _ in range(self._splits):  # "short": equal shares for the ranks, nothing repeated
-            all_rows, buckets = _split_longest(all_rows, buckets)
-        take = torch.arange(self._per_rank, dtype=torch.int64) * self._world + self._rank
-        take = take % len(all_rows)  # "wrap" pads the order with its own first batches
-        dropped = None
-        if self.caption_dropout > 0:  # per occurrence of the whole epoch, before sharding: every rank agrees
-            g = seeded_generator(self.seed, epoch, "dropout")
-            dropped = (torch.rand(all_rows.shape, generator=g, dtype=torch.float64) < self.caption_dropout)[take]
-        flips: list[bool] | None = None
-        if self._any_mirror:  # per sample, like the caption variant
-            g = seeded_generator(self.seed, epoch, "flip")
-            drawn = torch.rand(len(self.samples), generator=g, dtype=torch.float64) < FLIP_PROBABILITY
-            flips = (drawn & self._has_mirror).tolist()
-        mine = all_rows[take].tolist()
-        if self.tail == "short":
-            mine = [[i for i in row if i != _PAD] for row in mine]
-        return _Epoch(epoch, mine, buckets[take].tolist(), variants.tolist(), flips, dropped)
-
-    def _reg_draw(self, epoch: int, b: int) -> torch.Tensor:
-        """Bucket ``b``'s regularization occurrences of ``epoch``: its fixed share, drawn without replacement from
-        the bucket's occurrences (each reg sample × its repeats) in an order seeded per epoch and bucket, cycling
-        through them again when the share is larger."""
-        members = self._reg_members[b]
-        pool = torch.repeat_interleave(members, self._repeats[members])
-        order = torch.randperm(len(pool), generator=seeded_generator(self.seed, epoch, "reg", b))
-        quota = self._reg_quota[b]
-        return pool[order.repeat(math.ceil(quota / len(pool)))[:quota]]
 
     def plan(self, epoch: int, index: int) -> BatchPlan:
         """Return batch ``index`` of ``epoch`` on this rank (pure: does not move the position)."""
@@ -663,7 +300,7 @@ class BucketSampler:
             latent_keys=tuple(str(samples[i].mirror) if flips is not None and flips[i] else samples[i].latent
                               for i in idx),  # a flip is drawn only for a sample with a mirror
             caption_keys=captions,
-            bucket=self._bucket_ids[ep.row_bucket[index]],
+            bucket=self._buckets.ids[ep.row_bucket[index]],
             mirrored=mirrored,
             dropped=dropped,
             mask_keys=tuple(samples[i].mask for i in idx) if self._any_mask else (),
@@ -721,7 +358,7 @@ class BucketSampler:
     def buckets(self) -> dict[Hashable, int]:
         """Bucket id -> occurrences per epoch (samples × repeats, plus the bucket's regularization share), in order
         of first appearance (the main dataset's buckets first)."""
-        return dict(zip(self._bucket_ids, self._occurrences))
+        return dict(zip(self._buckets.ids, self._buckets.occurrences))
 
     @property
     def main_samples(self) -> int:
@@ -731,7 +368,7 @@ class BucketSampler:
     @property
     def reg_buckets(self) -> dict[Hashable, int]:
         """Bucket id -> regularization occurrences it holds in every epoch (empty without regularization)."""
-        return {b: q for b, q in zip(self._bucket_ids, self._reg_quota) if q}
+        return {b: q for b, q in zip(self._buckets.ids, self._buckets.reg_quota) if q}
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch (like ``DistributedSampler.set_epoch``)."""

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .dataset import Sample
-from .sampler import BatchPlan, BucketSampler, DatasetMix
+from .dataset_mix import DatasetMix
+from .sampler import BatchPlan, BucketSampler
 
 __all__ = ["RankPlan", "RowShardSampler", "rows_of", "shard_sampler", "share", "share_of"]
 

@@ -3,7 +3,7 @@
 kohya's dataset config lists subsets with ``num_repeats``; here each pair of sockets adds one dataset and its
 repeats, and the node chains (its output into another one's ``dataset_a``) for any number of datasets. The output
 only names the datasets (:class:`~.handles.CombinedDatasetHandle`); Train LoRA opens them and the library's
-:func:`~dataset_cache.sampler.mix_datasets` multiplies the repeats in.
+:func:`~dataset_cache.dataset_mix.mix_datasets` multiplies the repeats in.
 """
 
 from __future__ import annotations

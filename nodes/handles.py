@@ -23,7 +23,7 @@ from ..dataset_cache.format.manifest import MANIFEST
 from ..dataset_cache.format.reader import CacheReader, open_cache
 from ..dataset_cache.multi_reader import MultiCacheReader
 from ..dataset_cache.remote import is_remote_url
-from ..dataset_cache.sampler import DatasetMix, DatasetPart, mix_datasets
+from ..dataset_cache.dataset_mix import DatasetMix, DatasetPart, mix_datasets
 
 __all__ = ["CombinedDatasetHandle", "DatasetRef", "StreamDataset", "StreamDatasetHandle", "cache_roots", "combine",
            "open_caches", "require_caches", "training_reader"]

@@ -10,7 +10,7 @@ import torch
 
 from ...dataset_cache.dataset import Sample
 from ...dataset_cache.loader import Batch
-from ...dataset_cache.sampler import DatasetMix, shared_samples
+from ...dataset_cache.dataset_mix import DatasetMix, shared_samples
 
 __all__ = ["RowCounts", "StepReport", "TrainResult", "counted", "overlap_notes"]
 

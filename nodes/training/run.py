@@ -18,10 +18,11 @@ import comfy.sampler_helpers
 import comfy.samplers
 
 from ...dataset_cache.dataset import Sample
+from ...dataset_cache.dataset_mix import DatasetMix, Regularization
+from ...dataset_cache.latent_buckets import buckets_from_reader, fit_batch_size
 from ...dataset_cache.loader import PrefetchLoader
 from ...dataset_cache.memory_plan import MemoryPlan
 from ...dataset_cache.reading import DatasetReader
-from ...dataset_cache.sampler import DatasetMix, Regularization, buckets_from_reader, fit_batch_size
 from ...dataset_cache.sharding import shard_sampler
 from ...dataset_cache.seeding import derive_seed
 from ...dataset_cache.trainable import check_trainable
@@ -64,7 +65,7 @@ def train_lora(
         model: a ComfyUI ``ModelPatcher`` (the ``MODEL`` socket's value).
         reader: the open cache reader of the datasets: a ``CacheReader``, or a ``MultiCacheReader`` when they (or
             the regularization set) live in several caches.
-        samples: the dataset's samples, or a :class:`~dataset_cache.sampler.DatasetMix` of several datasets.
+        samples: the dataset's samples, or a :class:`~dataset_cache.dataset_mix.DatasetMix` of several datasets.
         settings: the options; validated here.
         on_step: called after every optimizer step on this thread (progress, websocket events).
         reg: regularization samples (read through ``reader`` too), mixed in at ``settings.reg_ratio`` with loss weight

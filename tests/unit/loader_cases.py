@@ -25,12 +25,13 @@ import torch
 from dataset_cache.batch_assembly import map_tensors
 from dataset_cache.cuda_delivery import CudaDelivery
 from dataset_cache.dataset import Sample
+from dataset_cache.dataset_mix import DatasetPart, Regularization, mix_datasets
 from dataset_cache.format.reader import ReadBuffer, open_cache
 from dataset_cache.format.writer import CacheWriter
+from dataset_cache.latent_buckets import buckets_from_reader
 from dataset_cache.loader import LoaderStats, PrefetchLoader
 from dataset_cache.multi_reader import MultiCacheReader
-from dataset_cache.sampler import (BatchPlan, BucketSampler, DatasetPart, Regularization, buckets_from_reader,
-                                   mix_datasets)
+from dataset_cache.sampler import BatchPlan, BucketSampler
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_loader as cpu

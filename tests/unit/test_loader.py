@@ -24,8 +24,9 @@ import torch
 from dataset_cache.dataset import Sample
 from dataset_cache.errors import CacheCorruptError
 from dataset_cache.format.reader import ReadBuffer
+from dataset_cache.latent_buckets import buckets_from_reader
 from dataset_cache.loader import Batch, LoaderWorkerError, PrefetchLoader
-from dataset_cache.sampler import BucketSampler, buckets_from_reader
+from dataset_cache.sampler import BucketSampler
 
 ROOT = Path(__file__).resolve().parents[2]
 

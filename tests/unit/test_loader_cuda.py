@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from dataset_cache.batch_assembly import MASK_LUT, widen_masks
+from dataset_cache.latent_buckets import buckets_from_reader
 from dataset_cache.loader import PrefetchLoader
-from dataset_cache.sampler import BucketSampler, buckets_from_reader
+from dataset_cache.sampler import BucketSampler
 
 pytestmark = [
     pytest.mark.cuda,

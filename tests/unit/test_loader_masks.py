@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dataset_cache.dataset import Sample
+from dataset_cache.latent_buckets import buckets_from_reader
 from dataset_cache.loader import LoaderWorkerError, PrefetchLoader
-from dataset_cache.sampler import BucketSampler, buckets_from_reader
+from dataset_cache.sampler import BucketSampler
 
 
 class Reader:

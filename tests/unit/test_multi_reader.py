@@ -15,11 +15,13 @@ import torch
 
 from dataset_cache import MultiCacheReader
 from dataset_cache.dataset import Sample
+from dataset_cache.dataset_mix import DatasetPart, Regularization, mix_datasets
 from dataset_cache.errors import CacheCorruptError
 from dataset_cache.format.reader import CacheReader, ReadBuffer, open_cache
 from dataset_cache.format.writer import CacheWriter
+from dataset_cache.latent_buckets import buckets_from_reader
 from dataset_cache.loader import PrefetchLoader
-from dataset_cache.sampler import BucketSampler, DatasetPart, Regularization, buckets_from_reader, mix_datasets
+from dataset_cache.sampler import BucketSampler
 
 
 def _write(root: Path, entries: dict[str, Any]) -> CacheReader:

@@ -26,9 +26,10 @@ from dataset_cache.errors import (
 )
 from dataset_cache.format.reader import CacheReader, open_cache
 from dataset_cache.format.writer import CacheWriter
+from dataset_cache.latent_buckets import buckets_from_reader
 from dataset_cache.loader import PrefetchLoader
 from dataset_cache.remote.fetch_cache import block_name
-from dataset_cache.sampler import BucketSampler, buckets_from_reader
+from dataset_cache.sampler import BucketSampler
 from support.s3server import S3Server, start_s3
 
 BUCKET = "caches"

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataset_cache.dataset import Sample
-from dataset_cache.sampler import BatchPlan, BucketSampler, buckets_from_reader, fit_batch_size
+from dataset_cache.latent_buckets import buckets_from_reader, fit_batch_size
+from dataset_cache.sampler import BatchPlan, BucketSampler
 
 ROOT = Path(__file__).resolve().parents[2]
 

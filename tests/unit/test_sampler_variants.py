@@ -17,13 +17,9 @@ import torch
 
 from dataset_cache.dataset import MAX_REPEATS, Sample
 from dataset_cache.loader import PrefetchLoader
-from dataset_cache.sampler import (
-    FLIP_PROBABILITY,
-    BucketSampler,
-    DatasetPart,
-    Regularization,
-    mix_datasets,
-)
+from dataset_cache.dataset_mix import DatasetPart, Regularization, mix_datasets
+from dataset_cache.sampler import BucketSampler
+from dataset_cache.sampler_epoch import FLIP_PROBABILITY
 
 DATA = Path(__file__).parent / "data"
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from dataset_cache.dataset import Sample
-from dataset_cache.sampler import BatchPlan, BucketSampler, Regularization
+from dataset_cache.dataset_mix import Regularization
+from dataset_cache.sampler import BatchPlan, BucketSampler
 from dataset_cache.sharding import RankPlan, RowShardSampler, rows_of, shard_sampler, share, share_of
 
 DATA = Path(__file__).resolve().parent / "data"
