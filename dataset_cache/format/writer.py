@@ -291,6 +291,7 @@ class CacheWriter:
         deleted = sweep_unreferenced(self.root, self._state)
         self._committed = set(open_cache(self.root, strict=False).keys())
         return run.report(self._state, deleted, len(self._committed))
+
     # ----------------------------------------------------------------------------------------- lifecycle
     def _check_open(self) -> None:
         if self._closed:
