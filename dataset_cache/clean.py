@@ -37,7 +37,8 @@ from .errors import CacheCorruptError, CacheError, CacheUnreadableError
 from .format.layout import DATASET_FILE_RE, MANIFEST, SHARD_FILE_RE, TEMP_FILE_RE
 from .format.manifest import JOURNAL_RE
 from .format.reader import CacheReader, open_cache
-from .format.writer import CacheWriter, CompactReport
+from .format.compaction import CompactReport
+from .format.writer import CacheWriter
 from .lock import READ_LOCK, WRITE_LOCK, CacheLock
 from .units import format_bytes
 

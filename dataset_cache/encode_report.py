@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import SourceFailure
-from .format.writer import CompactReport
+from .format.compaction import CompactReport
 from .units import format_bytes
 
 __all__ = ["EncodeReport"]

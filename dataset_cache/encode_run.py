@@ -50,7 +50,8 @@ from .encode_jobs import EncodePlan, LatentJob, MaskJob, variant_counts
 from .encode_plan import samples_digest, settle_sources
 from .encode_report import EncodeReport
 from .errors import CacheLockedError, DatasetFolderError
-from .format.writer import LOG_SYNC_SECONDS, CacheWriter, CompactReport
+from .format.compaction import CompactReport
+from .format.writer import LOG_SYNC_SECONDS, CacheWriter
 from .lock import READ_LOCK, WRITE_LOCK, CacheLock
 from .threads import resolve_threads
 from .units import format_bytes

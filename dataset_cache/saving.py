@@ -19,7 +19,8 @@ from .encode_run import compact_if_unread
 from .errors import CacheNotFoundError
 from .format.manifest import read_state
 from .format.reader import CacheReader, open_cache
-from .format.writer import CacheWriter, CompactReport
+from .format.compaction import CompactReport
+from .format.writer import CacheWriter
 from .interop import split_batch, value_key
 from .lock import WRITE_LOCK, CacheLock
 

@@ -28,7 +28,7 @@ from typing import Any
 from comfy_api.latest import io, ui
 
 from ..dataset_cache import check_dataset_name
-from ..dataset_cache.format.writer import CompactReport
+from ..dataset_cache.format.compaction import CompactReport
 from ..dataset_cache.saving import copy_dataset, save_latent_lists
 from .fingerprints import OwnWrites, cache_identity
 from .handles import StreamDataset, StreamDatasetHandle

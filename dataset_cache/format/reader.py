@@ -112,7 +112,7 @@ def open_cache(root: str | os.PathLike, *, verify: bool = True, strict: bool = T
         strict: raise on the first damaged shard; ``False`` skips damaged shards (their entries are absent) and
             records the problems for :meth:`CacheReader.verify` — for the ``verify`` command, not for training.
             A shard that cannot be opened because of its environment (permissions, open-file limit, I/O, a
-            link) is recorded as a :class:`CacheUnreadableError`, which is never damage (see ``writer.compact``).
+            link) is recorded as a :class:`CacheUnreadableError`, which is never damage (see ``compaction.py``).
         remote: how a remote cache is fetched (``None``: the defaults); ignored for a directory.
 
     A compaction by another process that switches the manifest while we open is detected (the manifest file

@@ -1,4 +1,4 @@
-"""``CacheWriter``: streams entries into shards, commits durably, checkpoints cheaply, compacts.
+"""``CacheWriter``: streams entries into shards, commits durably, checkpoints cheaply.
 
 At most one shard's tensors are held in memory: ``add()`` validates and clones a value (a row view of a batch
 would otherwise drag the whole batch storage along), and once the pending bytes reach ``shard_bytes`` they are
@@ -14,6 +14,9 @@ added since the last checkpoint are appended to the writer's recovery log (``wal
 survives the death of the process; the log is fsynced every ``sync_seconds``, which bounds what a power loss can
 take; entries are published in full shards as they fill, and the next writer publishes whatever a dead one left in
 its log. Readers never read the log, so the published state keeps every guarantee above.
+
+Compaction lives in ``compaction.py``; :meth:`CacheWriter.compact` runs it under the writer (the one writer per
+cache is the one that may compact it), committing first and taking the new manifest's state as its own.
 """
 
 from __future__ import annotations
@@ -21,42 +24,21 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from ..constants import DEFAULT_SHARD_BYTES
 from ..dataset import DatasetInfo, Sample, check_epoch_size
-from ..batching import batched
-from ..errors import CacheCorruptError, CacheError, CacheNotFoundError, CacheUnreadableError
-from .layout import (
-    DAMAGED_DIR,
-    DATASET_FILE_RE,
-    DATASETS_DIR,
-    MANIFEST,
-    SHARD_FILE_RE,
-    SHARDS_DIR,
-    TEMP_FILE_RE,
-    check_new_cache_location,
-    check_no_links,
-)
-from .manifest import (
-    JOURNAL_RE,
-    CacheState,
-    ShardRecord,
-    append_journal,
-    new_id,
-    next_generation,
-    read_state,
-    write_dataset,
-    write_manifest,
-)
-from .reader import CacheReader, open_cache
+from ..errors import CacheNotFoundError, CacheUnreadableError
+from .compaction import Compaction, CompactReport, sweep_unreferenced, unlink_unreferenced
+from .layout import DATASETS_DIR, MANIFEST, SHARDS_DIR, check_new_cache_location, check_no_links
+from .manifest import CacheState, ShardRecord, append_journal, new_id, read_state, write_dataset, write_manifest
+from .reader import open_cache
 from .shard import ShardBuilder
 from .wal import LogBuffer, RecoveryLog, log_files, replay
 
-__all__ = ["CacheWriter", "CompactReport", "LOG_SYNC_SECONDS", "LOG_SYNC_BYTES"]
+__all__ = ["CacheWriter", "LOG_SYNC_SECONDS", "LOG_SYNC_BYTES"]
 
 log = logging.getLogger("dataset_cache.format.writer")
 _MAX_KEY = 256
@@ -69,54 +51,6 @@ takes none. One fsync a second costs well under 1% of an encode even where an fs
 LOG_SYNC_BYTES = 64 << 20
 """...or once this many bytes were appended since the last fsync, so a fast encoder of large values does not
 leave much more than this at the mercy of a power loss."""
-
-
-@dataclass(frozen=True)
-class CompactReport:
-    """What :meth:`CacheWriter.compact` did.
-
-    Attributes:
-        shards_before / shards_after: committed shard files before and after.
-        shards_rewritten: shards whose live entries were copied into new shards.
-        entries_kept / entries_dropped: live entries after; entries removed (not kept, or duplicates).
-        bytes_before / bytes_after: total shard bytes before and after.
-        files_deleted: files removed (replaced shards, old journal, unreferenced dataset files, orphans).
-        damaged: damage found (bytes that do not match the manifest or a checksum). Without ``repair`` the
-            damaged shards stay in the cache as they are; with it, their unreadable entries were dropped (the next
-            encode re-creates them) and the shard files moved to ``damaged/``.
-        unreadable: files that could not be read (permissions, open-file limit, I/O error, a link): not damage,
-            so they were left as they are, listed and untouched.
-        quarantined: shard files an explicit repair took out of the cache, now in ``damaged/`` (never deleted).
-    """
-
-    shards_before: int
-    shards_after: int
-    shards_rewritten: int
-    entries_kept: int
-    entries_dropped: int
-    bytes_before: int
-    bytes_after: int
-    files_deleted: int
-    damaged: tuple[str, ...] = ()
-    unreadable: tuple[str, ...] = ()
-    quarantined: tuple[str, ...] = ()
-
-    def findings(self) -> str:
-        """One paragraph for reports when compaction found damage or left files alone (empty when it did not)."""
-        parts = []
-        if self.unreadable:
-            parts.append(f"{len(self.unreadable)} cache file(s) could not be read and were left untouched "
-                         f"(first: {self.unreadable[0]}); their entries are re-encoded when needed")
-        if self.damaged and not self.quarantined:
-            parts.append(f"{len(self.damaged)} damaged part(s) found and kept as they are (first: "
-                         f"{self.damaged[0]}); run `python -m dataset_cache verify <cache>`, then a repair to "
-                         "drop them")
-        if self.quarantined:
-            parts.append(f"repair dropped the damaged entries and moved {len(self.quarantined)} shard file(s) to "
-                         f"{DAMAGED_DIR}/ (first: {self.quarantined[0]}); delete them when you no longer need them")
-        elif self.damaged and self.entries_dropped:
-            parts.append(f"repair dropped {self.entries_dropped} damaged entr(y/ies)")
-        return "; ".join(parts)
 
 
 class CacheWriter:
@@ -263,7 +197,7 @@ class CacheWriter:
         """
         self._builder = ShardBuilder()
         for rec in self._written:
-            _unlink(self.root / rec.file)
+            unlink_unreferenced(self.root / rec.file)
         self._written, self._written_keys = [], set()
         if self._log is not None:
             for lg in (*self._retired, self._log):
@@ -287,7 +221,7 @@ class CacheWriter:
         added = len(self._builder) + len(self._written_keys)
         self._commit({})  # durable before the logs go
         for path in done:
-            _unlink(path)
+            unlink_unreferenced(path)
         log.info("%s: published %d entries checkpointed by an earlier writer (%d already present)", self.root,
                  added, entries - added)
 
@@ -348,145 +282,15 @@ class CacheWriter:
         is, and so is a damaged one unless ``repair`` is asked for; the report lists both. Rewritten entries are
         written in dataset order (then the rest) so training reads them sequentially. The new manifest (naming a
         fresh empty journal) is the atomic switch; replaced files are deleted after it. A reader opened before
-        the switch must be reopened.
+        the switch must be reopened. The steps are :class:`.compaction.Compaction`'s.
         """
         self._check_open()
         self._commit({})
-        check_no_links(self.root)
-        reader = open_cache(self.root, strict=False)
-        problems: list[CacheError] = list(reader.verify() if repair else reader.problems)
-        unreadable: list[CacheError] = [p for p in problems if isinstance(p, CacheUnreadableError)]
-        damaged = [p for p in problems if not isinstance(p, CacheUnreadableError)]
-        order = _dataset_order(reader)
-        present = set(reader.keys())  # entries of shards that could not be opened are not copied: they stay there
-        live = present if keep is None else (set(keep) | set(order)) & present
-        state = self._state
-        plan = self._choose(reader, live, problems, min_fill, repair)
-        kept_keys = {k for _, sh in plan.kept if sh is not None for k in sh.keys}
-        new: list[ShardRecord] = []
-        if plan.rewrite or plan.drop or state.journal_commits:
-            wanted = [k for k in [*order, *(k for _, sh in plan.rewrite for k in sh.keys)]
-                      if k in live and k not in kept_keys]
-            new, failed = self._rewrite(reader, wanted)
-            held = self._hold_back(plan, failed, repair, damaged, unreadable)
-            quarantined = self._quarantine(plan, held)
-            kept = [rec for rec, _ in plan.kept] + held
-            self._state = write_manifest(self.root, next_generation(state.generation), kept + new, state.datasets)
-        else:
-            quarantined = []
-        deleted = self._delete_unreferenced()
+        run = Compaction(self.root, self._state, self.shard_bytes, keep=keep, min_fill=min_fill, repair=repair)
+        self._state = run.switch()  # the writer follows the new manifest at once (a later commit appends there)
+        deleted = sweep_unreferenced(self.root, self._state)
         self._committed = set(open_cache(self.root, strict=False).keys())
-        shards = self._state.shards
-        gone = {r.file for r in state.shards} - {r.file for r in shards}
-        return CompactReport(
-            shards_before=len(state.shards), shards_after=len(shards), shards_rewritten=len(plan.rewrite),
-            entries_kept=len(self._committed),
-            entries_dropped=max(0, sum(r.entries for r in state.shards if r.file in gone)
-                                - sum(r.entries for r in new)),
-            bytes_before=sum(r.bytes for r in state.shards), bytes_after=sum(r.bytes for r in shards),
-            files_deleted=deleted, damaged=tuple(dict.fromkeys(str(p) for p in damaged)),
-            unreadable=tuple(dict.fromkeys(str(p) for p in unreadable)), quarantined=tuple(quarantined),
-        )
-
-    def _choose(self, reader: CacheReader, live: set[str], problems: Sequence[CacheError], min_fill: float,
-                repair: bool) -> _CompactPlan:
-        """Sort the manifest's shards into kept as they are, rewritten, and (repair only) dropped as damaged."""
-        by_file = {sh.file: sh for sh in reader.shards}
-        hold = {p.path for p in problems if isinstance(p, CacheUnreadableError)}
-        bad = {p.path for p in problems if isinstance(p, CacheCorruptError)} if repair else set()
-        plan = _CompactPlan()
-        seen: set[str] = set()
-        for rec in self._state.shards:
-            sh = by_file.get(rec.file)
-            path = str(self.root / rec.file)
-            if sh is None:  # could not be opened: damage is dropped on repair only; anything else stays
-                (plan.drop if path in bad and path not in hold else plan.kept).append((rec, None))
-                continue
-            if path in hold:  # a read failed because of the environment: leave the file exactly as it is
-                plan.kept.append((rec, sh))
-                seen.update(sh.keys)
-                continue
-            dropped = any(k in seen or k not in live for k in sh.keys) or path in bad
-            seen.update(sh.keys)
-            (plan.rewrite if dropped or rec.bytes < min_fill * self.shard_bytes else plan.kept).append((rec, sh))
-            if path in bad:
-                plan.drop.append((rec, None))
-        if (len(plan.rewrite) == 1 and all(k in live for k in plan.rewrite[0][1].keys)
-                and str(plan.rewrite[0][1].path) not in bad):  # rewriting it alone gains nothing
-            plan.kept, plan.rewrite = plan.kept + plan.rewrite, []
-        return plan
-
-    def _rewrite(self, reader: CacheReader, keys: list[str]) -> tuple[list[ShardRecord], dict[str, CacheError]]:
-        """Copy ``keys`` into new full shards; returns the records and the entries that could not be read."""
-        pending = list(dict.fromkeys(keys))
-        builder, records = ShardBuilder(), []
-        failed: dict[str, CacheError] = {}
-        for batch in batched(pending, 64):
-            for k, v in _read_or_skip(reader, batch, failed):
-                builder.add(k, reader.kind(k), v, "value")
-                if builder.nbytes >= self.shard_bytes:
-                    records.append(builder.write(self.root / SHARDS_DIR, new_id()))
-                    builder = ShardBuilder()
-        if len(builder):
-            records.append(builder.write(self.root / SHARDS_DIR, new_id()))
-        return records, failed
-
-    def _hold_back(self, plan: _CompactPlan, failed: dict[str, CacheError], repair: bool,
-                   damaged: list[CacheError], unreadable: list[CacheError]) -> list[ShardRecord]:
-        """The rewritten shards that must stay because an entry of theirs could not be copied.
-
-        Without ``repair`` any failed read keeps its shard (nothing is dropped on a guess); with it, only a read
-        that failed for its environment does, and damaged entries are dropped.
-        """
-        held: list[ShardRecord] = []
-        for rec, sh in plan.rewrite:
-            errors = [failed[k] for k in sh.keys if k in failed]
-            if not errors:
-                continue
-            for exc in errors:
-                (unreadable if isinstance(exc, CacheUnreadableError) else damaged).append(exc)
-            if not repair or any(isinstance(e, CacheUnreadableError) for e in errors):
-                held.append(rec)
-                plan.drop = [(r, s) for r, s in plan.drop if r.file != rec.file]
-        return held
-
-    def _quarantine(self, plan: _CompactPlan, held: list[ShardRecord]) -> list[str]:
-        """Move the shards a repair drops to ``damaged/`` (before the switch: a crash leaves them named, not lost).
-
-        A shard that cannot be moved stays in the manifest (appended to ``held``).
-        """
-        moved: list[str] = []
-        for rec, _ in plan.drop:
-            src = self.root / rec.file
-            dst = self.root / DAMAGED_DIR / Path(rec.file).name
-            try:
-                dst.parent.mkdir(exist_ok=True)
-                if os.path.lexists(dst):
-                    dst = dst.with_name(f"{dst.stem}-{new_id()}{dst.suffix}")
-                os.rename(src, dst)
-                moved.append(f"{DAMAGED_DIR}/{dst.name}")
-            except FileNotFoundError:  # already gone: dropping its record loses nothing more
-                moved.append(rec.file)
-            except OSError as exc:
-                log.warning("could not move damaged shard %s to %s/ (%s); it stays in the cache", src,
-                            DAMAGED_DIR, exc)
-                held.append(rec)
-        return moved
-
-    def _delete_unreferenced(self) -> int:
-        """Delete the cache's own files the manifest no longer names: only regular files of its name patterns."""
-        refs = {r.file for r in self._state.shards} | {d.file for d in self._state.datasets.values()}
-        refs.add(self._state.journal)
-        n = 0
-        for sub, pattern in ((SHARDS_DIR, SHARD_FILE_RE), (DATASETS_DIR, DATASET_FILE_RE)):
-            for name in _regular_files(self.root / sub):
-                rel = f"{sub}/{name}"
-                if rel not in refs and (pattern.fullmatch(rel) or TEMP_FILE_RE.fullmatch(name)):
-                    n += _unlink(self.root / rel)
-        for name in _regular_files(self.root):
-            if name not in refs and name != MANIFEST and (JOURNAL_RE.fullmatch(name) or TEMP_FILE_RE.fullmatch(name)):
-                n += _unlink(self.root / name)
-        return n
+        return run.report(self._state, deleted, len(self._committed))
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def _check_open(self) -> None:
@@ -526,60 +330,3 @@ def _init_cache(root: Path) -> None:
     (root / SHARDS_DIR).mkdir(exist_ok=True)
     (root / DATASETS_DIR).mkdir(exist_ok=True)
     write_manifest(root, 1, [], {})
-
-
-@dataclass
-class _CompactPlan:
-    """The shards of one compaction: ``(record, index or None when unopened)`` pairs."""
-
-    kept: list[tuple[ShardRecord, Any]] = field(default_factory=list)
-    rewrite: list[tuple[ShardRecord, Any]] = field(default_factory=list)
-    drop: list[tuple[ShardRecord, Any]] = field(default_factory=list)
-
-
-def _regular_files(folder: Path) -> list[str]:
-    """Names of the regular files directly in ``folder`` (links and folders are never listed)."""
-    try:
-        with os.scandir(folder) as it:
-            return [e.name for e in it if e.is_file(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _dataset_order(reader: CacheReader) -> list[str]:
-    order: dict[str, None] = {}
-    for name in reader.datasets():
-        for s in reader.dataset(name):
-            for key in s.keys():
-                order.setdefault(key, None)
-    return list(order)
-
-
-def _read_or_skip(reader: CacheReader, keys: Sequence[str], failed: dict[str, CacheError]) -> list[tuple[str, Any]]:
-    """Read ``keys``; when the batch fails, read one by one, recording each entry that cannot be read."""
-    try:
-        return list(zip(keys, reader.read(keys)))
-    except (CacheError, OSError):
-        pass
-    out = []
-    for k in keys:
-        try:
-            out.append((k, reader.read([k])[0]))
-        except CacheError as exc:
-            log.warning("compaction could not copy an entry: %s", exc)
-            failed[k] = exc
-        except OSError as exc:
-            log.warning("compaction could not copy entry %s: %s", k, exc)
-            failed[k] = CacheUnreadableError(str(reader.root), f"cannot read entry {k} ({exc})", errno=exc.errno)
-    return out
-
-
-def _unlink(p: Path) -> int:
-    try:
-        p.unlink()
-        return 1
-    except FileNotFoundError:
-        return 0
-    except OSError as exc:  # e.g. Windows: a file still open elsewhere; the next compaction retries
-        log.warning("could not delete %s (%s); it is unreferenced and will be retried", p, exc)
-        return 0
