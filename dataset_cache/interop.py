@@ -10,8 +10,8 @@ ComfyUI's ``SaveTrainingDataset`` node has written two layouts into ``<output>/<
   ``shard_{k:04d}.safetensors`` with every tensor of the shard (keys ``s{i}_lat_{n}`` / ``s{i}_cond_{n}``) plus
   ``shard_{k:04d}.skeleton.pkl``, a plain pickle of one ``(latent_skeleton, cond_skeleton)`` tuple per sample in
   which each tensor is replaced by ``{"__tref__": key}``. ComfyUI reads that pickle with ``pickle.load``, so a
-  shared dataset can run any code on load; we read it with :func:`load_skeleton_pickle`, which refuses every
-  global outside a tiny allowlist before anything is constructed.
+  shared dataset can run any code on load; we read it with :func:`.safe_pickle.load_skeleton_pickle`, which refuses
+  every global outside a tiny allowlist before anything is constructed.
 
 Samples are read one shard at a time (:func:`iter_comfy_dataset`), never the whole dataset, and
 :func:`convert_comfy_dataset` streams them into a :class:`~dataset_cache.format.writer.CacheWriter`, keyed by
@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 import struct
 import time
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +37,7 @@ from .constants import DEFAULT_SHARD_BYTES, MAX_SKELETON_DEPTH
 from .dataset import Sample
 from .errors import CacheCorruptError, CacheFormatError, CacheNotFoundError, UnstorableValueError
 from .hashing import tensor_bytes
+from .safe_pickle import load_pickle_shard, load_skeleton_pickle
 
 __all__ = [
     "COMFY_PICKLE",
@@ -50,7 +49,6 @@ __all__ = [
     "split_batch",
     "iter_comfy_dataset",
     "convert_comfy_dataset",
-    "load_skeleton_pickle",
     "value_key",
 ]
 
@@ -65,11 +63,6 @@ METADATA_FILE = "metadata.json"
 _PICKLE_SHARD = re.compile(r"shard_(\d+)\.pkl")
 _LAZY_SHARD = re.compile(r"shard_(\d+)\.safetensors")
 _TREF = "__tref__"
-
-_ALLOWED_GLOBALS = frozenset({("builtins", "set"), ("builtins", "frozenset")})
-"""The only globals a skeleton pickle may name. Plain containers, strings and numbers have their own pickle
-opcodes and need none; ``set``/``frozenset`` are listed only because protocols < 4 build them by calling the
-type. Both constructors merely copy an iterable, so nothing a hostile file names can run code."""
 
 
 @dataclass(frozen=True)
@@ -240,86 +233,7 @@ def _skeleton_path(shard: Path) -> Path:
     return shard.with_name(shard.name[: -len(".safetensors")] + ".skeleton.pkl")
 
 
-# ------------------------------------------------------------------------------------ restricted unpickling
-
-
-class _RefusedGlobal(pickle.UnpicklingError):
-    def __init__(self, module: str, name: str) -> None:
-        self.qualname = f"{module}.{name}"
-        super().__init__(self.qualname)
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that can build plain containers only.
-
-    Every code path by which a pickle calls code (``GLOBAL``/``STACK_GLOBAL``/``INST``, and ``REDUCE``/``OBJ``/
-    ``NEWOBJ``, which need a callable from one of those; ``EXT*`` from the copyreg registry) goes through
-    :meth:`find_class`, so refusing there stops a hostile file before anything runs.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return {"set": set, "frozenset": frozenset}[name]
-        raise _RefusedGlobal(module, name)
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not allowed")
-
-
-def load_skeleton_pickle(path: str | Path) -> Any:
-    """Unpickle a ``shard_*.skeleton.pkl`` file, refusing anything but plain containers.
-
-    Raises:
-        CacheFormatError: the pickle names a global outside the allowlist (``os.system``, ``builtins.eval``, a
-            torch class, a ComfyUI hook object, ...); nothing it names is imported or called.
-        CacheCorruptError: the file is truncated or not a pickle.
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            return _RestrictedUnpickler(f).load()
-    except _RefusedGlobal as e:
-        raise CacheFormatError(
-            f"{path}: refused to unpickle global {e.qualname!r}. Skeleton pickles may only hold plain containers "
-            "(dict, list, tuple, str, int, float, bool, None) and tensor references; a pickle that names other "
-            "objects can run arbitrary code when loaded. If the dataset is yours and stores objects such as "
-            "hooks, those samples cannot be converted: re-encode them without."
-        ) from None
-    except OSError:
-        raise
-    except Exception as e:
-        raise CacheCorruptError(str(path), f"not a readable pickle ({type(e).__name__}: {e})") from e
-
-
 # --------------------------------------------------------------------------------------------- iteration
-
-
-def _load_pickle_shard(path: Path) -> tuple[list[Any], list[Any]]:
-    """Load one ``shard_*.pkl`` with ``torch.load(weights_only=True)`` (memory-mapped when possible)."""
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except pickle.UnpicklingError as e:
-        text = str(e)
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-        if refused:
-            raise CacheFormatError(
-                f"{path}: torch.load(weights_only=True) refused global {refused.group(1)!r}. The shard holds "
-                "objects other than tensors and plain containers (e.g. hooks); it cannot be read safely. "
-                "Re-save the dataset without them."
-            ) from None
-        detail = text.split("WeightsUnpickler error:", 1)[-1].split("Check the documentation", 1)[0]
-        raise CacheCorruptError(str(path), f"not a readable torch.save file ({' '.join(detail.split())})") from None
-    except OSError:
-        raise
-    except Exception as e:
-        raise CacheCorruptError(str(path), f"not a readable torch.save file ({type(e).__name__}: {e})") from e
-    if not (isinstance(data, dict) and isinstance(data.get("latents"), list)
-            and isinstance(data.get("conditioning"), list)):
-        raise CacheFormatError(f"{path}: expected a dict with lists 'latents' and 'conditioning'")
-    if len(data["latents"]) != len(data["conditioning"]):
-        raise CacheCorruptError(str(path), f"{len(data['latents'])} latents but "
-                                f"{len(data['conditioning'])} conditionings")
-    return data["latents"], data["conditioning"]
 
 
 class _TooDeep(Exception):
@@ -388,7 +302,7 @@ def _iter_shards(info: ComfyDatasetInfo) -> Iterator[tuple[Path, Iterator[tuple[
         if info.layout == COMFY_LAZY:
             samples: Iterator[tuple[Any, Any]] = _iter_lazy_shard(shard)
         else:
-            samples = zip(*_load_pickle_shard(shard))
+            samples = zip(*load_pickle_shard(shard))
         yield shard, _counting(samples, counter)
     if counter[0] != info.num_samples:
         raise CacheCorruptError(str(info.path / METADATA_FILE),

@@ -32,9 +32,9 @@ from dataset_cache.interop import (
     detect_comfy_dataset,
     inspect_comfy_dataset,
     iter_comfy_dataset,
-    load_skeleton_pickle,
     value_key,
 )
+from dataset_cache.safe_pickle import load_skeleton_pickle
 
 # ------------------------------------------------------------------------------------- ComfyUI layout writers
 
