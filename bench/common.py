@@ -148,7 +148,7 @@ class LazyReader:
     a sample with one ``safe_open`` handle per shard, opened on first use and kept, one ``get_tensor`` per tensor."""
 
     def __init__(self, root: Path) -> None:
-        from dataset_cache.interop import load_skeleton_pickle
+        from dataset_cache.safe_pickle import load_skeleton_pickle
 
         meta = json.loads((root / "metadata.json").read_text())
         self.shard_size = meta["shard_size"]

@@ -126,7 +126,7 @@ def _print_json(obj: Any) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .interop import detect_comfy_dataset, inspect_comfy_dataset
+    from .comfy_folders import detect_comfy_dataset, inspect_comfy_dataset
     from .remote.urls import is_remote_url
 
     if not is_remote_url(args.path) and detect_comfy_dataset(Path(args.path)):
@@ -169,7 +169,7 @@ def _open_arg(path: str, **kwargs: Any) -> Any:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .interop import detect_comfy_dataset
+    from .comfy_folders import detect_comfy_dataset
     from .remote.urls import is_remote_url
 
     layout = None if is_remote_url(args.path) else detect_comfy_dataset(Path(args.path))

@@ -1,33 +1,17 @@
-"""Reading ComfyUI's built-in training-dataset folders, safely, and converting them into a cache.
+"""Converting a ComfyUI training-dataset folder into a cache, keyed by content.
 
-ComfyUI's ``SaveTrainingDataset`` node has written two layouts into ``<output>/<folder_name>/``:
-
-* ``comfy-pickle`` (upstream master): ``shard_{k:04d}.pkl`` files, each ``torch.save`` of
-  ``{"latents": [latent dict, ...], "conditioning": [conditioning list, ...]}``, plus ``metadata.json``
-  ``{"num_samples", "num_shards", "shard_size"}``. We load shards only with ``torch.load(weights_only=True)``,
-  which refuses every object but tensors and plain containers.
-* ``comfy-lazy`` (KohakuBlueleaf's ``streamabledataset`` branch, ``"format_version": 2`` in ``metadata.json``):
-  ``shard_{k:04d}.safetensors`` with every tensor of the shard (keys ``s{i}_lat_{n}`` / ``s{i}_cond_{n}``) plus
-  ``shard_{k:04d}.skeleton.pkl``, a plain pickle of one ``(latent_skeleton, cond_skeleton)`` tuple per sample in
-  which each tensor is replaced by ``{"__tref__": key}``. ComfyUI reads that pickle with ``pickle.load``, so a
-  shared dataset can run any code on load; we read it with :func:`load_skeleton_pickle`, which refuses every
-  global outside a tiny allowlist before anything is constructed.
-
-Samples are read one shard at a time (:func:`iter_comfy_dataset`), never the whole dataset, and
-:func:`convert_comfy_dataset` streams them into a :class:`~dataset_cache.format.writer.CacheWriter`, keyed by
-content (:func:`value_key`).
+:func:`convert_comfy_dataset` streams the samples :mod:`.comfy_folders` reads (one shard at a time, every pickle
+through :mod:`.safe_pickle`) into a :class:`~dataset_cache.format.writer.CacheWriter`, splitting batched latents
+into one sample per row (:func:`split_batch`) and storing each value under its content key (:func:`value_key`),
+so identical values are stored once and converting twice adds nothing. :mod:`.saving` stores ComfyUI's latent and
+conditioning lists with the same two functions.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import pickle
-import re
 import struct
 import time
-import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,62 +19,20 @@ from typing import Any
 import torch
 import xxhash
 
+from .comfy_folders import inspect_comfy_dataset, iter_comfy_shards
 from .constants import DEFAULT_SHARD_BYTES, MAX_SKELETON_DEPTH
 from .dataset import Sample
-from .errors import CacheCorruptError, CacheFormatError, CacheNotFoundError, UnstorableValueError
+from .errors import CacheFormatError, UnstorableValueError
 from .hashing import tensor_bytes
 
 __all__ = [
-    "COMFY_PICKLE",
-    "COMFY_LAZY",
-    "ComfyDatasetInfo",
     "ConvertReport",
-    "detect_comfy_dataset",
-    "inspect_comfy_dataset",
     "split_batch",
-    "iter_comfy_dataset",
     "convert_comfy_dataset",
-    "load_skeleton_pickle",
     "value_key",
 ]
 
 log = logging.getLogger("dataset_cache.interop")
-
-COMFY_PICKLE = "comfy-pickle"
-"""Layout of upstream ``SaveTrainingDataset``: ``shard_*.pkl`` written by ``torch.save``."""
-COMFY_LAZY = "comfy-lazy"
-"""Layout of the ``streamabledataset`` branch: ``shard_*.safetensors`` + ``shard_*.skeleton.pkl``."""
-
-METADATA_FILE = "metadata.json"
-_PICKLE_SHARD = re.compile(r"shard_(\d+)\.pkl")
-_LAZY_SHARD = re.compile(r"shard_(\d+)\.safetensors")
-_TREF = "__tref__"
-
-_ALLOWED_GLOBALS = frozenset({("builtins", "set"), ("builtins", "frozenset")})
-"""The only globals a skeleton pickle may name. Plain containers, strings and numbers have their own pickle
-opcodes and need none; ``set``/``frozenset`` are listed only because protocols < 4 build them by calling the
-type. Both constructors merely copy an iterable, so nothing a hostile file names can run code."""
-
-
-@dataclass(frozen=True)
-class ComfyDatasetInfo:
-    """What a ComfyUI dataset folder holds, read from its file names and ``metadata.json`` only.
-
-    Attributes:
-        path: the folder.
-        layout: :data:`COMFY_PICKLE` or :data:`COMFY_LAZY`.
-        metadata: the parsed ``metadata.json``.
-        shards: the shard files in save order (``.pkl`` or ``.safetensors``), as many as the metadata names.
-        num_samples: samples the metadata promises.
-        bytes: total size of the shard files (and skeleton pickles) on disk.
-    """
-
-    path: Path
-    layout: str
-    metadata: dict[str, Any]
-    shards: tuple[Path, ...]
-    num_samples: int
-    bytes: int
 
 
 @dataclass(frozen=True)
@@ -118,296 +60,6 @@ class ConvertReport:
     new_entries: int
     reused_entries: int
     seconds: float = field(default=0.0, compare=False)
-
-
-# ----------------------------------------------------------------------------------------------- detection
-
-
-def _shard_files(folder: Path) -> tuple[dict[int, Path], dict[int, Path]]:
-    """Return ``(pickle shards, safetensors shards)`` of a folder by shard index."""
-    pkl: dict[int, Path] = {}
-    lazy: dict[int, Path] = {}
-    for p in folder.iterdir():
-        if m := _PICKLE_SHARD.fullmatch(p.name):
-            pkl[int(m.group(1))] = p
-        elif m := _LAZY_SHARD.fullmatch(p.name):
-            lazy[int(m.group(1))] = p
-    return pkl, lazy
-
-
-def _read_metadata(folder: Path) -> dict[str, Any]:
-    """Parse and check ``metadata.json``; raise :class:`CacheFormatError` naming the file and field."""
-    path = folder / METADATA_FILE
-    if not path.is_file():
-        raise CacheFormatError(
-            f"{path}: missing. A ComfyUI SaveTrainingDataset folder always has one; it was deleted or the save "
-            "was interrupted. Re-run SaveTrainingDataset."
-        )
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CacheFormatError(f"{path}: not valid JSON ({e}). Re-run SaveTrainingDataset.") from e
-    if not isinstance(meta, dict):
-        raise CacheFormatError(f"{path}: expected a JSON object, got {type(meta).__name__}")
-    for name in ("num_samples", "num_shards", "shard_size"):
-        v = meta.get(name)
-        if type(v) is not int or v < 0:
-            raise CacheFormatError(f"{path}: field {name!r} must be a non-negative integer, got {v!r}")
-    version = meta.get("format_version", 1)
-    if version not in (1, 2):
-        raise CacheFormatError(f"{path}: format_version {version!r} is unknown; expected 1 (absent) or 2")
-    if meta["shard_size"] < 1 or meta["num_shards"] != -(-meta["num_samples"] // meta["shard_size"]):
-        raise CacheFormatError(
-            f"{path}: num_shards={meta['num_shards']} does not fit num_samples={meta['num_samples']} and "
-            f"shard_size={meta['shard_size']}"
-        )
-    return meta
-
-
-def detect_comfy_dataset(path: str | Path) -> str | None:
-    """Say which ComfyUI layout a folder holds, from file names and ``metadata.json`` alone.
-
-    Returns:
-        :data:`COMFY_PICKLE`, :data:`COMFY_LAZY`, or ``None`` when the folder has neither ComfyUI shards nor a
-        ComfyUI ``metadata.json`` (including when ``path`` is not a directory). Never raises for bad content:
-        :func:`inspect_comfy_dataset` reports what is wrong.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        return None
-    pkl, lazy = _shard_files(folder)
-    try:
-        version = _read_metadata(folder).get("format_version", 1)
-    except CacheFormatError:
-        version = None
-    if version == 2 or (version is None and lazy and not pkl):
-        return COMFY_LAZY
-    if version == 1 or pkl:
-        return COMFY_PICKLE
-    return COMFY_LAZY if lazy else None
-
-
-def inspect_comfy_dataset(path: str | Path) -> ComfyDatasetInfo:
-    """Check a ComfyUI dataset folder without reading any shard.
-
-    The metadata decides the layout (``format_version`` 2 means lazy) and how many shards belong to the dataset:
-    ComfyUI never deletes old shards when a folder is saved again, so files beyond ``num_shards`` are stale and
-    ignored (with a warning).
-
-    Raises:
-        CacheNotFoundError: ``path`` does not exist.
-        CacheFormatError: not a ComfyUI dataset folder, ``metadata.json`` missing or invalid, or a shard (or its
-            skeleton pickle) missing.
-    """
-    folder = Path(path)
-    if not folder.exists():
-        raise CacheNotFoundError(f"{folder}: no such directory")
-    if not folder.is_dir():
-        raise CacheFormatError(f"{folder}: not a directory; expected a ComfyUI SaveTrainingDataset folder")
-    pkl, lazy = _shard_files(folder)
-    if not pkl and not lazy and not (folder / METADATA_FILE).is_file():
-        raise CacheFormatError(
-            f"{folder}: not a ComfyUI dataset folder (no shard_*.pkl, shard_*.safetensors or metadata.json)"
-        )
-    meta = _read_metadata(folder)
-    layout = COMFY_LAZY if meta.get("format_version", 1) == 2 else COMFY_PICKLE
-    found = lazy if layout == COMFY_LAZY else pkl
-    suffix = ".safetensors" if layout == COMFY_LAZY else ".pkl"
-    n = meta["num_shards"]
-    missing = [f"shard_{i:04d}{suffix}" for i in range(n) if i not in found]
-    if missing:
-        raise CacheFormatError(
-            f"{folder}: metadata.json names {n} {layout} shard(s) but {', '.join(missing[:5])} "
-            f"{'is' if len(missing) == 1 else 'are'} missing. Re-run SaveTrainingDataset."
-        )
-    stale = sorted(p.name for i, p in {**pkl, **lazy}.items() if i >= n or p.suffix != suffix)
-    if stale:
-        log.warning("%s: ignoring %d shard file(s) not in metadata.json (left by an earlier save): %s",
-                    folder, len(stale), ", ".join(stale[:5]))
-    shards = tuple(found[i] for i in range(n))
-    total = 0
-    for shard in shards:
-        total += shard.stat().st_size
-        if layout == COMFY_LAZY:
-            skel = _skeleton_path(shard)
-            if not skel.is_file():
-                raise CacheFormatError(f"{skel}: missing; every lazy shard needs its skeleton pickle")
-            total += skel.stat().st_size
-    return ComfyDatasetInfo(folder, layout, meta, shards, meta["num_samples"], total)
-
-
-def _skeleton_path(shard: Path) -> Path:
-    return shard.with_name(shard.name[: -len(".safetensors")] + ".skeleton.pkl")
-
-
-# ------------------------------------------------------------------------------------ restricted unpickling
-
-
-class _RefusedGlobal(pickle.UnpicklingError):
-    def __init__(self, module: str, name: str) -> None:
-        self.qualname = f"{module}.{name}"
-        super().__init__(self.qualname)
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that can build plain containers only.
-
-    Every code path by which a pickle calls code (``GLOBAL``/``STACK_GLOBAL``/``INST``, and ``REDUCE``/``OBJ``/
-    ``NEWOBJ``, which need a callable from one of those; ``EXT*`` from the copyreg registry) goes through
-    :meth:`find_class`, so refusing there stops a hostile file before anything runs.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return {"set": set, "frozenset": frozenset}[name]
-        raise _RefusedGlobal(module, name)
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not allowed")
-
-
-def load_skeleton_pickle(path: str | Path) -> Any:
-    """Unpickle a ``shard_*.skeleton.pkl`` file, refusing anything but plain containers.
-
-    Raises:
-        CacheFormatError: the pickle names a global outside the allowlist (``os.system``, ``builtins.eval``, a
-            torch class, a ComfyUI hook object, ...); nothing it names is imported or called.
-        CacheCorruptError: the file is truncated or not a pickle.
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            return _RestrictedUnpickler(f).load()
-    except _RefusedGlobal as e:
-        raise CacheFormatError(
-            f"{path}: refused to unpickle global {e.qualname!r}. Skeleton pickles may only hold plain containers "
-            "(dict, list, tuple, str, int, float, bool, None) and tensor references; a pickle that names other "
-            "objects can run arbitrary code when loaded. If the dataset is yours and stores objects such as "
-            "hooks, those samples cannot be converted: re-encode them without."
-        ) from None
-    except OSError:
-        raise
-    except Exception as e:
-        raise CacheCorruptError(str(path), f"not a readable pickle ({type(e).__name__}: {e})") from e
-
-
-# --------------------------------------------------------------------------------------------- iteration
-
-
-def _load_pickle_shard(path: Path) -> tuple[list[Any], list[Any]]:
-    """Load one ``shard_*.pkl`` with ``torch.load(weights_only=True)`` (memory-mapped when possible)."""
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except pickle.UnpicklingError as e:
-        text = str(e)
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-        if refused:
-            raise CacheFormatError(
-                f"{path}: torch.load(weights_only=True) refused global {refused.group(1)!r}. The shard holds "
-                "objects other than tensors and plain containers (e.g. hooks); it cannot be read safely. "
-                "Re-save the dataset without them."
-            ) from None
-        detail = text.split("WeightsUnpickler error:", 1)[-1].split("Check the documentation", 1)[0]
-        raise CacheCorruptError(str(path), f"not a readable torch.save file ({' '.join(detail.split())})") from None
-    except OSError:
-        raise
-    except Exception as e:
-        raise CacheCorruptError(str(path), f"not a readable torch.save file ({type(e).__name__}: {e})") from e
-    if not (isinstance(data, dict) and isinstance(data.get("latents"), list)
-            and isinstance(data.get("conditioning"), list)):
-        raise CacheFormatError(f"{path}: expected a dict with lists 'latents' and 'conditioning'")
-    if len(data["latents"]) != len(data["conditioning"]):
-        raise CacheCorruptError(str(path), f"{len(data['latents'])} latents but "
-                                f"{len(data['conditioning'])} conditionings")
-    return data["latents"], data["conditioning"]
-
-
-class _TooDeep(Exception):
-    pass
-
-
-def _rejoin(obj: Any, get: Any, depth: int = 0) -> Any:
-    """Replace ``{"__tref__": key}`` markers with ``get(key)`` (ComfyUI's own rule: a one-key dict)."""
-    if depth > MAX_SKELETON_DEPTH:
-        raise _TooDeep
-    if isinstance(obj, dict):
-        if len(obj) == 1 and _TREF in obj:
-            return get(obj[_TREF])
-        return {k: _rejoin(v, get, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_rejoin(v, get, depth + 1) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_rejoin(v, get, depth + 1) for v in obj)
-    return obj
-
-
-def _iter_lazy_shard(shard: Path) -> Iterator[tuple[Any, Any]]:
-    """Yield the samples of one safetensors shard, reading each sample's tensors only when it is reached."""
-    from safetensors import SafetensorError, safe_open
-
-    skel_path = _skeleton_path(shard)
-    skeletons = load_skeleton_pickle(skel_path)
-    if not isinstance(skeletons, list) or not all(
-        isinstance(s, (tuple, list)) and len(s) == 2 for s in skeletons
-    ):
-        raise CacheFormatError(f"{skel_path}: expected a list of (latent, conditioning) skeleton pairs")
-    try:
-        handle = safe_open(str(shard), framework="pt", device="cpu")
-    except (SafetensorError, ValueError, OSError) as e:
-        raise CacheCorruptError(str(shard), f"not a readable safetensors file ({e})") from e
-    with handle as f:
-        names = set(f.keys())
-
-        def get(key: Any) -> torch.Tensor:
-            if not isinstance(key, str) or key not in names:
-                raise CacheCorruptError(str(skel_path), f"references tensor {key!r}, which {shard.name} lacks")
-            try:
-                return f.get_tensor(key)
-            except (SafetensorError, ValueError, RuntimeError) as e:
-                raise CacheCorruptError(str(shard), f"tensor {key!r} unreadable ({e})") from e
-
-        for i, (lat, cond) in enumerate(skeletons):
-            try:
-                yield _rejoin(lat, get), _rejoin(cond, get)
-            except _TooDeep:
-                raise CacheFormatError(
-                    f"{skel_path}: sample {i} is nested deeper than {MAX_SKELETON_DEPTH} levels"
-                ) from None
-
-
-def _counting(samples: Iterator[tuple[Any, Any]], counter: list[int]) -> Iterator[tuple[Any, Any]]:
-    for item in samples:
-        counter[0] += 1
-        yield item
-
-
-def _iter_shards(info: ComfyDatasetInfo) -> Iterator[tuple[Path, Iterator[tuple[Any, Any]]]]:
-    """Yield ``(shard file, its samples)`` one shard at a time; once all are consumed, check the total count."""
-    counter = [0]
-    for shard in info.shards:
-        if info.layout == COMFY_LAZY:
-            samples: Iterator[tuple[Any, Any]] = _iter_lazy_shard(shard)
-        else:
-            samples = zip(*_load_pickle_shard(shard))
-        yield shard, _counting(samples, counter)
-    if counter[0] != info.num_samples:
-        raise CacheCorruptError(str(info.path / METADATA_FILE),
-                                f"promises {info.num_samples} samples but the shards hold {counter[0]}")
-
-
-def iter_comfy_dataset(path: str | Path) -> Iterator[tuple[Any, Any]]:
-    """Yield ``(latent dict, conditioning list)`` for every sample of a ComfyUI dataset folder, in save order.
-
-    Only one shard is loaded at a time (``.pkl`` shards are memory-mapped; lazy shards read each sample's
-    tensors when it is reached), so any dataset size fits in memory.
-
-    Raises:
-        CacheNotFoundError, CacheFormatError: see :func:`inspect_comfy_dataset`; also for a shard that holds
-            objects that cannot be loaded safely.
-        CacheCorruptError: a shard or skeleton is unreadable, or the sample count differs from the metadata.
-    """
-    for _shard, samples in _iter_shards(inspect_comfy_dataset(path)):
-        yield from samples
 
 
 # --------------------------------------------------------------------------------------------- content keys
@@ -551,7 +203,7 @@ def convert_comfy_dataset(
     # name yet, which would include ours before they are committed.
     with CacheLock(dst, WRITE_LOCK, purpose="convert"), CacheWriter(dst, shard_bytes=shard_bytes) as writer:
         sink = _EntrySink(writer)
-        for shard, shard_samples in _iter_shards(info):
+        for shard, shard_samples in iter_comfy_shards(info):
             for i, (latent, cond) in enumerate(shard_samples):
                 source_samples += 1
                 rows = split_batch(latent, cond, f"{shard} sample {i}")

@@ -28,7 +28,8 @@ import xxhash
 from comfy_api.latest import io
 
 from ..dataset_cache import CacheError, CacheReader, is_cache_folder, read_dataset_info
-from ..dataset_cache.interop import convert_comfy_dataset, detect_comfy_dataset, inspect_comfy_dataset
+from ..dataset_cache.comfy_folders import detect_comfy_dataset, inspect_comfy_dataset
+from ..dataset_cache.interop import convert_comfy_dataset
 from ..dataset_cache.remote import CacheURL
 from .fingerprints import cache_identity
 from .handles import StreamDataset, StreamDatasetHandle

@@ -24,17 +24,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataset_cache.errors import CacheCorruptError, CacheFormatError, CacheNotFoundError, UnstorableValueError
-from dataset_cache.interop import (
+from dataset_cache.comfy_folders import (
     COMFY_LAZY,
     COMFY_PICKLE,
-    convert_comfy_dataset,
     detect_comfy_dataset,
     inspect_comfy_dataset,
     iter_comfy_dataset,
-    load_skeleton_pickle,
-    value_key,
 )
+from dataset_cache.errors import CacheCorruptError, CacheFormatError, CacheNotFoundError, UnstorableValueError
+from dataset_cache.interop import convert_comfy_dataset, value_key
+from dataset_cache.safe_pickle import load_skeleton_pickle
 
 # ------------------------------------------------------------------------------------- ComfyUI layout writers
 
@@ -201,7 +200,7 @@ def test_shard_order_is_numeric_and_stale_shards_are_ignored(tmp_path: Path, lay
 
 
 def test_more_than_9999_shards_sort_numerically(tmp_path: Path) -> None:
-    from dataset_cache.interop import _shard_files
+    from dataset_cache.comfy_folders import _shard_files
 
     for k in (10000, 9999, 2):
         (tmp_path / f"shard_{k:04d}.pkl").write_bytes(b"")
