@@ -12,17 +12,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ..constants import FORMAT_NAME, FORMAT_VERSION
 from ..dataset import MAX_REPEATS, DatasetInfo, Sample, check_epoch_size
-from ..errors import CacheCorruptError, CacheFormatError, CacheLinkError, CacheNotFoundError, CacheUnreadableError
+from ..errors import CacheCorruptError, CacheFormatError, CacheNotFoundError
 from ..hashing import checksum64
-from .layout import DATASET_FILE_RE, MANIFEST, NOFOLLOW, SHARD_FILE_RE
+from .durable import atomic_write, fsync_dir, named_os_error, new_id, open_nofollow, read_error
+from .layout import DATASET_FILE_RE, MANIFEST, SHARD_FILE_RE
 from .safetensors_io import load_json_object, read_regular
 
 if TYPE_CHECKING:
@@ -42,10 +42,6 @@ __all__ = [
     "next_generation",
     "MAX_GENERATION",
     "JOURNAL_RE",
-    "named_os_error",
-    "atomic_write",
-    "fsync_dir",
-    "new_id",
     "write_dataset",
     "load_dataset",
     "parse_dataset",
@@ -69,7 +65,6 @@ JOURNAL_RE = re.compile(r"journal-[0-9]{6,18}\.jsonl")
 _LINE_HEAD = b'{"xxh3_64":"'
 _LINE_MID = b'","record":'
 _LINE_TAIL = b"}\n"
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -149,23 +144,6 @@ def next_generation(generation: int) -> int:
     return generation + 1 if generation < MAX_GENERATION else 1
 
 
-def named_os_error(exc: OSError, path: str | os.PathLike[str], action: str) -> OSError:
-    """``exc`` with the file named: an ``OSError`` of the same errno whose message says what failed where.
-
-    ``os.write``/``os.fsync`` on a descriptor raise errors that name no file (``[Errno 28] No space left on
-    device``); callers re-raise this instead so the user learns which cache file it was.
-    """
-    if isinstance(exc, CacheUnreadableError) or exc.filename is not None:
-        return exc
-    err = OSError(exc.errno, f"{exc.strerror or exc} while {action}", os.fspath(path))
-    return err
-
-
-def new_id() -> str:
-    """A random 16-hex-digit file id (unique without coordination; never reused)."""
-    return secrets.token_hex(8)
-
-
 def read_state(root: str | os.PathLike) -> CacheState:
     """Read the manifest and replay the journal of the cache at ``root``.
 
@@ -183,7 +161,7 @@ def read_state(root: str | os.PathLike) -> CacheState:
             f"{root}: no cache here ({MANIFEST} is missing); create one by encoding a dataset into this folder"
         ) from None
     except OSError as exc:
-        raise _read_error(str(mpath), "the manifest", exc) from None
+        raise read_error(str(mpath), "the manifest", exc) from None
     state = parse_manifest(root, str(mpath), raw)
     jpath = root / state.journal
     try:
@@ -191,7 +169,7 @@ def read_state(root: str | os.PathLike) -> CacheState:
     except FileNotFoundError:
         raise CacheCorruptError(str(jpath), "the journal named by the manifest is missing") from None
     except OSError as exc:
-        raise _read_error(str(jpath), "the journal", exc) from None
+        raise read_error(str(jpath), "the journal", exc) from None
     replay_journal(state, str(jpath), data)
     return state
 
@@ -222,15 +200,6 @@ def parse_manifest(root: Path | CacheURL, where: str, raw: bytes) -> CacheState:
     state = CacheState(root, gen, journal, [ShardRecord.from_json(where, s) for s in shards])
     _apply_datasets(where, state, m.get("datasets", {}), allow_delete=False)
     return state
-
-
-def _read_error(path: str | os.PathLike[str], what: str, exc: OSError) -> Exception:
-    """An ``OSError`` reading a cache file: not damage (permissions, I/O, a link), unless it was no regular file."""
-    if isinstance(exc, CacheUnreadableError):
-        return exc
-    if exc.errno is None:  # open_regular: a FIFO, device or folder in its place
-        return CacheCorruptError(str(path), f"cannot read {what} ({exc.strerror})")
-    return CacheUnreadableError(str(path), f"cannot read {what} ({exc.strerror or exc})", errno=exc.errno)
 
 
 def _loads(where: str, raw: bytes) -> dict[str, Any]:
@@ -329,7 +298,7 @@ def append_journal(state: CacheState, record: Mapping[str, Any]) -> None:
     """Durably append one record to the live journal (truncating an ignored torn tail first) and apply it."""
     jpath = local_root(state) / state.journal
     line = encode_line(record)
-    fd = _open_nofollow(jpath, os.O_RDWR)
+    fd = open_nofollow(jpath, os.O_RDWR)
     try:
         if os.fstat(fd).st_size != state.journal_bytes:
             os.ftruncate(fd, state.journal_bytes)
@@ -356,7 +325,7 @@ def write_manifest(root: Path, generation: int, shards: list[ShardRecord],
     """
     journal = journal_name(generation)
     jpath = root / journal
-    fd = _open_nofollow(jpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    fd = open_nofollow(jpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         os.fsync(fd)
     except OSError as exc:
@@ -381,55 +350,6 @@ def manifest_bytes(generation: int, journal: str, shards: Sequence[ShardRecord],
         "datasets": {d.name: {"file": d.file, "samples": d.samples, "info": d.info} for d in datasets.values()},
     }
     return json.dumps(m, indent=1, ensure_ascii=True, allow_nan=False).encode("ascii") + b"\n"
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], _T]) -> _T:
-    """Write ``path`` via a temp file in the same folder: write, fsync, rename over ``path``, fsync the folder.
-
-    A crash at any point leaves either no file (or the old one) or the complete new one; an interrupted temp
-    file (``.<name>.<id>.tmp``) is an orphan that readers ignore and compaction deletes.
-    """
-    tmp = path.parent / f".{path.name}.{new_id()}.tmp"
-    try:
-        with open(tmp, "xb") as f:  # O_EXCL: never follows a link
-            result = write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # replaces a link itself, never what it points to
-    except BaseException as exc:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            raise named_os_error(exc, path, "writing") from exc
-        raise
-    fsync_dir(path.parent)
-    return result
-
-
-def _open_nofollow(path: Path, flags: int) -> int:
-    """``os.open`` that refuses a link (``CacheLinkError``) instead of writing to what it points to."""
-    try:
-        return os.open(str(path), flags | NOFOLLOW | getattr(os, "O_BINARY", 0), 0o644)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise CacheLinkError(str(path)) from None
-        raise named_os_error(exc, path, "opening") from exc
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename or create in it is durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:  # Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 MAX_DATASET_NAME = 200
@@ -508,7 +428,7 @@ def load_dataset(root: Path, info: DatasetInfo) -> list[Sample]:
     except FileNotFoundError:
         raise CacheCorruptError(p, f"the file of dataset {info.name!r} is missing; re-encode the dataset") from None
     except OSError as exc:
-        raise _read_error(p, "the dataset file", exc) from None
+        raise read_error(p, "the dataset file", exc) from None
     return parse_dataset(p, raw, info)
 
 

@@ -30,6 +30,7 @@ from ..constants import DEFAULT_SHARD_BYTES
 from ..dataset import DatasetInfo, Sample, check_epoch_size
 from ..batching import batched
 from ..errors import CacheCorruptError, CacheError, CacheNotFoundError, CacheUnreadableError
+from .durable import new_id
 from .layout import (
     DAMAGED_DIR,
     DATASET_FILE_RE,
@@ -46,7 +47,6 @@ from .manifest import (
     CacheState,
     ShardRecord,
     append_journal,
-    new_id,
     next_generation,
     read_state,
     write_dataset,
