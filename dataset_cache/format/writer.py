@@ -30,6 +30,7 @@ from ..constants import DEFAULT_SHARD_BYTES
 from ..dataset import DatasetInfo, Sample, check_epoch_size
 from ..batching import batched
 from ..errors import CacheCorruptError, CacheError, CacheNotFoundError, CacheUnreadableError
+from .dataset_file import write_dataset
 from .durable import new_id
 from .layout import (
     DAMAGED_DIR,
@@ -49,7 +50,6 @@ from .manifest import (
     append_journal,
     next_generation,
     read_state,
-    write_dataset,
     write_manifest,
 )
 from .reader import CacheReader, open_cache
