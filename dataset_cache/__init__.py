@@ -32,7 +32,8 @@ from .errors import (
 )
 from .format import CacheReader, CacheWriter, CompactReport, ReadBuffer, open_cache
 from .format.layout import is_cache_folder
-from .format.manifest import CacheState, check_dataset_name, read_state
+from .format.dataset_file import check_dataset_name
+from .format.manifest import CacheState, read_state
 from .encode_jobs import EncodePlan, EncodeSettings
 from .encode_plan import plan_encode
 from .encode_report import EncodeReport

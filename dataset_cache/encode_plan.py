@@ -55,8 +55,8 @@ from .clip_plan import clip_notes, plan_clips
 from .dataset import Sample, check_epoch_size
 from .encode_jobs import EncodePlan, EncodeSettings, LatentJob, MaskJob, Planned
 from .errors import CacheError, CacheNotFoundError, DatasetFolderError, SourceFailure
+from .format.dataset_file import check_dataset_name
 from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file
-from .format.manifest import check_dataset_name
 from .format.reader import open_cache
 from .gcpause import gc_paused
 from .keys import PlanKeys

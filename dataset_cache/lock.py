@@ -24,7 +24,7 @@ from types import TracebackType
 
 from .errors import CacheLinkError, CacheLockedError
 from .format.layout import NOFOLLOW
-from .format.manifest import named_os_error
+from .format.durable import named_os_error
 
 __all__ = ["CacheLock", "WRITE_LOCK", "READ_LOCK"]
 

@@ -40,7 +40,7 @@ import torch
 import xxhash
 
 from .errors import CacheError
-from .format.manifest import atomic_write
+from .format.durable import atomic_write
 from .format.safetensors_io import (
     DTYPE_TO_ST,
     ST_TO_DTYPE,

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import CacheError
-from .format.manifest import atomic_write
+from .format.durable import atomic_write
 from .format.safetensors_io import read_regular
 from .keys import is_key
 

@@ -27,7 +27,8 @@ from .layout import (
     TEMP_FILE_RE,
     check_no_links,
 )
-from .manifest import JOURNAL_RE, CacheState, ShardRecord, new_id, next_generation, write_manifest
+from .durable import new_id
+from .manifest import JOURNAL_RE, CacheState, ShardRecord, next_generation, write_manifest
 from .reader import CacheReader, open_cache
 from .shard import ShardBuilder
 

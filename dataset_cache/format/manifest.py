@@ -5,6 +5,9 @@ appends one checksummed line to the live journal, so committing a batch costs on
 large the cache is (a single monolithic index becomes the bottleneck at ~100k entries). A reader's state is the
 manifest followed by the journal's valid lines; a torn last line (a crash mid-append) is ignored, while a bad
 line followed by good ones means damage and is reported. Layout and rules: docs/FORMAT.md.
+
+A dataset's record here only names its file; the file itself (its samples) is ``dataset_file.py``'s, and every
+write goes through ``durable.py`` (temp + fsync + rename, no link followed).
 """
 
 from __future__ import annotations
@@ -12,17 +15,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ..constants import FORMAT_NAME, FORMAT_VERSION
-from ..dataset import MAX_REPEATS, DatasetInfo, Sample, check_epoch_size
-from ..errors import CacheCorruptError, CacheFormatError, CacheLinkError, CacheNotFoundError, CacheUnreadableError
+from ..dataset import DatasetInfo
+from ..errors import CacheCorruptError, CacheFormatError, CacheNotFoundError
 from ..hashing import checksum64
-from .layout import DATASET_FILE_RE, MANIFEST, NOFOLLOW, SHARD_FILE_RE
+from .durable import atomic_write, fsync_dir, named_os_error, open_nofollow, read_error
+from .layout import DATASET_FILE_RE, MANIFEST, SHARD_FILE_RE
 from .safetensors_io import load_json_object, read_regular
 
 if TYPE_CHECKING:
@@ -42,25 +45,9 @@ __all__ = [
     "next_generation",
     "MAX_GENERATION",
     "JOURNAL_RE",
-    "named_os_error",
-    "atomic_write",
-    "fsync_dir",
-    "new_id",
-    "write_dataset",
-    "load_dataset",
-    "parse_dataset",
-    "check_dataset_name",
-    "MAX_DATASET_NAME",
+    "local_root",
+    "encode_line",
 ]
-
-DATASET_VERSION_PLAIN = 1
-"""Version of a dataset file without variants: latent, captions, repeats and source columns only."""
-
-DATASET_VERSION = 2
-"""Version of a dataset file with variants: optional ``mirror`` and ``mask`` columns and an ``empty_caption``."""
-
-DATASET_VERSIONS = (DATASET_VERSION_PLAIN, DATASET_VERSION)
-"""Dataset file versions this library reads."""
 
 MAX_GENERATION = 10**18 - 1
 """The largest manifest generation: its journal name still has the 18 digits ``JOURNAL_RE`` accepts. The
@@ -69,7 +56,6 @@ JOURNAL_RE = re.compile(r"journal-[0-9]{6,18}\.jsonl")
 _LINE_HEAD = b'{"xxh3_64":"'
 _LINE_MID = b'","record":'
 _LINE_TAIL = b"}\n"
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -149,23 +135,6 @@ def next_generation(generation: int) -> int:
     return generation + 1 if generation < MAX_GENERATION else 1
 
 
-def named_os_error(exc: OSError, path: str | os.PathLike[str], action: str) -> OSError:
-    """``exc`` with the file named: an ``OSError`` of the same errno whose message says what failed where.
-
-    ``os.write``/``os.fsync`` on a descriptor raise errors that name no file (``[Errno 28] No space left on
-    device``); callers re-raise this instead so the user learns which cache file it was.
-    """
-    if isinstance(exc, CacheUnreadableError) or exc.filename is not None:
-        return exc
-    err = OSError(exc.errno, f"{exc.strerror or exc} while {action}", os.fspath(path))
-    return err
-
-
-def new_id() -> str:
-    """A random 16-hex-digit file id (unique without coordination; never reused)."""
-    return secrets.token_hex(8)
-
-
 def read_state(root: str | os.PathLike) -> CacheState:
     """Read the manifest and replay the journal of the cache at ``root``.
 
@@ -183,7 +152,7 @@ def read_state(root: str | os.PathLike) -> CacheState:
             f"{root}: no cache here ({MANIFEST} is missing); create one by encoding a dataset into this folder"
         ) from None
     except OSError as exc:
-        raise _read_error(str(mpath), "the manifest", exc) from None
+        raise read_error(str(mpath), "the manifest", exc) from None
     state = parse_manifest(root, str(mpath), raw)
     jpath = root / state.journal
     try:
@@ -191,7 +160,7 @@ def read_state(root: str | os.PathLike) -> CacheState:
     except FileNotFoundError:
         raise CacheCorruptError(str(jpath), "the journal named by the manifest is missing") from None
     except OSError as exc:
-        raise _read_error(str(jpath), "the journal", exc) from None
+        raise read_error(str(jpath), "the journal", exc) from None
     replay_journal(state, str(jpath), data)
     return state
 
@@ -205,7 +174,7 @@ def parse_manifest(root: Path | CacheURL, where: str, raw: bytes) -> CacheState:
         CacheFormatError: not a streamcache manifest, or a version this library does not read.
         CacheCorruptError: a damaged manifest.
     """
-    m = _loads(where, raw)
+    m = load_json_object(where, raw)
     if m.get("format") != FORMAT_NAME:
         raise CacheFormatError(f"{where}: format {m.get('format')!r:.40}, expected {FORMAT_NAME!r}")
     if m.get("version") != FORMAT_VERSION:
@@ -222,19 +191,6 @@ def parse_manifest(root: Path | CacheURL, where: str, raw: bytes) -> CacheState:
     state = CacheState(root, gen, journal, [ShardRecord.from_json(where, s) for s in shards])
     _apply_datasets(where, state, m.get("datasets", {}), allow_delete=False)
     return state
-
-
-def _read_error(path: str | os.PathLike[str], what: str, exc: OSError) -> Exception:
-    """An ``OSError`` reading a cache file: not damage (permissions, I/O, a link), unless it was no regular file."""
-    if isinstance(exc, CacheUnreadableError):
-        return exc
-    if exc.errno is None:  # open_regular: a FIFO, device or folder in its place
-        return CacheCorruptError(str(path), f"cannot read {what} ({exc.strerror})")
-    return CacheUnreadableError(str(path), f"cannot read {what} ({exc.strerror or exc})", errno=exc.errno)
-
-
-def _loads(where: str, raw: bytes) -> dict[str, Any]:
-    return load_json_object(where, raw)
 
 
 def _apply_datasets(where: str, state: CacheState, ds: Any, *, allow_delete: bool) -> None:
@@ -329,7 +285,7 @@ def append_journal(state: CacheState, record: Mapping[str, Any]) -> None:
     """Durably append one record to the live journal (truncating an ignored torn tail first) and apply it."""
     jpath = local_root(state) / state.journal
     line = encode_line(record)
-    fd = _open_nofollow(jpath, os.O_RDWR)
+    fd = open_nofollow(jpath, os.O_RDWR)
     try:
         if os.fstat(fd).st_size != state.journal_bytes:
             os.ftruncate(fd, state.journal_bytes)
@@ -356,7 +312,7 @@ def write_manifest(root: Path, generation: int, shards: list[ShardRecord],
     """
     journal = journal_name(generation)
     jpath = root / journal
-    fd = _open_nofollow(jpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    fd = open_nofollow(jpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         os.fsync(fd)
     except OSError as exc:
@@ -381,179 +337,3 @@ def manifest_bytes(generation: int, journal: str, shards: Sequence[ShardRecord],
         "datasets": {d.name: {"file": d.file, "samples": d.samples, "info": d.info} for d in datasets.values()},
     }
     return json.dumps(m, indent=1, ensure_ascii=True, allow_nan=False).encode("ascii") + b"\n"
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], _T]) -> _T:
-    """Write ``path`` via a temp file in the same folder: write, fsync, rename over ``path``, fsync the folder.
-
-    A crash at any point leaves either no file (or the old one) or the complete new one; an interrupted temp
-    file (``.<name>.<id>.tmp``) is an orphan that readers ignore and compaction deletes.
-    """
-    tmp = path.parent / f".{path.name}.{new_id()}.tmp"
-    try:
-        with open(tmp, "xb") as f:  # O_EXCL: never follows a link
-            result = write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # replaces a link itself, never what it points to
-    except BaseException as exc:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            raise named_os_error(exc, path, "writing") from exc
-        raise
-    fsync_dir(path.parent)
-    return result
-
-
-def _open_nofollow(path: Path, flags: int) -> int:
-    """``os.open`` that refuses a link (``CacheLinkError``) instead of writing to what it points to."""
-    try:
-        return os.open(str(path), flags | NOFOLLOW | getattr(os, "O_BINARY", 0), 0o644)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise CacheLinkError(str(path)) from None
-        raise named_os_error(exc, path, "opening") from exc
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename or create in it is durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:  # Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-MAX_DATASET_NAME = 200
-"""Characters in a dataset name: it is stored in the manifest and shown in every report, never a file name."""
-
-
-def check_dataset_name(name: object) -> None:
-    """Refuse a dataset name the cache cannot store (checked before an encode starts, not after it ends).
-
-    Raises:
-        ValueError: not a str, empty, longer than :data:`MAX_DATASET_NAME` or holding control characters.
-    """
-    if type(name) is not str:
-        raise ValueError(f"dataset name must be a str, got {type(name).__name__}")
-    if not name or len(name) > MAX_DATASET_NAME or any(ord(ch) < 32 for ch in name):
-        raise ValueError(f"dataset name {name!r:.80} ({len(name)} characters): use 1-{MAX_DATASET_NAME} printable "
-                         "characters")
-
-
-def _slug(name: str) -> str:
-    slug = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:64]
-    return slug or "dataset"
-
-
-def write_dataset(root: Path, name: str, samples: Sequence[Sample], info: Mapping[str, Any] | None) -> DatasetInfo:
-    """Write ``datasets/<name>-<id>.json`` atomically (columnar JSON) and return its manifest record.
-
-    A dataset without variants (no mirror, mask or empty caption) is written as version 1, byte for byte what
-    earlier releases wrote, so they still open it; one with variants is version 2, which they refuse rather than
-    train without its masks. The file is immutable; publishing it is the caller's job (a journal line naming it).
-
-    Raises:
-        ValueError: the name, samples or info cannot be stored (e.g. samples with different empty captions).
-    """
-    check_dataset_name(name)
-    info = dict(info or {})
-    doc: dict[str, Any] = {
-        "format": FORMAT_NAME,
-        "version": DATASET_VERSION_PLAIN,
-        "name": name,
-        "latent": [s.latent for s in samples],
-        "captions": [list(s.captions) for s in samples],
-        "repeats": [s.repeats for s in samples],
-        "source": [s.source for s in samples],
-    }
-    empties = {s.empty_caption for s in samples}
-    if len(empties) > 1:
-        raise ValueError(f"dataset {name!r:.80}: its samples name {len(empties)} different empty captions; a dataset "
-                         "has one (encoded by one text encoder): store datasets of different encoders separately")
-    empty = next(iter(empties), None)
-    if any(s.mirror is not None for s in samples):
-        doc["mirror"] = [s.mirror for s in samples]
-    if any(s.mask is not None for s in samples):
-        doc["mask"] = [s.mask for s in samples]
-    if empty is not None:
-        doc["empty_caption"] = empty
-    if "mirror" in doc or "mask" in doc or "empty_caption" in doc:
-        doc["version"] = DATASET_VERSION
-    try:
-        raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
-        json.dumps(info, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"dataset {name!r:.80}: samples and info must be JSON-serializable ({exc})") from None
-    file = f"datasets/{_slug(name)}-{new_id()}.json"
-    (root / "datasets").mkdir(exist_ok=True)
-    atomic_write(root / file, lambda f: f.write(raw))
-    return DatasetInfo(name, file, len(samples), info)
-
-
-def load_dataset(root: Path, info: DatasetInfo) -> list[Sample]:
-    """Read and check a dataset file; every problem raises ``CacheCorruptError`` naming the file."""
-    path = root / info.file
-    p = str(path)
-    try:
-        raw = read_regular(path)
-    except FileNotFoundError:
-        raise CacheCorruptError(p, f"the file of dataset {info.name!r} is missing; re-encode the dataset") from None
-    except OSError as exc:
-        raise _read_error(p, "the dataset file", exc) from None
-    return parse_dataset(p, raw, info)
-
-
-def parse_dataset(p: str, raw: bytes, info: DatasetInfo) -> list[Sample]:
-    """Check the bytes ``raw`` of the dataset file ``p`` against its record ``info``; the samples, in order.
-
-    Raises:
-        CacheFormatError: a dataset file version this library does not read.
-        CacheCorruptError: anything else wrong with it, naming ``p`` (and the sample).
-    """
-    d = _loads(p, raw)
-    version = d.get("version")
-    if d.get("format") != FORMAT_NAME or type(version) is not int or version not in DATASET_VERSIONS:
-        raise CacheFormatError(f"{p}: dataset file of format {d.get('format')!r:.40} version "
-                               f"{d.get('version')!r:.20}; this library reads {FORMAT_NAME} versions "
-                               f"{', '.join(map(str, DATASET_VERSIONS))}: update the pack to open it")
-    columns = [d.get(k) for k in ("latent", "captions", "repeats", "source")]
-    lat, caps, reps, srcs = [c if type(c) is list and len(c) == info.samples else None for c in columns]
-    if lat is None or caps is None or reps is None or srcs is None:
-        raise CacheCorruptError(p, f"latent, captions, repeats and source must be lists of {info.samples} items")
-    none_column: list[Any] = [None] * info.samples
-    mirrors, masks, empty = none_column, none_column, None
-    if version >= 2:
-        mirrors, masks = (d.get(k, none_column) for k in ("mirror", "mask"))
-        empty = d.get("empty_caption")
-        if type(mirrors) is not list or type(masks) is not list or len(mirrors) != info.samples \
-                or len(masks) != info.samples:
-            raise CacheCorruptError(p, f"mirror and mask must be lists of {info.samples} items")
-        if empty is not None and type(empty) is not str:
-            raise CacheCorruptError(p, "empty_caption must be an entry key or null")
-    out: list[Sample] = []
-    for i, (la, ca, re_, so, mi, ma) in enumerate(zip(lat, caps, reps, srcs, mirrors, masks)):
-        if (type(la) is not str or type(ca) is not list or not ca or any(type(c) is not str for c in ca)
-                or type(re_) is not int or re_ < 1 or (so is not None and type(so) is not str)
-                or (mi is not None and type(mi) is not str) or (ma is not None and type(ma) is not str)):
-            raise CacheCorruptError(p, f"sample {i} is malformed")
-        if re_ > MAX_REPEATS:  # before the sampler allocates per occurrence
-            raise CacheCorruptError(p, f"sample {i} ({so or la}) repeats {re_} times, above the limit of "
-                                       f"{MAX_REPEATS}; re-encode or re-save the dataset with sensible repeats")
-        try:
-            out.append(Sample(la, tuple(ca), re_, so, mi, ma, empty))
-        except ValueError as exc:
-            raise CacheCorruptError(p, f"sample {i} is malformed ({exc})") from None
-    try:
-        check_epoch_size(out, f"dataset {info.name!r}")
-    except ValueError as exc:
-        raise CacheCorruptError(p, str(exc)) from None
-    return out

@@ -32,8 +32,9 @@ from ..gcpause import gc_paused
 from ..hashing import checksum64
 from ..refs import LazyTensor
 from . import skeleton
+from .dataset_file import load_dataset
 from .layout import check_no_links
-from .manifest import MANIFEST, CacheState, load_dataset, read_state
+from .manifest import MANIFEST, CacheState, read_state
 from .read_plan import ReadPlan, RowRef, plan_read, plan_rows
 from .shard import ShardIndex, open_shard
 from .safetensors_io import open_regular

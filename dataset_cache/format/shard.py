@@ -26,7 +26,8 @@ from ..constants import FORMAT_NAME, FORMAT_VERSION
 from ..errors import CacheCorruptError, CacheFormatError, CacheUnreadableError
 from ..hashing import checksum64, tensor_bytes
 from . import skeleton
-from .manifest import ShardRecord, atomic_write
+from .durable import atomic_write
+from .manifest import ShardRecord
 from .safetensors_io import (
     DTYPE_TO_ST,
     ST_ITEMSIZE,

@@ -42,7 +42,7 @@ import torch
 import xxhash
 
 from . import skeleton
-from .manifest import fsync_dir, named_os_error, new_id
+from .durable import fsync_dir, named_os_error, new_id
 from .safetensors_io import ST_ITEMSIZE, ST_TO_DTYPE
 from .shard import StoredTensor
 

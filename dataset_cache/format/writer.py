@@ -32,8 +32,10 @@ from ..constants import DEFAULT_SHARD_BYTES
 from ..dataset import DatasetInfo, Sample, check_epoch_size
 from ..errors import CacheNotFoundError, CacheUnreadableError
 from .compaction import Compaction, CompactReport, sweep_unreferenced, unlink_unreferenced
+from .dataset_file import write_dataset
+from .durable import new_id
 from .layout import DATASETS_DIR, MANIFEST, SHARDS_DIR, check_new_cache_location, check_no_links
-from .manifest import CacheState, ShardRecord, append_journal, new_id, read_state, write_dataset, write_manifest
+from .manifest import CacheState, ShardRecord, append_journal, read_state, write_manifest
 from .reader import open_cache
 from .shard import ShardBuilder
 from .wal import LogBuffer, RecoveryLog, log_files, replay

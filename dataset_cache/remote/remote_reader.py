@@ -24,8 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from ..constants import MAX_HEADER_BYTES
 from ..dataset import DatasetInfo, Sample
 from ..errors import CacheCorruptError, CacheError, CacheNotFoundError, CacheReplacedError, CacheUnreadableError
+from ..format.dataset_file import parse_dataset
 from ..format.layout import MANIFEST
-from ..format.manifest import CacheState, ShardRecord, parse_dataset, parse_manifest, replay_journal
+from ..format.manifest import CacheState, ShardRecord, parse_manifest, replay_journal
 from ..format.read_plan import ReadPlan, RowRef
 from ..format.reader import CacheReader, check_rows, entry_owners
 from ..format.safetensors_io import parse_header

@@ -21,7 +21,7 @@ from dataset_cache import sources as sources_module
 from dataset_cache.clean import clean
 from dataset_cache.errors import CacheCorruptError, CacheError, CacheUnreadableError
 from dataset_cache.format import CacheWriter, open_cache
-from dataset_cache.format import manifest as manifest_module
+from dataset_cache.format import durable as durable_module
 from dataset_cache.buckets import BucketConfig
 from dataset_cache.encode_jobs import EncodeSettings
 from dataset_cache.encode_plan import plan_encode
@@ -114,7 +114,7 @@ def test_an_os_error_on_any_file_operation_loses_nothing_and_names_the_file(
         template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     operation = OPERATIONS[name]
     work = tmp_path / "work"
-    faults = FaultInjector(work, monkeypatch, modules=[manifest_module, sources_module, clean_module])
+    faults = FaultInjector(work, monkeypatch, modules=[durable_module, sources_module, clean_module])
 
     def fresh() -> dict[str, torch.Tensor]:
         shutil.rmtree(work, ignore_errors=True)
