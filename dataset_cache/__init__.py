@@ -33,6 +33,7 @@ from .errors import (
 from .format import CacheReader, CacheWriter, CompactReport, ReadBuffer, open_cache
 from .format.layout import is_cache_folder
 from .format.manifest import CacheState, check_dataset_name, read_state
+from .frames import FrameSettings
 from .encode_jobs import EncodePlan, EncodeSettings
 from .encode_plan import plan_encode
 from .encode_report import EncodeReport
@@ -43,7 +44,6 @@ from .refs import LazyTensor, is_lazy, materialize
 from .sampler import BatchPlan, BucketSampler, buckets_from_reader
 from .saving import SaveResult, copy_dataset, read_dataset_info, save_latent_lists, update_dataset_info
 from .variants import VariantSummary, summarize_variants
-from .video import FrameSettings
 
 __version__ = "0.1.0"
 

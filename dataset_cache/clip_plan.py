@@ -14,10 +14,10 @@ from .captions import caption_keys, too_many_variants
 from .dataset import Sample
 from .errors import SourceFailure
 from .encode_jobs import ClipJob, EncodeSettings, LatentJob, Planned
+from .frames import MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_key_fields, legacy_clip_key_fields
 from .keys import hash_bytes, latent_key
 from .scan import SourceClip
 from .sources_record import SourcesRecord
-from .video import MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_key_fields, legacy_clip_key_fields
 
 __all__ = ["SHORT_CLIPS_NAMED", "plan_clips", "clip_notes"]
 

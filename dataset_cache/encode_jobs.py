@@ -16,11 +16,11 @@ from .captions import MAX_KEEP_TOKENS, MAX_SHUFFLE_VARIANTS, shuffle_tags
 from .constants import DEFAULT_SHARD_BYTES
 from .dataset import Sample
 from .errors import SourceFailure
+from .frames import FrameSettings
 from .imaging import MASK_MODES
 from .keys import PlanKeys
 from .sources import Validation
 from .variants import role_keys
-from .video import FrameSettings
 
 __all__ = [
     "FAILURE_POLICIES",

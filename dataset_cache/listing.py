@@ -48,8 +48,8 @@ from typing import NamedTuple
 
 from .dataset import MAX_REPEATS
 from .errors import DatasetFolderError, SourceFailure
+from .frames import FRAMES_SUFFIX, VIDEO_EXTENSIONS, clip_folder_of
 from .threads import resolve_threads
-from .video import FRAMES_SUFFIX, VIDEO_EXTENSIONS, clip_folder_of
 
 __all__ = [
     "IMAGE_EXTENSIONS",

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from .errors import DatasetFolderError, SourceError, SourceFailure
+from .frames import VIDEO_EXTENSIONS, clip_folder_of, frame_order
 from .imaging import read_image_size
 from .listing import FolderListing, ListedImage, list_folder
 from .threads import resolve_threads
-from .video import VIDEO_EXTENSIONS, clip_folder_of, frame_order, probe_video
+from .video import probe_video
 
 __all__ = [
     "SourceImage",
