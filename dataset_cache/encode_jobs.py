@@ -55,7 +55,7 @@ class EncodeSettings:
             process may use.
         shard_bytes: target size of the cache's shard files.
         video: which frames a clip (video file or ``.frames`` folder) gives, and the VAE's temporal compression
-            (see :class:`.video.FrameSettings`); images ignore it.
+            (see :class:`.frames.FrameSettings`); images ignore it.
         shuffle_variants: ``0`` (off) or how many shuffled-tag texts each caption line gives (kohya's
             ``shuffle_caption``, see :func:`.captions.shuffle_tags`); the unshuffled line itself is then not encoded.
         keep_tokens: with shuffling, the leading comma-separated tags that stay in place (kohya's

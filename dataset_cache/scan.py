@@ -69,7 +69,7 @@ class SourceImage:
 
 @dataclass(frozen=True)
 class SourceClip:
-    """One usable clip (see :mod:`.video`): a video file or a ``.frames`` folder, and its caption variants.
+    """One usable clip (see :mod:`.frames`): a video file or a ``.frames`` folder, and its caption variants.
 
     Attributes:
         relpath: the video's or the folder's path relative to the dataset folder.
