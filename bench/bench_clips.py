@@ -51,7 +51,8 @@ def _child(mode: str, path: str, take: int) -> dict[str, float]:
     import torch
 
     from dataset_cache.buckets import BucketConfig
-    from dataset_cache.video import FrameSettings, load_clip, probe_video
+    from dataset_cache.frames import FrameSettings
+    from dataset_cache.video import load_clip, probe_video
 
     info = probe_video(path)
     plan = BucketConfig(resolution=256, step=16, min_side=128).plan(info.width, info.height)

@@ -34,6 +34,7 @@ from .format import CacheReader, CacheWriter, CompactReport, ReadBuffer, open_ca
 from .format.layout import is_cache_folder
 from .format.dataset_file import check_dataset_name
 from .format.manifest import CacheState, read_state
+from .frames import FrameSettings
 from .encode_jobs import EncodePlan, EncodeSettings
 from .encode_plan import plan_encode
 from .encode_report import EncodeReport
@@ -45,7 +46,6 @@ from .refs import LazyTensor, is_lazy, materialize
 from .sampler import BatchPlan, BucketSampler
 from .saving import SaveResult, copy_dataset, read_dataset_info, save_latent_lists, update_dataset_info
 from .variants import VariantSummary, summarize_variants
-from .video import FrameSettings
 
 __version__ = "0.1.0"
 

@@ -14,10 +14,10 @@ from .captions import caption_keys, too_many_variants
 from .dataset import Sample
 from .errors import SourceFailure
 from .encode_jobs import ClipJob, EncodeSettings, LatentJob, Planned
+from .frames import MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_key_fields, legacy_clip_key_fields
 from .keys import hash_bytes, latent_key
 from .scan import SourceClip
 from .sources_record import SourcesRecord
-from .video import MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_key_fields, legacy_clip_key_fields
 
 __all__ = ["SHORT_CLIPS_NAMED", "plan_clips", "clip_notes"]
 
@@ -45,7 +45,7 @@ def clip_notes(settings: EncodeSettings, short: Sequence[str]) -> tuple[str, ...
 
 def _clip_key(source_hash: str, plan: CropPlan, vae_fp: str, video: FrameSettings, kind: str,
               indices: tuple[int, ...], have: set[str]) -> str:
-    """A clip's latent key: the frames it takes (:func:`.video.clip_key_fields`), or the key an earlier build
+    """A clip's latent key: the frames it takes (:func:`.frames.clip_key_fields`), or the key an earlier build
     gave it for these settings when the cache holds that one (its clips are kept, not encoded again)."""
     key = latent_key(source_hash, plan.key_fields(), vae_fp, extra=clip_key_fields(kind, indices, video.stride))
     if key not in have and video.stride is not None:

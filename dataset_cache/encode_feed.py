@@ -42,7 +42,7 @@ LOOKAHEAD_BATCHES = 2
 memory stays bounded at ``(LOOKAHEAD_BATCHES + 1) * batch_size`` decoded images."""
 
 CLIP_LOOKAHEAD = 1
-"""Clips decoded ahead of the one being encoded: a clip is up to :data:`.video.MAX_CLIP_PIXEL_BYTES` of pixels,
+"""Clips decoded ahead of the one being encoded: a clip is up to :data:`.frames.MAX_CLIP_PIXEL_BYTES` of pixels,
 so host memory stays at two clips while the decode of the next one hides behind the encode of this one."""
 
 ImageEncoder = Callable[[torch.Tensor], Sequence[Any]]

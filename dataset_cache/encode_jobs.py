@@ -16,11 +16,11 @@ from .captions import MAX_KEEP_TOKENS, MAX_SHUFFLE_VARIANTS, shuffle_tags
 from .constants import DEFAULT_SHARD_BYTES
 from .dataset import Sample
 from .errors import SourceFailure
+from .frames import FrameSettings
 from .imaging import MASK_MODES
 from .keys import PlanKeys
 from .sources import Validation
 from .variants import role_keys
-from .video import FrameSettings
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -55,7 +55,7 @@ class EncodeSettings:
             process may use.
         shard_bytes: target size of the cache's shard files.
         video: which frames a clip (video file or ``.frames`` folder) gives, and the VAE's temporal compression
-            (see :class:`.video.FrameSettings`); images ignore it.
+            (see :class:`.frames.FrameSettings`); images ignore it.
         shuffle_variants: ``0`` (off) or how many shuffled-tag texts each caption line gives (kohya's
             ``shuffle_caption``, see :func:`.captions.shuffle_tags`); the unshuffled line itself is then not encoded.
         keep_tokens: with shuffling, the leading comma-separated tags that stay in place (kohya's

@@ -58,6 +58,7 @@ from .errors import CacheError, CacheNotFoundError, DatasetFolderError, SourceFa
 from .format.dataset_file import check_dataset_name
 from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file
 from .format.reader import open_cache
+from .frames import FrameSettings, clip_folder_of
 from .gcpause import gc_paused
 from .keys import PlanKeys
 from .listing import FolderListing
@@ -65,7 +66,6 @@ from .mask_plan import mask_job, mask_notes, unused_masks
 from .scan import SourceImage, scan_folder
 from .sources import Validation, validate_sources
 from .sources_record import SourcesRecord, SourcesRecordError, load_record, save_record
-from .video import FrameSettings, clip_folder_of
 
 __all__ = [
     "SOURCES_DIR",

@@ -18,7 +18,7 @@ Layout rules:
 * Repeats: a folder directly under the root named ``<repeats>_<name>`` (e.g. ``10_mychar``) gives every image
   below it, at any depth, that repeat count; images elsewhere repeat once. Deeper folder names never set repeats,
   so a nested ``2024_photos`` is just a folder. ``0_<name>`` folders are reported and skipped (nothing to train).
-* Clips (:mod:`.video`): a video file (``.mp4 .webm .mov .mkv``) is one sample, listed like an image; a folder
+* Clips (:mod:`.frames`): a video file (``.mp4 .webm .mov .mkv``) is one sample, listed like an image; a folder
   named ``<stem>.frames`` is one sample whose frames are its images (its subfolders and text files are ignored,
   and its name never sets repeats). Their caption is ``<stem>.txt`` beside the video or the folder.
 * Masks: ``<stem>-masklabel.<image ext>`` (OneTrainer / kohya; ``-masklabel`` in any case) is the loss mask of
@@ -48,8 +48,8 @@ from typing import NamedTuple
 
 from .dataset import MAX_REPEATS
 from .errors import DatasetFolderError, SourceFailure
+from .frames import FRAMES_SUFFIX, VIDEO_EXTENSIONS, clip_folder_of
 from .threads import resolve_threads
-from .video import FRAMES_SUFFIX, VIDEO_EXTENSIONS, clip_folder_of
 
 __all__ = [
     "IMAGE_EXTENSIONS",

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from .errors import DatasetFolderError, SourceError, SourceFailure
+from .frames import VIDEO_EXTENSIONS, clip_folder_of, frame_order
 from .imaging import read_image_size
 from .listing import FolderListing, ListedImage, list_folder
 from .threads import resolve_threads
-from .video import VIDEO_EXTENSIONS, clip_folder_of, frame_order, probe_video
+from .video import probe_video
 
 __all__ = [
     "SourceImage",
@@ -68,7 +69,7 @@ class SourceImage:
 
 @dataclass(frozen=True)
 class SourceClip:
-    """One usable clip (see :mod:`.video`): a video file or a ``.frames`` folder, and its caption variants.
+    """One usable clip (see :mod:`.frames`): a video file or a ``.frames`` folder, and its caption variants.
 
     Attributes:
         relpath: the video's or the folder's path relative to the dataset folder.

@@ -41,6 +41,7 @@ from typing import Any
 import xxhash
 
 from .errors import SourceError, SourceFailure
+from .frames import VIDEO_EXTENSIONS
 from .gcpause import gc_paused
 from .imaging import image_size_from_bytes
 from .keys import hash_file
@@ -48,7 +49,6 @@ from .listing import FolderListing, list_folder
 from .scan import decode_captions
 from .sources_record import SourceEntry, SourcesRecord
 from .threads import resolve_threads
-from .video import VIDEO_EXTENSIONS
 
 __all__ = [
     "RACY_WINDOW_NS",

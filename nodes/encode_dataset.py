@@ -38,7 +38,7 @@ from ..dataset_cache.imaging import MASK_MODES
 from ..dataset_cache import check_dataset_name
 from ..dataset_cache.encode_report import EncodeReport
 from ..dataset_cache.encode_run import run_encode
-from ..dataset_cache.video import FRAMES_SUFFIX, MAX_CLIP_FRAMES, MAX_FPS, MIN_FPS, SAMPLING_MODES, FrameSettings
+from ..dataset_cache.frames import FRAMES_SUFFIX, MAX_CLIP_FRAMES, MAX_FPS, MIN_FPS, SAMPLING_MODES, FrameSettings
 from . import encoders
 from .encoder_record import Encoders, choose_encoders, store_record
 from .fingerprints import OwnWrites, cache_identity, folder_digest

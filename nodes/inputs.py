@@ -24,7 +24,7 @@ from typing import Any
 
 import folder_paths
 
-from ..dataset_cache.video import FRAMES_SUFFIX
+from ..dataset_cache.frames import FRAMES_SUFFIX
 
 __all__ = ["NO_CACHE_YET", "NO_FOLDER_YET", "RENAMED_INPUTS", "cache_choices", "existing_caches_hint",
            "input_folders", "no_cache_yet_message", "register_prompt_upgrade", "upgrade_prompt"]

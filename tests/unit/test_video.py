@@ -26,8 +26,9 @@ from dataset_cache.encode_run import run_encode
 from dataset_cache.listing import list_folder
 from dataset_cache.scan import scan_folder
 from dataset_cache.keys import latent_key
-from dataset_cache.video import (MAX_CLIP_FRAMES, MIN_FPS, FrameSettings, clip_folder_of, frame_order, has_av,
-                                 legacy_clip_key_fields, load_clip, probe_video)
+from dataset_cache.frames import (MAX_CLIP_FRAMES, MIN_FPS, FrameSettings, clip_folder_of, frame_order,
+                                  legacy_clip_key_fields)
+from dataset_cache.video import has_av, load_clip, probe_video
 from support.clips import level, make_frames_folder, make_video, truncate
 from support.fake_encoders import FakeEncoders, age
 
