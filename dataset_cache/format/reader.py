@@ -19,7 +19,7 @@ import logging
 import os
 import weakref
 from itertools import count, repeat
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +37,8 @@ from .layout import check_no_links
 from .manifest import MANIFEST, CacheState, read_state
 from .read_plan import ReadPlan, RowRef, plan_read, plan_rows
 from .shard import ShardIndex, open_shard
-from .safetensors_io import open_regular
-from .shard_files import ShardFiles, ShardSource, read_exact, unreadable
+from .shard_files import ShardFiles, ShardSource
+from .verify import verify_local_shard
 from ..remote.urls import is_remote_url
 
 if TYPE_CHECKING:
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 __all__ = ["open_cache", "CacheReader", "ReadBuffer"]
 
 log = logging.getLogger("dataset_cache.format.reader")
-_VERIFY_CHUNK = 64 << 20
 _OPEN_RETRIES = 5
 
 
@@ -397,7 +396,7 @@ class CacheReader:
 
     def _verify_shard(self, sh: ShardIndex) -> list[CacheError]:
         """Every problem of one shard's rows (a remote reader reads them through its fetches)."""
-        return _verify_shard(sh)
+        return verify_local_shard(sh)
 
     @property
     def shards(self) -> tuple[ShardIndex, ...]:
@@ -437,65 +436,3 @@ class CacheReader:
 
     def __repr__(self) -> str:
         return f"CacheReader({str(self.root)!r}, entries={len(self)}, shards={len(self._shards)})"
-
-
-def entry_owners(sh: ShardIndex) -> tuple[dict[tuple[int, int], str], list[CacheError]]:
-    """Which entry owns each ``(column, row)`` of a shard (to name it in an error), and the entries whose
-    skeletons do not parse."""
-    problems: list[CacheError] = []
-    owner: dict[tuple[int, int], str] = {}
-    for i, key in enumerate(sh.keys):
-        try:
-            for c, row in sh.parse(i)[1]:
-                owner.setdefault((c, row), key)
-        except CacheCorruptError as exc:
-            problems.append(exc)
-    return owner, problems
-
-
-RowsReader = Callable[[int, int, memoryview], None]
-"""Reads rows ``[start, start + n)`` of a shard's column (``(column index, start, buffer of n rows)``)."""
-
-
-def check_rows(sh: ShardIndex, owner: dict[tuple[int, int], str], read: RowsReader,
-               errors: tuple[type[CacheError], ...]) -> list[CacheError]:
-    """Every row of every column of ``sh`` read in chunks through ``read`` and checked against its checksum; a
-    chunk that fails to read with one of ``errors`` ends that column's check (the error is listed)."""
-    problems: list[CacheError] = []
-    for c, col in enumerate(sh.columns):
-        per = max(1, _VERIFY_CHUNK // max(1, col.row_nbytes))
-        for start in range(0, col.rows, per):
-            n = min(per, col.rows - start)
-            buf = memoryview(bytearray(n * col.row_nbytes))
-            try:
-                read(c, start, buf)
-            except errors as exc:
-                problems.append(exc)
-                break
-            for j in range(n):
-                a = j * col.row_nbytes
-                if checksum64(buf[a:a + col.row_nbytes]) != col.checksum(start + j):
-                    problems.append(CacheCorruptError(str(sh.path), f"checksum mismatch in {col.tensor} row "
-                                                      f"{start + j}", entry=owner.get((c, start + j))))
-    return problems
-
-
-def _verify_shard(sh: ShardIndex) -> list[CacheError]:
-    p = str(sh.path)
-    owner, problems = entry_owners(sh)
-    try:
-        f = os.fdopen(open_regular(p), "rb", buffering=0)
-    except FileNotFoundError:
-        return problems + [CacheCorruptError(p, "shard file is missing")]
-    except CacheUnreadableError as exc:
-        return problems + [exc]
-    except OSError as exc:
-        return problems + [unreadable(sh, exc)]
-    with f:
-        if os.fstat(f.fileno()).st_size != sh.size:
-            return problems + [CacheCorruptError(p, "shard size changed since the cache was opened")]
-
-        def read(c: int, start: int, buf: memoryview) -> None:
-            read_exact(f.fileno(), buf, sh.columns[c].row_range(start)[0], p)
-
-        return problems + check_rows(sh, owner, read, (CacheCorruptError, CacheUnreadableError))

@@ -28,7 +28,8 @@ from ..format.dataset_file import parse_dataset
 from ..format.layout import MANIFEST
 from ..format.manifest import CacheState, ShardRecord, parse_manifest, replay_journal
 from ..format.read_plan import ReadPlan, RowRef
-from ..format.reader import CacheReader, check_rows, entry_owners
+from ..format.reader import CacheReader
+from ..format.verify import check_rows, entry_owners
 from ..format.safetensors_io import parse_header
 from ..format.shard import ShardIndex, index_shard
 from ..gcpause import gc_paused
