@@ -36,6 +36,8 @@ from .common import PROFILES, LazyReader, evict, keys_of, run_json_child, write_
 from .common import Entries as _ProfileEntries
 from .common import write_lazy as write_baseline
 
+__all__ = ["BaselineReader", "main"]
+
 SAMPLE_BYTES = 2 * (4 * 64 * 64 + 77 * 768 + 768)
 
 
@@ -140,7 +142,11 @@ def time_raw(root: Path, plan: list[list[int]]) -> float:
     return time.perf_counter() - t
 
 
-def main() -> None:
+Row = tuple[str, str, str, str]
+"""(measure, ours, lazy-branch baseline, raw limit): one row of the printed table."""
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="N=2000, 200 batches")
     ap.add_argument("--n", type=int, default=None, help="samples (default 5000; --quick 2000)")
@@ -148,27 +154,25 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/streamcache-bench", help="scratch folder (deleted unless --keep)")
     ap.add_argument("--keep", action="store_true", help="keep (and reuse) the written caches")
     ap.add_argument("--_open", nargs=2, help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a._open:
-        return measure_open_child(*a._open)
-    n = a.n or (2000 if a.quick else 5000)
-    nb = a.batches or (200 if a.quick else 1000)
-    base = Path(a.dir) / f"n{n}"
-    ours, lazy = base / "ours", base / "baseline"
-    need = 2 * n * SAMPLE_BYTES * 1.05
-    free = shutil.disk_usage(Path(a.dir).parent if not Path(a.dir).exists() else a.dir).free
-    if not (ours / "manifest.json").exists() and need > free:
-        sys.exit(f"need {need / 2**30:.1f} GiB free under {a.dir}, have {free / 2**30:.1f}; use --n to scale")
+    return ap
+
+
+def _write_rows(n: int, base: Path, ours: Path, lazy: Path) -> list[Row]:
+    """Write both caches unless ours is already there (``--keep``): the write speed row, or none."""
     entries = _ProfileEntries(PROFILES["sd15"])
     torch.set_num_threads(1)
+    if (ours / "manifest.json").exists():
+        return []
+    shutil.rmtree(base, ignore_errors=True)
+    w_ours = write_ours(ours, n, entries)
+    w_base = write_baseline(lazy, n, entries)
+    gb = n * SAMPLE_BYTES / 1e9
+    return [("write", f"{gb / w_ours:.2f} GB/s ({w_ours:.1f} s)", f"{gb / w_base:.2f} GB/s ({w_base:.1f} s)", "")]
+
+
+def _open_rows(ours: Path, lazy: Path) -> list[Row]:
+    """Open time and RSS growth of both, warm then cold; the latents' shapes once warm."""
     rows = []
-    if not (ours / "manifest.json").exists():
-        shutil.rmtree(base, ignore_errors=True)
-        w_ours = write_ours(ours, n, entries)
-        w_base = write_baseline(lazy, n, entries)
-        gb = n * SAMPLE_BYTES / 1e9
-        rows.append(("write", f"{gb / w_ours:.2f} GB/s ({w_ours:.1f} s)",
-                     f"{gb / w_base:.2f} GB/s ({w_base:.1f} s)", ""))
     for cold in (False, True):
         o, b = measure_open("ours", ours, cold), measure_open("baseline", lazy, cold)
         tag = "cold" if cold else "warm"
@@ -176,6 +180,12 @@ def main() -> None:
                      f"{b['open_s'] * 1000:.0f} ms, +{b['rss_mb']:.0f} MB RSS", ""))
         if not cold:
             rows.append(("shapes of all latents (get().shape)", f"{o['shapes_s'] * 1000:.0f} ms", "", ""))
+    return rows
+
+
+def _read_rows(n: int, nb: int, ours: Path, lazy: Path) -> list[Row]:
+    """Random batches of 4 read every way, warm (after a warm-up pass) then cold."""
+    rows = []
     plan = batches(n, nb)
     plan_b = plan[: max(1, min(nb, 50))]  # the baseline parses a big header per tensor: ~50 ms a batch
     payload = nb * 4 * SAMPLE_BYTES / 1e9
@@ -199,6 +209,10 @@ def main() -> None:
                      f"{payload_b / res['baseline']:.3f} [{len(plan_b) / res['baseline']:.0f}] hashed; "
                      f"{payload_b / res['baseline_clone']:.3f} copied",
                      f"{payload / res['raw']:.2f} [{nb / res['raw']:.0f}]"))
+    return rows
+
+
+def _print_table(n: int, nb: int, rows: list[Row]) -> None:
     print(f"\nN = {n} samples ({n * SAMPLE_BYTES / 1e9:.1f} GB of tensors per cache), {nb} random batches of 4, "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs\n")
     print("| measure | ours (streamcache v1) | lazy-branch baseline (per-tensor safe_open) "
@@ -206,9 +220,25 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     for r in rows:
         print("| " + " | ".join(r) + " |")
+
+
+def main() -> None:
+    """Write both caches (unless kept), measure opens and batch reads side by side, print the table."""
+    a = _parser().parse_args()
+    if a._open:
+        return measure_open_child(*a._open)
+    n = a.n or (2000 if a.quick else 5000)
+    nb = a.batches or (200 if a.quick else 1000)
+    base = Path(a.dir) / f"n{n}"
+    ours, lazy = base / "ours", base / "baseline"
+    need = 2 * n * SAMPLE_BYTES * 1.05
+    free = shutil.disk_usage(Path(a.dir).parent if not Path(a.dir).exists() else a.dir).free
+    if not (ours / "manifest.json").exists() and need > free:
+        sys.exit(f"need {need / 2**30:.1f} GiB free under {a.dir}, have {free / 2**30:.1f}; use --n to scale")
+    rows = _write_rows(n, base, ours, lazy) + _open_rows(ours, lazy) + _read_rows(n, nb, ours, lazy)
+    _print_table(n, nb, rows)
     if not a.keep:
         shutil.rmtree(base, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()

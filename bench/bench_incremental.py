@@ -51,6 +51,8 @@ from dataset_cache.encode_run import run_encode
 from dataset_cache.sources import validate_sources
 from dataset_cache.sources_record import load_record
 
+__all__ = ["NoopEncoders", "generate", "build", "edit", "main"]
+
 MARKER = ".bench-incremental"
 _LATENT = torch.zeros(1, 4, 8, 8)
 _COND = torch.zeros(1, 4, 32)
@@ -155,7 +157,12 @@ def median_time(fn: Any, runs: int) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
+BuildRow = tuple[int, str, dict[str, float], float, list[float], list[float]]
+"""(images, config, the median build's figures, its bookkeeping s, share per assumed encoder cost, each run's
+bookkeeping s): one row of table 1."""
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1000,10000", help="comma-separated image counts (default: %(default)s)")
     ap.add_argument("--n", type=int, default=None, help="shortcut for one size, e.g. --n 100000")
@@ -176,48 +183,50 @@ def main(argv: list[str] | None = None) -> int:
                          "overlaps it as in a real run); the share is then measured, not projected")
     ap.add_argument("--dir", type=Path, default=None, help="work folder (default: /tmp/bench-incremental, kept)")
     ap.add_argument("--clean", action="store_true", help="delete the work folder afterwards")
-    args = ap.parse_args(argv)
-    sizes = [args.n] if args.n else [int(s) for s in args.sizes.split(",")]
-    work = args.dir or Path(tempfile.gettempdir()) / "bench-incremental"
-    settings = EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32), batch_size=args.batch_size)
-    rows1, rows2, rows3 = [], [], []
-    try:
-        for n in sizes:
-            folder, cache = work / f"data-{n}", work / f"cache-{n}"
-            t0 = time.perf_counter()
-            generate(folder, n)
-            print(f"[{n}] folder ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-            configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-            for name in sorted(configs, key=lambda c: c == "default"):  # the default build last: its cache is reused
-                sleep = (args.vae_ms[0], args.text_ms[0]) if args.sleep_encoder else None
-                runs = sorted((build(folder, cache, settings, NoopEncoders(sleep), CONFIGS[name])
-                               for _ in range(max(1, args.build_runs))), key=lambda b: b["book"])
-                b = runs[len(runs) // 2]
-                book = b["book"]
-                shares = [book / (book + n * (v + t) / 1000) for v, t in zip(args.vae_ms, args.text_ms)]
-                if sleep:  # measured: bookkeeping over the whole build's wall time
-                    shares = [book / b["wall"]] + shares[1:]
-                rows1.append((n, name, b, book, shares, [r["book"] for r in runs]))
+    return ap
 
-            if args.build_only:
-                continue
-            record = sources_record_path(cache, "bench")
-            t_validate = median_time(lambda: validate_sources(folder, load_record(record)), args.runs)
-            t_plan = median_time(lambda: plan_encode(folder, cache, dataset="bench", settings=settings,
-                                                     vae_fingerprint="vae", text_fingerprint="te"), args.runs)
-            rows3.append((n, t_validate, t_plan))
 
-            edited, added = edit(folder, n)
-            enc2 = NoopEncoders()
-            t0 = time.perf_counter()
-            plan = plan_encode(folder, cache, dataset="bench", settings=settings, vae_fingerprint="vae",
-                               text_fingerprint="te")
-            run_encode(plan, encode_images=enc2.encode_images, encode_texts=enc2.encode_texts)
-            rows2.append((n, edited, added, enc2.images, enc2.texts, time.perf_counter() - t0))
-    finally:
-        if args.clean:
-            shutil.rmtree(work, ignore_errors=True)
+def _build_rows(args: argparse.Namespace, n: int, folder: Path, cache: Path,
+                settings: EncodeSettings) -> list[BuildRow]:
+    """Section 1 at one size: every asked-for config built ``--build-runs`` times, the median run kept."""
+    rows = []
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for name in sorted(configs, key=lambda c: c == "default"):  # the default build last: its cache is reused
+        sleep = (args.vae_ms[0], args.text_ms[0]) if args.sleep_encoder else None
+        runs = sorted((build(folder, cache, settings, NoopEncoders(sleep), CONFIGS[name])
+                       for _ in range(max(1, args.build_runs))), key=lambda b: b["book"])
+        b = runs[len(runs) // 2]
+        book = b["book"]
+        shares = [book / (book + n * (v + t) / 1000) for v, t in zip(args.vae_ms, args.text_ms)]
+        if sleep:  # measured: bookkeeping over the whole build's wall time
+            shares = [book / b["wall"]] + shares[1:]
+        rows.append((n, name, b, book, shares, [r["book"] for r in runs]))
+    return rows
 
+
+def _unchanged_row(args: argparse.Namespace, n: int, folder: Path, cache: Path,
+                   settings: EncodeSettings) -> tuple[int, float, float]:
+    """Section 3 at one size: median seconds of ``validate_sources`` and of the whole ``plan_encode``."""
+    record = sources_record_path(cache, "bench")
+    t_validate = median_time(lambda: validate_sources(folder, load_record(record)), args.runs)
+    t_plan = median_time(lambda: plan_encode(folder, cache, dataset="bench", settings=settings,
+                                             vae_fingerprint="vae", text_fingerprint="te"), args.runs)
+    return n, t_validate, t_plan
+
+
+def _edit_row(n: int, folder: Path, cache: Path, settings: EncodeSettings) -> tuple[int, int, int, int, int, float]:
+    """Section 2 at one size: edit the folder, re-encode, count what the encoders were given."""
+    edited, added = edit(folder, n)
+    enc2 = NoopEncoders()
+    t0 = time.perf_counter()
+    plan = plan_encode(folder, cache, dataset="bench", settings=settings, vae_fingerprint="vae",
+                       text_fingerprint="te")
+    run_encode(plan, encode_images=enc2.encode_images, encode_texts=enc2.encode_texts)
+    return n, edited, added, enc2.images, enc2.texts, time.perf_counter() - t0
+
+
+def _print_builds(args: argparse.Namespace, rows1: list[BuildRow]) -> None:
+    """Table 1, the default settings' summary line per size, and the footnote on the projected share."""
     print(f"\n### 1. Build with no-op encoders (batch {args.batch_size}, median of {max(1, args.build_runs)})\n")
     print("| images | entries | settings | wall s | main-thread CPU s | plan s | encoder s | decode wait s "
           "| decode CPU s | add+checkpoint+commit s | waits for a checkpoint s | dataset+compact s | log fsyncs "
@@ -249,8 +258,11 @@ def main(argv: list[str] | None = None) -> int:
           "decode runs ahead of the encoder on worker threads and is hidden when it is faster than the encoder. "
           "Main-thread CPU is the calling thread's own CPU time (the plan's hashing threads and the decode threads "
           "not included): on a shared machine it moves less than wall time.")
-    if args.build_only:
-        return 0
+
+
+def _print_edits_and_unchanged(args: argparse.Namespace, rows2: list[tuple[int, int, int, int, int, float]],
+                               rows3: list[tuple[int, float, float]]) -> None:
+    """Tables 2 (encoder work after the edit, next to the built-in flow) and 3 (the unchanged folder)."""
     print("\n### 2. Encoder work after editing 1% of captions and adding 1% new images\n")
     print("| images | edited captions | new images | ours: latents | ours: conditionings | built-in: latents "
           "| built-in: conditionings | ours / built-in | ours wall s |")
@@ -264,8 +276,36 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|---:|")
     for n, tv, tp in rows3:
         print(f"| {n} | {2 * n} | {tv:.3f} | {tp:.3f} |")
-    return 0
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure every size (builds, then unless ``--build-only`` the unchanged folder and the edit), then print."""
+    args = _parser().parse_args(argv)
+    sizes = [args.n] if args.n else [int(s) for s in args.sizes.split(",")]
+    work = args.dir or Path(tempfile.gettempdir()) / "bench-incremental"
+    settings = EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32), batch_size=args.batch_size)
+    rows1: list[BuildRow] = []
+    rows2: list[tuple[int, int, int, int, int, float]] = []
+    rows3: list[tuple[int, float, float]] = []
+    try:
+        for n in sizes:
+            folder, cache = work / f"data-{n}", work / f"cache-{n}"
+            t0 = time.perf_counter()
+            generate(folder, n)
+            print(f"[{n}] folder ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+            rows1 += _build_rows(args, n, folder, cache, settings)
+            if args.build_only:
+                continue
+            rows3.append(_unchanged_row(args, n, folder, cache, settings))
+            rows2.append(_edit_row(n, folder, cache, settings))
+    finally:
+        if args.clean:
+            shutil.rmtree(work, ignore_errors=True)
+    _print_builds(args, rows1)
+    if args.build_only:
+        return 0
+    _print_edits_and_unchanged(args, rows2, rows3)
+    return 0
 
 if __name__ == "__main__":
     raise SystemExit(main())

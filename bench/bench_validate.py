@@ -23,7 +23,9 @@ from pathlib import Path
 
 from dataset_cache.listing import list_folder
 from dataset_cache.sources import build_record, validate_sources
-from dataset_cache.sources_record import load_record, save_record
+from dataset_cache.sources_record import SourcesRecord, load_record, save_record
+
+__all__ = ["generate", "main"]
 
 MARKER = ".bench-validate"
 
@@ -72,7 +74,7 @@ def fmt(times: list[float], files: int) -> str:
             f"({med / files * 1e6:.2f} us/file, {len(times)} runs{cpu_s})")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=100_000, help="source files to generate (half images, half captions)")
     ap.add_argument("--dirs", type=int, default=100, help="kohya folders to spread them over")
@@ -80,7 +82,62 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="hashing threads (default: from available CPUs)")
     ap.add_argument("--dir", type=Path, default=None, help="where to generate (default: a folder in /tmp, kept)")
     ap.add_argument("--clean", action="store_true", help="delete the generated folder afterwards")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _record_costs(root: Path, rec_path: Path, threads: int | None,
+                  runs: int) -> tuple[SourcesRecord, list[float], int]:
+    """Print the costs around validation (hash every file, save, load, list only); return the loaded record, its
+    load times and the number of files."""
+    t0 = time.perf_counter()
+    record = build_record(root, threads=threads)
+    build_s = time.perf_counter() - t0
+    files = len(record)
+    print(f"build record (hash every file):    {build_s * 1e3:8.1f} ms  ({build_s / files * 1e6:.2f} us/file)")
+
+    save_times, _ = timed(lambda: save_record(record, rec_path), runs)
+    print(f"save record ({rec_path.stat().st_size / 1e6:.1f} MB, fsync):  {fmt(save_times, files)}")
+    load_times, loaded = timed(lambda: load_record(rec_path), runs)
+    print(f"load record (parse + check):       {fmt(load_times, files)}")
+    assert loaded == record
+
+    list_times, _ = timed(lambda: list_folder(root), runs)
+    print(f"list folder only (scandir+stat):   {fmt(list_times, files)}")
+    return loaded, load_times, files
+
+
+def _validate_costs(root: Path, loaded: SourcesRecord, threads: int | None, runs: int, load_times: list[float],
+                    files: int) -> list[float]:
+    """Print validation of the unchanged folder (folders listed on the calling thread, then on threads, then with
+    the record's load); return the first one's wall times."""
+    val_times, v = timed(lambda: validate_sources(root, loaded, threads=threads), runs)
+    assert v.clean and v.hashed == 0 and len(v.unchanged) == files, v.counts()
+    print(f"validate unchanged folder:         {fmt(val_times, files)}")
+    pooled_times, v = timed(lambda: validate_sources(root, loaded, list_threads=None), runs)
+    assert v.clean and v.hashed == 0 and len(v.unchanged) == files, v.counts()
+    print(f"  same, folders listed on threads: {fmt(pooled_times, files)}")
+    total = [a + b for a, b in zip(sorted(load_times), sorted(val_times))]
+    print(f"load record + validate:            {fmt(total, files)}")
+    return val_times
+
+
+def _touched_cost(root: Path, loaded: SourcesRecord, threads: int | None, files: int) -> None:
+    """Print validation after touching every file (every file re-hashed, none changed)."""
+    newer = time.time_ns() - 1800 * 10**9
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if name != MARKER:
+                os.utime(os.path.join(dirpath, name), ns=(newer, newer))
+    t0 = time.perf_counter()
+    touched = validate_sources(root, loaded, threads=threads)
+    touch_s = time.perf_counter() - t0
+    assert touched.clean and len(touched.refreshed) == files, touched.counts()
+    print(f"validate after touching every file: {touch_s * 1e3:7.1f} ms  (re-hash {files}, 0 changed)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Generate (or reuse) the folder, print each cost, then the goal's verdict for wall and CPU time."""
+    args = _parser().parse_args(argv)
     runs = max(5, args.runs)
     root = args.dir or Path(tempfile.gettempdir()) / f"streamcache-bench-validate-{args.n}"
 
@@ -91,41 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     gen_s = time.perf_counter() - t0
     print(f"folder: {root}  ({args.n} files in {args.dirs} folders; generated/reused in {gen_s:.1f} s)")
 
-    t0 = time.perf_counter()
-    record = build_record(root, threads=args.threads)
-    build_s = time.perf_counter() - t0
-    files = len(record)
-    print(f"build record (hash every file):    {build_s * 1e3:8.1f} ms  ({build_s / files * 1e6:.2f} us/file)")
-
     rec_path = root.parent / f"{root.name}.sources.json"
-    save_times, _ = timed(lambda: save_record(record, rec_path), runs)
-    print(f"save record ({rec_path.stat().st_size / 1e6:.1f} MB, fsync):  {fmt(save_times, files)}")
-    load_times, loaded = timed(lambda: load_record(rec_path), runs)
-    print(f"load record (parse + check):       {fmt(load_times, files)}")
-    assert loaded == record
-
-    list_times, _ = timed(lambda: list_folder(root), runs)
-    print(f"list folder only (scandir+stat):   {fmt(list_times, files)}")
-
-    val_times, v = timed(lambda: validate_sources(root, loaded, threads=args.threads), runs)
-    assert v.clean and v.hashed == 0 and len(v.unchanged) == files, v.counts()
-    print(f"validate unchanged folder:         {fmt(val_times, files)}")
-    pooled_times, v = timed(lambda: validate_sources(root, loaded, list_threads=None), runs)
-    assert v.clean and v.hashed == 0 and len(v.unchanged) == files, v.counts()
-    print(f"  same, folders listed on threads: {fmt(pooled_times, files)}")
-    total = [a + b for a, b in zip(sorted(load_times), sorted(val_times))]
-    print(f"load record + validate:            {fmt(total, files)}")
-
-    newer = time.time_ns() - 1800 * 10**9
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            if name != MARKER:
-                os.utime(os.path.join(dirpath, name), ns=(newer, newer))
-    t0 = time.perf_counter()
-    touched = validate_sources(root, loaded, threads=args.threads)
-    touch_s = time.perf_counter() - t0
-    assert touched.clean and len(touched.refreshed) == files, touched.counts()
-    print(f"validate after touching every file: {touch_s * 1e3:7.1f} ms  (re-hash {files}, 0 changed)")
+    loaded, load_times, files = _record_costs(root, rec_path, args.threads, runs)
+    val_times = _validate_costs(root, loaded, args.threads, runs, load_times, files)
+    _touched_cost(root, loaded, args.threads, files)
 
     scale = files / 100_000
     wall_ok = statistics.median(val_times) < scale
@@ -136,7 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
         rec_path.unlink(missing_ok=True)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

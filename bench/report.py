@@ -8,6 +8,7 @@ import math
 import os
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,88 @@ def update_doc(doc: Path, section: str, body: str) -> None:
 _COLORS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 103, 189), (140, 86, 75)]
 
 
+@dataclass(frozen=True)
+class _Frame:
+    """One panel's plot area in pixels and the value range it shows (x always log10; y log10 unless ``logy``)."""
+
+    x0: int
+    y0: int
+    w: int
+    h: int
+    xmin: float
+    xmax: float
+    ymin: float
+    ymax: float
+    logy: bool
+
+    def fy(self, v: float) -> float:
+        return math.log10(v) if self.logy else v
+
+    def px(self, v: float) -> float:
+        return self.x0 + (math.log10(v) - self.xmin) / (self.xmax - self.xmin) * self.w
+
+    def py(self, v: float) -> float:
+        return self.y0 + self.h - (self.fy(v) - self.ymin) / (self.ymax - self.ymin) * self.h
+
+
+def _frame(k: int, pw: int, ph: int, top: int, panel: dict[str, Any], pts: list[tuple[float, float]]) -> _Frame:
+    """The ``k``-th panel's frame, its ranges padded so that a single x or y value still spans the frame."""
+    logy = panel.get("logy", True)
+    fy = math.log10 if logy else (lambda v: v)
+    xs, ys = [math.log10(x) for x, _ in pts], [fy(y) for _, y in pts]
+    xmin, xmax = min(xs), max(xs)
+    if xmax == xmin:
+        xmin, xmax = xmin - 0.5, xmax + 0.5
+    if logy:
+        ymin, ymax = math.floor(min(ys)), math.ceil(max(ys))
+    else:
+        ymin, ymax = 0.0, max(ys) * 1.15
+    if ymax == ymin:
+        ymax = ymin + 1
+    return _Frame(k * pw + 70, top + 30, pw - 100, ph - 90, xmin, xmax, ymin, ymax, logy)
+
+
+def _draw_axes(d: Any, font: Any, left: int, f: _Frame, panel: dict[str, Any],
+               pts: list[tuple[float, float]]) -> None:
+    """The frame, the panel's title and axis labels, x ticks at the data's x values and the y grid."""
+    x0, y0, w, h, ymin, ymax = f.x0, f.y0, f.w, f.h, f.ymin, f.ymax
+    d.rectangle([x0, y0, x0 + w, y0 + h], outline="black")
+    d.text((x0 + 10, y0 - 22), panel["title"], fill="black", font=font)
+    d.text((x0 + w // 2 - 30, y0 + h + 22), panel["xlabel"], fill="black", font=font)
+    d.text((left + 4, y0 - 22), panel["ylabel"], fill="black", font=font)
+    # ticks
+    for xv in sorted({x for x, _ in pts}):
+        X = f.px(xv)
+        d.line([X, y0 + h, X, y0 + h + 4], fill="black")
+        d.text((X - 14, y0 + h + 6), f"{xv:g}" if xv < 1e4 else f"{xv / 1000:g}k", fill="black", font=font)
+    if f.logy:
+        for e in range(int(ymin), int(ymax) + 1):
+            Y = y0 + h - (e - ymin) / (ymax - ymin) * h
+            d.line([x0 - 4, Y, x0 + w, Y], fill=(225, 225, 225))
+            d.text((x0 - 62, Y - 7), f"{10.0 ** e:g}", fill="black", font=font)
+    else:
+        for j in range(6):
+            v = ymin + (ymax - ymin) * j / 5
+            Y = y0 + h - j / 5 * h
+            d.line([x0 - 4, Y, x0 + w, Y], fill=(225, 225, 225))
+            d.text((x0 - 62, Y - 7), f"{v:.4g}", fill="black", font=font)
+
+
+def _draw_series(d: Any, font: Any, f: _Frame, panel: dict[str, Any]) -> None:
+    """Each series as a line with dots (positive values only), and its entry in the legend."""
+    x0, y0 = f.x0, f.y0
+    for i, (name, series) in enumerate(panel["series"].items()):
+        c = _COLORS[i % len(_COLORS)]
+        s = sorted((x, y) for x, y in series if y and y > 0)
+        coords = [(f.px(x), f.py(y)) for x, y in s]
+        if len(coords) > 1:
+            d.line(coords, fill=c, width=3)
+        for X, Y in coords:
+            d.ellipse([X - 4, Y - 4, X + 4, Y + 4], fill=c)
+        d.rectangle([x0 + 8, y0 + 8 + 18 * i, x0 + 22, y0 + 20 + 18 * i], fill=c)
+        d.text((x0 + 28, y0 + 7 + 18 * i), name, fill="black", font=font)
+
+
 def line_plot(path: Path, panels: list[dict[str, Any]], title: str = "") -> None:
     """Draw panels of log-log line charts into one PNG with Pillow (matplotlib is not a dependency).
 
@@ -82,55 +165,11 @@ def line_plot(path: Path, panels: list[dict[str, Any]], title: str = "") -> None
     if title:
         d.text((10, 10), title, fill="black", font=font)
     for k, panel in enumerate(panels):
-        x0, y0 = k * pw + 70, top + 30
-        w, h = pw - 100, ph - 90
         pts = [(x, y) for s in panel["series"].values() for x, y in s if y and y > 0]
         if not pts:
             continue
-        logy = panel.get("logy", True)
-        fx = math.log10
-        fy = math.log10 if logy else (lambda v: v)
-        xs, ys = [fx(x) for x, _ in pts], [fy(y) for _, y in pts]
-        xmin, xmax = min(xs), max(xs)
-        if xmax == xmin:
-            xmin, xmax = xmin - 0.5, xmax + 0.5
-        if logy:
-            ymin, ymax = math.floor(min(ys)), math.ceil(max(ys))
-        else:
-            ymin, ymax = 0.0, max(ys) * 1.15
-        if ymax == ymin:
-            ymax = ymin + 1
-        px = lambda v: x0 + (fx(v) - xmin) / (xmax - xmin) * w  # noqa: E731
-        py = lambda v: y0 + h - (fy(v) - ymin) / (ymax - ymin) * h  # noqa: E731
-        d.rectangle([x0, y0, x0 + w, y0 + h], outline="black")
-        d.text((x0 + 10, y0 - 22), panel["title"], fill="black", font=font)
-        d.text((x0 + w // 2 - 30, y0 + h + 22), panel["xlabel"], fill="black", font=font)
-        d.text((k * pw + 4, y0 - 22), panel["ylabel"], fill="black", font=font)
-        # ticks
-        for xv in sorted({x for x, _ in pts}):
-            X = px(xv)
-            d.line([X, y0 + h, X, y0 + h + 4], fill="black")
-            d.text((X - 14, y0 + h + 6), f"{xv:g}" if xv < 1e4 else f"{xv / 1000:g}k", fill="black", font=font)
-        if logy:
-            for e in range(int(ymin), int(ymax) + 1):
-                Y = y0 + h - (e - ymin) / (ymax - ymin) * h
-                d.line([x0 - 4, Y, x0 + w, Y], fill=(225, 225, 225))
-                d.text((x0 - 62, Y - 7), f"{10.0 ** e:g}", fill="black", font=font)
-        else:
-            for j in range(6):
-                v = ymin + (ymax - ymin) * j / 5
-                Y = y0 + h - j / 5 * h
-                d.line([x0 - 4, Y, x0 + w, Y], fill=(225, 225, 225))
-                d.text((x0 - 62, Y - 7), f"{v:.4g}", fill="black", font=font)
-        for i, (name, series) in enumerate(panel["series"].items()):
-            c = _COLORS[i % len(_COLORS)]
-            s = sorted((x, y) for x, y in series if y and y > 0)
-            coords = [(px(x), py(y)) for x, y in s]
-            if len(coords) > 1:
-                d.line(coords, fill=c, width=3)
-            for X, Y in coords:
-                d.ellipse([X - 4, Y - 4, X + 4, Y + 4], fill=c)
-            d.rectangle([x0 + 8, y0 + 8 + 18 * i, x0 + 22, y0 + 20 + 18 * i], fill=c)
-            d.text((x0 + 28, y0 + 7 + 18 * i), name, fill="black", font=font)
+        f = _frame(k, pw, ph, top, panel, pts)
+        _draw_axes(d, font, k * pw, f, panel, pts)
+        _draw_series(d, font, f, panel)
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
