@@ -6,8 +6,8 @@ Commands:
 * ``python -m dataset_cache bench [--quick|--smoke]`` — the library benchmarks (:mod:`bench.library`; the CLI
   hands its arguments over), from the pack root under the project venv; rewrites the library section of
   docs/BENCHMARKS.md and ``docs/bench_open_library.png``.
-* ``scripts/bench-comfy [--quick]`` — the benchmarks against the real ComfyUI (:mod:`bench.comfyui`, started by
-  :mod:`bench.run_comfyui` under ComfyUI's python); rewrites the ComfyUI section and ``docs/bench_comfy.png``.
+* ``scripts/bench-comfy [--quick]`` — the benchmarks against the real ComfyUI (:mod:`bench.comfy_command`, started
+  by :mod:`bench.run_comfyui` under ComfyUI's python); rewrites the ComfyUI section and ``docs/bench_comfy.png``.
 * ``python -m bench.<name>`` from the pack root — the focused benchmarks that print their own tables:
   :mod:`bench.bench_format` (the cache format vs the lazy-branch design), :mod:`bench.bench_loader` (prefetch
   overlap and loader memory), :mod:`bench.bench_incremental` (incremental encode bookkeeping at scale),

@@ -32,11 +32,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .ab_read_path import _use_library_of
 from .common import PACK_ROOT, run_json_child
+
+__all__ = ["main", "child", "write_caches", "WORKLOADS"]
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "SDXL b4": {"batch": 4, "latent": (1, 4, 128, 128), "cond": (1, 77, 2048), "pooled": (1, 1280),
@@ -96,36 +99,49 @@ def child(cache: Path, workload: str, batches: int, ops: int, device: str, count
         return PrefetchLoader(reader, BucketSampler(samples, [0] * SAMPLES, w["batch"], seed=0), epochs=None,
                               device=device, prefetch_batches=2, threads=1, **kw)
 
-    out: dict[str, float] = {}
     if count_calls:
-        calls = [0]
+        return _count_calls(loader, batches)
+    return _time_steps(loader, step, batches, device)
 
-        def profile(frame: Any, event: str, arg: Any) -> None:
-            if event in ("call", "c_call"):
-                calls[0] += 1
 
-        mine = [0]
+def _count_calls(loader: Callable[[], Any], batches: int) -> dict[str, float]:
+    """Python calls per batch on the loader's worker thread and inside ``next()`` on the training thread."""
+    out: dict[str, float] = {}
+    calls = [0]
 
-        def profile_mine(frame: Any, event: str, arg: Any) -> None:
-            if event in ("call", "c_call"):
-                mine[0] += 1
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            calls[0] += 1
 
-        threading.setprofile(profile)  # threads started from now on: the loader's worker
-        with loader() as ld:
-            it = iter(ld)
-            for _ in range(5):
-                next(it)
-            start = calls[0]
-            n = batches // 4
-            for _ in range(n):
-                sys.setprofile(profile_mine)  # the training thread: only inside next()
-                batch = next(it)
-                sys.setprofile(None)
-                del batch
-            out["worker Python calls / batch"] = (calls[0] - start) / n
-            out["training-thread Python calls / next()"] = mine[0] / n
-        threading.setprofile(None)  # type: ignore[arg-type]
-        return out
+    mine = [0]
+
+    def profile_mine(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            mine[0] += 1
+
+    threading.setprofile(profile)  # threads started from now on: the loader's worker
+    with loader() as ld:
+        it = iter(ld)
+        for _ in range(5):
+            next(it)
+        start = calls[0]
+        n = batches // 4
+        for _ in range(n):
+            sys.setprofile(profile_mine)  # the training thread: only inside next()
+            batch = next(it)
+            sys.setprofile(None)
+            del batch
+        out["worker Python calls / batch"] = (calls[0] - start) / n
+        out["training-thread Python calls / next()"] = mine[0] / n
+    threading.setprofile(None)  # type: ignore[arg-type]
+    return out
+
+
+def _time_steps(loader: Callable[[], Any], step: Callable[[], None], batches: int, device: str) -> dict[str, float]:
+    """The worker's CPU time per batch, and the step with the loader vs over batches already in memory."""
+    import torch
+
+    out: dict[str, float] = {}
     with loader() as ld:
         it = iter(ld)
         kept = [next(it) for _ in range(8)]  # the in-memory bound steps over these
@@ -194,6 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.old is None:
         p.error("--old is required")
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
+    results = _measure(trees, args)
+    print(f"{args.runs} runs, alternating; {args.batches} batches, {args.ops} ops a step, device {args.device}, "
+          f"{os.cpu_count()} CPUs\n")
+    _print_table(results)
+    return 0
+
+
+def _measure(trees: dict[str, Path], args: argparse.Namespace) -> dict[tuple[str, str, str], list[float]]:
+    """Every figure, (workload, figure, "old" / "new") → one value per run; the trees alternate run by run."""
     results: dict[tuple[str, str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="streamcache-gil-") as tmp:
         cache = Path(tmp)
@@ -213,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
                         ms = _py_spy(args.py_spy, trees[side], cache, workload, args.batches, args.ops, args.device)
                         results.setdefault((workload, "GIL-held ms / batch (py-spy)", side), []).append(ms)
             sys.stderr.write(f"[gil] run {r + 1}/{args.runs} done\n")
-    print(f"{args.runs} runs, alternating; {args.batches} batches, {args.ops} ops a step, device {args.device}, "
-          f"{os.cpu_count()} CPUs\n")
+    return results
+
+
+def _print_table(results: dict[tuple[str, str, str], list[float]]) -> None:
+    """One row per (workload, figure): old and new as median (min–max), and new / old."""
     print("| workload | figure | old | new | new / old |\n|---|---|---:|---:|---:|")
     for workload, name in dict.fromkeys((w, n) for w, n, _ in results):
         old, new = results[(workload, name, "old")], results[(workload, name, "new")]
@@ -222,8 +250,6 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{mn / mo:.2f}" if mo else "—"
         print(f"| {workload} | {name} | {mo:.1f} ({min(old):.1f}–{max(old):.1f}) | {mn:.1f} ({min(new):.1f}–"
               f"{max(new):.1f}) | {ratio} |")
-    return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

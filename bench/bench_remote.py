@@ -41,6 +41,8 @@ from dataset_cache.sampler import BucketSampler
 
 from .common import PACK_ROOT
 
+__all__ = ["main"]
+
 BUCKET = "bench"
 
 
@@ -116,7 +118,7 @@ def _stat(values: list[float], scale: float = 1.0, fmt: str = ".2f") -> str:
     return f"{statistics.median(v):{fmt}} ({min(v):{fmt}}–{max(v):{fmt}})"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=512, help="samples in the dataset (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=4, help="batch size (default: %(default)s)")
@@ -128,19 +130,37 @@ def main(argv: list[str] | None = None) -> int:
                          "own cost per request grows with the shard: ~20 ms at 8 MiB, ~160 ms at 74 MiB)")
     ap.add_argument("--runs", type=int, default=3, help="runs per configuration (default: %(default)s)")
     ap.add_argument("--serve", type=float, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Publish the dataset to one S3 server per latency, run every configuration, print the table."""
+    args = _parser().parse_args(argv)
     if args.serve is not None:
         _serve(args.serve)
         return 0
-    from dataset_cache.remote import RemoteOptions
-    from dataset_cache.remote.publish import push
+    import dataset_cache.remote.publish  # noqa: F401 - needs the remote extra: fail before writing anything
 
     work = Path(tempfile.mkdtemp(prefix="bench_remote_"))
     local = work / "local"
     _write(local, args.n, args.shard_mb << 20)
     size = sum(sh.size for sh in open_cache(local).shards)
+    servers = _start_servers(args.latency_ms)
+    try:
+        results = _measure(args, work, local, servers)
+    finally:
+        for proc, _ in servers.values():
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    _print_table(args, size, results)
+    return 0
+
+
+def _start_servers(latencies: list[float]) -> dict[float, tuple[subprocess.Popen[str], str]]:
+    """One S3 server child per latency: latency → (its process, its endpoint); the AWS settings for them set."""
     servers = {}
-    for lat in args.latency_ms:
+    for lat in latencies:
         proc = subprocess.Popen([sys.executable, "-m", "bench.bench_remote", "--serve", str(lat)], cwd=PACK_ROOT,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
@@ -148,26 +168,34 @@ def main(argv: list[str] | None = None) -> int:
     env = {"AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
            "AWS_REGION": "us-east-1"}
     os.environ.update(env)
+    return servers
+
+
+def _measure(args: argparse.Namespace, work: Path, local: Path,
+             servers: dict[float, tuple[subprocess.Popen[str], str]]) -> dict[str, list[dict[str, list[float]]]]:
+    """The cache pushed to every server, then per run the local disk and each bucket alternately: label → runs."""
+    from dataset_cache.remote import RemoteOptions
+    from dataset_cache.remote.publish import push
+
     results: dict[str, list[dict[str, list[float]]]] = {}
-    try:
-        for _proc, endpoint in servers.values():
+    for _proc, endpoint in servers.values():
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        push(local, f"s3://{BUCKET}/cache")
+    step_s = args.step_ms / 1e3
+    for run in range(args.runs):
+        with open_cache(local) as reader:
+            results.setdefault("local disk", []).append(_two_epochs(reader, args.batch, step_s))
+        for lat, (_proc, endpoint) in servers.items():
             os.environ["AWS_ENDPOINT_URL"] = endpoint
-            push(local, f"s3://{BUCKET}/cache")
-        step_s = args.step_ms / 1e3
-        for run in range(args.runs):
-            with open_cache(local) as reader:
-                results.setdefault("local disk", []).append(_two_epochs(reader, args.batch, step_s))
-            for lat, (_proc, endpoint) in servers.items():
-                os.environ["AWS_ENDPOINT_URL"] = endpoint
-                opts = RemoteOptions(fetch_dir=work / f"fetched-{lat:g}-{run}")
-                with open_cache(f"s3://{BUCKET}/cache", remote=opts) as reader:
-                    results.setdefault(f"bucket, {lat:g} ms per request", []).append(
-                        _two_epochs(reader, args.batch, step_s))
-    finally:
-        for proc, _ in servers.values():
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.wait(timeout=30)
+            opts = RemoteOptions(fetch_dir=work / f"fetched-{lat:g}-{run}")
+            with open_cache(f"s3://{BUCKET}/cache", remote=opts) as reader:
+                results.setdefault(f"bucket, {lat:g} ms per request", []).append(
+                    _two_epochs(reader, args.batch, step_s))
+    return results
+
+
+def _print_table(args: argparse.Namespace, size: int, results: dict[str, list[dict[str, list[float]]]]) -> None:
+    """The configuration, then one row per cache: each epoch's data wait, the first batch's wait, the GETs."""
     batches = -(-args.n // args.batch)
     print(f"\n{args.n} SD1.5-sized samples ({size / 2**20:.0f} MiB in {args.shard_mb} MiB shards), batch "
           f"{args.batch}, step {args.step_ms:g} ms, prefetch {DEFAULT_PREFETCH_BATCHES}, {batches} batches per epoch, "
@@ -185,8 +213,6 @@ def main(argv: list[str] | None = None) -> int:
         gets = f"{statistics.median([r['gets'][0] for r in runs]):.0f} / " \
                f"{statistics.median([r['gets'][1] for r in runs]):.0f}"
         print(f"| {label} | {cells[0]} | {cells[1]} | {first} | {gets} |")
-    return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

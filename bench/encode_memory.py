@@ -28,6 +28,8 @@ from typing import Any
 
 from .comfyui import comfy_setup
 
+__all__ = ["run", "render", "main", "Phases"]
+
 ROOT = Path(__file__).resolve().parents[1]
 
 START, END = "<!-- bench-encode-memory:start -->", "<!-- bench-encode-memory:end -->"
@@ -88,12 +90,43 @@ def _images(folder: Path, n: int, size: int) -> None:
 
 
 def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:
+    """Encode ``images`` of ``size`` px, then train ``steps`` steps, with the peak memory of each phase."""
     work = Path(tempfile.mkdtemp(prefix="bench_encode_memory_"))
     (work / "models" / "streamcache").mkdir(parents=True)
     phases = Phases()
     install = comfy_setup(work)  # ComfyUI on the CPU, its folders private to ``work``
-    import folder_paths
     import torch
+
+    tiny, vae_file, unet_file, pack = _prepare(install, work, images, size)
+    import nodes as comfy_nodes
+
+    phases.done("ComfyUI and the pack imported")
+
+    (vae,) = comfy_nodes.VAELoader().load_vae(vae_file.name)
+    (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny.name("clip"), "flux")
+    sizes = {"VAE (16-ch TAESD)": _param_mib(vae.first_stage_model),
+             "CLIP-L (Flux's clip_l)": _param_mib(clip.cond_stage_model)}
+    phases.done("VAE and CLIP-L loaded (ComfyUI loaders)")
+
+    handle, report = _encode(pack, vae, clip, vae_file.name, tiny.name("clip"), size, batch)
+    loaded_after_encode = _loaded()
+    phases.done(f"Encode Dataset: {images} images of {size} px, batch {batch}")
+
+    (model,) = comfy_nodes.UNETLoader().load_unet(unet_file.name, "default")
+    sizes["Flux diffusion model (tiny)"] = _param_mib(model.model.diffusion_model)
+    phases.done("tiny Flux diffusion model loaded")
+
+    at_first_step = _train(pack, model, handle, work / "models" / "streamcache" / "flux_train", steps)
+    phases.done(f"Train LoRA: {steps} steps, batch 1 (encoders still referenced by the graph)")
+    return {"rows": phases.rows, "resettable": phases.resettable, "sizes": sizes, "report": report.splitlines()[0],
+            "after_encode": loaded_after_encode, "at_first_step": at_first_step, "images": images, "size": size,
+            "comfy": (install.path / "comfyui_version.py").read_text().split('"')[1], "torch": torch.__version__}
+
+
+def _prepare(install: Any, work: Path, images: int, size: int) -> tuple[Any, Path, Path, Any]:
+    """The tiny models made and registered, the images written, the pack imported: (tiny models, VAE file,
+    diffusion model file, the pack)."""
+    import folder_paths
     from support.pack import import_pack
     from support.tiny_families import FAMILIES, save_family_model, save_taesd16
     from support.tiny_models import ensure_tiny_models
@@ -107,27 +140,27 @@ def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:
     folder_paths.add_model_folder_path("vae", str(work / "vae"))
     folder_paths.add_model_folder_path("diffusion_models", str(work / "diffusion_models"))
     _images(work / "input" / "flux_set", images, size)
-    import nodes as comfy_nodes
+    import nodes  # noqa: F401 - ComfyUI's nodes, then the pack, as ComfyUI imports them
 
     pack = import_pack()
+    import comfy_api.latest  # noqa: F401 - what the encode needs, imported within the first phase
+    import comfy_execution.graph  # noqa: F401
+
+    return tiny, vae_file, unet_file, pack
+
+
+def _encode(pack: Any, vae: Any, clip: Any, vae_name: str, clip_name: str, size: int, batch: int) -> tuple[Any, str]:
+    """Our Encode Dataset node on ``input/flux_set``, as ComfyUI runs it in a prompt: (the handle, its report)."""
+    import torch
     from comfy_api.latest import io
     from comfy_execution.graph import DynamicPrompt
 
     encode = sys.modules[f"{pack.__name__}.nodes.encode_dataset"]
-    training = sys.modules[f"{pack.__name__}.nodes.training"]
-    phases.done("ComfyUI and the pack imported")
-
-    (vae,) = comfy_nodes.VAELoader().load_vae(vae_file.name)
-    (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny.name("clip"), "flux")
-    sizes = {"VAE (16-ch TAESD)": _param_mib(vae.first_stage_model),
-             "CLIP-L (Flux's clip_l)": _param_mib(clip.cond_stage_model)}
-    phases.done("VAE and CLIP-L loaded (ComfyUI loaders)")
-
     inputs = {"folder": "flux_set", "cache": "flux_set", "dataset": "default", "resolution": size,
               "bucket_step": 64, "crop": "center", "caption_prefix": "", "caption_suffix": "", "batch_size": batch,
               "on_failure": "skip"}
-    prompt = {"1": {"class_type": "VAELoader", "inputs": {"vae_name": vae_file.name}},
-              "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": tiny.name("clip"), "type": "flux",
+    prompt = {"1": {"class_type": "VAELoader", "inputs": {"vae_name": vae_name}},
+              "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": clip_name, "type": "flux",
                                                            "device": "default"}},
               "10": {"class_type": "StreamCache_EncodeDataset", "inputs": {**inputs, "vae": ["1", 0],
                                                                            "clip": ["2", 0]}}}
@@ -135,36 +168,24 @@ def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:
         {"hidden_inputs": {io.Hidden.dynprompt: DynamicPrompt(prompt), io.Hidden.unique_id: "10"}})
     with torch.inference_mode():
         handle, report = node.execute(vae=vae, clip=clip, **inputs).result
-    loaded_after_encode = _loaded()
-    phases.done(f"Encode Dataset: {images} images of {size} px, batch {batch}")
+    return handle, report
 
-    (model,) = comfy_nodes.UNETLoader().load_unet(unet_file.name, "default")
-    sizes["Flux diffusion model (tiny)"] = _param_mib(model.model.diffusion_model)
-    phases.done("tiny Flux diffusion model loaded")
 
+def _train(pack: Any, model: Any, handle: Any, cache: Path, steps: int) -> list[str]:
+    """Train LoRA on the encoded latents (written to ``cache`` with T5-shaped conditionings); the models loaded at
+    the first step."""
+    import torch
+
+    training = sys.modules[f"{pack.__name__}.nodes.training"]
+    handles = sys.modules[f"{pack.__name__}.nodes.handles"]
     at_first_step: list[str] = []
 
     def on_step(step: Any) -> None:
         if step.step == 1:
             at_first_step.extend(_loaded())
 
-    # CLIP-L alone gives [1, 77, 768]; Flux's model needs T5-XXL's [1, 256, 4096] too, which is not run here: the
-    # training cache holds the encoded latents with conditionings of T5's shape (as tests/comfy/test_families.py)
-    writer_mod = sys.modules[f"{pack.__name__}.dataset_cache.format.writer"]
-    dataset_mod = sys.modules[f"{pack.__name__}.dataset_cache.dataset"]
-    handles = sys.modules[f"{pack.__name__}.nodes.handles"]
-    encoded_reader, encoded = handle.open()
-    gen = torch.Generator().manual_seed(2)
-    with torch.inference_mode(), writer_mod.CacheWriter(work / "models" / "streamcache" / "flux_train") as writer:
-        rows = []
-        for i, s in enumerate(encoded):
-            writer.add(s.latent, encoded_reader.read([s.latent])[0], kind="latent")
-            writer.add(f"{i:032x}", FAMILIES["flux"].conditioning(gen, 256), kind="conditioning")
-            rows.append(dataset_mod.Sample(s.latent, (f"{i:032x}",), source=s.source))
-        writer.set_dataset("default", rows)
-    encoded_reader.close()
-    reader, samples = handles.StreamDatasetHandle(str(work / "models" / "streamcache" / "flux_train"),
-                                                  "default").open()
+    _training_cache(pack, handle, cache)
+    reader, samples = handles.StreamDatasetHandle(str(cache), "default").open()
     try:
         settings = training.TrainSettings(steps=steps, batch_size=1, rank=4, learning_rate=1e-4, training_dtype="fp32",
                                           lora_dtype="fp32", gradient_checkpointing=True, seed=1)
@@ -172,10 +193,28 @@ def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:
             training.train_lora(model, reader, samples, settings, on_step=on_step)
     finally:
         reader.close()
-    phases.done(f"Train LoRA: {steps} steps, batch 1 (encoders still referenced by the graph)")
-    return {"rows": phases.rows, "resettable": phases.resettable, "sizes": sizes, "report": report.splitlines()[0],
-            "after_encode": loaded_after_encode, "at_first_step": at_first_step, "images": images, "size": size,
-            "comfy": (install.path / "comfyui_version.py").read_text().split('"')[1], "torch": torch.__version__}
+    return at_first_step
+
+
+def _training_cache(pack: Any, handle: Any, cache: Path) -> None:
+    """The encoded latents, each with a conditioning of T5-XXL's shape, written as a training cache."""
+    import torch
+    from support.tiny_families import FAMILIES
+
+    # CLIP-L alone gives [1, 77, 768]; Flux's model needs T5-XXL's [1, 256, 4096] too, which is not run here: the
+    # training cache holds the encoded latents with conditionings of T5's shape (as tests/comfy/test_families.py)
+    writer_mod = sys.modules[f"{pack.__name__}.dataset_cache.format.writer"]
+    dataset_mod = sys.modules[f"{pack.__name__}.dataset_cache.dataset"]
+    encoded_reader, encoded = handle.open()
+    gen = torch.Generator().manual_seed(2)
+    with torch.inference_mode(), writer_mod.CacheWriter(cache) as writer:
+        rows = []
+        for i, s in enumerate(encoded):
+            writer.add(s.latent, encoded_reader.read([s.latent])[0], kind="latent")
+            writer.add(f"{i:032x}", FAMILIES["flux"].conditioning(gen, 256), kind="conditioning")
+            rows.append(dataset_mod.Sample(s.latent, (f"{i:032x}",), source=s.source))
+        writer.set_dataset("default", rows)
+    encoded_reader.close()
 
 
 def render(res: dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
-"""What ``scripts/bench-comfy`` runs with ComfyUI's python: :func:`bench.comfyui.main`, with the pack off ``sys.path``.
+"""What ``scripts/bench-comfy`` runs with ComfyUI's python: :func:`bench.comfy_command.main`, with the pack off
+``sys.path``.
 
-Why a file run by path rather than ``python -m bench.comfyui``: ``-m`` puts the current folder, the pack root,
+Why a file run by path rather than ``python -m bench.comfy_command``: ``-m`` puts the current folder, the pack root,
 first on ``sys.path``, where the pack's ``nodes/`` package shadows ComfyUI's ``nodes.py`` (and the root
 ``__init__.py`` is not meant to be imported that way). Run by path, Python puts only this file's folder
 (``bench/``) on ``sys.path``; the module names there shadow nothing ComfyUI imports (``tests/unit`` checks them
@@ -71,7 +72,7 @@ def main() -> int:
         from bench.step_ops import main as step_ops_main
 
         return step_ops_main(argv[1:])
-    from bench.comfyui import main as bench_main
+    from bench.comfy_command import main as bench_main
 
     return bench_main(argv)
 

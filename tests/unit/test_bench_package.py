@@ -76,7 +76,7 @@ def test_the_detector_sees_an_edit(tmp_path: Path) -> None:
 @pytest.fixture
 def comfy_run() -> Any:
     """A ComfyRun with two open sizes, two training sizes, the bound, a failed built-in run and C5."""
-    from bench.comfyui import ComfyRun
+    from bench.comfy_driver import ComfyRun
     from bench.common import machine_info
 
     rnd = random.Random(1)
@@ -100,7 +100,7 @@ def comfy_run() -> Any:
 
 
 def test_comfy_section_renders_every_table(comfy_run: Any) -> None:
-    from bench.comfyui import render
+    from bench.comfy_render import render
 
     text = render(comfy_run, "scripts/bench-comfy --quick", "bench_comfy.png")
     lines = text.splitlines()
@@ -120,7 +120,7 @@ def test_comfy_section_renders_every_table(comfy_run: Any) -> None:
 
 
 def test_comfy_chart_only_with_more_than_one_size_and_c5(comfy_run: Any, tmp_path: Path) -> None:
-    from bench.comfyui import plot_panels, render
+    from bench.comfy_render import plot_panels, render
     from bench.report import line_plot
 
     panels = plot_panels(comfy_run)
