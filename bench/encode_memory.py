@@ -156,7 +156,7 @@ def _encode(pack: Any, vae: Any, clip: Any, vae_name: str, clip_name: str, size:
     from comfy_execution.graph import DynamicPrompt
 
     encode = sys.modules[f"{pack.__name__}.nodes.encode_dataset"]
-    inputs = {"folder": "flux_set", "cache": "flux_set", "dataset": "default", "resolution": size,
+    inputs = {"folder": "flux_set", "cache": "flux_set", "dataset_name": "default", "resolution": size,
               "bucket_step": 64, "crop": "center", "caption_prefix": "", "caption_suffix": "", "batch_size": batch,
               "on_failure": "skip"}
     prompt = {"1": {"class_type": "VAELoader", "inputs": {"vae_name": vae_name}},
