@@ -182,7 +182,8 @@ def _train_row(run: ComfyRun, kind: str, n: int) -> str:
         vs = f"{ratio:.1%}"
         if kind == "ours":
             goal = "within 5%: " + ("met" if ratio >= 0.95 else "NOT met")
-    return (f"| {n} | {label} | {r['first_s']:.2f} | {stat(r['step_s'], 1e3, '.0f')} | {sps:.2f} | {vs} "
+    steady = stat(r["step_s"], 1e3, ".0f") if r["step_s"] else "— (too few steps)"
+    return (f"| {n} | {label} | {r['first_s']:.2f} | {steady} | {sps:.2f} | {vs} "
             f"| {r['peak_mib']:.0f} | {goal} |")
 
 

@@ -119,6 +119,19 @@ def test_comfy_section_renders_every_table(comfy_run: Any) -> None:
     assert lines[-1] == "![open and training memory vs N](bench_comfy.png)"
 
 
+
+def test_comfy_section_renders_a_run_with_too_few_steps(comfy_run: Any) -> None:
+    """A child that recorded fewer step ends than the steady window needs: its row says so (it used to crash the
+    whole render on an empty median)."""
+    import dataclasses
+
+    from bench.comfy_render import render
+
+    train = dict(comfy_run.train)
+    train[("ours", 5000)] = {**train[("ours", 5000)], "step_s": []}
+    text = render(dataclasses.replace(comfy_run, train=train), "scripts/bench-comfy --quick")
+    assert "| 5000 | ours (StreamCache) | 2.10 | — (too few steps) | 0.00 |" in text
+
 def test_comfy_chart_only_with_more_than_one_size_and_c5(comfy_run: Any, tmp_path: Path) -> None:
     from bench.comfy_render import plot_panels, render
     from bench.report import line_plot
