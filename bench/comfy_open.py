@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import PROFILES, Entries, LazyReader, rss_mib, write_lazy, write_ours
+from .common import PROFILES, Entries, LazyReader, open_footprint, write_lazy, write_ours
 from .comfyui import comfy_setup
 
 __all__ = ["prep_open", "child_open"]
@@ -55,20 +55,14 @@ def child_open(kind: str, target: str, work: Path) -> dict[str, float]:
         import comfy_extras.nodes_dataset as nd
     from dataset_cache.format import open_cache  # every import before the clock and the baseline RSS
 
-    gc.collect()
-    r0 = rss_mib()[0]
-    t = time.perf_counter()
-    if kind == "builtin":
-        out = nd.LoadTrainingDataset.execute(target)
-        n = len(out.result[0]) if hasattr(out, "result") else len(out[0])
-        keep = out  # noqa: F841 - measured while the node's output is alive
-    elif kind == "ours":
-        reader = open_cache(target)
-        n = len(reader.dataset("bench"))
-    else:
-        reader = LazyReader(Path(target))
-        n = len(reader)
-    dt = time.perf_counter() - t
-    gc.collect()
-    r1, peak = rss_mib()
-    return {"open_s": dt, "growth_mib": r1 - r0, "rss_mib": r1, "peak_mib": peak, "samples": n}
+    def open_() -> tuple[Any, int]:
+        if kind == "builtin":
+            out = nd.LoadTrainingDataset.execute(target)  # measured while the node's output is alive
+            return out, len(out.result[0]) if hasattr(out, "result") else len(out[0])
+        if kind == "ours":
+            reader = open_cache(target)
+            return reader, len(reader.dataset("bench"))
+        lazy = LazyReader(Path(target))
+        return lazy, len(lazy)
+
+    return open_footprint(open_)

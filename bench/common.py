@@ -9,6 +9,7 @@ from the pack without putting the pack root on ``sys.path`` (see :mod:`bench.run
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 import os
 import pickle
@@ -26,7 +27,8 @@ from typing import Any
 
 __all__ = [
     "PACK_ROOT", "DOC", "MIB", "Profile", "PROFILES", "Entries", "keys_of", "write_ours", "write_lazy", "LazyReader",
-    "random_batches", "read_ours", "rss_mib", "evict", "med", "Machine", "machine_info", "run_json_child",
+    "random_batches", "read_ours", "rss_mib", "open_footprint", "evict", "med", "Machine", "machine_info",
+    "run_json_child",
 ]
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
@@ -222,6 +224,21 @@ def rss_mib() -> tuple[float, float]:
             elif line.startswith("VmHWM:"):
                 peak = int(line.split()[1]) / 1024
     return cur, peak
+
+
+def open_footprint(open_: Callable[[], tuple[Any, int]]) -> dict[str, float]:
+    """Wall time and RSS growth of opening a dataset in this process (L1 and C1 take theirs the same way, so their
+    figures compare): ``open_`` returns what it keeps open (alive until the RSS is read, as a training run keeps
+    it) and the samples it found."""
+    gc.collect()
+    r0, _ = rss_mib()
+    t = time.perf_counter()
+    kept, n = open_()
+    dt = time.perf_counter() - t
+    gc.collect()
+    r1, peak = rss_mib()
+    del kept
+    return {"open_s": dt, "growth_mib": r1 - r0, "rss_mib": r1, "peak_mib": peak, "samples": n}
 
 
 def evict(root: Path) -> None:

@@ -8,14 +8,13 @@ figure needs stay inside its function: the L1 child must import as little as the
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .common import MIB, LazyReader, evict, keys_of, rss_mib, run_json_child
+from .common import MIB, LazyReader, evict, keys_of, open_footprint, run_json_child
 from .library_figures import IncrementalFigures, ValidationFigure
 
 __all__ = ["child_open", "measure_open", "read_floor", "read_lazy", "read_raw", "incremental_bench",
@@ -29,20 +28,15 @@ def child_open(kind: str, root: str) -> dict[str, Any]:
 
     from dataset_cache.format.reader import open_cache
 
-    gc.collect()
-    r0, _ = rss_mib()
-    t = time.perf_counter()
-    if kind == "ours":
-        reader = open_cache(root)
-        samples = reader.dataset("bench")
-        n = len(samples)
-    else:
+    def open_() -> tuple[Any, int]:
+        if kind == "ours":
+            reader = open_cache(root)
+            samples = reader.dataset("bench")
+            return (reader, samples), len(samples)
         lazy = LazyReader(Path(root))
-        n = len(lazy)
-    dt = time.perf_counter() - t
-    gc.collect()
-    r1, peak = rss_mib()
-    return {"open_s": dt, "rss_mib": r1, "growth_mib": r1 - r0, "peak_mib": peak, "samples": n}
+        return lazy, len(lazy)
+
+    return open_footprint(open_)
 
 
 def measure_open(kind: str, root: Path, runs: int, cold: bool) -> dict[str, list[float]]:
