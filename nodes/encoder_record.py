@@ -97,7 +97,8 @@ def choose_encoders(root: Path, dataset: str, vae: Any, clip: Any, dynprompt: An
     def pick(name: str, obj: Any, compute: Callable[[Any], str]) -> str:
         if obj is not None:
             return compute(obj)
-        assumed = (trusted.get(name) or {}).get(ids[name]) if ids[name] else None
+        ident = ids[name]
+        assumed = (trusted.get(name) or {}).get(ident) if ident else None
         return assumed if isinstance(assumed, str) and assumed else _UNRESOLVED.format(name)
 
     vae_fp = pick("vae", vae, vae_fingerprint)

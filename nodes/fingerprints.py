@@ -40,7 +40,7 @@ import json
 import logging
 import os
 from collections.abc import Hashable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import folder_paths
 import torch
@@ -256,7 +256,7 @@ def clip_fingerprint(clip: Any) -> str:
 # ------------------------------------------------------------------------------------------------ upstream
 
 
-def _is_link(v: Any) -> bool:
+def _is_link(v: Any) -> TypeGuard[list[Any]]:
     return (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
             and isinstance(v[1], (int, float)) and not isinstance(v[1], bool))
 
@@ -298,7 +298,7 @@ def _describe(dynprompt: Any, node_id: str, depth: int, path: frozenset[str]) ->
     return {"class_type": node.get("class_type"), "inputs": inputs}
 
 
-def upstream_identity(dynprompt: Any, node_id: str, input_name: str) -> str | None:
+def upstream_identity(dynprompt: Any, node_id: str | None, input_name: str) -> str | None:
     """A digest of how input ``input_name`` of node ``node_id`` would be produced, without running anything.
 
     It covers the linked node's class and constant inputs, recursively through its own links, and size + mtime of

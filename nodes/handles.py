@@ -184,7 +184,9 @@ def require_caches(**handles: Handle | None) -> None:
         ValueError: naming the input, its dataset, the folder and what to do.
     """
     for what, handle in handles.items():
-        for root in handle.cache_roots if handle is not None else ():
+        if handle is None:
+            continue
+        for root in handle.cache_roots:
             if is_remote_url(root):  # a cache in a bucket: its open names what is missing
                 continue
             if not os.path.lexists(os.path.join(root, MANIFEST)):

@@ -11,7 +11,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -118,7 +118,8 @@ def _draw_again(make: Any, modules: Sequence[tuple[str, torch.nn.Module]], lora_
     ``lora_sd`` (a parameter ComfyUI did not make is left alone)."""
     with torch.no_grad():
         for name, module in modules:
-            stand_in = torch.empty(module.weight.shape, dtype=module.weight.dtype)
+            weight = cast(torch.Tensor, module.weight)  # a Linear's or Conv's weight
+            stand_in = torch.empty(weight.shape, dtype=weight.dtype)
             drawn = make.create_train(stand_in, rank=rank, alpha=1.0).to(adapter_dtype)
             for part, value in drawn.named_parameters():
                 target = lora_sd.get(f"{name}.{part}")

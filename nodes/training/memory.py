@@ -144,7 +144,7 @@ class MemoryStep:
         model to the device."""
         kept = [m for i in self.runners.streamed for m in self.blocks[i].module.modules()]
         for m in kept:
-            m._apply = _staying(m)  # type: ignore[method-assign]
+            m._apply = _staying(m)
         try:
             yield
         finally:
@@ -192,7 +192,8 @@ def _staying(module: torch.nn.Module) -> Callable[..., torch.nn.Module]:
 
 def _cast_on_use(m: torch.nn.Module, undo: list[Callable[[], None]]) -> None:
     if hasattr(m, "comfy_cast_weights") and not m.comfy_cast_weights:
-        m.comfy_cast_weights = True
+        m.comfy_cast_weights = True  # type: ignore[assignment]  # a flag of ComfyUI's cast ops (torch types
+        # a module's attributes as tensors or modules)
         undo.append(lambda: setattr(m, "comfy_cast_weights", False))
 
 
@@ -215,7 +216,7 @@ def _wrap_forward(dm: torch.nn.Module, host: HostActivations, undo: list[Callabl
         with host.hooks():
             return original(*args, **kwargs)
 
-    dm.forward = forward  # type: ignore[method-assign]
+    dm.forward = forward
     undo.append(lambda: dm.__dict__.pop("forward", None))
 
 
@@ -270,7 +271,7 @@ def plan_run_memory(run: Any, reader: Any, samples: Sequence[Any], buckets: Sequ
         log.warning("Train LoRA memory: %s", note)
     if on_plan is not None:
         on_plan(plan)
-    extra = ()
+    extra: tuple[str, ...] = ()
     if settings.checkpoint_depth and settings.gradient_checkpointing:
         extra = (f"checkpoint_depth {settings.checkpoint_depth} is no longer used: every block of the model is its "
                  "own gradient checkpoint (the same results, less memory than depth 1)",)
