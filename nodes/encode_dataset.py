@@ -140,8 +140,8 @@ def _format(report: EncodeReport, enc: Encoders) -> str:
     def state(label: str, loaded: bool, fp: str) -> str:
         return f"{label} loaded (fingerprint {fp[:12]})" if loaded else f"{label} not loaded (nothing to encode)"
 
-    encoders = f"{state('VAE', enc.vae_loaded, enc.vae_fp)}; {state('text encoder', enc.clip_loaded, enc.text_fp)}"
-    return f"{report.summary()}\n{encoders}"
+    loaded = f"{state('VAE', enc.vae_loaded, enc.vae_fp)}; {state('text encoder', enc.clip_loaded, enc.text_fp)}"
+    return f"{report.summary()}\n{loaded}"
 
 
 def _source_state(src: Path) -> str:
