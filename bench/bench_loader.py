@@ -58,7 +58,8 @@ class SyntheticReader:
         sizes = [(1, *LATENT) if k.startswith("l") else COND for k in keys]
         nbytes = sum(4 * torch.Size(s).numel() for s in sizes)
         flat = out.ensure(nbytes) if out is not None else torch.empty(nbytes, dtype=torch.uint8)
-        values, at = [], 0
+        values: list[Any] = []
+        at = 0
         for k, s in zip(keys, sizes):
             n = 4 * torch.Size(s).numel()
             flat[at : at + n].numpy().fill(int(k[1:9], 16) % 251)  # write every byte, as a read would (numpy:

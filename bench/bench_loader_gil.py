@@ -133,7 +133,7 @@ def _count_calls(loader: Callable[[], Any], batches: int) -> dict[str, float]:
             del batch
         out["worker Python calls / batch"] = (calls[0] - start) / n
         out["training-thread Python calls / next()"] = mine[0] / n
-    threading.setprofile(None)  # type: ignore[arg-type]
+    threading.setprofile(None)
     return out
 
 

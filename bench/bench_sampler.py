@@ -57,10 +57,10 @@ def sampler_rows(n: int, runs: int) -> list[tuple[str, str, str, int]]:
                                                         reg=reg)),
     ):
         epochs = iter(range(10**6))  # a new epoch each run: nothing cached
-        build = _timed(lambda s=sampler, e=epochs: build_epoch(s._layout, s.seed, next(e)), runs)
+        build = _timed(lambda: build_epoch(sampler._layout, sampler.seed, next(epochs)), runs)
         sampler.epoch_plans(0)  # built once; plan() alone from here
         per = min(len(sampler), 2000)
-        plan = _timed(lambda s=sampler, k=per: [s.plan(0, i) for i in range(k)], runs)
+        plan = _timed(lambda: [sampler.plan(0, i) for i in range(per)], runs)
         rows.append((name, _fmt(build, 1e3, "ms"), _fmt([t / per for t in plan], 1e6, "µs"),
                      sum(sampler.buckets.values())))
     return rows
@@ -78,7 +78,7 @@ def assembly_rows(batch: int, runs: int) -> list[tuple[str, str]]:
         plan = BatchPlan(0, 0, tuple(range(batch)), tuple(f"l{i}" for i in range(batch)),
                          tuple(f"c{i}" for i in range(batch)), mirrored=tuple(i % 2 == 0 for i in range(batch)),
                          mask_keys=tuple(f"k{i}" for i in range(batch)) if masked else ())
-        ts = _timed(lambda p=plan: assemble_cpu(p, values, latent_rows(p, values), {}), runs)
+        ts = _timed(lambda: assemble_cpu(plan, values, latent_rows(plan, values), {}), runs)
         out.append(("with masks (half mirrored)" if masked else "no masks", _fmt(ts, 1e3, "ms")))
     return out
 

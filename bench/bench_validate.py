@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from dataset_cache.listing import list_folder
 from dataset_cache.sources import build_record, validate_sources
@@ -52,16 +53,21 @@ def generate(root: Path, n: int, dirs: int) -> None:
 
 
 CPU: dict[int, list[float]] = {}
+T = TypeVar("T")
 
 
-def timed(fn: Callable[[], object], runs: int) -> tuple[list[float], object]:
-    """Run ``fn`` ``runs`` times; return wall times (CPU times, user+sys of all threads, go to ``CPU``)."""
-    times, cpu, out = [], [], None
+def timed(fn: Callable[[], T], runs: int) -> tuple[list[float], T]:
+    """Run ``fn`` ``runs`` (≥ 1) times; return wall times (CPU times, user+sys of all threads, go to ``CPU``) and
+    the last run's result."""
+    times: list[float] = []
+    cpu: list[float] = []
     for _ in range(runs):
         c0, t0 = time.process_time(), time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+    if not times:
+        raise ValueError("runs must be at least 1")
     CPU[id(times)] = cpu
     return times, out
 

@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_jobs import EncodePlan, EncodeSettings
 from dataset_cache.encode_plan import plan_encode
 from dataset_cache.imaging import load_image, load_mask
 
@@ -56,15 +56,19 @@ def make_folder(root: Path, n: int) -> tuple[Path, Path]:
 
 def warm_plan(folder: Path, cache: Path, settings: EncodeSettings, runs: int) -> tuple[float, int, int]:
     """Median seconds of planning the unchanged folder; texts and latents the dataset names."""
-    kw = {"dataset": "ds", "settings": settings, "vae_fingerprint": "vae", "text_fingerprint": "te", "threads": 1}
-    plan_encode(folder, cache, **kw)  # the sources record
+
+    def plan() -> EncodePlan:
+        return plan_encode(folder, cache, dataset="ds", settings=settings, vae_fingerprint="vae",
+                           text_fingerprint="te", threads=1)
+
+    plan()  # the sources record
     times = []
     for _ in range(runs):
         start = time.perf_counter()
-        plan = plan_encode(folder, cache, **kw)
+        done = plan()
         times.append(time.perf_counter() - start)
-    texts = len({k for s in plan.samples for k in s.captions})
-    latents = len({k for s in plan.samples for k in (s.latent, s.mirror) if k})
+    texts = len({k for s in done.samples for k in s.captions})
+    latents = len({k for s in done.samples for k in (s.latent, s.mirror) if k})
     return statistics.median(times), texts, latents
 
 

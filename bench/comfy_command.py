@@ -93,7 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_child(a.child)
 
     t_start = time.perf_counter()
-    say = lambda m: sys.stderr.write(f"[bench-comfy {time.perf_counter() - t_start:6.1f}s] {m}\n")  # noqa: E731
+
+    def say(message: str) -> None:
+        sys.stderr.write(f"[bench-comfy {time.perf_counter() - t_start:6.1f}s] {message}\n")
+
     run = _measure_in(a.dir, settings_from(a), say)
     run.seconds = time.perf_counter() - t_start
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .comfyui import add_model_folders
+from .comfyui import comfy_nodes as comfyui_nodes
 
 __all__ = ["builtin_reencode"]
 
@@ -21,7 +22,7 @@ def builtin_reencode(work: Path, models: str, n: int) -> dict[str, Any]:
     import torch
 
     import comfy_extras.nodes_dataset as nd
-    import nodes as comfy_nodes
+    comfy_nodes = comfyui_nodes()
 
     add_model_folders(models)
     (clip,) = comfy_nodes.CLIPLoader().load_clip("tiny_clip_l.safetensors", "stable_diffusion")

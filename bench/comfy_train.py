@@ -17,6 +17,7 @@ from typing import Any
 
 from .common import keys_of, rss_mib
 from .comfyui import add_model_folders, comfy_setup
+from .comfyui import comfy_nodes as comfyui_nodes
 
 __all__ = ["TRAIN_LATENT", "TRAIN_OPTS", "clip_template", "prep_train", "child_train"]
 
@@ -31,7 +32,7 @@ def clip_template(models: str) -> Any:
     """One real CLIP-L conditioning from the tiny text encoder (fp16), the template of every training sample."""
     import torch
 
-    import nodes as comfy_nodes
+    comfy_nodes = comfyui_nodes()
 
     add_model_folders(models)
     (clip,) = comfy_nodes.CLIPLoader().load_clip("tiny_clip_l.safetensors", "stable_diffusion")
@@ -79,7 +80,7 @@ def child_train(kind: str, target: str, steps: int, work: Path, models: str) -> 
     comfy_setup(work)
     import torch
 
-    import nodes as comfy_nodes
+    comfy_nodes = comfyui_nodes()
 
     add_model_folders(models)
     torch.manual_seed(0)

@@ -10,11 +10,12 @@ that puts anything on ``sys.path`` (ComfyUI's own tree, as its ``main.py`` runs 
 from __future__ import annotations
 
 import ast
+import importlib
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["comfy_setup", "comfy_version", "add_model_folders"]
+__all__ = ["comfy_setup", "comfy_version", "add_model_folders", "comfy_nodes"]
 
 
 def comfy_setup(work: Path, cpu: bool = True) -> Any:
@@ -47,6 +48,14 @@ def add_model_folders(models: str) -> None:
 
     for sub in ("checkpoints", "diffusion_models", "text_encoders", "vae"):
         folder_paths.add_model_folder_path(sub, str(Path(models) / sub), is_default=True)
+
+
+def comfy_nodes() -> Any:
+    """ComfyUI's ``nodes`` module (its loaders and ``CLIPTextEncode``), once :func:`comfy_setup` ran.
+
+    Imported by name at run time: to a type checker run from the pack root, ``nodes`` is the pack's own package.
+    """
+    return importlib.import_module("nodes")
 
 
 def comfy_version(path: Path) -> str:

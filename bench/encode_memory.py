@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .comfyui import comfy_nodes as comfyui_nodes
 from .comfyui import comfy_setup
 
 __all__ = ["run", "render", "main", "Phases"]
@@ -85,7 +86,7 @@ def _images(folder: Path, n: int, size: int) -> None:
     folder.mkdir(parents=True)
     for i in range(n):
         base = rng.integers(0, 255, (size // 16, size // 16, 3), dtype=np.uint8)
-        Image.fromarray(base).resize((size, size), Image.BILINEAR).save(folder / f"img_{i:03d}.png")
+        Image.fromarray(base).resize((size, size), Image.Resampling.BILINEAR).save(folder / f"img_{i:03d}.png")
         (folder / f"img_{i:03d}.txt").write_text(f"a photo of thing {i}, studio light", encoding="utf-8")
 
 
@@ -98,7 +99,7 @@ def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:
     import torch
 
     tiny, vae_file, unet_file, pack = _prepare(install, work, images, size)
-    import nodes as comfy_nodes
+    comfy_nodes = comfyui_nodes()
 
     phases.done("ComfyUI and the pack imported")
 

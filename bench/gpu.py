@@ -141,13 +141,15 @@ def device_info(device: Any, comfyui: str) -> Device:
 
     m = machine_info()
     host = f"{m.cpu}, {m.cores} cores, {m.ram} RAM"
-    common = {"torch": torch.__version__, "comfyui": comfyui, "python": platform.python_version(), "host": host}
+    common = Device("cpu", f"CPU stand-in ({m.cpu})", 0.0, torch=torch.__version__, comfyui=comfyui,
+                    python=platform.python_version(), host=host)
     if getattr(device, "type", "cpu") == "cuda":
         props = torch.cuda.get_device_properties(device)
         cudnn = torch.backends.cudnn.version()
-        return Device("cuda", props.name, props.total_memory / 2**30, torch.cuda.device_count(),
-                      cuda=torch.version.cuda or "", cudnn=str(cudnn or ""), **common)
-    return Device("cpu", f"CPU stand-in ({m.cpu})", 0.0, **common)
+        return dataclasses.replace(common, kind="cuda", name=props.name, memory_gib=props.total_memory / 2**30,
+                                   count=torch.cuda.device_count(), cuda=torch.version.cuda or "",
+                                   cudnn=str(cudnn or ""))
+    return common
 
 
 # ------------------------------------------------------------------------------------------------ measuring

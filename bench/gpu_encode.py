@@ -47,7 +47,8 @@ def write_image_folder(folder: Path, count: int, size: tuple[int, int], seed: in
     h, w = size
     for i in range(count):
         base = rng.integers(0, 255, (max(h // 16, 1), max(w // 16, 1), 3), dtype=np.uint8)
-        Image.fromarray(base).resize((w, h), Image.BILINEAR).save(folder / f"img_{i:03d}.png", compress_level=1)
+        image = Image.fromarray(base).resize((w, h), Image.Resampling.BILINEAR)
+        image.save(folder / f"img_{i:03d}.png", compress_level=1)
         (folder / f"img_{i:03d}.txt").write_text(f"a photo of thing {i}, studio light, detailed", encoding="utf-8")
 
 
@@ -141,7 +142,7 @@ def release_all(device: Any) -> float:
     return time.perf_counter() - t
 
 
-def run_encode_row(spec: VaeSpec, vae: Any, clip: Any, encode_node: type, nodes_dataset: ModuleType,
+def run_encode_row(spec: VaeSpec, vae: Any, clip: Any, encode_node: Any, nodes_dataset: ModuleType,
                    input_dir: Path, images: int, device: Any, say: Callable[[str], None] = print) -> EncodeFigures:
     """Encode one folder of ``images`` images of ``spec.size`` with ours and with the built-in; figures back."""
     import torch
@@ -218,7 +219,7 @@ WARMUP_IMAGES = 4
 """Images of the untimed warm-up: one batch of ours (batch 4), four single images of the built-in."""
 
 
-def _warm_up(spec: VaeSpec, vae: Any, clip: Any, encode_node: type, nodes_dataset: ModuleType, input_dir: Path,
+def _warm_up(spec: VaeSpec, vae: Any, clip: Any, encode_node: Any, nodes_dataset: ModuleType, input_dir: Path,
              images: int, inputs: dict[str, Any], device: Any) -> None:
     """Ours and the built-in once each, untimed, on ``images`` images of the row's size in a folder and cache of
     their own (removed after): every kernel the timed pair runs has run once before either is timed."""

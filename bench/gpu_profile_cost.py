@@ -73,8 +73,12 @@ def _profiled(trainers: Any, model: Any, data: Any, fig: Any, active: int, out: 
 
     t0 = time.perf_counter()
     with profiled_steps(2, active, trainers.device, ready) as prof:
-        train_ours(trainers, model, data, fig, bound=True,
-                   hook=lambda _r: (ends.append(time.perf_counter()), prof.step()))
+
+        def on_step(_report: Any) -> None:
+            ends.append(time.perf_counter())
+            prof.step()
+
+        train_ours(trainers, model, data, fig, bound=True, hook=on_step)
     got["wall_s"] = time.perf_counter() - t0
     got["recorded_s"] = ends[2 + active - 1] - ends[1] if len(ends) > 2 + active - 1 else None
     free_device(trainers.device)

@@ -63,7 +63,7 @@ class Trainers:
     run: ModuleType | None = None
 
     @property
-    def maker(self) -> ModuleType:
+    def maker(self) -> Any:  # a module: Any, as its PrefetchLoader is read and replaced
         return self.run if self.run is not None else self.loop
 
     def settings_fields(self) -> set[str]:

@@ -25,6 +25,7 @@ the CPU), bf16 autocast's casts (the stand-in trains in fp32), and kernels a fus
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -268,7 +269,10 @@ class OpCounter:
     def mark_host(self, tensor: Any) -> None:
         key = id(tensor)
         if key not in self._host:
-            self._host[key] = weakref.ref(tensor, lambda _ref, k=key: self._host.pop(k, None))
+            self._host[key] = weakref.ref(tensor, functools.partial(self._forget_host, key))
+
+    def _forget_host(self, key: int, _ref: object) -> None:
+        self._host.pop(key, None)
 
     def is_host(self, tensor: Any) -> bool:
         ref = self._host.get(id(tensor))
@@ -424,16 +428,16 @@ def cuda_like_optimizers() -> Iterator[None]:
     parameter)."""
     import torch.optim.optimizer as topt
 
-    original: Callable[[], list[str]] = topt._get_foreach_kernels_supported_devices  # type: ignore[attr-defined]
+    original: Callable[[], list[str]] = topt._get_foreach_kernels_supported_devices
 
     def with_cpu() -> list[str]:
         return [*original(), "cpu"]
 
-    topt._get_foreach_kernels_supported_devices = with_cpu  # type: ignore[attr-defined]
+    topt._get_foreach_kernels_supported_devices = with_cpu
     try:
         yield
     finally:
-        topt._get_foreach_kernels_supported_devices = original  # type: ignore[attr-defined]
+        topt._get_foreach_kernels_supported_devices = original
 
 
 @contextmanager
