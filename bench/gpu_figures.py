@@ -78,6 +78,10 @@ class TrainFigures:
     memory_plan: str = ""
     """Ours and the bound: the description of the memory plan the run trained with (which blocks were checkpointed,
     kept whole or streamed, and the estimate); empty for the built-in and in runs before it was recorded."""
+    startup: dict[str, float] = field(default_factory=dict)
+    """Ours and the bound: seconds of each phase from the trainer's call to the end of its first step as the
+    trainer times them (``TrainResult.startup``: data, model, memory plan, ...); empty for the built-in and in runs
+    before it was recorded."""
     kept_census: str = ""
     """An arm that kept memory (:attr:`kept_memory`): what of it Python still reaches, by what refers to it
     (:func:`bench.tensor_census.device_census`); what it does not reach, only C++ holds."""

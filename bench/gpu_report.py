@@ -200,7 +200,7 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
                  f"| {wait} | {goals} |")
         problems += [(run, f) for f in train if _noted(f)]
         planned += [(run, f) for f in train if f.arm == "ours"]
-    return o + _plans(planned) + _problems(problems)
+    return o + _plans(planned) + _startups(planned) + _problems(problems)
 
 
 def _noted(f: TrainFigures) -> bool:
@@ -217,6 +217,21 @@ def _plans(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
             seen.add(f.id)
             lines.append(f"- `{f.id}` (R{run.number}): {f.memory_plan}")
     return ["", "Ours' memory plans:", *lines] if lines else []
+
+
+def _startups(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
+    """Where ours' first step went, one line per arm that recorded it (the first repetition's)."""
+    seen: set[str] = set()
+    lines = []
+    for run, f in figs:
+        if f.startup and f.id not in seen:
+            seen.add(f.id)
+            phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in f.startup.items())
+            lines.append(f"- `{f.id}` (R{run.number}): {sum(f.startup.values()):.2f} s = {phases}")
+    if not lines:
+        return []
+    return ["", "Where ours' first step went (seconds, as the trainer times its phases; the table's first step "
+            "ends at the first step's report, which comes once the next step is queued):", *lines]
 
 
 def _problems(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
@@ -264,7 +279,7 @@ def _grouped(shown: dict[str, tuple[GpuRun, list[Figure]]], prefix: str, title: 
                      f"| {_cell(arm, 'peak')} | {_cell(arm, 'first')} | {delta} |")
             problems += [(run, f) for f in arm.figs if _noted(f)]
             planned += [(run, f) for f in arm.figs]
-    return o + _plans(planned) + _problems(problems)
+    return o + _plans(planned) + _startups(planned) + _problems(problems)
 
 
 def _loss_delta(ref: TrainFigures, fig: TrainFigures) -> str:

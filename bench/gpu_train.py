@@ -267,6 +267,7 @@ def train_ours(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigur
         maker.PrefetchLoader = real
         reader.close()
     fig.memory_plan = str(result.memory_plan.get("description", ""))
+    fig.startup = {str(k): float(v) for k, v in getattr(result, "startup", {}).items()}
     return ends, list(result.losses), waits
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -23,10 +24,12 @@ from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.sharding import share_of
 from ...dataset_cache.trainable import non_finite_entries
 from .conditioning import Conditioner, ModelCall
-from .report import StepReport
+from .report import Startup, StepReport
 from .settings import TrainSettings
 
 __all__ = ["NonFiniteLossError", "StepLoop"]
+
+log = logging.getLogger("streamcache.train")
 
 _SIGMA_EDGE = 1e-5
 """Timestep percentages are drawn in ``[1e-5, 1 - 1e-5]``: ``percent_to_sigma(0)`` is a 1e9 sentinel, not a sigma."""
@@ -147,8 +150,9 @@ class StepLoop:
 
     def __init__(self, mp: Any, settings: TrainSettings, dtype: torch.dtype, loss_fn: Any, optimizer: Any,
                  scaler: Any, forward: ModelCall, conditioner: Conditioner, device: torch.device, *,
-                 first_batch: int = 0, world: Any = None) -> None:
+                 first_batch: int = 0, world: Any = None, startup: Startup | None = None) -> None:
         self.first_batch = first_batch
+        self.startup = startup  # its last two phases, the first batch's wait and the first step, end here
         self.world = world
         self.mp = mp
         self.settings = settings
@@ -204,6 +208,8 @@ class StepLoop:
             t_wait = time.perf_counter()
             batch: Batch = next(batches)
             tally.wait += time.perf_counter() - t_wait
+            if step == 0 and micro == 0 and self.startup is not None:
+                self.startup.mark("first batch")
             index = self.first_batch + step * s.grad_accumulation_steps + micro
             try:
                 loss = self._fwd_bwd(batch, index)
@@ -221,6 +227,9 @@ class StepLoop:
             self.world.reduce_gradients(p for g in self.optimizer.param_groups for p in g["params"])
         if not stopping:
             self._optimizer_step()
+        if step == 0 and self.startup is not None:
+            self.startup.mark("first step")
+            log.info("Train LoRA: %s", self.startup.describe())
         if self.world is not None:
             values = [float(v) for v in step_losses]
             tally.add(step, self.world.agree(sum(values) / s.grad_accumulation_steps, stop=stopping),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,7 @@ from ...dataset_cache.dataset import Sample
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.dataset_mix import DatasetMix, shared_samples
 
-__all__ = ["RowCounts", "StepReport", "TrainResult", "counted", "overlap_notes"]
+__all__ = ["RowCounts", "Startup", "describe_startup", "StepReport", "TrainResult", "counted", "overlap_notes"]
 
 @dataclass(frozen=True)
 class StepReport:
@@ -100,6 +101,36 @@ def counted(batches: Iterator[Batch], counts: RowCounts, main_samples: int) -> I
         yield batch
 
 
+class Startup:
+    """Where the time from Train LoRA's call to its first step went, phase by phase.
+
+    A first step that takes long is the one wait a user sees before any progress; the phases say which part to
+    look at (the memory probe of a large model, the model's load onto the device, a first batch read from a cold
+    disk). Each :meth:`mark` closes the phase that ran since the one before.
+    """
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """The phase ``phase`` ended now (a phase marked twice adds up)."""
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def describe(self) -> str:
+        return describe_startup(self.phases)
+
+
+def describe_startup(phases: dict[str, float]) -> str:
+    """``"first step after 4.0 s (data 0.0 s, model 1.2 s, ...)"``, or ``""`` before any phase ended."""
+    if not phases:
+        return ""
+    parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items())
+    return f"first step after {sum(phases.values()):.1f} s ({parts})"
+
+
 @dataclass
 class TrainResult:
     """The trained adapter weights and what the run measured.
@@ -117,6 +148,7 @@ class TrainResult:
         info: what was restored and saved for continuing the LoRA (its training state).
         memory_plan: the memory plan the run trained with and its estimate, as data
             (:meth:`dataset_cache.memory_plan.MemoryPlan.as_dict`, with what the weight streamer did).
+        startup: seconds of each phase before the first step ended (:class:`Startup`), in order.
     """
 
     lora: dict[str, torch.Tensor]
@@ -130,6 +162,7 @@ class TrainResult:
     rows: RowCounts = field(default_factory=RowCounts)
     info: tuple[str, ...] = ()
     memory_plan: dict[str, Any] = field(default_factory=dict)
+    startup: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One paragraph for the node's UI (what was changed from the settings first)."""
@@ -143,4 +176,5 @@ class TrainResult:
             f"buckets {', '.join(f'{list(b)}×{n}' for b, n in self.buckets.items())}"
             + (f"; {rows}" if rows else "") + "".join(f"; {i}" for i in self.info)
             + (f"; memory: {self.memory_plan['description']}" if self.memory_plan.get("description") else "")
+            + (f"; {describe_startup(self.startup)}" if self.startup else "")
         )

@@ -34,7 +34,7 @@ from .conditioning import Conditioner, ModelCall
 from .distributed import plan_team
 from .loop import StepLoop
 from .memory import MemoryStep, plan_run_memory
-from .report import RowCounts, StepReport, TrainResult, counted, overlap_notes
+from .report import RowCounts, Startup, StepReport, TrainResult, counted, overlap_notes
 from .resume import capture_state, resume_run, save_state
 from .settings import TrainSettings
 
@@ -80,17 +80,21 @@ def train_lora(
         ValueError: bad settings, an empty dataset, or latents the model cannot take.
         comfy.model_management.InterruptProcessingException: the user cancelled the run.
     """
+    startup = Startup()
     settings.validate()
     team = plan_team(settings.devices, model, reader, world)
     data = plan_data(reader, samples, settings, reg, reg_name, team.size)
     data.notes.extend(team.notes)
     train = nodes_train_module()
     existing, name_steps = load_existing_lora(settings.existing_lora)
+    startup.mark("data")
     with torch.inference_mode(False), team.started(model, samples, settings, reg, reg_name):
         settings = data.settings
         run = load(model, train, data, existing)
         team.same_adapters(run.lora_sd)
+        startup.mark("model")
         run.memory = plan_run_memory(run, reader, data.rows, data.shapes, on_plan)
+        startup.mark("memory plan")
         sampler = shard_sampler(samples, data.buckets, settings.batch_size, settings.seed, tail="short",
                                 rank=team.rank, world_size=team.size, caption_dropout=settings.caption_dropout,
                                 reg=data.regularization)
@@ -99,7 +103,7 @@ def train_lora(
         team.same_start(start.steps, first_batch, sampler.position, run.optimizer)
         loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
                         ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
-                        first_batch=first_batch, world=team.collective)
+                        first_batch=first_batch, world=team.collective, startup=startup)
         loader = PrefetchLoader(  # noise, sigmas and row weights drawn on its workers: loop.per_batch
             reader, sampler, prefetch_batches=settings.prefetch_batches,
             threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
@@ -107,8 +111,10 @@ def train_lora(
             per_batch=loop.per_batch,
         )
         counts = RowCounts.for_settings(settings.masked_loss, settings.unmasked_weight)
+        startup.mark("loader")
         try:
             prepare(run, train)
+            startup.mark("model to device")
             losses, seconds, rows, waited = loop.run(counted(iter(loader), counts, sampler.main_samples), on_step)
             counts = team.total(counts)
         except torch.OutOfMemoryError as error:
@@ -125,7 +131,7 @@ def train_lora(
     wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
                        wait_pct, dict(sampler.buckets), (*data.notes, *run.memory.notes(), *start.notes, *notes),
-                       counts, (*start.info, *info), run.memory.report())
+                       counts, (*start.info, *info), run.memory.report(), dict(startup.phases))
 
 
 @dataclass

@@ -78,6 +78,12 @@ def test_the_harness_runs_every_part_on_tiny_models(first_run: tuple[GpuRun, lis
     for arm in ("bound", "ours"):
         assert " blocks checkpointed (" in by_id[f"sd15/b1/{arm}"].memory_plan
     assert by_id["wan21/b1/builtin"].memory_plan == ""
+    # where ours' first step went, as the trainer times it: within the arm's own time to its first step report
+    for arm in ("bound", "ours"):
+        fig = by_id[f"sd15/b1/{arm}"]
+        assert list(fig.startup)[:3] == ["data", "model", "memory plan"] and list(fig.startup)[-1] == "first step"
+        assert fig.first_s is not None and 0 < sum(fig.startup.values()) <= fig.first_s
+    assert by_id["wan21/b1/builtin"].startup == {}
     assert set(run.builds) == {"sd15", "wan21"}
 
     (row,) = run.encode

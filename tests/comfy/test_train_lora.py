@@ -8,11 +8,14 @@ one short run covers the node's defaults (bf16, gradient checkpointing).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import logging
+import re
 import sys
 import threading
+import time
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -217,6 +220,60 @@ def test_ui_carries_the_curve_and_a_summary(trained: Any) -> None:
     (text,) = ui["text"]
     assert text.startswith("dataset 'train' (6 samples): trained 20 steps")
     assert "samples/s" in text and "[4, 8, 8]" in text and "[4, 8, 12]" in text
+
+
+STARTUP_PHASES = ["data", "model", "memory plan", "loader", "model to device", "first batch", "first step"]
+
+
+def test_the_summary_says_where_the_time_before_the_first_step_went(trained: Any) -> None:
+    """Every phase from the node's call to its first step, in the order they run, with its seconds; they add up to
+    the total named (each is rounded to 0.1 s)."""
+    (text,) = trained.ui["text"]
+    found = re.search(r"first step after (\d+\.\d) s \(([^)]*)\)", text)
+    assert found, text
+    phases = [part.rsplit(" ", 2) for part in found.group(2).split(", ")]
+    assert [name for name, _seconds, unit in phases] == STARTUP_PHASES and {unit for *_, unit in phases} == {"s"}
+    assert abs(sum(float(seconds) for _name, seconds, _unit in phases) - float(found.group(1))) <= 0.05 * 8
+
+
+def test_each_phase_before_the_first_step_is_timed_where_it_runs(pack: ModuleType, models: tuple, dataset: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A memory probe and a first batch made slow on purpose show in their own phases; the phases end before the
+    first step is reported."""
+    training = _module(pack, "nodes.training")
+    memory = _module(pack, "nodes.training.memory")
+    run = _module(pack, "nodes.training.run")
+    delay = 0.3
+    real_measure, real_counted = memory.measure, run.counted
+
+    def slow_measure(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(delay)
+        return real_measure(*args, **kwargs)
+
+    def slow_first_batch(*args: Any, **kwargs: Any) -> Any:
+        batches = real_counted(*args, **kwargs)
+        first = next(batches)
+        time.sleep(delay)  # inside the loop's first next()
+        yield first
+        yield from batches
+
+    monkeypatch.setattr(memory, "measure", slow_measure)
+    monkeypatch.setattr(run, "counted", slow_first_batch)
+    reported: list[float] = []
+    fields = {f.name for f in dataclasses.fields(training.TrainSettings)}
+    settings = training.TrainSettings(**{**{k: v for k, v in FAST.items() if k in fields}, "steps": 2})
+    reader, samples = dataset.open()
+    try:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            result = training.train_lora(models[0], reader, samples, settings,
+                                         on_step=lambda _report: reported.append(time.perf_counter() - start))
+    finally:
+        reader.close()
+    assert list(result.startup) == STARTUP_PHASES
+    assert all(seconds >= 0 for seconds in result.startup.values())
+    assert result.startup["memory plan"] >= delay and result.startup["first batch"] >= delay
+    assert sum(result.startup.values()) <= reported[0]
 
 
 def test_same_seed_same_run(node: type, models: tuple, dataset: Any) -> None:

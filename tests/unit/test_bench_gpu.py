@@ -5,12 +5,15 @@ The harness itself (model construction, the arms, timing) runs on tiny models in
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from bench.gpu_figures import Device, EncodeFigures, GpuRun, ProfileFigures, TrainFigures, load_run, save_run
+from bench.gpu_figures import (
+    Device, EncodeFigures, GpuRun, ProfileFigures, TrainFigures, load_run, run_from_dict, save_run,
+)
 from bench.gpu_budget import Budget
 from bench.gpu_plan import choose_depth, matches, plan_caps, plan_ckpt_modes, plan_devices, plan_family
 from bench.gpu_report import PLACEHOLDER, render
@@ -205,6 +208,20 @@ def test_the_fast_checkpoint_arm_is_shown_against_the_exact_one_and_not_in_g1(ru
     assert lines[plans + 1:plans + 3] == [  # an arm that recorded none (runs before R9) is left out
         "- `ckpt/flux-exact/ours` (R1): 57 blocks checkpointed, …",
         "- `ckpt/flux-kept/ours` (R1): 0 of 57 blocks checkpointed (57 kept whole in spare memory), …"]
+
+
+def test_where_ours_first_step_went_is_listed_under_the_table(run: GpuRun, tmp_path: Path) -> None:
+    ours = next(f for f in run.train if f.arm == "ours")
+    ours.startup = {"data": 0.01, "model": 1.25, "memory plan": 0.8, "first step": 1.5}
+    lines = render(run).splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("Where ours' first step went"))
+    assert lines[at + 1] == f"- `{ours.id}` (R1): 3.56 s = data 0.01, model 1.25, memory plan 0.80, first step 1.50"
+    save_run(run, tmp_path / "results.json")  # kept through the JSON; a run from before it loads with none
+    assert load_run(tmp_path / "results.json") == run
+    data = json.loads((tmp_path / "results.json").read_text())
+    for f in data["train"]:
+        f.pop("startup")
+    assert all(f.startup == {} for f in run_from_dict(data).train)
 
 
 def test_a_run_stopped_early_says_so_and_survives_its_json(run: GpuRun, tmp_path: Path) -> None:
