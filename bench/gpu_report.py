@@ -8,7 +8,7 @@ least as fast as the built-in; at batch ≥ 2 ours ≥ 1.5× the built-in and ne
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .gpu_figures import EncodeFigures, GpuRun, ProfileFigures, TrainFigures
@@ -208,26 +208,31 @@ def _noted(f: TrainFigures) -> bool:
     return bool(f.skipped or f.error) or f.kept_memory
 
 
-def _plans(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
-    """Ours' memory plans, one line per arm that recorded one (the first repetition's: the plan is the same in each)."""
+def _first_of_each_arm(figs: list[tuple[GpuRun, TrainFigures]], recorded: Callable[[TrainFigures], object]
+                       ) -> list[tuple[GpuRun, TrainFigures]]:
+    """Each arm's first repetition that recorded what ``recorded`` reads (the plan and the start-up are the same in
+    each repetition)."""
     seen: set[str] = set()
-    lines = []
+    out = []
     for run, f in figs:
-        if f.memory_plan and f.id not in seen:
+        if recorded(f) and f.id not in seen:
             seen.add(f.id)
-            lines.append(f"- `{f.id}` (R{run.number}): {f.memory_plan}")
+            out.append((run, f))
+    return out
+
+
+def _plans(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
+    """Ours' memory plans, one line per arm that recorded one."""
+    lines = [f"- `{f.id}` (R{run.number}): {f.memory_plan}"
+             for run, f in _first_of_each_arm(figs, lambda f: f.memory_plan)]
     return ["", "Ours' memory plans:", *lines] if lines else []
 
 
 def _startups(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
-    """Where ours' first step went, one line per arm that recorded it (the first repetition's)."""
-    seen: set[str] = set()
-    lines = []
-    for run, f in figs:
-        if f.startup and f.id not in seen:
-            seen.add(f.id)
-            phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in f.startup.items())
-            lines.append(f"- `{f.id}` (R{run.number}): {sum(f.startup.values()):.2f} s = {phases}")
+    """Where ours' first step went, one line per arm that recorded it."""
+    lines = [f"- `{f.id}` (R{run.number}): {sum(f.startup.values()):.2f} s = "
+             + ", ".join(f"{name} {seconds:.2f}" for name, seconds in f.startup.items())
+             for run, f in _first_of_each_arm(figs, lambda f: f.startup)]
     if not lines:
         return []
     return ["", "Where ours' first step went (seconds, as the trainer times its phases; the table's first step "
