@@ -187,6 +187,8 @@ class StepLoop:
         self.optimizer.zero_grad(set_to_none=True)
         try:
             with StepCollector() as collector:  # the collector's passes between steps, not inside them
+                if self.startup is not None:  # its first, full pass walks every object of the process
+                    self.startup.mark("garbage collection")
                 for step in range(s.steps):
                     self._step(step, batches, tally, lagged, throw_if_interrupted)
                     collector.step()
