@@ -171,8 +171,9 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
          "every block, as every run before R9 did at every batch (the plans are listed below the table from R9 "
          "on). First step: from the trainer's call "
          "(model copy, load and memory probe included: its remembered result is forgotten before each arm) to "
-         "the end of its first step (ours and the bound report a step's loss once the next "
-         "one is queued: their first report can come a step late). Peak: `torch.cuda.max_memory_allocated` over the "
+         "the end of its first step (ours and the bound read their first step's loss at once from R9 on; in the "
+         "runs before they reported it once the next step was queued, a step late; from R9 on the phases of ours' "
+         "first step are listed below the table). Peak: `torch.cuda.max_memory_allocated` over the "
          "arm, model included. Speed ratios are of step times (ours / bound = bound time ÷ ours). Ours' steps "
          "p10–p90: the spread of ours' step times (every repetition's steps together), then ours vs bound at p10 "
          "(bound p10 ÷ ours p10: the fast steps, which noise on the host slows least) and the built-in's time ÷ "
@@ -235,8 +236,8 @@ def _startups(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:
              for run, f in _first_of_each_arm(figs, lambda f: f.startup)]
     if not lines:
         return []
-    return ["", "Where ours' first step went (seconds, as the trainer times its phases; the table's first step "
-            "ends at the first step's report, which comes once the next step is queued):", *lines]
+    return ["", "Where ours' first step went (seconds, as the trainer times its phases: from its call to its "
+            "first step's end, the loss read):", *lines]
 
 
 def _problems(figs: list[tuple[GpuRun, TrainFigures]]) -> list[str]:

@@ -152,8 +152,10 @@ class _Windows:
         return self.WARMUP + self.timed + 2 + self.counted + 1
 
     def boundary(self) -> None:
-        """Called at each step boundary: ours after each reported step (the first one after two steps: the loss
-        is read a step late), the built-in before each ``fwd_bwd`` (``skip`` 2: its first two are the warm-up's)."""
+        """Called at each step boundary: ours after each reported step from its second on (``skip`` 1: the first
+        step's loss is read at once, each later one a step late, as the next step's host work ends), the built-in
+        before each ``fwd_bwd`` (``skip`` 2: its first two are the warm-up's). Either way the warm-up is over at
+        boundary 1 and each window after it holds one step's host work."""
         self.seen += 1
         if self.seen < 1:
             return
@@ -185,7 +187,7 @@ def count_arm(trainers: Any, model: Any, data: Any, family: str, arm: str, batch
 
     result = ArmCounts(family, arm, batch)
     counter = OpCounter()
-    windows = _Windows(counter, timed, counted, skip=_Windows.WARMUP if arm == "builtin" else 0)
+    windows = _Windows(counter, timed, counted, skip=_Windows.WARMUP if arm == "builtin" else 1)
     fig = TrainFigures(result.id, family, batch, arm, 1)
     fig.settings = arm_settings(fig, windows.total, {**SETTINGS, **(LEAN if arm == "lean" else {})})
     free_device(trainers.device)

@@ -176,7 +176,9 @@ class StepLoop:
         would make the training thread wait for the device to finish the step, and the device then idle while the
         thread prepares the next one (its conditionings, the model call's Python). The loss curve, the progress and
         a non-finite loss's error (naming its own step and batch) come one step later; the results are the same.
-        Several ranks agree on each step's loss at once (:meth:`~dataset_cache.collective.Collective.agree`).
+        The first step's loss is read at once (that one wait, once per run), so the first progress and the first
+        loss show as soon as the first step is done. Several ranks agree on each step's loss at once
+        (:meth:`~dataset_cache.collective.Collective.agree`).
         """
         s = self.settings
         throw_if_interrupted = comfy.model_management.throw_exception_if_processing_interrupted
@@ -229,15 +231,18 @@ class StepLoop:
             self.world.reduce_gradients(p for g in self.optimizer.param_groups for p in g["params"])
         if not stopping:
             self._optimizer_step()
-        if step == 0 and self.startup is not None:
-            self.startup.mark("first step")
-            log.info("Train LoRA: %s", self.startup.describe())
         if self.world is not None:
             values = [float(v) for v in step_losses]
             tally.add(step, self.world.agree(sum(values) / s.grad_accumulation_steps, stop=stopping),
                       step_batches[-1] if step_batches else batch)
         else:
-            self._report(lagged.swap(step, step_losses, step_batches), tally)
+            done = lagged.swap(step, step_losses, step_batches)
+            if step == 0:  # the first loss at once: progress shows when the first step is done, not a step later
+                done = lagged.swap(None, [], [])
+            self._report(done, tally)
+        if step == 0 and self.startup is not None:  # the first step done, on the device too (its loss was read)
+            self.startup.mark("first step")
+            log.info("Train LoRA: %s", self.startup.describe())
 
     def _report(self, done: tuple[int, list[float], list[Batch]] | None, tally: _Tally) -> None:
         """A step's losses read back from the device: checked, averaged over its batches, reported."""

@@ -892,6 +892,33 @@ def test_a_steps_losses_are_read_once_the_next_step_is_queued(pack: ModuleType) 
     assert lagged.swap(None, [], []) is None
 
 
+def test_the_first_steps_loss_is_reported_at_once_and_each_later_one_a_step_late(
+        pack: ModuleType, models: tuple, dataset: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first progress shows when the first step is done (its loss read at once, one wait per run); from the
+    second step on a step's loss is read once the next step's work is queued, and the last one after the loop."""
+    training = _module(pack, "nodes.training")
+    loop = _module(pack, "nodes.training.loop")
+    events: list[str] = []
+    real_fwd_bwd = loop.StepLoop._fwd_bwd
+
+    def fwd_bwd(self: Any, batch: Any, index: int) -> Any:
+        events.append(f"step {index + 1}")
+        return real_fwd_bwd(self, batch, index)
+
+    monkeypatch.setattr(loop.StepLoop, "_fwd_bwd", fwd_bwd)
+    fields = {f.name for f in dataclasses.fields(training.TrainSettings)}
+    settings = training.TrainSettings(**{**{k: v for k, v in FAST.items() if k in fields}, "steps": 4})
+    reader, samples = dataset.open()
+    try:
+        with torch.inference_mode():
+            result = training.train_lora(models[0], reader, samples, settings,
+                                         on_step=lambda report: events.append(f"report {report.step}"))
+    finally:
+        reader.close()
+    assert events == ["step 1", "report 1", "step 2", "step 3", "report 2", "step 4", "report 3", "report 4"]
+    assert len(result.losses) == 4
+
+
 @pytest.mark.cuda
 def test_reading_a_steps_loss_does_not_wait_for_the_next_steps_work(pack: ModuleType) -> None:
     """On CUDA: the loss of step 0 is read while step 1's work (here a long sleep kernel) is still running, so
