@@ -252,8 +252,10 @@ def train_ours(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigur
 
     def on_step(report: Any) -> None:
         ends.append(time.perf_counter())
-        if report.samples_per_s > 0:  # StepReport is cumulative: elapsed = rows / (rows/s), wait = its share
-            elapsed = report.step * fig.batch / report.samples_per_s
+        if getattr(report, "elapsed_s", 0.0) > 0:  # the loop's own seconds, and its wait (cumulative)
+            waits.append((report.elapsed_s, report.waited_s))
+        elif report.samples_per_s > 0:  # a checkout from before they were reported: rows / (rows/s) (whose rows
+            elapsed = report.step * fig.batch / report.samples_per_s  # run a step ahead of a lagged report)
             waits.append((elapsed, elapsed * report.data_wait_pct / 100.0))
         if hook is not None:
             hook(report)

@@ -133,7 +133,8 @@ class _Tally:
         if self.on_step is not None:
             elapsed = time.perf_counter() - self.t0
             self.on_step(StepReport(step + 1, self.steps, loss, self.smooth, self.rows / elapsed if elapsed else 0.0,
-                                    100.0 * self.wait / elapsed if elapsed else 0.0, batch.plan.epoch))
+                                    100.0 * self.wait / elapsed if elapsed else 0.0, batch.plan.epoch,
+                                    elapsed, self.wait))
 
 
 class StepLoop:

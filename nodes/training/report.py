@@ -27,6 +27,8 @@ class StepReport:
         samples_per_s: batch rows trained per second since the start.
         data_wait_pct: share of the time the step loop waited for the loader, in percent.
         epoch: the dataset epoch of the step's last batch.
+        elapsed_s: seconds since the step loop started, at this report.
+        waited_s: of those, the seconds the loop waited for the loader.
     """
 
     step: int
@@ -36,6 +38,8 @@ class StepReport:
     samples_per_s: float
     data_wait_pct: float
     epoch: int
+    elapsed_s: float = 0.0
+    waited_s: float = 0.0
 
 
 @dataclass
