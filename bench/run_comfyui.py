@@ -17,6 +17,7 @@ ComfyUI runs.
     "$COMFYUI_PYTHON" bench/run_comfyui.py step-ops [options]        # scripts/bench-step-ops: bench/step_ops.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py profile-cost [options]    # bench/gpu_profile_cost.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py plan-shapes [options]     # bench/plan_shapes.py
+    "$COMFYUI_PYTHON" bench/run_comfyui.py startup [options]         # bench/startup.py
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def main() -> int:
         from bench.plan_shapes import main as plan_shapes_main
 
         return plan_shapes_main(argv[1:])
+    if argv[:1] == ["startup"]:
+        from bench.startup import main as startup_main
+
+        return startup_main(argv[1:])
     if argv[:1] == ["step-ops"]:
         from bench.step_ops import main as step_ops_main
 
