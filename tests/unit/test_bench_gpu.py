@@ -286,3 +286,22 @@ def test_an_arm_that_keeps_memory_takes_the_census_of_its_device(monkeypatch: py
     fine = TrainFigures("flux/b2/ours", "flux", 2, "ours", 2, start_gib=0.5)
     gpu_train._clean_up(torch.device("meta"), fine)
     assert fine.left_gib == pytest.approx(0.1) and fine.kept_census == ""
+
+
+def test_the_device_line_names_a_cuda_device_and_its_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch of ``device_info`` runs only on a GPU: here torch's CUDA queries answer as an H100's would."""
+    from types import SimpleNamespace
+
+    from bench.gpu import device_info
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda _device: SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    cuda = device_info(SimpleNamespace(type="cuda"), "0.28.0")
+    cpu = device_info(SimpleNamespace(type="cpu"), "0.28.0")
+    assert (cuda.kind, cuda.name, cuda.memory_gib, cuda.count, cuda.cuda, cuda.cudnn) == \
+        ("cuda", "NVIDIA H100 80GB HBM3", 80.0, 2, "13.0", "91900")
+    assert (cpu.kind, cpu.count, cpu.cuda, cpu.cudnn) == ("cpu", 1, "", "") and cpu.name.startswith("CPU stand-in")
+    assert (cuda.torch, cuda.comfyui, cuda.python, cuda.host) == (cpu.torch, "0.28.0", cpu.python, cpu.host)
