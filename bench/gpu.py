@@ -188,6 +188,8 @@ def measure(ctx: Context, opts: Options, families: dict[str, FamilySpec], vaes: 
     """Run the selected groups in the plan's order within the budget; the figures (also written as they come)."""
     import torch
 
+    from .gpu_train import ours_steps
+
     dtype = dtype or torch.bfloat16
     start = time.perf_counter()
     budget = Budget(opts.budget_s, start, speed=device_factor(device.name) if device.kind == "cuda" else 1.0)
@@ -197,7 +199,7 @@ def measure(ctx: Context, opts: Options, families: dict[str, FamilySpec], vaes: 
     rec = _Recorder(run, ctx, families, start, [g.key for g in everything])
     ctx.out.mkdir(parents=True, exist_ok=True)
     groups = _runnable(ctx, opts, rec, device, everything)
-    total = opts.warmup + opts.steps + 1  # ours and the bound train one step more than they time (gpu_train)
+    total = ours_steps(opts.warmup, opts.steps)  # ours and the bound train more steps than they time
     for line in describe_forecast(forecast(groups, budget, total, opts.encode_images), budget.left()):
         ctx.say(line)
     reserve = encode_reserve(groups, budget, total, opts.encode_images)
@@ -281,9 +283,9 @@ def _family_pass(ctx: Context, opts: Options, rec: _Recorder, budget: Budget, st
                  groups: list[GroupPlan], dtype: Any, name: str) -> None:
     """Build ``spec``'s model and data once (when a first group fits), then run each group's arms that fit."""
     from .gpu_data import drop_page_cache, write_family_cache
-    from .gpu_train import run_arm
+    from .gpu_train import ours_steps, run_arm
 
-    total = opts.warmup + opts.steps + 1
+    total = ours_steps(opts.warmup, opts.steps)
     built: tuple[Any, Any] | None = None
     root = ctx.work / f"cache_{name}"
     try:

@@ -40,8 +40,8 @@ from .gpu_data import FamilyData
 from .gpu_figures import TrainFigures
 from .tensor_census import device_census
 
-__all__ = ["BASE_SETTINGS", "Trainers", "run_arm", "arm_settings", "train_ours", "builtin_steps", "missing_settings",
-           "free_device", "allocated_gib", "memory_gib"]
+__all__ = ["BASE_SETTINGS", "Trainers", "ours_steps", "run_arm", "arm_settings", "train_ours", "builtin_steps",
+           "missing_settings", "free_device", "allocated_gib", "memory_gib"]
 
 BASE_SETTINGS: dict[str, Any] = {
     "grad_accumulation_steps": 1, "learning_rate": 1e-4, "rank": 16, "optimizer": "AdamW", "loss_function": "MSE",
@@ -132,6 +132,12 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
+def ours_steps(warmup: int, steps: int) -> int:
+    """Steps ours and the bound train to time ``steps`` after ``warmup`` (module doc): one more for the last report,
+    and one more again with fewer than 2 warm-up steps (the gap from the first report to the second is two)."""
+    return warmup + steps + 1 + (1 if warmup < 2 else 0)
+
+
 def run_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures, steps: int, warmup: int,
             extra: dict[str, Any] | None = None, say: Callable[[str], None] = print) -> TrainFigures:
     """Train ``warmup + steps`` steps in the arm ``fig`` describes and fill in its figures (errors included:
@@ -146,9 +152,7 @@ def run_arm(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigures,
     free_device(trainers.device)
     forget_probes(trainers)
     fig.start_gib = allocated_gib(trainers.device)
-    total = warmup + steps
-    if fig.arm != "builtin" and warmup < 2:
-        total += 1  # the gap from ours' first report to its second is two steps: timed only after it
+    total = warmup + steps if fig.arm == "builtin" else ours_steps(warmup, steps) - 1  # reports timed
     fig.settings = arm_settings(fig, total + (0 if fig.arm == "builtin" else 1), extra)
     capped = _cap(trainers.device, fig.cap_gib)
     t0 = time.perf_counter()
