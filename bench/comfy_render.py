@@ -150,7 +150,9 @@ def render_train(run: ComfyRun) -> list[str]:
         "*Bound*: our loop with every batch read into (CPU) device memory before the clock of the first step. "
         "First step = clock start → end of the first step (includes opening/loading the dataset; ours: "
         "`train_lora`'s `on_step` after the optimizer step, built-in: the end of its forward/backward). "
-        "Steady step = time between consecutive step ends, steps 3.. (median (min–max)). "
+        "Steady step = time between consecutive step ends, steps 3.. (median (min–max); ours reads a step's loss "
+        "once the next step is queued, the first one at once: it trains one step more than the table times, "
+        "whose report follows the one before at once). "
         "Peak RSS = the process's VmHWM (includes ComfyUI, torch and the model). "
         "Goals: ours' steady steps/s within 5% of the bound; ours' peak RSS flat in N.",
         "",
