@@ -11,13 +11,13 @@ from __future__ import annotations
 import gc
 import importlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .common import keys_of, rss_mib
 from .comfyui import add_model_folders, comfy_setup
 from .comfyui import comfy_nodes as comfyui_nodes
+from .gpu_train import in_memory_loader
 
 __all__ = ["TRAIN_LATENT", "TRAIN_OPTS", "clip_template", "prep_train", "child_train"]
 
@@ -136,7 +136,7 @@ def _train_ours(kind: str, model: Any, target: str, steps: int, ends: list[float
     # one step more than timed: the loop reads a step's loss once the next step is queued, so its last report
     # follows the one before at once (no step) and is left out
     if kind == "bound":
-        lt.run.PrefetchLoader = _in_memory_loader(lt.run.PrefetchLoader, steps + 1)
+        lt.run.PrefetchLoader = in_memory_loader(lt.run.PrefetchLoader, steps + 1)
     reader, samples = handles.StreamDatasetHandle(target, "train").open()
     try:
         settings = lt.TrainSettings(steps=steps + 1, prefetch_batches=2, loader_threads=0, **TRAIN_OPTS)
@@ -146,24 +146,3 @@ def _train_ours(kind: str, model: Any, target: str, steps: int, ends: list[float
     finally:
         reader.close()
     del ends[steps:]
-
-
-def _in_memory_loader(real_loader: Any, steps: int) -> type:
-    """A stand-in for the trainer's ``PrefetchLoader`` that reads the ``steps`` batches of the run up front."""
-
-    class InMemory:
-        """Every batch the run will use, read before the loop starts (the upper bound)."""
-
-        def __init__(self, reader: Any, sampler: Any, **kw: Any) -> None:
-            kw["prefetch_batches"] = 0
-            with real_loader(reader, sampler, **kw) as loader:
-                it = iter(loader)
-                self.batches = [next(it) for _ in range(steps)]
-
-        def __iter__(self) -> Iterator[Any]:
-            return iter(self.batches)
-
-        def close(self) -> None:
-            self.batches = []
-
-    return InMemory

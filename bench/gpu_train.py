@@ -40,8 +40,8 @@ from .gpu_data import FamilyData
 from .gpu_figures import TrainFigures
 from .tensor_census import device_census
 
-__all__ = ["BASE_SETTINGS", "Trainers", "ours_steps", "run_arm", "arm_settings", "train_ours", "builtin_steps",
-           "missing_settings", "free_device", "allocated_gib", "memory_gib"]
+__all__ = ["BASE_SETTINGS", "Trainers", "in_memory_loader", "ours_steps", "run_arm", "arm_settings", "train_ours",
+           "builtin_steps", "missing_settings", "free_device", "allocated_gib", "memory_gib"]
 
 BASE_SETTINGS: dict[str, Any] = {
     "grad_accumulation_steps": 1, "learning_rate": 1e-4, "rank": 16, "optimizer": "AdamW", "loss_function": "MSE",
@@ -268,7 +268,7 @@ def train_ours(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigur
     maker = trainers.maker
     real = maker.PrefetchLoader
     if bound:
-        maker.PrefetchLoader = _in_memory(real, fig.settings["steps"])
+        maker.PrefetchLoader = in_memory_loader(real, fig.settings["steps"])
     try:
         import torch
 
@@ -282,10 +282,13 @@ def train_ours(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigur
     return ends, list(result.losses), waits
 
 
-def _in_memory(real: type, count: int) -> type:
-    """A stand-in for ``PrefetchLoader`` that reads ``count`` batches onto the device when made (before the loop)."""
+def in_memory_loader(real: Any, count: int) -> type:
+    """A stand-in for ``PrefetchLoader`` (``real``) that reads ``count`` batches onto the loader's device when made,
+    before the loop: the in-memory bound of the GPU and the ComfyUI benchmarks."""
 
     class InMemory:
+        """Every batch the run will use, read before the loop starts."""
+
         def __init__(self, reader: Any, sampler: Any, **kw: Any) -> None:
             kw["prefetch_batches"] = 0
             with real(reader, sampler, **kw) as loader:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .report import stat
+
 __all__ = ["StartupFigures", "measure", "render", "main"]
 
 LATENT_SIDE = 16
@@ -104,9 +106,7 @@ def render(figs: Sequence[StartupFigures], seconds: float, machine: str) -> list
 
 
 def _spread(values: list[float]) -> str:
-    if not values:
-        return "—"
-    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+    return stat(values, fmt=".2f") if values else "—"
 
 
 def _parser() -> argparse.ArgumentParser:
