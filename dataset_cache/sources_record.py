@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from .errors import CacheError
 from .format.durable import atomic_write
 from .format.safetensors_io import read_regular
+from .hashing import is_lower_hex
 from .keys import is_key
 
 if TYPE_CHECKING:
@@ -184,16 +184,13 @@ def _is_side(v: Any) -> bool:
     return v is None or (type(v) is int and v > 0)
 
 
-_HEX_RUN = re.compile(r"[0-9a-f]*")
-
-
 def _column_ok(name: str, col: list[Any]) -> bool:
     """Check a whole column with C-speed primitives (a 100k-row record loads in tens of ms)."""
     types = set(map(type, col))
     if name == "paths":
         return types <= {str} and "" not in col
     if name == "hash":
-        return types <= {str} and set(map(len, col)) <= {32} and _HEX_RUN.fullmatch("".join(col)) is not None
+        return types <= {str} and set(map(len, col)) <= {32} and is_lower_hex("".join(col))
     if name == _CAPTIONS:
         lists = [v for v in col if v is not None]
         return (types <= {list, type(None)} and all(lists)

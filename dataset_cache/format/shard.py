@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import torch
 
 from ..constants import FORMAT_NAME, FORMAT_VERSION
 from ..errors import CacheCorruptError, CacheFormatError, CacheUnreadableError
-from ..hashing import checksum64, tensor_bytes
+from ..hashing import checksum64, is_lower_hex, tensor_bytes
 from . import skeleton
 from .durable import atomic_write
 from .manifest import ShardRecord
@@ -46,7 +45,6 @@ __all__ = ["Column", "ShardIndex", "ShardBuilder", "StoredTensor", "private_byte
            "METADATA_KEY"]
 
 METADATA_KEY = "streamcache"
-_HEX_RE = re.compile(r"[0-9a-f]*")
 _GROUPS: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}  # (dtype, row shape) -> Column.group (a few kinds)
 _GROUPS_LOCK = threading.Lock()
 
@@ -213,7 +211,7 @@ def _parse_columns(p: str, cols: Any, head: Any) -> list[Column]:
         if (c.get("dtype") != span.dtype or type(rows) is not int or not span.shape or span.shape[0] != rows
                 or c.get("row_shape") != row_shape):
             raise CacheCorruptError(p, f"column {i} disagrees with tensor {name!r:.40} of the safetensors table")
-        if type(cks) is not str or len(cks) != 16 * rows or not _HEX_RE.fullmatch(cks):
+        if type(cks) is not str or len(cks) != 16 * rows or not is_lower_hex(cks):
             raise CacheCorruptError(p, f"column {i} needs {rows} checksums: a string of {16 * rows} hex digits")
         offset = head.data_start + span.begin
         itemsize = ST_ITEMSIZE[span.dtype]
