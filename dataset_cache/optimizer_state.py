@@ -425,6 +425,18 @@ class TrainStateStore:
             kept, total = kept + 1, total + size
         return removed
 
+    def remove(self, path: Path) -> bool:
+        """Remove the state file ``path`` of this folder (a regular file named as a state; anything else is left
+        alone): for a state its writer has superseded. Whether it was removed."""
+        if path.parent != self.folder or not _NAME.fullmatch(path.name):
+            return False
+        try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                return False
+        except OSError:
+            return False
+        return self._remove(path.name)
+
     def _remove(self, name: str) -> bool:
         try:
             os.unlink(self.folder / name)

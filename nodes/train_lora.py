@@ -35,6 +35,7 @@ from .handles import (
 )
 from .training import (
     CHECKPOINT_MODES,
+    DEFAULT_SAVE_PREFIX,
     LOSS_FUNCTIONS,
     MAX_REG_RATIO,
     MAX_REG_WEIGHT,
@@ -234,6 +235,15 @@ class TrainLoRA(io.ComfyNode):
                                "gradients bit for bit as ComfyUI's own Train LoRA. 'fast': fewer ops and half the "
                                "Python calls per step (faster where the GPU waits for the host: small batches), "
                                "gradients equal up to float rounding."),
+                io.Int.Input("save_every", default=0, min=0, max=100000, optional=True, advanced=True,
+                             tooltip="Save the LoRA trained so far every this many steps, and when the run is "
+                             "cancelled or fails after a step, with its training state: continuing a save is "
+                             "exactly the run that never stopped. Files go where Save LoRA Weights puts them "
+                             "(<save_prefix>_<steps>_steps_<counter>_.safetensors in the output folder). 0: no "
+                             "saves, a cancelled run keeps nothing (as ComfyUI's own Train LoRA)."),
+                io.String.Input("save_prefix", default=DEFAULT_SAVE_PREFIX, optional=True, advanced=True,
+                                tooltip="The name of the saves of save_every, in ComfyUI's output folder (a "
+                                "subfolder may be given, as Save LoRA Weights' prefix)."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -278,6 +288,8 @@ class TrainLoRA(io.ComfyNode):
         allow_fp8: bool = False,
         devices: str = ALL_DEVICES,
         checkpoint_mode: str = "exact",
+        save_every: int = 0,
+        save_prefix: str = DEFAULT_SAVE_PREFIX,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -289,7 +301,8 @@ class TrainLoRA(io.ComfyNode):
             masked_loss=bool(masked_loss), unmasked_weight=float(unmasked_weight),
             caption_dropout=float(caption_dropout), reg_ratio=float(reg_ratio), reg_weight=float(reg_weight),
             memory=memory, stream_blocks=int(stream_blocks), allow_fp8=bool(allow_fp8),
-            devices=str(devices), checkpoint_mode=str(checkpoint_mode),
+            devices=str(devices), checkpoint_mode=str(checkpoint_mode), save_every=int(save_every),
+            save_prefix=str(save_prefix),
         )
         settings.validate()  # before opening anything: a typo fails fast
         for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset)):

@@ -21,7 +21,8 @@ the model does not fit (``memory``).
 Modules: ``settings`` (the options), ``run`` (``train_lora`` as its steps), ``loop`` (the step loop and loss),
 ``conditioning`` (per-row conditionings, the model call), ``report`` (step and run reports), ``comfy_parts`` (the
 ComfyUI functions driven), ``memory`` (the memory plan's step: budget, plan, putting it in place), ``blocks`` (a
-model's blocks), ``probe`` (what a run's forward keeps, measured on fake tensors). Only the execution thread calls
+model's blocks), ``probe`` (what a run's forward keeps, measured on fake tensors), ``resume`` (continuing a LoRA
+exactly), ``saves`` (the LoRA saved during a run). Only the execution thread calls
 ComfyUI's progress and interrupt functions; the loader's threads only read.
 """
 
@@ -31,10 +32,12 @@ from .comfy_parts import nodes_train_module
 from .loop import NonFiniteLossError
 from .report import RowCounts, StepReport, TrainResult
 from .run import train_lora
-from .settings import CHECKPOINT_MODES, LOSS_FUNCTIONS, MAX_REG_RATIO, MAX_REG_WEIGHT, OPTIMIZERS, TrainSettings
+from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, MAX_REG_RATIO, MAX_REG_WEIGHT, OPTIMIZERS,
+                       TrainSettings)
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "DEFAULT_SAVE_PREFIX",
     "LOSS_FUNCTIONS",
     "MAX_REG_RATIO",
     "MAX_REG_WEIGHT",

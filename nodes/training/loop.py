@@ -62,7 +62,8 @@ class NonFiniteLossError(ValueError):
                  "bf16/fp32 rather than fp16")
         super().__init__(f"training stopped at step {step}: the loss is {loss} (batch {plan.index} of epoch "
                          f"{plan.epoch}, latents {', '.join(plan.latent_keys[:4])}"
-                         f"{' ...' if len(plan.latent_keys) > 4 else ''}); {cause}. No LoRA was written")
+                         f"{' ...' if len(plan.latent_keys) > 4 else ''}); {cause}. No LoRA was written from this "
+                         "step on")
         self.step = step
         self.entries = bad
 
@@ -151,8 +152,14 @@ class StepLoop:
 
     def __init__(self, mp: Any, settings: TrainSettings, dtype: torch.dtype, loss_fn: Any, optimizer: Any,
                  scaler: Any, forward: ModelCall, conditioner: Conditioner, device: torch.device, *,
-                 first_batch: int = 0, world: Any = None, startup: Startup | None = None) -> None:
+                 first_batch: int = 0, world: Any = None, startup: Startup | None = None,
+                 save: Callable[[int, BatchPlan, BaseException | None], None] | None = None) -> None:
         self.first_batch = first_batch
+        self.save = save  # the saves during the run (.saves.RunSaves): every settings.save_every steps, and on a stop
+        self.completed = 0  # optimizer steps done
+        self._last_plan: BatchPlan | None = None  # the last batch of the last step done
+        self._saved_at = 0
+        self._in_optimizer = False
         self.startup = startup  # its last two phases, the first batch's wait and the first step, end here
         self.world = world
         self.mp = mp
@@ -195,8 +202,9 @@ class StepLoop:
                 for step in range(s.steps):
                     self._step(step, batches, tally, lagged, throw_if_interrupted)
                     collector.step()
-        except BaseException:  # out of memory in a backward pass: autograd would keep the failed step's graph
+        except BaseException as error:  # out of memory in a backward pass: autograd would keep the failed step's graph
             release_failed_backward([self.device])  # (dataset_cache/autograd_release.py; its frames: the node)
+            self._save_on_stop(error, lagged)
             raise
         self._report(lagged.swap(None, [], []), tally)
         return tally.losses, time.perf_counter() - tally.t0, tally.rows, tally.wait
@@ -231,19 +239,45 @@ class StepLoop:
         if self.world is not None:
             self.world.reduce_gradients(p for g in self.optimizer.param_groups for p in g["params"])
         if not stopping:
+            self._in_optimizer = True
             self._optimizer_step()
+            self._in_optimizer = False
+            self.completed, self._last_plan = step + 1, step_batches[-1].plan
+        saving = self.save is not None and not stopping and s.save_every > 0 and (step + 1) % s.save_every == 0
         if self.world is not None:
             values = [float(v) for v in step_losses]
             tally.add(step, self.world.agree(sum(values) / s.grad_accumulation_steps, stop=stopping),
                       step_batches[-1] if step_batches else batch)
         else:
-            done = lagged.swap(step, step_losses, step_batches)
-            if step == 0:  # the first loss at once: progress shows when the first step is done, not a step later
-                done = lagged.swap(None, [], [])
-            self._report(done, tally)
+            self._report(lagged.swap(step, step_losses, step_batches), tally)
+            if step == 0 or saving:  # the first loss at once: progress shows when the first step is done, not a
+                self._report(lagged.swap(None, [], []), tally)  # step later; a save only of a step read finite
+        if saving:
+            self._save(None)
         if step == 0 and self.startup is not None:  # the first step done, on the device too (its loss was read)
             self.startup.mark("first step")
             log.info("Train LoRA: %s", self.startup.describe())
+
+    def _save(self, stopped_by: BaseException | None) -> None:
+        assert self.save is not None and self._last_plan is not None
+        self._saved_at = self.completed
+        self.save(self.completed, self._last_plan, stopped_by)
+
+    def _save_on_stop(self, error: BaseException, lagged: _LaggedLosses) -> None:
+        """A run stopping early (Cancel, an error) saves what its completed steps trained: not when nothing new was
+        trained since the last save, an optimizer step was cut short, a loss was not finite, or the process is
+        being stopped (Ctrl+C). A failed save is logged and never hides ``error``."""
+        stop = (Exception, comfy.model_management.InterruptProcessingException)  # the latter: a BaseException
+        if (self.save is None or not isinstance(error, stop) or isinstance(error, NonFiniteLossError)
+                or self._in_optimizer or self.completed <= self._saved_at):
+            return
+        try:
+            done = lagged.swap(None, [], []) if self.world is None else None
+            if done is not None:
+                _finite(*done)
+            self._save(error)
+        except Exception as exc:  # the run's own error follows; this one is only said
+            log.warning("Train LoRA: the LoRA trained before the run stopped was not saved: %s", exc)
 
     def _report(self, done: tuple[int, list[float], list[Batch]] | None, tally: _Tally) -> None:
         """A step's losses read back from the device: checked, averaged over its batches, reported."""

@@ -31,7 +31,7 @@ from ...dataset_cache.optimizer_state import (
     optimizer_state_dict,
     read_train_state,
 )
-from ...dataset_cache.sampler import BucketSampler
+from ...dataset_cache.sampler import BatchPlan, BucketSampler
 
 __all__ = ["STATE_FOLDER", "Start", "capture_state", "resume_run", "save_state", "state_store"]
 
@@ -165,22 +165,41 @@ def _max_state_bytes(params: Mapping[str, torch.Tensor]) -> int:
     return sum(p.numel() * 8 * slots + 1024 * slots for p in params.values()) + (1 << 20)
 
 
-def capture_state(run: Any, sampler: BucketSampler, start: Start) -> TrainState:
-    """The run's training state, on the CPU, taken after the last step (before ``finish`` releases the optimizer);
-    its ``lora_digest`` is filled in by :func:`save_state` from the weights as saved."""
+def capture_state(run: Any, sampler: BucketSampler, start: Start, *, done: int | None = None,
+                  after: BatchPlan | None = None) -> TrainState:
+    """The run's training state, on the CPU, after ``done`` of its steps (``None``: all of them, taken before
+    ``finish`` releases the optimizer); its ``lora_digest`` is filled in by :func:`save_state` from the weights as
+    saved.
+
+    ``after`` is the plan of the last batch trained: the sampler's position is taken right after it, wherever the
+    loader stands (a run stopped mid-step has been handed batches it never trained). ``None``: where the sampler is.
+    """
     settings = run.settings
+    done = settings.steps if done is None else done
     slots, groups = capture_optimizer(run.optimizer.state_dict(), list(run.lora_sd))
     scaler = run.scaler.state_dict() if run.scaler is not None else None
-    return TrainState("", settings.optimizer, start.steps + settings.steps,
-                      start.first_batch + settings.steps * settings.grad_accumulation_steps, slots, groups,
-                      sampler.state_dict(), scaler or None)
+    return TrainState("", settings.optimizer, start.steps + done,
+                      start.first_batch + done * settings.grad_accumulation_steps, slots, groups,
+                      _sampler_state(sampler, after), scaler or None)
 
 
-def save_state(state: TrainState, lora: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-    """Write the state beside the LoRA (by the digest of ``lora``); return ``(notes, info)`` for the summary. A
-    failed write never fails the run: it is said, and the LoRA continues later as one without a state."""
+def _sampler_state(sampler: BucketSampler, after: BatchPlan | None) -> dict[str, Any]:
+    if after is None:
+        return sampler.state_dict()
+    now = sampler.position
+    sampler.seek(after.epoch, after.index + 1)
+    try:
+        return sampler.state_dict()
+    finally:
+        sampler.seek(*now)
+
+
+def save_state(state: TrainState, lora: Mapping[str, torch.Tensor], digest: str | None = None
+               ) -> tuple[list[str], list[str]]:
+    """Write the state beside the LoRA (by the digest of ``lora``, unless given); return ``(notes, info)`` for the
+    summary. A failed write never fails the run: it is said, and the LoRA continues later as one without a state."""
     store = state_store()
-    digest = lora_digest(lora)
+    digest = lora_digest(lora) if digest is None else digest
     try:
         path, pruned = store.save(TrainState(digest, state.optimizer, state.steps, state.batches, state.slots,
                                              state.param_groups, state.sampler, state.scaler))

@@ -36,6 +36,7 @@ from .loop import StepLoop
 from .memory import MemoryStep, plan_run_memory
 from .report import RowCounts, Startup, StepReport, TrainResult, counted, overlap_notes
 from .resume import capture_state, resume_run, save_state
+from .saves import RunSaves, lora_weights
 from .settings import TrainSettings
 
 __all__ = ["train_lora"]
@@ -101,9 +102,10 @@ def train_lora(
         start = resume_run(run, sampler, existing, name_steps)  # continuing: optimizer, steps, batch order
         first_batch = start.first_batch
         team.same_start(start.steps, first_batch, sampler.position, run.optimizer)
+        saves = RunSaves(run, sampler, start) if settings.save_every > 0 and team.is_main else None
         loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
                         ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
-                        first_batch=first_batch, world=team.collective, startup=startup)
+                        first_batch=first_batch, world=team.collective, startup=startup, save=saves)
         loader = PrefetchLoader(  # noise, sigmas and row weights drawn on its workers: loop.per_batch
             reader, sampler, prefetch_batches=settings.prefetch_batches,
             threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
@@ -128,6 +130,8 @@ def train_lora(
         state = capture_state(run, sampler, start)  # before finish releases the optimizer
         lora = finish(run)
     notes, info = save_state(state, lora) if team.is_main else ([], [])  # rank 0's run is the one to continue
+    if saves is not None:
+        notes, info = [*saves.notes, *notes], [*saves.describe(), *info]
     wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
                        wait_pct, dict(sampler.buckets), (*data.notes, *run.memory.notes(), *start.notes, *notes),
@@ -299,7 +303,7 @@ def unprepare(run: LoadedRun, train: ModuleType) -> None:
 
 def finish(run: LoadedRun) -> dict[str, torch.Tensor]:
     """The trained adapter weights as detached CPU tensors (``SaveLoRA``'s keys); the adapters stop needing grads."""
-    lora = {k: v.detach().to("cpu", run.adapter_dtype).clone() for k, v in run.lora_sd.items()}
+    lora = lora_weights(run)
     for adapter in run.adapters:
         adapter.requires_grad_(False)
     run.adapters.clear()

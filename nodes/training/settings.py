@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import PurePosixPath, PureWindowsPath
 
 from comfy.weight_adapter import adapter_maps
 
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 
 __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "MAX_REG_RATIO", "MAX_REG_WEIGHT", "MEMORY_MODES",
-           "OPTIMIZERS", "TRAINING_DTYPES", "TrainSettings"]
+           "OPTIMIZERS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
 
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
 """The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node)."""
@@ -21,6 +22,9 @@ LORA_DTYPES = ("bf16", "fp32")
 CHECKPOINT_MODES = ("exact", "fast")
 """How blocks are checkpointed: "exact" (torch's non-reentrant checkpoint: the built-in node's gradients bit for
 bit) or "fast" (the reentrant one: fewer host calls, gradients equal up to float rounding)."""
+
+DEFAULT_SAVE_PREFIX = "loras/streamcache_lora"
+"""Where saves during a run go, in ComfyUI's output folder (Save LoRA Weights': ``loras/ComfyUI_trained_lora``)."""
 
 MAX_REG_RATIO = 16.0
 """Regularization occurrences per main occurrence: kohya's default is 1; past 16 the main dataset is noise."""
@@ -40,6 +44,9 @@ class TrainSettings:
     the stream modes, 0 as many as needed; ``allow_fp8``: block weights may be stored in fp8). ``checkpoint_depth``
     is no longer used: with ``gradient_checkpointing`` every block is its own checkpoint (0: set by a new node);
     ``checkpoint_mode`` picks how (:data:`CHECKPOINT_MODES`).
+    ``save_every`` saves the LoRA trained so far with its training state every that many steps, and when the run
+    stops early (0: never; :mod:`.saves`), as ``<save_prefix>_<steps>_steps_<counter>_.safetensors`` in ComfyUI's
+    output folder.
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -76,6 +83,9 @@ class TrainSettings:
     allow_fp8: bool = False
     # several devices (#26): read by distributed.plan_team against the model's device
     devices: str | tuple[int, ...] | None = None
+    # saves during the run (.saves): every ``save_every`` steps and when a run stops early; 0: none
+    save_every: int = 0
+    save_prefix: str = DEFAULT_SAVE_PREFIX
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -93,7 +103,7 @@ class TrainSettings:
         for name in ("steps", "batch_size", "grad_accumulation_steps", "rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prefetch_batches", "loader_threads", "checkpoint_depth", "stream_blocks"):
+        for name in ("prefetch_batches", "loader_threads", "checkpoint_depth", "stream_blocks", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
@@ -108,3 +118,22 @@ class TrainSettings:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value <= top):
                 raise ValueError(f"{name} must be a number from 0 to {top:g}, got {value!r:.40}")
+        check_save_prefix(self.save_prefix)
+
+
+def check_save_prefix(prefix: object) -> None:
+    """Refuse a ``save_prefix`` that would write outside ComfyUI's output folder or name no file, before training.
+
+    Raises:
+        ValueError: naming ``save_prefix``, what is wrong and what to write instead.
+    """
+    if type(prefix) is not str or not prefix.strip() or len(prefix) > 200 or any(ord(c) < 32 for c in prefix):
+        raise ValueError(f"save_prefix must be a file name prefix of 1-200 printable characters such as "
+                         f"{DEFAULT_SAVE_PREFIX!r}, got {prefix!r:.60}")
+    posix, windows = PurePosixPath(prefix), PureWindowsPath(prefix)
+    if posix.is_absolute() or windows.anchor or ".." in windows.parts:
+        raise ValueError(f"save_prefix {prefix!r:.60} leaves ComfyUI's output folder: give a path inside it, such as "
+                         f"{DEFAULT_SAVE_PREFIX!r} (no leading slash or drive, no '..')")
+    if prefix.endswith(("/", "\\")):
+        raise ValueError(f"save_prefix {prefix!r:.60} names a folder but no file name: add one, such as "
+                         f"{prefix}streamcache_lora")

@@ -152,7 +152,9 @@ def _assert_covers(case: Case, planned: dict[str, Any], run: Run) -> None:
     batches = run.report["batches"]
     assert len(run.report["losses"]) == case.settings()["steps"] and batches
     for what in case.expect:
-        if what == "mirrored_mask":
+        if what == "saved":
+            assert "saved the LoRA at step 2 (" in run.report["summary"], run.report["summary"]
+        elif what == "mirrored_mask":
             assert any(b["mirrored"] and b["mask_keys"] and b["mirrored"][i] and b["mask_keys"][i] is not None
                        for b in batches for i in range(len(b["latent_keys"]))), "no mirrored row with a mask"
             assert any(b["mask_keys"] and None in b["mask_keys"] for b in batches), "no row without a mask beside one"

@@ -315,6 +315,26 @@ def test_cancel_stops_every_rank_at_the_same_step_and_leaves_no_process(node: ty
     assert comfy.model_management.in_training is False
 
 
+def test_cancel_on_two_ranks_saves_rank_0s_lora_of_the_agreed_step(node: type, models: tuple, dataset: Any,
+                                                                   progress_hook: Any, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """save_every on two ranks: rank 0 alone writes (the ranks hold the same LoRA), and a Cancel saves the steps
+    every rank finished before agreeing to stop, with the training state to continue them."""
+    import comfy.model_management
+    import folder_paths
+
+    monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path))
+    hook = progress_hook(_Hook(2, lambda: comfy.model_management.interrupt_current_processing(True)))
+    with pytest.raises(comfy.model_management.InterruptProcessingException):
+        _train(node, models[0], dataset, steps=50, devices="cpu:2", save_every=100)
+    done = hook.updates[-1]
+    saved = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.safetensors")
+                   if "streamcache_train_state" not in p.parts)
+    assert saved == [f"loras/streamcache_lora_{done}_steps_00001_.safetensors"]
+    assert len(list((tmp_path / "streamcache_train_state").iterdir())) == 1
+    _no_workers_left()
+
+
 def test_a_killed_worker_fails_the_node_naming_its_rank_and_the_next_run_works(node: type, models: tuple,
                                                                                dataset: Any, pack: ModuleType,
                                                                                progress_hook: Any) -> None:

@@ -19,6 +19,7 @@ import time
 import traceback
 from collections import Counter
 from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -36,6 +37,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "bypass_mode": False, "masked_loss": True, "unmasked_weight": 0.1,
     "caption_dropout": 0.0, "reg_dataset": None, "reg_ratio": 1.0, "reg_weight": 1.0,
     "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact",
+    "save_every": 0, "save_prefix": "loras/streamcache_lora",
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -121,7 +123,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "prefetch_batches", "loader_threads",
                                                            "quantized_backward", "bypass_mode",
                                                            "masked_loss", "unmasked_weight", "stream_blocks",
-                                                           "allow_fp8", "checkpoint_mode"}
+                                                           "allow_fp8", "checkpoint_mode", "save_every",
+                                                           "save_prefix"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -142,6 +145,9 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # a prompt without it checkpoints exactly as before; "fast" is opt-in
     assert inputs["checkpoint_mode"].optional and inputs["checkpoint_mode"].default == "exact"
     assert inputs["checkpoint_mode"].options == ["exact", "fast"] and "checkpoint_mode" in info["input"]["optional"]
+    # a prompt without them saves nothing during the run, as before
+    for name, default in (("save_every", 0), ("save_prefix", "loras/streamcache_lora")):
+        assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -511,6 +517,142 @@ def test_a_training_state_that_does_not_fit_is_named_and_the_optimizer_starts_fr
     out = _train(node, models[0], dataset, steps=1, existing_lora=name)
     assert f"its training state {path.name} cannot be used (tensor {key!r} holds NaN or infinite values)" \
         in _summary(out)
+
+
+# ------------------------------------------------------------------------------------------- saves during a run
+_CONTINUED = {"optimizer": "AdamW", "learning_rate": 0.01, "grad_accumulation_steps": 2, "batch_size": 2}
+"""Settings whose continuation is checked bit for bit: a stateful optimizer, batches that span two buckets."""
+
+
+def _saves(lora_folder: Path) -> list[str]:
+    return sorted(p.name for p in (lora_folder / "loras").glob("streamcache_lora_*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def whole_run(node: type, models: tuple, dataset: Any) -> Any:
+    """4 steps of :data:`_CONTINUED` at once, nothing saved: what every save must continue into."""
+    return _train(node, models[0], dataset, steps=4, **_CONTINUED).result
+
+
+def test_saves_every_n_steps_are_what_save_lora_writes_and_continue_exactly(
+        node: type, models: tuple, dataset: Any, lora_folder: Path, whole_run: Any) -> None:
+    """save_every 3 of 4 steps: a file at step 3, named as Save LoRA Weights names it, whose continuation for 1 step
+    is the uninterrupted run bit for bit (its training state was saved with it); saving changes nothing trained."""
+    out = _train(node, models[0], dataset, steps=4, save_every=3, **_CONTINUED)
+    lora, losses, _ = out.result
+    assert losses == whole_run[1] and all(torch.equal(lora[k], whole_run[0][k]) for k in lora)
+    assert _saves(lora_folder) == ["streamcache_lora_3_steps_00001_.safetensors"]
+    assert re.search(r"saved the LoRA at step 3 \(\d+\.\d s at most; the last, with its training state, as "
+                     r"output/loras/streamcache_lora_3_steps_00001_\.safetensors\)", _summary(out))
+    assert len(list((lora_folder / "streamcache_train_state").iterdir())) == 2  # the save's and the end's
+    rest = _train(node, models[0], dataset, steps=1, existing_lora="streamcache_lora_3_steps_00001_.safetensors",
+                  **_CONTINUED)
+    assert rest.result[2] == 4 and rest.result[1]["loss"] == whole_run[1]["loss"][3:]
+    assert all(torch.equal(rest.result[0][k], whole_run[0][k]) for k in lora)
+    assert "from its training state (3 steps): AdamW state restored, the batch order where it stopped" \
+        in _summary(rest)
+
+
+def test_a_run_keeps_the_training_state_of_its_last_save_only(node: type, models: tuple, dataset: Any,
+                                                            lora_folder: Path, whole_run: Any) -> None:
+    """save_every 1 of 4 steps: four files, the last the node's own LoRA, and one training state (the last save's,
+    which is the end's): a state per save would push other LoRAs' states out of the folder's 32. An earlier save
+    continues as a LoRA without a state, and says so. A state the run did not create is never removed."""
+    from safetensors.torch import load_file
+
+    store = lora_folder / "streamcache_train_state"
+    store.mkdir()
+    foreign = store / ("0" * 32 + ".safetensors")
+    foreign.write_bytes(b"another LoRA's state")
+    out = _train(node, models[0], dataset, steps=4, save_every=1, **_CONTINUED)
+    assert _saves(lora_folder) == [f"streamcache_lora_{i}_steps_0000{i}_.safetensors" for i in range(1, 5)]
+    last = load_file(str(lora_folder / "loras" / "streamcache_lora_4_steps_00004_.safetensors"))
+    assert set(last) == set(out.result[0]) and all(torch.equal(last[k], out.result[0][k]) for k in last)
+    assert foreign.read_bytes() == b"another LoRA's state" and len(list(store.iterdir())) == 2
+    early = _train(node, models[0], dataset, steps=1, existing_lora="streamcache_lora_2_steps_00002_.safetensors",
+                   **_CONTINUED)
+    assert "it has no saved training state" in _summary(early) and early.result[2] == 3
+
+
+def _stop_at(monkeypatch: pytest.MonkeyPatch, pack: ModuleType, call: int, stop: Callable[[], Any]) -> None:
+    """Make the ``call``-th batch's forward and backward (1-based) run ``stop`` once it is done."""
+    loop = _module(pack, "nodes.training.loop").StepLoop
+    fwd_bwd, calls = loop._fwd_bwd, [0]
+
+    def counted(self: Any, batch: Any, index: int) -> torch.Tensor:
+        loss = fwd_bwd(self, batch, index)
+        calls[0] += 1
+        replaced = stop() if calls[0] == call else None
+        return loss if replaced is None else replaced
+
+    monkeypatch.setattr(loop, "_fwd_bwd", counted)
+
+
+def _interrupt() -> None:
+    import comfy.model_management
+
+    comfy.model_management.interrupt_current_processing(True)  # checked before the next batch
+
+
+def _fail() -> None:
+    raise RuntimeError("a read failed")
+
+
+@pytest.mark.parametrize("how", ["cancel", "error"])
+def test_a_run_stopped_mid_step_saves_the_steps_it_finished_and_continues_exactly(
+        pack: ModuleType, node: type, models: tuple, dataset: Any, lora_folder: Path, whole_run: Any, how: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Cancel (or an error) after the first batch of step 4: the 3 steps done are saved, though the loader had
+    handed out a batch of step 4, and continuing the save for 1 step is the uninterrupted run bit for bit."""
+    import comfy.model_management
+
+    expected = comfy.model_management.InterruptProcessingException if how == "cancel" else RuntimeError
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING, logger="streamcache.train"), \
+            pytest.raises(expected):
+        _stop_at(patch, pack, 7, _interrupt if how == "cancel" else _fail)  # 2 batches a step: step 4's first
+        _train(node, models[0], dataset, steps=4, save_every=10, **_CONTINUED)
+    assert _saves(lora_folder) == ["streamcache_lora_3_steps_00001_.safetensors"]
+    said = "cancelled" if how == "cancel" else "RuntimeError: a read failed"
+    assert f"the run stopped after step 3 ({said}); the LoRA trained so far is saved as " in caplog.text
+    rest = _train(node, models[0], dataset, steps=1, existing_lora="streamcache_lora_3_steps_00001_.safetensors",
+                  **_CONTINUED)
+    assert rest.result[2] == 4 and rest.result[1]["loss"] == whole_run[1]["loss"][3:]
+    assert all(torch.equal(rest.result[0][k], whole_run[0][k]) for k in whole_run[0])
+
+
+def test_a_step_whose_loss_is_not_finite_is_never_saved(pack: ModuleType, node: type, models: tuple, dataset: Any,
+                                                       lora_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN loss at step 3 stops the run (a step late: losses are read once the next step is queued); the save
+    of step 2 stands, nothing after it is written, periodic or on the stop."""
+    training = _module(pack, "nodes.training")
+    _stop_at(monkeypatch, pack, 5, lambda: torch.tensor(float("nan")))  # step 3's first batch
+    with pytest.raises(training.NonFiniteLossError, match="training stopped at step 3"):
+        _train(node, models[0], dataset, steps=4, save_every=2, **_CONTINUED)
+    assert _saves(lora_folder) == ["streamcache_lora_2_steps_00001_.safetensors"]
+
+
+def test_a_save_that_cannot_be_written_is_said_and_the_run_goes_on(node: type, models: tuple, dataset: Any,
+                                                                    lora_folder: Path) -> None:
+    (lora_folder / "blocked").write_text("a file where the saves' folder would be")
+    out = _train(node, models[0], dataset, steps=2, save_every=1, save_prefix="blocked/run")
+    assert out.result[2] == 2 and len(out.result[1]["loss"]) == 2
+    summary = _summary(out)
+    assert "NOTE: the LoRA could not be saved at step 1 (" in summary and "); the run went on" in summary
+    assert summary.count("could not be saved") == 1 and "saved the LoRA with" not in summary
+
+
+@pytest.mark.parametrize("prefix, why", [
+    ("/tmp/run", "leaves ComfyUI's output folder"), ("../run", "leaves ComfyUI's output folder"),
+    ("loras/../../run", "leaves ComfyUI's output folder"), ("C:\\run", "leaves ComfyUI's output folder"),
+    ("loras/", "names a folder but no file name"), ("", "1-200 printable characters"),
+    ("a\nb", "1-200 printable characters"),
+])
+def test_a_save_prefix_outside_the_output_folder_is_refused_before_training(node: type, models: tuple,
+                                                                            dataset: Any, lora_folder: Path,
+                                                                            prefix: str, why: str) -> None:
+    with pytest.raises(ValueError, match=f"save_prefix .*{re.escape(why)}"):
+        _train(node, models[0], dataset, steps=1, save_every=1, save_prefix=prefix)
+    assert not list(lora_folder.rglob("*.safetensors"))
 
 
 def test_a_bucket_smaller_than_the_batch_trains_as_a_smaller_batch(pack: ModuleType, node: type, models: tuple,

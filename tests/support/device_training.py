@@ -54,7 +54,8 @@ class Case:
         high_vram: on CUDA, ComfyUI loads the model onto the device from the start (its ``--highvram`` state, which it
             also takes by itself where the free device memory exceeds the free RAM), so the LoRA the node creates is
             created there.
-        expect: what the batches must show for the case to cover its branch: ``"mirrored_mask"``, ``"reg_rows"``,
+        expect: what the batches must show for the case to cover its branch: ``"saved"`` (the summary names a save
+            during the run), ``"mirrored_mask"``, ``"reg_rows"``,
             ``"two_caches"``, ``"groups"`` (a batch run as several model calls), ``"video"``, or a conditioning
             option (``"option:guidance"``).
     """
@@ -72,7 +73,9 @@ class Case:
 
 
 CASES: tuple[Case, ...] = (
-    Case("sd15_adamw", "sd15", options={"optimizer": "AdamW", "learning_rate": 1e-4}),  # the node's default optimizer
+    # the node's default optimizer; a save after step 2 (the LoRA and AdamW's state off the device mid-run)
+    Case("sd15_adamw", "sd15", options={"optimizer": "AdamW", "learning_rate": 1e-4, "save_every": 2},
+         expect=("saved",)),
     Case("sd15_fresh_lora", "sd15", lora="fresh", high_vram=True),  # the LoRA the node creates by default
     Case("sd15_masks_mirrors", "sd15", "masks_mirrors", options={"unmasked_weight": 0.1},
          expect=("mirrored_mask",)),

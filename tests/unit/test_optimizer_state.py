@@ -283,6 +283,27 @@ def test_the_store_finds_by_digest_and_never_follows_a_link(tmp_path: Path) -> N
         linked.save(state)
 
 
+def test_remove_takes_a_state_file_of_its_folder_and_nothing_else(tmp_path: Path) -> None:
+    """What a run's saves use to drop the state of their previous save: a regular file of this folder named as a
+    state, never a link (nor what it points to), another folder's file or a file named otherwise."""
+    folder = tmp_path / "states"
+    store = TrainStateStore(folder)
+    folder.mkdir()
+    state = folder / ("a" * 32 + ".safetensors")
+    state.write_bytes(b"x")
+    elsewhere = tmp_path / ("b" * 32 + ".safetensors")
+    elsewhere.write_bytes(b"x")
+    odd = folder / "notes.safetensors"
+    odd.write_bytes(b"x")
+    target = tmp_path / "target"
+    target.write_bytes(b"kept")
+    link = folder / ("c" * 32 + ".safetensors")
+    link.symlink_to(target)
+    assert [store.remove(p) for p in (elsewhere, odd, link, folder / ("d" * 32 + ".safetensors"))] == [False] * 4
+    assert elsewhere.exists() and odd.exists() and link.is_symlink() and target.read_bytes() == b"kept"
+    assert store.remove(state) is True and not state.exists()
+
+
 def test_the_store_stays_bounded_and_removes_only_its_own_files(tmp_path: Path) -> None:
     folder = tmp_path / "states"
     store = TrainStateStore(folder)

@@ -1,0 +1,150 @@
+"""Saves during a run: the LoRA trained so far, with its training state, every ``save_every`` steps and when the run
+stops early (Cancel, an error), so a long run loses at most ``save_every`` steps, or none, and continues exactly.
+
+ComfyUI's own trainer returns its LoRA only when the last step is done: a run cancelled or failed at step 900 of
+1000 leaves nothing, and kohya, OneTrainer and ai-toolkit all save as they go. A save writes what **Save LoRA
+Weights** writes (the adapter tensors, named ``<prefix>_<steps>_steps_<counter>_.safetensors`` in ComfyUI's output
+folder, so ``existing_lora`` reads the step count from the name) and the training state :mod:`.resume` writes at a
+run's end, found again by the LoRA's content: continuing a save is the same as never having stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+import folder_paths
+
+from ...dataset_cache.format.durable import atomic_write
+from ...dataset_cache.sampler import BatchPlan, BucketSampler
+from ...dataset_cache.optimizer_state import TrainState, lora_digest
+from .resume import Start, capture_state, save_state, state_store
+
+__all__ = ["RunSaves", "lora_weights", "write_lora"]
+
+log = logging.getLogger("streamcache.train")
+
+
+def lora_weights(run: Any) -> dict[str, torch.Tensor]:
+    """The run's adapter weights as they stand, as detached CPU tensors in the LoRA's dtype (``SaveLoRA``'s keys)."""
+    return {k: v.detach().to("cpu", run.adapter_dtype).clone() for k, v in run.lora_sd.items()}
+
+
+def write_lora(lora: Mapping[str, torch.Tensor], prefix: str, steps: int) -> Path:
+    """Write ``lora`` as Save LoRA Weights names it, ``<prefix>_<steps>_steps_<counter>_.safetensors`` under
+    ComfyUI's output folder, atomically (a crash leaves the whole file or none); return its path.
+
+    The counter is one more than the highest of the files already named so (ComfyUI's own counter reads the step
+    count as one). A file is never replaced.
+
+    Raises:
+        OSError: the folder or the file cannot be written (naming it); ValueError: the prefix leaves the output
+            folder (ComfyUI's check).
+    """
+    try:
+        folder, name, _, _, _ = folder_paths.get_save_image_path(prefix, folder_paths.get_output_directory())
+    except OSError:
+        raise
+    except Exception as exc:  # ComfyUI raises a plain Exception for a prefix outside the output folder
+        raise ValueError(f"save_prefix {prefix!r}: {str(exc).strip().splitlines()[0].strip('* ')}") from None
+    os.makedirs(folder, exist_ok=True)
+    taken = re.compile(re.escape(name) + r"_\d+_steps_(\d+)_\.safetensors", re.IGNORECASE)
+    counters = [int(m.group(1)) for m in map(taken.fullmatch, os.listdir(folder)) if m]
+    path = Path(folder) / f"{name}_{steps}_steps_{max(counters, default=0) + 1:05}_.safetensors"
+    if os.path.lexists(path):
+        raise OSError(f"{path} already exists")
+    data = safetensors.torch.save(dict(lora))
+    atomic_write(path, lambda f: f.write(data))
+    return path
+
+
+class RunSaves:
+    """The step loop's ``save`` hook: writes the LoRA after a step and its training state beside it (the state of
+    the run's previous save removed: continuing an earlier save starts its optimizer afresh, and says so).
+
+    A periodic save that fails (a full disk, a folder that cannot be written) is said in the run's notes and the
+    run goes on; a save as the run stops only logs its outcome, the run's own error follows.
+    """
+
+    def __init__(self, run: Any, sampler: BucketSampler, start: Start) -> None:
+        self.run = run
+        self.sampler = sampler
+        self.start = start
+        self.saved: list[tuple[int, Path]] = []
+        self.seconds: list[float] = []  # each save's, from the first copy off the device to the state's fsync
+        self.notes: list[str] = []
+        self._state: Path | None = None  # the state this run created for its last save
+
+    def __call__(self, done: int, last: BatchPlan, stopped_by: BaseException | None = None) -> None:
+        """Save after ``done`` steps of this run, ``last`` being the plan of their last batch; ``stopped_by``: what
+        ends the run early (``None``: a periodic save)."""
+        steps = self.start.steps + done
+        t0 = time.perf_counter()
+        try:
+            state = capture_state(self.run, self.sampler, self.start, done=done, after=last)
+            lora = lora_weights(self.run)
+            path = write_lora(lora, self.run.settings.save_prefix, steps)
+        except (OSError, ValueError) as exc:
+            self._failed(steps, exc, stopped_by)
+            return
+        self._save_state(state, lora)
+        self.seconds.append(time.perf_counter() - t0)
+        self.saved.append((steps, path))
+        if stopped_by is None:
+            log.info("Train LoRA: saved the LoRA at step %d as %s", steps, path)
+            return
+        log.warning("Train LoRA: the run stopped after step %d (%s); the LoRA trained so far is saved as %s. To "
+                    "continue it, put it in models/loras and pick it as existing_lora.", steps, _describe(stopped_by),
+                    path)
+
+    def _save_state(self, state: TrainState, lora: dict[str, torch.Tensor]) -> None:
+        """Write the save's training state, and remove the one this run wrote for its previous save: a run keeps
+        one state of its saves (and its end's), not one per save, which would crowd other LoRAs' states out of the
+        folder's 32. Only a state this run created is ever removed."""
+        store = state_store()
+        digest = lora_digest(lora)
+        path = store.path_for(digest)
+        existed = store.find(digest) is not None
+        notes, _ = save_state(state, lora, digest)
+        if notes:  # not written: said once, as a failed save
+            if not any(n.startswith("the training state") for n in self.notes):
+                self.notes.extend(notes)
+            return
+        if self._state is not None and self._state != path:
+            store.remove(self._state)
+        self._state = None if existed else path
+
+    def _failed(self, steps: int, exc: Exception, stopped_by: BaseException | None) -> None:
+        log.warning("Train LoRA: could not save the LoRA at step %d: %s", steps, exc)
+        if stopped_by is None and not self.notes:  # once: every later save would likely fail the same way
+            self.notes.append(f"the LoRA could not be saved at step {steps} ({exc}); the run went on")
+
+    def describe(self) -> list[str]:
+        """The summary's line on the saves made (none: nothing)."""
+        if not self.saved:
+            return []
+        steps = ", ".join(str(s) for s, _ in self.saved)
+        return [f"saved the LoRA at step{'s' if len(self.saved) > 1 else ''} {steps} ({max(self.seconds):.1f} s at "
+                f"most; the last, with its training state, as {_shown(self.saved[-1][1])})"]
+
+
+def _describe(error: BaseException) -> str:
+    if type(error).__name__ == "InterruptProcessingException":
+        return "cancelled"
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the output folder where it is inside it (the summary names where to look)."""
+    try:
+        return f"output/{path.relative_to(folder_paths.get_output_directory()).as_posix()}"
+    except ValueError:
+        return str(path)
