@@ -82,6 +82,9 @@ class TrainFigures:
     """Ours and the bound: seconds of each phase from the trainer's call to the end of its first step as the
     trainer times them (``TrainResult.startup``: data, model, memory plan, ...); empty for the built-in and in runs
     before it was recorded."""
+    saves: dict[str, list[float]] = field(default_factory=dict)
+    """Ours with ``save_every``: each save's seconds as the trainer times them (``TrainResult.saves``: ``waited_s``
+    on the training thread, ``written_s`` on the writer's); empty otherwise."""
     kept_census: str = ""
     """An arm that kept memory (:attr:`kept_memory`): what of it Python still reaches, by what refers to it
     (:func:`bench.tensor_census.device_census`); what it does not reach, only C++ holds."""

@@ -279,6 +279,7 @@ def train_ours(trainers: Trainers, model: Any, data: FamilyData, fig: TrainFigur
         reader.close()
     fig.memory_plan = str(result.memory_plan.get("description", ""))
     fig.startup = {str(k): float(v) for k, v in getattr(result, "startup", {}).items()}
+    fig.saves = {str(k): [float(x) for x in v] for k, v in getattr(result, "saves", {}).items()}
     return ends, list(result.losses), waits
 
 

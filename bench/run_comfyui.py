@@ -18,6 +18,7 @@ ComfyUI runs.
     "$COMFYUI_PYTHON" bench/run_comfyui.py profile-cost [options]    # bench/gpu_profile_cost.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py plan-shapes [options]     # bench/plan_shapes.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py startup [options]         # bench/startup.py
+    "$COMFYUI_PYTHON" bench/run_comfyui.py saves [options]           # bench/saves.py
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def main() -> int:
         from bench.startup import main as startup_main
 
         return startup_main(argv[1:])
+    if argv[:1] == ["saves"]:
+        from bench.saves import main as saves_main
+
+        return saves_main(argv[1:])
     if argv[:1] == ["step-ops"]:
         from bench.step_ops import main as step_ops_main
 

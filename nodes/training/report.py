@@ -153,6 +153,8 @@ class TrainResult:
         memory_plan: the memory plan the run trained with and its estimate, as data
             (:meth:`dataset_cache.memory_plan.MemoryPlan.as_dict`, with what the weight streamer did).
         startup: seconds of each phase before the first step ended (:class:`Startup`), in order.
+        saves: with ``save_every``, each save's seconds: ``waited_s`` what it held the training thread (the copy off
+            the device, a previous save still being written), ``written_s`` its writing, on the writer's thread.
     """
 
     lora: dict[str, torch.Tensor]
@@ -167,6 +169,7 @@ class TrainResult:
     info: tuple[str, ...] = ()
     memory_plan: dict[str, Any] = field(default_factory=dict)
     startup: dict[str, float] = field(default_factory=dict)
+    saves: dict[str, list[float]] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One paragraph for the node's UI (what was changed from the settings first)."""

@@ -127,6 +127,8 @@ def train_lora(
         finally:
             loader.close()
             unprepare(run, train)
+            if saves is not None:
+                saves.wait()  # the last save on disk before the run's own state (and before an error leaves)
         state = capture_state(run, sampler, start)  # before finish releases the optimizer
         lora = finish(run)
     notes, info = save_state(state, lora) if team.is_main else ([], [])  # rank 0's run is the one to continue
@@ -135,7 +137,8 @@ def train_lora(
     wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
                        wait_pct, dict(sampler.buckets), (*data.notes, *run.memory.notes(), *start.notes, *notes),
-                       counts, (*start.info, *info), run.memory.report(), dict(startup.phases))
+                       counts, (*start.info, *info), run.memory.report(), dict(startup.phases),
+                       {"waited_s": saves.waited, "written_s": saves.seconds} if saves is not None else {})
 
 
 @dataclass

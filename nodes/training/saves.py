@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -70,6 +71,10 @@ class RunSaves:
     """The step loop's ``save`` hook: writes the LoRA after a step and its training state beside it (the state of
     the run's previous save removed: continuing an earlier save starts its optimizer afresh, and says so).
 
+    The training thread only copies the weights and the optimizer's state off the device (a snapshot); a thread of
+    its own writes them (serializing, two files, their fsyncs: most of a save), one save at a time, while the next
+    steps train. A save as the run stops is written at once, after the one being written.
+
     A periodic save that fails (a full disk, a folder that cannot be written) is said in the run's notes and the
     run goes on; a save as the run stops only logs its outcome, the run's own error follows.
     """
@@ -79,23 +84,47 @@ class RunSaves:
         self.sampler = sampler
         self.start = start
         self.saved: list[tuple[int, Path]] = []
-        self.seconds: list[float] = []  # each save's, from the first copy off the device to the state's fsync
+        self.waited: list[float] = []  # what each save held the training thread: its snapshot, a previous write
+        self.seconds: list[float] = []  # each save's writing, on the writer's thread
         self.notes: list[str] = []
         self._state: Path | None = None  # the state this run created for its last save
+        self._writer: threading.Thread | None = None
 
     def __call__(self, done: int, last: BatchPlan, stopped_by: BaseException | None = None) -> None:
         """Save after ``done`` steps of this run, ``last`` being the plan of their last batch; ``stopped_by``: what
-        ends the run early (``None``: a periodic save)."""
+        ends the run early (``None``: a periodic save, written on the writer's thread)."""
         steps = self.start.steps + done
         t0 = time.perf_counter()
+        self.wait()
         try:
             state = capture_state(self.run, self.sampler, self.start, done=done, after=last)
             lora = lora_weights(self.run)
-            path = write_lora(lora, self.run.settings.save_prefix, steps)
         except (OSError, ValueError) as exc:
             self._failed(steps, exc, stopped_by)
             return
-        self._save_state(state, lora)
+        self.waited.append(time.perf_counter() - t0)
+        if stopped_by is not None:
+            self._write(steps, state, lora, stopped_by)
+            return
+        self._writer = threading.Thread(target=self._write, args=(steps, state, lora, None),
+                                        name="streamcache-lora-save", daemon=True)
+        self._writer.start()
+
+    def wait(self) -> None:
+        """Wait until the save being written is on disk (the next save and the run's end wait so)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def _write(self, steps: int, state: TrainState, lora: dict[str, torch.Tensor],
+               stopped_by: BaseException | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            path = write_lora(lora, self.run.settings.save_prefix, steps)
+            self._save_state(state, lora)
+        except Exception as exc:  # on the writer's thread nothing else would see it: said, and the run goes on
+            self._failed(steps, exc, stopped_by)
+            return
         self.seconds.append(time.perf_counter() - t0)
         self.saved.append((steps, path))
         if stopped_by is None:
@@ -132,8 +161,9 @@ class RunSaves:
         if not self.saved:
             return []
         steps = ", ".join(str(s) for s, _ in self.saved)
-        return [f"saved the LoRA at step{'s' if len(self.saved) > 1 else ''} {steps} ({max(self.seconds):.1f} s at "
-                f"most; the last, with its training state, as {_shown(self.saved[-1][1])})"]
+        return [f"saved the LoRA at step{'s' if len(self.saved) > 1 else ''} {steps} (training waited "
+                f"{max(self.waited):.1f} s per save at most, writing took {max(self.seconds):.1f} s; the last, with "
+                f"its training state, as {_shown(self.saved[-1][1])})"]
 
 
 def _describe(error: BaseException) -> str:

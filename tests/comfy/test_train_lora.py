@@ -542,7 +542,8 @@ def test_saves_every_n_steps_are_what_save_lora_writes_and_continue_exactly(
     lora, losses, _ = out.result
     assert losses == whole_run[1] and all(torch.equal(lora[k], whole_run[0][k]) for k in lora)
     assert _saves(lora_folder) == ["streamcache_lora_3_steps_00001_.safetensors"]
-    assert re.search(r"saved the LoRA at step 3 \(\d+\.\d s at most; the last, with its training state, as "
+    assert re.search(r"saved the LoRA at step 3 \(training waited \d+\.\d s per save at most, writing took "
+                     r"\d+\.\d s; the last, with its training state, as "
                      r"output/loras/streamcache_lora_3_steps_00001_\.safetensors\)", _summary(out))
     assert len(list((lora_folder / "streamcache_train_state").iterdir())) == 2  # the save's and the end's
     rest = _train(node, models[0], dataset, steps=1, existing_lora="streamcache_lora_3_steps_00001_.safetensors",
