@@ -1,5 +1,6 @@
-"""Saves during a run: the LoRA trained so far, with its training state, every ``save_every`` steps and when the run
-stops early (Cancel, an error), so a long run loses at most ``save_every`` steps, or none, and continues exactly.
+"""Saves during a run: the LoRA trained so far (the latest save with its training state) every ``save_every`` steps
+and when the run stops early (Cancel, an error), so a long run loses at most ``save_every`` steps, or none, and
+continues exactly.
 
 ComfyUI's own trainer returns its LoRA only when the last step is done: a run cancelled or failed at step 900 of
 1000 leaves nothing, and kohya, OneTrainer and ai-toolkit all save as they go. A save writes what **Save LoRA
@@ -25,8 +26,8 @@ import torch
 import folder_paths
 
 from ...dataset_cache.format.durable import atomic_write
-from ...dataset_cache.sampler import BatchPlan, BucketSampler
 from ...dataset_cache.optimizer_state import TrainState, lora_digest
+from ...dataset_cache.sampler import BatchPlan, BucketSampler
 from .resume import Start, capture_state, save_state, state_store
 
 __all__ = ["RunSaves", "lora_weights", "write_lora"]
