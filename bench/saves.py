@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .report import stat
-from .startup import small_latent
+from .startup import full_size_session, machine_line, spread
 
 __all__ = ["SaveFigures", "measure", "render", "main"]
 
@@ -103,14 +102,10 @@ def render(figs: Sequence[SaveFigures], seconds: float, machine: str, steps: int
     for f in figs:
         plain, saving = f.step_s.get("no saves", []), f.step_s.get("save every step", [])
         cost = f"{statistics.median(saving) - statistics.median(plain):+.2f} s" if plain and saving else "—"
-        lines.append(f"| {f.title} | {_spread(plain)} | {_spread(saving)} | {cost} | {_spread(f.waited_s)} | "
-                     f"{_spread(f.written_s)} | {f.lora_mib:.1f} | {f.state_mib:.1f} |")
+        lines.append(f"| {f.title} | {spread(plain)} | {spread(saving)} | {cost} | {spread(f.waited_s)} | "
+                     f"{spread(f.written_s)} | {f.lora_mib:.1f} | {f.state_mib:.1f} |")
     errors = [e for f in figs for e in f.errors]
     return lines + (["", "Arms without figures:", *(f"- {e}" for e in errors)] if errors else [])
-
-
-def _spread(values: list[float]) -> str:
-    return stat(values, fmt=".2f") if values else "—"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -128,30 +123,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--runs must be at least 1 and --steps at least 2")
     with tempfile.TemporaryDirectory(prefix="bench-saves-") as tmp:
         work = Path(tmp)
-        from .plan_shapes import configure_comfyui
-
-        configure_comfyui(work)
+        ctx, specs = full_size_session(work, args.tiny, args.only)
         import folder_paths
-        from support.pack import import_pack
 
-        from .common import machine_info
-        from .gpu import context_from_pack, tiny_specs
-        from .gpu_models import FULL_FAMILIES
-
-        families = tiny_specs()[0] if args.tiny else FULL_FAMILIES
-        wanted = [f.strip() for f in args.only.split(",") if f.strip()]
-        unknown = sorted(set(wanted) - set(families))
-        if unknown:
-            raise SystemExit(f"--only: unknown families {unknown}; known: {sorted(families)}")
-        ctx = context_from_pack(import_pack(), work, work / "out", print)
         output = Path(folder_paths.get_output_directory())
         t = time.perf_counter()
-        figs = [measure(ctx, small_latent(families[name]), args.runs, args.steps, work, output) for name in wanted]
-        m = machine_info()
-        lines = render(figs, time.perf_counter() - t, f"{m.cpu} ({m.cores} cores), {m.ram} RAM", args.steps)
+        figs = [measure(ctx, spec, args.runs, args.steps, work, output) for spec in specs]
+        lines = render(figs, time.perf_counter() - t, machine_line(), args.steps)
     print("\n".join(lines))
     return 1 if any(f.errors for f in figs) else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,7 +35,7 @@ from typing import Any
 
 from .report import stat
 
-__all__ = ["StartupFigures", "measure", "render", "main"]
+__all__ = ["StartupFigures", "full_size_session", "machine_line", "measure", "spread", "render", "main"]
 
 LATENT_SIDE = 16
 """The latent's height and width (128 px for SD1.5 and SDXL): the step stays seconds long on a CPU core."""
@@ -100,12 +100,13 @@ def render(figs: Sequence[StartupFigures], seconds: float, machine: str) -> list
         ratio = f"{statistics.median(ours) / statistics.median(built):.2f}" if built and ours else "—"
         cells = [f"{statistics.median([p.get(name, 0.0) for p in f.phases]):.2f}" if f.phases else "—"
                  for name in phases]
-        lines.append(f"| {f.title} | {_spread(built)} | {_spread(ours)} | {ratio} | " + " | ".join(cells) + " |")
+        lines.append(f"| {f.title} | {spread(built)} | {spread(ours)} | {ratio} | " + " | ".join(cells) + " |")
     errors = [e for f in figs for e in f.errors]
     return lines + (["", "Arms without figures:", *(f"- {e}" for e in errors)] if errors else [])
 
 
-def _spread(values: list[float]) -> str:
+def spread(values: list[float]) -> str:
+    """``median (min–max)`` of ``values`` in seconds, or a dash for none."""
     return stat(values, fmt=".2f") if values else "—"
 
 
@@ -117,34 +118,46 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def full_size_session(work: Path, tiny: bool, only: str) -> tuple[Any, list[Any]]:
+    """ComfyUI set up in ``work`` as a GPU run sets the model up, the pack imported, and the families of ``only``
+    (comma-separated) with a :func:`small_latent`: ``(context, specs)`` for :func:`bench.gpu_train.run_arm`.
+    ``tiny``: the GPU harness's tiny stand-ins. Shared by ``bench-comfy startup`` and ``saves``."""
+    from .plan_shapes import configure_comfyui
+
+    configure_comfyui(work)
+    from support.pack import import_pack
+
+    from .gpu import context_from_pack, tiny_specs
+    from .gpu_models import FULL_FAMILIES
+
+    families = tiny_specs()[0] if tiny else FULL_FAMILIES
+    wanted = [f.strip() for f in only.split(",") if f.strip()]
+    unknown = sorted(set(wanted) - set(families))
+    if unknown:
+        raise SystemExit(f"--only: unknown families {unknown}; known: {sorted(families)}")
+    return context_from_pack(import_pack(), work, work / "out", print), [small_latent(families[n]) for n in wanted]
+
+
+def machine_line() -> str:
+    """The machine, as the tables' first line names it."""
+    from .common import machine_info
+
+    m = machine_info()
+    return f"{m.cpu} ({m.cores} cores), {m.ram} RAM"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.runs < 1:
         raise SystemExit("--runs must be at least 1")
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         work = Path(tmp)
-        from .plan_shapes import configure_comfyui
-
-        configure_comfyui(work)
-        from support.pack import import_pack
-
-        from .common import machine_info
-        from .gpu import context_from_pack, tiny_specs
-        from .gpu_models import FULL_FAMILIES
-
-        families = tiny_specs()[0] if args.tiny else FULL_FAMILIES
-        wanted = [f.strip() for f in args.only.split(",") if f.strip()]
-        unknown = sorted(set(wanted) - set(families))
-        if unknown:
-            raise SystemExit(f"--only: unknown families {unknown}; known: {sorted(families)}")
-        ctx = context_from_pack(import_pack(), work, work / "out", print)
+        ctx, specs = full_size_session(work, args.tiny, args.only)
         t = time.perf_counter()
-        figs = [measure(ctx, small_latent(families[name]), args.runs, work) for name in wanted]
-        m = machine_info()
-        lines = render(figs, time.perf_counter() - t, f"{m.cpu} ({m.cores} cores), {m.ram} RAM")
+        figs = [measure(ctx, spec, args.runs, work) for spec in specs]
+        lines = render(figs, time.perf_counter() - t, machine_line())
     print("\n".join(lines))
     return 1 if any(f.errors for f in figs) else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
