@@ -575,6 +575,22 @@ def test_a_run_keeps_the_training_state_of_its_last_save_only(node: type, models
     assert "it has no saved training state" in _summary(early) and early.result[2] == 3
 
 
+@pytest.mark.parametrize("options", [{"bypass_mode": True}, {"memory": "stream blocks", "stream_blocks": 2},
+                                     {"lora_dtype": "bf16", "algorithm": "LoHa"}], ids=["bypass", "streamed", "loha"])
+def test_a_save_is_the_lora_of_its_step_whatever_holds_the_weights(node: type, models: tuple, dataset: Any,
+                                                                    lora_folder: Path, options: dict) -> None:
+    """The adapters of bypass mode (forward hooks), of a run whose blocks' weights are streamed, and of another
+    algorithm in bf16: the save after the last step is the node's LoRA, key for key and bit for bit."""
+    from safetensors.torch import load_file
+
+    out = _train(node, models[0], dataset, steps=2, save_every=2, **options)
+    (name,) = _saves(lora_folder)
+    saved = load_file(str(lora_folder / "loras" / name))
+    lora = out.result[0]
+    assert set(saved) == set(lora) and all(saved[k].dtype == lora[k].dtype and torch.equal(saved[k], lora[k])
+                                           for k in lora)
+
+
 def _stop_at(monkeypatch: pytest.MonkeyPatch, pack: ModuleType, call: int, stop: Callable[[], Any]) -> None:
     """Make the ``call``-th batch's forward and backward (1-based) run ``stop`` once it is done."""
     loop = _module(pack, "nodes.training.loop").StepLoop
