@@ -92,21 +92,30 @@ class _Events:
             log.debug("could not send %s", EVENT, exc_info=True)
 
 
-class _ShowPlan:
-    """Shows the memory plan on the node before the first step (ComfyUI's progress text), when a server exists."""
+class _NodeText:
+    """The node's progress text (ComfyUI's ``send_progress_text``), when a server exists: the memory plan before the
+    first step, then under it the latest save of ``save_every`` (sent from the saves' writer thread: ComfyUI's
+    ``send_sync`` is thread-safe)."""
 
     def __init__(self, node_id: str | None) -> None:
         self.node_id = node_id
+        self._plan = ""
 
-    def __call__(self, plan: MemoryPlan) -> None:
+    def plan(self, plan: MemoryPlan) -> None:
+        self._plan = f"memory: {plan.describe()}"
+        self._send(self._plan)
+
+    def saved(self, steps: int, where: str) -> None:
+        self._send("\n".join(filter(None, (self._plan, f"saved the LoRA at step {steps}: {where}"))))
+
+    def _send(self, text: str) -> None:
         instance = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
         if instance is None or self.node_id is None:
             return
         try:
-            instance.send_progress_text(f"memory: {plan.describe()}", self.node_id,
-                                        getattr(instance, "client_id", None))
-        except Exception:  # showing the plan must never fail the training
-            log.debug("could not show the memory plan", exc_info=True)
+            instance.send_progress_text(text, self.node_id, getattr(instance, "client_id", None))
+        except Exception:  # what the node shows must never fail the training
+            log.debug("could not show %r", text[:80], exc_info=True)
 
 
 class TrainLoRA(io.ComfyNode):
@@ -348,9 +357,10 @@ class TrainLoRA(io.ComfyNode):
                     raise ValueError(
                         f"{what} {handle.name!r} in the {handle.where()} is empty (0 samples): there is nothing to "
                         "train on; encode a folder that holds images")
+            text = _NodeText(node_id)
             result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
                                 reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "",
-                                on_plan=_ShowPlan(node_id))
+                                on_plan=text.plan, on_saved=text.saved)
         except BaseException as error:  # ComfyUI keeps its error in a reference cycle: the run's finished frames
             release_error_frames(error)  # would keep its tensors until a full collection (autograd_release)
             raise

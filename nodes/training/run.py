@@ -55,6 +55,7 @@ def train_lora(
     reg_name: str = "the regularization dataset",
     on_plan: Callable[[MemoryPlan], None] | None = None,
     world: Any = None,
+    on_saved: Callable[[int, str], None] | None = None,
 ) -> TrainResult:
     """Train a LoRA (or LoHa/LoKr/OFT) on ``model`` over the cached ``samples`` and return its weights.
 
@@ -73,6 +74,8 @@ def train_lora(
             ``settings.reg_weight``; ``None``: none.
         reg_name: the regularization dataset's name, for messages.
         on_plan: called with the memory plan before the first step (the node shows it).
+        on_saved: called with the total steps and the file (``output/...``) of each save of ``save_every``, from the
+            thread that wrote it (the node shows it).
         world: a worker's own collective (``nodes/training/worker.py``); not for callers. Where to train is
             ``settings.devices``: several devices train data-parallel with a global batch of ``batch_size`` ×
             devices (see :mod:`.distributed`).
@@ -102,7 +105,7 @@ def train_lora(
         start = resume_run(run, sampler, existing, name_steps)  # continuing: optimizer, steps, batch order
         first_batch = start.first_batch
         team.same_start(start.steps, first_batch, sampler.position, run.optimizer)
-        saves = RunSaves(run, sampler, start) if settings.save_every > 0 and team.is_main else None
+        saves = RunSaves(run, sampler, start, on_saved) if settings.save_every > 0 and team.is_main else None
         loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
                         ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
                         first_batch=first_batch, world=team.collective, startup=startup, save=saves)

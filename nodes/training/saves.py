@@ -16,7 +16,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +80,10 @@ class RunSaves:
     run goes on; a save as the run stops only logs its outcome, the run's own error follows.
     """
 
-    def __init__(self, run: Any, sampler: BucketSampler, start: Start) -> None:
+    def __init__(self, run: Any, sampler: BucketSampler, start: Start,
+                 on_saved: Callable[[int, str], None] | None = None) -> None:
         self.run = run
+        self.on_saved = on_saved  # told each save's total steps and file (from the writer's thread, mostly)
         self.sampler = sampler
         self.start = start
         self.saved: list[tuple[int, Path]] = []
@@ -128,12 +130,17 @@ class RunSaves:
             return
         self.seconds.append(time.perf_counter() - t0)
         self.saved.append((steps, path))
+        if self.on_saved is not None:
+            try:
+                self.on_saved(steps, _shown(path))
+            except Exception:  # showing a save must never fail it
+                log.debug("could not show the save", exc_info=True)
         if stopped_by is None:
             log.info("Train LoRA: saved the LoRA at step %d as %s", steps, path)
             return
         log.warning("Train LoRA: the run stopped after step %d (%s); the LoRA trained so far is saved as %s. To "
-                    "continue it, put it in models/loras and pick it as existing_lora.", steps, _describe(stopped_by),
-                    path)
+                    "continue it, pick it as existing_lora (copied to models/loras, or where output/loras is listed "
+                    "as a LoRA folder).", steps, _describe(stopped_by), path)
 
     def _save_state(self, state: TrainState, lora: dict[str, torch.Tensor]) -> None:
         """Write the save's training state, and remove the one this run wrote for its previous save: a run keeps

@@ -143,3 +143,45 @@ def test_cancel_training_then_a_new_training_completes(comfy_server: ComfyServer
     done = client.run(prompt)
     assert len(done.outputs["5"]["loss"]) == 4
     assert _settled_threads(comfy_server, threads) <= threads
+
+
+def test_cancel_with_save_every_keeps_the_steps_it_finished_and_the_save_continues(
+        comfy_server: ComfyServer, client: ComfyClient, tiny_models: TinyModels) -> None:
+    """``save_every`` over HTTP: a Cancel mid-run leaves the save of the last finished step in ``output/loras`` (no
+    periodic save comes first: every 1000 steps), the server's log names it, and queuing it as ``existing_lora``
+    (this server lists ``output/loras``, as README's extra_model_paths recipe does) continues it from its training
+    state; the node's progress text names each save."""
+    import re
+
+    make_kohya_folder(comfy_server.input_dir / "e2e_cancel_save", (Subset(1, "x", ((64, 64), (64, 64)), "png"),))
+    prompt = encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"),
+                           "e2e_cancel_save", "e2e_cancel_save", batch_size=4)
+    prompt["4"] = {"class_type": "UNETLoader", "inputs": {"unet_name": tiny_models.name("unet"),
+                                                          "weight_dtype": "default"}}
+    train = {"model": ["4", 0], "dataset": ["3", 0], "batch_size": 1, "grad_accumulation_steps": 1,
+             "steps": 5000, "learning_rate": 1e-3, "rank": 4, "optimizer": "AdamW", "loss_function": "MSE",
+             "seed": 5, "training_dtype": "fp32", "lora_dtype": "fp32", "algorithm": "LoRA",
+             "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
+             "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "save_every": 1000,
+             "save_prefix": "loras/e2e_save"}
+    prompt["5"] = {"class_type": "StreamCache_TrainLoRA", "inputs": train}
+    prompt["6"] = {"class_type": "LossGraphNode", "inputs": {"loss": ["5", 1], "filename_prefix": "e2e_save"}}
+
+    def training(event: dict[str, Any]) -> bool:
+        return event["type"] == "streamcache.train" and (event.get("data") or {}).get("step", 0) >= 3
+
+    cancelled = _run_and_interrupt(client, prompt, training)
+    assert _interrupted_in(cancelled) == "5"
+    saves = {int(m.group(1)): m.group(0) for m in (re.fullmatch(r"e2e_save_(\d+)_steps_\d{5}_\.safetensors", p.name)
+                                                   for p in (comfy_server.output_dir / "loras").iterdir()) if m}
+    (last,) = saves  # the stop's, after the steps that ran before the interrupt was seen
+    assert last >= 3, saves
+    assert f"the run stopped after step {last} (cancelled); the LoRA trained so far is saved as" \
+        in comfy_server.log_text()
+    train.update(steps=2, save_every=1, existing_lora=saves[last])  # 2: Plot Loss Graph needs two losses
+    done = client.run(prompt)
+    (summary,) = done.outputs["5"]["text"]
+    assert f"continued {saves[last]!r} from its training state ({last} steps): AdamW state restored" in summary
+    shown = [e["text"] for e in done.events_of("progress_text") if e["node"] == "5"]
+    assert any(f"saved the LoRA at step {last + 1}: output/loras/e2e_save_{last + 1}_steps_" in t for t in shown), \
+        shown
