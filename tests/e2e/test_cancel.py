@@ -108,20 +108,28 @@ def test_cancel_encoding_then_requeue_finishes_without_redoing(comfy_server: Com
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def test_cancel_training_then_a_new_training_completes(comfy_server: ComfyServer, client: ComfyClient,
-                                                       tiny_models: TinyModels) -> None:
-    make_kohya_folder(comfy_server.input_dir / "e2e_cancel_train", (Subset(1, "x", ((64, 64), (64, 64)), "png"),))
-    prompt = encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"),
-                           "e2e_cancel_train", "e2e_cancel_train", batch_size=4)
+def _training_prompt(server: ComfyServer, tiny_models: TinyModels, folder: str, **options: Any
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Encode a 2-image folder, then train 5000 steps on it (a run to cancel), then plot its loss; returns the prompt
+    and Train LoRA's inputs (``options`` over the defaults here), to change between queues."""
+    make_kohya_folder(server.input_dir / folder, (Subset(1, "x", ((64, 64), (64, 64)), "png"),))
+    prompt = encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"), folder, folder, batch_size=4)
     prompt["4"] = {"class_type": "UNETLoader", "inputs": {"unet_name": tiny_models.name("unet"),
                                                           "weight_dtype": "default"}}
     train = {"model": ["4", 0], "dataset": ["3", 0], "batch_size": 1, "grad_accumulation_steps": 1,
              "steps": 5000, "learning_rate": 1e-3, "rank": 4, "optimizer": "AdamW", "loss_function": "MSE",
              "seed": 3, "training_dtype": "fp32", "lora_dtype": "fp32", "algorithm": "LoRA",
              "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-             "existing_lora": "[None]", "prefetch_batches": 4, "loader_threads": 2}
+             "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, **options}
     prompt["5"] = {"class_type": "StreamCache_TrainLoRA", "inputs": train}
-    prompt["6"] = {"class_type": "LossGraphNode", "inputs": {"loss": ["5", 1], "filename_prefix": "e2e_cancel"}}
+    prompt["6"] = {"class_type": "LossGraphNode", "inputs": {"loss": ["5", 1], "filename_prefix": folder}}
+    return prompt, train
+
+
+def test_cancel_training_then_a_new_training_completes(comfy_server: ComfyServer, client: ComfyClient,
+                                                       tiny_models: TinyModels) -> None:
+    prompt, train = _training_prompt(comfy_server, tiny_models, "e2e_cancel_train", seed=3, prefetch_batches=4,
+                                     loader_threads=2)
 
     train["steps"] = 3  # first a short training that completes: thread pools exist, the thread count is known
     assert len(client.run(prompt).outputs["5"]["loss"]) == 3
@@ -153,19 +161,8 @@ def test_cancel_with_save_every_keeps_the_steps_it_finished_and_the_save_continu
     state; the node's progress text names each save."""
     import re
 
-    make_kohya_folder(comfy_server.input_dir / "e2e_cancel_save", (Subset(1, "x", ((64, 64), (64, 64)), "png"),))
-    prompt = encode_prompt(tiny_models.name("vae"), tiny_models.name("clip"),
-                           "e2e_cancel_save", "e2e_cancel_save", batch_size=4)
-    prompt["4"] = {"class_type": "UNETLoader", "inputs": {"unet_name": tiny_models.name("unet"),
-                                                          "weight_dtype": "default"}}
-    train = {"model": ["4", 0], "dataset": ["3", 0], "batch_size": 1, "grad_accumulation_steps": 1,
-             "steps": 5000, "learning_rate": 1e-3, "rank": 4, "optimizer": "AdamW", "loss_function": "MSE",
-             "seed": 5, "training_dtype": "fp32", "lora_dtype": "fp32", "algorithm": "LoRA",
-             "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-             "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "save_every": 1000,
-             "save_prefix": "loras/e2e_save"}
-    prompt["5"] = {"class_type": "StreamCache_TrainLoRA", "inputs": train}
-    prompt["6"] = {"class_type": "LossGraphNode", "inputs": {"loss": ["5", 1], "filename_prefix": "e2e_save"}}
+    prompt, train = _training_prompt(comfy_server, tiny_models, "e2e_cancel_save", seed=5, save_every=1000,
+                                     save_prefix="loras/e2e_save")
 
     def training(event: dict[str, Any]) -> bool:
         return event["type"] == "streamcache.train" and (event.get("data") or {}).get("step", 0) >= 3
