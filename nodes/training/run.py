@@ -132,16 +132,18 @@ def train_lora(
             unprepare(run, train)
             if saves is not None:
                 saves.wait()  # the last save on disk before the run's own state (and before an error leaves)
-        state = capture_state(run, sampler, start)  # before finish releases the optimizer
-        lora = finish(run)
-    notes, info = save_state(state, lora) if team.is_main else ([], [])  # rank 0's run is the one to continue
+        # rank 0's run is the one to continue; a save of its last step already wrote this state
+        saved_at_end = saves is not None and saves.holds_the_end(start.steps + settings.steps)
+        state = capture_state(run, sampler, start) if team.is_main and not saved_at_end else None  # before finish
+        lora = finish(run)  # releases the optimizer
+    notes, info = save_state(state, lora) if state is not None else ([], [])
     if saves is not None:
         notes, info = [*saves.notes, *notes], [*saves.describe(), *info]
     wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
                        wait_pct, dict(sampler.buckets), (*data.notes, *run.memory.notes(), *start.notes, *notes),
                        counts, (*start.info, *info), run.memory.report(), dict(startup.phases),
-                       {"waited_s": saves.waited, "written_s": saves.seconds} if saves is not None else {})
+                       {"waited_s": saves.waited, "written_s": saves.written} if saves is not None else {})
 
 
 @dataclass

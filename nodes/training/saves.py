@@ -23,6 +23,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+import comfy.model_management
 import folder_paths
 
 from ...dataset_cache.format.durable import atomic_write
@@ -88,8 +89,9 @@ class RunSaves:
         self.start = start
         self.saved: list[tuple[int, Path]] = []
         self.waited: list[float] = []  # what each save held the training thread: its snapshot, a previous write
-        self.seconds: list[float] = []  # each save's writing, on the writer's thread
+        self.written: list[float] = []  # each save's writing, on the writer's thread
         self.notes: list[str] = []
+        self.state_steps: int | None = None  # the total steps of the last save whose training state was written
         self._state: Path | None = None  # the state this run created for its last save
         self._writer: threading.Thread | None = None
 
@@ -128,7 +130,7 @@ class RunSaves:
         except Exception as exc:  # on the writer's thread nothing else would see it: said, and the run goes on
             self._failed(steps, exc, stopped_by)
             return
-        self.seconds.append(time.perf_counter() - t0)
+        self.written.append(time.perf_counter() - t0)
         self.saved.append((steps, path))
         if self.on_saved is not None:
             try:
@@ -158,6 +160,13 @@ class RunSaves:
         if self._state is not None and self._state != path:
             store.remove(self._state)
         self._state = None if existed else path
+        self.state_steps = state.steps
+
+    def holds_the_end(self, steps: int) -> bool:
+        """Whether the last save is the run's end (``steps`` in total) with its training state written: the run's
+        own state would be the same file written again, so the run does not write it."""
+        self.wait()
+        return bool(self.saved) and self.saved[-1][0] == steps == self.state_steps
 
     def _failed(self, steps: int, exc: Exception, stopped_by: BaseException | None) -> None:
         log.warning("Train LoRA: could not save the LoRA at step %d: %s", steps, exc)
@@ -169,13 +178,15 @@ class RunSaves:
         if not self.saved:
             return []
         steps = ", ".join(str(s) for s, _ in self.saved)
+        last, where = self.saved[-1][0], _shown(self.saved[-1][1])
+        state = ", with its training state," if last == self.state_steps else ""
         return [f"saved the LoRA at step{'s' if len(self.saved) > 1 else ''} {steps} (training waited "
-                f"{max(self.waited):.1f} s per save at most, writing took {max(self.seconds):.1f} s; the last, with "
-                f"its training state, as {_shown(self.saved[-1][1])})"]
+                f"{max(self.waited):.1f} s per save at most, writing took {max(self.written):.1f} s; the last{state} "
+                f"as {where})"]
 
 
 def _describe(error: BaseException) -> str:
-    if type(error).__name__ == "InterruptProcessingException":
+    if isinstance(error, comfy.model_management.InterruptProcessingException):
         return "cancelled"
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
 

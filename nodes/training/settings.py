@@ -44,9 +44,9 @@ class TrainSettings:
     the stream modes, 0 as many as needed; ``allow_fp8``: block weights may be stored in fp8). ``checkpoint_depth``
     is no longer used: with ``gradient_checkpointing`` every block is its own checkpoint (0: set by a new node);
     ``checkpoint_mode`` picks how (:data:`CHECKPOINT_MODES`).
-    ``save_every`` saves the LoRA trained so far with its training state every that many steps, and when the run
-    stops early (0: never; :mod:`.saves`), as ``<save_prefix>_<steps>_steps_<counter>_.safetensors`` in ComfyUI's
-    output folder.
+    ``save_every`` saves the LoRA trained so far every that many steps, and when the run stops early, the latest
+    save with its training state (0: never; :mod:`.saves`), as
+    ``<save_prefix>_<steps>_steps_<counter>_.safetensors`` in ComfyUI's output folder.
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """

@@ -554,6 +554,18 @@ def test_saves_every_n_steps_are_what_save_lora_writes_and_continue_exactly(
         in _summary(rest)
 
 
+def test_a_save_of_the_last_step_is_the_runs_state_written_once(node: type, models: tuple, dataset: Any,
+                                                                 lora_folder: Path, whole_run: Any) -> None:
+    """save_every 2 of 2 steps: the save is the run's end, so the run writes no second copy of its state; continuing
+    the returned LoRA (the save, by content) for 2 steps is the 4-step run bit for bit."""
+    out = _train(node, models[0], dataset, steps=2, save_every=2, **_CONTINUED)
+    assert "training state saved as" not in _summary(out) and len(list((lora_folder / "streamcache_train_state"
+                                                                         ).iterdir())) == 1
+    rest = _train(node, models[0], dataset, steps=2, existing_lora=_save_lora(out.result[0], 2), **_CONTINUED)
+    assert rest.result[1]["loss"] == whole_run[1]["loss"][2:]
+    assert all(torch.equal(rest.result[0][k], whole_run[0][k]) for k in whole_run[0])
+
+
 def test_a_run_keeps_the_training_state_of_its_last_save_only(node: type, models: tuple, dataset: Any,
                                                             lora_folder: Path, whole_run: Any) -> None:
     """save_every 1 of 4 steps: four files, the last the node's own LoRA, and one training state (the last save's,
