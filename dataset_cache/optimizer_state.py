@@ -41,6 +41,7 @@ import xxhash
 
 from .errors import CacheError
 from .format.durable import atomic_write
+from .lr_schedule import LR_SCHEDULES, LrSchedule
 from .format.safetensors_io import (
     DTYPE_TO_ST,
     ST_TO_DTYPE,
@@ -113,6 +114,9 @@ class TrainState:
         param_groups: the optimizer's groups: hyperparameters, and ``"params"``: the parameter names.
         sampler: the sampler's ``state_dict()`` after the last batch, or ``None``.
         scaler: a ``GradScaler``'s ``state_dict()``, or ``None``.
+        lr_schedule: the learning-rate schedule the run trained with
+            (:meth:`~dataset_cache.lr_schedule.LrSchedule.as_dict`), or ``None`` (a state written before schedules
+            were recorded): a continued run says when its own schedule sets other rates.
     """
 
     lora_digest: str
@@ -123,6 +127,7 @@ class TrainState:
     param_groups: tuple[Mapping[str, Any], ...] = ()
     sampler: Mapping[str, Any] | None = None
     scaler: Mapping[str, Any] | None = None
+    lr_schedule: Mapping[str, Any] | None = None
 
 
 def lora_digest(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -221,6 +226,8 @@ def write_train_state(path: str | os.PathLike[str], state: TrainState) -> int:
         "optimizer": state.optimizer, "steps": state.steps, "batches": state.batches,
         "param_groups": list(state.param_groups), "sampler": state.sampler, "scaler": state.scaler,
     }
+    if state.lr_schedule is not None:  # optional: states written before it was recorded lack it
+        meta["lr_schedule"] = dict(state.lr_schedule)
     text = json.dumps(meta, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     header = build_header([(k, DTYPE_TO_ST[v.dtype], tuple(v.shape)) for k, v in tensors], {METADATA_KEY: text})
 
@@ -281,7 +288,7 @@ def read_train_state(path: str | os.PathLike[str], *, digest: str, max_bytes: in
         slots.setdefault(name, {})[slot] = value
     groups = _groups(path, meta["param_groups"])
     return TrainState(meta["lora_digest"], meta["optimizer"], meta["steps"], meta["batches"], slots, groups,
-                      meta["sampler"], meta["scaler"])
+                      meta["sampler"], meta["scaler"], meta.get("lr_schedule"))
 
 
 def _read_at(fd: int, offset: int, n: int) -> bytes:
@@ -312,6 +319,14 @@ def _metadata(path: str | os.PathLike[str], text: str | None) -> dict[str, Any]:
             raise TrainStateError(path, f"its metadata has no {name!r}")
         if not ok(meta[name]):
             raise TrainStateError(path, f"its metadata's {name} is not valid ({meta[name]!r:.60})")
+    schedule = meta.get("lr_schedule")
+    if schedule is not None:
+        try:
+            if type(schedule) is not dict or type(schedule.get("kind")) is not str:
+                raise ValueError("not an object with a kind")
+            LrSchedule.from_dict({**schedule, "kind": LR_SCHEDULES[0]})  # a later version's kind is kept, not refused
+        except (ValueError, TypeError) as exc:
+            raise TrainStateError(path, f"its metadata's lr_schedule is not valid ({exc})") from None
     return meta
 
 

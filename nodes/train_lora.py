@@ -37,8 +37,10 @@ from .training import (
     CHECKPOINT_MODES,
     DEFAULT_SAVE_PREFIX,
     LOSS_FUNCTIONS,
+    LR_SCHEDULES,
     MAX_REG_RATIO,
     MAX_REG_WEIGHT,
+    MAX_WARMUP_STEPS,
     OPTIMIZERS,
     StepReport,
     TrainSettings,
@@ -86,6 +88,8 @@ class _Events:
                 "step": report.step, "total": report.total, "loss": report.loss,
                 "loss_smooth": report.loss_smooth, "samples_per_s": round(report.samples_per_s, 3),
                 "data_wait_pct": round(report.data_wait_pct, 2)}
+        if report.learning_rate is not None:
+            data["learning_rate"] = report.learning_rate
         try:
             instance.send_sync(EVENT, data, getattr(instance, "client_id", None))
         except Exception:  # a progress event must never fail the training
@@ -253,6 +257,16 @@ class TrainLoRA(io.ComfyNode):
                 io.String.Input("save_prefix", default=DEFAULT_SAVE_PREFIX, optional=True, advanced=True,
                                 tooltip="The name of the saves of save_every, in ComfyUI's output folder (a "
                                 "subfolder may be given, as Save LoRA Weights' prefix)."),
+                io.Combo.Input("lr_schedule", options=list(LR_SCHEDULES), default="constant", optional=True,
+                               tooltip="How the learning rate changes over the training, after the warm-up. "
+                               "'constant': learning_rate throughout (ComfyUI's own Train LoRA). 'cosine': from "
+                               "learning_rate down to near 0 along half a cosine. 'linear': down to near 0 in a "
+                               "straight line. The training counts the existing LoRA's steps and this run's: "
+                               "continuing a save with the steps it had left sets the rates the run that never "
+                               "stopped would have."),
+                io.Int.Input("warmup_steps", default=0, min=0, max=MAX_WARMUP_STEPS, optional=True,
+                             tooltip="Steps over which the learning rate rises in a straight line to learning_rate "
+                             "(the first step at 1/warmup_steps of it), before lr_schedule applies. 0: none."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -299,6 +313,8 @@ class TrainLoRA(io.ComfyNode):
         checkpoint_mode: str = "exact",
         save_every: int = 0,
         save_prefix: str = DEFAULT_SAVE_PREFIX,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -311,7 +327,7 @@ class TrainLoRA(io.ComfyNode):
             caption_dropout=float(caption_dropout), reg_ratio=float(reg_ratio), reg_weight=float(reg_weight),
             memory=memory, stream_blocks=int(stream_blocks), allow_fp8=bool(allow_fp8),
             devices=str(devices), checkpoint_mode=str(checkpoint_mode), save_every=int(save_every),
-            save_prefix=str(save_prefix),
+            save_prefix=str(save_prefix), lr_schedule=str(lr_schedule), warmup_steps=int(warmup_steps),
         )
         settings.validate()  # before opening anything: a typo fails fast
         for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset)):

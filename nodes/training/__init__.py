@@ -32,15 +32,17 @@ from .comfy_parts import nodes_train_module
 from .loop import NonFiniteLossError
 from .report import RowCounts, StepReport, TrainResult
 from .run import train_lora
-from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, MAX_REG_RATIO, MAX_REG_WEIGHT, OPTIMIZERS,
-                       TrainSettings)
+from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, LR_SCHEDULES, MAX_REG_RATIO,
+                       MAX_REG_WEIGHT, MAX_WARMUP_STEPS, OPTIMIZERS, TrainSettings)
 
 __all__ = [
     "CHECKPOINT_MODES",
     "DEFAULT_SAVE_PREFIX",
     "LOSS_FUNCTIONS",
+    "LR_SCHEDULES",
     "MAX_REG_RATIO",
     "MAX_REG_WEIGHT",
+    "MAX_WARMUP_STEPS",
     "NonFiniteLossError",
     "OPTIMIZERS",
     "RowCounts",

@@ -19,6 +19,7 @@ import comfy.utils
 from ...dataset_cache.autograd_release import release_failed_backward
 from ...dataset_cache.gcpause import StepCollector
 from ...dataset_cache.loader import Batch
+from ...dataset_cache.lr_schedule import LrSchedule
 from ...dataset_cache.sampler import BatchPlan
 from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.sharding import share_of
@@ -117,9 +118,11 @@ class _LaggedLosses:
 class _Tally:
     """The run's losses, their moving average, rows and waits, and the per-step report (progress bar, callback)."""
 
-    def __init__(self, steps: int, on_step: Callable[[StepReport], None] | None) -> None:
+    def __init__(self, steps: int, on_step: Callable[[StepReport], None] | None,
+                 rate: Callable[[int], float] | None = None) -> None:
         self.steps = steps
         self.on_step = on_step
+        self.rate = rate  # the learning rate of a step of the run (its number from 0), for the report
         self.pbar = comfy.utils.ProgressBar(steps)
         self.losses: list[float] = []
         self.smooth: float | None = None
@@ -135,7 +138,7 @@ class _Tally:
             elapsed = time.perf_counter() - self.t0
             self.on_step(StepReport(step + 1, self.steps, loss, self.smooth, self.rows / elapsed if elapsed else 0.0,
                                     100.0 * self.wait / elapsed if elapsed else 0.0, batch.plan.epoch,
-                                    elapsed, self.wait))
+                                    elapsed, self.wait, self.rate(step) if self.rate is not None else None))
 
 
 class StepLoop:
@@ -143,6 +146,8 @@ class StepLoop:
 
     ``first_batch`` is the global number of the first batch: a run continuing an existing LoRA starts where the
     earlier run stopped, so its batch order, noise and timesteps are those an uninterrupted run would have had.
+    ``schedule`` sets each optimizer step's learning rate by the step's global number (``first_step`` + the step);
+    ``None``: the optimizer's own, unchanged.
     ``world`` (a :class:`~dataset_cache.collective.Collective`, ``None``: one process) makes this one rank of a
     data-parallel run: its batches are its rows of global batches (:func:`~dataset_cache.sharding.share_of`), whose
     noise and timesteps it draws whole and slices; gradients are averaged over the ranks before each optimizer step,
@@ -153,8 +158,11 @@ class StepLoop:
     def __init__(self, mp: Any, settings: TrainSettings, dtype: torch.dtype, loss_fn: Any, optimizer: Any,
                  scaler: Any, forward: ModelCall, conditioner: Conditioner, device: torch.device, *,
                  first_batch: int = 0, world: Any = None, startup: Startup | None = None,
-                 save: Callable[[int, BatchPlan, BaseException | None], None] | None = None) -> None:
+                 save: Callable[[int, BatchPlan, BaseException | None], None] | None = None,
+                 schedule: LrSchedule | None = None, first_step: int = 0) -> None:
         self.first_batch = first_batch
+        self.schedule = schedule
+        self.first_step = first_step
         self.save = save  # the saves during the run (.saves.RunSaves): every settings.save_every steps, and on a stop
         self.completed = 0  # optimizer steps done
         self._last_plan: BatchPlan | None = None  # the last batch of the last step done
@@ -192,7 +200,7 @@ class StepLoop:
         throw_if_interrupted = comfy.model_management.throw_exception_if_processing_interrupted
         if self.world is not None:  # every rank stops at the same step: agreed in world.agree below
             throw_if_interrupted = _checked_by_the_ranks
-        tally = _Tally(s.steps, on_step)
+        tally = _Tally(s.steps, on_step, self._rate if self.schedule is not None else None)
         lagged = _LaggedLosses(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         try:
@@ -240,7 +248,7 @@ class StepLoop:
             self.world.reduce_gradients(p for g in self.optimizer.param_groups for p in g["params"])
         if not stopping:
             self._in_optimizer = True
-            self._optimizer_step()
+            self._optimizer_step(step)
             self._in_optimizer = False
             self.completed, self._last_plan = step + 1, step_batches[-1].plan
         saving = self.save is not None and not stopping and s.save_every > 0 and (step + 1) % s.save_every == 0
@@ -421,7 +429,15 @@ class StepLoop:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def _optimizer_step(self) -> None:
+    def _rate(self, step: int) -> float:
+        assert self.schedule is not None
+        return self.schedule.rate(self.first_step + step)
+
+    def _optimizer_step(self, step: int) -> None:
+        if self.schedule is not None:
+            rate = self._rate(step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = rate
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         for group in self.optimizer.param_groups:  # as the built-in: gradients in the parameters' dtype

@@ -12,8 +12,10 @@ import torch
 from ...dataset_cache.dataset import Sample
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.dataset_mix import DatasetMix, shared_samples
+from ...dataset_cache.lr_schedule import LrSchedule
 
-__all__ = ["RowCounts", "Startup", "describe_startup", "StepReport", "TrainResult", "counted", "overlap_notes"]
+__all__ = ["RowCounts", "Startup", "describe_rates", "describe_startup", "StepReport", "TrainResult", "counted",
+           "overlap_notes"]
 
 @dataclass(frozen=True)
 class StepReport:
@@ -29,6 +31,7 @@ class StepReport:
         epoch: the dataset epoch of the step's last batch.
         elapsed_s: seconds since the step loop started, at this report.
         waited_s: of those, the seconds the loop waited for the loader.
+        learning_rate: the rate this step trained at (``lr_schedule``), ``None`` when the loop sets none.
     """
 
     step: int
@@ -40,6 +43,7 @@ class StepReport:
     epoch: int
     elapsed_s: float = 0.0
     waited_s: float = 0.0
+    learning_rate: float | None = None
 
 
 @dataclass
@@ -125,6 +129,16 @@ class Startup:
 
     def describe(self) -> str:
         return describe_startup(self.phases)
+
+
+def describe_rates(schedule: LrSchedule, done: int, steps: int) -> tuple[str, ...]:
+    """The learning rates a run of ``steps`` steps after ``done`` trained at, for the summary: ``()`` for one
+    constant rate (the node's ``learning_rate``)."""
+    if schedule.is_constant:
+        return ()
+    first, last = done, done + steps - 1
+    return (f"learning rate {schedule.describe()}: {schedule.rate(first):.3g} at step {first + 1}, "
+            f"{schedule.rate(last):.3g} at step {last + 1}",)
 
 
 def describe_startup(phases: dict[str, float]) -> str:

@@ -10,6 +10,7 @@ library's (:mod:`dataset_cache.optimizer_state`); docs/ARCHITECTURE.md has the d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import torch
 
 import folder_paths
 
+from ...dataset_cache.lr_schedule import LrSchedule
 from ...dataset_cache.optimizer_state import (
     OPTIMIZER_SLOTS,
     TrainState,
@@ -108,10 +110,39 @@ def resume_run(run: Any, sampler: BucketSampler, existing: Mapping[str, torch.Te
         start.notes.append(f"existing_lora {name!r}: the batch order continues at batch {state.batches} by count, "
                            f"not from the saved position ({exc})")
         where = "the batch order by count"
+    schedule_note = _schedule_note(name, state, settings)
+    if schedule_note:
+        start.notes.append(schedule_note)
     optimizer = (f"{state.optimizer} state restored" if restored and state.slots else
                  f"{state.optimizer} had no state to restore" if restored else f"{settings.optimizer} fresh")
     start.info.append(f"continued {name!r} from its training state ({state.steps} steps): {optimizer}, {where}")
     return start
+
+
+def _schedule_note(name: str, state: TrainState, settings: Any) -> str | None:
+    """What the user must know when this run's learning rate does not go on as the saved run's would have: another
+    schedule, or the same one stretched over another number of steps (``steps`` counts this run's steps, so
+    continuing a cancelled 1000-step run at step 900 with ``steps`` 1000 decays over 1900)."""
+    if state.lr_schedule is None:  # written before states recorded it: nothing to compare
+        return None
+    try:
+        saved = LrSchedule.from_dict(state.lr_schedule)
+    except ValueError as exc:  # a kind of a later version
+        log.info("Train LoRA: existing_lora %r: its run's learning-rate schedule is not one this version knows (%s)",
+                 name, exc)
+        return None
+    mine = settings.lr_schedule_after(state.steps)
+    step = state.steps
+    if saved == mine or (saved.rate(step), saved.rate(step + 1)) == (mine.rate(step), mine.rate(step + 1)):
+        return None
+    note = (f"existing_lora {name!r}: step {step + 1} trains at learning rate {mine.rate(step):.3g}, where the run "
+            f"that saved it would have used {saved.rate(step):.3g} (it trained with {saved.describe()}; this run "
+            f"has {mine.describe()}: the {step} steps it had + steps {settings.steps})")
+    same_kind = (saved.kind, saved.learning_rate, saved.warmup_steps) == (mine.kind, mine.learning_rate,
+                                                                          mine.warmup_steps)
+    if same_kind and saved.total_steps > step:
+        note += f"; to finish its schedule exactly, set steps to {saved.total_steps - step}"
+    return note
 
 
 def _restore_optimizer(run: Any, state: TrainState, start: Start) -> bool:
@@ -180,7 +211,8 @@ def capture_state(run: Any, sampler: BucketSampler, start: Start, *, done: int |
     scaler = run.scaler.state_dict() if run.scaler is not None else None
     return TrainState("", settings.optimizer, start.steps + done,
                       start.first_batch + done * settings.grad_accumulation_steps, slots, groups,
-                      _sampler_state(sampler, after), scaler or None)
+                      _sampler_state(sampler, after), scaler or None,
+                      settings.lr_schedule_after(start.steps).as_dict())
 
 
 def _sampler_state(sampler: BucketSampler, after: BatchPlan | None) -> dict[str, Any]:
@@ -201,8 +233,7 @@ def save_state(state: TrainState, lora: Mapping[str, torch.Tensor], digest: str 
     store = state_store()
     digest = lora_digest(lora) if digest is None else digest
     try:
-        path, pruned = store.save(TrainState(digest, state.optimizer, state.steps, state.batches, state.slots,
-                                             state.param_groups, state.sampler, state.scaler))
+        path, pruned = store.save(dataclasses.replace(state, lora_digest=digest))
     except (OSError, ValueError) as exc:
         log.warning("Train LoRA: could not save the training state: %s", exc)
         return [f"the training state could not be saved ({exc}); continuing this LoRA will start "

@@ -34,7 +34,7 @@ from .conditioning import Conditioner, ModelCall
 from .distributed import plan_team
 from .loop import StepLoop
 from .memory import MemoryStep, plan_run_memory
-from .report import RowCounts, Startup, StepReport, TrainResult, counted, overlap_notes
+from .report import RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes
 from .resume import capture_state, resume_run, save_state
 from .saves import RunSaves, lora_weights
 from .settings import TrainSettings
@@ -106,9 +106,11 @@ def train_lora(
         first_batch = start.first_batch
         team.same_start(start.steps, first_batch, sampler.position, run.optimizer)
         saves = RunSaves(run, sampler, start, on_saved) if settings.save_every > 0 and team.is_main else None
+        schedule = settings.lr_schedule_after(start.steps)
         loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
                         ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
-                        first_batch=first_batch, world=team.collective, startup=startup, save=saves)
+                        first_batch=first_batch, world=team.collective, startup=startup, save=saves,
+                        schedule=schedule, first_step=start.steps)
         loader = PrefetchLoader(  # noise, sigmas and row weights drawn on its workers: loop.per_batch
             reader, sampler, prefetch_batches=settings.prefetch_batches,
             threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
@@ -140,6 +142,7 @@ def train_lora(
     if saves is not None:
         notes, info = [*saves.notes, *notes], [*saves.describe(), *info]
     wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
+    info = [*describe_rates(schedule, start.steps, settings.steps), *info]
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
                        wait_pct, dict(sampler.buckets), (*data.notes, *run.memory.notes(), *start.notes, *notes),
                        counts, (*start.info, *info), run.memory.report(), dict(startup.phases),

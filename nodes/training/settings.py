@@ -8,10 +8,12 @@ from pathlib import PurePosixPath, PureWindowsPath
 
 from comfy.weight_adapter import adapter_maps
 
+from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 
-__all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "MAX_REG_RATIO", "MAX_REG_WEIGHT", "MEMORY_MODES",
-           "OPTIMIZERS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
+__all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_REG_RATIO", "MAX_REG_WEIGHT",
+           "MAX_WARMUP_STEPS", "MEMORY_MODES", "OPTIMIZERS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings",
+           "check_save_prefix"]
 
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
 """The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node)."""
@@ -30,6 +32,8 @@ MAX_REG_RATIO = 16.0
 """Regularization occurrences per main occurrence: kohya's default is 1; past 16 the main dataset is noise."""
 MAX_REG_WEIGHT = 16.0
 """Loss weight of a regularization row (kohya's ``prior_loss_weight``, usually 1)."""
+MAX_WARMUP_STEPS = 100000
+"""The node's largest ``steps``: a longer warm-up would never end."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class TrainSettings:
     ``save_every`` saves the LoRA trained so far every that many steps, and when the run stops early, the latest
     save with its training state (0: never; :mod:`.saves`), as
     ``<save_prefix>_<steps>_steps_<counter>_.safetensors`` in ComfyUI's output folder.
+    ``lr_schedule`` and ``warmup_steps`` set each step's learning rate (:class:`~dataset_cache.lr_schedule.LrSchedule`
+    over the steps the existing LoRA had plus ``steps``; "constant" without warm-up: ``learning_rate`` throughout, as
+    ComfyUI's own trainer).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -86,6 +93,9 @@ class TrainSettings:
     # saves during the run (.saves): every ``save_every`` steps and when a run stops early; 0: none
     save_every: int = 0
     save_prefix: str = DEFAULT_SAVE_PREFIX
+    # the learning rate of each step (dataset_cache.lr_schedule)
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -97,13 +107,15 @@ class TrainSettings:
             ("lora_dtype", self.lora_dtype, LORA_DTYPES),
             ("memory", self.memory, MEMORY_MODES),
             ("checkpoint_mode", self.checkpoint_mode, CHECKPOINT_MODES),
+            ("lr_schedule", self.lr_schedule, LR_SCHEDULES),
         ):
             if value not in allowed:
                 raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(allowed)}")
         for name in ("steps", "batch_size", "grad_accumulation_steps", "rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prefetch_batches", "loader_threads", "checkpoint_depth", "stream_blocks", "save_every"):
+        for name in ("prefetch_batches", "loader_threads", "checkpoint_depth", "stream_blocks", "save_every",
+                     "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
@@ -118,7 +130,14 @@ class TrainSettings:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value <= top):
                 raise ValueError(f"{name} must be a number from 0 to {top:g}, got {value!r:.40}")
+        if self.warmup_steps > MAX_WARMUP_STEPS:
+            raise ValueError(f"warmup_steps must be at most {MAX_WARMUP_STEPS}, got {self.warmup_steps}")
         check_save_prefix(self.save_prefix)
+
+    def lr_schedule_after(self, done: int) -> LrSchedule:
+        """The learning rate of every step of a run continuing a LoRA that had ``done`` steps: the schedule spans
+        those and this run's ``steps``, so a continued run sets the rates the run that never stopped would have."""
+        return LrSchedule(self.lr_schedule, float(self.learning_rate), self.warmup_steps, done + self.steps)
 
 
 def check_save_prefix(prefix: object) -> None:

@@ -37,7 +37,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "bypass_mode": False, "masked_loss": True, "unmasked_weight": 0.1,
     "caption_dropout": 0.0, "reg_dataset": None, "reg_ratio": 1.0, "reg_weight": 1.0,
     "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact",
-    "save_every": 0, "save_prefix": "loras/streamcache_lora",
+    "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -148,6 +148,10 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # a prompt without them saves nothing during the run, as before
     for name, default in (("save_every", 0), ("save_prefix", "loras/streamcache_lora")):
         assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
+    # a prompt without them trains at learning_rate throughout, as before (and as ComfyUI's own Train LoRA)
+    for name, default in (("lr_schedule", "constant"), ("warmup_steps", 0)):
+        assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
+    assert inputs["lr_schedule"].options == ["constant", "cosine", "linear"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -328,9 +332,9 @@ def test_bypass_mode_trains_the_same_lora_through_forward_hooks(pack: ModuleType
     hooks: list[int] = []
     step = training.loop.StepLoop._optimizer_step
 
-    def record(self: Any) -> None:  # modules whose forward is replaced by a hook while training runs
+    def record(self: Any, *args: Any) -> None:  # modules whose forward is replaced by a hook while training runs
         hooks.append(sum("forward" in vars(m) for m in self.mp.model.diffusion_model.modules()))
-        step(self)
+        step(self, *args)
 
     monkeypatch.setattr(training.loop.StepLoop, "_optimizer_step", record)
     model = models[0]
@@ -365,9 +369,9 @@ def test_quantized_backward_is_set_for_the_run_only(pack: ModuleType, node: type
     seen: list[bool] = []
     step = training.loop.StepLoop._optimizer_step
 
-    def record(self: Any) -> None:
+    def record(self: Any, *args: Any) -> None:
         seen.append(comfy.model_management.training_fp8_bwd)
-        step(self)
+        step(self, *args)
 
     monkeypatch.setattr(training.loop.StepLoop, "_optimizer_step", record)
     assert comfy.model_management.training_fp8_bwd is False
@@ -603,6 +607,68 @@ def test_a_save_is_the_lora_of_its_step_whatever_holds_the_weights(node: type, m
                                            for k in lora)
 
 
+# ---------------------------------------------------------------------------------------- the learning-rate schedule
+def test_a_warmup_step_trains_at_its_share_of_the_learning_rate(node: type, models: tuple, dataset: Any) -> None:
+    """SGD's update is the rate times the gradient: the first of 4 warm-up steps at 0.02 is the step of a run at
+    0.02 / 4, bit for bit (a division by a power of two rounds nothing); a step at the full rate is another."""
+    opts = {"optimizer": "SGD", "steps": 1}
+    warm = _train(node, models[0], dataset, learning_rate=0.02, lr_schedule="cosine", warmup_steps=4, **opts)
+    quarter = _train(node, models[0], dataset, learning_rate=0.02 / 4, **opts).result[0]
+    full = _train(node, models[0], dataset, learning_rate=0.02, **opts).result[0]
+    assert all(torch.equal(warm.result[0][k], quarter[k]) for k in quarter)
+    assert not all(torch.equal(full[k], quarter[k]) for k in quarter)
+    assert "; learning rate cosine from 0.02 over 1 step, 4 warm-up: 0.005 at step 1, 0.005 at step 1" \
+        in _summary(warm)
+    assert "learning rate" not in _summary(_train(node, models[0], dataset, **opts))  # constant: nothing to say
+
+
+def test_each_steps_report_carries_the_rate_it_trained_at(pack: ModuleType, node: type, models: tuple, dataset: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The progress event (the node's live head) says each step's rate: linear over 4 steps after a warm-up of 2."""
+    reports: list[Any] = []
+    monkeypatch.setattr(_module(pack, "nodes.train_lora")._Events, "__call__", lambda self, r: reports.append(r))
+    _train(node, models[0], dataset, steps=4, learning_rate=0.02, lr_schedule="linear", warmup_steps=2)
+    assert [r.learning_rate for r in reports] == [0.01, 0.02, 0.02, 0.01]
+
+
+_SCHEDULED = {**_CONTINUED, "lr_schedule": "cosine", "warmup_steps": 2}
+
+
+def test_a_scheduled_run_continued_from_a_save_sets_the_rates_of_the_run_that_never_stopped(
+        node: type, models: tuple, dataset: Any, lora_folder: Path) -> None:
+    """Cosine after 2 warm-up steps, 5 steps, saved at step 3: continuing the save with the 2 steps it had left is the
+    5-step run bit for bit (the schedule counts the save's 3 steps). Continuing it with steps 5 stretches the decay
+    over 8 steps: the node says which rate step 4 now takes instead of the saved run's, and how to finish that."""
+    whole = _train(node, models[0], dataset, steps=5, save_every=3, **_SCHEDULED).result
+    (name,) = _saves(lora_folder)
+    rest = _train(node, models[0], dataset, steps=2, existing_lora=name, **_SCHEDULED)
+    assert rest.result[1]["loss"] == whole[1]["loss"][3:]
+    assert all(torch.equal(rest.result[0][k], whole[0][k]) for k in whole[0])
+    assert "NOTE" not in _summary(rest)
+    assert "learning rate cosine from 0.01 over 5 steps, 2 warm-up: 0.0075 at step 4, 0.0025 at step 5" \
+        in _summary(rest)  # (1 + cos(pi / 3)) / 2 and (1 + cos(2 pi / 3)) / 2 of 0.01
+    longer = _summary(_train(node, models[0], dataset, steps=5, existing_lora=name, **_SCHEDULED))
+    assert (f"NOTE: existing_lora {name!r}: step 4 trains at learning rate 0.00933, where the run that saved it "
+            "would have used 0.0075 (it trained with cosine from 0.01 over 5 steps, 2 warm-up; this run has cosine "
+            "from 0.01 over 8 steps, 2 warm-up: the 3 steps it had + steps 5); to finish its schedule exactly, set "
+            "steps to 2") in longer
+    constant = _summary(_train(node, models[0], dataset, steps=1, existing_lora=name, **_CONTINUED))
+    assert "step 4 trains at learning rate 0.01, where the run that saved it would have used 0.0075" in constant
+    assert "set steps to" not in constant  # another schedule: nothing to finish
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"lr_schedule": "exponential"}, "unknown lr_schedule 'exponential'; use one of constant, cosine, linear"),
+    ({"warmup_steps": -1}, "warmup_steps must be >= 0, got -1"),
+    ({"warmup_steps": 100001}, "warmup_steps must be at most 100000, got 100001"),
+])
+def test_a_bad_schedule_is_refused_before_training(node: type, models: tuple, dataset: Any, options: dict,
+                                                   message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _train(node, models[0], dataset, **options)
+    assert _loader_threads() == []
+
+
 def _stop_at(monkeypatch: pytest.MonkeyPatch, pack: ModuleType, call: int, stop: Callable[[], Any]) -> None:
     """Make the ``call``-th batch's forward and backward (1-based) run ``stop`` once it is done."""
     loop = _module(pack, "nodes.training.loop").StepLoop
@@ -756,6 +822,8 @@ def test_progress_events_reach_the_server_throttled(pack: ModuleType, monkeypatc
     assert event == "streamcache.train"
     assert data == {"node": "12", "prompt_id": "p1", "step": 3, "total": 3, "loss": 1.0 / 3, "loss_smooth": 0.9,
                     "samples_per_s": 2.0, "data_wait_pct": 1.5}
+    events(report(3, 3, 0.25, 0.9, 2.0, 1.5, 0, learning_rate=2.5e-4))  # the last step: sent
+    assert sent[-1][1]["learning_rate"] == 2.5e-4
 
 
 # -------------------------------------------------------------------------------------------------- interrupts

@@ -107,7 +107,7 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "bypass_mode": False, "masked_loss": True, "unmasked_weight": 0.1,
             "caption_dropout": 0.0, "reg_ratio": 1.0, "reg_weight": 1.0, "memory": "auto", "stream_blocks": 0,
             "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact", "save_every": 0,
-            "save_prefix": "loras/streamcache_lora"}},
+            "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0}},
         str(SAVE): {"class_type": "SaveLoRA", "inputs": {"lora": [str(TRAIN), 0], "prefix": "loras/streamcache_fe",
                                                          "steps": [str(TRAIN), 2]}},
         str(INFO): {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": damaged}},
@@ -262,6 +262,8 @@ def test_live_loss_curve_and_panels_in_the_real_front_end(browser_tools: str, co
     assert len(set(steps)) >= 2 and len({s["event"]["loss"] for s in seen}) >= 2, f"too few live events: {seen}"
     assert all(s["event"]["node"] == str(TRAIN) and int(s["event"]["total"]) == STEPS for s in seen)
     assert [int(s["panel"]["step"]) for s in seen] == steps, "the panel did not follow the events"
+    # each step's learning rate reaches the panel's head (lr_schedule 'constant': the node's learning_rate)
+    assert all(float(s["event"]["learning_rate"]) == float(s["panel"]["learningRate"]) == 0.0005 for s in seen), seen
     points = [int(s["panel"]["points"]) for s in seen]
     assert points == list(range(1, len(seen) + 1)), points
     live = [s["train"] for s in result["samples"] if s["train"] and s["train"].get("final") == "false"

@@ -3,6 +3,7 @@ hostile file refused with a reason: wrong shapes, NaN, missing keys, a header th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -176,6 +177,10 @@ def test_nan_and_infinite_values_are_refused(saved, value: float) -> None:
     (lambda m: m.update(lora_digest="0" * 32), "was written for another LoRA"),
     (lambda m: m.update(param_groups=[{"params": ["x", "x"]}]), "a parameter is listed in two parameter groups"),
     (lambda m: m.update(param_groups=[{"params": [0, 1]}]), "does not list its parameters by name"),
+    (lambda m: m.update(lr_schedule=[]), "its metadata's lr_schedule is not valid"),
+    (lambda m: m.update(lr_schedule={"kind": "cosine"}), "its metadata's lr_schedule is not valid"),
+    (lambda m: m.update(lr_schedule={**_SCHEDULE, "warmup_steps": -1}), "its metadata's lr_schedule is not valid"),
+    (lambda m: m.update(lr_schedule={**_SCHEDULE, "learning_rate": "1e-4"}), "its metadata's lr_schedule is not"),
 ])
 def test_missing_or_lying_metadata_is_refused(saved, change, message: str) -> None:
     path, _params_, digest = saved
@@ -184,6 +189,23 @@ def test_missing_or_lying_metadata_is_refused(saved, change, message: str) -> No
     _rewrite(path, meta=meta)
     with pytest.raises(TrainStateError, match=message):
         read_train_state(path, digest=digest, max_bytes=BIG)
+
+
+_SCHEDULE = {"kind": "cosine", "learning_rate": 1e-4, "warmup_steps": 10, "total_steps": 100}
+
+
+def test_the_schedule_a_run_trained_with_is_read_back_and_optional(saved) -> None:
+    """A state records its run's learning-rate schedule (a continued run compares its own); a state written before
+    it was recorded reads as ``None``; a later version's schedule kind is kept for the caller to judge, not refused."""
+    path, _params_, digest = saved
+    assert read_train_state(path, digest=digest, max_bytes=BIG).lr_schedule is None  # written without one
+    state = read_train_state(path, digest=digest, max_bytes=BIG)
+    write_train_state(path, dataclasses.replace(state, lr_schedule=_SCHEDULE))
+    assert _meta(path)["lr_schedule"] == _SCHEDULE
+    assert read_train_state(path, digest=digest, max_bytes=BIG).lr_schedule == _SCHEDULE
+    later = {**_SCHEDULE, "kind": "one-cycle"}
+    _rewrite(path, meta={**_meta(path), "lr_schedule": later})
+    assert read_train_state(path, digest=digest, max_bytes=BIG).lr_schedule == later
 
 
 def test_a_file_without_our_metadata_or_with_bad_json_is_refused(saved) -> None:

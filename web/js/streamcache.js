@@ -5,7 +5,7 @@
 // output (the `text` list plus structured lists), so the pack works without this file; it only draws:
 //
 //  * Train LoRA (Stream Cache): a live loss curve (raw + smoothed) from the `streamcache.train` websocket event
-//    ({node, step, total, loss, loss_smooth, samples_per_s, data_wait_pct}), replaced by the full curve from the
+//    ({node, step, total, loss, loss_smooth, samples_per_s, data_wait_pct, learning_rate}), replaced by the full curve from the
 //    node's UI output `loss` when the run ends (onExecuted; also re-sent for cached runs);
 //  * Encode Dataset: the source/encode report, live from `streamcache.encode` ({node, phase, done, total,
 //    samples, new, changed, unchanged, removed, failed}) and final from the UI output `streamcache_report`;
@@ -194,7 +194,8 @@ class LossPanel {
     });
     this.total = values.length;
     this.renderHead({ step: values.length, total: values.length, loss: values.at(-1), loss_smooth: s,
-                      samples_per_s: last.samples_per_s, data_wait_pct: last.data_wait_pct });
+                      samples_per_s: last.samples_per_s, data_wait_pct: last.data_wait_pct,
+                      learning_rate: last.learning_rate });
     this.foot.textContent = text ?? "done";
     this.draw();
   }
@@ -213,8 +214,10 @@ class LossPanel {
     item("smoothed", d ? fmtNum(d.loss_smooth) : "–");
     item("samples/s", d && d.samples_per_s != null ? fmtNum(d.samples_per_s, 2) : "–");
     item("data wait", d && d.data_wait_pct != null ? `${Number(d.data_wait_pct).toFixed(1)}%` : "–");
+    if (d && d.learning_rate != null) item("lr", Number(d.learning_rate).toPrecision(3));
     Object.assign(this.root.dataset, {
       step: d?.step ?? "", total: d?.total ?? "", loss: d?.loss ?? "", lossSmooth: d?.loss_smooth ?? "",
+      learningRate: d?.learning_rate ?? "",
       points: String(this.steps.length), final: String(this.final),
     });
   }
