@@ -19,7 +19,11 @@ longest reduction: 3×3×320 = 2880 (this UNet's widest convolution) in the forw
 weight gradient, 128 tokens: ``γ_n < 2e-4``. SGD turns a relative gradient difference into the same relative
 difference of the weights' change (the update is ``lr × g``), so each trained tensor's change agrees to ``1e-3``
 in norm (``γ_n`` with a factor 5 for the cancellation of ``‖A‖‖B‖`` against ``‖AB‖``), and the loss of each step to
-``1e-3`` relative (step 1's from the forward bound alone; later ones on weights that agree that closely). The
+``1e-3`` relative (step 1's from the forward bound alone; later ones on weights that agree that closely). Each
+trained tensor is also stored in fp32 after every update, a rounding of up to half an ulp, at most ``2⁻²⁴|w|``
+per element, in each run: a tensor that barely moves (a LoRA's ``alpha``, 1.8e-5 in 3 steps) can differ by that
+alone, so the weights' bound adds ``STORED_ROUNDINGS · 2⁻²³‖w‖`` (an update of each run per step, 6 steps at
+most here) to ``1e-3`` of the change. The
 bypass-mode test of test_train_lora.py derives the same bound for another reordering.
 """
 
@@ -48,6 +52,8 @@ OPTIONS = {
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2
 TOLERANCE = 1e-3
+STORED_ROUNDINGS = 6
+"""Updates each compared run stores in fp32, at most (the longest run here has 6 steps): see the docstring."""
 """Relative agreement of the trained change and of the losses (derived in the module docstring)."""
 
 pytestmark = pytest.mark.skipif(not PROC_READABLE, reason="the no-orphan checks read /proc (Linux)")
@@ -116,7 +122,8 @@ def _assert_same_training(got: Any, want: Any, start: dict[str, torch.Tensor]) -
     for key, value in want[0].items():
         change = (value - start[key]).norm()
         moved += bool(change > 0)
-        assert (got[0][key] - value).norm() <= TOLERANCE * change, key
+        stored = STORED_ROUNDINGS * torch.finfo(torch.float32).eps * value.norm()  # fp32 rounding of the updates
+        assert (got[0][key] - value).norm() <= TOLERANCE * change + stored, key
     assert moved >= len(want[0]) // 2  # it did train: most tensors moved
 
 
