@@ -16,7 +16,6 @@ from typing import Any
 from comfy.weight_adapter import adapter_maps
 from comfy_api.latest import io
 
-import folder_paths
 
 from ..dataset_cache.autograd_release import release_error_frames
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
@@ -46,6 +45,7 @@ from .training import (
     TrainSettings,
     train_lora,
 )
+from .training.lora_files import lora_choices
 
 __all__ = ["EVENT", "TrainLoRA"]
 
@@ -59,13 +59,6 @@ _EVENT_INTERVAL_S = 0.5
 
 LoraModel = io.Custom("LORA_MODEL")
 LossMap = io.Custom("LOSS_MAP")
-
-
-def _lora_choices() -> list[str]:
-    try:
-        return folder_paths.get_filename_list("loras") + ["[None]"]
-    except Exception:  # a ComfyUI without a loras folder entry
-        return ["[None]"]
 
 
 class _Events:
@@ -174,11 +167,13 @@ class TrainLoRA(io.ComfyNode):
                 io.Boolean.Input("offloading", advanced=True, default=False,
                                  tooltip="Let ComfyUI manage the weights (its partial loading: weights kept in CPU "
                                  "memory and copied in layer by layer). The memory plan then only checkpoints."),
-                io.Combo.Input("existing_lora", options=_lora_choices(), default="[None]",
-                               tooltip="A LoRA to continue training, or [None] for a new one. A LoRA this node "
-                               "trained continues exactly (optimizer state, step count and batch order come "
-                               "from the training state saved beside it); another continues from the step "
-                               "count in its name, with a fresh optimizer (the summary says so)."),
+                io.Combo.Input("existing_lora", options=lora_choices(), default="[None]",
+                               tooltip="A LoRA to continue training, or [None] for a new one: from the loras "
+                               "folders, or '[output]' for one saved in the output folder's loras/ (Save LoRA "
+                               "Weights, save_every; newest first). A LoRA this node trained continues exactly "
+                               "(optimizer state, step count and batch order come from the training state saved "
+                               "beside it); another continues from the step count in its name, with a fresh "
+                               "optimizer (the summary says so)."),
                 io.Int.Input("prefetch_batches", advanced=True, default=DEFAULT_PREFETCH_BATCHES, min=0, max=64,
                              tooltip="Batches read ahead while the model trains (0: read in the training loop)."),
                 io.Int.Input("loader_threads", advanced=True, default=0, min=0, max=32,

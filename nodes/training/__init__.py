@@ -22,8 +22,8 @@ Modules: ``settings`` (the options), ``run`` (``train_lora`` as its steps), ``lo
 ``conditioning`` (per-row conditionings, the model call), ``report`` (step and run reports), ``comfy_parts`` (the
 ComfyUI functions driven), ``memory`` (the memory plan's step: budget, plan, putting it in place), ``blocks`` (a
 model's blocks), ``probe`` (what a run's forward keeps, measured on fake tensors), ``resume`` (continuing a LoRA
-exactly), ``saves`` (the LoRA saved during a run). Only the execution thread calls
-ComfyUI's progress and interrupt functions; the loader's threads only read.
+exactly), ``saves`` (the LoRA saved during a run), ``lora_files`` (the LoRAs ``existing_lora`` offers). Only the
+execution thread calls ComfyUI's progress and interrupt functions; the loader's threads only read.
 """
 
 from __future__ import annotations

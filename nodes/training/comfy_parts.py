@@ -17,8 +17,9 @@ import torch
 
 import comfy.model_management
 import comfy.utils
-import folder_paths
 import node_helpers
+
+from .lora_files import NONE, lora_path
 
 __all__ = ["bypass_setup", "check_latent_channels", "draw_new_adapters_on_cpu", "load_existing_lora",
            "nodes_train_module", "release", "resume_exactly", "training_dtypes"]
@@ -56,17 +57,15 @@ def nodes_train_module() -> ModuleType:
 
 
 def load_existing_lora(name: str) -> tuple[dict[str, torch.Tensor], int | None]:
-    """Weights and step count of a LoRA in the ``loras`` folder (``"[None]"``: none, 0 steps).
+    """Weights and step count of a LoRA of ``existing_lora``'s list (:mod:`.lora_files`; ``"[None]"``: none, 0 steps).
 
     The step count is read from ``SaveLoRA``'s file name (``<prefix>_<steps>_steps_<counter>_.safetensors``); any
     other name gives ``None`` instead of failing (the built-in node raises on such names). A saved training state
     (:mod:`.resume`) overrides it.
     """
-    if name == "[None]":
+    if name == NONE:
         return {}, 0
-    path = folder_paths.get_full_path("loras", name)
-    if path is None:
-        raise ValueError(f"existing_lora {name!r} is not in the loras folder; pick one from the list or [None]")
+    path = lora_path(name)  # a loras folder's file, or one of the output folder's ("... [output]")
     match = re.search(r"(\d+)_steps_", name)
     return comfy.utils.load_torch_file(path, safe_load=True), int(match.group(1)) if match else None
 

@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import importlib
 import logging
+import os
 import re
 import sys
 import threading
@@ -589,6 +590,76 @@ def test_a_run_keeps_the_training_state_of_its_last_save_only(node: type, models
     early = _train(node, models[0], dataset, steps=1, existing_lora="streamcache_lora_2_steps_00002_.safetensors",
                    **_CONTINUED)
     assert "it has no saved training state" in _summary(early) and early.result[2] == 3
+
+
+@pytest.fixture
+def output_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """ComfyUI's output folder for this test, and a ``loras`` model folder elsewhere (ComfyUI's default set-up: the
+    output folder's ``loras/`` is no model folder)."""
+    import folder_paths
+
+    output, models = tmp_path / "output", tmp_path / "models_loras"
+    (output / "loras").mkdir(parents=True)
+    models.mkdir()
+    monkeypatch.setattr(folder_paths, "output_directory", str(output))
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
+                        ([str(models)], set(folder_paths.supported_pt_extensions)))
+    return output
+
+
+def test_loras_saved_in_the_output_folder_are_offered_newest_first_and_continue_exactly(
+        node: type, models: tuple, dataset: Any, output_only: Path, whole_run: Any) -> None:
+    """A save lands in output/loras, which is no model folder: existing_lora offers it as ComfyUI names output files
+    ("<path> [output]"), newest first, never a link or another kind of file, and continuing it by that name is the
+    uninterrupted run bit for bit. With README's recipe (output/loras a model folder too) it is offered once."""
+    import folder_paths
+
+    older = output_only / "loras" / "old" / "older_2_steps_00001_.safetensors"
+    older.parent.mkdir()
+    older.write_bytes(b"not read: only listed")
+    os.utime(older, (1_000_000_000, 1_000_000_000))
+    (output_only / "loras" / "notes.txt").write_text("not a LoRA")
+    elsewhere = output_only.parent / "elsewhere.safetensors"
+    elsewhere.write_bytes(b"outside the output folder")
+    (output_only / "loras" / "link.safetensors").symlink_to(elsewhere)
+    (output_only / "loras" / "linked").symlink_to(output_only.parent, target_is_directory=True)
+    _train(node, models[0], dataset, steps=4, save_every=3, **_CONTINUED)
+    name = "loras/streamcache_lora_3_steps_00001_.safetensors [output]"
+    options = [o for o in _existing_lora_options(node) if o.endswith(" [output]")]
+    assert options == [name, "loras/old/older_2_steps_00001_.safetensors [output]"]
+    rest = _train(node, models[0], dataset, steps=1, existing_lora=name, **_CONTINUED)
+    assert rest.result[2] == 4 and rest.result[1]["loss"] == whole_run[1]["loss"][3:]
+    assert all(torch.equal(rest.result[0][k], whole_run[0][k]) for k in whole_run[0])
+    assert f"continued {name!r} from its training state (3 steps)" in _summary(rest)
+    folder_paths.folder_names_and_paths["loras"][0].append(str(output_only / "loras"))
+    options = _existing_lora_options(node)
+    assert "streamcache_lora_3_steps_00001_.safetensors" in options and name not in options
+
+
+def _existing_lora_options(node: type) -> list[str]:
+    (entry,) = [i for i in node.GET_SCHEMA().inputs if i.id == "existing_lora"]
+    return list(entry.options)
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("../escape.safetensors [output]", "is not a .safetensors file under the output folder's loras/"),
+    ("loras/../../escape.safetensors [output]", "is not a .safetensors file under the output folder's loras/"),
+    ("/etc/escape.safetensors [output]", "is not a .safetensors file under the output folder's loras/"),
+    ("images/x.safetensors [output]", "is not a .safetensors file under the output folder's loras/"),
+    ("loras/x.ckpt [output]", "is not a .safetensors file under the output folder's loras/"),
+    ("loras/gone.safetensors [output]", "does not exist (moved or deleted?)"),
+    ("loras/link.safetensors [output]", "is a symbolic link, which is never followed out of the output folder"),
+    ("loras/linked/elsewhere.safetensors [output]", "is a symbolic link, which is never followed"),
+])
+def test_an_output_lora_outside_its_folder_or_through_a_link_is_refused_by_name(
+        node: type, models: tuple, dataset: Any, output_only: Path, name: str, why: str) -> None:
+    elsewhere = output_only.parent / "elsewhere.safetensors"
+    elsewhere.write_bytes(b"outside the output folder")
+    (output_only / "loras" / "link.safetensors").symlink_to(elsewhere)
+    (output_only / "loras" / "linked").symlink_to(output_only.parent, target_is_directory=True)
+    with pytest.raises(ValueError, match=re.escape(f"existing_lora {name!r}") + ".*" + re.escape(why)):
+        _train(node, models[0], dataset, steps=1, existing_lora=name)
+    assert _loader_threads() == []
 
 
 @pytest.mark.parametrize("options", [{"bypass_mode": True}, {"memory": "stream blocks", "stream_blocks": 2},
