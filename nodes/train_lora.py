@@ -38,9 +38,11 @@ from .training import (
     LOSS_FUNCTIONS,
     LR_SCHEDULES,
     MAX_REG_RATIO,
+    MAX_NOISE_OFFSET,
     MAX_REG_WEIGHT,
     MAX_WARMUP_STEPS,
     OPTIMIZERS,
+    TIMESTEP_SAMPLINGS,
     StepReport,
     TrainSettings,
     train_lora,
@@ -262,6 +264,17 @@ class TrainLoRA(io.ComfyNode):
                 io.Int.Input("warmup_steps", default=0, min=0, max=MAX_WARMUP_STEPS, optional=True,
                              tooltip="Steps over which the learning rate rises in a straight line to learning_rate "
                              "(the first step at 1/warmup_steps of it), before lr_schedule applies. 0: none."),
+                io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLINGS), default="uniform",
+                               optional=True, advanced=True,
+                               tooltip="How each image's noise level is drawn. 'uniform': evenly over the model's "
+                               "schedule (ComfyUI's own Train LoRA). 'logit-normal': more often at middle noise "
+                               "levels, as the SD3 paper trains rectified-flow models (SD3, Flux, Qwen-Image, "
+                               "Lumina 2, WAN)."),
+                io.Float.Input("noise_offset", default=0.0, min=0.0, max=MAX_NOISE_OFFSET, step=0.01,
+                               optional=True, advanced=True,
+                               tooltip="Shift each image's noise, per channel, by this much times a random value "
+                               "(kohya's noise_offset; 0.05-0.1 usual), so the LoRA can also learn images much "
+                               "darker or lighter than average. 0: plain noise (ComfyUI's own Train LoRA)."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -310,6 +323,8 @@ class TrainLoRA(io.ComfyNode):
         save_prefix: str = DEFAULT_SAVE_PREFIX,
         lr_schedule: str = "constant",
         warmup_steps: int = 0,
+        timestep_sampling: str = "uniform",
+        noise_offset: float = 0.0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -323,6 +338,7 @@ class TrainLoRA(io.ComfyNode):
             memory=memory, stream_blocks=int(stream_blocks), allow_fp8=bool(allow_fp8),
             devices=str(devices), checkpoint_mode=str(checkpoint_mode), save_every=int(save_every),
             save_prefix=str(save_prefix), lr_schedule=str(lr_schedule), warmup_steps=int(warmup_steps),
+            timestep_sampling=str(timestep_sampling), noise_offset=float(noise_offset),
         )
         settings.validate()  # before opening anything: a typo fails fast
         for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset)):

@@ -20,6 +20,7 @@ from ...dataset_cache.autograd_release import release_failed_backward
 from ...dataset_cache.gcpause import StepCollector
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.lr_schedule import LrSchedule
+from ...dataset_cache.noise_draws import draw_percents, offset_noise
 from ...dataset_cache.sampler import BatchPlan
 from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.sharding import share_of
@@ -413,15 +414,17 @@ class StepLoop:
         return self._elementwise
 
     def _draw(self, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmas (one per row) and noise of batch ``index``, on the CPU.
+        """Sigmas (one per row) and noise of batch ``index``, on the CPU (``timestep_sampling`` and ``noise_offset``:
+        :mod:`dataset_cache.noise_draws`).
 
         They depend on the seed and the batch number alone, so a run is reproducible and a continued run draws what
         an uninterrupted one would; the parity test with ComfyUI's trainer replaces this one method.
         """
-        g = seeded_generator(self.settings.seed, index, "noise")
-        u = torch.rand(shape[0], generator=g, dtype=torch.float64).clamp(_SIGMA_EDGE, 1 - _SIGMA_EDGE)
+        s = self.settings
+        g = seeded_generator(s.seed, index, "noise")
+        u = draw_percents(g, shape[0], s.timestep_sampling, _SIGMA_EDGE)
         sigma = torch.tensor([float(self._sampling_cpu.percent_to_sigma(float(p))) for p in u], dtype=torch.float32)
-        return sigma, torch.randn(shape, generator=g, dtype=torch.float32)
+        return sigma, offset_noise(torch.randn(shape, generator=g, dtype=torch.float32), g, s.noise_offset)
 
     def _autocast(self) -> Any:
         """Autocast to the training dtype as the built-in trainer does; none for fp32 (CPU autocast refuses it)."""

@@ -10,10 +10,11 @@ from comfy.weight_adapter import adapter_maps
 
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
+from ...dataset_cache.noise_draws import MAX_NOISE_OFFSET, TIMESTEP_SAMPLINGS, check_noise_settings
 
-__all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_REG_RATIO", "MAX_REG_WEIGHT",
-           "MAX_WARMUP_STEPS", "MEMORY_MODES", "OPTIMIZERS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings",
-           "check_save_prefix"]
+__all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_NOISE_OFFSET", "MAX_REG_RATIO",
+           "MAX_REG_WEIGHT", "MAX_WARMUP_STEPS", "MEMORY_MODES", "OPTIMIZERS", "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES",
+           "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
 
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
 """The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node)."""
@@ -53,7 +54,8 @@ class TrainSettings:
     ``<save_prefix>_<steps>_steps_<counter>_.safetensors`` in ComfyUI's output folder.
     ``lr_schedule`` and ``warmup_steps`` set each step's learning rate (:class:`~dataset_cache.lr_schedule.LrSchedule`
     over the steps the existing LoRA had plus ``steps``; "constant" without warm-up: ``learning_rate`` throughout, as
-    ComfyUI's own trainer).
+    ComfyUI's own trainer). ``timestep_sampling`` and ``noise_offset`` change what a batch is noised with
+    (:mod:`dataset_cache.noise_draws`; "uniform" and 0: ComfyUI's own trainer's draws).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -96,6 +98,9 @@ class TrainSettings:
     # the learning rate of each step (dataset_cache.lr_schedule)
     lr_schedule: str = "constant"
     warmup_steps: int = 0
+    # what a batch is noised with (dataset_cache.noise_draws): ComfyUI's uniform timesteps and plain noise by default
+    timestep_sampling: str = "uniform"
+    noise_offset: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -133,6 +138,7 @@ class TrainSettings:
         if self.warmup_steps > MAX_WARMUP_STEPS:
             raise ValueError(f"warmup_steps must be at most {MAX_WARMUP_STEPS}, got {self.warmup_steps}")
         check_save_prefix(self.save_prefix)
+        check_noise_settings(self.timestep_sampling, self.noise_offset)
 
     def lr_schedule_after(self, done: int) -> LrSchedule:
         """The learning rate of every step of a run continuing a LoRA that had ``done`` steps: the schedule spans

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections import Counter
 from pathlib import Path
 from collections.abc import Callable
@@ -39,6 +40,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "caption_dropout": 0.0, "reg_dataset": None, "reg_ratio": 1.0, "reg_weight": 1.0,
     "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact",
     "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
+    "timestep_sampling": "uniform", "noise_offset": 0.0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -125,7 +127,7 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "quantized_backward", "bypass_mode",
                                                            "masked_loss", "unmasked_weight", "stream_blocks",
                                                            "allow_fp8", "checkpoint_mode", "save_every",
-                                                           "save_prefix"}
+                                                           "save_prefix", "timestep_sampling", "noise_offset"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -153,6 +155,10 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     for name, default in (("lr_schedule", "constant"), ("warmup_steps", 0)):
         assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
     assert inputs["lr_schedule"].options == ["constant", "cosine", "linear"]
+    # a prompt without them draws ComfyUI's own trainer's timesteps and noise, as before
+    for name, default in (("timestep_sampling", "uniform"), ("noise_offset", 0.0)):
+        assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
+    assert inputs["timestep_sampling"].options == ["uniform", "logit-normal"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -728,10 +734,41 @@ def test_a_scheduled_run_continued_from_a_save_sets_the_rates_of_the_run_that_ne
     assert "set steps to" not in constant  # another schedule: nothing to finish
 
 
+def test_logit_normal_timesteps_and_a_noise_offset_train_otherwise_and_continue_exactly(
+        node: type, models: tuple, dataset: Any, lora_folder: Path, whole_run: Any) -> None:
+    """Both are drawn from each batch's own generator: the first step's loss is not the default run's (other sigmas
+    and noise), and a save at step 3 of 5, continued for the 2 steps left, is the uninterrupted run bit for bit."""
+    drawn = {**_CONTINUED, "timestep_sampling": "logit-normal", "noise_offset": 0.1}
+    whole = _train(node, models[0], dataset, steps=5, save_every=3, **drawn).result
+    assert whole[1]["loss"][0] != whole_run[1]["loss"][0]
+    (name,) = _saves(lora_folder)
+    rest = _train(node, models[0], dataset, steps=2, existing_lora=name, **drawn)
+    assert rest.result[1]["loss"] == whole[1]["loss"][3:]
+    assert all(torch.equal(rest.result[0][k], whole[0][k]) for k in whole[0])
+
+
+def test_a_noise_offset_shifts_each_row_and_channel_of_the_drawn_noise(pack: ModuleType, models: tuple) -> None:
+    """The trainer's own draw (what the loader's workers hand each batch): with noise_offset the noise minus the
+    plain noise is one value per row and channel; the sigmas are those of the same timesteps."""
+    loop = _module(pack, "nodes.training.loop")
+    settings = _module(pack, "nodes.training.settings")
+    draws = {}
+    for offset in (0.0, 0.2):
+        stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=3, noise_offset=offset),
+                                         _sampling_cpu=models[0].model.model_sampling)
+        draws[offset] = loop.StepLoop._draw(stand_in, (2, 4, 8, 8), 7)
+    assert torch.equal(draws[0.0][0], draws[0.2][0])
+    shift = (draws[0.2][1] - draws[0.0][1]).reshape(2, 4, -1)
+    assert float((shift - shift[..., :1]).abs().max()) <= 1e-6  # rounding of noise + s - noise: ulps of |noise| < 8
+    assert float(shift[..., 0].abs().min()) > 0
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"lr_schedule": "exponential"}, "unknown lr_schedule 'exponential'; use one of constant, cosine, linear"),
     ({"warmup_steps": -1}, "warmup_steps must be >= 0, got -1"),
     ({"warmup_steps": 100001}, "warmup_steps must be at most 100000, got 100001"),
+    ({"timestep_sampling": "beta"}, "unknown timestep_sampling 'beta'; use one of uniform, logit-normal"),
+    ({"noise_offset": 1.5}, "noise_offset must be a number from 0 to 1, got 1.5"),
 ])
 def test_a_bad_schedule_is_refused_before_training(node: type, models: tuple, dataset: Any, options: dict,
                                                    message: str) -> None:
@@ -873,8 +910,6 @@ def test_rows_whose_conditionings_cannot_be_joined_run_as_separate_groups(pack: 
 def test_progress_events_reach_the_server_throttled(pack: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     """``streamcache.train`` events go to the prompting client, at most every 0.5 s plus the last step; without a
     server (this in-process suite) nothing is sent and nothing fails."""
-    import types
-
     node_module = _module(pack, "nodes.train_lora")
     report = _module(pack, "nodes.training").StepReport
     events = node_module._Events("12")
