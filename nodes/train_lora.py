@@ -85,6 +85,8 @@ class _Events:
                 "data_wait_pct": round(report.data_wait_pct, 2)}
         if report.learning_rate is not None:
             data["learning_rate"] = report.learning_rate
+        if report.val_loss is not None:
+            data["val_loss"], data["val_step"] = report.val_loss, report.val_step
         try:
             instance.send_sync(EVENT, data, getattr(instance, "client_id", None))
         except Exception:  # a progress event must never fail the training
@@ -275,6 +277,14 @@ class TrainLoRA(io.ComfyNode):
                                tooltip="Shift each image's noise, per channel, by this much times a random value "
                                "(kohya's noise_offset; 0.05-0.1 usual), so the LoRA can also learn images much "
                                "darker or lighter than average. 0: plain noise (ComfyUI's own Train LoRA)."),
+                StreamDataset.Input("val_dataset", optional=True,
+                                    tooltip="Images held out of training whose loss is measured with the same noise "
+                                    "and timestep each time (before the first step, every val_every steps and "
+                                    "after the last): a curve that moves only with the LoRA, and rises again when "
+                                    "it overfits. Not connected: no validation."),
+                io.Int.Input("val_every", default=0, min=0, max=100000, optional=True, advanced=True,
+                             tooltip="With val_dataset: measure its loss every this many steps too. 0: before the "
+                             "first step and after the last only."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -325,6 +335,8 @@ class TrainLoRA(io.ComfyNode):
         warmup_steps: int = 0,
         timestep_sampling: str = "uniform",
         noise_offset: float = 0.0,
+        val_dataset: Any = None,
+        val_every: int = 0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -338,48 +350,54 @@ class TrainLoRA(io.ComfyNode):
             memory=memory, stream_blocks=int(stream_blocks), allow_fp8=bool(allow_fp8),
             devices=str(devices), checkpoint_mode=str(checkpoint_mode), save_every=int(save_every),
             save_prefix=str(save_prefix), lr_schedule=str(lr_schedule), warmup_steps=int(warmup_steps),
-            timestep_sampling=str(timestep_sampling), noise_offset=float(noise_offset),
+            timestep_sampling=str(timestep_sampling), noise_offset=float(noise_offset), val_every=int(val_every),
         )
         settings.validate()  # before opening anything: a typo fails fast
-        for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset)):
+        for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset), ("val_dataset", val_dataset)):
             if handle is not None and not isinstance(handle, (StreamDatasetHandle, CombinedDatasetHandle)):
                 raise ValueError(
                     f"{what}: expected a STREAM_DATASET from a StreamCache node, got {type(handle).__name__}")
         if dataset is None:
             raise ValueError("dataset: connect a StreamCache dataset (Encode Dataset, Load Lazy Cache, ...)")
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
-        roots = cache_roots(dataset, reg_dataset)
-        require_caches(dataset=dataset, reg_dataset=reg_dataset)
+        roots = cache_roots(dataset, reg_dataset, val_dataset)
+        require_caches(dataset=dataset, reg_dataset=reg_dataset, val_dataset=val_dataset)
         # A shared read lock on EVERY cache the run reads, for the whole run: Clean Cache (and compaction after an
         # encode) refuse to delete shard files while anybody trains from them.
         with contextlib.ExitStack() as locks:
             for root in roots:
                 if not is_remote_url(root):  # a bucket has no lock: its published files are never deleted
                     locks.enter_context(CacheLock(root, READ_LOCK, exclusive=False, purpose="training"))
-            result, samples, reg_count = cls._train(model, dataset, settings, node_id, reg_dataset)
+            result, samples, reg_count = cls._train(model, dataset, settings, node_id, reg_dataset, val_dataset)
         summary = f"dataset {dataset.name!r} ({samples} samples)"
         if reg_dataset is not None:
             summary += (f", regularization {reg_dataset.name!r} ({reg_count} samples, ratio {settings.reg_ratio:g}, "
                         f"weight {settings.reg_weight:g})")
         summary += f": {result.summary()}"
         log.info("Train LoRA (Stream Cache): %s", summary)
-        return io.NodeOutput(result.lora, {"loss": result.losses}, result.steps,
-                             ui={"loss": result.losses, "text": [summary]})
+        loss_map: dict[str, Any] = {"loss": result.losses}
+        ui: dict[str, Any] = {"loss": result.losses, "text": [summary]}
+        if result.validation:  # (global step, loss) pairs; Plot Loss Graph reads "loss" only
+            loss_map["val_loss"] = ui["val_loss"] = [[step, loss] for step, loss in result.validation]
+        return io.NodeOutput(result.lora, loss_map, result.steps, ui=ui)
 
     @classmethod
     def _train(cls, model: Any, dataset: StreamDatasetHandle | CombinedDatasetHandle, settings: TrainSettings,
                node_id: str | None, reg_dataset: StreamDatasetHandle | CombinedDatasetHandle | None = None,
+               val_dataset: StreamDatasetHandle | CombinedDatasetHandle | None = None,
                ) -> tuple[Any, int, int]:
         """Train; returns the result and how many main and regularization samples it drew from.
 
         Each cache involved is opened once; datasets of one cache train through its own reader, datasets of
         several through a :class:`~dataset_cache.multi_reader.MultiCacheReader` over them all.
         """
-        readers = open_caches(cache_roots(dataset, reg_dataset), f"dataset {dataset.name!r}")
+        readers = open_caches(cache_roots(dataset, reg_dataset, val_dataset), f"dataset {dataset.name!r}")
         try:
             mix = dataset.load_mix(readers)
             reg = reg_dataset.load_mix(readers) if reg_dataset is not None else None
-            for what, handle, loaded in (("dataset", dataset, mix), ("reg_dataset", reg_dataset, reg)):
+            val = val_dataset.load_mix(readers) if val_dataset is not None else None
+            for what, handle, loaded in (("dataset", dataset, mix), ("reg_dataset", reg_dataset, reg),
+                                         ("val_dataset", val_dataset, val)):
                 if handle is not None and loaded is not None and not loaded.samples:
                     raise ValueError(
                         f"{what} {handle.name!r} in the {handle.where()} is empty (0 samples): there is nothing to "
@@ -387,7 +405,7 @@ class TrainLoRA(io.ComfyNode):
             text = _NodeText(node_id)
             result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
                                 reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "",
-                                on_plan=text.plan, on_saved=text.saved)
+                                on_plan=text.plan, on_saved=text.saved, val=val)
         except BaseException as error:  # ComfyUI keeps its error in a reference cycle: the run's finished frames
             release_error_frames(error)  # would keep its tensors until a full collection (autograd_release)
             raise

@@ -120,10 +120,11 @@ class _Tally:
     """The run's losses, their moving average, rows and waits, and the per-step report (progress bar, callback)."""
 
     def __init__(self, steps: int, on_step: Callable[[StepReport], None] | None,
-                 rate: Callable[[int], float] | None = None) -> None:
+                 rate: Callable[[int], float] | None = None, validation: Any = None) -> None:
         self.steps = steps
         self.on_step = on_step
         self.rate = rate  # the learning rate of a step of the run (its number from 0), for the report
+        self.validation = validation  # its latest (step, loss), for the report
         self.pbar = comfy.utils.ProgressBar(steps)
         self.losses: list[float] = []
         self.smooth: float | None = None
@@ -137,9 +138,11 @@ class _Tally:
         self.pbar.update(1)  # ComfyUI's progress hook also checks the interrupt flag
         if self.on_step is not None:
             elapsed = time.perf_counter() - self.t0
+            latest = self.validation.latest if self.validation is not None else None
             self.on_step(StepReport(step + 1, self.steps, loss, self.smooth, self.rows / elapsed if elapsed else 0.0,
                                     100.0 * self.wait / elapsed if elapsed else 0.0, batch.plan.epoch,
-                                    elapsed, self.wait, self.rate(step) if self.rate is not None else None))
+                                    elapsed, self.wait, self.rate(step) if self.rate is not None else None,
+                                    *(latest or (None, None))))
 
 
 class StepLoop:
@@ -148,7 +151,8 @@ class StepLoop:
     ``first_batch`` is the global number of the first batch: a run continuing an existing LoRA starts where the
     earlier run stopped, so its batch order, noise and timesteps are those an uninterrupted run would have had.
     ``schedule`` sets each optimizer step's learning rate by the step's global number (``first_step`` + the step);
-    ``None``: the optimizer's own, unchanged.
+    ``None``: the optimizer's own, unchanged. ``validation`` (a :class:`~.validation.Validation`) measures the
+    validation loss before the first step and after the steps it is due at.
     ``world`` (a :class:`~dataset_cache.collective.Collective`, ``None``: one process) makes this one rank of a
     data-parallel run: its batches are its rows of global batches (:func:`~dataset_cache.sharding.share_of`), whose
     noise and timesteps it draws whole and slices; gradients are averaged over the ranks before each optimizer step,
@@ -160,8 +164,9 @@ class StepLoop:
                  scaler: Any, forward: ModelCall, conditioner: Conditioner, device: torch.device, *,
                  first_batch: int = 0, world: Any = None, startup: Startup | None = None,
                  save: Callable[[int, BatchPlan, BaseException | None], None] | None = None,
-                 schedule: LrSchedule | None = None, first_step: int = 0) -> None:
+                 schedule: LrSchedule | None = None, first_step: int = 0, validation: Any = None) -> None:
         self.first_batch = first_batch
+        self.validation = validation
         self.schedule = schedule
         self.first_step = first_step
         self.save = save  # the saves during the run (.saves.RunSaves): every settings.save_every steps, and on a stop
@@ -201,10 +206,12 @@ class StepLoop:
         throw_if_interrupted = comfy.model_management.throw_exception_if_processing_interrupted
         if self.world is not None:  # every rank stops at the same step: agreed in world.agree below
             throw_if_interrupted = _checked_by_the_ranks
-        tally = _Tally(s.steps, on_step, self._rate if self.schedule is not None else None)
+        tally = _Tally(s.steps, on_step, self._rate if self.schedule is not None else None, self.validation)
         lagged = _LaggedLosses(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         try:
+            if self.validation is not None:  # the curve's first point: the LoRA the run starts from
+                self.validation.measure(self.first_step)
             with StepCollector() as collector:  # the collector's passes between steps, not inside them
                 if self.startup is not None:  # its first, full pass walks every object of the process
                     self.startup.mark("garbage collection")
@@ -263,6 +270,8 @@ class StepLoop:
                 self._report(lagged.swap(None, [], []), tally)  # step later; a save only of a step read finite
         if saving:
             self._save(None)
+        if self.validation is not None and not stopping and self.validation.due(self.first_step + step + 1):
+            self.validation.measure(self.first_step + step + 1)
         if step == 0 and self.startup is not None:  # the first step done, on the device too (its loss was read)
             self.startup.mark("first step")
             log.info("Train LoRA: %s", self.startup.describe())
@@ -319,6 +328,15 @@ class StepLoop:
 
     def _fwd_bwd(self, batch: Batch, index: int) -> torch.Tensor:
         """One batch forward and backward; its loss, detached, where it was computed (read later: :meth:`run`)."""
+        loss = self.batch_loss(batch, index)
+        scaled = loss / self.settings.grad_accumulation_steps
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return loss.detach()
+
+    def batch_loss(self, batch: Batch, index: int, cond_seed: int | None = None) -> torch.Tensor:
+        """The loss of batch ``index`` (its sigmas and noise from ``batch.extras`` when the loader drew them, else
+        drawn here), with the graph a backward pass needs when grad is enabled; ``cond_seed``: the seed ComfyUI's
+        conditioning code is given (default: the batch's)."""
         ms = self.model_sampling
         latents = self.mp.model.process_latent_in(batch.latents.to(self.device, torch.float32))
         if "sigma" in batch.extras and "noise" in batch.extras:  # drawn by the loader (:meth:`per_batch`)
@@ -328,7 +346,8 @@ class StepLoop:
             sigma, noise = sigma.to(self.device), noise.to(self.device)
         xt = ms.noise_scaling(sigma, noise, latents, False)
         x0 = ms.noise_scaling(torch.zeros_like(sigma), torch.zeros_like(noise), latents, False)
-        groups = self.conditioner(batch.conditioning, noise, latents, derive_seed(self.settings.seed, index))
+        seed = derive_seed(self.settings.seed, index) if cond_seed is None else cond_seed
+        groups = self.conditioner(batch.conditioning, noise, latents, seed)
         with self._autocast():
             # inputs require grad as in the built-in trainer: its offload checkpointing only records a graph then
             xt, sigma = xt.requires_grad_(True), sigma.requires_grad_(True)
@@ -338,10 +357,7 @@ class StepLoop:
                 order = torch.tensor([i for rows, _ in groups for i in rows], device=self.device)
                 parts = [self.forward(xt[rows], sigma[rows], kwargs) for rows, kwargs in groups]
                 pred = torch.cat(parts)[torch.argsort(order)]
-            loss = self._loss(pred.float(), x0.float(), batch)
-        scaled = loss / self.settings.grad_accumulation_steps
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        return loss.detach()
+            return self._loss(pred.float(), x0.float(), batch)
 
     def _loss(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The batch's loss: ComfyUI's loss module as it is, or its per-element form weighted by masks and rows.
@@ -422,9 +438,14 @@ class StepLoop:
         """
         s = self.settings
         g = seeded_generator(s.seed, index, "noise")
-        u = draw_percents(g, shape[0], s.timestep_sampling, _SIGMA_EDGE)
-        sigma = torch.tensor([float(self._sampling_cpu.percent_to_sigma(float(p))) for p in u], dtype=torch.float32)
+        sigma = self.sigmas(draw_percents(g, shape[0], s.timestep_sampling, _SIGMA_EDGE))
         return sigma, offset_noise(torch.randn(shape, generator=g, dtype=torch.float32), g, s.noise_offset)
+
+    def sigmas(self, percents: torch.Tensor) -> torch.Tensor:
+        """The model's sigmas (fp32, CPU) of timestep ``percents``, by its own ``percent_to_sigma`` (shift included),
+        read from a CPU copy of its sampling (any thread may call this)."""
+        return torch.tensor([float(self._sampling_cpu.percent_to_sigma(float(p))) for p in percents],
+                            dtype=torch.float32)
 
     def _autocast(self) -> Any:
         """Autocast to the training dtype as the built-in trainer does; none for fp32 (CPU autocast refuses it)."""

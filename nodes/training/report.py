@@ -15,7 +15,7 @@ from ...dataset_cache.dataset_mix import DatasetMix, shared_samples
 from ...dataset_cache.lr_schedule import LrSchedule
 
 __all__ = ["RowCounts", "Startup", "describe_rates", "describe_startup", "StepReport", "TrainResult", "counted",
-           "overlap_notes"]
+           "overlap_notes", "validation_overlap_notes"]
 
 @dataclass(frozen=True)
 class StepReport:
@@ -32,6 +32,8 @@ class StepReport:
         elapsed_s: seconds since the step loop started, at this report.
         waited_s: of those, the seconds the loop waited for the loader.
         learning_rate: the rate this step trained at (``lr_schedule``), ``None`` when the loop sets none.
+        val_step: the step of the latest validation loss (``val_dataset``), ``None`` before any or without one.
+        val_loss: that loss.
     """
 
     step: int
@@ -44,6 +46,8 @@ class StepReport:
     elapsed_s: float = 0.0
     waited_s: float = 0.0
     learning_rate: float | None = None
+    val_step: int | None = None
+    val_loss: float | None = None
 
 
 @dataclass
@@ -100,6 +104,17 @@ def overlap_notes(main: Sequence[Sample] | DatasetMix, reg: Sequence[Sample] | D
             f"shares {len(shared)} of its {n_reg} images with dataset {main_name} (e.g. {example})")
     return [f"{reg_name} {what}: those images train as both the subject and its regularization, which works "
             "against what regularization is for; connect images of the class, not of the subject"]
+
+
+def validation_overlap_notes(main: Sequence[Sample] | DatasetMix, val: Sequence[Sample]) -> list[str]:
+    """A warning when the validation set holds images the dataset trains: their loss says how well the LoRA fits what
+    it trains on, not how it does on images it never saw; training goes on."""
+    shared = shared_samples(main, val)
+    if not shared:
+        return []
+    return [f"val_dataset shares {len(shared)} of its {len(val)} images with the dataset it trains (e.g. "
+            f"{shared[0].source or shared[0].latent}): their validation loss measures images the LoRA trains on; "
+            "hold the validation images out of the training folders"]
 
 
 def counted(batches: Iterator[Batch], counts: RowCounts, main_samples: int) -> Iterator[Batch]:
@@ -167,6 +182,7 @@ class TrainResult:
         memory_plan: the memory plan the run trained with and its estimate, as data
             (:meth:`dataset_cache.memory_plan.MemoryPlan.as_dict`, with what the weight streamer did).
         startup: seconds of each phase before the first step ended (:class:`Startup`), in order.
+        validation: with ``val_dataset``, each measurement's ``(global step, validation loss)``.
         saves: with ``save_every``, each save's seconds: ``waited_s`` what it held the training thread (the copy off
             the device, a previous save still being written), ``written_s`` its writing, on the writer's thread.
     """
@@ -184,6 +200,7 @@ class TrainResult:
     memory_plan: dict[str, Any] = field(default_factory=dict)
     startup: dict[str, float] = field(default_factory=dict)
     saves: dict[str, list[float]] = field(default_factory=dict)
+    validation: list[tuple[int, float]] = field(default_factory=list)
 
     def summary(self) -> str:
         """One paragraph for the node's UI (what was changed from the settings first)."""

@@ -34,10 +34,12 @@ from .conditioning import Conditioner, ModelCall
 from .distributed import plan_team
 from .loop import StepLoop
 from .memory import MemoryStep, plan_run_memory
-from .report import RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes
+from .report import (RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes,
+                     validation_overlap_notes)
 from .resume import capture_state, resume_run, save_state
 from .saves import RunSaves, lora_weights
 from .settings import TrainSettings
+from .validation import Validation
 
 __all__ = ["train_lora"]
 
@@ -56,6 +58,7 @@ def train_lora(
     on_plan: Callable[[MemoryPlan], None] | None = None,
     world: Any = None,
     on_saved: Callable[[int, str], None] | None = None,
+    val: Sequence[Sample] | DatasetMix | None = None,
 ) -> TrainResult:
     """Train a LoRA (or LoHa/LoKr/OFT) on ``model`` over the cached ``samples`` and return its weights.
 
@@ -76,6 +79,8 @@ def train_lora(
         on_plan: called with the memory plan before the first step (the node shows it).
         on_saved: called with the total steps and the file (``output/...``) of each save of ``save_every``, from the
             thread that wrote it (the node shows it).
+        val: validation samples (read through ``reader`` too): their loss is measured before the first step, every
+            ``settings.val_every`` steps and after the last (:mod:`.validation`); ``None``: none.
         world: a worker's own collective (``nodes/training/worker.py``); not for callers. Where to train is
             ``settings.devices``: several devices train data-parallel with a global batch of ``batch_size`` ×
             devices (see :mod:`.distributed`).
@@ -87,7 +92,7 @@ def train_lora(
     startup = Startup()
     settings.validate()
     team = plan_team(settings.devices, model, reader, world)
-    data = plan_data(reader, samples, settings, reg, reg_name, team.size)
+    data = plan_data(reader, samples, settings, reg, reg_name, team.size, val)
     data.notes.extend(team.notes)
     train = nodes_train_module()
     existing, name_steps = load_existing_lora(settings.existing_lora)
@@ -111,6 +116,11 @@ def train_lora(
                         ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
                         first_batch=first_batch, world=team.collective, startup=startup, save=saves,
                         schedule=schedule, first_step=start.steps)
+        if data.validation is not None:
+            loop.validation = Validation(
+                loop, reader, *data.validation, batch_size=settings.batch_size, seed=settings.seed,
+                every=settings.val_every, last=start.steps + settings.steps, device=run.loader_device,
+                interrupt=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None)
         loader = PrefetchLoader(  # noise, sigmas and row weights drawn on its workers: loop.per_batch
             reader, sampler, prefetch_batches=settings.prefetch_batches,
             threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
@@ -143,10 +153,13 @@ def train_lora(
         notes, info = [*saves.notes, *notes], [*saves.describe(), *info]
     wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
     info = [*describe_rates(schedule, start.steps, settings.steps), *info]
+    if loop.validation is not None:
+        info.insert(0, loop.validation.describe())
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
                        wait_pct, dict(sampler.buckets), (*data.notes, *run.memory.notes(), *start.notes, *notes),
                        counts, (*start.info, *info), run.memory.report(), dict(startup.phases),
-                       {"waited_s": saves.waited, "written_s": saves.written} if saves is not None else {})
+                       {"waited_s": saves.waited, "written_s": saves.written} if saves is not None else {},
+                       list(loop.validation.results) if loop.validation is not None else [])
 
 
 @dataclass
@@ -160,6 +173,7 @@ class DataPlan:
         shapes: every latent shape the run will see (main and regularization).
         notes: settings the run had to change, for the user.
         rows: the sample of each of ``shapes`` (the memory probe reads the largest one's caption).
+        validation: the validation samples (each once) and their buckets, or ``None``.
     """
 
     settings: TrainSettings
@@ -168,10 +182,12 @@ class DataPlan:
     shapes: list[tuple[int, ...]]
     notes: list[str]
     rows: list[Sample]
+    validation: tuple[list[Sample], list[tuple[int, ...]]] | None = None
 
 
 def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, settings: TrainSettings,
-              reg: Sequence[Sample] | DatasetMix | None, reg_name: str, ranks: int = 1) -> DataPlan:
+              reg: Sequence[Sample] | DatasetMix | None, reg_name: str, ranks: int = 1,
+              val: Sequence[Sample] | DatasetMix | None = None) -> DataPlan:
     """Buckets, the regularization set and the batch size, checked before any model loads.
 
     With several ``ranks`` a global batch is ``batch_size × ranks`` rows of one bucket; it is what is clamped.
@@ -195,6 +211,16 @@ def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, set
         shapes += reg_buckets
         rows += reg_samples
     notes: list[str] = [] if reg is None else overlap_notes(samples, reg, reg_name)
+    validation = None
+    if val is not None:  # each sample once, whatever its repeats; its shapes join the memory probe's
+        val_samples = list(dict.fromkeys(dataclasses.replace(s, repeats=1)
+                                         for s in (val.samples if isinstance(val, DatasetMix) else val)))
+        val_buckets = buckets_from_reader(reader, val_samples)
+        check_trainable(reader, val_samples)
+        validation = (val_samples, val_buckets)
+        shapes += val_buckets
+        rows += val_samples
+        notes += validation_overlap_notes(samples, val_samples)
     fitted = fit_batch_size(main, buckets, settings.batch_size * ranks) // ranks
     if ranks > 1 and fitted < 1:
         raise ValueError(f"training on {ranks} devices needs at least {ranks} images × repeats in the largest "
@@ -208,7 +234,7 @@ def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, set
                      f"epoch): trained with batch_size {fitted} per device")
         log.warning("Train LoRA: %s", notes[-1])
         settings = dataclasses.replace(settings, batch_size=fitted)
-    return DataPlan(settings, buckets, regularization, shapes, notes, rows)
+    return DataPlan(settings, buckets, regularization, shapes, notes, rows, validation)
 
 
 @dataclass

@@ -101,6 +101,8 @@ class TrainSettings:
     # what a batch is noised with (dataset_cache.noise_draws): ComfyUI's uniform timesteps and plain noise by default
     timestep_sampling: str = "uniform"
     noise_offset: float = 0.0
+    # the validation loss of ``val_dataset`` (.validation): every ``val_every`` steps, 0: before and after the run only
+    val_every: int = 0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -120,7 +122,7 @@ class TrainSettings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("prefetch_batches", "loader_threads", "checkpoint_depth", "stream_blocks", "save_every",
-                     "warmup_steps"):
+                     "warmup_steps", "val_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):

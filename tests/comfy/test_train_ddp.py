@@ -141,14 +141,18 @@ def test_two_ranks_train_what_one_rank_trains_with_the_global_batch(node: type, 
     _no_workers_left()
 
 
-def test_a_learning_rate_schedule_trains_on_two_ranks_what_it_trains_on_one(node: type, models: tuple,
+def test_a_learning_rate_schedule_and_validation_on_two_ranks_are_what_they_are_on_one(node: type, models: tuple,
                                                                             dataset: Any, start: dict) -> None:
     """Every rank sets each step's rate from the same schedule: a linear decay after a warm-up step on 2 ranks × 1
-    trains what it trains on 1 rank × 2, within the module's tolerance."""
-    scheduled = {"lr_schedule": "linear", "warmup_steps": 2}
+    trains what it trains on 1 rank × 2, within the module's tolerance. Each rank measures the validation loss of
+    the whole validation set itself (no rank waits for another): the values agree as the weights do."""
+    scheduled = {"lr_schedule": "linear", "warmup_steps": 2, "val_dataset": dataset}
     one_rank = _train(node, models[0], dataset, batch_size=2, **scheduled).result
     two = _train(node, models[0], dataset, batch_size=1, devices="cpu:2", **scheduled).result
     _assert_same_training(two, one_rank, start)
+    assert [s for s, _ in two[1]["val_loss"]] == [s for s, _ in one_rank[1]["val_loss"]] == [0, 3]
+    assert [v for _, v in two[1]["val_loss"]] == pytest.approx([v for _, v in one_rank[1]["val_loss"]],
+                                                               rel=TOLERANCE)
 
 
 def test_short_batches_and_stand_in_rows_train_what_one_rank_trains(node: type, models: tuple, dataset: Any,

@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import importlib
 import logging
+import math
 import os
 import re
 import sys
@@ -40,7 +41,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "caption_dropout": 0.0, "reg_dataset": None, "reg_ratio": 1.0, "reg_weight": 1.0,
     "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact",
     "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
-    "timestep_sampling": "uniform", "noise_offset": 0.0,
+    "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -127,7 +128,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "quantized_backward", "bypass_mode",
                                                            "masked_loss", "unmasked_weight", "stream_blocks",
                                                            "allow_fp8", "checkpoint_mode", "save_every",
-                                                           "save_prefix", "timestep_sampling", "noise_offset"}
+                                                           "save_prefix", "timestep_sampling", "noise_offset",
+                                                           "val_every"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -159,6 +161,10 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     for name, default in (("timestep_sampling", "uniform"), ("noise_offset", 0.0)):
         assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
     assert inputs["timestep_sampling"].options == ["uniform", "logit-normal"]
+    # a prompt without them validates nothing, as before
+    assert inputs["val_dataset"].optional and inputs["val_dataset"].get_io_type() == "STREAM_DATASET"
+    assert inputs["val_every"].optional and inputs["val_every"].default == 0
+    assert "val_every" in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -756,11 +762,123 @@ def test_a_noise_offset_shifts_each_row_and_channel_of_the_drawn_noise(pack: Mod
     for offset in (0.0, 0.2):
         stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=3, noise_offset=offset),
                                          _sampling_cpu=models[0].model.model_sampling)
+        stand_in.sigmas = types.MethodType(loop.StepLoop.sigmas, stand_in)
         draws[offset] = loop.StepLoop._draw(stand_in, (2, 4, 8, 8), 7)
     assert torch.equal(draws[0.0][0], draws[0.2][0])
     shift = (draws[0.2][1] - draws[0.0][1]).reshape(2, 4, -1)
     assert float((shift - shift[..., :1]).abs().max()) <= 1e-6  # rounding of noise + s - noise: ulps of |noise| < 8
     assert float(shift[..., 0].abs().min()) > 0
+
+
+# ------------------------------------------------------------------------------------------------- validation loss
+@pytest.fixture(scope="module")
+def val_dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
+                tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Three other images of one bucket (64×64), in a cache of their own: a held-out set."""
+    _, clip, vae = models
+    root = tmp_path_factory.mktemp("val") / "cache"
+    write_comfy_encoded(pack, comfy_nodes, clip, vae, root, [(64, 64)] * 3, seed=1,
+                        caption="a held-out test pattern number {}")
+    return handles.StreamDatasetHandle(str(root), "train")
+
+
+def test_the_validation_loss_is_measured_at_fixed_draws_and_changes_nothing_trained(
+        pack: ModuleType, node: type, models: tuple, dataset: Any, val_dataset: Any, whole_run: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the first step, every val_every steps and after the last; the LoRA and its losses are the run's without
+    validation, bit for bit (validation draws from generators of its own); a shorter run measures the same values at
+    the same steps (each image's noise and timestep are the same every time). The step reports carry the latest."""
+    reports: list[Any] = []
+    monkeypatch.setattr(_module(pack, "nodes.train_lora")._Events, "__call__", lambda self, r: reports.append(r))
+    out = _train(node, models[0], dataset, steps=4, val_dataset=val_dataset, val_every=3, **_CONTINUED)
+    lora, loss_map, _ = out.result
+    assert loss_map["loss"] == whole_run[1]["loss"]
+    assert all(torch.equal(lora[k], whole_run[0][k]) for k in whole_run[0])
+    steps = [step for step, _ in loss_map["val_loss"]]
+    assert steps == [0, 3, 4] and all(math.isfinite(v) for _, v in loss_map["val_loss"])
+    assert out.ui["val_loss"] == loss_map["val_loss"]
+    first, last = loss_map["val_loss"][0][1], loss_map["val_loss"][-1][1]
+    assert (f"validation loss (3 images, the same noise and timesteps each time): {first:.4f} at step 0 → "
+            f"{last:.4f} at step 4") in _summary(out)
+    # the latest measurement when each step is reported (steps 2 and 3 are reported a step late, after step 3's)
+    assert [(r.val_step, r.val_loss) for r in reports] == [(0, first)] * 2 + [tuple(loss_map["val_loss"][1]),
+                                                                           (4, last)]
+    shorter = _train(node, models[0], dataset, steps=3, val_dataset=val_dataset, **_CONTINUED).result[1]
+    assert shorter["val_loss"] == loss_map["val_loss"][:2]  # steps 0 and 3 (the last): the same values
+
+
+def test_the_validation_loss_is_the_training_loss_of_each_held_out_image_at_its_own_draws(
+        pack: ModuleType, node: type, models: tuple, val_dataset: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The validation loss before the first step equals the first training step's loss (computed before any update)
+    of a run on the held-out images whose draws are replaced, row by row, by what validation should draw for each
+    image: a uniform percent and plain noise from the generator of (seed, "validation", the image's latent key),
+    written out here. The training loss is ComfyUI's own (tests/comfy/test_families.py, 1e-5). One batch of the 3
+    images either way, in another row order: the means agree to a reordered fp32 sum of 3 × 4096 elements; 1e-5
+    relative allows that and nothing a wrong draw gives (these images' losses range from 0.2 to 51 by their draws)."""
+    seeding = _module(pack, "dataset_cache.seeding")
+    loop = _module(pack, "nodes.training.loop")
+    sampling = models[0].model.model_sampling
+
+    def validation_draws(self: Any, number: int, plan: Any, shape: Any) -> dict[str, torch.Tensor]:
+        sigmas, noises = [], []
+        for key in plan.latent_keys:
+            g = seeding.seeded_generator(5, "validation", key)
+            percent = float(torch.rand(1, generator=g, dtype=torch.float64).clamp(1e-5, 1 - 1e-5))
+            sigmas.append(float(sampling.percent_to_sigma(percent)))
+            noises.append(torch.randn((1, *shape[1:]), generator=g))
+        return {"sigma": torch.tensor(sigmas), "noise": torch.cat(noises)}
+
+    options = {"steps": 1, "batch_size": 3, "seed": 5, "optimizer": "SGD", "learning_rate": 1e-30}
+    measured = _train(node, models[0], val_dataset, val_dataset=val_dataset, **options).result[1]["val_loss"]
+    monkeypatch.setattr(loop.StepLoop, "per_batch", validation_draws)
+    trained = _train(node, models[0], val_dataset, **options).result[1]["loss"]
+    assert measured[0][0] == 0 and measured[0][1] == pytest.approx(trained[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("memory", [{"memory": "stream blocks", "stream_blocks": 2},
+                                    {"memory": "stream blocks + host activations", "stream_blocks": 2},
+                                    {"memory": "no offload", "gradient_checkpointing": True}],
+                         ids=["streamed", "host-activations", "checkpointed"])
+def test_validation_between_steps_leaves_every_memory_plan_training_the_same_lora(
+        node: type, models: tuple, dataset: Any, val_dataset: Any, memory: dict) -> None:
+    """A forward pass without gradients between steps (the streamer's prefetches out of their order, checkpoints not
+    taken, no activations saved) changes nothing the plan trains: the LoRA is the one of the same run without it."""
+    plain = _train(node, models[0], dataset, steps=3, **memory).result
+    validated = _train(node, models[0], dataset, steps=3, val_dataset=val_dataset, val_every=1, **memory).result
+    assert [s for s, _ in validated[1]["val_loss"]] == [0, 1, 2, 3]
+    assert validated[1]["loss"] == plain[1]["loss"]
+    assert all(torch.equal(validated[0][k], plain[0][k]) for k in plain[0])
+
+
+def test_cancel_during_a_validation_stops_the_run_saves_its_steps_and_leaves_no_threads(
+        pack: ModuleType, node: type, models: tuple, dataset: Any, val_dataset: Any, lora_folder: Path) -> None:
+    """Cancel while the validation after step 2 reads its batches: the run stops there (no step 3), the two steps
+    trained are saved (save_every), and neither the training loader's threads nor the validation's are left."""
+    import comfy.model_management
+
+    validation = _module(pack, "nodes.training.validation").Validation
+    measure = validation.measure
+
+    def cancelled_at_step_2(self: Any, step: int) -> float:
+        if step == 2:
+            comfy.model_management.interrupt_current_processing(True)  # as POST /interrupt, seen between batches
+        return measure(self, step)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(validation, "measure", cancelled_at_step_2)
+            with pytest.raises(comfy.model_management.InterruptProcessingException):
+                _train(node, models[0], dataset, steps=6, save_every=4, val_dataset=val_dataset, val_every=2)
+    finally:
+        comfy.model_management.interrupt_current_processing(False)
+    assert _saves(lora_folder) == ["streamcache_lora_2_steps_00001_.safetensors"]
+    assert _loader_threads() == []
+
+
+def test_a_validation_set_that_shares_images_with_the_training_is_named(node: type, models: tuple, dataset: Any
+                                                                        ) -> None:
+    out = _train(node, models[0], dataset, steps=1, val_dataset=dataset)
+    assert "NOTE: val_dataset shares 6 of its 6 images with the dataset it trains" in _summary(out)
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -769,6 +887,7 @@ def test_a_noise_offset_shifts_each_row_and_channel_of_the_drawn_noise(pack: Mod
     ({"warmup_steps": 100001}, "warmup_steps must be at most 100000, got 100001"),
     ({"timestep_sampling": "beta"}, "unknown timestep_sampling 'beta'; use one of uniform, logit-normal"),
     ({"noise_offset": 1.5}, "noise_offset must be a number from 0 to 1, got 1.5"),
+    ({"val_every": -1}, "val_every must be >= 0, got -1"),
 ])
 def test_a_bad_schedule_is_refused_before_training(node: type, models: tuple, dataset: Any, options: dict,
                                                    message: str) -> None:
@@ -928,8 +1047,8 @@ def test_progress_events_reach_the_server_throttled(pack: ModuleType, monkeypatc
     assert event == "streamcache.train"
     assert data == {"node": "12", "prompt_id": "p1", "step": 3, "total": 3, "loss": 1.0 / 3, "loss_smooth": 0.9,
                     "samples_per_s": 2.0, "data_wait_pct": 1.5}
-    events(report(3, 3, 0.25, 0.9, 2.0, 1.5, 0, learning_rate=2.5e-4))  # the last step: sent
-    assert sent[-1][1]["learning_rate"] == 2.5e-4
+    events(report(3, 3, 0.25, 0.9, 2.0, 1.5, 0, learning_rate=2.5e-4, val_step=2, val_loss=0.125))  # the last step
+    assert (sent[-1][1]["learning_rate"], sent[-1][1]["val_loss"], sent[-1][1]["val_step"]) == (2.5e-4, 0.125, 2)
 
 
 # -------------------------------------------------------------------------------------------------- interrupts

@@ -108,7 +108,7 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "caption_dropout": 0.0, "reg_ratio": 1.0, "reg_weight": 1.0, "memory": "auto", "stream_blocks": 0,
             "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact", "save_every": 0,
             "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
-            "timestep_sampling": "uniform", "noise_offset": 0.0}},
+            "timestep_sampling": "uniform", "noise_offset": 0.0, "val_every": 0}},
         str(SAVE): {"class_type": "SaveLoRA", "inputs": {"lora": [str(TRAIN), 0], "prefix": "loras/streamcache_fe",
                                                          "steps": [str(TRAIN), 2]}},
         str(INFO): {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": damaged}},

@@ -5,8 +5,9 @@
 // output (the `text` list plus structured lists), so the pack works without this file; it only draws:
 //
 //  * Train LoRA (Stream Cache): a live loss curve (raw + smoothed) from the `streamcache.train` websocket event
-//    ({node, step, total, loss, loss_smooth, samples_per_s, data_wait_pct, learning_rate}), replaced by the full curve from the
-//    node's UI output `loss` when the run ends (onExecuted; also re-sent for cached runs);
+//    ({node, step, total, loss, loss_smooth, samples_per_s, data_wait_pct, learning_rate, val_loss, val_step}),
+//    replaced by the full curve from the node's UI output `loss` when the run ends (onExecuted; also re-sent for
+//    cached runs);
 //  * Encode Dataset: the source/encode report, live from `streamcache.encode` ({node, phase, done, total,
 //    samples, new, changed, unchanged, removed, failed}) and final from the UI output `streamcache_report`;
 //  * Load Lazy Cache / Cache Info: size, samples, buckets, encoders and a warning badge when the check found
@@ -195,7 +196,7 @@ class LossPanel {
     this.total = values.length;
     this.renderHead({ step: values.length, total: values.length, loss: values.at(-1), loss_smooth: s,
                       samples_per_s: last.samples_per_s, data_wait_pct: last.data_wait_pct,
-                      learning_rate: last.learning_rate });
+                      learning_rate: last.learning_rate, val_loss: last.val_loss });
     this.foot.textContent = text ?? "done";
     this.draw();
   }
@@ -215,6 +216,7 @@ class LossPanel {
     item("samples/s", d && d.samples_per_s != null ? fmtNum(d.samples_per_s, 2) : "–");
     item("data wait", d && d.data_wait_pct != null ? `${Number(d.data_wait_pct).toFixed(1)}%` : "–");
     if (d && d.learning_rate != null) item("lr", Number(d.learning_rate).toPrecision(3));
+    if (d && d.val_loss != null) item("val loss", fmtNum(d.val_loss));
     Object.assign(this.root.dataset, {
       step: d?.step ?? "", total: d?.total ?? "", loss: d?.loss ?? "", lossSmooth: d?.loss_smooth ?? "",
       learningRate: d?.learning_rate ?? "",
