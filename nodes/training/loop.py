@@ -212,6 +212,8 @@ class StepLoop:
         try:
             if self.validation is not None:  # the curve's first point: the LoRA the run starts from
                 self.validation.measure(self.first_step)
+                if self.startup is not None:
+                    self.startup.mark("validation")
             with StepCollector() as collector:  # the collector's passes between steps, not inside them
                 if self.startup is not None:  # its first, full pass walks every object of the process
                     self.startup.mark("garbage collection")
@@ -270,11 +272,11 @@ class StepLoop:
                 self._report(lagged.swap(None, [], []), tally)  # step later; a save only of a step read finite
         if saving:
             self._save(None)
-        if self.validation is not None and not stopping and self.validation.due(self.first_step + step + 1):
-            self.validation.measure(self.first_step + step + 1)
         if step == 0 and self.startup is not None:  # the first step done, on the device too (its loss was read)
             self.startup.mark("first step")
             log.info("Train LoRA: %s", self.startup.describe())
+        if self.validation is not None and not stopping and self.validation.due(self.first_step + step + 1):
+            self.validation.measure(self.first_step + step + 1)
 
     def _save(self, stopped_by: BaseException | None) -> None:
         assert self.save is not None and self._last_plan is not None

@@ -800,6 +800,9 @@ def test_the_validation_loss_is_measured_at_fixed_draws_and_changes_nothing_trai
     first, last = loss_map["val_loss"][0][1], loss_map["val_loss"][-1][1]
     assert (f"validation loss (3 images, the same noise and timesteps each time): {first:.4f} at step 0 → "
             f"{last:.4f} at step 4") in _summary(out)
+    # the measurement before the first step is a phase of its own, not counted in another one's time
+    assert re.search(r"first step after \d+\.\d s \([^)]*model to device \d+\.\d s, validation \d+\.\d s, garbage "
+                     r"collection", _summary(out)), _summary(out)
     # the latest measurement when each step is reported (steps 2 and 3 are reported a step late, after step 3's)
     assert [(r.val_step, r.val_loss) for r in reports] == [(0, first)] * 2 + [tuple(loss_map["val_loss"][1]),
                                                                            (4, last)]
