@@ -18,12 +18,16 @@ import math
 
 import torch
 
-__all__ = ["MAX_NOISE_OFFSET", "TIMESTEP_SAMPLINGS", "check_noise_settings", "draw_percents", "offset_noise"]
+__all__ = ["MAX_NOISE_OFFSET", "PERCENT_EDGE", "TIMESTEP_SAMPLINGS", "check_noise_settings", "draw_percents",
+           "offset_noise"]
 
 TIMESTEP_SAMPLINGS = ("uniform", "logit-normal")
 """How a row's timestep percent is drawn: uniformly (ComfyUI's own trainer), or ``sigmoid`` of a standard normal."""
 MAX_NOISE_OFFSET = 1.0
 """An offset as large as the noise itself; kohya's recommended values are 0.05-0.1."""
+PERCENT_EDGE = 1e-5
+"""Timestep percents are drawn in ``[1e-5, 1 - 1e-5]``: ComfyUI's ``percent_to_sigma(0)`` is a 1e9 sentinel, not a
+sigma."""
 
 
 def check_noise_settings(timestep_sampling: object, noise_offset: object) -> None:
@@ -40,7 +44,7 @@ def check_noise_settings(timestep_sampling: object, noise_offset: object) -> Non
         raise ValueError(f"noise_offset must be a number from 0 to {MAX_NOISE_OFFSET:g}, got {noise_offset!r:.40}")
 
 
-def draw_percents(generator: torch.Generator, rows: int, sampling: str, edge: float) -> torch.Tensor:
+def draw_percents(generator: torch.Generator, rows: int, sampling: str, edge: float = PERCENT_EDGE) -> torch.Tensor:
     """``rows`` timestep percents in ``[edge, 1 - edge]`` (float64), drawn from ``generator`` as ``sampling`` says.
 
     ``uniform`` draws exactly what the trainer drew before this setting existed (the same generator calls).

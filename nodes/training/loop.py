@@ -33,8 +33,6 @@ __all__ = ["NonFiniteLossError", "StepLoop"]
 
 log = logging.getLogger("streamcache.train")
 
-_SIGMA_EDGE = 1e-5
-"""Timestep percentages are drawn in ``[1e-5, 1 - 1e-5]``: ``percent_to_sigma(0)`` is a 1e9 sentinel, not a sigma."""
 _SMOOTHING = 0.1
 """Weight of the newest loss in the exponential moving average reported as ``loss_smooth``."""
 
@@ -151,8 +149,9 @@ class StepLoop:
     ``first_batch`` is the global number of the first batch: a run continuing an existing LoRA starts where the
     earlier run stopped, so its batch order, noise and timesteps are those an uninterrupted run would have had.
     ``schedule`` sets each optimizer step's learning rate by the step's global number (``first_step`` + the step);
-    ``None``: the optimizer's own, unchanged. ``validation`` (a :class:`~.validation.Validation`) measures the
-    validation loss before the first step and after the steps it is due at.
+    ``None``: the optimizer's own, unchanged. ``validation`` (a :class:`~.validation.Validation`, set after the loop
+    is made: it measures through it) measures the validation loss before the first step and after the steps it is
+    due at.
     ``world`` (a :class:`~dataset_cache.collective.Collective`, ``None``: one process) makes this one rank of a
     data-parallel run: its batches are its rows of global batches (:func:`~dataset_cache.sharding.share_of`), whose
     noise and timesteps it draws whole and slices; gradients are averaged over the ranks before each optimizer step,
@@ -164,9 +163,9 @@ class StepLoop:
                  scaler: Any, forward: ModelCall, conditioner: Conditioner, device: torch.device, *,
                  first_batch: int = 0, world: Any = None, startup: Startup | None = None,
                  save: Callable[[int, BatchPlan, BaseException | None], None] | None = None,
-                 schedule: LrSchedule | None = None, first_step: int = 0, validation: Any = None) -> None:
+                 schedule: LrSchedule | None = None, first_step: int = 0) -> None:
         self.first_batch = first_batch
-        self.validation = validation
+        self.validation: Any = None  # a .validation.Validation, set by the run (it measures through this loop)
         self.schedule = schedule
         self.first_step = first_step
         self.save = save  # the saves during the run (.saves.RunSaves): every settings.save_every steps, and on a stop
@@ -440,7 +439,7 @@ class StepLoop:
         """
         s = self.settings
         g = seeded_generator(s.seed, index, "noise")
-        sigma = self.sigmas(draw_percents(g, shape[0], s.timestep_sampling, _SIGMA_EDGE))
+        sigma = self.sigmas(draw_percents(g, shape[0], s.timestep_sampling))
         return sigma, offset_noise(torch.randn(shape, generator=g, dtype=torch.float32), g, s.noise_offset)
 
     def sigmas(self, percents: torch.Tensor) -> torch.Tensor:

@@ -141,8 +141,8 @@ class RunSaves:
             log.info("Train LoRA: saved the LoRA at step %d as %s", steps, path)
             return
         log.warning("Train LoRA: the run stopped after step %d (%s); the LoRA trained so far is saved as %s. To "
-                    "continue it, pick it as existing_lora (copied to models/loras, or where output/loras is listed "
-                    "as a LoRA folder).", steps, _describe(stopped_by), path)
+                    "continue it, pick it as existing_lora (refresh the list: a file in output/loras is listed as "
+                    "'loras/<name> [output]').", steps, _describe(stopped_by), path)
 
     def _save_state(self, state: TrainState, lora: dict[str, torch.Tensor]) -> None:
         """Write the save's training state, and remove the one this run wrote for its previous save: a run keeps

@@ -28,9 +28,6 @@ __all__ = ["Validation"]
 
 log = logging.getLogger("streamcache.train")
 
-_SIGMA_EDGE = 1e-5
-"""As the training's draws: ``percent_to_sigma(0)`` is a sentinel, not a sigma."""
-
 
 class Validation:
     """Measures the validation loss of ``samples`` (each once, in dataset order, batches of ``batch_size`` rows of
@@ -108,7 +105,7 @@ class Validation:
         percents, noises = [], []
         for key in plan.latent_keys:
             g = seeded_generator(self.seed, "validation", key)
-            percents.append(draw_percents(g, 1, "uniform", _SIGMA_EDGE))
+            percents.append(draw_percents(g, 1, "uniform"))
             noises.append(torch.randn((1, *shape[1:]), generator=g, dtype=torch.float32))
         return {"sigma": self.loop.sigmas(torch.cat(percents)), "noise": torch.cat(noises)}
 
