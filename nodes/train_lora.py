@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import time
 from typing import Any
@@ -37,6 +38,7 @@ from .training import (
     DEFAULT_SAVE_PREFIX,
     LOSS_FUNCTIONS,
     LR_SCHEDULES,
+    MAX_GRAD_NORM,
     MAX_REG_RATIO,
     MAX_NOISE_OFFSET,
     MAX_REG_WEIGHT,
@@ -63,6 +65,11 @@ LoraModel = io.Custom("LORA_MODEL")
 LossMap = io.Custom("LOSS_MAP")
 
 
+def _json_number(value: float) -> float | None:
+    """``value``, or ``None`` where JSON has no number for it (inf, NaN): the browser's parser refuses those."""
+    return value if math.isfinite(value) else None
+
+
 class _Events:
     """Sends the throttled ``streamcache.train`` event from the execution thread, when a server exists."""
 
@@ -87,6 +94,8 @@ class _Events:
             data["learning_rate"] = report.learning_rate
         if report.val_loss is not None:
             data["val_loss"], data["val_step"] = report.val_loss, report.val_step
+        if report.grad_norm is not None:
+            data["grad_norm"] = _json_number(report.grad_norm)
         try:
             instance.send_sync(EVENT, data, getattr(instance, "client_id", None))
         except Exception:  # a progress event must never fail the training
@@ -285,6 +294,11 @@ class TrainLoRA(io.ComfyNode):
                 io.Int.Input("val_every", default=0, min=0, max=100000, optional=True, advanced=True,
                              tooltip="With val_dataset: measure its loss every this many steps too. 0: before the "
                              "first step and after the last only."),
+                io.Float.Input("max_grad_norm", default=0.0, min=0.0, max=MAX_GRAD_NORM, step=0.1, optional=True,
+                               tooltip="Clip each step's gradients to this global norm, so one unusual batch cannot "
+                               "undo what many steps learned (1.0: the default of kohya, OneTrainer and "
+                               "ai-toolkit). 0: no clipping (ComfyUI's own Train LoRA). The live panel and the "
+                               "summary show the norm either way, and how often it was clipped."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -337,6 +351,7 @@ class TrainLoRA(io.ComfyNode):
         noise_offset: float = 0.0,
         val_dataset: Any = None,
         val_every: int = 0,
+        max_grad_norm: float = 0.0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -351,6 +366,7 @@ class TrainLoRA(io.ComfyNode):
             devices=str(devices), checkpoint_mode=str(checkpoint_mode), save_every=int(save_every),
             save_prefix=str(save_prefix), lr_schedule=str(lr_schedule), warmup_steps=int(warmup_steps),
             timestep_sampling=str(timestep_sampling), noise_offset=float(noise_offset), val_every=int(val_every),
+            max_grad_norm=float(max_grad_norm),
         )
         settings.validate()  # before opening anything: a typo fails fast
         for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset), ("val_dataset", val_dataset)):
@@ -379,6 +395,8 @@ class TrainLoRA(io.ComfyNode):
         ui: dict[str, Any] = {"loss": result.losses, "text": [summary]}
         if result.validation:  # (global step, loss) pairs; Plot Loss Graph reads "loss" only
             loss_map["val_loss"] = ui["val_loss"] = [[step, loss] for step, loss in result.validation]
+        if result.grad_norms:  # null for a norm that was not finite: JSON has no inf or NaN
+            loss_map["grad_norm"] = ui["grad_norm"] = [_json_number(n) for n in result.grad_norms]
         return io.NodeOutput(result.lora, loss_map, result.steps, ui=ui)
 
     @classmethod

@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,6 +18,7 @@ import comfy.utils
 
 from ...dataset_cache.autograd_release import release_failed_backward
 from ...dataset_cache.gcpause import StepCollector
+from ...dataset_cache.grad_clip import clip_gradients
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.lr_schedule import LrSchedule
 from ...dataset_cache.noise_draws import draw_percents, offset_noise
@@ -77,24 +78,36 @@ def _finite(step: int, losses: Sequence[torch.Tensor | float], batches: Sequence
     return values
 
 
+class _Done(NamedTuple):
+    """A step's values read back from the device: its losses (one per accumulated batch), its batches, and the
+    global norm of its gradients before clipping (``None`` for a step cut short before its optimizer step)."""
+
+    step: int
+    losses: list[float]
+    batches: list[Batch]
+    grad_norm: float | None
+
+
 class _LaggedLosses:
-    """Each step's losses copied from the device as the step's last work, read when the next step has been queued:
-    the training thread then never waits for the device to drain its queue just to learn a loss (on CUDA the copy
-    goes into pinned memory after the step's work, and an event says when it arrived). Two pinned buffers, made
-    at the first step and used in turn (allocating pinned memory is slow and may synchronize)."""
+    """Each step's losses and gradient norm copied from the device as the step's last work, read when the next step
+    has been queued: the training thread then never waits for the device to drain its queue just to learn a loss
+    (on CUDA the copy goes into pinned memory after the step's work, and an event says when it arrived). Two pinned
+    buffers, made at the first step and used in turn (allocating pinned memory is slow and may synchronize)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._held: tuple[int, torch.Tensor, Any, list[Batch]] | None = None
+        self._held: tuple[int, torch.Tensor, Any, list[Batch], bool] | None = None
         self._host: list[torch.Tensor] = []
         self._turn = 0
 
-    def swap(self, step: int | None, losses: list[torch.Tensor], batches: list[Batch]
-             ) -> tuple[int, list[float], list[Batch]] | None:
-        """Hold step ``step``'s losses (``None``: none, the run ended) and return the step held before, read."""
+    def swap(self, step: int | None, losses: list[torch.Tensor], batches: list[Batch],
+             grad_norm: torch.Tensor | None = None) -> _Done | None:
+        """Hold step ``step``'s losses and gradient norm (``step`` ``None``: none, the run ended) and return the
+        step held before, read."""
         held, self._held = self._held, None
         if step is not None and losses:
-            values = torch.stack([v.detach().reshape(()).float() for v in losses])
+            values = torch.stack([v.detach().reshape(()).float().to(losses[0].device)
+                                  for v in [*losses, *([grad_norm] if grad_norm is not None else [])]])
             event = None
             if self.cuda and values.is_cuda:
                 if not self._host or self._host[0].shape != values.shape:
@@ -105,13 +118,14 @@ class _LaggedLosses:
                 event = torch.cuda.Event()
                 event.record()
                 values = host
-            self._held = (step, values, event, batches)
+            self._held = (step, values, event, batches, grad_norm is not None)
         if held is None:
             return None
-        done_step, done_values, done_event, done_batches = held
+        done_step, done_values, done_event, done_batches, has_norm = held
         if done_event is not None:
             done_event.synchronize()
-        return done_step, done_values.tolist(), done_batches
+        read = done_values.tolist()
+        return _Done(done_step, read[:-1] if has_norm else read, done_batches, read[-1] if has_norm else None)
 
 
 class _Tally:
@@ -125,22 +139,25 @@ class _Tally:
         self.validation = validation  # its latest (step, loss), for the report
         self.pbar = comfy.utils.ProgressBar(steps)
         self.losses: list[float] = []
+        self.grad_norms: list[float] = []  # one per step whose optimizer step ran, before clipping
         self.smooth: float | None = None
         self.rows = 0
         self.wait = 0.0
         self.t0 = time.perf_counter()
 
-    def add(self, step: int, loss: float, batch: Batch) -> None:
+    def add(self, step: int, loss: float, batch: Batch, grad_norm: float | None = None) -> None:
         self.losses.append(loss)
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm)
         self.smooth = loss if self.smooth is None else (1 - _SMOOTHING) * self.smooth + _SMOOTHING * loss
         self.pbar.update(1)  # ComfyUI's progress hook also checks the interrupt flag
         if self.on_step is not None:
             elapsed = time.perf_counter() - self.t0
-            latest = self.validation.latest if self.validation is not None else None
+            val_step, val_loss = (self.validation.latest if self.validation is not None else None) or (None, None)
             self.on_step(StepReport(step + 1, self.steps, loss, self.smooth, self.rows / elapsed if elapsed else 0.0,
                                     100.0 * self.wait / elapsed if elapsed else 0.0, batch.plan.epoch,
                                     elapsed, self.wait, self.rate(step) if self.rate is not None else None,
-                                    *(latest or (None, None))))
+                                    val_step, val_loss, grad_norm))
 
 
 class StepLoop:
@@ -148,6 +165,8 @@ class StepLoop:
 
     ``first_batch`` is the global number of the first batch: a run continuing an existing LoRA starts where the
     earlier run stopped, so its batch order, noise and timesteps are those an uninterrupted run would have had.
+    Each optimizer step clips the gradients' global norm to ``settings.max_grad_norm`` (0: no clipping) and reports
+    the norm they had (:mod:`dataset_cache.grad_clip`).
     ``schedule`` sets each optimizer step's learning rate by the step's global number (``first_step`` + the step);
     ``None``: the optimizer's own, unchanged. ``validation`` (a :class:`~.validation.Validation`, set after the loop
     is made: it measures through it) measures the validation loss before the first step and after the steps it is
@@ -170,6 +189,7 @@ class StepLoop:
         self.first_step = first_step
         self.save = save  # the saves during the run (.saves.RunSaves): every settings.save_every steps, and on a stop
         self.completed = 0  # optimizer steps done
+        self.grad_norms: list[float] = []  # each reported step's gradient norm before clipping, in step order
         self._last_plan: BatchPlan | None = None  # the last batch of the last step done
         self._saved_at = 0
         self._in_optimizer = False
@@ -191,7 +211,8 @@ class StepLoop:
 
     def run(self, batches: Any, on_step: Callable[[StepReport], None] | None
             ) -> tuple[list[float], float, int, float]:
-        """Return (loss per optimizer step, seconds, batch rows trained, seconds spent waiting for batches).
+        """Return (loss per optimizer step, seconds, batch rows trained, seconds spent waiting for batches); each
+        step's gradient norm before clipping is in :attr:`grad_norms` (also after an error: the steps reported).
 
         One process reads each step's loss from the device a step later (:class:`_LaggedLosses`): reading it at once
         would make the training thread wait for the device to finish the step, and the device then idle while the
@@ -206,6 +227,7 @@ class StepLoop:
         if self.world is not None:  # every rank stops at the same step: agreed in world.agree below
             throw_if_interrupted = _checked_by_the_ranks
         tally = _Tally(s.steps, on_step, self._rate if self.schedule is not None else None, self.validation)
+        self.grad_norms = tally.grad_norms
         lagged = _LaggedLosses(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         try:
@@ -255,18 +277,19 @@ class StepLoop:
             tally.rows += share_of(batch.plan, batch.latents.shape[0])[0]  # one rank of several: the global's
         if self.world is not None:
             self.world.reduce_gradients(p for g in self.optimizer.param_groups for p in g["params"])
+        grad_norm = None
         if not stopping:
             self._in_optimizer = True
-            self._optimizer_step(step)
+            grad_norm = self._optimizer_step(step)
             self._in_optimizer = False
             self.completed, self._last_plan = step + 1, step_batches[-1].plan
         saving = self.save is not None and not stopping and s.save_every > 0 and (step + 1) % s.save_every == 0
         if self.world is not None:
             values = [float(v) for v in step_losses]
             tally.add(step, self.world.agree(sum(values) / s.grad_accumulation_steps, stop=stopping),
-                      step_batches[-1] if step_batches else batch)
+                      step_batches[-1] if step_batches else batch, float(grad_norm) if grad_norm is not None else None)
         else:
-            self._report(lagged.swap(step, step_losses, step_batches), tally)
+            self._report(lagged.swap(step, step_losses, step_batches, grad_norm), tally)
             if step == 0 or saving:  # the first loss at once: progress shows when the first step is done, not a
                 self._report(lagged.swap(None, [], []), tally)  # step later; a save only of a step read finite
         if saving:
@@ -293,18 +316,19 @@ class StepLoop:
         try:
             done = lagged.swap(None, [], []) if self.world is None else None
             if done is not None:
-                _finite(*done)
+                _finite(done.step, done.losses, done.batches)
             self._save(error)
         except Exception as exc:  # the run's own error follows; this one is only said
             log.warning("Train LoRA: the LoRA trained before the run stopped was not saved: %s", exc)
 
-    def _report(self, done: tuple[int, list[float], list[Batch]] | None, tally: _Tally) -> None:
-        """A step's losses read back from the device: checked, averaged over its batches, reported."""
+    def _report(self, done: _Done | None, tally: _Tally) -> None:
+        """A step's losses read back from the device: checked, averaged over its batches, reported with its
+        gradient norm."""
         if done is None:
             return
-        step, values, step_batches = done
-        _finite(step, values, step_batches)
-        tally.add(step, sum(values) / self.settings.grad_accumulation_steps, step_batches[-1])
+        _finite(done.step, done.losses, done.batches)
+        tally.add(done.step, sum(done.losses) / self.settings.grad_accumulation_steps, done.batches[-1],
+                  done.grad_norm)
 
     def per_batch(self, number: int, plan: BatchPlan, shape: torch.Size) -> dict[str, torch.Tensor]:
         """The loader's ``per_batch`` hook: the sigmas, noise and row weights of the loop's batch ``number``, drawn
@@ -458,7 +482,9 @@ class StepLoop:
         assert self.schedule is not None
         return self.schedule.rate(self.first_step + step)
 
-    def _optimizer_step(self, step: int) -> None:
+    def _optimizer_step(self, step: int) -> torch.Tensor:
+        """Set the step's rate, unscale, clip (``max_grad_norm``) and step; return the gradients' norm before
+        clipping, on the device (read with the step's loss)."""
         if self.schedule is not None:
             rate = self._rate(step)
             for group in self.optimizer.param_groups:
@@ -469,9 +495,12 @@ class StepLoop:
             for p in group["params"]:
                 if p.grad is not None and p.grad.dtype != p.dtype:
                     p.grad = p.grad.to(p.dtype)
+        grad_norm = clip_gradients((p for g in self.optimizer.param_groups for p in g["params"]),
+                                   self.settings.max_grad_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -12,10 +14,11 @@ import torch
 from ...dataset_cache.dataset import Sample
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.dataset_mix import DatasetMix, shared_samples
+from ...dataset_cache.grad_clip import CLIP_EPSILON
 from ...dataset_cache.lr_schedule import LrSchedule
 
-__all__ = ["RowCounts", "Startup", "describe_rates", "describe_startup", "StepReport", "TrainResult", "counted",
-           "overlap_notes", "validation_overlap_notes"]
+__all__ = ["RowCounts", "Startup", "describe_grad_norms", "describe_rates", "describe_startup", "StepReport",
+           "TrainResult", "counted", "overlap_notes", "validation_overlap_notes"]
 
 @dataclass(frozen=True)
 class StepReport:
@@ -34,6 +37,8 @@ class StepReport:
         learning_rate: the rate this step trained at (``lr_schedule``), ``None`` when the loop sets none.
         val_step: the step of the latest validation loss (``val_dataset``), ``None`` before any or without one.
         val_loss: that loss.
+        grad_norm: the global L2 norm of this step's gradients before clipping (``max_grad_norm``), ``None`` for a
+            step whose optimizer step did not run.
     """
 
     step: int
@@ -48,6 +53,7 @@ class StepReport:
     learning_rate: float | None = None
     val_step: int | None = None
     val_loss: float | None = None
+    grad_norm: float | None = None
 
 
 @dataclass
@@ -156,6 +162,23 @@ def describe_rates(schedule: LrSchedule, done: int, steps: int) -> tuple[str, ..
             f"{schedule.rate(last):.3g} at step {last + 1}",)
 
 
+def describe_grad_norms(norms: Sequence[float], max_norm: float) -> str:
+    """``"; gradient norm 0.41 median, 2.3 max, clipped to 1 in 7 of 400 steps"`` for the summary (``""`` for no
+    step): how often clipping acted says whether ``max_grad_norm`` is a safety net (a few steps) or a second learning
+    rate (most of them). Non-finite norms (fp16 steps the scaler skipped) are counted apart."""
+    if not norms:
+        return ""
+    finite = [n for n in norms if math.isfinite(n)]
+    text = f"; gradient norm {statistics.median(finite):.3g} median, {max(finite):.3g} max" if finite else (
+        "; gradient norm")
+    if max_norm > 0:
+        clipped = sum(n + CLIP_EPSILON > max_norm for n in finite)
+        text += f", clipped to {max_norm:g} in {clipped} of {len(norms)} steps"
+    if len(finite) < len(norms):
+        text += f", not finite in {len(norms) - len(finite)} steps (with fp16: steps the gradient scaler skipped)"
+    return text
+
+
 def describe_startup(phases: dict[str, float]) -> str:
     """``"first step after 4.0 s (data 0.0 s, model 1.2 s, ...)"``, or ``""`` before any phase ended."""
     if not phases:
@@ -183,6 +206,8 @@ class TrainResult:
             (:meth:`dataset_cache.memory_plan.MemoryPlan.as_dict`, with what the weight streamer did).
         startup: seconds of each phase before the first step ended (:class:`Startup`), in order.
         validation: with ``val_dataset``, each measurement's ``(global step, validation loss)``.
+        grad_norms: each step's gradient norm before clipping (:mod:`dataset_cache.grad_clip`).
+        max_grad_norm: the norm the gradients were clipped to (0: not clipped).
         saves: with ``save_every``, each save's seconds: ``waited_s`` what it held the training thread (the copy off
             the device, a previous save still being written), ``written_s`` its writing, on the writer's thread.
     """
@@ -201,6 +226,8 @@ class TrainResult:
     startup: dict[str, float] = field(default_factory=dict)
     saves: dict[str, list[float]] = field(default_factory=dict)
     validation: list[tuple[int, float]] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    max_grad_norm: float = 0.0
 
     def summary(self) -> str:
         """One paragraph for the node's UI (what was changed from the settings first)."""
@@ -210,8 +237,9 @@ class TrainResult:
         return "".join(f"NOTE: {n}. " for n in self.notes) + (
             f"trained {len(self.losses)} steps ({self.steps} in total) in {self.seconds:.1f} s: "
             f"{self.samples_per_s:.2f} samples/s, waited for data {self.data_wait_pct:.1f}% of the time; "
-            f"loss {first:.4f} (first 5) → {last:.4f} (last 5); "
-            f"buckets {', '.join(f'{list(b)}×{n}' for b, n in self.buckets.items())}"
+            f"loss {first:.4f} (first 5) → {last:.4f} (last 5)"
+            + describe_grad_norms(self.grad_norms, self.max_grad_norm)
+            + f"; buckets {', '.join(f'{list(b)}×{n}' for b, n in self.buckets.items())}"
             + (f"; {rows}" if rows else "") + "".join(f"; {i}" for i in self.info)
             + (f"; memory: {self.memory_plan['description']}" if self.memory_plan.get("description") else "")
             + (f"; {describe_startup(self.startup)}" if self.startup else "")

@@ -159,7 +159,8 @@ def train_lora(
                        wait_pct, dict(sampler.buckets), (*data.notes, *run.memory.notes(), *start.notes, *notes),
                        counts, (*start.info, *info), run.memory.report(), dict(startup.phases),
                        {"waited_s": saves.waited, "written_s": saves.written} if saves is not None else {},
-                       list(loop.validation.results) if loop.validation is not None else [])
+                       list(loop.validation.results) if loop.validation is not None else [],
+                       grad_norms=list(loop.grad_norms), max_grad_norm=settings.max_grad_norm)
 
 
 @dataclass

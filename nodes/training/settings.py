@@ -8,13 +8,14 @@ from pathlib import PurePosixPath, PureWindowsPath
 
 from comfy.weight_adapter import adapter_maps
 
+from ...dataset_cache.grad_clip import MAX_GRAD_NORM, check_max_grad_norm
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 from ...dataset_cache.noise_draws import MAX_NOISE_OFFSET, TIMESTEP_SAMPLINGS, check_noise_settings
 
 __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_NOISE_OFFSET", "MAX_REG_RATIO",
-           "MAX_REG_WEIGHT", "MAX_WARMUP_STEPS", "MEMORY_MODES", "OPTIMIZERS", "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES",
-           "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
+           "MAX_REG_WEIGHT", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MEMORY_MODES", "OPTIMIZERS", "TIMESTEP_SAMPLINGS",
+           "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
 
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
 """The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node)."""
@@ -55,7 +56,8 @@ class TrainSettings:
     ``lr_schedule`` and ``warmup_steps`` set each step's learning rate (:class:`~dataset_cache.lr_schedule.LrSchedule`
     over the steps the existing LoRA had plus ``steps``; "constant" without warm-up: ``learning_rate`` throughout, as
     ComfyUI's own trainer). ``timestep_sampling`` and ``noise_offset`` change what a batch is noised with
-    (:mod:`dataset_cache.noise_draws`; "uniform" and 0: ComfyUI's own trainer's draws).
+    (:mod:`dataset_cache.noise_draws`; "uniform" and 0: ComfyUI's own trainer's draws). ``max_grad_norm`` clips
+    each step's gradients to that global L2 norm (:mod:`dataset_cache.grad_clip`; 0: no clipping, as ComfyUI's own).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -103,6 +105,8 @@ class TrainSettings:
     noise_offset: float = 0.0
     # the validation loss of ``val_dataset`` (.validation): every ``val_every`` steps, 0: before and after the run only
     val_every: int = 0
+    # each step's gradients clipped to this global L2 norm (dataset_cache.grad_clip); 0: none, as ComfyUI's trainer
+    max_grad_norm: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -141,6 +145,7 @@ class TrainSettings:
             raise ValueError(f"warmup_steps must be at most {MAX_WARMUP_STEPS}, got {self.warmup_steps}")
         check_save_prefix(self.save_prefix)
         check_noise_settings(self.timestep_sampling, self.noise_offset)
+        check_max_grad_norm(self.max_grad_norm)
 
     def lr_schedule_after(self, done: int) -> LrSchedule:
         """The learning rate of every step of a run continuing a LoRA that had ``done`` steps: the schedule spans

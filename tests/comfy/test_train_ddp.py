@@ -145,11 +145,15 @@ def test_a_learning_rate_schedule_and_validation_on_two_ranks_are_what_they_are_
                                                                             dataset: Any, start: dict) -> None:
     """Every rank sets each step's rate from the same schedule: a linear decay after a warm-up step on 2 ranks × 1
     trains what it trains on 1 rank × 2, within the module's tolerance. Each rank measures the validation loss of
-    the whole validation set itself (no rank waits for another): the values agree as the weights do."""
+    the whole validation set itself (no rank waits for another): the values agree as the weights do. Gradients are
+    clipped after the ranks averaged them (every rank the same global norm, each step's reported the same)."""
     scheduled = {"lr_schedule": "linear", "warmup_steps": 2, "val_dataset": dataset}
+    free = _train(node, models[0], dataset, batch_size=2, steps=3, **scheduled).result[1]["grad_norm"]
+    scheduled["max_grad_norm"] = sorted(free)[1]  # the steps above the middle norm clipped
     one_rank = _train(node, models[0], dataset, batch_size=2, **scheduled).result
     two = _train(node, models[0], dataset, batch_size=1, devices="cpu:2", **scheduled).result
     _assert_same_training(two, one_rank, start)
+    assert two[1]["grad_norm"] == pytest.approx(one_rank[1]["grad_norm"], rel=TOLERANCE)
     assert [s for s, _ in two[1]["val_loss"]] == [s for s, _ in one_rank[1]["val_loss"]] == [0, 3]
     assert [v for _, v in two[1]["val_loss"]] == pytest.approx([v for _, v in one_rank[1]["val_loss"]],
                                                                rel=TOLERANCE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import importlib
 import logging
 import math
@@ -41,7 +42,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "caption_dropout": 0.0, "reg_dataset": None, "reg_ratio": 1.0, "reg_weight": 1.0,
     "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact",
     "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
-    "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0,
+    "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0, "max_grad_norm": 0.0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -165,6 +166,9 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     assert inputs["val_dataset"].optional and inputs["val_dataset"].get_io_type() == "STREAM_DATASET"
     assert inputs["val_every"].optional and inputs["val_every"].default == 0
     assert "val_every" in info["input"]["optional"]
+    # a prompt without it clips nothing, as before (and as ComfyUI's own Train LoRA)
+    assert inputs["max_grad_norm"].optional and inputs["max_grad_norm"].default == 0.0
+    assert "max_grad_norm" in info["input"]["optional"] and not inputs["max_grad_norm"].advanced
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -771,6 +775,68 @@ def test_a_noise_offset_shifts_each_row_and_channel_of_the_drawn_noise(pack: Mod
 
 
 # ------------------------------------------------------------------------------------------------- validation loss
+# ----------------------------------------------------------------------------------------------- gradient clipping
+def test_clipping_scales_a_steps_update_by_the_limit_over_the_reported_norm(node: type, models: tuple,
+                                                                         dataset: Any) -> None:
+    """One SGD step of a new LoRA (fp32): ComfyUI starts every adapter but the up matrices at 0 (the down matrices,
+    the norm and bias diffs), so the step writes ``-lr * g`` into those, and the up matrices get no gradient (nor
+    does an ``alpha`` move: its update is below its ulp). Clipped to a tenth of the norm the unclipped step reports,
+    each element is the unclipped one times ``max / (norm + 1e-6)`` (each side rounded once or twice in fp32:
+    4 ulp); a limit above the norm multiplies by exactly 1, so the LoRA is the unclipped one bit for bit. The
+    reported norm is the norm of the unclipped update over the rate (fp32 sums: 1e-5; alpha's gradient is about
+    1e-6 of the largest, its share of the norm far below that)."""
+    opts = {"optimizer": "SGD", "steps": 1, "learning_rate": 0.02}
+    free = _train(node, models[0], dataset, **opts)
+    (norm,) = free.result[1]["grad_norm"]
+    assert free.ui["grad_norm"] == [norm]
+    down = [k for k in free.result[0] if not k.endswith((".lora_up.weight", ".alpha"))]
+    assert len(down) < len(free.result[0]) and norm > 0
+    update = torch.cat([free.result[0][k].double().flatten() for k in down])
+    assert norm == pytest.approx(float(update.norm()) / 0.02, rel=1e-5)
+    clipped = _train(node, models[0], dataset, max_grad_norm=norm / 10, **opts)
+    assert clipped.result[1]["grad_norm"] == [norm]  # the norm before clipping
+    scale = (norm / 10) / (norm + 1e-6)
+    for k, value in clipped.result[0].items():
+        if k in down:
+            torch.testing.assert_close(value.double(), free.result[0][k].double() * scale, rtol=4 * 2.0 ** -24,
+                                       atol=0.0)
+        else:
+            assert torch.equal(value, free.result[0][k])
+    above = _train(node, models[0], dataset, max_grad_norm=norm * 2, **opts).result[0]
+    assert all(torch.equal(above[k], free.result[0][k]) for k in above)
+    assert f"; gradient norm {norm:.3g} median, {norm:.3g} max, clipped to {norm / 10:g} in 1 of 1 steps" \
+        in _summary(clipped)
+    assert f"; gradient norm {norm:.3g} median, {norm:.3g} max; buckets" in _summary(free)  # measured, nothing clipped
+
+
+def test_a_clipped_run_continued_from_a_save_is_the_run_that_never_stopped(
+        node: type, models: tuple, dataset: Any, lora_folder: Path) -> None:
+    """Clipping keeps no state: a save at step 3 of 5 (bf16, AdamW, a limit most steps reach), continued for the 2
+    steps left, is the uninterrupted run bit for bit, its gradient norms included."""
+    clipped = {**_CONTINUED, "training_dtype": "bf16", "lora_dtype": "bf16"}
+    probe = _train(node, models[0], dataset, steps=5, **clipped).result[1]["grad_norm"]
+    clipped["max_grad_norm"] = sorted(probe)[1]  # four of the five steps clipped
+    whole = _train(node, models[0], dataset, steps=5, save_every=3, **clipped)
+    assert f"clipped to {clipped['max_grad_norm']:g} in 4 of 5 steps" in _summary(whole)
+    (name,) = _saves(lora_folder)
+    rest = _train(node, models[0], dataset, steps=2, existing_lora=name, **clipped)
+    assert rest.result[1]["loss"] == whole.result[1]["loss"][3:]
+    assert rest.result[1]["grad_norm"] == whole.result[1]["grad_norm"][3:]
+    assert all(torch.equal(rest.result[0][k], whole.result[0][k]) for k in whole.result[0])
+
+
+def test_the_summary_counts_clipped_and_non_finite_norms(pack: ModuleType) -> None:
+    describe = _module(pack, "nodes.training.report").describe_grad_norms
+    assert describe([], 1.0) == ""
+    assert describe([0.5, 2.0, 0.25], 0.0) == "; gradient norm 0.5 median, 2 max"
+    assert describe([0.5, 2.0, 1.0, math.inf], 1.0) == (
+        "; gradient norm 1 median, 2 max, clipped to 1 in 2 of 4 steps, not finite in 1 steps (with fp16: steps the "
+        "gradient scaler skipped)")  # 1.0 + 1e-6 > 1: torch's own formula scales it by 1 / (1 + 1e-6)
+    assert describe([math.nan], 1.0) == (
+        "; gradient norm, clipped to 1 in 0 of 1 steps, not finite in 1 steps (with fp16: steps the gradient scaler "
+        "skipped)")
+
+
 @pytest.fixture(scope="module")
 def val_dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
                 tmp_path_factory: pytest.TempPathFactory) -> Any:
@@ -891,6 +957,8 @@ def test_a_validation_set_that_shares_images_with_the_training_is_named(node: ty
     ({"timestep_sampling": "beta"}, "unknown timestep_sampling 'beta'; use one of uniform, logit-normal"),
     ({"noise_offset": 1.5}, "noise_offset must be a number from 0 to 1, got 1.5"),
     ({"val_every": -1}, "val_every must be >= 0, got -1"),
+    ({"max_grad_norm": -0.5}, "max_grad_norm must be a number from 0 (no clipping) to 10000, got -0.5"),
+    ({"max_grad_norm": math.nan}, "max_grad_norm must be a number from 0 (no clipping) to 10000, got nan"),
 ])
 def test_a_bad_schedule_is_refused_before_training(node: type, models: tuple, dataset: Any, options: dict,
                                                    message: str) -> None:
@@ -1050,8 +1118,12 @@ def test_progress_events_reach_the_server_throttled(pack: ModuleType, monkeypatc
     assert event == "streamcache.train"
     assert data == {"node": "12", "prompt_id": "p1", "step": 3, "total": 3, "loss": 1.0 / 3, "loss_smooth": 0.9,
                     "samples_per_s": 2.0, "data_wait_pct": 1.5}
-    events(report(3, 3, 0.25, 0.9, 2.0, 1.5, 0, learning_rate=2.5e-4, val_step=2, val_loss=0.125))  # the last step
-    assert (sent[-1][1]["learning_rate"], sent[-1][1]["val_loss"], sent[-1][1]["val_step"]) == (2.5e-4, 0.125, 2)
+    events(report(3, 3, 0.25, 0.9, 2.0, 1.5, 0, learning_rate=2.5e-4, val_step=2, val_loss=0.125,
+                  grad_norm=0.75))  # the last step
+    assert (sent[-1][1]["learning_rate"], sent[-1][1]["val_loss"], sent[-1][1]["val_step"],
+            sent[-1][1]["grad_norm"]) == (2.5e-4, 0.125, 2, 0.75)
+    events(report(3, 3, 0.25, 0.9, 2.0, 1.5, 0, grad_norm=math.inf))  # JSON has no inf: the browser would refuse it
+    assert sent[-1][1]["grad_norm"] is None and json.loads(json.dumps(sent[-1][1], allow_nan=False))
 
 
 # -------------------------------------------------------------------------------------------------- interrupts
@@ -1350,12 +1422,13 @@ def test_a_new_lora_is_drawn_again_from_the_cpus_generator_exactly_as_comfyui_dr
 
 def test_a_steps_losses_are_read_once_the_next_step_is_queued(pack: ModuleType) -> None:
     """The loop's lagged losses: a step's values come back at the next step's swap, each with its own step and
-    batches, and the last ones when the run ends (swap with None); nothing is held after that."""
+    batches and the gradient norm of its optimizer step (``None``: a step cut short), and the last ones when the run
+    ends (swap with None); nothing is held after that."""
     lagged = _module(pack, "nodes.training.loop")._LaggedLosses(torch.device("cpu"))
     first, second = object(), object()
-    assert lagged.swap(0, [torch.tensor(1.5), torch.tensor(2.5)], [first, first]) is None
-    assert lagged.swap(1, [torch.tensor(3.0, dtype=torch.bfloat16)], [second]) == (0, [1.5, 2.5], [first, first])
-    assert lagged.swap(None, [], []) == (1, [3.0], [second])
+    assert lagged.swap(0, [torch.tensor(1.5), torch.tensor(2.5)], [first, first], torch.tensor(0.25)) is None
+    assert lagged.swap(1, [torch.tensor(3.0, dtype=torch.bfloat16)], [second]) == (0, [1.5, 2.5], [first, first], 0.25)
+    assert lagged.swap(None, [], []) == (1, [3.0], [second], None)
     assert lagged.swap(None, [], []) is None
 
 
@@ -1399,9 +1472,9 @@ def test_reading_a_steps_loss_does_not_wait_for_the_next_steps_work(pack: Module
         warm.swap(step, [] if step is None else [loss * 2], ["warm-up"])
     torch.cuda.synchronize()
     lagged = lagged_type(torch.device("cuda"))
-    assert lagged.swap(0, [loss], ["batch 0"]) is None
+    assert lagged.swap(0, [loss], ["batch 0"], loss / 2) is None
     torch.cuda._sleep(2_000_000_000)  # ~1 s of device time: step 1's work
-    done = lagged.swap(1, [loss * 2], ["batch 1"])
+    done = lagged.swap(1, [loss * 2], ["batch 1"], loss)
     busy = not torch.cuda.current_stream().query()
-    assert done == (0, [3.5], ["batch 0"]) and busy
-    assert lagged.swap(None, [], []) == (1, [7.0], ["batch 1"])
+    assert done == (0, [3.5], ["batch 0"], 1.75) and busy
+    assert lagged.swap(None, [], []) == (1, [7.0], ["batch 1"], 3.5)

@@ -108,7 +108,8 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "caption_dropout": 0.0, "reg_ratio": 1.0, "reg_weight": 1.0, "memory": "auto", "stream_blocks": 0,
             "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact", "save_every": 0,
             "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
-            "timestep_sampling": "uniform", "noise_offset": 0.0, "val_every": 0}},
+            "timestep_sampling": "uniform", "noise_offset": 0.0, "val_every": 0,
+            "max_grad_norm": 0.0}},
         str(SAVE): {"class_type": "SaveLoRA", "inputs": {"lora": [str(TRAIN), 0], "prefix": "loras/streamcache_fe",
                                                          "steps": [str(TRAIN), 2]}},
         str(INFO): {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": damaged}},
@@ -265,6 +266,8 @@ def test_live_loss_curve_and_panels_in_the_real_front_end(browser_tools: str, co
     assert [int(s["panel"]["step"]) for s in seen] == steps, "the panel did not follow the events"
     # each step's learning rate reaches the panel's head (lr_schedule 'constant': the node's learning_rate)
     assert all(float(s["event"]["learning_rate"]) == float(s["panel"]["learningRate"]) == 0.0005 for s in seen), seen
+    # and each step's gradient norm (measured whether or not max_grad_norm clips)
+    assert all(float(s["event"]["grad_norm"]) == float(s["panel"]["gradNorm"]) > 0 for s in seen), seen
     points = [int(s["panel"]["points"]) for s in seen]
     assert points == list(range(1, len(seen) + 1)), points
     live = [s["train"] for s in result["samples"] if s["train"] and s["train"].get("final") == "false"

@@ -5,7 +5,8 @@
 // output (the `text` list plus structured lists), so the pack works without this file; it only draws:
 //
 //  * Train LoRA (Stream Cache): a live loss curve (raw + smoothed) from the `streamcache.train` websocket event
-//    ({node, step, total, loss, loss_smooth, samples_per_s, data_wait_pct, learning_rate, val_loss, val_step}),
+//    ({node, step, total, loss, loss_smooth, samples_per_s, data_wait_pct, learning_rate, val_loss, val_step,
+//    grad_norm}),
 //    replaced by the full curve from the node's UI output `loss` when the run ends (onExecuted; also re-sent for
 //    cached runs);
 //  * Encode Dataset: the source/encode report, live from `streamcache.encode` ({node, phase, done, total,
@@ -196,7 +197,7 @@ class LossPanel {
     this.total = values.length;
     this.renderHead({ step: values.length, total: values.length, loss: values.at(-1), loss_smooth: s,
                       samples_per_s: last.samples_per_s, data_wait_pct: last.data_wait_pct,
-                      learning_rate: last.learning_rate, val_loss: last.val_loss });
+                      learning_rate: last.learning_rate, val_loss: last.val_loss, grad_norm: last.grad_norm });
     this.foot.textContent = text ?? "done";
     this.draw();
   }
@@ -217,9 +218,10 @@ class LossPanel {
     item("data wait", d && d.data_wait_pct != null ? `${Number(d.data_wait_pct).toFixed(1)}%` : "–");
     if (d && d.learning_rate != null) item("lr", Number(d.learning_rate).toPrecision(3));
     if (d && d.val_loss != null) item("val loss", fmtNum(d.val_loss));
+    if (d && d.grad_norm != null) item("grad norm", fmtNum(d.grad_norm, 3));
     Object.assign(this.root.dataset, {
       step: d?.step ?? "", total: d?.total ?? "", loss: d?.loss ?? "", lossSmooth: d?.loss_smooth ?? "",
-      learningRate: d?.learning_rate ?? "",
+      learningRate: d?.learning_rate ?? "", gradNorm: d?.grad_norm ?? "",
       points: String(this.steps.length), final: String(this.final),
     });
   }
