@@ -108,7 +108,7 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "caption_dropout": 0.0, "reg_ratio": 1.0, "reg_weight": 1.0, "memory": "auto", "stream_blocks": 0,
             "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact", "save_every": 0,
             "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
-            "timestep_sampling": "uniform", "noise_offset": 0.0, "val_every": 0,
+            "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": [str(ENCODE), 0], "val_every": 0,
             "max_grad_norm": 0.0}},
         str(SAVE): {"class_type": "SaveLoRA", "inputs": {"lora": [str(TRAIN), 0], "prefix": "loras/streamcache_fe",
                                                          "steps": [str(TRAIN), 2]}},
@@ -275,6 +275,10 @@ def test_live_loss_curve_and_panels_in_the_real_front_end(browser_tools: str, co
     assert live, "the page never showed the live curve"
     final = result["final"]["train"]
     assert final["final"] == "true" and int(final["points"]) == STEPS and final["visible"], final
+    # the validation loss (the training images themselves here: a NOTE says so) joins the chart: measured before the
+    # first step (live from the first event on) and after the last (from the node's output)
+    assert all(int(s["panel"]["valPoints"]) >= 1 and s["event"]["val_step"] == 0 for s in seen[:1]), seen[:1]
+    assert int(final["valPoints"]) == 2, final
     assert int(final["step"]) == STEPS and float(final["loss"]) > 0
     if expect_cached_ui:
         assert result["cached"]["final"] == "true" and int(result["cached"]["points"]) == STEPS, result["cached"]

@@ -4,11 +4,10 @@
 // module, hence the three "../" to reach /scripts/. Everything shown here also reaches /history as plain node
 // output (the `text` list plus structured lists), so the pack works without this file; it only draws:
 //
-//  * Train LoRA (Stream Cache): a live loss curve (raw + smoothed) from the `streamcache.train` websocket event
-//    ({node, step, total, loss, loss_smooth, samples_per_s, data_wait_pct, learning_rate, val_loss, val_step,
-//    grad_norm}),
-//    replaced by the full curve from the node's UI output `loss` when the run ends (onExecuted; also re-sent for
-//    cached runs);
+//  * Train LoRA (Stream Cache): a live loss curve (raw + smoothed, and the validation loss where `val_dataset` is
+//    connected) from the `streamcache.train` websocket event ({node, step, total, loss, loss_smooth, samples_per_s,
+//    data_wait_pct, learning_rate, val_loss, val_step, grad_norm}), replaced by the full curve from the node's UI
+//    outputs `loss` and `val_loss` when the run ends (onExecuted; also re-sent for cached runs);
 //  * Encode Dataset: the source/encode report, live from `streamcache.encode` ({node, phase, done, total,
 //    samples, new, changed, unchanged, removed, failed}) and final from the UI output `streamcache_report`;
 //  * Load Lazy Cache / Cache Info: size, samples, buckets, encoders and a warning badge when the check found
@@ -29,6 +28,7 @@ const TRAIN = "StreamCache_TrainLoRA";
 const ENCODE = "StreamCache_EncodeDataset";
 const INFO_NODES = new Set(["StreamCache_LoadLazyCache", "StreamCache_CacheInfo"]);
 const SMOOTHING = 0.1; // nodes/lora_training.py _SMOOTHING: weight of the newest loss in the moving average
+const VAL_COLOR = "#5fd38d"; // the validation loss on the train panel's chart
 const MAX_POINTS = 4000; // a live curve keeps at most this many points (every other one is dropped beyond)
 const PANEL = "streamcache_panel";
 
@@ -161,6 +161,7 @@ class LossPanel {
     this.steps = [];
     this.raw = [];
     this.smooth = [];
+    this.val = []; // [global step, validation loss]; the first is measured before the run's first step
     this.total = 0;
     this.final = false;
   }
@@ -174,6 +175,10 @@ class LossPanel {
     this.steps.push(step);
     this.raw.push(Number(d.loss));
     this.smooth.push(Number(d.loss_smooth ?? d.loss));
+    const lastVal = this.val.at(-1);
+    if (d.val_loss != null && d.val_step != null && (!lastVal || Number(d.val_step) > lastVal[0])) {
+      this.val.push([Number(d.val_step), Number(d.val_loss)]);
+    }
     if (this.steps.length > MAX_POINTS) {
       for (const a of [this.steps, this.raw, this.smooth]) a.splice(0, a.length, ...a.filter((_, i) => i % 2 === 0));
     }
@@ -182,7 +187,7 @@ class LossPanel {
     this.draw();
   }
 
-  onFinal(losses, text) {
+  onFinal(losses, text, val) {
     const values = (losses ?? []).map(Number);
     const last = this.prompt === currentPrompt && !this.final ? this.last ?? {} : {};
     this.reset(currentPrompt);
@@ -195,6 +200,7 @@ class LossPanel {
       this.smooth.push(s);
     });
     this.total = values.length;
+    this.val = (Array.isArray(val) ? val : []).map(([step, v]) => [Number(step), Number(v)]);
     this.renderHead({ step: values.length, total: values.length, loss: values.at(-1), loss_smooth: s,
                       samples_per_s: last.samples_per_s, data_wait_pct: last.data_wait_pct,
                       learning_rate: last.learning_rate, val_loss: last.val_loss, grad_norm: last.grad_norm });
@@ -221,7 +227,7 @@ class LossPanel {
     if (d && d.grad_norm != null) item("grad norm", fmtNum(d.grad_norm, 3));
     Object.assign(this.root.dataset, {
       step: d?.step ?? "", total: d?.total ?? "", loss: d?.loss ?? "", lossSmooth: d?.loss_smooth ?? "",
-      learningRate: d?.learning_rate ?? "", gradNorm: d?.grad_norm ?? "",
+      learningRate: d?.learning_rate ?? "", gradNorm: d?.grad_norm ?? "", valPoints: String(this.val.length),
       points: String(this.steps.length), final: String(this.final),
     });
   }
@@ -243,7 +249,7 @@ class LossPanel {
     const padL = 50 * dpr, padR = 6 * dpr, padT = 6 * dpr, padB = 14 * dpr;
     const pw = w - padL - padR, ph = h - padT - padB;
     if (pw <= 0 || ph <= 0) return;
-    const values = this.raw.concat(this.smooth).filter(Number.isFinite);
+    const values = this.raw.concat(this.smooth, this.val.map((p) => p[1])).filter(Number.isFinite);
     g.strokeStyle = "rgba(127,127,127,0.35)";
     g.lineWidth = dpr;
     g.strokeRect(padL, padT, pw, ph);
@@ -263,7 +269,10 @@ class LossPanel {
     const span = thi - tlo;
     tlo -= span * 0.05; thi += span * 0.05;
     const xMax = Math.max(this.total, this.steps.at(-1) ?? 1, 1);
-    const x = (s) => padL + (pw * (s - (xMax > 1 ? 1 : 0))) / Math.max(xMax - 1, 1);
+    // validation points sit at the run's own steps: the first was measured before step 1, at step 0
+    const valStart = this.val.length ? this.val[0][0] : 0;
+    const xMin = this.val.length ? 0 : xMax > 1 ? 1 : 0;
+    const x = (s) => padL + (pw * (s - xMin)) / Math.max(xMax - xMin, 1);
     const y = (v) => padT + ph - (ph * (t(v) - tlo)) / (thi - tlo);
     g.fillStyle = fg;
     g.globalAlpha = 0.7;
@@ -276,7 +285,7 @@ class LossPanel {
       g.fillText("log", 2 * dpr, padT + ph / 2);
     }
     g.textBaseline = "top";
-    g.fillText("1", padL, padT + ph + 2 * dpr);
+    g.fillText(this.val.length ? "0" : "1", padL, padT + ph + 2 * dpr);
     const endLabel = String(xMax);
     g.fillText(endLabel, padL + pw - g.measureText(endLabel).width, padT + ph + 2 * dpr);
     g.globalAlpha = 1;
@@ -295,12 +304,24 @@ class LossPanel {
     };
     line(this.raw, "rgba(120,170,255,0.55)", 1);
     line(this.smooth, "#ffb347", 2);
+    if (this.val.length) { // the validation loss: a line through its points, each marked
+      g.strokeStyle = g.fillStyle = VAL_COLOR;
+      g.lineWidth = 1.5 * dpr;
+      g.beginPath();
+      this.val.forEach(([s, v], i) => (i ? g.lineTo : g.moveTo).call(g, x(s - valStart), y(v)));
+      g.stroke();
+      for (const [s, v] of this.val) g.fillRect(x(s - valStart) - 2 * dpr, y(v) - 2 * dpr, 4 * dpr, 4 * dpr);
+    }
     g.fillStyle = "#ffb347";
     g.textBaseline = "top";
     const legend = "smoothed";
     g.fillText(legend, padL + pw - g.measureText(legend).width - 4 * dpr, padT + 2 * dpr);
     g.fillStyle = "rgba(120,170,255,0.9)";
     g.fillText("raw", padL + pw - g.measureText(legend + " raw").width - 8 * dpr, padT + 2 * dpr);
+    if (this.val.length) {
+      g.fillStyle = VAL_COLOR;
+      g.fillText("val", padL + pw - g.measureText(legend + " raw val").width - 12 * dpr, padT + 2 * dpr);
+    }
   }
 }
 
@@ -487,7 +508,7 @@ app.registerExtension({
         const panel = this.streamcachePanel;
         if (!panel || !output) return;
         const text = first(output.text);
-        if (nodeData.name === TRAIN && Array.isArray(output.loss)) panel.onFinal(output.loss, text);
+        if (nodeData.name === TRAIN && Array.isArray(output.loss)) panel.onFinal(output.loss, text, output.val_loss);
         else if (nodeData.name === ENCODE && output.streamcache_report) panel.onFinal(first(output.streamcache_report), text);
         else if (INFO_NODES.has(nodeData.name) && output.streamcache_info) panel.onFinal(first(output.streamcache_info));
         redrawCanvas();
