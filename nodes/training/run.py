@@ -23,6 +23,7 @@ from ...dataset_cache.latent_buckets import buckets_from_reader, fit_batch_size
 from ...dataset_cache.loader import PrefetchLoader
 from ...dataset_cache.memory_plan import MemoryPlan
 from ...dataset_cache.reading import DatasetReader
+from ...dataset_cache.sampler import BucketSampler
 from ...dataset_cache.sharding import shard_sampler
 from ...dataset_cache.seeding import derive_seed
 from ...dataset_cache.trainable import check_trainable
@@ -36,7 +37,7 @@ from .loop import StepLoop
 from .memory import MemoryStep, plan_run_memory
 from .report import (RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes,
                      validation_overlap_notes)
-from .resume import capture_state, resume_run, save_state
+from .resume import Start, capture_state, resume_run, save_state
 from .saves import RunSaves, lora_weights
 from .settings import TrainSettings
 from .validation import Validation
@@ -108,42 +109,11 @@ def train_lora(
                                 rank=team.rank, world_size=team.size, caption_dropout=settings.caption_dropout,
                                 reg=data.regularization)
         start = resume_run(run, sampler, existing, name_steps)  # continuing: optimizer, steps, batch order
-        first_batch = start.first_batch
-        team.same_start(start.steps, first_batch, sampler.position, run.optimizer)
+        team.same_start(start.steps, start.first_batch, sampler.position, run.optimizer)
         saves = RunSaves(run, sampler, start, on_saved) if settings.save_every > 0 and team.is_main else None
-        schedule = settings.lr_schedule_after(start.steps)
-        loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
-                        ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
-                        first_batch=first_batch, world=team.collective, startup=startup, save=saves,
-                        schedule=schedule, first_step=start.steps)
-        if data.validation is not None:
-            loop.validation = Validation(
-                loop, reader, *data.validation, batch_size=settings.batch_size, seed=settings.seed,
-                every=settings.val_every, last=start.steps + settings.steps, device=run.loader_device,
-                interrupt=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None)
-        loader = PrefetchLoader(  # noise, sigmas and row weights drawn on its workers: loop.per_batch
-            reader, sampler, prefetch_batches=settings.prefetch_batches,
-            threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
-            on_wait=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None,
-            per_batch=loop.per_batch,
-        )
-        counts = RowCounts.for_settings(settings.masked_loss, settings.unmasked_weight)
-        startup.mark("loader")
-        try:
-            prepare(run, train)
-            startup.mark("model to device")
-            losses, seconds, rows, waited = loop.run(counted(iter(loader), counts, sampler.main_samples), on_step)
-            counts = team.total(counts)
-        except torch.OutOfMemoryError as error:
-            hint = run.memory.out_of_memory_hint()
-            if not hint:
-                raise
-            raise torch.OutOfMemoryError(f"{error}\n{hint}") from error
-        finally:
-            loader.close()
-            unprepare(run, train)
-            if saves is not None:
-                saves.wait()  # the last save on disk before the run's own state (and before an error leaves)
+        loop = make_loop(run, data, reader, start, team, startup, saves)
+        losses, seconds, rows, waited, counts = run_steps(run, train, reader, sampler, loop, team, saves, startup,
+                                                          on_step)
         # rank 0's run is the one to continue; a save of its last step already wrote this state
         saved_at_end = saves is not None and saves.holds_the_end(start.steps + settings.steps)
         state = capture_state(run, sampler, start) if team.is_main and not saved_at_end else None  # before finish
@@ -151,16 +121,70 @@ def train_lora(
     notes, info = save_state(state, lora) if state is not None else ([], [])
     if saves is not None:
         notes, info = [*saves.notes, *notes], [*saves.describe(), *info]
-    wait_pct = 100.0 * waited / seconds if seconds > 0 else 0.0
-    info = [*describe_rates(schedule, start.steps, settings.steps), *info]
+    info = [*describe_rates(settings.lr_schedule_after(start.steps), start.steps, settings.steps), *info]
     if loop.validation is not None:
         info.insert(0, loop.validation.describe())
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
-                       wait_pct, dict(sampler.buckets), (*data.notes, *run.memory.notes(), *start.notes, *notes),
-                       counts, (*start.info, *info), run.memory.report(), dict(startup.phases),
+                       100.0 * waited / seconds if seconds > 0 else 0.0, dict(sampler.buckets),
+                       (*data.notes, *run.memory.notes(), *start.notes, *notes), counts, (*start.info, *info),
+                       run.memory.report(), dict(startup.phases),
                        {"waited_s": saves.waited, "written_s": saves.written} if saves is not None else {},
                        list(loop.validation.results) if loop.validation is not None else [],
                        grad_norms=list(loop.grad_norms), max_grad_norm=settings.max_grad_norm)
+
+
+def run_steps(run: LoadedRun, train: ModuleType, reader: DatasetReader, sampler: BucketSampler, loop: StepLoop,
+              team: Any, saves: RunSaves | None, startup: Startup, on_step: Callable[[StepReport], None] | None
+              ) -> tuple[list[float], float, int, float, RowCounts]:
+    """The steps themselves: the loader over ``sampler``, the model on the device, the step loop. Whatever happens,
+    the loader's threads are joined, the model is released and the last save of ``save_every`` is on disk before
+    this returns or raises. Returns the loop's results and the rows trained, counted over every rank.
+
+    Raises:
+        torch.OutOfMemoryError: with the memory plan's hint of what to try, where it has one.
+    """
+    settings = run.settings
+    loader = PrefetchLoader(  # noise, sigmas and row weights drawn on its workers: loop.per_batch
+        reader, sampler, prefetch_batches=settings.prefetch_batches,
+        threads=settings.loader_threads or None, device=run.loader_device, epochs=None,
+        on_wait=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None,
+        per_batch=loop.per_batch,
+    )
+    counts = RowCounts.for_settings(settings.masked_loss, settings.unmasked_weight)
+    startup.mark("loader")
+    try:
+        prepare(run, train)
+        startup.mark("model to device")
+        losses, seconds, rows, waited = loop.run(counted(iter(loader), counts, sampler.main_samples), on_step)
+        counts = team.total(counts)
+    except torch.OutOfMemoryError as error:
+        hint = run.memory.out_of_memory_hint()
+        if not hint:
+            raise
+        raise torch.OutOfMemoryError(f"{error}\n{hint}") from error
+    finally:
+        loader.close()
+        unprepare(run, train)
+        if saves is not None:
+            saves.wait()  # the last save on disk before the run's own state (and before an error leaves)
+    return losses, seconds, rows, waited, counts
+
+
+def make_loop(run: LoadedRun, data: DataPlan, reader: DatasetReader, start: Start, team: Any, startup: Startup,
+              saves: RunSaves | None) -> StepLoop:
+    """The step loop of a loaded run: its learning-rate schedule over the existing LoRA's steps and this run's, its
+    first batch, its saves, and the validation of ``data.validation`` measured through it."""
+    settings = run.settings
+    loop = StepLoop(run.mp, settings, run.dtype, run.loss_fn, run.optimizer, run.scaler,
+                    ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
+                    first_batch=start.first_batch, world=team.collective, startup=startup, save=saves,
+                    schedule=settings.lr_schedule_after(start.steps), first_step=start.steps)
+    if data.validation is not None:
+        loop.validation = Validation(
+            loop, reader, *data.validation, batch_size=settings.batch_size, seed=settings.seed,
+            every=settings.val_every, last=start.steps + settings.steps, device=run.loader_device,
+            interrupt=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None)
+    return loop
 
 
 @dataclass
