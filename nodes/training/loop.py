@@ -208,6 +208,7 @@ class StepLoop:
         # the draws' own copy, on the CPU: ComfyUI's load moves the model's (each scalar read then a synchronization)
         self._sampling_cpu = _on_cpu(self.model_sampling)
         self._elementwise: Any = None  # the per-element form of loss_fn, made when a batch first needs it
+        self._params: list[torch.Tensor] | None = None  # the optimizer's parameters, listed at its first step
 
     def run(self, batches: Any, on_step: Callable[[StepReport], None] | None
             ) -> tuple[list[float], float, int, float]:
@@ -495,8 +496,9 @@ class StepLoop:
             for p in group["params"]:
                 if p.grad is not None and p.grad.dtype != p.dtype:
                     p.grad = p.grad.to(p.dtype)
-        grad_norm = clip_gradients((p for g in self.optimizer.param_groups for p in g["params"]),
-                                   self.settings.max_grad_norm)
+        if self._params is None:  # once: a generator over them would be a Python call per parameter and step
+            self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        grad_norm = clip_gradients(self._params, self.settings.max_grad_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
