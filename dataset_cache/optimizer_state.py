@@ -52,6 +52,7 @@ from .format.safetensors_io import (
 )
 
 __all__ = [
+    "AVERAGE_SLOTS",
     "MAX_STATE_FILES",
     "MAX_STATE_FOLDER_BYTES",
     "METADATA_KEY",
@@ -80,6 +81,9 @@ OPTIMIZER_SLOTS: Mapping[str, frozenset[str]] = {
 }
 """Per optimizer (the names ComfyUI's ``_create_optimizer`` knows), the per-parameter state torch keeps; a file
 naming another slot is refused. ``step`` is a scalar; every other slot has its parameter's shape."""
+AVERAGE_SLOTS = ("weights", "average")
+"""The slots of a run that averaged its weights (``ema_decay``), whatever its optimizer: ``weights`` the trained
+values of the parameter (the LoRA file holds their average), ``average`` that average in fp32."""
 
 MAX_STATE_FILES = 32
 """State files the folder keeps (the least recently written or used beyond this are removed)."""
@@ -117,6 +121,10 @@ class TrainState:
         lr_schedule: the learning-rate schedule the run trained with
             (:meth:`~dataset_cache.lr_schedule.LrSchedule.as_dict`), or ``None`` (a state written before schedules
             were recorded): a continued run says when its own schedule sets other rates.
+        ema_decay: the decay of a run that averaged its weights (:mod:`~dataset_cache.ema`), ``None`` for one that
+            did not (or a state written before averages existed).
+        weights: with ``ema_decay``, parameter name → its trained value (the LoRA file holds the average).
+        average: with ``ema_decay``, parameter name → the fp32 average.
     """
 
     lora_digest: str
@@ -128,6 +136,9 @@ class TrainState:
     sampler: Mapping[str, Any] | None = None
     scaler: Mapping[str, Any] | None = None
     lr_schedule: Mapping[str, Any] | None = None
+    ema_decay: float | None = None
+    weights: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    average: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 def lora_digest(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -214,10 +225,29 @@ def check_fits(state: TrainState, optimizer: str, params: Mapping[str, torch.Ten
     return None
 
 
+def check_average_fits(state: TrainState, params: Mapping[str, torch.Tensor]) -> str | None:
+    """Why ``state``'s trained weights and average cannot continue this run's ``params``, or ``None`` when they
+    can (or the state has none): both must name exactly this run's parameters, each with its shape."""
+    for slot, values in (("weights", state.weights), ("average", state.average)):
+        if not values:
+            continue
+        if set(values) != set(params):
+            missing = sorted(set(params) - set(values)) or sorted(set(values) - set(params))
+            return f"its {slot} name other parameters than this run trains (e.g. {missing[0]!r:.120})"
+        for name, value in values.items():
+            if tuple(value.shape) != tuple(params[name].shape):
+                return (f"its {slot} of {name!r:.120} has shape {list(value.shape)}, the parameter "
+                        f"{list(params[name].shape)}")
+    return None
+
+
 def write_train_state(path: str | os.PathLike[str], state: TrainState) -> int:
     """Write ``state`` to ``path`` atomically (temp file, fsync, rename); return the bytes written."""
-    tensors = sorted((f"{slot}/{name}", value) for name, values in state.slots.items()
-                     for slot, value in values.items())
+    tensors = sorted([(f"{slot}/{name}", value) for name, values in state.slots.items()
+                      for slot, value in values.items()]
+                     + [(f"{slot}/{name}", value) for slot, values in (("weights", state.weights),
+                                                                        ("average", state.average))
+                        for name, value in values.items()])
     for key, value in tensors:
         if value.dtype not in DTYPE_TO_ST:
             raise ValueError(f"optimizer state {key}: dtype {value.dtype} cannot be stored in safetensors")
@@ -228,6 +258,8 @@ def write_train_state(path: str | os.PathLike[str], state: TrainState) -> int:
     }
     if state.lr_schedule is not None:  # optional: states written before it was recorded lack it
         meta["lr_schedule"] = dict(state.lr_schedule)
+    if state.ema_decay is not None:  # optional, as the weights/ and average/ tensors it comes with
+        meta["ema_decay"] = float(state.ema_decay)
     text = json.dumps(meta, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     header = build_header([(k, DTYPE_TO_ST[v.dtype], tuple(v.shape)) for k, v in tensors], {METADATA_KEY: text})
 
@@ -275,20 +307,28 @@ def read_train_state(path: str | os.PathLike[str], *, digest: str, max_bytes: in
                                     f"{digest})")
     allowed = OPTIMIZER_SLOTS[meta["optimizer"]]
     slots: dict[str, dict[str, torch.Tensor]] = {}
+    averaged: dict[str, dict[str, torch.Tensor]] = {slot: {} for slot in AVERAGE_SLOTS}
     for key, span in header.tensors.items():
         slot, sep, name = key.partition("/")
-        if not sep or not name or slot not in allowed:
+        if not sep or not name or not (slot in allowed or (slot in AVERAGE_SLOTS and "ema_decay" in meta)):
             raise TrainStateError(path, f"tensor {key!r:.120} is not <slot>/<parameter> with a slot of "
-                                        f"{meta['optimizer']} ({', '.join(sorted(allowed))})")
+                                        f"{meta['optimizer']} ({', '.join(sorted(allowed))})"
+                                        + (f" or {' or '.join(AVERAGE_SLOTS)}" if "ema_decay" in meta else ""))
         dtype = ST_TO_DTYPE[span.dtype]
         raw = data[span.begin:span.end]
         value = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(span.shape).clone() if raw else \
             torch.empty(span.shape, dtype=dtype)
         _check_value(path, key, slot, value)
-        slots.setdefault(name, {})[slot] = value
+        if slot in AVERAGE_SLOTS:
+            averaged[slot][name] = value
+        else:
+            slots.setdefault(name, {})[slot] = value
+    if "ema_decay" in meta and set(averaged["weights"]) != set(averaged["average"]):
+        raise TrainStateError(path, "its weights/ and average/ tensors name different parameters")
     groups = _groups(path, meta["param_groups"])
     return TrainState(meta["lora_digest"], meta["optimizer"], meta["steps"], meta["batches"], slots, groups,
-                      meta["sampler"], meta["scaler"], meta.get("lr_schedule"))
+                      meta["sampler"], meta["scaler"], meta.get("lr_schedule"), meta.get("ema_decay"),
+                      averaged["weights"], averaged["average"])
 
 
 def _read_at(fd: int, offset: int, n: int) -> bytes:
@@ -314,6 +354,10 @@ def _metadata(path: str | os.PathLike[str], text: str | None) -> dict[str, Any]:
               ("param_groups", lambda v: type(v) is list),
               ("sampler", lambda v: v is None or type(v) is dict),
               ("scaler", lambda v: v is None or type(v) is dict))
+    if "ema_decay" in meta:  # optional (written since 2026-11-27, by runs that averaged their weights)
+        decay = meta["ema_decay"]
+        if not (type(decay) in (int, float) and 0.0 < decay < 1.0):
+            raise TrainStateError(path, f"its metadata's ema_decay is not valid ({decay!r:.60})")
     for name, ok in checks:
         if name not in meta:
             raise TrainStateError(path, f"its metadata has no {name!r}")

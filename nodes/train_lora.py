@@ -38,6 +38,7 @@ from .training import (
     DEFAULT_SAVE_PREFIX,
     LOSS_FUNCTIONS,
     LR_SCHEDULES,
+    MAX_EMA_DECAY,
     MAX_GRAD_NORM,
     MAX_REG_RATIO,
     MAX_NOISE_OFFSET,
@@ -299,6 +300,13 @@ class TrainLoRA(io.ComfyNode):
                                "undo what many steps learned (1.0: the default of kohya, OneTrainer and "
                                "ai-toolkit). 0: no clipping (ComfyUI's own Train LoRA). The live panel and the "
                                "summary show the norm either way, and how often it was clipped."),
+                io.Float.Input("ema_decay", default=0.0, min=0.0, max=MAX_EMA_DECAY, step=0.001, optional=True,
+                               advanced=True,
+                               tooltip="Output the moving average of the LoRA's weights over the last steps instead "
+                               "of the last step's (EMA, as OneTrainer, ai-toolkit and SimpleTuner offer): each step "
+                               "weighs 1 - ema_decay (0.99 to 0.999 usual; the first steps weigh more). Saves and "
+                               "the validation loss are of the average too, and continuing a save continues both "
+                               "exactly. 0: no average (ComfyUI's own Train LoRA)."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -352,6 +360,7 @@ class TrainLoRA(io.ComfyNode):
         val_dataset: Any = None,
         val_every: int = 0,
         max_grad_norm: float = 0.0,
+        ema_decay: float = 0.0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -366,7 +375,7 @@ class TrainLoRA(io.ComfyNode):
             devices=str(devices), checkpoint_mode=str(checkpoint_mode), save_every=int(save_every),
             save_prefix=str(save_prefix), lr_schedule=str(lr_schedule), warmup_steps=int(warmup_steps),
             timestep_sampling=str(timestep_sampling), noise_offset=float(noise_offset), val_every=int(val_every),
-            max_grad_norm=float(max_grad_norm),
+            max_grad_norm=float(max_grad_norm), ema_decay=float(ema_decay),
         )
         settings.validate()  # before opening anything: a typo fails fast
         for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset), ("val_dataset", val_dataset)):

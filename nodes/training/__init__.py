@@ -32,8 +32,8 @@ from .comfy_parts import nodes_train_module
 from .loop import NonFiniteLossError
 from .report import RowCounts, StepReport, TrainResult
 from .run import train_lora
-from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, LR_SCHEDULES, MAX_GRAD_NORM,
-                       MAX_NOISE_OFFSET, MAX_REG_RATIO, MAX_REG_WEIGHT, MAX_WARMUP_STEPS, OPTIMIZERS,
+from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, LR_SCHEDULES, MAX_EMA_DECAY,
+                       MAX_GRAD_NORM, MAX_NOISE_OFFSET, MAX_REG_RATIO, MAX_REG_WEIGHT, MAX_WARMUP_STEPS, OPTIMIZERS,
                        TIMESTEP_SAMPLINGS, TrainSettings)
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_SAVE_PREFIX",
     "LOSS_FUNCTIONS",
     "LR_SCHEDULES",
+    "MAX_EMA_DECAY",
     "MAX_GRAD_NORM",
     "MAX_NOISE_OFFSET",
     "MAX_REG_RATIO",

@@ -17,6 +17,7 @@ import comfy.model_management
 import comfy.utils
 
 from ...dataset_cache.autograd_release import release_failed_backward
+from ...dataset_cache.ema import WeightAverage
 from ...dataset_cache.gcpause import StepCollector
 from ...dataset_cache.grad_clip import clip_gradients
 from ...dataset_cache.loader import Batch
@@ -185,6 +186,7 @@ class StepLoop:
                  schedule: LrSchedule | None = None, first_step: int = 0) -> None:
         self.first_batch = first_batch
         self.validation: Any = None  # a .validation.Validation, set by the run (it measures through this loop)
+        self.average: WeightAverage | None = None  # with ema_decay: the weights' average, set by the run
         self.schedule = schedule
         self.first_step = first_step
         self.save = save  # the saves during the run (.saves.RunSaves): every settings.save_every steps, and on a stop
@@ -233,7 +235,7 @@ class StepLoop:
         self.optimizer.zero_grad(set_to_none=True)
         try:
             if self.validation is not None:  # the curve's first point: the LoRA the run starts from
-                self.validation.measure(self.first_step)
+                self._validate(self.first_step)
                 if self.startup is not None:
                     self.startup.mark("validation")
             with StepCollector() as collector:  # the collector's passes between steps, not inside them
@@ -299,7 +301,14 @@ class StepLoop:
             self.startup.mark("first step")
             log.info("Train LoRA: %s", self.startup.describe())
         if self.validation is not None and not stopping and self.validation.due(self.first_step + step + 1):
-            self.validation.measure(self.first_step + step + 1)
+            self._validate(self.first_step + step + 1)
+
+    def _validate(self, step: int) -> None:
+        """The validation loss after global step ``step``, of the LoRA the run outputs: with ``ema_decay`` the
+        average, swapped into the parameters for the measurement (the trained values back after it)."""
+        assert self.validation is not None
+        with self.average.swapped_in() if self.average is not None else contextlib.nullcontext():
+            self.validation.measure(step)
 
     def _save(self, stopped_by: BaseException | None) -> None:
         assert self.save is not None and self._last_plan is not None
@@ -505,4 +514,6 @@ class StepLoop:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.average is not None:
+            self.average.update(self.first_step + step + 1)
         return grad_norm

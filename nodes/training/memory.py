@@ -68,9 +68,12 @@ def device_budget(device: torch.device, slots: int, already_there: int = 0) -> B
     return Budget(max(0, free), host, slots)
 
 
-def _trainable_bytes(lora_sd: dict[str, torch.Tensor], optimizer: str) -> int:
+def _trainable_bytes(lora_sd: dict[str, torch.Tensor], optimizer: str, averaged: bool = False) -> int:
+    """The LoRA's bytes on the device: the weights, their gradients, the optimizer's state, and with ``ema_decay``
+    their fp32 average and, for a LoRA not in fp32, its fp32 scratch copy (:mod:`dataset_cache.ema`)."""
     per_param = 2 + OPTIMIZER_STATES.get(optimizer, 2)  # the weight, its gradient, the optimizer's state
-    return sum(t.numel() * t.element_size() for t in lora_sd.values()) * per_param
+    average = sum(t.numel() * (4 if t.dtype == torch.float32 else 8) for t in lora_sd.values()) if averaged else 0
+    return sum(t.numel() * t.element_size() for t in lora_sd.values()) * per_param + average
 
 
 def _weights_only(blocks: list[Block], dm: torch.nn.Module, trainable: int, why: str) -> MemoryNeeds:
@@ -238,7 +241,7 @@ def plan_run_memory(run: Any, reader: Any, samples: Sequence[Any], buckets: Sequ
     dm = mp.model.diffusion_model
     blocks, how = find_blocks(dm)
     runners = _runners(blocks, settings)
-    trainable = _trainable_bytes(run.lora_sd, settings.optimizer)
+    trainable = _trainable_bytes(run.lora_sd, settings.optimizer, settings.ema_decay > 0)
     try:
         shape, conditioning = probe_inputs(reader, samples, buckets, settings.batch_size)
         probe = measure(mp, run.model_options, run.dtype, blocks, runners, shape, conditioning,

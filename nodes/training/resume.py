@@ -23,11 +23,13 @@ import folder_paths
 
 from ...dataset_cache.lr_schedule import LrSchedule
 from ...dataset_cache.optimizer_state import (
+    AVERAGE_SLOTS,
     OPTIMIZER_SLOTS,
     TrainState,
     TrainStateError,
     TrainStateStore,
     capture_optimizer,
+    check_average_fits,
     check_fits,
     lora_digest,
     optimizer_state_dict,
@@ -60,12 +62,15 @@ class Start:
         first_batch: the global number of the run's first batch (its noise and timesteps).
         notes: what the user must know (NOTE lines: something is not as an uninterrupted run would be).
         info: what was restored, for the summary.
+        average: with ``ema_decay``, the saved run's fp32 average of the weights to continue (``None``: the
+            average starts at the weights the run starts from).
     """
 
     steps: int = 0
     first_batch: int = 0
     notes: list[str] = field(default_factory=list)
     info: list[str] = field(default_factory=list)
+    average: dict[str, torch.Tensor] | None = None
 
 
 def resume_run(run: Any, sampler: BucketSampler, existing: Mapping[str, torch.Tensor], name_steps: int | None
@@ -100,6 +105,7 @@ def resume_run(run: Any, sampler: BucketSampler, existing: Mapping[str, torch.Te
     store.touch(path)
     start = Start(state.steps, state.batches)
     restored = _restore_optimizer(run, state, start)
+    _restore_average(run, state, start)
     try:
         if state.sampler is None:
             raise ValueError("the state holds no sampler position")
@@ -164,6 +170,29 @@ def _restore_optimizer(run: Any, state: TrainState, start: Start) -> bool:
     return False
 
 
+def _restore_average(run: Any, state: TrainState, start: Start) -> None:
+    """A LoRA saved by a run that averaged its weights is their average: continue the weights that run trained
+    (its state holds them), and with ``ema_decay`` its average too, so the continuation is the run that never
+    stopped. Without ``ema_decay`` the trained weights go on unaveraged, and the node says so."""
+    if not state.weights:
+        return
+    name = run.settings.existing_lora
+    why = check_average_fits(state, run.lora_sd)
+    if why is not None:
+        start.notes.append(f"existing_lora {name!r}: it is the average of its weights, whose trained values cannot "
+                           f"be restored ({why}): this run starts from the average")
+        return
+    with torch.no_grad():
+        for key, param in run.lora_sd.items():
+            param.copy_(state.weights[key])
+    if run.settings.ema_decay > 0:
+        start.average = dict(state.average)
+    else:
+        start.notes.append(f"existing_lora {name!r} is the moving average of its weights (ema_decay "
+                           f"{state.ema_decay:g}): this run continues the weights it trained, without averaging; "
+                           "set ema_decay to continue the average")
+
+
 def _without_state(name: str, name_steps: int | None, sampler: BucketSampler, settings: Any, problem: str | None
                    ) -> Start:
     """Continue from the step count in the name (as before training states existed), and say what is lost."""
@@ -192,7 +221,7 @@ def _seek(sampler: BucketSampler, batch: int) -> None:
 def _max_state_bytes(params: Mapping[str, torch.Tensor]) -> int:
     """The largest state file the run's parameters can have: every slot of every parameter in 8-byte numbers,
     plus its header (a name and an entry per slot) and the metadata."""
-    slots = max(len(s) for s in OPTIMIZER_SLOTS.values())
+    slots = max(len(s) for s in OPTIMIZER_SLOTS.values()) + len(AVERAGE_SLOTS)
     return sum(p.numel() * 8 * slots + 1024 * slots for p in params.values()) + (1 << 20)
 
 
@@ -209,10 +238,14 @@ def capture_state(run: Any, sampler: BucketSampler, start: Start, *, done: int |
     done = settings.steps if done is None else done
     slots, groups = capture_optimizer(run.optimizer.state_dict(), list(run.lora_sd))
     scaler = run.scaler.state_dict() if run.scaler is not None else None
+    average = run.average  # with ema_decay the LoRA saved is the average: the trained weights go in the state
+    trained = {k: v.detach().to("cpu", copy=True) for k, v in run.lora_sd.items()} if average is not None else {}
     return TrainState("", settings.optimizer, start.steps + done,
                       start.first_batch + done * settings.grad_accumulation_steps, slots, groups,
                       _sampler_state(sampler, after), scaler or None,
-                      settings.lr_schedule_after(start.steps).as_dict())
+                      settings.lr_schedule_after(start.steps).as_dict(),
+                      settings.ema_decay if average is not None else None, trained,
+                      average.state() if average is not None else {})
 
 
 def _sampler_state(sampler: BucketSampler, after: BatchPlan | None) -> dict[str, Any]:

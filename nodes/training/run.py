@@ -19,6 +19,7 @@ import comfy.samplers
 
 from ...dataset_cache.dataset import Sample
 from ...dataset_cache.dataset_mix import DatasetMix, Regularization
+from ...dataset_cache.ema import WeightAverage
 from ...dataset_cache.latent_buckets import buckets_from_reader, fit_batch_size
 from ...dataset_cache.loader import PrefetchLoader
 from ...dataset_cache.memory_plan import MemoryPlan
@@ -110,6 +111,8 @@ def train_lora(
                                 reg=data.regularization)
         start = resume_run(run, sampler, existing, name_steps)  # continuing: optimizer, steps, batch order
         team.same_start(start.steps, start.first_batch, sampler.position, run.optimizer)
+        if settings.ema_decay > 0:  # after the trained weights (and the saved average) are restored
+            run.average = WeightAverage(run.lora_sd, settings.ema_decay, start.average)
         saves = RunSaves(run, sampler, start, on_saved) if settings.save_every > 0 and team.is_main else None
         loop = make_loop(run, data, reader, start, team, startup, saves)
         losses, seconds, rows, waited, counts = run_steps(run, train, reader, sampler, loop, team, saves, startup,
@@ -122,6 +125,8 @@ def train_lora(
     if saves is not None:
         notes, info = [*saves.notes, *notes], [*saves.describe(), *info]
     info = [*describe_rates(settings.lr_schedule_after(start.steps), start.steps, settings.steps), *info]
+    if run.average is not None:
+        info.append(f"the LoRA is the moving average of its weights (ema_decay {settings.ema_decay:g})")
     if loop.validation is not None:
         info.insert(0, loop.validation.describe())
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
@@ -179,6 +184,7 @@ def make_loop(run: LoadedRun, data: DataPlan, reader: DatasetReader, start: Star
                     ModelCall(run.mp, run.model_options), Conditioner(run.mp.model, run.device), run.device,
                     first_batch=start.first_batch, world=team.collective, startup=startup, save=saves,
                     schedule=settings.lr_schedule_after(start.steps), first_step=start.steps)
+    loop.average = run.average
     if data.validation is not None:
         loop.validation = Validation(
             loop, reader, *data.validation, batch_size=settings.batch_size, seed=settings.seed,
@@ -280,6 +286,7 @@ class LoadedRun:
     injections: list[Any] = dataclasses.field(default_factory=list)
     fp8_bwd: bool = False
     memory: MemoryStep = dataclasses.field(default=None)  # type: ignore[assignment]  # set by plan_run_memory
+    average: WeightAverage | None = None  # with ema_decay: the weights' moving average, what the run outputs
 
     @property
     def device(self) -> torch.device:

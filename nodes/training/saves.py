@@ -37,7 +37,10 @@ log = logging.getLogger("streamcache.train")
 
 
 def lora_weights(run: Any) -> dict[str, torch.Tensor]:
-    """The run's adapter weights as they stand, as detached CPU tensors in the LoRA's dtype (``SaveLoRA``'s keys)."""
+    """The run's adapter weights as they stand, as detached CPU tensors in the LoRA's dtype (``SaveLoRA``'s keys):
+    with ``ema_decay``, their moving average (what the run outputs and saves)."""
+    if run.average is not None:
+        return {k: v.to(run.adapter_dtype) for k, v in run.average.weights().items()}
     return {k: v.detach().to("cpu", run.adapter_dtype).clone() for k, v in run.lora_sd.items()}
 
 

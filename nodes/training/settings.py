@@ -8,14 +8,15 @@ from pathlib import PurePosixPath, PureWindowsPath
 
 from comfy.weight_adapter import adapter_maps
 
+from ...dataset_cache.ema import MAX_EMA_DECAY, check_ema_decay
 from ...dataset_cache.grad_clip import MAX_GRAD_NORM, check_max_grad_norm
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 from ...dataset_cache.noise_draws import MAX_NOISE_OFFSET, TIMESTEP_SAMPLINGS, check_noise_settings
 
 __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_NOISE_OFFSET", "MAX_REG_RATIO",
-           "MAX_REG_WEIGHT", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MEMORY_MODES", "OPTIMIZERS", "TIMESTEP_SAMPLINGS",
-           "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
+           "MAX_REG_WEIGHT", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY", "MEMORY_MODES", "OPTIMIZERS",
+           "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
 
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
 """The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node)."""
@@ -58,6 +59,8 @@ class TrainSettings:
     ComfyUI's own trainer). ``timestep_sampling`` and ``noise_offset`` change what a batch is noised with
     (:mod:`dataset_cache.noise_draws`; "uniform" and 0: ComfyUI's own trainer's draws). ``max_grad_norm`` clips
     each step's gradients to that global L2 norm (:mod:`dataset_cache.grad_clip`; 0: no clipping, as ComfyUI's own).
+    ``ema_decay`` makes the LoRA the run outputs (and saves, and validates) the moving average of its weights
+    (:mod:`dataset_cache.ema`; 0: the last step's weights, as ComfyUI's own).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -107,6 +110,8 @@ class TrainSettings:
     val_every: int = 0
     # each step's gradients clipped to this global L2 norm (dataset_cache.grad_clip); 0: none, as ComfyUI's trainer
     max_grad_norm: float = 0.0
+    # the LoRA output is the moving average of the weights (dataset_cache.ema); 0: the last step's, as ComfyUI's
+    ema_decay: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -146,6 +151,7 @@ class TrainSettings:
         check_save_prefix(self.save_prefix)
         check_noise_settings(self.timestep_sampling, self.noise_offset)
         check_max_grad_norm(self.max_grad_norm)
+        check_ema_decay(self.ema_decay)
 
     def lr_schedule_after(self, done: int) -> LrSchedule:
         """The learning rate of every step of a run continuing a LoRA that had ``done`` steps: the schedule spans

@@ -43,6 +43,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact",
     "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
     "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0, "max_grad_norm": 0.0,
+    "ema_decay": 0.0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -130,7 +131,7 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "masked_loss", "unmasked_weight", "stream_blocks",
                                                            "allow_fp8", "checkpoint_mode", "save_every",
                                                            "save_prefix", "timestep_sampling", "noise_offset",
-                                                           "val_every"}
+                                                           "val_every", "ema_decay"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -169,6 +170,9 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # a prompt without it clips nothing, as before (and as ComfyUI's own Train LoRA)
     assert inputs["max_grad_norm"].optional and inputs["max_grad_norm"].default == 0.0
     assert "max_grad_norm" in info["input"]["optional"] and not inputs["max_grad_norm"].advanced
+    # a prompt without it outputs the last step's weights, as before
+    assert inputs["ema_decay"].optional and inputs["ema_decay"].default == 0.0
+    assert "ema_decay" in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -837,6 +841,64 @@ def test_the_summary_counts_clipped_and_non_finite_norms(pack: ModuleType) -> No
         "skipped)")
 
 
+# ------------------------------------------------------------------------------------------ the weights' average
+def test_the_lora_of_an_averaging_run_is_the_average_of_its_steps(node: type, models: tuple, dataset: Any,
+                                                                  lora_folder: Path) -> None:
+    """Two SGD steps (fp32) from a LoRA file of 1 step: the average starts at the file's weights and takes each
+    step's weights with 1 - min(0.9, (1 + t) / (10 + t)) at global steps t = 2 and 3 (0.75 and 9/13): the same
+    lerps on the same fp32 values as computed here, so bit for bit. Averaging never changes what is trained: the
+    runs without it give those steps' weights."""
+    opts = {"optimizer": "SGD", "learning_rate": 0.02}
+    start = _train(node, models[0], dataset, steps=1, **opts).result[0]
+    name = _save_lora(start, 1, "loras/start")
+    one = _train(node, models[0], dataset, steps=1, existing_lora=name, **opts).result[0]
+    two = _train(node, models[0], dataset, steps=2, existing_lora=name, **opts).result[0]
+    averaged = _train(node, models[0], dataset, steps=2, existing_lora=name, ema_decay=0.9, **opts)
+    for key, value in averaged.result[0].items():
+        expected = torch.lerp(torch.lerp(start[key], one[key], 1.0 - 3 / 12), two[key], 1.0 - 4 / 13)
+        assert torch.equal(value, expected), key
+    assert not all(torch.equal(averaged.result[0][k], two[k]) for k in two)
+    assert "; the LoRA is the moving average of its weights (ema_decay 0.9)" in _summary(averaged)
+
+
+_AVERAGED = {**_CONTINUED, "training_dtype": "bf16", "lora_dtype": "bf16", "ema_decay": 0.9}
+
+
+def test_an_averaging_run_continued_from_a_save_is_the_run_that_never_stopped(
+        node: type, models: tuple, dataset: Any, val_dataset: Any, lora_folder: Path) -> None:
+    """bf16, AdamW, 5 steps averaged at 0.9, saved at step 3: the save is the average (its state holds the trained
+    weights and the fp32 average). Continued for the 2 steps left it is the uninterrupted run bit for bit, and so
+    is its validation loss, measured on the average: the continuation's first value (step 3) is the whole run's."""
+    whole = _train(node, models[0], dataset, steps=5, save_every=3, val_dataset=val_dataset, val_every=3,
+                   **_AVERAGED).result
+    (name,) = _saves(lora_folder)
+    rest = _train(node, models[0], dataset, steps=2, existing_lora=name, val_dataset=val_dataset, val_every=3,
+                  **_AVERAGED)
+    assert "NOTE: existing_lora" not in _summary(rest)
+    assert rest.result[1]["loss"] == whole[1]["loss"][3:]
+    assert all(torch.equal(rest.result[0][k], whole[0][k]) for k in whole[0])
+    assert rest.result[1]["val_loss"] == whole[1]["val_loss"][1:]  # [[3, v3], [5, v5]]
+    plain = _train(node, models[0], dataset, steps=5, val_dataset=val_dataset, val_every=3, **{
+        **_AVERAGED, "ema_decay": 0.0}).result
+    assert plain[1]["loss"] == whole[1]["loss"]  # the same training ...
+    assert plain[1]["val_loss"][0] == whole[1]["val_loss"][0]  # ... from the same start ...
+    assert plain[1]["val_loss"][1:] != whole[1]["val_loss"][1:]  # ... measured on other weights: the average
+
+
+def test_a_save_of_an_averaging_run_continued_without_averaging_goes_on_from_its_trained_weights(
+        node: type, models: tuple, dataset: Any, lora_folder: Path) -> None:
+    """The save is the average, but its state holds the trained weights: continued with ema_decay 0, the run goes
+    on from those (and AdamW's state), so it is the 5-step run that never averaged, bit for bit, and says so."""
+    _train(node, models[0], dataset, steps=5, save_every=3, **_AVERAGED)
+    (name,) = _saves(lora_folder)
+    plain = {**_AVERAGED, "ema_decay": 0.0}
+    rest = _train(node, models[0], dataset, steps=2, existing_lora=name, **plain)
+    never = _train(node, models[0], dataset, steps=5, **plain).result
+    assert all(torch.equal(rest.result[0][k], never[0][k]) for k in never[0])
+    assert (f"NOTE: existing_lora {name!r} is the moving average of its weights (ema_decay 0.9): this run continues "
+            "the weights it trained, without averaging; set ema_decay to continue the average") in _summary(rest)
+
+
 @pytest.fixture(scope="module")
 def val_dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
                 tmp_path_factory: pytest.TempPathFactory) -> Any:
@@ -959,6 +1021,7 @@ def test_a_validation_set_that_shares_images_with_the_training_is_named(node: ty
     ({"val_every": -1}, "val_every must be >= 0, got -1"),
     ({"max_grad_norm": -0.5}, "max_grad_norm must be a number from 0 (no clipping) to 10000, got -0.5"),
     ({"max_grad_norm": math.nan}, "max_grad_norm must be a number from 0 (no clipping) to 10000, got nan"),
+    ({"ema_decay": 1.0}, "ema_decay must be a number from 0 (no average) to 0.9999, got 1.0"),
 ])
 def test_a_bad_schedule_is_refused_before_training(node: type, models: tuple, dataset: Any, options: dict,
                                                    message: str) -> None:

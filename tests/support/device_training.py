@@ -75,11 +75,12 @@ class Case:
 CASES: tuple[Case, ...] = (
     # the node's default optimizer; a save after step 2 (the LoRA and AdamW's state off the device mid-run); a
     # learning-rate schedule set into the optimizer each step, logit-normal timesteps and a noise offset (drawn on
-    # the loader's workers, copied to the device with the batch), gradients clipped on the device
+    # the loader's workers, copied to the device with the batch), gradients clipped and the weights averaged on the
+    # device
     Case("sd15_adamw", "sd15", options={"optimizer": "AdamW", "learning_rate": 1e-4, "save_every": 2,
                                         "lr_schedule": "cosine", "warmup_steps": 1,
                                         "timestep_sampling": "logit-normal", "noise_offset": 0.05,
-                                        "max_grad_norm": 1.0},
+                                        "max_grad_norm": 1.0, "ema_decay": 0.9},
          expect=("saved",)),
     Case("sd15_fresh_lora", "sd15", lora="fresh", high_vram=True),  # the LoRA the node creates by default
     Case("sd15_masks_mirrors", "sd15", "masks_mirrors", options={"unmasked_weight": 0.1},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -19,6 +20,7 @@ from dataset_cache.optimizer_state import (
     TrainStateError,
     TrainStateStore,
     capture_optimizer,
+    check_average_fits,
     check_fits,
     lora_digest,
     optimizer_state_dict,
@@ -206,6 +208,54 @@ def test_the_schedule_a_run_trained_with_is_read_back_and_optional(saved) -> Non
     later = {**_SCHEDULE, "kind": "one-cycle"}
     _rewrite(path, meta={**_meta(path), "lr_schedule": later})
     assert read_train_state(path, digest=digest, max_bytes=BIG).lr_schedule == later
+
+
+def _averaged(params: dict[str, torch.nn.Parameter]) -> dict:
+    return {"ema_decay": 0.99, "weights": {k: v.detach().clone() for k, v in params.items()},
+            "average": {k: v.detach().double().add(0.5).float() for k, v in params.items()}}
+
+
+def test_an_averaging_runs_weights_and_average_are_read_back_exactly(saved) -> None:
+    """A run that averaged its weights saves the trained values and the fp32 average beside the optimizer's state
+    (``weights/<key>``, ``average/<key>``, metadata ``ema_decay``); a state without them reads as before."""
+    path, params, digest = saved
+    plain = read_train_state(path, digest=digest, max_bytes=BIG)
+    assert (plain.ema_decay, plain.weights, plain.average) == (None, {}, {})
+    write_train_state(path, dataclasses.replace(plain, **_averaged(params)))
+    assert _meta(path)["ema_decay"] == 0.99
+    assert {k.partition("/")[0] for k in load_file(str(path))} >= {"weights", "average", "exp_avg"}
+    state = read_train_state(path, digest=digest, max_bytes=BIG)
+    expected = _averaged(params)
+    assert state.ema_decay == 0.99 and state.slots.keys() == plain.slots.keys()
+    for slot in ("weights", "average"):
+        got = getattr(state, slot)
+        assert got.keys() == expected[slot].keys()
+        assert all(torch.equal(got[k], expected[slot][k]) for k in got)
+    assert check_average_fits(state, params) is None
+    fewer = {k: v for k, v in params.items() if "alpha" not in k}
+    assert check_average_fits(state, fewer) == ("its weights name other parameters than this run trains (e.g. "
+                                                "'diffusion_model.a.alpha')")
+    wider = {**params, "diffusion_model.b.lora_up.weight": torch.zeros(6, 3)}
+    assert check_average_fits(state, wider) == ("its weights of 'diffusion_model.b.lora_up.weight' has shape [6, 2], "
+                                                "the parameter [6, 3]")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda t, m: m.update(ema_decay=1.0), "its metadata's ema_decay is not valid"),
+    (lambda t, m: m.update(ema_decay="0.99"), "its metadata's ema_decay is not valid"),
+    (lambda t, m: m.pop("ema_decay"), "tensor 'average/diffusion_model.a.alpha' is not <slot>/<parameter>"),
+    (lambda t, m: t.pop("weights/diffusion_model.a.alpha"), "its weights/ and average/ tensors name different"),
+    (lambda t, m: t.update({"average/diffusion_model.a.alpha": torch.tensor(math.nan)}), "holds NaN or infinite"),
+])
+def test_a_lying_average_is_refused(saved, change, message: str) -> None:
+    path, params, digest = saved
+    write_train_state(path, dataclasses.replace(read_train_state(path, digest=digest, max_bytes=BIG),
+                                                **_averaged(params)))
+    tensors, meta = load_file(str(path)), _meta(path)
+    change(tensors, meta)
+    _rewrite(path, tensors, meta)
+    with pytest.raises(TrainStateError, match=message):
+        read_train_state(path, digest=digest, max_bytes=BIG)
 
 
 def test_a_file_without_our_metadata_or_with_bad_json_is_refused(saved) -> None:
