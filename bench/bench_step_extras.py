@@ -1,0 +1,106 @@
+"""What the step's extras cost the training thread: the gradient norm and clipping (``max_grad_norm``) and the
+weights' moving average (``ema_decay``), against a per-tensor design, at the LoRA tensor counts of real models.
+
+At batch 1 a GPU step is launch-bound (docs/BENCHMARKS.md, "Ops per training step"): what an extra adds there is
+the ops its Python issues per step, which a CPU counts exactly (a dispatch mode sees every op the training thread
+dispatches). The time per call is the CPU's, arithmetic included: a rough proxy only.
+
+    python -m bench.bench_step_extras            # prints a Markdown table
+    python -m bench.bench_step_extras --smoke    # small tensor counts, one repeat (the CPU test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dataset_cache.ema import WeightAverage
+from dataset_cache.grad_clip import clip_gradients
+
+__all__ = ["LORAS", "count_ops", "measure", "main"]
+
+LORAS = {"SD1.5": 1244, "SDXL": 3265}
+"""LoRA parameter tensors of a rank-16 LoRA with ComfyUI's adapters (ups, downs, alphas, norm and bias diffs), as
+the step-ops counts give them (AdamW's per-parameter step counters: 2,488 and 6,530 host ops a step)."""
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], object]) -> int:
+    """Dispatcher ops ``fn`` issues (each a kernel launch or more on a GPU, or a no-kernel op)."""
+    with _Counter() as counter:
+        fn()
+    return counter.ops
+
+
+def _params(n: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """``n`` LoRA-like tensors: rank-16 matrices and scalars in turn, each with a gradient."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(320, 16), (16, 320), ()]
+    params = [torch.nn.Parameter(torch.randn(shapes[i % 3], generator=g).to(dtype)) for i in range(n)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(dtype)
+    return params
+
+
+def _per_tensor_average(average: list[torch.Tensor], params: list[torch.nn.Parameter], weight: float) -> None:
+    """The design not taken: a cast per tensor before the fused lerp."""
+    torch._foreach_lerp_(average, [p.detach().float() for p in params], weight)
+
+
+def measure(n: int, repeat: int) -> list[tuple[str, str, int, float]]:
+    """(what, dtype, ops per call, CPU ms per call) for ``n`` tensors."""
+    rows = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        params = _params(n, dtype)
+        ema = WeightAverage({str(i): p for i, p in enumerate(params)}, 0.99)
+        plain = [p.detach().float() for p in params]
+        cases: dict[str, Callable[[], object]] = {
+            "gradient norm (max_grad_norm 0)": lambda: clip_gradients(params, 0.0),
+            "gradient norm + clipping (max_grad_norm 1)": lambda: clip_gradients(params, 1.0),
+            "ema_decay: fused cast + lerp (ours)": lambda: ema.update(100),
+            "ema_decay: a cast per tensor + lerp": lambda: _per_tensor_average(plain, params, 0.01),
+        }
+        for what, fn in cases.items():
+            if dtype == torch.float32 and "per tensor" in what:
+                continue  # an fp32 LoRA needs no cast either way
+            fn()  # warm
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            rows.append((what, name, count_ops(fn), statistics.median(times)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="30 tensors, one repeat: checks the harness only")
+    ap.add_argument("--repeat", type=int, default=20)
+    args = ap.parse_args(argv)
+    loras = {"smoke": 30} if args.smoke else LORAS
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {1 if args.smoke else args.repeat}"
+          " calls\n")
+    print("| LoRA (tensors) | what | dtype | ops per step | CPU ms per step |")
+    print("|---|---|---|---:|---:|")
+    for model, n in loras.items():
+        for what, dtype, ops, ms in measure(n, 1 if args.smoke else args.repeat):
+            print(f"| {model} ({n:,}) | {what} | {dtype} | {ops:,} | {ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
