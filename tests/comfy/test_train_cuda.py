@@ -8,7 +8,8 @@ the trainer on the device: image and video latents, conditionings with their ext
 guidance, Flux Kontext's reference latents, Lumina 2's attention masks and its rows run as separate model calls),
 loss masks with mirrored rows, regularization rows with their loss weight, batches holding rows of two caches, AdamW
 (the node's default optimizer) and a LoRA the node creates itself. The children record the LoRA, every LoRA
-parameter before the first step, every gradient the optimizer saw, the losses and each batch's plan and devices.
+parameter before the first step, every gradient the optimizer saw, the losses (the validation's too) and each
+batch's plan and devices.
 
 Without a GPU the CUDA test skips; the same harness then runs with both children on the CPU, where the computation is
 the same and everything must be equal bit for bit, and against runs with a slightly different weighting, which the
@@ -21,8 +22,9 @@ Tolerances (fp32 on both devices; u = 2⁻²⁴ ≈ 6e-8, the unit roundoff):
   and typically by √K·u of it (independent roundings): K is at most 9216 here (Lumina 2's feed-forward; SDXL's 3×3
   convolutions of 640 channels: 5760), so √K·u ≈ 6e-6. A gradient passes through L ≲ 20 such products forward and
   backward, whose errors add: ≈ 1e-4 of the size of the terms. Hence:
-* **losses** agree to ``LOSS_RTOL`` = 1e-3 relative: the loss is a mean of squared errors of O(1) (latents and
-  predictions are O(1)), so its relative error is about twice the prediction's, ≈ 2e-4.
+* **losses**, the steps' and the validation's, agree to ``LOSS_RTOL`` = 1e-3 relative: the loss is a mean of
+  squared errors of O(1) (latents and predictions are O(1)), so its relative error is about twice the
+  prediction's, ≈ 2e-4.
 * **gradients**, element by element, agree to ``GRAD_RTOL`` = 1e-3 of the largest gradient of their tensor, plus
   ``GRAD_FLOOR`` = 1e-4 of the largest gradient of the whole LoRA at that step. The first is the 1e-4 above with a
   margin of 10 (an element's error scales with the magnitudes of its tensor's terms, not with its own value, which
@@ -117,6 +119,11 @@ def compare(case: Case, ref: Run, other: Run) -> list[str]:
     for step, (a, b) in enumerate(zip(ref.report["losses"], other.report["losses"], strict=True), 1):
         if not abs(a - b) <= LOSS_RTOL * abs(a):
             problems.append(f"loss of step {step}: {b!r} vs {a!r} (relative {abs(a - b) / abs(a):.2e})")
+    if [s for s, _ in ref.report["val_losses"]] != [s for s, _ in other.report["val_losses"]]:
+        problems.append(f"validation steps: {other.report['val_losses']} vs {ref.report['val_losses']}")
+    for (step, a), (_, b) in zip(ref.report["val_losses"], other.report["val_losses"]):  # a loss, as the steps'
+        if not abs(a - b) <= LOSS_RTOL * abs(a):
+            problems.append(f"validation loss at step {step}: {b!r} vs {a!r} (relative {abs(a - b) / abs(a):.2e})")
     for step in range(1 if adam else steps):
         problems += _close(f"gradient of step {step + 1}", ref.grads[step], other.grads[step],
                            _grad_atol(ref.grads[step]))
@@ -154,6 +161,9 @@ def _assert_covers(case: Case, planned: dict[str, Any], run: Run) -> None:
     for what in case.expect:
         if what == "saved":
             assert "saved the LoRA at step 2 (" in run.report["summary"], run.report["summary"]
+        elif what == "validated":
+            steps = case.settings()["steps"]
+            assert [s for s, _ in run.report["val_losses"]] == [0, steps], run.report["val_losses"]
         elif what == "mirrored_mask":
             assert any(b["mirrored"] and b["mask_keys"] and b["mirrored"][i] and b["mask_keys"][i] is not None
                        for b in batches for i in range(len(b["latent_keys"]))), "no mirrored row with a mask"

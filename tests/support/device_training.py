@@ -54,8 +54,11 @@ class Case:
         high_vram: on CUDA, ComfyUI loads the model onto the device from the start (its ``--highvram`` state, which it
             also takes by itself where the free device memory exceeds the free RAM), so the LoRA the node creates is
             created there.
+        validate: the run measures a validation loss on its own dataset (``val_dataset``; the images need not be
+            held out to compare two devices).
         expect: what the batches must show for the case to cover its branch: ``"saved"`` (the summary names a save
-            during the run), ``"mirrored_mask"``, ``"reg_rows"``,
+            during the run), ``"validated"`` (validation losses before the first step and after the last),
+            ``"mirrored_mask"``, ``"reg_rows"``,
             ``"two_caches"``, ``"groups"`` (a batch run as several model calls), ``"video"``, or a conditioning
             option (``"option:guidance"``).
     """
@@ -66,6 +69,7 @@ class Case:
     options: dict[str, Any] = field(default_factory=dict)
     lora: str = "random"
     high_vram: bool = False
+    validate: bool = False
     expect: tuple[str, ...] = ()
 
     def settings(self) -> dict[str, Any]:
@@ -76,12 +80,12 @@ CASES: tuple[Case, ...] = (
     # the node's default optimizer; a save after step 2 (the LoRA and AdamW's state off the device mid-run); a
     # learning-rate schedule set into the optimizer each step, logit-normal timesteps and a noise offset (drawn on
     # the loader's workers, copied to the device with the batch), gradients clipped and the weights averaged on the
-    # device
+    # device, and measured a validation loss of the average (swapped into the parameters on the device)
     Case("sd15_adamw", "sd15", options={"optimizer": "AdamW", "learning_rate": 1e-4, "save_every": 2,
                                         "lr_schedule": "cosine", "warmup_steps": 1,
                                         "timestep_sampling": "logit-normal", "noise_offset": 0.05,
                                         "max_grad_norm": 1.0, "ema_decay": 0.9},
-         expect=("saved",)),
+         validate=True, expect=("saved", "validated")),
     Case("sd15_fresh_lora", "sd15", lora="fresh", high_vram=True),  # the LoRA the node creates by default
     Case("sd15_masks_mirrors", "sd15", "masks_mirrors", options={"unmasked_weight": 0.1},
          expect=("mirrored_mask",)),
@@ -205,6 +209,8 @@ def prepare(cases: tuple[Case, ...], folder: Path, models: dict[str, Path] | Non
         if case.family not in models:
             models[case.family] = save_family_model(FAMILIES[case.family], folder / "models")
         data = _DATA[case.data](case, folder / "caches" / case.name)
+        if case.validate:
+            data["val"] = data["dataset"]
         planned.append({"name": case.name, "model": str(models[case.family]), "options": case.settings(),
                         "lora": case.lora, "lora_seed": 5, "high_vram": case.high_vram, **data})
     return planned

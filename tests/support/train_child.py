@@ -197,7 +197,7 @@ def _train(torch: Any, pack: Any, case: dict[str, Any], work: Path) -> Any:
             options["existing_lora"] = name
         with torch.inference_mode():  # as ComfyUI runs every node
             return node.execute(model, _handle(handles, case["dataset"]), reg_dataset=_handle(handles, case.get("reg")),
-                                **options)
+                                val_dataset=_handle(handles, case.get("val")), **options)
     finally:
         management.vram_state = vram_state
 
@@ -216,7 +216,8 @@ def _write(recorder: _Recorder, result: Any, out: Path, seconds: float) -> None:
     save_file({f"step{t}/{k}": g for t, grads in enumerate(recorder.grads, 1) for k, g in zip(keys, grads)},
               str(out / "grads.safetensors"))
     ui = result.ui if isinstance(result.ui, dict) else result.ui.as_dict()
-    report = {"losses": loss_map["loss"], "steps": steps, "summary": ui["text"][0], "batches": recorder.batches,
+    report = {"losses": loss_map["loss"], "val_losses": loss_map.get("val_loss", []), "steps": steps,
+              "summary": ui["text"][0], "batches": recorder.batches,
               "no_grad": [[keys[i] for i in step] for step in recorder.no_grad], "adapters_on": recorder.adapters_on,
               "seconds": round(seconds, 1)}
     (out / "report.json").write_text(json.dumps(report, indent=1))
