@@ -20,10 +20,11 @@ default (``decay`` 0), as in ComfyUI's own trainer.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping
 
 import torch
+
+from .checks import check_number
 
 __all__ = ["MAX_EMA_DECAY", "EMA_WARMUP", "WeightAverage", "check_ema_decay", "ema_decay_at"]
 
@@ -39,10 +40,7 @@ def check_ema_decay(value: object) -> None:
     Raises:
         ValueError: naming ``ema_decay``, the value and the usual settings.
     """
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and 0.0 <= value <= MAX_EMA_DECAY):
-        raise ValueError(f"ema_decay must be a number from 0 (no average) to {MAX_EMA_DECAY:g}, got {value!r:.40} "
-                         "(0.99 to 0.999 are usual)")
+    check_number("ema_decay", value, MAX_EMA_DECAY, zero="no average", hint="0.99 to 0.999 are usual")
 
 
 def ema_decay_at(decay: float, step: int) -> float:

@@ -13,10 +13,11 @@ does), and the caller reads the norm when it reads the step's loss.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
+
+from .checks import check_number
 
 __all__ = ["MAX_GRAD_NORM", "CLIP_EPSILON", "check_max_grad_norm", "clip_gradients", "gradient_norm"]
 
@@ -32,10 +33,8 @@ def check_max_grad_norm(value: object) -> None:
     Raises:
         ValueError: naming ``max_grad_norm``, the value and the usual setting.
     """
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and 0.0 <= value <= MAX_GRAD_NORM):
-        raise ValueError(f"max_grad_norm must be a number from 0 (no clipping) to {MAX_GRAD_NORM:g}, got {value!r:.40} "
-                         "(1.0 is kohya's, OneTrainer's and ai-toolkit's default)")
+    check_number("max_grad_norm", value, MAX_GRAD_NORM, zero="no clipping",
+                 hint="1.0 is kohya's, OneTrainer's and ai-toolkit's default")
 
 
 def gradient_norm(grads: list[torch.Tensor]) -> torch.Tensor:

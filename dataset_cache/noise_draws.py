@@ -14,9 +14,9 @@ a run stays reproducible and a continued run draws what the uninterrupted one di
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .checks import check_number
 
 __all__ = ["MAX_NOISE_OFFSET", "PERCENT_EDGE", "TIMESTEP_SAMPLINGS", "check_noise_settings", "draw_percents",
            "offset_noise"]
@@ -39,9 +39,7 @@ def check_noise_settings(timestep_sampling: object, noise_offset: object) -> Non
     if timestep_sampling not in TIMESTEP_SAMPLINGS:
         raise ValueError(f"unknown timestep_sampling {timestep_sampling!r:.40}; use one of "
                          f"{', '.join(TIMESTEP_SAMPLINGS)}")
-    if not (type(noise_offset) in (int, float) and math.isfinite(noise_offset)  # type: ignore[arg-type]
-            and 0.0 <= noise_offset <= MAX_NOISE_OFFSET):  # type: ignore[operator]
-        raise ValueError(f"noise_offset must be a number from 0 to {MAX_NOISE_OFFSET:g}, got {noise_offset!r:.40}")
+    check_number("noise_offset", noise_offset, MAX_NOISE_OFFSET)
 
 
 def draw_percents(generator: torch.Generator, rows: int, sampling: str, edge: float = PERCENT_EDGE) -> torch.Tensor:

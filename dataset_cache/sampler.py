@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .checks import check_number
 from .dataset import Sample, check_epoch_size
 from .dataset_mix import DatasetMix, Regularization, reg_occurrences, reg_shares, unmix
 from .latent_buckets import group_buckets
@@ -77,9 +78,7 @@ class BatchPlan:
 
 
 def _check_fraction(value: float, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{what} must be a number from 0 to 1, got {value!r:.40}")
-    return float(value)
+    return check_number(what, value, 1.0)
 
 
 def _dist_rank_world() -> tuple[int, int]:

@@ -8,6 +8,7 @@ from pathlib import PurePosixPath, PureWindowsPath
 
 from comfy.weight_adapter import adapter_maps
 
+from ...dataset_cache.checks import check_number
 from ...dataset_cache.ema import MAX_EMA_DECAY, check_ema_decay
 from ...dataset_cache.grad_clip import MAX_GRAD_NORM, check_max_grad_norm
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
@@ -143,9 +144,7 @@ class TrainSettings:
                 isinstance(i, int) and not isinstance(i, bool) for i in self.devices))):
             raise ValueError(f"devices must be 'auto', a list such as '0,1', 'cpu:N' or None, got {self.devices!r:.40}")
         for name, top in (("caption_dropout", 1.0), ("reg_ratio", MAX_REG_RATIO), ("reg_weight", MAX_REG_WEIGHT)):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0.0 <= value <= top):
-                raise ValueError(f"{name} must be a number from 0 to {top:g}, got {value!r:.40}")
+            check_number(name, getattr(self, name), top)
         if self.warmup_steps > MAX_WARMUP_STEPS:
             raise ValueError(f"warmup_steps must be at most {MAX_WARMUP_STEPS}, got {self.warmup_steps}")
         check_save_prefix(self.save_prefix)
