@@ -40,6 +40,7 @@ from .training import (
     LR_SCHEDULES,
     MAX_EMA_DECAY,
     MAX_GRAD_NORM,
+    MAX_MIN_SNR_GAMMA,
     MAX_REG_RATIO,
     MAX_NOISE_OFFSET,
     MAX_REG_WEIGHT,
@@ -307,6 +308,12 @@ class TrainLoRA(io.ComfyNode):
                                "weighs 1 - ema_decay (0.99 to 0.999 usual; the first steps weigh more). Saves and "
                                "the validation loss are of the average too, and continuing a save continues both "
                                "exactly. 0: no average (ComfyUI's own Train LoRA)."),
+                io.Float.Input("min_snr_gamma", default=0.0, min=0.0, max=MAX_MIN_SNR_GAMMA, step=0.5,
+                               optional=True, advanced=True,
+                               tooltip="Weigh each image's loss by min(SNR, gamma) of its noise level (Min-SNR, "
+                               "kohya's min_snr_gamma; 5 usual): nearly clean images weigh less, so the training "
+                               "spends less on details the model already gets right. For SD1.5 and SDXL this is "
+                               "kohya's objective exactly. 0: unweighted (ComfyUI's own Train LoRA)."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -361,6 +368,7 @@ class TrainLoRA(io.ComfyNode):
         val_every: int = 0,
         max_grad_norm: float = 0.0,
         ema_decay: float = 0.0,
+        min_snr_gamma: float = 0.0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -375,7 +383,7 @@ class TrainLoRA(io.ComfyNode):
             devices=str(devices), checkpoint_mode=str(checkpoint_mode), save_every=int(save_every),
             save_prefix=str(save_prefix), lr_schedule=str(lr_schedule), warmup_steps=int(warmup_steps),
             timestep_sampling=str(timestep_sampling), noise_offset=float(noise_offset), val_every=int(val_every),
-            max_grad_norm=float(max_grad_norm), ema_decay=float(ema_decay),
+            max_grad_norm=float(max_grad_norm), ema_decay=float(ema_decay), min_snr_gamma=float(min_snr_gamma),
         )
         settings.validate()  # before opening anything: a typo fails fast
         for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset), ("val_dataset", val_dataset)):

@@ -21,6 +21,7 @@ from ...dataset_cache.ema import WeightAverage
 from ...dataset_cache.gcpause import StepCollector
 from ...dataset_cache.grad_clip import clip_gradients
 from ...dataset_cache.loader import Batch
+from ...dataset_cache.loss_weighting import min_snr_weights
 from ...dataset_cache.lr_schedule import LrSchedule
 from ...dataset_cache.noise_draws import draw_percents, offset_noise
 from ...dataset_cache.sampler import BatchPlan
@@ -350,7 +351,20 @@ class StepLoop:
         out = {"sigma": sigma, "noise": noise}
         if plan.weights and any(w != 1.0 for w in plan.weights) and len(plan.weights) == shape[0]:
             out["row_weights"] = torch.tensor(plan.weights, dtype=torch.float32)
+        if self.settings.min_snr_gamma > 0:
+            out["snr_weights"] = self.snr_weights(sigma)
         return out
+
+    def snr_weights(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Each row's Min-SNR weight ``min(SNR, min_snr_gamma)`` (fp32, CPU), the SNR of its sigma by the model's
+        own ``noise_scaling`` (:mod:`dataset_cache.loss_weighting`), from the CPU copy of its sampling (any thread
+        may call this)."""
+        sigma = sigma.detach().to("cpu", torch.float32)
+        rows = sigma.shape[0]
+        scale = self._sampling_cpu.noise_scaling
+        noise = scale(sigma, torch.ones(rows, 1), torch.zeros(rows, 1), False).reshape(rows)
+        signal = scale(sigma, torch.zeros(rows, 1), torch.ones(rows, 1), False).reshape(rows)
+        return min_snr_weights(signal, noise, self.settings.min_snr_gamma)
 
     def _share(self, plan: BatchPlan, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sigmas and noise of this process's rows of batch ``index`` (CPU): one rank of several draws for its
@@ -392,9 +406,9 @@ class StepLoop:
                 order = torch.tensor([i for rows, _ in groups for i in rows], device=self.device)
                 parts = [self.forward(xt[rows], sigma[rows], kwargs) for rows, kwargs in groups]
                 pred = torch.cat(parts)[torch.argsort(order)]
-            return self._loss(pred.float(), x0.float(), batch)
+            return self._loss(pred.float(), x0.float(), batch, sigma)
 
-    def _loss(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def _loss(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch, sigma: torch.Tensor) -> torch.Tensor:
         """The batch's loss: ComfyUI's loss module as it is, or its per-element form weighted by masks and rows.
 
         Without a weight to apply (no masks or ``masked_loss`` off, no row weight other than 1) this is exactly the
@@ -406,7 +420,7 @@ class StepLoop:
         contribution by exactly ``w`` whatever the other rows weigh, a row of weight 0 adds nothing, and a mask
         that keeps a quarter of an image keeps a quarter of its loss (kohya's and OneTrainer's default).
         """
-        weight = self._loss_weight(batch, pred)
+        weight = self._loss_weight(batch, pred, sigma)
         if weight is None:
             return self.loss_fn(pred, target)
         per_element = self._per_element_loss()(pred, target)
@@ -416,13 +430,14 @@ class StepLoop:
                                "weighted losses need a per-element loss; turn masked_loss off and use rows of weight 1")
         return (per_element * weight).mean()
 
-    def _loss_weight(self, batch: Batch, pred: torch.Tensor) -> torch.Tensor | None:
+    def _loss_weight(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
         """Per-element loss weight of the batch (broadcastable to ``pred``, fp32 on the training device), or
         ``None`` when every element weighs 1.
 
         A mask ``m`` gives ``unmasked_weight + (1 - unmasked_weight) * m``, the same for every channel; video
         latents (``[B, C, T, h, w]``) have no masks (the loader gives clips none; any it gives are ignored). A row
-        weight (``BatchPlan.weights``: a regularization dataset's loss weight) multiplies the whole row.
+        weight (``BatchPlan.weights``: a regularization dataset's loss weight) multiplies the whole row, and so does
+        its Min-SNR weight (``min_snr_gamma``: :meth:`snr_weights` of its ``sigma``, drawn with the batch).
         """
         s = self.settings
         rows = pred.shape[0]
@@ -448,6 +463,12 @@ class StepLoop:
                 per_row = torch.tensor(row_weights, dtype=torch.float32, device=self.device)
             per_row = per_row.view(rows, *([1] * (pred.ndim - 1)))
             weight = per_row if weight is None else weight * per_row
+        if s.min_snr_gamma > 0:
+            snr = batch.extras.get("snr_weights")  # on the device already when the loader drew it
+            if snr is None:
+                snr = self.snr_weights(sigma).to(self.device)
+            snr = snr.view(rows, *([1] * (pred.ndim - 1)))
+            weight = snr if weight is None else weight * snr
         return weight
 
     def _per_element_loss(self) -> Any:

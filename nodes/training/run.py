@@ -127,6 +127,8 @@ def train_lora(
     info = [*describe_rates(settings.lr_schedule_after(start.steps), start.steps, settings.steps), *info]
     if run.average is not None:
         info.append(f"the LoRA is the moving average of its weights (ema_decay {settings.ema_decay:g})")
+    if settings.min_snr_gamma > 0:
+        info.append(f"each image's loss weighed by min(SNR, {settings.min_snr_gamma:g}) of its noise level")
     if loop.validation is not None:
         info.insert(0, loop.validation.describe())
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,

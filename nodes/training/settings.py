@@ -11,12 +11,14 @@ from comfy.weight_adapter import adapter_maps
 from ...dataset_cache.checks import check_number
 from ...dataset_cache.ema import MAX_EMA_DECAY, check_ema_decay
 from ...dataset_cache.grad_clip import MAX_GRAD_NORM, check_max_grad_norm
+from ...dataset_cache.loss_weighting import MAX_MIN_SNR_GAMMA, check_min_snr_gamma
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 from ...dataset_cache.noise_draws import MAX_NOISE_OFFSET, TIMESTEP_SAMPLINGS, check_noise_settings
 
 __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_NOISE_OFFSET", "MAX_REG_RATIO",
-           "MAX_REG_WEIGHT", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY", "MEMORY_MODES", "OPTIMIZERS",
+           "MAX_REG_WEIGHT", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY", "MAX_MIN_SNR_GAMMA",
+           "MEMORY_MODES", "OPTIMIZERS",
            "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
 
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
@@ -61,7 +63,8 @@ class TrainSettings:
     (:mod:`dataset_cache.noise_draws`; "uniform" and 0: ComfyUI's own trainer's draws). ``max_grad_norm`` clips
     each step's gradients to that global L2 norm (:mod:`dataset_cache.grad_clip`; 0: no clipping, as ComfyUI's own).
     ``ema_decay`` makes the LoRA the run outputs (and saves, and validates) the moving average of its weights
-    (:mod:`dataset_cache.ema`; 0: the last step's weights, as ComfyUI's own).
+    (:mod:`dataset_cache.ema`; 0: the last step's weights, as ComfyUI's own). ``min_snr_gamma`` weighs each row's
+    loss by ``min(SNR, γ)`` of its noise level (:mod:`dataset_cache.loss_weighting`; 0: unweighted, as ComfyUI's own).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -113,6 +116,8 @@ class TrainSettings:
     max_grad_norm: float = 0.0
     # the LoRA output is the moving average of the weights (dataset_cache.ema); 0: the last step's, as ComfyUI's
     ema_decay: float = 0.0
+    # each row's loss weighed by min(SNR, gamma) (dataset_cache.loss_weighting); 0: unweighted, as ComfyUI's trainer
+    min_snr_gamma: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -151,6 +156,7 @@ class TrainSettings:
         check_noise_settings(self.timestep_sampling, self.noise_offset)
         check_max_grad_norm(self.max_grad_norm)
         check_ema_decay(self.ema_decay)
+        check_min_snr_gamma(self.min_snr_gamma)
 
     def lr_schedule_after(self, done: int) -> LrSchedule:
         """The learning rate of every step of a run continuing a LoRA that had ``done`` steps: the schedule spans

@@ -107,7 +107,11 @@ class Validation:
             g = seeded_generator(self.seed, "validation", key)
             percents.append(draw_percents(g, 1, "uniform"))
             noises.append(torch.randn((1, *shape[1:]), generator=g, dtype=torch.float32))
-        return {"sigma": self.loop.sigmas(torch.cat(percents)), "noise": torch.cat(noises)}
+        sigma = self.loop.sigmas(torch.cat(percents))
+        out = {"sigma": sigma, "noise": torch.cat(noises)}
+        if self.loop.settings.min_snr_gamma > 0:  # weighed as the training's loss is
+            out["snr_weights"] = self.loop.snr_weights(sigma)
+        return out
 
     def describe(self) -> str:
         """``validation loss (N images, fixed noise and timesteps): 0.12 at step 0 → 0.10 at step 500, lowest ...``."""

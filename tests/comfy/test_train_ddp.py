@@ -147,11 +147,13 @@ def test_a_learning_rate_schedule_and_validation_on_two_ranks_are_what_they_are_
     trains what it trains on 1 rank × 2, within the module's tolerance. Each rank measures the validation loss of
     the whole validation set itself (no rank waits for another): the values agree as the weights do. Gradients are
     clipped after the ranks averaged them (every rank the same global norm, each step's reported the same), and
-    the LoRA is the moving average of the weights, the same on every rank."""
+    the LoRA is the moving average of the weights, the same on every rank; each rank weighs its rows' losses by
+    their Min-SNR weights (drawn with its share of the global batch's sigmas)."""
     scheduled = {"lr_schedule": "linear", "warmup_steps": 2, "val_dataset": dataset}
     free = _train(node, models[0], dataset, batch_size=2, steps=3, **scheduled).result[1]["grad_norm"]
     scheduled["max_grad_norm"] = sorted(free)[1]  # the steps above the middle norm clipped
     scheduled["ema_decay"] = 0.9  # every rank averages the same weights; rank 0's average is the LoRA
+    scheduled["min_snr_gamma"] = 5.0  # each rank weighs its own rows by their own sigmas
     one_rank = _train(node, models[0], dataset, batch_size=2, **scheduled).result
     two = _train(node, models[0], dataset, batch_size=1, devices="cpu:2", **scheduled).result
     _assert_same_training(two, one_rank, start)

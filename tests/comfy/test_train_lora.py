@@ -43,7 +43,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact",
     "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
     "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0, "max_grad_norm": 0.0,
-    "ema_decay": 0.0,
+    "ema_decay": 0.0, "min_snr_gamma": 0.0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -131,7 +131,7 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "masked_loss", "unmasked_weight", "stream_blocks",
                                                            "allow_fp8", "checkpoint_mode", "save_every",
                                                            "save_prefix", "timestep_sampling", "noise_offset",
-                                                           "val_every", "ema_decay"}
+                                                           "val_every", "ema_decay", "min_snr_gamma"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -173,6 +173,9 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # a prompt without it outputs the last step's weights, as before
     assert inputs["ema_decay"].optional and inputs["ema_decay"].default == 0.0
     assert "ema_decay" in info["input"]["optional"]
+    # a prompt without it weighs every row's loss alike, as before
+    assert inputs["min_snr_gamma"].optional and inputs["min_snr_gamma"].default == 0.0
+    assert "min_snr_gamma" in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -841,6 +844,37 @@ def test_the_summary_counts_clipped_and_non_finite_norms(pack: ModuleType) -> No
         "skipped)")
 
 
+# ---------------------------------------------------------------------------------------------------- Min-SNR
+def test_min_snr_weighs_a_rows_loss_and_its_update_by_its_capped_snr(pack: ModuleType, node: type, models: tuple,
+                                                                     dataset: Any) -> None:
+    """The tiny SD1.5 is ε-prediction (x_t = x0 + σ·ε): SNR 1/σ². One SGD step of one image (fp32), at the σ the
+    trainer draws for batch 0: with min_snr_gamma γ its loss is the unweighted one times w = min(1/σ², γ), and so is
+    the update of every parameter ComfyUI starts at 0 (ComfyUI's down matrices, norm and bias diffs), for a γ that
+    caps the SNR and one that does not. The weighted loss is ComfyUI's per-element loss times w, averaged (the
+    unweighted one ComfyUI's mean): rounding apart, 1e-5; the update passes that through the backward: 1e-4."""
+    import comfy.model_sampling
+
+    loop, settings = _module(pack, "nodes.training.loop"), _module(pack, "nodes.training.settings")
+    assert isinstance(models[0].model.model_sampling, comfy.model_sampling.EPS)
+    stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=FAST["seed"]),
+                                     _sampling_cpu=models[0].model.model_sampling)
+    stand_in.sigmas = types.MethodType(loop.StepLoop.sigmas, stand_in)
+    (sigma,) = loop.StepLoop._draw(stand_in, (1, 4, 8, 8), 0)[0].tolist()
+    snr = 1.0 / sigma ** 2
+    opts = {"optimizer": "SGD", "steps": 1, "batch_size": 1, "learning_rate": 0.02}
+    plain = _train(node, models[0], dataset, **opts).result
+    zero_init = [k for k in plain[0] if not k.endswith((".lora_up.weight", ".alpha"))]
+    start = _train(node, models[0], dataset, **{**opts, "learning_rate": 1e-30}).result[0]  # the step's start
+    for gamma in (snr / 2, min(2 * snr, 100.0)):
+        weighted = _train(node, models[0], dataset, min_snr_gamma=gamma, **opts)
+        w = min(snr, gamma)
+        assert weighted.result[1]["loss"][0] == pytest.approx(w * plain[1]["loss"][0], rel=1e-5)
+        for k in zero_init:
+            step, plain_step = weighted.result[0][k] - start[k], plain[0][k] - start[k]
+            torch.testing.assert_close(step, w * plain_step, rtol=1e-4, atol=1e-5 * float(plain_step.abs().max()))
+        assert f"; each image's loss weighed by min(SNR, {gamma:g}) of its noise level" in _summary(weighted)
+
+
 # ------------------------------------------------------------------------------------------ the weights' average
 def test_the_lora_of_an_averaging_run_is_the_average_of_its_steps(node: type, models: tuple, dataset: Any,
                                                                   lora_folder: Path) -> None:
@@ -1022,6 +1056,7 @@ def test_a_validation_set_that_shares_images_with_the_training_is_named(node: ty
     ({"max_grad_norm": -0.5}, "max_grad_norm must be a number from 0 (no clipping) to 10000, got -0.5"),
     ({"max_grad_norm": math.nan}, "max_grad_norm must be a number from 0 (no clipping) to 10000, got nan"),
     ({"ema_decay": 1.0}, "ema_decay must be a number from 0 (no average) to 0.9999, got 1.0"),
+    ({"min_snr_gamma": -5.0}, "min_snr_gamma must be a number from 0 (no weighting) to 100, got -5.0"),
 ])
 def test_a_bad_schedule_is_refused_before_training(node: type, models: tuple, dataset: Any, options: dict,
                                                    message: str) -> None:

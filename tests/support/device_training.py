@@ -89,7 +89,8 @@ CASES: tuple[Case, ...] = (
     Case("sd15_fresh_lora", "sd15", lora="fresh", high_vram=True),  # the LoRA the node creates by default
     Case("sd15_masks_mirrors", "sd15", "masks_mirrors", options={"unmasked_weight": 0.1},
          expect=("mirrored_mask",)),
-    Case("sd15_reg_two_caches", "sd15", "reg_two_caches", options={"reg_ratio": 1.0, "reg_weight": 0.5, "seed": 3},
+    Case("sd15_reg_two_caches", "sd15", "reg_two_caches", options={"reg_ratio": 1.0, "reg_weight": 0.5, "seed": 3,
+                                                                   "min_snr_gamma": 5.0},
          expect=("reg_rows", "two_caches")),
     Case("sdxl_pooled", "sdxl", expect=("option:pooled_output",)),
     Case("flux_guidance", "flux", expect=("option:pooled_output", "option:guidance")),

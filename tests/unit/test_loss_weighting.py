@@ -1,0 +1,41 @@
+"""dataset_cache.loss_weighting: the Min-SNR weight of each row from its noise level's signal and noise scales."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dataset_cache.loss_weighting import MAX_MIN_SNR_GAMMA, check_min_snr_gamma, min_snr_weights
+
+
+def test_an_eps_models_snr_is_one_over_sigma_squared_capped_at_gamma() -> None:
+    """ε-prediction (x_t = x0 + σ·ε): SNR 1/σ²; σ = 0.1 gives 100 (capped at 5), σ = 2 gives 0.25."""
+    sigma = torch.tensor([0.1, 0.5, 2.0, 14.6])
+    weights = min_snr_weights(torch.ones(4), sigma, 5.0)
+    assert weights.dtype == torch.float32
+    assert weights.tolist() == pytest.approx([5.0, 4.0, 0.25, 1 / 14.6 ** 2], rel=1e-6)
+
+
+def test_a_flow_models_snr_is_the_ratio_of_its_two_scales() -> None:
+    """Rectified flow (x_t = (1 - σ)·x0 + σ·ε): SNR ((1 - σ)/σ)²; at σ = 0.5 it is 1, at 0.9 1/81."""
+    sigma = torch.tensor([0.5, 0.9, 0.01])
+    weights = min_snr_weights(1 - sigma, sigma, 5.0)
+    assert weights.tolist() == pytest.approx([1.0, 1 / 81, 5.0], rel=1e-5)
+
+
+def test_a_row_without_noise_weighs_gamma_and_pure_noise_weighs_nothing() -> None:
+    assert min_snr_weights(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), 3.0).tolist() == [3.0, 0.0]
+    assert min_snr_weights(torch.tensor([0.0]), torch.tensor([0.0]), 3.0).tolist() == [3.0]  # no NaN
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 5, 5.0, MAX_MIN_SNR_GAMMA])
+def test_min_snr_gamma_accepts_zero_to_the_maximum(value: float) -> None:
+    check_min_snr_gamma(value)
+
+
+@pytest.mark.parametrize("value", [-1.0, 101.0, math.nan, math.inf, True, "5", None])
+def test_min_snr_gamma_refuses_other_values_naming_the_field(value: object) -> None:
+    with pytest.raises(ValueError, match=r"min_snr_gamma must be a number from 0 \(no weighting\) to 100, got"):
+        check_min_snr_gamma(value)
