@@ -5,10 +5,11 @@ the training on details the model already gets right; Min-SNR caps their weight 
 (``--min_snr_gamma``, 5 usual), OneTrainer and ai-toolkit offer it.
 
 ComfyUI's trainer (and ours) computes the loss between the predicted and the true clean latent (x0). The paper's
-weight in that space is ``min(SNR, γ)`` itself, and for ε- and v-prediction models (SD1.5, SDXL, SD2) it gives
-exactly kohya's objective: kohya weighs the ε loss by ``min(SNR, γ) / SNR`` (the v loss by ``min(SNR, γ) /
-(SNR + 1)``), and the ε loss is the x0 loss times ``SNR`` (the v loss times ``SNR + 1``). For rectified-flow models
-(SD3, Flux, Qwen-Image, Lumina 2, WAN) the same weight applies with their SNR, ``((1 - σ) / σ)²``.
+weight in that space is ``min(SNR, γ)`` itself, and for ε- and v-prediction models (SD1.5, SDXL, SD2) with the MSE
+loss it gives exactly kohya's objective: kohya weighs the ε loss by ``min(SNR, γ) / SNR`` (the v loss by
+``min(SNR, γ) / (SNR + 1)``), and the ε loss is the x0 loss times ``SNR`` (the v loss times ``SNR + 1``). For
+rectified-flow models (SD3, Flux, Qwen-Image, Lumina 2, WAN) the same weight applies with their SNR,
+``((1 - σ) / σ)²``.
 
 The SNR comes from the model's own ``noise_scaling`` (the caller's): ``x_t = signal · x0 + noise · ε``, so
 ``SNR = (signal / noise)²`` for any of ComfyUI's samplings.

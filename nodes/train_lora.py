@@ -313,7 +313,8 @@ class TrainLoRA(io.ComfyNode):
                                tooltip="Weigh each image's loss by min(SNR, gamma) of its noise level (Min-SNR, "
                                "kohya's min_snr_gamma; 5 usual): nearly clean images weigh less, so the training "
                                "spends less on details the model already gets right. For SD1.5 and SDXL this is "
-                               "kohya's objective exactly. 0: unweighted (ComfyUI's own Train LoRA)."),
+                               "kohya's objective exactly (with the MSE loss). 0: unweighted (ComfyUI's own Train "
+                               "LoRA)."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
