@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -110,3 +111,35 @@ def test_ema_decay_accepts_zero_to_the_maximum(value: float) -> None:
 def test_ema_decay_refuses_other_values_naming_the_field(value: object) -> None:
     with pytest.raises(ValueError, match=r"ema_decay must be a number from 0 \(no average\) to 0.9999, got"):
         check_ema_decay(value)
+
+
+def _cuda_kernels(fn: Callable[[], object]) -> int:
+    """CUDA kernels ``fn`` launches, as torch's profiler sees them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_bf16_lora_is_averaged_by_fused_kernels_as_on_the_cpu() -> None:
+    """300 bf16 tensors on the GPU: one update launches a few fused kernels (the cast into the fp32 scratch and the
+    lerp, ~100 tensors each), not one per tensor, and gives the CPU's average within the rounding of two lerps (the
+    GPU may fuse their multiply-adds: 2 ulp of fp32, of the tensor's largest value where an element cancels)."""
+    g = torch.Generator().manual_seed(0)
+    cpu = {f"t{i}": torch.nn.Parameter(torch.randn(16, 8, generator=g).bfloat16()) for i in range(300)}
+    gpu = {k: torch.nn.Parameter(p.detach().cuda()) for k, p in cpu.items()}
+    averages = [WeightAverage(params, 0.9) for params in (cpu, gpu)]
+    for params in (cpu, gpu):
+        _move(params, 1)
+    averages[0].update(5)
+    averages[1].update(5)  # warm: the first launch of a kernel loads it
+    averages[0].update(6)
+    kernels = _cuda_kernels(lambda: averages[1].update(6))
+    assert 2 <= kernels < 30, kernels
+    for k, value in averages[0].state().items():
+        torch.testing.assert_close(averages[1].state()[k], value, rtol=2.0 ** -22,
+                                   atol=2.0 ** -22 * float(value.abs().max()))  # an element that cancels to ~0

@@ -134,3 +134,26 @@ def test_gradients_on_two_devices_have_one_global_norm_on_the_first_ones_device(
     assert float(norm) == pytest.approx(float(expected), rel=1e-5)  # per-device fp32 sums, summed in another order
     for a, b in zip(_grads(params), _grads(on_cpu)):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_norm_and_the_clipping_launch_a_few_fused_kernels_not_one_per_tensor() -> None:
+    """300 bf16 gradients on the GPU: the fp32 norm and the scaling launch a few kernels (one per ~100 tensors and
+    a handful of scalar ones), and give the CPU's norm within fp32 sums (1e-5)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(0)
+    cpu = [torch.nn.Parameter(torch.randn(16, 8, generator=g).bfloat16()) for _ in range(300)]
+    for p in cpu:
+        p.grad = torch.randn(p.shape, generator=g).bfloat16()
+    gpu = _copies(cpu)
+    for p in gpu:
+        p.data, p.grad = p.data.cuda(), p.grad.cuda()  # type: ignore[union-attr]
+    clip_gradients(_copies(gpu), 1.0)  # warm: the first launch of a kernel loads it
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        norm = clip_gradients(gpu, 1.0)
+        torch.cuda.synchronize()
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    assert kernels < 30, kernels
+    assert float(norm) == pytest.approx(float(gradient_norm(_grads(cpu))), rel=1e-5)
