@@ -52,6 +52,10 @@ class WeightAverage:
     """The fp32 moving average of ``params`` (LoRA key → parameter), each on its parameter's device.
 
     ``start`` gives the average to continue (a saved run's, by key); a key it lacks starts at its parameter's value.
+
+    The parameters may move after the average is made: ComfyUI moves a LoRA's adapters to the training device when
+    it loads the model (``move_weight_functions``), after Train LoRA made them (on the CPU when the model was not
+    loaded). Each update and swap first follows them: an average whose parameter is elsewhere moves to it, once.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], decay: float,
@@ -63,20 +67,33 @@ class WeightAverage:
             self.average = [(start[n] if start is not None and n in start else p.detach())
                             .to(device=p.device, dtype=torch.float32, copy=True)
                             for n, p in zip(self.names, self.params)]
+        self._devices: list[torch.device] = []
+        self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]] = []
+        self._place()
+
+    def _place(self) -> None:
+        """Follow the parameters: move each average to its parameter's device, and group them by device and dtype
+        (per group the averages, the parameters, and for a LoRA not in fp32 an fp32 scratch copy of them that one
+        fused cast fills at each update: listed once, so no op per tensor and step). Nothing to do while they stay
+        (one device read per parameter)."""
+        devices = [p.device for p in self.params]
+        if devices == self._devices:
+            return
+        self.average = [a if a.device == d else a.to(d) for a, d in zip(self.average, devices)]
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, p in enumerate(self.params):
             groups.setdefault((p.device, p.dtype), []).append(i)
-        # per device and dtype: the averages, the parameters, and for a LoRA not in fp32 an fp32 scratch copy of
-        # them that one fused cast fills at each update (listed once: no op per tensor and step)
         self._groups = [([self.average[i] for i in indices], [self.params[i] for i in indices],
                          None if dtype == torch.float32 else
                          [torch.empty_like(self.params[i], dtype=torch.float32) for i in indices])
                         for (_, dtype), indices in groups.items()]
+        self._devices = devices
 
     def update(self, step: int) -> None:
         """Average in the parameters' values after step ``step`` (1-based, over the whole training): no read back
         to the host, one fused lerp per device and dtype (after one fused cast for a LoRA not in fp32)."""
         weight = 1.0 - ema_decay_at(self.decay, step)
+        self._place()
         with torch.no_grad():
             for average, params, scratch in self._groups:
                 if scratch is not None:  # one fused cast (a kernel per ~100 tensors on a GPU, not one per tensor)
@@ -96,6 +113,7 @@ class WeightAverage:
     def swapped_in(self) -> Iterator[None]:
         """The average in the parameters (rounded to their dtype) for the block, the trained values back after it,
         bit for bit: what a validation of the LoRA the run outputs measures."""
+        self._place()
         with torch.no_grad():
             trained = [p.detach().clone() for p in self.params]
             for p, a in zip(self.params, self.average):

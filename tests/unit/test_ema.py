@@ -21,7 +21,7 @@ def _move(params: dict[str, torch.nn.Parameter], seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in params.values():
-            p.add_(torch.randn(p.shape, generator=g).to(p.dtype))
+            p.add_(torch.randn(p.shape, generator=g).to(p.device, p.dtype))
 
 
 def test_the_decay_warms_up_then_holds() -> None:
@@ -126,13 +126,17 @@ def _cuda_kernels(fn: Callable[[], object]) -> int:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_a_bf16_lora_is_averaged_by_fused_kernels_as_on_the_cpu() -> None:
-    """300 bf16 tensors on the GPU: one update launches a few fused kernels (the cast into the fp32 scratch and the
-    lerp, ~100 tensors each), not one per tensor, and gives the CPU's average within the rounding of two lerps (the
-    GPU may fuse their multiply-adds: 2 ulp of fp32, of the tensor's largest value where an element cancels)."""
+    """300 bf16 tensors, made on the CPU with their average and then moved to the GPU (as ComfyUI moves a LoRA's
+    adapters when it loads the model): the average follows them, one update launches a few fused kernels (the cast
+    into the fp32 scratch and the lerp, ~100 tensors each), not one per tensor, and gives the CPU's average within
+    the rounding of two lerps (the GPU may fuse their multiply-adds: 2 ulp of fp32, of the tensor's largest value
+    where an element cancels)."""
     g = torch.Generator().manual_seed(0)
     cpu = {f"t{i}": torch.nn.Parameter(torch.randn(16, 8, generator=g).bfloat16()) for i in range(300)}
-    gpu = {k: torch.nn.Parameter(p.detach().cuda()) for k, p in cpu.items()}
+    gpu = {k: torch.nn.Parameter(p.detach().clone()) for k, p in cpu.items()}
     averages = [WeightAverage(params, 0.9) for params in (cpu, gpu)]
+    for p in gpu.values():
+        p.data = p.data.cuda()  # what nn.Module.to does to an adapter's parameters
     for params in (cpu, gpu):
         _move(params, 1)
     averages[0].update(5)
@@ -140,6 +144,7 @@ def test_on_cuda_a_bf16_lora_is_averaged_by_fused_kernels_as_on_the_cpu() -> Non
     averages[0].update(6)
     kernels = _cuda_kernels(lambda: averages[1].update(6))
     assert 2 <= kernels < 30, kernels
+    assert all(a.is_cuda for a in averages[1].average)
     for k, value in averages[0].state().items():
         torch.testing.assert_close(averages[1].state()[k], value, rtol=2.0 ** -22,
                                    atol=2.0 ** -22 * float(value.abs().max()))  # an element that cancels to ~0
