@@ -77,21 +77,23 @@ class Validation:
                                 world_size=1, shuffle=False, name="val_dataset")
         loader = PrefetchLoader(self.reader, sampler, prefetch_batches=2, threads=1, device=self.device, epochs=1,
                                 on_wait=self.interrupt, per_batch=self._draws)
-        total = torch.zeros((), dtype=torch.float64)
-        rows = 0
+        losses: list[torch.Tensor] = []  # on the device: read once at the end, not one wait for it per batch
+        counts: list[int] = []
         try:
             with torch.no_grad():
                 for number, batch in enumerate(loader):
                     if self.interrupt is not None:
                         self.interrupt()
                     seed = derive_seed(self.seed, "validation", batch.plan.latent_keys[0])
-                    loss = self.loop.batch_loss(batch, number, cond_seed=seed)
-                    n = int(batch.latents.shape[0])
-                    total = total + loss.detach().double().cpu() * n
-                    rows += n
+                    losses.append(self.loop.batch_loss(batch, number, cond_seed=seed).detach().reshape(()))
+                    counts.append(int(batch.latents.shape[0]))
         finally:
             loader.close()
-        value = float(total) / max(rows, 1)
+        total = 0.0  # in double, batch by batch
+        for loss, n in zip(torch.stack(losses).tolist() if losses else [], counts):
+            total += loss * n
+        rows = sum(counts)
+        value = total / max(rows, 1)
         self.results.append((step, value))
         self.seconds += time.perf_counter() - t0
         log.info("Train LoRA: validation loss %.5f at step %d (%d images, %.1f s)", value, step, rows,
