@@ -44,7 +44,7 @@ from .gpu_docs import LEDGER_NAME, checkout_commit, merge_results, plan_of, rend
 from .gpu_figures import Device, EncodeFigures, GpuRun, TrainFigures, save_run
 from .gpu_ledger import Ledger, group_state, identity, load_ledger, merge, missing, owners, run_groups, save_ledger
 from .gpu_models import FULL_FAMILIES, FULL_VAES, FamilySpec, VaeSpec
-from .gpu_plan import ArmPlan, GroupPlan, select
+from .gpu_plan import STEP_OPTION_ARMS, ArmPlan, GroupPlan, select
 from .gpu_report import SECTION, render
 
 __all__ = ["Options", "Context", "measure", "main", "context_from_pack", "tiny_specs"]
@@ -255,6 +255,11 @@ def _runnable(ctx: Context, opts: Options, rec: _Recorder, device: Device, every
     if any(g.section == "ckpt" for g in groups) and missing_settings(ctx.trainers, {"checkpoint_mode": "fast"}):
         rec.note("Checkpoint-mode arms: skipped, this checkout's Train LoRA has no `checkpoint_mode` setting yet.")
         groups = [g for g in groups if g.section != "ckpt"]
+    options = {k: v for arm in STEP_OPTION_ARMS.values() for k, v in arm.items()}
+    if any(g.section == "options" for g in groups) and missing_settings(ctx.trainers, options):
+        rec.note("Step-option arms (G7): skipped, this checkout's Train LoRA lacks "
+                 + ", ".join(f"`{n}`" for n in missing_settings(ctx.trainers, options)) + ".")
+        groups = [g for g in groups if g.section != "options"]
     if any(g.section == "devices" for g in groups):
         count = device.count if device.kind == "cuda" else 0
         if count < 2:

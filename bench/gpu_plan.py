@@ -5,14 +5,15 @@ Plain data (no torch, no ComfyUI), so the unit tests check the plan and the sele
 :mod:`bench.gpu_budget`'s job.
 
 Order: the four required families (SD1.5, SDXL, Flux-dev, WAN 2.1 1.3B), each at batch 1 and its batch ≥ 2, three
-arms side by side (bound, ours, built-in); then Encode Dataset per VAE; then the memory-capped arms of #25, ours' two
-``checkpoint_mode`` forms, and the multi-GPU arms of #26 (present, skipped with one line where this checkout's
-trainer lacks the setting or the machine has one GPU); then Qwen-Image and Lumina 2.
+arms side by side (bound, ours, built-in); then Encode Dataset per VAE; then the memory-capped arms of #25, ours'
+``checkpoint_mode`` forms, ours with the step's options (gradient clipping, the weights' average, Min-SNR) and without,
+and the multi-GPU arms of #26 (present, skipped with one line where this checkout's trainer lacks the setting or the
+machine has one GPU); then Qwen-Image and Lumina 2.
 
 A **group** is what must come from one run, side by side: a family/batch row's three arms (``sd15/b1``), a capped
-family's capped and uncapped arms (``cap/flux``), a family's checkpointing arms (``ckpt/sdxl``: exact, fast, kept), one
-multi-GPU family (``devices/sdxl``), one encode row
-(``encode/flux``), one profile (its own id). Runs accumulate by group (:mod:`bench.gpu_ledger`).
+family's capped and uncapped arms (``cap/flux``), a family's checkpointing arms (``ckpt/sdxl``: exact, fast, kept), a
+family's option arms (``options/sd15``: plain, clip, ema, snr, all), one multi-GPU family (``devices/sdxl``), one
+encode row (``encode/flux``), one profile (its own id). Runs accumulate by group (:mod:`bench.gpu_ledger`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["ArmPlan", "GroupPlan", "BATCHES", "REQUIRED", "EXTRA", "CAPS", "CKPT_ARMS", "CKPT_MODES", "plan_family",
-           "plan_caps", "plan_ckpt_modes", "plan_devices", "plan_groups", "select", "matches", "choose_depth",
-           "group_key", "expected_ids", "rounds"]
+__all__ = ["ArmPlan", "GroupPlan", "BATCHES", "REQUIRED", "EXTRA", "CAPS", "CKPT_ARMS", "CKPT_MODES", "STEP_OPTIONS",
+           "STEP_OPTION_ARMS", "plan_family", "plan_caps", "plan_ckpt_modes", "plan_step_options", "plan_devices",
+           "plan_groups", "select", "matches", "choose_depth", "group_key", "expected_ids", "rounds"]
 
 REQUIRED = ("sd15", "sdxl", "flux", "wan21")
 EXTRA = ("lumina2", "qwen_image")
@@ -53,6 +54,18 @@ CKPT_ARMS: dict[str, dict[str, str]] = {
     "kept": {"checkpoint_mode": "exact", "memory": "auto + keep blocks whole"}}
 CKPT_ARMS_ABOVE_B1 = ("exact", "kept")
 """The arms of a :data:`CKPT_MODES` entry above batch 1 (``fast`` is a batch-1 question: the host's ops)."""
+STEP_OPTIONS = ("sd15", "sdxl", "flux")
+"""The families whose step the options are measured on, at batch 1: where a step is shortest, so what the options add
+per step weighs most (SD1.5's 3,265 adapter tensors at rank 16 are the most per second of step)."""
+STEP_OPTION_ARMS: dict[str, dict[str, float]] = {
+    "plain": {},
+    "clip": {"max_grad_norm": 1.0},
+    "ema": {"ema_decay": 0.999},
+    "snr": {"min_snr_gamma": 5.0},
+    "all": {"max_grad_norm": 1.0, "ema_decay": 0.999, "min_snr_gamma": 5.0}}
+"""Ours without the step's options (``plain``, the reference), with each alone, and with all three: what
+gradient clipping (the norm is measured every step anyway), the weights' average and Min-SNR weighting cost on the
+device (``bench/bench_step_extras.py`` counts their ops on the CPU)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +110,7 @@ def group_key(fig_id: str) -> str:
     parts = fig_id.split("/")
     if parts[0] in ("encode", "profile"):
         return fig_id
-    if parts[0] in ("cap", "devices", "ckpt") and len(parts) >= 2:
+    if parts[0] in ("cap", "devices", "ckpt", "options") and len(parts) >= 2:
         return f"{parts[0]}/{parts[1].rsplit('-', 1)[0]}"
     if len(parts) == 3:
         return f"{parts[0]}/{parts[1]}"
@@ -107,7 +120,7 @@ def group_key(fig_id: str) -> str:
 def expected_ids(key: str) -> set[str] | None:
     """The arm ids a complete training group holds (``None``: a group of one figure, any: encode, devices, profile)."""
     head, _, rest = key.partition("/")
-    planned = {"cap": plan_caps, "ckpt": plan_ckpt_modes}.get(head)
+    planned = {"cap": plan_caps, "ckpt": plan_ckpt_modes, "options": plan_step_options}.get(head)
     if planned is not None:
         return {a.id for a in planned() if a.family == rest}
     if head in ("encode", "devices", "profile") or key.count("/") != 1:
@@ -183,6 +196,18 @@ def plan_ckpt_modes(params_b: Mapping[str, float] | None = None) -> list[ArmPlan
             if batch == 1 or mode in CKPT_ARMS_ABOVE_B1]
 
 
+def plan_step_options(params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:
+    """Ours with each of :data:`STEP_OPTION_ARMS` (``plain`` the reference) per family of :data:`STEP_OPTIONS`, at
+    batch 1 and the default memory plan."""
+    from .gpu_budget import arm_setup_s, est_step_s
+
+    params_b = params_b or {}
+    return [ArmPlan(f"options/{family}-{mode}/ours", family, 1, "ours", 1, "the memory plan decides", extra=dict(extra),
+                    est_step_s=est_step_s(family, 1, "ours"), group="options",
+                    setup_s=arm_setup_s(family, "ours", params_b.get(family, 0.0)))
+            for family in STEP_OPTIONS for mode, extra in STEP_OPTION_ARMS.items()]
+
+
 def plan_devices(count: int, params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:
     """#26's scaling arms: ours on every GPU (``devices`` auto) at each required family's batch ≥ 2."""
     from .gpu_budget import arm_setup_s, est_step_s
@@ -227,6 +252,9 @@ def plan_groups(params_b: Mapping[str, float], vaes: Mapping[str, str], device_g
     present = [a for a in plan_caps(params_b) if a.family.removesuffix("_fp8") in params_b]
     out += _repeated(_grouped("cap", present, params_b), repeat)
     out += _repeated(_grouped("ckpt", [a for a in plan_ckpt_modes(params_b) if a.family in params_b], params_b),
+                     repeat)
+    out += _repeated(_grouped("options", [a for a in plan_step_options(params_b) if a.family in params_b],
+                              params_b),
                      repeat)
     out += _repeated(_grouped("devices", [a for a in plan_devices(gpus, params_b) if a.family in params_b],
                               params_b), repeat)

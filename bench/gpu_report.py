@@ -157,7 +157,8 @@ def _training(shown: dict[str, tuple[GpuRun, list[Figure]]], families: dict[str,
     rows = []
     for key, (run, figs) in shown.items():
         train = [f for f in figs if isinstance(f, TrainFigures)]
-        if train and key.count("/") == 1 and not key.startswith(("cap/", "ckpt/", "devices/", "profile/", "encode/")):
+        if train and key.count("/") == 1 and not key.startswith(("cap/", "ckpt/", "options/", "devices/", "profile/",
+                                                                          "encode/")):
             rows.append((_order(families, train[0].family, train[0].batch), run, train))
     o = ["### G1. Training step: the in-memory bound, ours, ComfyUI's `TrainLoraNode`", "",
          "Median seconds per step over the steps after the warm-up (the run's line says how many; bf16 model and "
@@ -433,6 +434,15 @@ def render(runs: Ledger | GpuRun, families: dict[str, FamilySpec] | None = None,
                         "step; the plans below the table. Runs before R9 measured `exact` and `fast` with `memory` = "
                         "auto, which then checkpointed every block: the same plan.",
                         reference="exact", versus="exact", cap_column=False)]
+    o += ["", *_grouped(shown, "options/",
+                        "### G7. The step's options: gradient clipping, the weights' average, Min-SNR",
+                        "Ours at batch 1 (`memory` = auto) without the step's options (`plain`; the gradient norm is "
+                        "measured every step all the same) and with each: `clip` = `max_grad_norm` 1, `ema` = "
+                        "`ema_decay` 0.999 (an fp32 average of the bf16 LoRA, updated every step), `snr` = "
+                        "`min_snr_gamma` 5; `all` = the three. Speed against plain (same run); losses compared step by "
+                        "step (the average does not change the training's losses; clipping and Min-SNR do). "
+                        "`bench/bench_step_extras.py` counts the ops each adds on the CPU.",
+                        reference="plain", versus="plain", cap_column=False)]
     prof = _profile(shown)
     if prof:
         o += ["", *prof]

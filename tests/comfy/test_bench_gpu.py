@@ -150,7 +150,7 @@ def test_a_second_run_measures_what_the_first_left_and_adds_to_it(
     ctx.base = load_ledger(ctx.ledger)
     families, vaes = tiny_specs()
     # --missing within SD1.5's batch-1 row, which the first run left partial (its built-in arm was not selected);
-    # "sd15" alone would select the family's checkpoint-mode group too (ckpt/sd15)
+    # "sd15" alone would select the family's checkpoint-mode and option groups too (ckpt/sd15, options/sd15)
     opts = Options(steps=1, warmup=1, budget_s=3600.0, only=["sd15/b1"], missing=True, repeat=2, extras=False,
                    settings=STANDIN_SETTINGS, batches={"sd15": (1,), "wan21": (1,)},
                    command="scripts/bench-gpu --cpu-standin --missing --repeat 2", commit="second")
@@ -175,6 +175,34 @@ def test_a_second_run_measures_what_the_first_left_and_adds_to_it(
     assert "- **R1** " in section and "- **R2** " in section and "rows ×2" in section
     pending = next(x for x in section.splitlines() if x.startswith("Still without figures"))
     assert "`flux/b1`" in pending and "`wan21/b1`" in pending and "`sd15/b1`" not in pending
+
+
+def test_the_option_arms_train_with_their_settings_against_plain(pack: ModuleType, comfy_folders: Path,
+                                                                  tmp_path: Path) -> None:
+    """The step-options group (G7) on tiny SD1.5: its arms reach Train LoRA with their settings, train, and are shown
+    against plain; Min-SNR weighs the losses, the average leaves them as plain's."""
+    lines: list[str] = []
+    ctx = context_from_pack(pack, tmp_path / "work", tmp_path / "out", lines.append)
+    ctx.work.mkdir()
+    families, vaes = tiny_specs()
+    only = ["options/sd15-plain", "options/sd15-ema", "options/sd15-all"]
+    opts = Options(steps=2, warmup=1, budget_s=3600.0, only=only, extras=False, settings=STANDIN_SETTINGS,
+                   command="scripts/bench-gpu --cpu-standin", commit="x")
+    run = measure(ctx, opts, families, vaes, device_info(ctx.device, "test"), torch.float32)
+
+    by_id = {f.id: f for f in run.train}
+    assert list(by_id) == ["options/sd15-plain/ours", "options/sd15-ema/ours", "options/sd15-all/ours"]
+    assert all(f.ok and len(f.step_s) == 2 for f in by_id.values()), [(f.id, f.error) for f in by_id.values()]
+    plain, ema, every = (by_id[f"options/sd15-{m}/ours"] for m in ("plain", "ema", "all"))
+    assert "max_grad_norm" not in plain.settings and ema.settings["ema_decay"] == 0.999
+    assert (every.settings["max_grad_norm"], every.settings["min_snr_gamma"]) == (1.0, 5.0)
+    # the same seed and batches: the average is not what trains, so the losses are plain's exactly; Min-SNR's
+    # weights (min(SNR, 5) of each drawn noise level) change them
+    assert ema.losses == plain.losses and every.losses != plain.losses
+    section = (tmp_path / "out" / "section.md").read_text()
+    rows = [x for x in section.splitlines() if x.startswith("| `options/sd15-")]
+    assert [r.split(" | ")[0] for r in rows] == [f"| `{i}`" for i in by_id]
+    assert rows[0].split(" | ")[3] == "—" and rows[2].split(" | ")[3].endswith("%")
 
 
 def test_each_arm_starts_without_a_remembered_probe(pack: ModuleType, comfy_folders: Path, tmp_path: Path) -> None:

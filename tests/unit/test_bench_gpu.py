@@ -15,7 +15,10 @@ from bench.gpu_figures import (
     Device, EncodeFigures, GpuRun, ProfileFigures, TrainFigures, load_run, run_from_dict, save_run,
 )
 from bench.gpu_budget import Budget
-from bench.gpu_plan import choose_depth, matches, plan_caps, plan_ckpt_modes, plan_devices, plan_family
+from bench.gpu_plan import (
+    STEP_OPTION_ARMS, choose_depth, group_key, matches, plan_caps, plan_ckpt_modes, plan_devices, plan_family,
+    plan_step_options,
+)
 from bench.gpu_report import PLACEHOLDER, render
 
 
@@ -46,6 +49,22 @@ def test_each_family_batch_has_three_arms_side_by_side_at_one_depth() -> None:
         ("ckpt/sdxl_b4-exact/ours", {"checkpoint_mode": "exact", "memory": "no offload"}, 4),
         ("ckpt/sdxl_b4-kept/ours", {"checkpoint_mode": "exact", "memory": "auto + keep blocks whole"}, 4)]
     assert {a.family for a in plan_ckpt_modes()} == {"sd15", "sdxl", "flux", "wan21"}
+
+
+def test_the_option_arms_are_ours_without_and_with_each_extra_at_batch_one() -> None:
+    arms = [a for a in plan_step_options() if a.family == "sd15"]
+    assert [(a.id, a.extra, a.batch, a.arm) for a in arms] == [
+        ("options/sd15-plain/ours", {}, 1, "ours"),
+        ("options/sd15-clip/ours", {"max_grad_norm": 1.0}, 1, "ours"),
+        ("options/sd15-ema/ours", {"ema_decay": 0.999}, 1, "ours"),
+        ("options/sd15-snr/ours", {"min_snr_gamma": 5.0}, 1, "ours"),
+        ("options/sd15-all/ours", {"max_grad_norm": 1.0, "ema_decay": 0.999, "min_snr_gamma": 5.0}, 1, "ours")]
+    assert {a.family for a in plan_step_options()} == {"sd15", "sdxl", "flux"}
+    assert {group_key(a.id) for a in plan_step_options()} == {"options/sd15", "options/sdxl", "options/flux"}
+    # each arm's settings are its own copy: a run that changes one leaves the plan as it was
+    arms[-1].extra["max_grad_norm"] = 2.0
+    assert STEP_OPTION_ARMS["all"]["max_grad_norm"] == 1.0
+    assert matches("options/sd15-all/ours", ["options/sd15"]) and not matches("options/sd15-all/ours", ["options/sdxl"])
 
 
 @pytest.mark.parametrize(("patterns", "selected"), [
@@ -208,6 +227,22 @@ def test_the_fast_checkpoint_arm_is_shown_against_the_exact_one_and_not_in_g1(ru
     assert lines[plans + 1:plans + 3] == [  # an arm that recorded none (runs before R9) is left out
         "- `ckpt/flux-exact/ours` (R1): 57 blocks checkpointed, …",
         "- `ckpt/flux-kept/ours` (R1): 0 of 57 blocks checkpointed (57 kept whole in spare memory), …"]
+
+
+def test_the_option_arms_are_shown_against_plain_in_their_own_section(run: GpuRun) -> None:
+    run.train = [TrainFigures(f"options/sd15-{mode}/ours", "sd15", 1, "ours", 1, step_s=[step] * 5, losses=losses,
+                              peak_gib=6.0, first_s=4.0)
+                 for mode, step, losses in (("plain", 0.40, [0.5] * 7), ("ema", 0.41, [0.5] * 7),
+                                            ("snr", 0.40, [0.5, 1.5, 0.5, 0.5, 0.5, 0.5, 0.5]))]
+    text = render(run)
+    lines = text.splitlines()
+    g7 = lines.index("### G7. The step's options: gradient clipping, the weights' average, Min-SNR")
+    rows = [x for x in lines[g7:] if x.startswith("| `options/sd15-")]
+    # speed against plain (0.40 / 0.41); the average leaves the losses as they are, Min-SNR weighs them
+    assert rows == ["| `options/sd15-plain/ours` | R1 | 0.400 | — | 6.0 | 4.0 | — |",
+                    "| `options/sd15-ema/ours` | R1 | 0.410 | 97.6% | 6.0 | 4.0 | 0.00e+00 |",
+                    "| `options/sd15-snr/ours` | R1 | 0.400 | 100.0% | 6.0 | 4.0 | 1.00e+00 |"]
+    assert not any(x.startswith("| SD1.5 |") for x in lines)  # not a G1 row
 
 
 def test_where_ours_first_step_went_is_listed_under_the_table(run: GpuRun, tmp_path: Path) -> None:

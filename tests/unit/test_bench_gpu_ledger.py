@@ -69,6 +69,7 @@ def test_the_plan_is_every_group_in_run_order() -> None:
                     "encode/sd15", "encode/sdxl", "encode/flux", "encode/wan21",
                     "cap/sdxl", "cap/flux", "cap/flux_fp8", "cap/wan21",
                     "ckpt/sd15", "ckpt/sdxl", "ckpt/flux", "ckpt/wan21", "ckpt/sdxl_b4",
+                    "options/sd15", "options/sdxl", "options/flux",
                     "devices/sd15", "devices/sdxl", "devices/flux", "devices/wan21",
                     "lumina2/b1", "lumina2/b2", "qwen_image/b1"]
     groups = plan_groups(PARAMS, TEXTS, 139.8, 1)
@@ -76,6 +77,9 @@ def test_the_plan_is_every_group_in_run_order() -> None:
     assert {g.section for g in groups if g.key.startswith("ckpt/")} == {"ckpt"}
     assert [a.id for a in next(g for g in groups if g.key == "ckpt/flux").arms] == [
         "ckpt/flux-exact/ours", "ckpt/flux-fast/ours", "ckpt/flux-kept/ours"]
+    assert {g.section for g in groups if g.key.startswith("options/")} == {"options"}
+    assert [a.id for a in next(g for g in groups if g.key == "options/flux").arms] == [
+        f"options/flux-{mode}/ours" for mode in ("plain", "clip", "ema", "snr", "all")]
     assert next(g for g in groups if g.key == "cap/flux_fp8").family == "flux_fp8"
     assert next(g for g in groups if g.key == "encode/flux").text == "clip_l+t5xxl"
 
