@@ -315,6 +315,14 @@ class TrainLoRA(io.ComfyNode):
                                "spends less on details the model already gets right. For SD1.5 and SDXL this is "
                                "kohya's objective exactly (with the MSE loss). 0: unweighted (ComfyUI's own Train "
                                "LoRA)."),
+                io.String.Input("train_layers", default="", optional=True, advanced=True,
+                                placeholder="every layer",
+                                tooltip="Train only some layers: pieces of layer names, separated by commas; a layer "
+                                "trains when its name holds one of them, and none of those written with a leading "
+                                "'-'. E.g. 'attn' (attention only, SD1.5/SDXL), 'attn2' (cross-attention), "
+                                "'double_blocks' (Flux), '-norm' (all but the norms). A smaller LoRA and a faster "
+                                "step; the summary says how many layers trained, and a piece in no name is noted. "
+                                "Empty: every layer (ComfyUI's own Train LoRA)."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -370,6 +378,7 @@ class TrainLoRA(io.ComfyNode):
         max_grad_norm: float = 0.0,
         ema_decay: float = 0.0,
         min_snr_gamma: float = 0.0,
+        train_layers: str = "",
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -385,6 +394,7 @@ class TrainLoRA(io.ComfyNode):
             save_prefix=str(save_prefix), lr_schedule=str(lr_schedule), warmup_steps=int(warmup_steps),
             timestep_sampling=str(timestep_sampling), noise_offset=float(noise_offset), val_every=int(val_every),
             max_grad_norm=float(max_grad_norm), ema_decay=float(ema_decay), min_snr_gamma=float(min_snr_gamma),
+            train_layers="" if train_layers is None else train_layers,
         )
         settings.validate()  # before opening anything: a typo fails fast
         for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset), ("val_dataset", val_dataset)):

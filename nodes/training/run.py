@@ -21,6 +21,7 @@ from ...dataset_cache.dataset import Sample
 from ...dataset_cache.dataset_mix import DatasetMix, Regularization
 from ...dataset_cache.ema import WeightAverage
 from ...dataset_cache.latent_buckets import buckets_from_reader, fit_batch_size
+from ...dataset_cache.layer_filter import LayerFilter
 from ...dataset_cache.loader import PrefetchLoader
 from ...dataset_cache.memory_plan import MemoryPlan
 from ...dataset_cache.reading import DatasetReader
@@ -34,6 +35,7 @@ from .comfy_parts import (
 )
 from .conditioning import Conditioner, ModelCall
 from .distributed import plan_team
+from .layers import LayerChoice, choose_layers
 from .loop import StepLoop
 from .memory import MemoryStep, plan_run_memory
 from .report import (RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes,
@@ -129,6 +131,8 @@ def train_lora(
         info.append(f"the LoRA is the moving average of its weights (ema_decay {settings.ema_decay:g})")
     if settings.min_snr_gamma > 0:
         info.append(f"each image's loss weighed by min(SNR, {settings.min_snr_gamma:g}) of its noise level")
+    if run.layers is not None and not run.layers.filter.everything:
+        info.append(run.layers.describe())
     if loop.validation is not None:
         info.insert(0, loop.validation.describe())
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
@@ -289,6 +293,7 @@ class LoadedRun:
     fp8_bwd: bool = False
     memory: MemoryStep = dataclasses.field(default=None)  # type: ignore[assignment]  # set by plan_run_memory
     average: WeightAverage | None = None  # with ema_decay: the weights' moving average, what the run outputs
+    layers: LayerChoice | None = None  # the layers train_layers chose (None: a run made without load)
 
     @property
     def device(self) -> torch.device:
@@ -308,6 +313,9 @@ def load(model: Any, train: ModuleType, data: DataPlan, existing: dict[str, torc
     dtype, adapter_dtype, use_scaler = training_dtypes(mp, settings.training_dtype, settings.lora_dtype)
     check_latent_channels(mp, data.shapes)
     mp.model.requires_grad_(False).train()
+    layers = choose_layers(mp.model, LayerFilter.parse(settings.train_layers), existing, settings.existing_lora)
+    data.notes.extend(layers.notes())
+    chosen = layers.view(mp)  # what ComfyUI's adapter setup sees: the chosen layers only
     device = mp.load_device
     rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
@@ -315,20 +323,20 @@ def load(model: Any, train: ModuleType, data: DataPlan, existing: dict[str, torc
     with torch.random.fork_rng(devices=rng_devices):  # seeded adapter init, the caller's RNG untouched
         torch.manual_seed(derive_seed(settings.seed, "adapters"))
         if settings.bypass_mode:
-            lora_sd, adapters, bypass = bypass_setup(train)(mp, existing, settings.algorithm, adapter_dtype,
+            lora_sd, adapters, bypass = bypass_setup(train)(chosen, existing, settings.algorithm, adapter_dtype,
                                                             settings.rank)
         else:
-            lora_sd, adapters = train._setup_lora_adapters(mp, existing, settings.algorithm, adapter_dtype,
+            lora_sd, adapters = train._setup_lora_adapters(chosen, existing, settings.algorithm, adapter_dtype,
                                                            settings.rank)
         torch.manual_seed(derive_seed(settings.seed, "adapters"))  # the same draws again, from the CPU's generator
-        draw_new_adapters_on_cpu(train, mp, lora_sd, existing, settings.algorithm, adapter_dtype, settings.rank)
+        draw_new_adapters_on_cpu(train, chosen, lora_sd, existing, settings.algorithm, adapter_dtype, settings.rank)
     resume_exactly(lora_sd, existing)
     optimizer = train._create_optimizer(settings.optimizer, lora_sd.values(), settings.learning_rate)
     loss_fn = train._create_loss_function(settings.loss_function)
     scaler = torch.amp.GradScaler() if use_scaler else None
     model_options = comfy.model_patcher.create_model_options_clone(mp.model_options)
     return LoadedRun(mp, settings, dtype, adapter_dtype, lora_sd, adapters, bypass, optimizer, loss_fn, scaler,
-                     model_options)
+                     model_options, layers=layers)
 
 
 def prepare(run: LoadedRun, train: ModuleType) -> None:

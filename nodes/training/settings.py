@@ -11,6 +11,7 @@ from comfy.weight_adapter import adapter_maps
 from ...dataset_cache.checks import check_number
 from ...dataset_cache.ema import MAX_EMA_DECAY, check_ema_decay
 from ...dataset_cache.grad_clip import MAX_GRAD_NORM, check_max_grad_norm
+from ...dataset_cache.layer_filter import LayerFilter
 from ...dataset_cache.loss_weighting import MAX_MIN_SNR_GAMMA, check_min_snr_gamma
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
@@ -65,6 +66,8 @@ class TrainSettings:
     ``ema_decay`` makes the LoRA the run outputs (and saves, and validates) the moving average of its weights
     (:mod:`dataset_cache.ema`; 0: the last step's weights, as ComfyUI's own). ``min_snr_gamma`` weighs each row's
     loss by ``min(SNR, γ)`` of its noise level (:mod:`dataset_cache.loss_weighting`; 0: unweighted, as ComfyUI's own).
+    ``train_layers`` gives adapters to the layers whose names its patterns choose (:mod:`dataset_cache.layer_filter`;
+    empty: every layer, as ComfyUI's own).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -118,6 +121,8 @@ class TrainSettings:
     ema_decay: float = 0.0
     # each row's loss weighed by min(SNR, gamma) (dataset_cache.loss_weighting); 0: unweighted, as ComfyUI's trainer
     min_snr_gamma: float = 0.0
+    # the layers given adapters (dataset_cache.layer_filter): name patterns; "": every layer, as ComfyUI's trainer
+    train_layers: str = ""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -157,6 +162,7 @@ class TrainSettings:
         check_max_grad_norm(self.max_grad_norm)
         check_ema_decay(self.ema_decay)
         check_min_snr_gamma(self.min_snr_gamma)
+        LayerFilter.parse(self.train_layers)
 
     def lr_schedule_after(self, done: int) -> LrSchedule:
         """The learning rate of every step of a run continuing a LoRA that had ``done`` steps: the schedule spans

@@ -43,7 +43,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact",
     "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
     "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0, "max_grad_norm": 0.0,
-    "ema_decay": 0.0, "min_snr_gamma": 0.0,
+    "ema_decay": 0.0, "min_snr_gamma": 0.0, "train_layers": "",
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -131,7 +131,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "masked_loss", "unmasked_weight", "stream_blocks",
                                                            "allow_fp8", "checkpoint_mode", "save_every",
                                                            "save_prefix", "timestep_sampling", "noise_offset",
-                                                           "val_every", "ema_decay", "min_snr_gamma"}
+                                                           "val_every", "ema_decay", "min_snr_gamma",
+                                                           "train_layers"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -176,6 +177,9 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # a prompt without it weighs every row's loss alike, as before
     assert inputs["min_snr_gamma"].optional and inputs["min_snr_gamma"].default == 0.0
     assert "min_snr_gamma" in info["input"]["optional"]
+    # a prompt without it gives every layer an adapter, as before
+    assert inputs["train_layers"].optional and inputs["train_layers"].default == ""
+    assert "train_layers" in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training

@@ -22,7 +22,7 @@ ADDED = {
                               "caption_dropout", "reg_ratio", "reg_weight", "memory", "stream_blocks", "allow_fp8",
                               "devices", "checkpoint_mode", "save_every", "save_prefix", "lr_schedule",
                               "warmup_steps", "timestep_sampling", "noise_offset", "val_every", "max_grad_norm",
-                              "ema_decay", "min_snr_gamma"),
+                              "ema_decay", "min_snr_gamma", "train_layers"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
                                   "keep_tokens", "empty_caption", "masks"),
     "StreamCache_SaveCache": ("publish_to",),
@@ -32,7 +32,7 @@ ADDED = {
 ``lr_schedule`` 'constant' without warm-up: learning_rate throughout; ``timestep_sampling`` 'uniform' and
 ``noise_offset`` 0: ComfyUI's own trainer's draws; ``val_every`` 0, and no ``val_dataset``: no validation;
 ``max_grad_norm`` 0: no clipping; ``ema_decay`` 0: the last step's weights; ``min_snr_gamma`` 0: every row's
-loss weighed alike))."""
+loss weighed alike; ``train_layers`` empty: every layer gets an adapter))."""
 
 
 def as_current(prompt: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:
