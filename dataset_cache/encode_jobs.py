@@ -19,6 +19,7 @@ from .errors import SourceFailure
 from .frames import FrameSettings
 from .imaging import MASK_MODES
 from .keys import PlanKeys
+from .missing_captions import MISSING_CAPTIONS
 from .sources import Validation
 from .variants import role_keys
 
@@ -64,6 +65,9 @@ class EncodeSettings:
             dropout in training uses (``Sample.empty_caption``).
         masks: loss masks: ``"none"``, ``"masklabel"`` (``<stem>-masklabel.<ext>`` beside the image) or
             ``"alpha"`` (the image's alpha channel); see :func:`.imaging.load_mask`. Images only.
+        missing_caption: what a source without a caption file is captioned with: ``"empty"`` (the empty prompt),
+            ``"folder name"`` (its kohya ``<repeats>_<name>`` folder's name) or ``"file name"`` (see
+            :mod:`.missing_captions`).
         mask_factor: the VAE's spatial compression (8 for SD/SDXL/Flux), which sets a mask's latent resolution;
             a property of the VAE, not a user setting (not described). ``None``: unknown (the VAE was not
             loaded): mask keys are then unresolved, so the VAE is asked for, and such a plan cannot be encoded.
@@ -82,6 +86,7 @@ class EncodeSettings:
     empty_caption: bool = False
     masks: str = "none"
     mask_factor: int | None = None
+    missing_caption: str = "empty"
 
     def __post_init__(self) -> None:
         if type(self.shuffle_variants) is not int or not 0 <= self.shuffle_variants <= MAX_SHUFFLE_VARIANTS:
@@ -94,6 +99,9 @@ class EncodeSettings:
             raise TypeError(f"EncodeSettings.empty_caption must be a bool, got {self.empty_caption!r}")
         if self.masks not in MASK_MODES:
             raise ValueError(f"EncodeSettings.masks must be one of {MASK_MODES}, got {self.masks!r}")
+        if self.missing_caption not in MISSING_CAPTIONS:
+            raise ValueError(f"EncodeSettings.missing_caption must be one of {MISSING_CAPTIONS}, "
+                             f"got {self.missing_caption!r:.40}")
         if self.mask_factor is not None and (type(self.mask_factor) is not int or not 1 <= self.mask_factor <= 64):
             raise ValueError(f"EncodeSettings.mask_factor must be None or an int from 1 to 64, "
                              f"got {self.mask_factor!r}")
@@ -144,6 +152,8 @@ class EncodeSettings:
             out["empty_caption"] = True
         if self.masks != "none":
             out["masks"] = self.masks
+        if self.missing_caption != "empty":
+            out["missing_caption"] = self.missing_caption
         return out
 
 

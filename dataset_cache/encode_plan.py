@@ -51,6 +51,7 @@ import xxhash
 
 from .buckets import CropPlan
 from .captions import caption_keys, caption_notes, shuffle_notes, too_many_variants
+from .missing_captions import fill_missing_captions
 from .clip_plan import clip_notes, plan_clips
 from .dataset import Sample, check_epoch_size
 from .encode_jobs import EncodePlan, EncodeSettings, LatentJob, MaskJob, Planned
@@ -168,6 +169,7 @@ def _output_settings(described: Mapping[str, Any]) -> dict[str, Any]:
     out["keep_tokens"] = described.get("keep_tokens", 0) if shuffle else 0  # no effect without shuffling
     out["empty_caption"] = described.get("empty_caption", False)
     out["masks"] = described.get("masks", "none")
+    out["missing_caption"] = described.get("missing_caption", "empty")
     return out
 
 
@@ -252,6 +254,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     if validation.record_changed:  # else the record is current
         frames = [f for clip in scan.clips for f in clip.frames]
         save_record(record.with_image_sizes([*scan.images, *frames]), record_path)  # before any encode: never re-hash
+    scan, filled = fill_missing_captions(scan, settings.missing_caption)
 
     acc = Planned(PlanKeys(vae_fingerprint, text_fingerprint))
     if settings.empty_caption:  # the text "" itself: no prefix or suffix (dropout trains with no caption)
@@ -283,7 +286,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
                 + sum(k in have for k in masks)),
         dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
         skipped=_listed_samples(validation) - len(samples),
-        notes=(caption_notes(cut, many) + clip_notes(settings, short)
+        notes=(filled + caption_notes(cut, many) + clip_notes(settings, short)
                + mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
                + shuffle_notes(settings, [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)])),
         missing_clips=missing.clips, missing_masks=missing.masks, empty_caption=empty,

@@ -58,6 +58,7 @@ __all__ = [
     "ListedImage",
     "FolderListing",
     "list_folder",
+    "repeats_folder_name",
 ]
 
 log = logging.getLogger("dataset_cache.scan")  # the folder scan's logger: listing and scanning share one name
@@ -146,6 +147,13 @@ def _check_root(root: str | os.PathLike[str]) -> str:
 def _repeats_of(dirname: str) -> int | None:
     match = _REPEAT_DIR.match(dirname)
     return int(match.group(1)) if match else None
+
+
+def repeats_folder_name(dirname: str) -> str | None:
+    """The name of a kohya ``<repeats>_<name>`` folder after its repeats (``10_ohwx woman`` → ``ohwx woman``: kohya's
+    class tokens), stripped; ``None`` for a folder not named so."""
+    match = _REPEAT_DIR.match(dirname)
+    return (match.group(2).strip() or None) if match else None
 
 
 _Caption = tuple[str, int, int]  # (relpath, size, mtime_ns) of a caption file

@@ -35,6 +35,7 @@ from ..dataset_cache.captions import MAX_SHUFFLE_VARIANTS
 from ..dataset_cache.encode_jobs import FAILURE_POLICIES, EncodePlan, EncodeSettings
 from ..dataset_cache.encode_plan import plan_encode
 from ..dataset_cache.imaging import MASK_MODES
+from ..dataset_cache.missing_captions import MISSING_CAPTIONS
 from ..dataset_cache import check_dataset_name
 from ..dataset_cache.encode_report import EncodeReport
 from ..dataset_cache.encode_run import run_encode
@@ -90,7 +91,8 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
               batch_size: int, on_failure: str, upscale: bool = False, frame_count: int = 17,
               frame_sampling: str = "first", frame_step: int = 2, fps: float = 0.0,
               frame_stride: int | None = None, flip: str = "none", shuffle_variants: int = 0, keep_tokens: int = 0,
-              empty_caption: bool = False, masks: str = "none", mask_factor: int | None = None) -> EncodeSettings:
+              empty_caption: bool = False, masks: str = "none", mask_factor: int | None = None,
+              missing_caption: str = "empty") -> EncodeSettings:
     problem = _bucket_problem(resolution, bucket_step) or _frame_problem(frame_count, frame_step, fps)
     if problem:
         raise ValueError(problem)
@@ -102,7 +104,8 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
     return EncodeSettings(bucket=bucket, caption_prefix=caption_prefix, caption_suffix=caption_suffix,
                           batch_size=batch_size, failure_policy=on_failure, video=video,
                           shuffle_variants=shuffle_variants, keep_tokens=keep_tokens,
-                          empty_caption=bool(empty_caption), masks=masks, mask_factor=mask_factor)
+                          empty_caption=bool(empty_caption), masks=masks, mask_factor=mask_factor,
+                          missing_caption=missing_caption)
 
 
 def _bucket_problem(resolution: Any, bucket_step: Any) -> str | None:
@@ -327,6 +330,12 @@ class EncodeDataset(io.ComfyNode):
                                "the image, white = full weight, as OneTrainer and kohya); alpha (the image's "
                                "alpha channel). Cached at latent resolution; a changed mask re-makes only "
                                "the mask, without loading the VAE."),
+                io.Combo.Input("missing_caption", options=list(MISSING_CAPTIONS), default="empty", optional=True,
+                               tooltip="What an image or clip without a caption file (.txt) trains with: empty "
+                               "(the empty prompt); folder name (the name of its kohya <repeats>_<name> folder "
+                               "after the repeats, e.g. 'ohwx woman' for 10_ohwx woman/, as kohya's class tokens); "
+                               "file name (its file name without the extension). An empty caption file stays the "
+                               "empty prompt. Changing it encodes only the new captions, without loading the VAE."),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),

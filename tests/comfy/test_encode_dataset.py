@@ -473,3 +473,37 @@ def test_masks_are_made_at_the_real_vaes_latent_size_and_a_mask_edit_loads_no_mo
         (mask,) = reader.read([after.mask])
     assert after.latent == sample.latent and after.mirror == sample.mirror and after.mask != sample.mask
     assert (mask["mask"][..., : w // 2] == 0).all() and (mask["mask"][..., w // 2:] == 255).all()
+
+
+def test_missing_caption_captions_kohya_folders_by_name_loading_only_the_text_encoder(
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str],
+        comfy_nodes: ModuleType) -> None:
+    """An image of a kohya ``<repeats>_<name>`` folder without a caption file trains with the empty prompt, and the
+    report says how kohya would caption it; ``missing_caption`` 'folder name' then encodes the folder's name as
+    its caption (one conditioning), without loading the VAE; an old prompt without the input is the default."""
+    vae, clip = encoders
+    img = kohya.images[-1]
+    img.path.with_suffix(".txt").unlink()
+    rel = img.path.relative_to(kohya.root).as_posix()
+    folder_name = rel.split("/")[0].split("_", 1)[1]
+    prompt = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"))
+    assert "missing_caption" not in prompt[NODE_ID]["inputs"]  # as a workflow saved before the input existed
+    _handle, report, _ = Run(mod, prompt).queue(vae, clip)
+    assert (f"1 source(s) in kohya <repeats>_<name> folders have no caption file and train with the empty prompt "
+            f"({rel!r}); missing_caption 'folder name' captions them with their folder's name") in report, report
+
+    named = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"),
+                    missing_caption="folder name")
+    _handle, report, asked = Run(mod, named).queue(vae, clip)
+    assert asked == ["clip"] and _encoded(report) == (0, 1), report
+    handle, _, _ = Run(mod, named).queue(vae, clip)
+    reader, samples = handle.open()
+    try:
+        (sample,) = [s for s in samples if s.source == rel]
+        assert reader.datasets()["default"].info["settings"]["missing_caption"] == "folder name"
+        (cond,) = reader.read([sample.captions[0]])
+    finally:
+        reader.close()
+    with torch.inference_mode():  # the same text through the same encoder, alone in its batch: the same numbers
+        (expected,) = comfy_nodes.CLIPTextEncode().encode(clip, folder_name)
+    assert torch.equal(cond[0][0], expected[0][0])

@@ -86,7 +86,9 @@ CASES: tuple[Case, ...] = (
                                         "timestep_sampling": "logit-normal", "noise_offset": 0.05,
                                         "max_grad_norm": 1.0, "ema_decay": 0.9},
          validate=True, expect=("saved", "validated")),
-    Case("sd15_fresh_lora", "sd15", lora="fresh", high_vram=True),  # the LoRA the node creates by default
+    # the LoRA the node creates by default, drawn where the model already is (--highvram), on the layers
+    # train_layers chooses (adapters on the cross-attention only: ComfyUI's own, drawn again on the CPU)
+    Case("sd15_fresh_lora", "sd15", lora="fresh", high_vram=True, options={"train_layers": "attn2"}),
     Case("sd15_masks_mirrors", "sd15", "masks_mirrors", options={"unmasked_weight": 0.1},
          expect=("mirrored_mask",)),
     Case("sd15_reg_two_caches", "sd15", "reg_two_caches", options={"reg_ratio": 1.0, "reg_weight": 0.5, "seed": 3,

@@ -24,7 +24,7 @@ ADDED = {
                               "warmup_steps", "timestep_sampling", "noise_offset", "val_every", "max_grad_norm",
                               "ema_decay", "min_snr_gamma", "train_layers"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
-                                  "keep_tokens", "empty_caption", "masks"),
+                                  "keep_tokens", "empty_caption", "masks", "missing_caption"),
     "StreamCache_SaveCache": ("publish_to",),
 }
 """Optional inputs added since; a prompt without them runs with their defaults (off, or images only; ``memory``
@@ -32,7 +32,8 @@ ADDED = {
 ``lr_schedule`` 'constant' without warm-up: learning_rate throughout; ``timestep_sampling`` 'uniform' and
 ``noise_offset`` 0: ComfyUI's own trainer's draws; ``val_every`` 0, and no ``val_dataset``: no validation;
 ``max_grad_norm`` 0: no clipping; ``ema_decay`` 0: the last step's weights; ``min_snr_gamma`` 0: every row's
-loss weighed alike; ``train_layers`` empty: every layer gets an adapter))."""
+loss weighed alike; ``train_layers`` empty: every layer gets an adapter; ``missing_caption`` 'empty': a source
+without a caption file trains with the empty prompt))."""
 
 
 def as_current(prompt: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:
