@@ -143,3 +143,4 @@ def test_bypass_mode_gives_the_same_layers_adapters(node: type, models: tuple, d
                                                     every_key: set[str]) -> None:
     lora = _train(node, models[0], dataset, steps=1, train_layers="attn2", bypass_mode=True).result[0]
     assert set(lora) == {k for k in every_key if "attn2" in k}
+

@@ -338,3 +338,20 @@ def test_the_key_ignores_the_values_of_embeddings_but_not_of_masks(pack: ModuleT
     digest = cache.value_digest
     assert digest({"guidance": torch.tensor([3.5])}) != digest({"guidance": torch.tensor([1.0])})
     assert cache.value_digest({"guidance": 3.5}) != cache.value_digest({"guidance": 1.0})
+
+
+def test_streamed_blocks_train_only_the_chosen_layers_as_resident_ones(pack: ModuleType, dataset: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train_layers`` with some blocks streamed: the LoRA is the chosen layers' (the double blocks' without their
+    norms; the single blocks have no adapter) and the numbers are those of every weight resident, bit for bit."""
+    chosen = {"train_layers": "double_blocks, -norm", "gradient_checkpointing": True}
+    resident = train(pack, FLUX, 4, dataset, monkeypatch, memory="no offload", **chosen)
+    assert resident.lora and all("double_blocks" in k and "norm" not in k for k in resident.lora)
+    memory = _module(pack, "nodes.training.memory")
+    budget_cls = _module(pack, "dataset_cache.memory_plan").Budget
+    small = int(resident.memory_plan["estimate_bytes"] * 0.9)
+    monkeypatch.setattr(memory, "device_budget", lambda _device, slots, _there: budget_cls(small, None, slots))
+    run = train(pack, FLUX, 4, dataset, monkeypatch, memory="auto", **chosen)
+    assert 0 < run.memory_plan["streamed_blocks"] < 8
+    assert set(run.lora) == set(resident.lora)
+    _same_numbers(run, resident)
