@@ -193,45 +193,83 @@ def run_encode(
         raise plan.failures[0].error()
     if plan.sourceless or plan.up_to_date:
         return _nothing_to_encode(plan, report, start)
-    lock = CacheLock(plan.cache_root, WRITE_LOCK, timeout=0, purpose="encode")  # polled: see _acquire
-    t_lock = time.perf_counter()
-    if not _acquire(lock, plan.cache_root, should_stop):
+    lock = _write_lock(plan, report, should_stop)
+    if lock is None:
         report.stopped = True
         report.seconds = time.perf_counter() - start
         return report
-    report.timings["lock_wait"] = time.perf_counter() - t_lock
     try:
-        before = _shard_sizes(plan.cache_root)
-        writer = CacheWriter(plan.cache_root, shard_bytes=plan.settings.shard_bytes, checkpoints=True,
-                             sync_seconds=sync_seconds)
-        try:
-            work = _pending_work(plan, writer, report)
-            _check_encoders(plan, work, encode_images, encode_texts, encode_clips)
-            commits = BatchCommitter(writer, report, progress, total=work.total,
-                                     min_commit_seconds=max(0.0, float(min_commit_seconds)), root=plan.cache_root)
-            feed = EncoderFeed(plan, report, commits, should_stop)
-            if progress is not None:
-                progress(0, commits.total)
-            _encode_all(feed, work, encode_images, encode_texts, encode_clips, background_commits)
-            _commit_and_count(plan, writer, report, work, before)
-            if not report.stopped:
-                _store_dataset(plan, writer, report, feed.failed_keys)
-        except BaseException:
-            # Entries already added are finished encodes (the failing batch never reached add), so keep them.
-            try:
-                writer.commit()
-            except Exception as exc:
-                log.warning("%s: could not commit finished entries after an error (%s)", plan.cache_root, exc)
-                writer.abort()
-            raise
-        finally:
-            writer.close()
+        _encode_locked(plan, report, _Options(encode_images, encode_texts, encode_clips, progress, should_stop,
+                                              min_commit_seconds, sync_seconds, background_commits))
     finally:
         lock.release()
     report.failed = len(report.failures)
     report.seconds = time.perf_counter() - start
     log.info("%s", report.summary())
     return report
+
+
+@dataclass(frozen=True)
+class _Options:
+    """:func:`run_encode`'s arguments besides its plan: the encoders, and how the run reports, stops and commits."""
+
+    encode_images: ImageEncoder | None
+    encode_texts: TextEncoder | None
+    encode_clips: ClipEncoder | None
+    progress: Callable[[int, int], None] | None
+    should_stop: Callable[[], bool] | None
+    min_commit_seconds: float
+    sync_seconds: float
+    background_commits: bool
+
+
+def _write_lock(plan: EncodePlan, report: EncodeReport, should_stop: Callable[[], bool] | None) -> CacheLock | None:
+    """The cache's write lock, held (the wait for another writer timed in the report), or ``None`` when
+    ``should_stop`` ended the wait."""
+    lock = CacheLock(plan.cache_root, WRITE_LOCK, timeout=0, purpose="encode")  # polled: see _acquire
+    t_lock = time.perf_counter()
+    if not _acquire(lock, plan.cache_root, should_stop):
+        return None
+    report.timings["lock_wait"] = time.perf_counter() - t_lock
+    return lock
+
+
+def _encode_locked(plan: EncodePlan, report: EncodeReport, options: _Options) -> None:
+    """With the write lock held: open the writer and encode what is still missing; on an error the entries already
+    added (finished encodes) are committed before it leaves, and the writer is closed whatever happens."""
+    before = _shard_sizes(plan.cache_root)
+    writer = CacheWriter(plan.cache_root, shard_bytes=plan.settings.shard_bytes, checkpoints=True,
+                         sync_seconds=options.sync_seconds)
+    try:
+        _encode_missing(plan, writer, report, before, options)
+    except BaseException:
+        # Entries already added are finished encodes (the failing batch never reached add), so keep them.
+        try:
+            writer.commit()
+        except Exception as exc:
+            log.warning("%s: could not commit finished entries after an error (%s)", plan.cache_root, exc)
+            writer.abort()
+        raise
+    finally:
+        writer.close()
+
+
+def _encode_missing(plan: EncodePlan, writer: CacheWriter, report: EncodeReport, before: dict[str, int],
+                    options: _Options) -> None:
+    """The run's work once the writer is open: what is still missing, its encoders checked, encoded batch by batch,
+    committed and counted, then (unless stopped) the dataset stored. ``before``: the shard files' sizes before."""
+    work = _pending_work(plan, writer, report)
+    _check_encoders(plan, work, options.encode_images, options.encode_texts, options.encode_clips)
+    commits = BatchCommitter(writer, report, options.progress, total=work.total,
+                             min_commit_seconds=max(0.0, float(options.min_commit_seconds)), root=plan.cache_root)
+    feed = EncoderFeed(plan, report, commits, options.should_stop)
+    if options.progress is not None:
+        options.progress(0, commits.total)
+    _encode_all(feed, work, options.encode_images, options.encode_texts, options.encode_clips,
+                options.background_commits)
+    _commit_and_count(plan, writer, report, work, before)
+    if not report.stopped:
+        _store_dataset(plan, writer, report, feed.failed_keys)
 
 
 def _new_report(plan: EncodePlan) -> EncodeReport:

@@ -48,6 +48,7 @@ from .training import (
     OPTIMIZERS,
     TIMESTEP_SAMPLINGS,
     StepReport,
+    TrainResult,
     TrainSettings,
     train_lora,
 )
@@ -128,6 +129,36 @@ class _NodeText:
             instance.send_progress_text(text, self.node_id, getattr(instance, "client_id", None))
         except Exception:  # what the node shows must never fail the training
             log.debug("could not show %r", text[:80], exc_info=True)
+
+
+def _check_datasets(dataset: Any, reg_dataset: Any, val_dataset: Any) -> None:
+    """Refuse, before any cache is opened, a dataset socket that holds no StreamCache dataset (or none at all)."""
+    for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset), ("val_dataset", val_dataset)):
+        if handle is not None and not isinstance(handle, (StreamDatasetHandle, CombinedDatasetHandle)):
+            raise ValueError(
+                f"{what}: expected a STREAM_DATASET from a StreamCache node, got {type(handle).__name__}")
+    if dataset is None:
+        raise ValueError("dataset: connect a StreamCache dataset (Encode Dataset, Load Lazy Cache, ...)")
+
+
+def _output(result: TrainResult, dataset: StreamDatasetHandle | CombinedDatasetHandle,
+            reg_dataset: StreamDatasetHandle | CombinedDatasetHandle | None, samples: int, reg_count: int,
+            settings: TrainSettings) -> io.NodeOutput:
+    """The node's outputs (the LoRA, the loss map, the steps) and its UI (the summary, logged too, and the curves:
+    loss, validation loss, gradient norm) from a finished run."""
+    summary = f"dataset {dataset.name!r} ({samples} samples)"
+    if reg_dataset is not None:
+        summary += (f", regularization {reg_dataset.name!r} ({reg_count} samples, ratio {settings.reg_ratio:g}, "
+                    f"weight {settings.reg_weight:g})")
+    summary += f": {result.summary()}"
+    log.info("Train LoRA (Stream Cache): %s", summary)
+    loss_map: dict[str, Any] = {"loss": result.losses}
+    ui: dict[str, Any] = {"loss": result.losses, "text": [summary]}
+    if result.validation:  # (global step, loss) pairs; Plot Loss Graph reads "loss" only
+        loss_map["val_loss"] = ui["val_loss"] = [[step, loss] for step, loss in result.validation]
+    if result.grad_norms:  # null for a norm that was not finite: JSON has no inf or NaN
+        loss_map["grad_norm"] = ui["grad_norm"] = [_json_number(n) for n in result.grad_norms]
+    return io.NodeOutput(result.lora, loss_map, result.steps, ui=ui)
 
 
 class TrainLoRA(io.ComfyNode):
@@ -397,35 +428,25 @@ class TrainLoRA(io.ComfyNode):
             train_layers="" if train_layers is None else train_layers,
         )
         settings.validate()  # before opening anything: a typo fails fast
-        for what, handle in (("dataset", dataset), ("reg_dataset", reg_dataset), ("val_dataset", val_dataset)):
-            if handle is not None and not isinstance(handle, (StreamDatasetHandle, CombinedDatasetHandle)):
-                raise ValueError(
-                    f"{what}: expected a STREAM_DATASET from a StreamCache node, got {type(handle).__name__}")
-        if dataset is None:
-            raise ValueError("dataset: connect a StreamCache dataset (Encode Dataset, Load Lazy Cache, ...)")
+        _check_datasets(dataset, reg_dataset, val_dataset)
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
+        result, samples, reg_count = cls._train_locked(model, dataset, settings, node_id, reg_dataset, val_dataset)
+        return _output(result, dataset, reg_dataset, samples, reg_count, settings)
+
+    @classmethod
+    def _train_locked(cls, model: Any, dataset: StreamDatasetHandle | CombinedDatasetHandle,
+                      settings: TrainSettings, node_id: str | None,
+                      reg_dataset: StreamDatasetHandle | CombinedDatasetHandle | None,
+                      val_dataset: StreamDatasetHandle | CombinedDatasetHandle | None) -> tuple[Any, int, int]:
+        """:meth:`_train` holding a shared read lock on EVERY cache the run reads, for the whole run: Clean Cache
+        (and compaction after an encode) refuse to delete shard files while anybody trains from them."""
         roots = cache_roots(dataset, reg_dataset, val_dataset)
         require_caches(dataset=dataset, reg_dataset=reg_dataset, val_dataset=val_dataset)
-        # A shared read lock on EVERY cache the run reads, for the whole run: Clean Cache (and compaction after an
-        # encode) refuse to delete shard files while anybody trains from them.
         with contextlib.ExitStack() as locks:
             for root in roots:
                 if not is_remote_url(root):  # a bucket has no lock: its published files are never deleted
                     locks.enter_context(CacheLock(root, READ_LOCK, exclusive=False, purpose="training"))
-            result, samples, reg_count = cls._train(model, dataset, settings, node_id, reg_dataset, val_dataset)
-        summary = f"dataset {dataset.name!r} ({samples} samples)"
-        if reg_dataset is not None:
-            summary += (f", regularization {reg_dataset.name!r} ({reg_count} samples, ratio {settings.reg_ratio:g}, "
-                        f"weight {settings.reg_weight:g})")
-        summary += f": {result.summary()}"
-        log.info("Train LoRA (Stream Cache): %s", summary)
-        loss_map: dict[str, Any] = {"loss": result.losses}
-        ui: dict[str, Any] = {"loss": result.losses, "text": [summary]}
-        if result.validation:  # (global step, loss) pairs; Plot Loss Graph reads "loss" only
-            loss_map["val_loss"] = ui["val_loss"] = [[step, loss] for step, loss in result.validation]
-        if result.grad_norms:  # null for a norm that was not finite: JSON has no inf or NaN
-            loss_map["grad_norm"] = ui["grad_norm"] = [_json_number(n) for n in result.grad_norms]
-        return io.NodeOutput(result.lora, loss_map, result.steps, ui=ui)
+            return cls._train(model, dataset, settings, node_id, reg_dataset, val_dataset)
 
     @classmethod
     def _train(cls, model: Any, dataset: StreamDatasetHandle | CombinedDatasetHandle, settings: TrainSettings,

@@ -18,12 +18,13 @@ losses and model loading, taken from the live ``nodes_train`` module (see
 size; each block of the model is its own gradient checkpoint, and the memory plan streams blocks' weights when
 the model does not fit (``memory``).
 
-Modules: ``settings`` (the options), ``run`` (``train_lora`` as its steps), ``loop`` (the step loop and loss),
-``conditioning`` (per-row conditionings, the model call), ``report`` (step and run reports), ``comfy_parts`` (the
-ComfyUI functions driven), ``memory`` (the memory plan's step: budget, plan, putting it in place), ``blocks`` (a
-model's blocks), ``probe`` (what a run's forward keeps, measured on fake tensors), ``resume`` (continuing a LoRA
-exactly), ``saves`` (the LoRA saved during a run), ``lora_files`` (the LoRAs ``existing_lora`` offers). Only the
-execution thread calls ComfyUI's progress and interrupt functions; the loader's threads only read.
+Modules: ``settings`` (the options), ``run`` (``train_lora`` as its steps), ``loop`` (the step loop), ``loss`` (the
+batch's loss and its weights), ``conditioning`` (per-row conditionings, the model call), ``report`` (step and run
+reports), ``comfy_parts`` (the ComfyUI functions driven), ``memory`` (the memory plan's step: budget, plan, putting
+it in place), ``blocks`` (a model's blocks), ``probe`` (what a run's forward keeps, measured on fake tensors),
+``resume`` (continuing a LoRA exactly), ``saves`` (the LoRA saved during a run), ``lora_files`` (the LoRAs
+``existing_lora`` offers). Only the execution thread calls ComfyUI's progress and interrupt functions; the loader's
+threads only read.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The step loop: batches in, noise and timesteps drawn per batch, ComfyUI's loss (weighted only when asked),
-optimizer steps out."""
+"""The step loop: batches in, noise and timesteps drawn per batch, ComfyUI's loss (weighted only when asked:
+:mod:`.loss`), optimizer steps out."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from ...dataset_cache.ema import WeightAverage
 from ...dataset_cache.gcpause import StepCollector
 from ...dataset_cache.grad_clip import clip_gradients
 from ...dataset_cache.loader import Batch
-from ...dataset_cache.loss_weighting import min_snr_weights
 from ...dataset_cache.lr_schedule import LrSchedule
 from ...dataset_cache.noise_draws import draw_percents, offset_noise
 from ...dataset_cache.sampler import BatchPlan
@@ -29,6 +28,7 @@ from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.sharding import share_of
 from ...dataset_cache.trainable import non_finite_entries
 from .conditioning import Conditioner, ModelCall
+from .loss import WeightedLoss
 from .report import Startup, StepReport
 from .settings import TrainSettings
 
@@ -201,7 +201,6 @@ class StepLoop:
         self.mp = mp
         self.settings = settings
         self.dtype = dtype
-        self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.scaler = scaler
         self.forward = forward
@@ -210,7 +209,7 @@ class StepLoop:
         self.model_sampling = mp.model.model_sampling
         # the draws' own copy, on the CPU: ComfyUI's load moves the model's (each scalar read then a synchronization)
         self._sampling_cpu = _on_cpu(self.model_sampling)
-        self._elementwise: Any = None  # the per-element form of loss_fn, made when a batch first needs it
+        self.loss = WeightedLoss(loss_fn, settings, device, self._sampling_cpu)  # the batch's loss and its weights
         self._params: list[torch.Tensor] | None = None  # the optimizer's parameters, listed at its first step
 
     def run(self, batches: Any, on_step: Callable[[StepReport], None] | None
@@ -352,19 +351,8 @@ class StepLoop:
         if plan.weights and any(w != 1.0 for w in plan.weights) and len(plan.weights) == shape[0]:
             out["row_weights"] = torch.tensor(plan.weights, dtype=torch.float32)
         if self.settings.min_snr_gamma > 0:
-            out["snr_weights"] = self.snr_weights(sigma)
+            out["snr_weights"] = self.loss.snr_weights(sigma)
         return out
-
-    def snr_weights(self, sigma: torch.Tensor) -> torch.Tensor:
-        """Each row's Min-SNR weight ``min(SNR, min_snr_gamma)`` (fp32, CPU), the SNR of its sigma by the model's
-        own ``noise_scaling`` (:mod:`dataset_cache.loss_weighting`), from the CPU copy of its sampling (any thread
-        may call this)."""
-        sigma = sigma.detach().to("cpu", torch.float32)
-        rows = sigma.shape[0]
-        scale = self._sampling_cpu.noise_scaling
-        noise = scale(sigma, torch.ones(rows, 1), torch.zeros(rows, 1), False).reshape(rows)
-        signal = scale(sigma, torch.zeros(rows, 1), torch.ones(rows, 1), False).reshape(rows)
-        return min_snr_weights(signal, noise, self.settings.min_snr_gamma)
 
     def _share(self, plan: BatchPlan, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sigmas and noise of this process's rows of batch ``index`` (CPU): one rank of several draws for its
@@ -406,84 +394,7 @@ class StepLoop:
                 order = torch.tensor([i for rows, _ in groups for i in rows], device=self.device)
                 parts = [self.forward(xt[rows], sigma[rows], kwargs) for rows, kwargs in groups]
                 pred = torch.cat(parts)[torch.argsort(order)]
-            return self._loss(pred.float(), x0.float(), batch, sigma)
-
-    def _loss(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch, sigma: torch.Tensor) -> torch.Tensor:
-        """The batch's loss: ComfyUI's loss module as it is, or its per-element form weighted by masks and rows.
-
-        Without a weight to apply (no masks or ``masked_loss`` off, no row weight other than 1) this is exactly the
-        call ComfyUI's own trainer makes, so the parity test with its ``TrainLoraNode`` stays bit-identical. With
-        weights, the same loss class with the same parameters (a copy of ComfyUI's module with ``reduction="none"``)
-        gives the per-element loss, which is multiplied by ``_loss_weight`` and averaged over every element, as
-        kohya's trainer does (the mean over each row times the row's weight, averaged over the rows: rows of a batch
-        share one shape). Not divided by the sum of the weights: then a row's weight ``w`` scales its own
-        contribution by exactly ``w`` whatever the other rows weigh, a row of weight 0 adds nothing, and a mask
-        that keeps a quarter of an image keeps a quarter of its loss (kohya's and OneTrainer's default).
-        """
-        weight = self._loss_weight(batch, pred, sigma)
-        if weight is None:
-            return self.loss_fn(pred, target)
-        per_element = self._per_element_loss()(pred, target)
-        if per_element.shape != pred.shape:
-            raise RuntimeError(f"ComfyUI's {self.settings.loss_function} loss with reduction='none' returned shape "
-                               f"{tuple(per_element.shape)} for a prediction of {tuple(pred.shape)}: masked and "
-                               "weighted losses need a per-element loss; turn masked_loss off and use rows of weight 1")
-        return (per_element * weight).mean()
-
-    def _loss_weight(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
-        """Per-element loss weight of the batch (broadcastable to ``pred``, fp32 on the training device), or
-        ``None`` when every element weighs 1.
-
-        A mask ``m`` gives ``unmasked_weight + (1 - unmasked_weight) * m``, the same for every channel; video
-        latents (``[B, C, T, h, w]``) have no masks (the loader gives clips none; any it gives are ignored). A row
-        weight (``BatchPlan.weights``: a regularization dataset's loss weight) multiplies the whole row, and so does
-        its Min-SNR weight (``min_snr_gamma``: :meth:`snr_weights` of its ``sigma``, drawn with the batch).
-        """
-        s = self.settings
-        rows = pred.shape[0]
-        weight: torch.Tensor | None = None
-        masks = batch.masks
-        if s.masked_loss and masks is not None and s.unmasked_weight != 1.0 and pred.ndim == 4:
-            expected = (rows, 1, *pred.shape[-2:])
-            if tuple(masks.shape) != expected:
-                raise ValueError(
-                    f"the loss masks of batch {batch.plan.index} of epoch {batch.plan.epoch} have shape "
-                    f"{tuple(masks.shape)}, its latents need {expected} (latents "
-                    f"{', '.join(batch.plan.latent_keys[:4])}): the masks were encoded for other latents; encode "
-                    "the dataset's masks again, or turn masked_loss off")
-            masks = masks.to(self.device, torch.float32)
-            weight = s.unmasked_weight + (1.0 - s.unmasked_weight) * masks
-        row_weights = batch.plan.weights
-        if row_weights and any(w != 1.0 for w in row_weights):
-            if len(row_weights) != rows:
-                raise ValueError(f"batch {batch.plan.index} of epoch {batch.plan.epoch} has {rows} rows but "
-                                 f"{len(row_weights)} loss weights: the sampler's plan does not match its batch")
-            per_row = batch.extras.get("row_weights")  # on the device already when the loader drew it
-            if per_row is None:
-                per_row = torch.tensor(row_weights, dtype=torch.float32, device=self.device)
-            per_row = per_row.view(rows, *([1] * (pred.ndim - 1)))
-            weight = per_row if weight is None else weight * per_row
-        if s.min_snr_gamma > 0:
-            snr = batch.extras.get("snr_weights")  # on the device already when the loader drew it
-            if snr is None:
-                snr = self.snr_weights(sigma).to(self.device)
-            snr = snr.view(rows, *([1] * (pred.ndim - 1)))
-            weight = snr if weight is None else weight * snr
-        return weight
-
-    def _per_element_loss(self) -> Any:
-        """ComfyUI's loss module (from ``_create_loss_function``) with ``reduction="none"``: the same class and
-        parameters (Huber's delta, SmoothL1's beta), made once per run."""
-        if self._elementwise is None:
-            if not isinstance(self.loss_fn, torch.nn.Module) or not isinstance(
-                    getattr(self.loss_fn, "reduction", None), str):
-                raise RuntimeError(
-                    f"ComfyUI's {self.settings.loss_function} loss ({type(self.loss_fn).__name__}) has no "
-                    "'reduction' setting, so it cannot be weighted per element: this ComfyUI changed its training "
-                    "losses; turn masked_loss off (and train without loss weights) or update ComfyUI-StreamCache")
-            self._elementwise = copy.deepcopy(self.loss_fn)
-            self._elementwise.reduction = "none"
-        return self._elementwise
+            return self.loss(pred.float(), x0.float(), batch, sigma)
 
     def _draw(self, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmas (one per row) and noise of batch ``index``, on the CPU (``timestep_sampling`` and ``noise_offset``:

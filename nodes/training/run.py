@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,7 +40,7 @@ from .loop import StepLoop
 from .memory import MemoryStep, plan_run_memory
 from .report import (RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes,
                      validation_overlap_notes)
-from .resume import Start, capture_state, resume_run, save_state
+from .resume import Start, TrainState, capture_state, resume_run, save_state
 from .saves import RunSaves, lora_weights
 from .settings import TrainSettings
 from .validation import Validation
@@ -108,21 +108,49 @@ def train_lora(
         startup.mark("model")
         run.memory = plan_run_memory(run, reader, data.rows, data.shapes, on_plan)
         startup.mark("memory plan")
-        sampler = shard_sampler(samples, data.buckets, settings.batch_size, settings.seed, tail="short",
-                                rank=team.rank, world_size=team.size, caption_dropout=settings.caption_dropout,
-                                reg=data.regularization)
-        start = resume_run(run, sampler, existing, name_steps)  # continuing: optimizer, steps, batch order
-        team.same_start(start.steps, start.first_batch, sampler.position, run.optimizer)
-        if settings.ema_decay > 0:  # after the trained weights (and the saved average) are restored
-            run.average = WeightAverage(run.lora_sd, settings.ema_decay, start.average)
-        saves = RunSaves(run, sampler, start, on_saved) if settings.save_every > 0 and team.is_main else None
-        loop = make_loop(run, data, reader, start, team, startup, saves)
-        losses, seconds, rows, waited, counts = run_steps(run, train, reader, sampler, loop, team, saves, startup,
-                                                          on_step)
+        parts = start_steps(run, data, reader, samples, existing, name_steps, team, startup, on_saved)
+        outcome = run_steps(run, train, reader, parts.sampler, parts.loop, team, parts.saves, startup, on_step)
         # rank 0's run is the one to continue; a save of its last step already wrote this state
-        saved_at_end = saves is not None and saves.holds_the_end(start.steps + settings.steps)
-        state = capture_state(run, sampler, start) if team.is_main and not saved_at_end else None  # before finish
-        lora = finish(run)  # releases the optimizer
+        saved_at_end = parts.saves is not None and parts.saves.holds_the_end(parts.start.steps + settings.steps)
+        state = capture_state(run, parts.sampler, parts.start) if team.is_main and not saved_at_end else None
+        lora = finish(run)  # releases the optimizer (after the state is captured)
+    return train_result(run, data, parts, outcome, lora, state, startup)
+
+
+class RunParts(NamedTuple):
+    """What the step loop of a loaded run is made of: its sampler, where it starts (a continued LoRA's steps,
+    optimizer and batch order), its saves of ``save_every`` (``None``: none, or not the main rank) and the loop."""
+
+    sampler: BucketSampler
+    start: Start
+    saves: RunSaves | None
+    loop: StepLoop
+
+
+def start_steps(run: LoadedRun, data: DataPlan, reader: DatasetReader, samples: Sequence[Sample] | DatasetMix,
+                existing: dict[str, torch.Tensor], name_steps: int | None, team: Any, startup: Startup,
+                on_saved: Callable[[int, str], None] | None) -> RunParts:
+    """The sampler of this rank's batches, where the run starts (continuing ``existing``: its optimizer, steps and
+    batch order, agreed by every rank), the weights' average, the saves and the step loop."""
+    settings = run.settings
+    sampler = shard_sampler(samples, data.buckets, settings.batch_size, settings.seed, tail="short",
+                            rank=team.rank, world_size=team.size, caption_dropout=settings.caption_dropout,
+                            reg=data.regularization)
+    start = resume_run(run, sampler, existing, name_steps)  # continuing: optimizer, steps, batch order
+    team.same_start(start.steps, start.first_batch, sampler.position, run.optimizer)
+    if settings.ema_decay > 0:  # after the trained weights (and the saved average) are restored
+        run.average = WeightAverage(run.lora_sd, settings.ema_decay, start.average)
+    saves = RunSaves(run, sampler, start, on_saved) if settings.save_every > 0 and team.is_main else None
+    return RunParts(sampler, start, saves, make_loop(run, data, reader, start, team, startup, saves))
+
+
+def train_result(run: LoadedRun, data: DataPlan, parts: RunParts,
+                 outcome: tuple[list[float], float, int, float, RowCounts], lora: dict[str, torch.Tensor],
+                 state: TrainState | None, startup: Startup) -> TrainResult:
+    """The run's result once its steps are done: the training state written beside the LoRA (``state``, rank 0's
+    when no save of the last step holds it), and the notes and info lines that say what the run did."""
+    settings, start, saves, loop = run.settings, parts.start, parts.saves, parts.loop
+    losses, seconds, rows, waited, counts = outcome
     notes, info = save_state(state, lora) if state is not None else ([], [])
     if saves is not None:
         notes, info = [*saves.notes, *notes], [*saves.describe(), *info]
@@ -136,7 +164,7 @@ def train_lora(
     if loop.validation is not None:
         info.insert(0, loop.validation.describe())
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
-                       100.0 * waited / seconds if seconds > 0 else 0.0, dict(sampler.buckets),
+                       100.0 * waited / seconds if seconds > 0 else 0.0, dict(parts.sampler.buckets),
                        (*data.notes, *run.memory.notes(), *start.notes, *notes), counts, (*start.info, *info),
                        run.memory.report(), dict(startup.phases),
                        {"waited_s": saves.waited, "written_s": saves.written} if saves is not None else {},

@@ -50,7 +50,7 @@ class TrainSettings:
     Attributes mirror ComfyUI's "Train LoRA" inputs; ``steps`` counts optimizer steps, each made of
     ``grad_accumulation_steps`` batches of ``batch_size`` rows. ``prefetch_batches`` batches are read ahead by
     ``loader_threads`` threads (0: the loader's default). ``masked_loss`` weighs the loss by the batch's masks
-    where the dataset has any (``unmasked_weight``: the weight where a mask is 0); see :meth:`~.loop.StepLoop._loss`.
+    where the dataset has any (``unmasked_weight``: the weight where a mask is 0); see :class:`~.loss.WeightedLoss`.
     ``memory`` picks the memory plan (:mod:`dataset_cache.memory_plan`; ``stream_blocks``: its block count for
     the stream modes, 0 as many as needed; ``allow_fp8``: block weights may be stored in fp8). ``checkpoint_depth``
     is no longer used: with ``gradient_checkpointing`` every block is its own checkpoint (0: set by a new node);

@@ -34,7 +34,8 @@ class Validation:
     one bucket) and keeps every measurement.
 
     Args:
-        loop: the run's :class:`~.loop.StepLoop` (its model call, loss, autocast and model sampling).
+        loop: the run's :class:`~.loop.StepLoop` (its model call, loss and its weights, autocast and
+            model sampling).
         reader: the reader of the validation samples' cache.
         samples: the validation samples; ``buckets``: the latent shape of each.
         batch_size: rows per batch; ``seed``: the run's seed (each image's draws are ``(seed, "validation", its
@@ -112,7 +113,7 @@ class Validation:
         sigma = self.loop.sigmas(torch.cat(percents))
         out = {"sigma": sigma, "noise": torch.cat(noises)}
         if self.loop.settings.min_snr_gamma > 0:  # weighed as the training's loss is
-            out["snr_weights"] = self.loop.snr_weights(sigma)
+            out["snr_weights"] = self.loop.loss.snr_weights(sigma)
         return out
 
     def describe(self) -> str:

@@ -1,0 +1,127 @@
+"""The loss of a batch: ComfyUI's loss module as it is, or its per-element form weighted by the batch's masks, its
+rows' weights (regularization) and their Min-SNR weights (``min_snr_gamma``)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ...dataset_cache.loader import Batch
+from ...dataset_cache.loss_weighting import min_snr_weights
+from .settings import TrainSettings
+
+__all__ = ["WeightedLoss"]
+
+
+class WeightedLoss:
+    """The step loop's loss: ``loss_fn`` (the module ComfyUI's ``_create_loss_function`` made) with the weights
+    ``settings`` ask for, on ``device``; ``sampling_cpu``: a CPU copy of the model's ``model_sampling`` (the SNR of
+    a sigma)."""
+
+    def __init__(self, loss_fn: Any, settings: TrainSettings, device: torch.device, sampling_cpu: Any) -> None:
+        self.loss_fn = loss_fn
+        self.settings = settings
+        self.device = device
+        self._sampling_cpu = sampling_cpu
+        self._elementwise: Any = None  # the per-element form of loss_fn, made when a batch first needs it
+
+    def __call__(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch, sigma: torch.Tensor) -> torch.Tensor:
+        """The batch's loss: ComfyUI's loss module as it is, or its per-element form weighted by masks and rows.
+
+        Without a weight to apply (no masks or ``masked_loss`` off, no row weight other than 1) this is exactly the
+        call ComfyUI's own trainer makes, so the parity test with its ``TrainLoraNode`` stays bit-identical. With
+        weights, the same loss class with the same parameters (a copy of ComfyUI's module with ``reduction="none"``)
+        gives the per-element loss, which is multiplied by :meth:`weight` and averaged over every element, as
+        kohya's trainer does (the mean over each row times the row's weight, averaged over the rows: rows of a batch
+        share one shape). Not divided by the sum of the weights: then a row's weight ``w`` scales its own
+        contribution by exactly ``w`` whatever the other rows weigh, a row of weight 0 adds nothing, and a mask
+        that keeps a quarter of an image keeps a quarter of its loss (kohya's and OneTrainer's default).
+        """
+        weight = self.weight(batch, pred, sigma)
+        if weight is None:
+            return self.loss_fn(pred, target)
+        per_element = self._per_element_loss()(pred, target)
+        if per_element.shape != pred.shape:
+            raise RuntimeError(f"ComfyUI's {self.settings.loss_function} loss with reduction='none' returned shape "
+                               f"{tuple(per_element.shape)} for a prediction of {tuple(pred.shape)}: masked and "
+                               "weighted losses need a per-element loss; turn masked_loss off and use rows of weight 1")
+        return (per_element * weight).mean()
+
+    def weight(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
+        """Per-element loss weight of the batch (broadcastable to ``pred``, fp32 on the training device), or
+        ``None`` when every element weighs 1: its mask's weight times its rows' weights times their Min-SNR
+        weights, each only where it applies."""
+        weight = self._mask_weight(batch, pred)
+        for per_row in (self._row_weights(batch, pred), self._snr_row_weights(batch, pred, sigma)):
+            if per_row is not None:
+                weight = per_row if weight is None else weight * per_row
+        return weight
+
+    def _mask_weight(self, batch: Batch, pred: torch.Tensor) -> torch.Tensor | None:
+        """A mask ``m`` gives ``unmasked_weight + (1 - unmasked_weight) * m``, the same for every channel; video
+        latents (``[B, C, T, h, w]``) have no masks (the loader gives clips none; any it gives are ignored)."""
+        s = self.settings
+        masks = batch.masks
+        if not (s.masked_loss and masks is not None and s.unmasked_weight != 1.0 and pred.ndim == 4):
+            return None
+        expected = (pred.shape[0], 1, *pred.shape[-2:])
+        if tuple(masks.shape) != expected:
+            raise ValueError(
+                f"the loss masks of batch {batch.plan.index} of epoch {batch.plan.epoch} have shape "
+                f"{tuple(masks.shape)}, its latents need {expected} (latents "
+                f"{', '.join(batch.plan.latent_keys[:4])}): the masks were encoded for other latents; encode "
+                "the dataset's masks again, or turn masked_loss off")
+        masks = masks.to(self.device, torch.float32)
+        return s.unmasked_weight + (1.0 - s.unmasked_weight) * masks
+
+    def _row_weights(self, batch: Batch, pred: torch.Tensor) -> torch.Tensor | None:
+        """Each row's weight (``BatchPlan.weights``: a regularization dataset's loss weight), shaped to multiply
+        its whole row; ``None`` when every row weighs 1."""
+        rows = pred.shape[0]
+        row_weights = batch.plan.weights
+        if not (row_weights and any(w != 1.0 for w in row_weights)):
+            return None
+        if len(row_weights) != rows:
+            raise ValueError(f"batch {batch.plan.index} of epoch {batch.plan.epoch} has {rows} rows but "
+                             f"{len(row_weights)} loss weights: the sampler's plan does not match its batch")
+        per_row = batch.extras.get("row_weights")  # on the device already when the loader drew it
+        if per_row is None:
+            per_row = torch.tensor(row_weights, dtype=torch.float32, device=self.device)
+        return per_row.view(rows, *([1] * (pred.ndim - 1)))
+
+    def _snr_row_weights(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
+        """Each row's Min-SNR weight (``min_snr_gamma``: :meth:`snr_weights` of its ``sigma``, drawn with the
+        batch), shaped to multiply its whole row; ``None`` without ``min_snr_gamma``."""
+        if self.settings.min_snr_gamma <= 0:
+            return None
+        snr = batch.extras.get("snr_weights")  # on the device already when the loader drew it
+        if snr is None:
+            snr = self.snr_weights(sigma).to(self.device)
+        return snr.view(pred.shape[0], *([1] * (pred.ndim - 1)))
+
+    def snr_weights(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Each row's Min-SNR weight ``min(SNR, min_snr_gamma)`` (fp32, CPU), the SNR of its sigma by the model's
+        own ``noise_scaling`` (:mod:`dataset_cache.loss_weighting`), from the CPU copy of its sampling (any thread
+        may call this)."""
+        sigma = sigma.detach().to("cpu", torch.float32)
+        rows = sigma.shape[0]
+        scale = self._sampling_cpu.noise_scaling
+        noise = scale(sigma, torch.ones(rows, 1), torch.zeros(rows, 1), False).reshape(rows)
+        signal = scale(sigma, torch.zeros(rows, 1), torch.ones(rows, 1), False).reshape(rows)
+        return min_snr_weights(signal, noise, self.settings.min_snr_gamma)
+
+    def _per_element_loss(self) -> Any:
+        """ComfyUI's loss module (from ``_create_loss_function``) with ``reduction="none"``: the same class and
+        parameters (Huber's delta, SmoothL1's beta), made once per run."""
+        if self._elementwise is None:
+            if not isinstance(self.loss_fn, torch.nn.Module) or not isinstance(
+                    getattr(self.loss_fn, "reduction", None), str):
+                raise RuntimeError(
+                    f"ComfyUI's {self.settings.loss_function} loss ({type(self.loss_fn).__name__}) has no "
+                    "'reduction' setting, so it cannot be weighted per element: this ComfyUI changed its training "
+                    "losses; turn masked_loss off (and train without loss weights) or update ComfyUI-StreamCache")
+            self._elementwise = copy.deepcopy(self.loss_fn)
+            self._elementwise.reduction = "none"
+        return self._elementwise
