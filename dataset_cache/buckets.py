@@ -226,6 +226,24 @@ class BucketConfig:
             flip=self.flip == "always", method=self.method,
         )
 
+    def at_resolution(self, resolution: int) -> BucketConfig:
+        """This config at another ``resolution`` (multi-resolution datasets): its smallest and largest bucket sides
+        scaled with the resolution (rounded down to ``step``, at least one step), every other setting the same.
+
+        Raises:
+            ValueError: a fixed size (there is no other resolution to bucket at), or a resolution below ``step``.
+        """
+        if self.fixed is not None:
+            raise ValueError("a fixed bucket size has no other resolution")
+        if not isinstance(resolution, int) or resolution < self.step:
+            raise ValueError(f"resolution {resolution!r} is below the bucket step {self.step}")
+
+        def scaled(side: int) -> int:
+            return max(self.step, side * resolution // self.resolution // self.step * self.step)
+
+        return dataclasses.replace(self, resolution=resolution, min_side=scaled(self.min_side),
+                                   max_side=None if self.max_side is None else scaled(self.max_side))
+
     def mirror_plan(self, plan: CropPlan) -> CropPlan:
         """Return ``plan`` mirrored: the plan of the image's mirror for ``flip="random"`` (its key fields are
         those of ``flip="always"``, so a switch between the modes re-encodes nothing already cached)."""

@@ -25,6 +25,7 @@ from .variants import role_keys
 
 __all__ = [
     "FAILURE_POLICIES",
+    "MAX_EXTRA_RESOLUTIONS",
     "EncodeSettings",
     "ClipJob",
     "LatentJob",
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 FAILURE_POLICIES = ("skip", "stop")
+MAX_EXTRA_RESOLUTIONS = 8
+"""Extra resolutions per dataset: each is a full latent per image (ai-toolkit's configs use two or three)."""
 """``skip``: leave a sample whose image or caption cannot be read out of the dataset (counted and listed);
 ``stop``: raise :class:`.errors.SourceError` naming the file. A zero tensor never stands in for data."""
 
@@ -65,6 +68,9 @@ class EncodeSettings:
             dropout in training uses (``Sample.empty_caption``).
         masks: loss masks: ``"none"``, ``"masklabel"`` (``<stem>-masklabel.<ext>`` beside the image) or
             ``"alpha"`` (the image's alpha channel); see :func:`.imaging.load_mask`. Images only.
+        extra_resolutions: more resolutions each image is encoded at besides ``bucket.resolution`` (a
+            multi-resolution dataset: one sample per image and distinct crop plan, each its own latent entry); the
+            bucket settings of each are ``bucket.at_resolution(r)``. Images only: clips use ``bucket`` alone.
         missing_caption: what a source without a caption file is captioned with: ``"empty"`` (the empty prompt),
             ``"folder name"`` (its kohya ``<repeats>_<name>`` folder's name) or ``"file name"`` (see
             :mod:`.missing_captions`).
@@ -87,6 +93,7 @@ class EncodeSettings:
     masks: str = "none"
     mask_factor: int | None = None
     missing_caption: str = "empty"
+    extra_resolutions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if type(self.shuffle_variants) is not int or not 0 <= self.shuffle_variants <= MAX_SHUFFLE_VARIANTS:
@@ -102,6 +109,7 @@ class EncodeSettings:
         if self.missing_caption not in MISSING_CAPTIONS:
             raise ValueError(f"EncodeSettings.missing_caption must be one of {MISSING_CAPTIONS}, "
                              f"got {self.missing_caption!r:.40}")
+        self._check_extra_resolutions()
         if self.mask_factor is not None and (type(self.mask_factor) is not int or not 1 <= self.mask_factor <= 64):
             raise ValueError(f"EncodeSettings.mask_factor must be None or an int from 1 to 64, "
                              f"got {self.mask_factor!r}")
@@ -121,6 +129,24 @@ class EncodeSettings:
                 raise ValueError(f"EncodeSettings.{name} must be an int >= 1, got {value!r}")
         if self.encode_threads is not None and (type(self.encode_threads) is not int or self.encode_threads < 0):
             raise ValueError(f"EncodeSettings.encode_threads must be None or an int >= 0, got {self.encode_threads!r}")
+
+    def _check_extra_resolutions(self) -> None:
+        extra = self.extra_resolutions
+        if not isinstance(extra, tuple) or not all(type(r) is int for r in extra):
+            raise TypeError(f"EncodeSettings.extra_resolutions must be a tuple of ints, got {extra!r:.80}")
+        if len(extra) > MAX_EXTRA_RESOLUTIONS:
+            raise ValueError(f"EncodeSettings.extra_resolutions: at most {MAX_EXTRA_RESOLUTIONS}, got {len(extra)}")
+        if len(set(extra)) != len(extra) or self.bucket.resolution in extra:
+            raise ValueError(f"EncodeSettings.extra_resolutions {list(extra)} repeats a resolution (the dataset's "
+                             f"own is {self.bucket.resolution})")
+        if extra and self.bucket.fixed is not None:
+            raise ValueError("EncodeSettings.extra_resolutions needs bucketing: a fixed bucket size has one resolution")
+        for r in extra:
+            self.bucket.at_resolution(r)  # validates the buckets it makes
+
+    def bucket_configs(self) -> tuple[BucketConfig, ...]:
+        """The bucket settings of each resolution images are encoded at: ``bucket``, then each extra resolution's."""
+        return (self.bucket, *(self.bucket.at_resolution(r) for r in self.extra_resolutions))
 
     def caption_text(self, line: str) -> str:
         """Return the text encoded for one caption line: ``(prefix + line + suffix).strip()``."""
@@ -154,6 +180,8 @@ class EncodeSettings:
             out["masks"] = self.masks
         if self.missing_caption != "empty":
             out["missing_caption"] = self.missing_caption
+        if self.extra_resolutions:
+            out["extra_resolutions"] = list(self.extra_resolutions)
         return out
 
 

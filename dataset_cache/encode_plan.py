@@ -49,7 +49,7 @@ from typing import Any
 
 import xxhash
 
-from .buckets import CropPlan
+from .buckets import BucketConfig, CropPlan
 from .captions import caption_keys, caption_notes, shuffle_notes, too_many_variants
 from .missing_captions import fill_missing_captions
 from .clip_plan import clip_notes, plan_clips
@@ -170,6 +170,7 @@ def _output_settings(described: Mapping[str, Any]) -> dict[str, Any]:
     out["empty_caption"] = described.get("empty_caption", False)
     out["masks"] = described.get("masks", "none")
     out["missing_caption"] = described.get("missing_caption", "empty")
+    out["extra_resolutions"] = described.get("extra_resolutions", [])
     return out
 
 
@@ -285,7 +286,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         reused=(sum(k in have for k in latents) + sum(k in have for k in clips) + sum(k in have for k in texts)
                 + sum(k in have for k in masks)),
         dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
-        skipped=_listed_samples(validation) - len(samples),
+        skipped=_listed_samples(validation) - len({s.source for s in samples}),
         notes=(filled + caption_notes(cut, many) + clip_notes(settings, short)
                + mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
                + shuffle_notes(settings, [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)])),
@@ -296,10 +297,10 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
 
 def _plan_images(images: Sequence[SourceImage], record: SourcesRecord, listing: FolderListing,
                  settings: EncodeSettings, acc: Planned) -> None:
-    """Key each image's crop plan, mirror, mask and captions into ``acc``; one that cannot be planned is named
-    among ``acc.unplannable``."""
-    bucket = settings.bucket
-    center: dict[tuple[int, int], CropPlan] = {}  # a center crop depends on the size alone
+    """Key each image's crop plans (one per resolution, the same plan once), mirrors, masks and captions into
+    ``acc``, a sample per crop plan; one that cannot be planned is named among ``acc.unplannable``."""
+    configs = settings.bucket_configs()
+    center: dict[tuple[int, int, int], CropPlan] = {}  # a center crop depends on the resolution and size alone
     mirrors: dict[CropPlan, CropPlan] = {}
     for img in images:
         entry = record.get(img.relpath)
@@ -310,40 +311,66 @@ def _plan_images(images: Sequence[SourceImage], record: SourcesRecord, listing: 
             acc.unplannable.append(SourceFailure(img.relpath, img.path, too_many))
             continue
         try:
-            if bucket.crop == "center":
-                plan = center.get((img.width, img.height))
-                if plan is None:
-                    plan = center[(img.width, img.height)] = bucket.plan(img.width, img.height)
-            else:
-                plan = bucket.plan(img.width, img.height, token=entry.hash)
+            plans = _crop_plans(img, entry.hash, configs, center)
         except ValueError as exc:  # e.g. smaller than one bucket step with upscale off: left out, named
             acc.unplannable.append(SourceFailure(img.relpath, img.path, str(exc)))
             continue
-        mkey = None
+        masks: list[MaskJob | None] = [None] * len(plans)
         if settings.masks != "none":
-            found = mask_job(img, entry.hash, plan, settings, listing, record)
-            if isinstance(found, SourceFailure):
-                acc.unplannable.append(found)
+            found = [mask_job(img, entry.hash, plan, settings, listing, record) for plan in plans]
+            failed = next((f for f in found if isinstance(f, SourceFailure)), None)
+            if failed is not None:
+                acc.unplannable.append(failed)
                 continue
-            if found is None:
+            masks = [f for f in found if not isinstance(f, SourceFailure)]
+            if masks[0] is None:
                 acc.no_mask.append(img.relpath)
-            else:
-                mkey = found.key
-                acc.masks.setdefault(mkey, found)
-        lkey = acc.keys.latent(entry.hash, plan)
-        if lkey not in acc.latents:
-            acc.latents[lkey] = LatentJob(lkey, img.path, img.relpath, entry.hash, plan)
-        mirror = None
-        if bucket.flip == "random":
-            mplan = mirrors.get(plan)
-            if mplan is None:
-                mplan = mirrors[plan] = bucket.mirror_plan(plan)
-            mirror = acc.keys.latent(entry.hash, mplan)
-            if mirror not in acc.latents:
-                acc.latents[mirror] = LatentJob(mirror, img.path, img.relpath, entry.hash, mplan, mirror=True)
         ckeys = caption_keys(img.captions, img.relpath, settings, acc.keys, acc.texts, acc.cut, acc.many)
-        acc.samples.append(Sample(lkey, ckeys, img.repeats, img.relpath, mirror=mirror, mask=mkey,
-                                  empty_caption=acc.empty))
+        for plan, mask in zip(plans, masks):
+            if mask is not None:
+                acc.masks.setdefault(mask.key, mask)
+            lkey = acc.keys.latent(entry.hash, plan)
+            if lkey not in acc.latents:
+                acc.latents[lkey] = LatentJob(lkey, img.path, img.relpath, entry.hash, plan)
+            mirror = _mirror(img, entry.hash, plan, settings.bucket, mirrors, acc)
+            acc.samples.append(Sample(lkey, ckeys, img.repeats, img.relpath, mirror=mirror,
+                                      mask=None if mask is None else mask.key, empty_caption=acc.empty))
+
+
+def _crop_plans(img: SourceImage, token: str, configs: Sequence[BucketConfig],
+                center: dict[tuple[int, int, int], CropPlan]) -> list[CropPlan]:
+    """The image's crop plan at each resolution of ``configs``, in order, a plan two resolutions share once (a small
+    image with upscale off keeps its own size at every resolution above it).
+
+    Raises:
+        ValueError: a resolution cannot plan the image (named by :meth:`BucketConfig.plan`).
+    """
+    plans: list[CropPlan] = []
+    for config in configs:
+        if config.crop == "center":
+            key = (config.resolution, img.width, img.height)
+            plan = center.get(key)
+            if plan is None:
+                plan = center[key] = config.plan(img.width, img.height)
+        else:
+            plan = config.plan(img.width, img.height, token=token)
+        if plan not in plans:
+            plans.append(plan)
+    return plans
+
+
+def _mirror(img: SourceImage, token: str, plan: CropPlan, bucket: BucketConfig, mirrors: dict[CropPlan, CropPlan],
+            acc: Planned) -> str | None:
+    """The key of ``plan``'s mirrored latent (planned into ``acc``) with ``flip`` random, else ``None``."""
+    if bucket.flip != "random":
+        return None
+    mplan = mirrors.get(plan)
+    if mplan is None:
+        mplan = mirrors[plan] = bucket.mirror_plan(plan)
+    mirror = acc.keys.latent(token, mplan)
+    if mirror not in acc.latents:
+        acc.latents[mirror] = LatentJob(mirror, img.path, img.relpath, token, mplan, mirror=True)
+    return mirror
 
 
 @dataclass(frozen=True)

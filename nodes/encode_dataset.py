@@ -32,7 +32,7 @@ from comfy_api.latest import io
 
 from ..dataset_cache.buckets import CROP_MODES, FLIP_MODES, BucketConfig
 from ..dataset_cache.captions import MAX_SHUFFLE_VARIANTS
-from ..dataset_cache.encode_jobs import FAILURE_POLICIES, EncodePlan, EncodeSettings
+from ..dataset_cache.encode_jobs import FAILURE_POLICIES, MAX_EXTRA_RESOLUTIONS, EncodePlan, EncodeSettings
 from ..dataset_cache.encode_plan import plan_encode
 from ..dataset_cache.imaging import MASK_MODES
 from ..dataset_cache.missing_captions import MISSING_CAPTIONS
@@ -59,6 +59,8 @@ EVENT = "streamcache.encode"
 "phase": "encoding", "done", "total", "samples", "new", "changed", "unchanged", "removed", "failed"}``."""
 
 _OWN_WRITES = OwnWrites()
+_MIN_RESOLUTION, _MAX_RESOLUTION = 64, 8192
+"""The range of ``resolution`` and of each of ``extra_resolutions``."""
 
 
 def resolve_folder(folder: str) -> Path:
@@ -92,10 +94,11 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
               frame_sampling: str = "first", frame_step: int = 2, fps: float = 0.0,
               frame_stride: int | None = None, flip: str = "none", shuffle_variants: int = 0, keep_tokens: int = 0,
               empty_caption: bool = False, masks: str = "none", mask_factor: int | None = None,
-              missing_caption: str = "empty") -> EncodeSettings:
+              missing_caption: str = "empty", extra_resolutions: str = "") -> EncodeSettings:
     problem = _bucket_problem(resolution, bucket_step) or _frame_problem(frame_count, frame_step, fps)
     if problem:
         raise ValueError(problem)
+    extra = _extra_resolutions(extra_resolutions, resolution, bucket_step)
     min_side = max(bucket_step, resolution // 2 // bucket_step * bucket_step)  # kohya: 256 for 512
     bucket = BucketConfig(resolution=resolution, step=bucket_step, min_side=min_side, crop=crop, upscale=upscale,
                           flip=flip)
@@ -105,7 +108,37 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
                           batch_size=batch_size, failure_policy=on_failure, video=video,
                           shuffle_variants=shuffle_variants, keep_tokens=keep_tokens,
                           empty_caption=bool(empty_caption), masks=masks, mask_factor=mask_factor,
-                          missing_caption=missing_caption)
+                          missing_caption=missing_caption, extra_resolutions=extra)
+
+
+def _extra_resolutions(text: Any, resolution: int, bucket_step: int) -> tuple[int, ...]:
+    """``extra_resolutions`` ("768, 1024") as the resolutions besides ``resolution``, in the order written; a
+    resolution written twice, or equal to ``resolution``, counts once.
+
+    Raises:
+        ValueError: naming ``extra_resolutions``, the piece that is not a resolution and what one is.
+    """
+    if text is None:
+        return ()
+    if not isinstance(text, str):
+        raise ValueError(f"extra_resolutions must be text such as '768, 1024', got {type(text).__name__}")
+    out: list[int] = []
+    for piece in (p.strip() for p in text.replace(";", ",").split(",")):
+        if not piece:
+            continue
+        if not piece.isdecimal() or not _MIN_RESOLUTION <= int(piece) <= _MAX_RESOLUTION or int(piece) % 8:
+            raise ValueError(f"extra_resolutions: {piece!r:.40} is not a resolution; write resolutions from "
+                             f"{_MIN_RESOLUTION} to {_MAX_RESOLUTION} (multiples of 8) separated by commas, such as "
+                             "'768, 1024'")
+        problem = _bucket_problem(int(piece), bucket_step)
+        if problem:
+            raise ValueError(f"extra_resolutions: {problem}")
+        if int(piece) != resolution and int(piece) not in out:
+            out.append(int(piece))
+    if len(out) > MAX_EXTRA_RESOLUTIONS:
+        raise ValueError(f"extra_resolutions: {len(out)} resolutions; at most {MAX_EXTRA_RESOLUTIONS} (each is a "
+                         "latent of every image)")
+    return tuple(out)
 
 
 def _bucket_problem(resolution: Any, bucket_step: Any) -> str | None:
@@ -277,7 +310,7 @@ class EncodeDataset(io.ComfyNode):
                 io.Vae.Input("vae", lazy=True, tooltip="VAE for the latents; only loaded when a latent is missing."),
                 io.Clip.Input("clip", lazy=True,
                               tooltip="Text encoder for the captions; only loaded when a caption is missing."),
-                io.Int.Input("resolution", default=512, min=64, max=8192, step=8,
+                io.Int.Input("resolution", default=512, min=_MIN_RESOLUTION, max=_MAX_RESOLUTION, step=8,
                              tooltip="Training resolution: bucket areas are at most resolution²."),
                 io.Int.Input("bucket_step", default=64, min=8, max=512, step=8,
                              tooltip="Bucket sides are multiples of this (64 as in kohya; at least the VAE's "
@@ -336,6 +369,14 @@ class EncodeDataset(io.ComfyNode):
                                "after the repeats, e.g. 'ohwx woman' for 10_ohwx woman/, as kohya's class tokens); "
                                "file name (its file name without the extension). An empty caption file stays the "
                                "empty prompt. Changing it encodes only the new captions, without loading the VAE."),
+                io.String.Input("extra_resolutions", default="", optional=True, placeholder="none",
+                                tooltip="Train at several resolutions (multi-resolution, as ai-toolkit's "
+                                "resolution list): more resolutions, separated by commas (e.g. '768, 1024' with "
+                                "resolution 512), each image also encoded at each of them (its own bucket and "
+                                "latent; a small image with upscale off once at its own size). Every resolution "
+                                "is a sample of the dataset, so an epoch sees each image once per resolution. Adding "
+                                "one encodes only its latents: captions are shared. Images only: clips use "
+                                "resolution."),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),

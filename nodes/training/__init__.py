@@ -23,8 +23,8 @@ batch's loss and its weights), ``conditioning`` (per-row conditionings, the mode
 reports), ``comfy_parts`` (the ComfyUI functions driven), ``memory`` (the memory plan's step: budget, plan, putting
 it in place), ``blocks`` (a model's blocks), ``probe`` (what a run's forward keeps, measured on fake tensors),
 ``resume`` (continuing a LoRA exactly), ``saves`` (the LoRA saved during a run), ``lora_files`` (the LoRAs
-``existing_lora`` offers), ``layers`` (the layers ``train_layers`` gives adapters). Only the execution thread calls ComfyUI's progress and interrupt functions; the loader's
-threads only read.
+``existing_lora`` offers), ``layers`` (the layers ``train_layers`` gives adapters). Only the execution thread calls
+ComfyUI's progress and interrupt functions; the loader's threads only read.
 """
 
 from __future__ import annotations

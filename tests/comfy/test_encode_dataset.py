@@ -507,3 +507,31 @@ def test_missing_caption_captions_kohya_folders_by_name_loading_only_the_text_en
     with torch.inference_mode():  # the same text through the same encoder, alone in its batch: the same numbers
         (expected,) = comfy_nodes.CLIPTextEncode().encode(clip, folder_name)
     assert torch.equal(cond[0][0], expected[0][0])
+
+
+def test_extra_resolutions_encode_each_image_again_loading_only_the_vae(
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str]) -> None:
+    """A second resolution encodes each image's latent at it (its own buckets) and no caption: only the VAE is
+    asked for; the dataset holds a sample per image and resolution. A piece that is no resolution is refused.
+    (With upscale off, the images smaller than 128 would keep their own size there: one sample, no new latent.)"""
+    vae, clip = encoders
+    prompt = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), upscale=True)
+    handle, _report, _ = Run(mod, prompt).queue(vae, clip)
+    reader, one = handle.open()
+    reader.close()
+    two = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), upscale=True,
+                  extra_resolutions="128")  # upscaled: the folder's 64-96 px images reach the 128 buckets
+    handle, report, asked = Run(mod, two).queue(vae, clip)
+    assert asked == ["vae"] and _encoded(report) == (len(one), 0), report
+    reader, samples = handle.open()
+    try:
+        assert len(samples) == 2 * len(one) and {s.latent for s in one} < {s.latent for s in samples}
+        areas = {s.source: sorted(int(h) * int(w) for *_, h, w in [reader.tensor_shapes(x.latent)["samples"]
+                                                                   for x in samples if x.source == s.source])
+                 for s in samples}
+    finally:
+        reader.close()
+    assert all(len(a) == 2 and a[0] < a[1] for a in areas.values()), areas
+    bad = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), extra_resolutions="128, x")
+    with pytest.raises(ValueError, match=r"extra_resolutions: 'x' is not a resolution; write resolutions from 64"):
+        Run(mod, bad).lazy()

@@ -125,7 +125,7 @@ def test_old_prompts_without_the_frame_inputs_run_as_before(mod: ModuleType, tin
     assert ids[start:start + len(CLIPS)] == list(CLIPS)  # appended (saved workflows' widget values are positional)
     # only inputs added later follow them (#16's variant inputs), so old widget values keep their positions
     assert ids[start + len(CLIPS):] == ["flip", "shuffle_variants", "keep_tokens", "empty_caption", "masks",
-                                        "missing_caption"]
+                                        "missing_caption", "extra_resolutions"]
     settings = mod._settings(resolution=64, bucket_step=32, crop="center", caption_prefix="", caption_suffix="",
                              batch_size=2, on_failure="skip")
     assert settings.video.frames == 17 and settings.video.sampling == "first" and settings.video.stride is None

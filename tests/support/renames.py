@@ -24,7 +24,8 @@ ADDED = {
                               "warmup_steps", "timestep_sampling", "noise_offset", "val_every", "max_grad_norm",
                               "ema_decay", "min_snr_gamma", "train_layers"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
-                                  "keep_tokens", "empty_caption", "masks", "missing_caption"),
+                                  "keep_tokens", "empty_caption", "masks", "missing_caption",
+                                  "extra_resolutions"),
     "StreamCache_SaveCache": ("publish_to",),
 }
 """Optional inputs added since; a prompt without them runs with their defaults (off, or images only; ``memory``
@@ -33,7 +34,7 @@ ADDED = {
 ``noise_offset`` 0: ComfyUI's own trainer's draws; ``val_every`` 0, and no ``val_dataset``: no validation;
 ``max_grad_norm`` 0: no clipping; ``ema_decay`` 0: the last step's weights; ``min_snr_gamma`` 0: every row's
 loss weighed alike; ``train_layers`` empty: every layer gets an adapter; ``missing_caption`` 'empty': a source
-without a caption file trains with the empty prompt))."""
+without a caption file trains with the empty prompt; ``extra_resolutions`` empty: one resolution))."""
 
 
 def as_current(prompt: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:
