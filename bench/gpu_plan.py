@@ -12,8 +12,9 @@ machine has one GPU); then Qwen-Image and Lumina 2.
 
 A **group** is what must come from one run, side by side: a family/batch row's three arms (``sd15/b1``), a capped
 family's capped and uncapped arms (``cap/flux``), a family's checkpointing arms (``ckpt/sdxl``: exact, fast, kept), a
-family's option arms (``options/sd15``: plain, clip, ema, snr, all), one multi-GPU family (``devices/sdxl``), one
-encode row (``encode/flux``), one profile (its own id). Runs accumulate by group (:mod:`bench.gpu_ledger`).
+family's option arms (``options/sd15``: plain, clip, ema, snr, all, layers), one multi-GPU family
+(``devices/sdxl``), one encode row (``encode/flux``), one profile (its own id). Runs accumulate by group
+(:mod:`bench.gpu_ledger`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["ArmPlan", "GroupPlan", "BATCHES", "REQUIRED", "EXTRA", "CAPS", "CKPT_ARMS", "CKPT_MODES", "STEP_OPTIONS",
-           "STEP_OPTION_ARMS", "plan_family", "plan_caps", "plan_ckpt_modes", "plan_step_options", "plan_devices",
-           "plan_groups", "select", "matches", "choose_depth", "group_key", "expected_ids", "rounds"]
+           "STEP_OPTION_ARMS", "LAYER_CHOICES", "plan_family", "plan_caps", "plan_ckpt_modes", "plan_step_options",
+           "plan_devices", "plan_groups", "select", "matches", "choose_depth", "group_key", "expected_ids", "rounds"]
 
 REQUIRED = ("sd15", "sdxl", "flux", "wan21")
 EXTRA = ("lumina2", "qwen_image")
@@ -57,15 +58,19 @@ CKPT_ARMS_ABOVE_B1 = ("exact", "kept")
 STEP_OPTIONS = ("sd15", "sdxl", "flux")
 """The families whose step the options are measured on, at batch 1: where a step is shortest, so what the options add
 per step weighs most (SD1.5's 3,265 adapter tensors at rank 16 are the most per second of step)."""
-STEP_OPTION_ARMS: dict[str, dict[str, float]] = {
+STEP_OPTION_ARMS: dict[str, dict[str, float | str]] = {
     "plain": {},
     "clip": {"max_grad_norm": 1.0},
     "ema": {"ema_decay": 0.999},
     "snr": {"min_snr_gamma": 5.0},
-    "all": {"max_grad_norm": 1.0, "ema_decay": 0.999, "min_snr_gamma": 5.0}}
-"""Ours without the step's options (``plain``, the reference), with each alone, and with all three: what
-gradient clipping (the norm is measured every step anyway), the weights' average and Min-SNR weighting cost on the
-device (``bench/bench_step_extras.py`` counts their ops on the CPU)."""
+    "all": {"max_grad_norm": 1.0, "ema_decay": 0.999, "min_snr_gamma": 5.0},
+    "layers": {"train_layers": ""}}
+"""Ours without the step's options (``plain``, the reference), with each alone, with all three, and with
+adapters on part of the layers only (``layers``: the family's :data:`LAYER_CHOICES` piece): what gradient clipping
+(the norm is measured every step anyway), the weights' average and Min-SNR weighting cost on the device
+(``bench/bench_step_extras.py`` counts their ops on the CPU), and what training the attention alone saves."""
+LAYER_CHOICES = {"sd15": "attn", "sdxl": "attn", "flux": "double_blocks"}
+"""``train_layers`` of each family's ``layers`` arm (``bench/train_layers.py`` counts what each trains)."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +207,8 @@ def plan_step_options(params_b: Mapping[str, float] | None = None) -> list[ArmPl
     from .gpu_budget import arm_setup_s, est_step_s
 
     params_b = params_b or {}
-    return [ArmPlan(f"options/{family}-{mode}/ours", family, 1, "ours", 1, "the memory plan decides", extra=dict(extra),
+    return [ArmPlan(f"options/{family}-{mode}/ours", family, 1, "ours", 1, "the memory plan decides",
+                    extra={"train_layers": LAYER_CHOICES[family]} if mode == "layers" else dict(extra),
                     est_step_s=est_step_s(family, 1, "ours"), group="options",
                     setup_s=arm_setup_s(family, "ours", params_b.get(family, 0.0)))
             for family in STEP_OPTIONS for mode, extra in STEP_OPTION_ARMS.items()]

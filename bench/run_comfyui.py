@@ -19,6 +19,7 @@ ComfyUI runs.
     "$COMFYUI_PYTHON" bench/run_comfyui.py plan-shapes [options]     # bench/plan_shapes.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py startup [options]         # bench/startup.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py saves [options]           # bench/saves.py
+    "$COMFYUI_PYTHON" bench/run_comfyui.py layers [options]          # bench/train_layers.py
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ def main() -> int:
         from bench.saves import main as saves_main
 
         return saves_main(argv[1:])
+    if argv[:1] == ["layers"]:
+        from bench.train_layers import main as layers_main
+
+        return layers_main(argv[1:])
     if argv[:1] == ["step-ops"]:
         from bench.step_ops import main as step_ops_main
 
