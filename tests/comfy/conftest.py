@@ -156,3 +156,17 @@ def wan_vae(comfy_nodes: ModuleType, tmp_path_factory: pytest.TempPathFactory) -
     folder_paths.add_model_folder_path("vae", str(folder))
     (vae,) = comfy_nodes.VAELoader().load_vae(path.name)
     return path.name, vae
+
+
+@pytest.fixture
+def lora_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """ComfyUI's output folder for this test, its ``loras/`` (where Save LoRA Weights writes) listed as a LoRA
+    folder, as README's extra_model_paths.yaml recipe does."""
+    import folder_paths
+
+    output = tmp_path / "output"
+    (output / "loras").mkdir(parents=True)
+    monkeypatch.setattr(folder_paths, "output_directory", str(output))
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
+                        ([str(output / "loras")], set(folder_paths.supported_pt_extensions)))
+    return output

@@ -95,19 +95,6 @@ def test_a_choice_of_no_layer_or_a_bad_pattern_is_refused_before_training(node: 
         _train(node, models[0], dataset, steps=1, train_layers="attn2, -")
 
 
-@pytest.fixture
-def lora_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """ComfyUI's output folder for this test, its ``loras/`` listed as a LoRA folder (README's recipe)."""
-    import folder_paths
-
-    output = tmp_path / "output"
-    (output / "loras").mkdir(parents=True)
-    monkeypatch.setattr(folder_paths, "output_directory", str(output))
-    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
-                        ([str(output / "loras")], set(folder_paths.supported_pt_extensions)))
-    return output
-
-
 def _save_lora(lora: dict[str, torch.Tensor], steps: int, prefix: str) -> str:
     """Save with ComfyUI's own Save LoRA Weights node; return the name ``existing_lora`` lists."""
     import folder_paths

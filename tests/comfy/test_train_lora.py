@@ -453,20 +453,6 @@ def test_continuing_a_lora_reproduces_an_uninterrupted_run(node: type, models: t
     assert fresh[1]["loss"] != pytest.approx(rest[1]["loss"], rel=1e-4)
 
 
-@pytest.fixture
-def lora_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """ComfyUI's output folder for this test, its ``loras/`` (where Save LoRA Weights writes) listed as a LoRA
-    folder, as README's extra_model_paths.yaml recipe does."""
-    import folder_paths
-
-    output = tmp_path / "output"
-    (output / "loras").mkdir(parents=True)
-    monkeypatch.setattr(folder_paths, "output_directory", str(output))
-    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
-                        ([str(output / "loras")], set(folder_paths.supported_pt_extensions)))
-    return output
-
-
 def _save_lora(lora: dict[str, torch.Tensor], steps: int | None, prefix: str = "loras/half") -> str:
     """Save with ComfyUI's own Save LoRA Weights node; return the file name Load LoRA / existing_lora list."""
     import folder_paths
