@@ -9,22 +9,34 @@ a run stays reproducible and a continued run draws what the uninterrupted one di
   training at middle noise levels, which that paper found better for rectified-flow models (SD3, Flux, Qwen-Image,
   Lumina 2, WAN);
 * a noise offset (kohya's ``--noise_offset``): each row and channel's noise shifted by one Gaussian value times the
-  offset, so the model also learns to change an image's mean brightness (images much darker or lighter than average).
+  offset, so the model also learns to change an image's mean brightness (images much darker or lighter than average);
+* a timestep range (kohya's and musubi-tuner's ``--min_timestep`` / ``--max_timestep``, on the model's own 0-1000
+  timestep scale, 1000 the noisiest): a LoRA of WAN 2.2's high-noise expert trains where that expert denoises (875 to
+  1000), its low-noise expert's below; a style LoRA can leave out the noisiest steps. The draws are mapped into the
+  percents of the schedule whose timesteps lie in the range (:func:`percent_span`), so the distribution keeps its
+  shape over the range.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from .checks import check_number
 
-__all__ = ["MAX_NOISE_OFFSET", "PERCENT_EDGE", "TIMESTEP_SAMPLINGS", "check_noise_settings", "draw_percents",
-           "offset_noise"]
+__all__ = ["MAX_NOISE_OFFSET", "MAX_TIMESTEP", "PERCENT_EDGE", "TIMESTEP_SAMPLINGS", "check_noise_settings",
+           "check_timestep_range", "draw_percents", "offset_noise", "percent_span"]
 
 TIMESTEP_SAMPLINGS = ("uniform", "logit-normal")
 """How a row's timestep percent is drawn: uniformly (ComfyUI's own trainer), or ``sigmoid`` of a standard normal."""
 MAX_NOISE_OFFSET = 1.0
 """An offset as large as the noise itself; kohya's recommended values are 0.05-0.1."""
+MAX_TIMESTEP = 1000
+"""The top of the timestep scale ``min_timestep`` / ``max_timestep`` use, kohya's and musubi-tuner's: the index of
+SD's discrete schedule, a flow model's shifted sigma × 1000."""
+_BISECTIONS = 60
+"""Halvings of the percent interval when finding where the model's timestep crosses a bound (below 1e-18)."""
 PERCENT_EDGE = 1e-5
 """Timestep percents are drawn in ``[1e-5, 1 - 1e-5]``: ComfyUI's ``percent_to_sigma(0)`` is a 1e9 sentinel, not a
 sigma."""
@@ -42,10 +54,61 @@ def check_noise_settings(timestep_sampling: object, noise_offset: object) -> Non
     check_number("noise_offset", noise_offset, MAX_NOISE_OFFSET)
 
 
-def draw_percents(generator: torch.Generator, rows: int, sampling: str, edge: float = PERCENT_EDGE) -> torch.Tensor:
-    """``rows`` timestep percents in ``[edge, 1 - edge]`` (float64), drawn from ``generator`` as ``sampling`` says.
+def check_timestep_range(min_timestep: object, max_timestep: object) -> None:
+    """Refuse a timestep range that is not two whole numbers ``0 <= min_timestep < max_timestep <= 1000``.
 
-    ``uniform`` draws exactly what the trainer drew before this setting existed (the same generator calls).
+    Raises:
+        ValueError: naming both settings, the values and what the range means.
+    """
+    if (type(min_timestep) is not int or type(max_timestep) is not int
+            or not 0 <= min_timestep < max_timestep <= MAX_TIMESTEP):
+        raise ValueError(f"min_timestep and max_timestep must be whole numbers with 0 <= min_timestep < max_timestep "
+                         f"<= {MAX_TIMESTEP} (the model's timesteps, {MAX_TIMESTEP} the noisiest; 0 and "
+                         f"{MAX_TIMESTEP}: every timestep), got {min_timestep!r:.20} and {max_timestep!r:.20}")
+
+
+def percent_span(timestep_at: Callable[[float], float], min_timestep: int, max_timestep: int,
+                 edge: float = PERCENT_EDGE) -> tuple[float, float]:
+    """The percents ``(lo, hi)`` of the schedule between which the model's timestep falls from ``max_timestep`` to
+    ``min_timestep``; ``timestep_at(percent)`` is the model's timestep at a percent (falling as the percent rises:
+    percent 0 is the noisiest). ``(0.0, 1.0)`` for the whole scale, so the draws stay what they were.
+
+    Raises:
+        ValueError: the model's timesteps are not on a 0-1000 scale (a continuous EDM sampling), or the range
+            holds none of them.
+    """
+    if (min_timestep, max_timestep) == (0, MAX_TIMESTEP):
+        return 0.0, 1.0
+    top, bottom = timestep_at(edge), timestep_at(1 - edge)
+    if not top > MAX_TIMESTEP / 2:
+        raise ValueError(f"min_timestep / max_timestep: this model's timesteps are not on a 0-{MAX_TIMESTEP} scale "
+                         f"(its noisiest is {top:.3g}); leave them at 0 and {MAX_TIMESTEP}")
+    if min_timestep >= top or max_timestep <= bottom:
+        raise ValueError(f"min_timestep {min_timestep} to max_timestep {max_timestep} holds none of this model's "
+                         f"timesteps (from {bottom:.1f} to {top:.1f})")
+
+    def crossing(target: float) -> float:
+        """The percent where the timestep falls to ``target`` (the edges where it never does)."""
+        lo, hi = edge, 1 - edge
+        if target >= top:
+            return lo
+        if target <= bottom:
+            return hi
+        for _ in range(_BISECTIONS):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if timestep_at(mid) > target else (lo, mid)
+        return (lo + hi) / 2
+
+    return crossing(max_timestep), crossing(min_timestep)
+
+
+def draw_percents(generator: torch.Generator, rows: int, sampling: str, edge: float = PERCENT_EDGE,
+                  span: tuple[float, float] = (0.0, 1.0)) -> torch.Tensor:
+    """``rows`` timestep percents in ``[edge, 1 - edge]`` (float64), drawn from ``generator`` as ``sampling`` says,
+    mapped linearly into ``span`` (:func:`percent_span`).
+
+    ``uniform`` over the whole span draws exactly what the trainer drew before these settings existed (the same
+    generator calls, no mapping).
     """
     if sampling == "uniform":
         u = torch.rand(rows, generator=generator, dtype=torch.float64)
@@ -53,6 +116,8 @@ def draw_percents(generator: torch.Generator, rows: int, sampling: str, edge: fl
         u = torch.sigmoid(torch.randn(rows, generator=generator, dtype=torch.float64))
     else:
         raise ValueError(f"unknown timestep_sampling {sampling!r:.40}; use one of {', '.join(TIMESTEP_SAMPLINGS)}")
+    if span != (0.0, 1.0):
+        u = span[0] + u * (span[1] - span[0])
     return u.clamp(edge, 1 - edge)
 
 

@@ -44,6 +44,7 @@ from .training import (
     MAX_REG_RATIO,
     MAX_NOISE_OFFSET,
     MAX_REG_WEIGHT,
+    MAX_TIMESTEP,
     MAX_WARMUP_STEPS,
     OPTIMIZERS,
     TIMESTEP_SAMPLINGS,
@@ -354,6 +355,16 @@ class TrainLoRA(io.ComfyNode):
                                 "'double_blocks' (Flux), '-norm' (all but the norms). A smaller LoRA and a faster "
                                 "step; the summary says how many layers trained, and a piece in no name is noted. "
                                 "Empty: every layer (ComfyUI's own Train LoRA)."),
+                io.Int.Input("min_timestep", default=0, min=0, max=MAX_TIMESTEP, optional=True, advanced=True,
+                             tooltip="The least noisy timestep trained, of the model's 0-1000 (1000: pure noise; "
+                             "kohya's and musubi-tuner's min_timestep). With max_timestep, a LoRA of WAN 2.2's "
+                             "high-noise expert trains 875 to 1000, of its low-noise expert 0 to 875. 0 and 1000: "
+                             "every timestep (ComfyUI's own Train LoRA)."),
+                io.Int.Input("max_timestep", default=MAX_TIMESTEP, min=0, max=MAX_TIMESTEP, optional=True,
+                             advanced=True,
+                             tooltip="The noisiest timestep trained, of the model's 0-1000 (see min_timestep). The "
+                             "timesteps are drawn as timestep_sampling says, within the range; the validation loss "
+                             "is measured within it too."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -410,6 +421,8 @@ class TrainLoRA(io.ComfyNode):
         ema_decay: float = 0.0,
         min_snr_gamma: float = 0.0,
         train_layers: str = "",
+        min_timestep: int = 0,
+        max_timestep: int = MAX_TIMESTEP,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -425,7 +438,8 @@ class TrainLoRA(io.ComfyNode):
             save_prefix=str(save_prefix), lr_schedule=str(lr_schedule), warmup_steps=int(warmup_steps),
             timestep_sampling=str(timestep_sampling), noise_offset=float(noise_offset), val_every=int(val_every),
             max_grad_norm=float(max_grad_norm), ema_decay=float(ema_decay), min_snr_gamma=float(min_snr_gamma),
-            train_layers="" if train_layers is None else train_layers,
+            train_layers="" if train_layers is None else train_layers, min_timestep=min_timestep,
+            max_timestep=max_timestep,
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

@@ -35,7 +35,7 @@ from .report import RowCounts, StepReport, TrainResult
 from .run import train_lora
 from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, LR_SCHEDULES, MAX_EMA_DECAY,
                        MAX_GRAD_NORM, MAX_MIN_SNR_GAMMA, MAX_NOISE_OFFSET, MAX_REG_RATIO, MAX_REG_WEIGHT,
-                       MAX_WARMUP_STEPS, OPTIMIZERS, TIMESTEP_SAMPLINGS, TrainSettings)
+                       MAX_TIMESTEP, MAX_WARMUP_STEPS, OPTIMIZERS, TIMESTEP_SAMPLINGS, TrainSettings)
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -48,6 +48,7 @@ __all__ = [
     "MAX_NOISE_OFFSET",
     "MAX_REG_RATIO",
     "MAX_REG_WEIGHT",
+    "MAX_TIMESTEP",
     "MAX_WARMUP_STEPS",
     "NonFiniteLossError",
     "OPTIMIZERS",

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 import comfy.model_management
+import comfy.model_sampling
 import comfy.utils
 
 from ...dataset_cache.autograd_release import release_failed_backward
@@ -22,7 +23,7 @@ from ...dataset_cache.gcpause import StepCollector
 from ...dataset_cache.grad_clip import clip_gradients
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.lr_schedule import LrSchedule
-from ...dataset_cache.noise_draws import draw_percents, offset_noise
+from ...dataset_cache.noise_draws import draw_percents, offset_noise, percent_span
 from ...dataset_cache.sampler import BatchPlan
 from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.sharding import share_of
@@ -210,6 +211,8 @@ class StepLoop:
         # the draws' own copy, on the CPU: ComfyUI's load moves the model's (each scalar read then a synchronization)
         self._sampling_cpu = _on_cpu(self.model_sampling)
         self.loss = WeightedLoss(loss_fn, settings, device, self._sampling_cpu)  # the batch's loss and its weights
+        # the percents of the schedule whose timesteps lie in min_timestep..max_timestep ((0, 1): all of them)
+        self.percent_span = percent_span(self.timestep_at, settings.min_timestep, settings.max_timestep)
         self._params: list[torch.Tensor] | None = None  # the optimizer's parameters, listed at its first step
 
     def run(self, batches: Any, on_step: Callable[[StepReport], None] | None
@@ -405,8 +408,19 @@ class StepLoop:
         """
         s = self.settings
         g = seeded_generator(s.seed, index, "noise")
-        sigma = self.sigmas(draw_percents(g, shape[0], s.timestep_sampling))
+        sigma = self.sigmas(draw_percents(g, shape[0], s.timestep_sampling, span=self.percent_span))
         return sigma, offset_noise(torch.randn(shape, generator=g, dtype=torch.float32), g, s.noise_offset)
+
+    def timestep_at(self, percent: float) -> float:
+        """The timestep of a percent of the model's schedule on the 0-1000 scale kohya and musubi-tuner use: a flow
+        model's (shifted) sigma × 1000 (ComfyUI's flow samplings count it in their own units: Flux's is the sigma
+        itself), a discrete schedule's index (SD1.5, SDXL); other samplings' own ``timestep`` (EDM's log-sigma
+        units, which :func:`~dataset_cache.noise_draws.percent_span` refuses). From the CPU copy of its sampling."""
+        sampling = self._sampling_cpu
+        sigma = float(sampling.percent_to_sigma(percent))
+        if isinstance(sampling, comfy.model_sampling.CONST):  # x_t = (1 - σ) x0 + σ ε
+            return 1000.0 * sigma
+        return float(sampling.timestep(torch.tensor([sigma], dtype=torch.float64))[0])
 
     def sigmas(self, percents: torch.Tensor) -> torch.Tensor:
         """The model's sigmas (fp32, CPU) of timestep ``percents``, by its own ``percent_to_sigma`` (shift included),

@@ -161,6 +161,10 @@ def train_result(run: LoadedRun, data: DataPlan, parts: RunParts,
         info.append(f"each image's loss weighed by min(SNR, {settings.min_snr_gamma:g}) of its noise level")
     if run.layers is not None and not run.layers.filter.everything:
         info.append(run.layers.describe())
+    if loop.percent_span != (0.0, 1.0):
+        lo, hi = loop.percent_span
+        info.append(f"noised at the model's timesteps {settings.min_timestep} to {settings.max_timestep} (from "
+                    f"{lo:.1%} to {hi:.1%} of its schedule)")
     if loop.validation is not None:
         info.insert(0, loop.validation.describe())
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,

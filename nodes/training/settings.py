@@ -15,10 +15,11 @@ from ...dataset_cache.layer_filter import LayerFilter
 from ...dataset_cache.loss_weighting import MAX_MIN_SNR_GAMMA, check_min_snr_gamma
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
-from ...dataset_cache.noise_draws import MAX_NOISE_OFFSET, TIMESTEP_SAMPLINGS, check_noise_settings
+from ...dataset_cache.noise_draws import (MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMESTEP_SAMPLINGS, check_noise_settings,
+                                          check_timestep_range)
 
 __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_NOISE_OFFSET", "MAX_REG_RATIO",
-           "MAX_REG_WEIGHT", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY", "MAX_MIN_SNR_GAMMA",
+           "MAX_REG_WEIGHT", "MAX_TIMESTEP", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY", "MAX_MIN_SNR_GAMMA",
            "MEMORY_MODES", "OPTIMIZERS",
            "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
 
@@ -67,7 +68,8 @@ class TrainSettings:
     (:mod:`dataset_cache.ema`; 0: the last step's weights, as ComfyUI's own). ``min_snr_gamma`` weighs each row's
     loss by ``min(SNR, γ)`` of its noise level (:mod:`dataset_cache.loss_weighting`; 0: unweighted, as ComfyUI's own).
     ``train_layers`` gives adapters to the layers whose names its patterns choose (:mod:`dataset_cache.layer_filter`;
-    empty: every layer, as ComfyUI's own).
+    empty: every layer, as ComfyUI's own). ``min_timestep`` and ``max_timestep`` keep the noise levels drawn to that
+    range of the model's 0-1000 timesteps (:func:`dataset_cache.noise_draws.percent_span`; 0 and 1000: all).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -123,6 +125,9 @@ class TrainSettings:
     min_snr_gamma: float = 0.0
     # the layers given adapters (dataset_cache.layer_filter): name patterns; "": every layer, as ComfyUI's trainer
     train_layers: str = ""
+    # the model timesteps a batch is noised at (dataset_cache.noise_draws): 0 to 1000, every one, as ComfyUI's trainer
+    min_timestep: int = 0
+    max_timestep: int = MAX_TIMESTEP
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -163,6 +168,7 @@ class TrainSettings:
         check_ema_decay(self.ema_decay)
         check_min_snr_gamma(self.min_snr_gamma)
         LayerFilter.parse(self.train_layers)
+        check_timestep_range(self.min_timestep, self.max_timestep)
 
     def lr_schedule_after(self, done: int) -> LrSchedule:
         """The learning rate of every step of a run continuing a LoRA that had ``done`` steps: the schedule spans

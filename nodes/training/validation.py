@@ -102,13 +102,13 @@ class Validation:
         return value
 
     def _draws(self, number: int, plan: BatchPlan, shape: torch.Size) -> dict[str, torch.Tensor]:
-        """Each row's sigma (a uniform timestep, whatever the training draws) and plain noise, from a generator of
-        its image (``(seed, "validation", latent key)``): the same at every measurement, whatever the batch size,
-        the order or the number of devices."""
+        """Each row's sigma (a uniform timestep of the training's timestep range, whatever distribution the training
+        draws from) and plain noise, from a generator of its image (``(seed, "validation", latent key)``): the same
+        at every measurement, whatever the batch size, the order or the number of devices."""
         percents, noises = [], []
         for key in plan.latent_keys:
             g = seeded_generator(self.seed, "validation", key)
-            percents.append(draw_percents(g, 1, "uniform"))
+            percents.append(draw_percents(g, 1, "uniform", span=self.loop.percent_span))
             noises.append(torch.randn((1, *shape[1:]), generator=g, dtype=torch.float32))
         sigma = self.loop.sigmas(torch.cat(percents))
         out = {"sigma": sigma, "noise": torch.cat(noises)}

@@ -43,7 +43,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "memory": "auto", "stream_blocks": 0, "allow_fp8": False, "devices": "auto", "checkpoint_mode": "exact",
     "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
     "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0, "max_grad_norm": 0.0,
-    "ema_decay": 0.0, "min_snr_gamma": 0.0, "train_layers": "",
+    "ema_decay": 0.0, "min_snr_gamma": 0.0, "train_layers": "", "min_timestep": 0, "max_timestep": 1000,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -132,7 +132,7 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "allow_fp8", "checkpoint_mode", "save_every",
                                                            "save_prefix", "timestep_sampling", "noise_offset",
                                                            "val_every", "ema_decay", "min_snr_gamma",
-                                                           "train_layers"}
+                                                           "train_layers", "min_timestep", "max_timestep"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -180,6 +180,9 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # a prompt without it gives every layer an adapter, as before
     assert inputs["train_layers"].optional and inputs["train_layers"].default == ""
     assert "train_layers" in info["input"]["optional"]
+    # a prompt without them draws every timestep, as before
+    for name, default in (("min_timestep", 0), ("max_timestep", 1000)):
+        assert inputs[name].optional and inputs[name].default == default and name in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -762,13 +765,69 @@ def test_a_noise_offset_shifts_each_row_and_channel_of_the_drawn_noise(pack: Mod
     draws = {}
     for offset in (0.0, 0.2):
         stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=3, noise_offset=offset),
-                                         _sampling_cpu=models[0].model.model_sampling)
+                                         _sampling_cpu=models[0].model.model_sampling, percent_span=(0.0, 1.0))
         stand_in.sigmas = types.MethodType(loop.StepLoop.sigmas, stand_in)
         draws[offset] = loop.StepLoop._draw(stand_in, (2, 4, 8, 8), 7)
     assert torch.equal(draws[0.0][0], draws[0.2][0])
     shift = (draws[0.2][1] - draws[0.0][1]).reshape(2, 4, -1)
     assert float((shift - shift[..., :1]).abs().max()) <= 1e-6  # rounding of noise + s - noise: ulps of |noise| < 8
     assert float(shift[..., 0].abs().min()) > 0
+
+
+def _drawn_timesteps(pack: ModuleType, patcher: Any, shape: tuple[int, ...], batches: int,
+                     **options: Any) -> list[float]:
+    """The model timesteps of the sigmas the trainer's own draw gives ``batches`` batches (a stand-in loop with the
+    model's sampling and ``options``' settings)."""
+    loop, settings = _module(pack, "nodes.training.loop"), _module(pack, "nodes.training.settings")
+    stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=5, **options),
+                                     _sampling_cpu=patcher.model.model_sampling)
+    for name in ("sigmas", "timestep_at"):
+        setattr(stand_in, name, types.MethodType(getattr(loop.StepLoop, name), stand_in))
+    stand_in.percent_span = _module(pack, "dataset_cache.noise_draws").percent_span(
+        stand_in.timestep_at, stand_in.settings.min_timestep, stand_in.settings.max_timestep)
+    import comfy.model_sampling
+
+    sampling = patcher.model.model_sampling
+    sigmas = torch.cat([loop.StepLoop._draw(stand_in, shape, i)[0] for i in range(batches)])
+    if isinstance(sampling, comfy.model_sampling.CONST):  # a flow model (Flux): its timestep is σ × 1000
+        return [1000.0 * float(s) for s in sigmas]
+    return [float(sampling.timestep(s.double().reshape(1))[0]) for s in sigmas]  # SD's schedule index
+
+
+@pytest.mark.parametrize("family", ["sd15", "flux"])
+@pytest.mark.parametrize("sampling", ["uniform", "logit-normal"])
+def test_a_timestep_range_keeps_every_drawn_timestep_in_it(pack: ModuleType, models: tuple, family: str,
+                                                           sampling: str) -> None:
+    """The trainer's own draws with min_timestep 875 and max_timestep 1000 (WAN 2.2's high-noise expert): every
+    sigma's timestep (SD1.5's schedule index; tiny Flux's shifted sigma × 1000, not linear in the schedule's
+    percent) lies in the range, and the draws spread over it."""
+    from support.tiny_families import FAMILIES, build_family_patcher
+
+    patcher = models[0] if family == "sd15" else build_family_patcher(FAMILIES["flux"], 2)
+    shape = (4, 4, 8, 8) if family == "sd15" else (4, 16, 8, 8)
+    every = _drawn_timesteps(pack, patcher, shape, 8, timestep_sampling=sampling)
+    drawn = _drawn_timesteps(pack, patcher, shape, 8, timestep_sampling=sampling, min_timestep=875,
+                             max_timestep=1000)
+    assert min(every) < 500 < max(every)  # the whole schedule without a range
+    # the bounds: exact percents (bisection to 1e-18), the sigmas then rounded to fp32 (1000σ off by 6e-5 at most)
+    assert all(875 - 1e-4 <= t <= 1000 + 1e-4 for t in drawn), drawn
+    assert min(drawn) < 900 and max(drawn) > 975  # spread over the range, not stuck at one end
+
+
+def test_a_timestep_range_trains_continues_exactly_and_says_so(node: type, models: tuple, dataset: Any,
+                                                               lora_folder: Path, whole_run: Any) -> None:
+    """Noised in the range only: the first loss is not the default run's, the summary names the range and the
+    schedule it covers, and a save at step 3 of 5 continued is the uninterrupted run bit for bit."""
+    drawn = {**_CONTINUED, "min_timestep": 875, "max_timestep": 1000}
+    out = _train(node, models[0], dataset, steps=5, save_every=3, **drawn)
+    whole = out.result
+    assert whole[1]["loss"][0] != whole_run[1]["loss"][0]
+    assert re.search(r"noised at the model's timesteps 875 to 1000 \(from 0\.0% to \d+\.\d% of its schedule\)",
+                     _summary(out)), _summary(out)
+    (name,) = _saves(lora_folder)
+    rest = _train(node, models[0], dataset, steps=2, existing_lora=name, **drawn)
+    assert rest.result[1]["loss"] == whole[1]["loss"][3:]
+    assert all(torch.equal(rest.result[0][k], whole[0][k]) for k in whole[0])
 
 
 # ------------------------------------------------------------------------------------------------- validation loss
@@ -847,7 +906,7 @@ def test_min_snr_weighs_a_rows_loss_and_its_update_by_its_capped_snr(pack: Modul
     loop, settings = _module(pack, "nodes.training.loop"), _module(pack, "nodes.training.settings")
     assert isinstance(models[0].model.model_sampling, comfy.model_sampling.EPS)
     stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=FAST["seed"]),
-                                     _sampling_cpu=models[0].model.model_sampling)
+                                     _sampling_cpu=models[0].model.model_sampling, percent_span=(0.0, 1.0))
     stand_in.sigmas = types.MethodType(loop.StepLoop.sigmas, stand_in)
     (sigma,) = loop.StepLoop._draw(stand_in, (1, 4, 8, 8), 0)[0].tolist()
     snr = 1.0 / sigma ** 2
@@ -1047,6 +1106,9 @@ def test_a_validation_set_that_shares_images_with_the_training_is_named(node: ty
     ({"max_grad_norm": math.nan}, "max_grad_norm must be a number from 0 (no clipping) to 10000, got nan"),
     ({"ema_decay": 1.0}, "ema_decay must be a number from 0 (no average) to 0.9999, got 1.0"),
     ({"min_snr_gamma": -5.0}, "min_snr_gamma must be a number from 0 (no weighting) to 100, got -5.0"),
+    ({"min_timestep": 900, "max_timestep": 900}, "min_timestep and max_timestep must be whole numbers with 0 <= "
+                                                 "min_timestep < max_timestep <= 1000"),
+    ({"max_timestep": 1001}, "got 0 and 1001"),
 ])
 def test_a_bad_schedule_is_refused_before_training(node: type, models: tuple, dataset: Any, options: dict,
                                                    message: str) -> None:

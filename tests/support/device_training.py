@@ -96,7 +96,9 @@ CASES: tuple[Case, ...] = (
          expect=("reg_rows", "two_caches")),
     Case("sdxl_pooled", "sdxl", expect=("option:pooled_output",)),
     Case("flux_guidance", "flux", expect=("option:pooled_output", "option:guidance")),
-    Case("flux_kontext_reference", "flux_kontext", expect=("option:guidance", "option:reference_latents")),
+    # noised in part of the schedule only (min_timestep / max_timestep: the draws mapped into its percents)
+    Case("flux_kontext_reference", "flux_kontext", options={"min_timestep": 200, "max_timestep": 900},
+         expect=("option:guidance", "option:reference_latents")),
     Case("lumina2_attention_mask", "lumina2", expect=("option:attention_mask", "groups")),
     Case("wan21_video", "wan21", "video", expect=("video",)),
     # every block its own checkpoint on the device: torch's non-reentrant form (exact) and the reentrant one (fast);

@@ -22,7 +22,7 @@ ADDED = {
                               "caption_dropout", "reg_ratio", "reg_weight", "memory", "stream_blocks", "allow_fp8",
                               "devices", "checkpoint_mode", "save_every", "save_prefix", "lr_schedule",
                               "warmup_steps", "timestep_sampling", "noise_offset", "val_every", "max_grad_norm",
-                              "ema_decay", "min_snr_gamma", "train_layers"),
+                              "ema_decay", "min_snr_gamma", "train_layers", "min_timestep", "max_timestep"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
                                   "keep_tokens", "empty_caption", "masks", "missing_caption",
                                   "extra_resolutions"),
@@ -33,7 +33,8 @@ ADDED = {
 ``lr_schedule`` 'constant' without warm-up: learning_rate throughout; ``timestep_sampling`` 'uniform' and
 ``noise_offset`` 0: ComfyUI's own trainer's draws; ``val_every`` 0, and no ``val_dataset``: no validation;
 ``max_grad_norm`` 0: no clipping; ``ema_decay`` 0: the last step's weights; ``min_snr_gamma`` 0: every row's
-loss weighed alike; ``train_layers`` empty: every layer gets an adapter; ``missing_caption`` 'empty': a source
+loss weighed alike; ``train_layers`` empty: every layer gets an adapter; ``min_timestep`` 0 and
+``max_timestep`` 1000: every timestep; ``missing_caption`` 'empty': a source
 without a caption file trains with the empty prompt; ``extra_resolutions`` empty: one resolution))."""
 
 

@@ -4,11 +4,15 @@ defaults draw exactly what the trainer drew before they existed."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
-from dataset_cache.noise_draws import check_noise_settings, draw_percents, offset_noise
+from dataset_cache.noise_draws import (
+    MAX_TIMESTEP, PERCENT_EDGE, TIMESTEP_SAMPLINGS, check_noise_settings, check_timestep_range, draw_percents,
+    offset_noise, percent_span,
+)
 
 EDGE = 1e-5
 N = 200_000
@@ -76,3 +80,60 @@ def test_bad_settings_are_refused_naming_the_field(sampling: object, offset: obj
     check_noise_settings("logit-normal", 0.1)  # what is allowed passes
     with pytest.raises(ValueError, match="unknown timestep_sampling"):
         draw_percents(_gen(), 1, "beta", EDGE)
+
+
+# ------------------------------------------------------------------------------------------------ timestep range
+def _linear(p: float) -> float:
+    """A schedule whose timestep falls linearly from 1000 to 0 as the percent rises."""
+    return 1000.0 * (1.0 - p)
+
+
+def _shifted(p: float, shift: float = 3.0) -> float:
+    """A shifted flow's timestep: 1000 · σ with σ = shift·t / (1 + (shift − 1)·t), t = 1 − p (ComfyUI's
+    ``time_snr_shift``)."""
+    t = 1.0 - p
+    return 1000.0 * shift * t / (1 + (shift - 1) * t)
+
+
+def test_the_whole_scale_is_the_whole_schedule_and_draws_stay_what_they_were() -> None:
+    assert percent_span(_linear, 0, MAX_TIMESTEP) == (0.0, 1.0)
+    for sampling in TIMESTEP_SAMPLINGS:
+        a = draw_percents(torch.Generator().manual_seed(4), 64, sampling)
+        b = draw_percents(torch.Generator().manual_seed(4), 64, sampling, span=(0.0, 1.0))
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("timestep_at", [_linear, _shifted])
+def test_the_span_is_where_the_timestep_crosses_each_bound(timestep_at: Any) -> None:
+    lo, hi = percent_span(timestep_at, 200, 875)
+    # bisection to 1e-18 of the percent: the timesteps there equal the bounds up to float64 rounding
+    assert timestep_at(lo) == pytest.approx(875, abs=1e-9) and timestep_at(hi) == pytest.approx(200, abs=1e-9)
+    assert 0 < lo < hi < 1
+    top = percent_span(timestep_at, 875, MAX_TIMESTEP)
+    assert top[0] == PERCENT_EDGE and timestep_at(top[1]) == pytest.approx(875, abs=1e-9)
+
+
+@pytest.mark.parametrize("sampling", TIMESTEP_SAMPLINGS)
+def test_draws_are_mapped_into_the_span_keeping_their_order(sampling: str) -> None:
+    span = percent_span(_shifted, 875, MAX_TIMESTEP)
+    plain = draw_percents(torch.Generator().manual_seed(9), 4096, sampling)
+    mapped = draw_percents(torch.Generator().manual_seed(9), 4096, sampling, span=span)
+    assert bool(((mapped >= span[0]) & (mapped <= span[1])).all())
+    assert torch.equal(torch.argsort(plain), torch.argsort(mapped))  # the same draws, rescaled in order
+    timesteps = [_shifted(float(p)) for p in mapped]
+    assert min(timesteps) >= 875 - 1e-9 and max(timesteps) <= MAX_TIMESTEP
+
+
+def test_a_range_of_no_timestep_or_another_scale_is_refused() -> None:
+    with pytest.raises(ValueError, match="holds none of this model's timesteps"):
+        percent_span(lambda p: 1000.0 - 600.0 * p, 100, 300)  # a schedule that never goes below 400
+    with pytest.raises(ValueError, match="not on a 0-1000 scale"):
+        percent_span(lambda p: 0.25 * math.log(80.0 * (1.0 - p) + 0.002), 100, 900)  # EDM's log-sigma units
+
+
+@pytest.mark.parametrize(("low", "high"), [(900, 900), (901, 900), (-1, 500), (0, 1001), (0.5, 900), (True, 900)])
+def test_a_bad_range_is_refused_naming_both_settings(low: Any, high: Any) -> None:
+    with pytest.raises(ValueError, match="min_timestep and max_timestep must be whole numbers"):
+        check_timestep_range(low, high)
+    check_timestep_range(0, 1000)
+    check_timestep_range(875, 1000)
