@@ -95,7 +95,7 @@ def count(family: str, choices: Sequence[str]) -> list[LayerFigures]:
 
     config = comfy.model_detection.model_config_from_unet_config(dict(FULL_FAMILIES[family].unet_config))
     model = config.get_model({}, device=torch.device("meta"))
-    layers = [(f"diffusion_model.{n}", m) for n, m in model.diffusion_model.named_modules()
+    layers = [(n, m) for n, m in model.diffusion_model.named_modules()  # named as train_layers matches them
               if hasattr(m, "weight_function")
               and (getattr(m, "weight", None) is not None or getattr(m, "bias", None) is not None)]
     made: dict[tuple[int, ...], list[int]] = {}

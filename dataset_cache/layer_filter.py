@@ -5,9 +5,10 @@ ComfyUI's trainer gives every layer with weights an adapter (linear, conv and no
 ``ignore_if_contains``) can train a chosen part instead, such as the attention layers or some blocks: a smaller
 LoRA, less optimizer state, a faster step, and a concept kept to the layers chosen for it.
 
-A pattern is a piece of a layer's name as ComfyUI names it (``diffusion_model.input_blocks.4.1.transformer_blocks.
-0.attn2.to_k``); a pattern starting with ``-`` leaves out the layers whose names contain the rest. A layer trains
-when some plain pattern is in its name (or there are only ``-`` patterns) and no ``-`` pattern is.
+A pattern is a piece of a layer's name (the caller's names: Train LoRA gives them inside the diffusion model, such
+as ``input_blocks.4.1.transformer_blocks.0.attn2.to_k``); a pattern starting with ``-`` leaves out the layers whose
+names contain the rest. A layer trains when some plain pattern is in its name (or there are only ``-`` patterns)
+and no ``-`` pattern is.
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ class LayerFilter:
         names = list(names)
         return [p for p in self.include if not any(p in n for n in names)] + \
             [EXCLUDE_PREFIX + p for p in self.exclude if not any(p in n for n in names)]
+
+    def without_prefix(self, prefix: str) -> LayerFilter:
+        """This filter with ``prefix`` taken off the start of each pattern: a pattern copied from a full key (a
+        LoRA file's ``diffusion_model.input_blocks.4``) matches names given without it."""
+        def strip(patterns: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(p.removeprefix(prefix) or p for p in patterns))
+
+        return LayerFilter(strip(self.include), strip(self.exclude))
 
     def text(self) -> str:
         """The filter written as ``train_layers`` takes it (normalized)."""

@@ -16,7 +16,10 @@ import torch
 
 from ...dataset_cache.layer_filter import LayerFilter
 
-__all__ = ["LayerChoice", "adapter_layers", "choose_layers"]
+__all__ = ["MODEL_PREFIX", "LayerChoice", "adapter_layers", "choose_layers"]
+
+MODEL_PREFIX = "diffusion_model."
+"""What every trained layer's name starts with (ComfyUI's model wraps the diffusion model under this name)."""
 
 
 def adapter_layers(model: torch.nn.Module) -> list[str]:
@@ -52,12 +55,18 @@ def choose_layers(model: torch.nn.Module, layer_filter: LayerFilter, existing: d
     """The layers ``layer_filter`` chooses of ``model``'s, refusing a choice that would drop layers of the LoRA
     being continued (``existing``, from ``existing_name``): they would be missing from the LoRA this run outputs.
 
+    The patterns are matched against each layer's name inside the diffusion model (:data:`MODEL_PREFIX` taken off,
+    from the names and from patterns copied from a LoRA's keys): every name starts with it, so a piece such as
+    ``ff`` (in ``diffusion_model``) would otherwise choose every layer.
+
     Raises:
         ValueError: the filter chooses no layer, or leaves out layers ``existing`` holds weights of.
     """
     names = adapter_layers(model)
-    chosen = frozenset(layer_filter.select(names))
-    choice = LayerChoice(layer_filter, chosen, len(names), layer_filter.unmatched(names))
+    short = {n.removeprefix(MODEL_PREFIX): n for n in names}
+    matching = layer_filter.without_prefix(MODEL_PREFIX)
+    chosen = frozenset(short[n] for n in matching.select(list(short)))
+    choice = LayerChoice(layer_filter, chosen, len(names), matching.unmatched(short))
     if existing and not layer_filter.everything:
         known = set(names)
         dropped = sorted({owner for owner in (_owner(k, known) for k in existing) if owner and owner not in chosen})

@@ -5,6 +5,7 @@ it prints (counts, not timings: the same on every machine)."""
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -54,3 +55,23 @@ def test_the_counts_are_those_of_the_adapters_train_lora_makes(pack: ModuleType,
         lora_sd, _adapters = comfy_parts.nodes_train_module()._setup_lora_adapters(
             view, {}, "LoRA", torch.float32, train_layers.RANK)
         assert len(lora_sd) == len(expected) and sum(p.numel() for p in lora_sd.values()) == sum(expected)
+
+
+_FAMILY_ROWS = {"SD1.5, SDXL": ("sd15", "sdxl"), "Flux": ("flux",), "WAN 2.1 / 2.2": ("wan21",),
+                "Qwen-Image": ("qwen_image",), "Lumina 2": ("lumina2",)}
+
+
+def test_the_help_pages_layer_pieces_choose_part_of_each_familys_layers(comfy_folders: Path) -> None:
+    """Train LoRA's help page lists pieces of layer names per family: each chooses some of that family's full-size
+    layers, not all (a renamed layer in a ComfyUI update fails here, not in a user's run)."""
+    page = (PACK_ROOT / "web" / "docs" / "StreamCache_TrainLoRA.md").read_text(encoding="utf-8")
+    section = page.split("## Layer names, for `train_layers`", 1)[1].split("\n## ", 1)[0]
+    rows = {cells[0].strip(): re.findall(r"`([^`]+)`", cells[1])
+            for cells in (line.strip("|").split("|") for line in section.splitlines() if line.startswith("| "))
+            if cells[0].strip() in _FAMILY_ROWS}
+    assert set(rows) == set(_FAMILY_ROWS)
+    for title, families in _FAMILY_ROWS.items():
+        for family in families:
+            every, *chosen = train_layers.count(family, ("", *rows[title]))
+            for piece, fig in zip(rows[title], chosen):
+                assert 0 < fig.layers < every.total, (family, piece, fig.layers)

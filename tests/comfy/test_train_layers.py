@@ -89,7 +89,7 @@ def test_a_pattern_in_no_layer_name_is_noted_and_the_others_choose(node: type, m
 def test_a_choice_of_no_layer_or_a_bad_pattern_is_refused_before_training(node: type, models: tuple,
                                                                            dataset: Any) -> None:
     with pytest.raises(ValueError, match=r"train_layers 'nowhere' selects none of the model's \d+ layers; layer "
-                                         r"names read like 'diffusion_model\."):
+                                         r"names read like 'time_embed\.0', 'input_blocks\."):
         _train(node, models[0], dataset, steps=1, train_layers="nowhere")
     with pytest.raises(ValueError, match="train_layers pattern '-' leaves out nothing"):
         _train(node, models[0], dataset, steps=1, train_layers="attn2, -")
@@ -131,3 +131,18 @@ def test_bypass_mode_gives_the_same_layers_adapters(node: type, models: tuple, d
     lora = _train(node, models[0], dataset, steps=1, train_layers="attn2", bypass_mode=True).result[0]
     assert set(lora) == {k for k in every_key if "attn2" in k}
 
+
+
+def test_pieces_match_names_inside_the_diffusion_model(node: type, models: tuple, dataset: Any,
+                                                       every_key: set[str]) -> None:
+    """Every layer's full name starts with ``diffusion_model.``: a piece such as ``ff`` (the feed-forward layers)
+    must not choose every layer through it, and a piece copied from a LoRA file's keys, that start included, still
+    chooses its layers."""
+    ff = _train(node, models[0], dataset, steps=1, train_layers="ff").result[0]
+    assert set(ff) == {k for k in every_key if ".ff." in k} and len(ff) < len(every_key) / 4
+    copied = _train(node, models[0], dataset, steps=1,
+                    train_layers="diffusion_model.output_blocks.0, -diffusion_model.output_blocks.0.0.in_layers"
+                    ).result[0]
+    assert set(copied) == {k for k in every_key if k.startswith("diffusion_model.output_blocks.0.")
+                           and not k.startswith("diffusion_model.output_blocks.0.0.in_layers")}
+    assert copied and any(".in_layers" in k for k in every_key if k.startswith("diffusion_model.output_blocks.0."))

@@ -55,3 +55,15 @@ def test_a_filter_choosing_nothing_is_refused_quoting_names_from_the_whole_model
 def test_bad_text_is_refused_naming_the_input(text: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LayerFilter.parse(text)
+
+
+def test_a_prefix_copied_from_full_keys_is_taken_off_the_patterns() -> None:
+    f = LayerFilter.parse("diffusion_model.input_blocks.1, attn2, "
+                          "-diffusion_model.input_blocks.1.1.transformer_blocks.0.norm1")
+    short = f.without_prefix("diffusion_model.")
+    assert (short.include, short.exclude) == (("input_blocks.1", "attn2"),
+                                              ("input_blocks.1.1.transformer_blocks.0.norm1",))
+    names = [n.removeprefix("diffusion_model.") for n in NAMES]
+    assert short.select(names) == [names[0], names[1], names[2], names[4]]
+    # a pattern that is the prefix alone stays as written (it chooses nothing, and is noted as such)
+    assert LayerFilter.parse("diffusion_model.").without_prefix("diffusion_model.").include == ("diffusion_model.",)
