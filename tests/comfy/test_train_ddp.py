@@ -148,12 +148,14 @@ def test_a_learning_rate_schedule_and_validation_on_two_ranks_are_what_they_are_
     the whole validation set itself (no rank waits for another): the values agree as the weights do. Gradients are
     clipped after the ranks averaged them (every rank the same global norm, each step's reported the same), and
     the LoRA is the moving average of the weights, the same on every rank; each rank weighs its rows' losses by
-    their Min-SNR weights (drawn with its share of the global batch's sigmas)."""
+    their Min-SNR weights (drawn with its share of the global batch's sigmas), all noised within one timestep
+    range."""
     scheduled = {"lr_schedule": "linear", "warmup_steps": 2, "val_dataset": dataset}
     free = _train(node, models[0], dataset, batch_size=2, steps=3, **scheduled).result[1]["grad_norm"]
     scheduled["max_grad_norm"] = sorted(free)[1]  # the steps above the middle norm clipped
     scheduled["ema_decay"] = 0.9  # every rank averages the same weights; rank 0's average is the LoRA
     scheduled["min_snr_gamma"] = 5.0  # each rank weighs its own rows by their own sigmas
+    scheduled.update(min_timestep=100, max_timestep=900)  # every rank maps its draws into the same span
     one_rank = _train(node, models[0], dataset, batch_size=2, **scheduled).result
     two = _train(node, models[0], dataset, batch_size=1, devices="cpu:2", **scheduled).result
     _assert_same_training(two, one_rank, start)
@@ -161,6 +163,17 @@ def test_a_learning_rate_schedule_and_validation_on_two_ranks_are_what_they_are_
     assert [s for s, _ in two[1]["val_loss"]] == [s for s, _ in one_rank[1]["val_loss"]] == [0, 3]
     assert [v for _, v in two[1]["val_loss"]] == pytest.approx([v for _, v in one_rank[1]["val_loss"]],
                                                                rel=TOLERANCE)
+
+
+def test_chosen_layers_on_two_ranks_are_what_they_are_on_one(node: type, models: tuple, dataset: Any) -> None:
+    """``train_layers``: every rank gives adapters to the same layers (rank 0's initial values broadcast by key),
+    and 2 ranks × 1 train what 1 rank × 2 trains."""
+    chosen = {"train_layers": "attn, -attn1"}
+    start = _train(node, models[0], dataset, steps=1, learning_rate=1e-30, **chosen).result[0]
+    assert start and all("attn2" in k for k in start)
+    one_rank = _train(node, models[0], dataset, batch_size=2, **chosen).result
+    two = _train(node, models[0], dataset, batch_size=1, devices="cpu:2", **chosen).result
+    _assert_same_training(two, one_rank, start)
 
 
 def test_short_batches_and_stand_in_rows_train_what_one_rank_trains(node: type, models: tuple, dataset: Any,
