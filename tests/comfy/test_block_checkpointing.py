@@ -57,18 +57,27 @@ class Run:
 
 
 def _saved_meter(training: ModuleType, monkeypatch: pytest.MonkeyPatch, out: list[int]) -> None:
-    """Around each step's forward and backward: the bytes of the distinct storages saved for backward (the
-    parameters, which stay anyway, left out). Unpacking checks each tensor's version as autograd would (saved-tensor
-    hooks turn its own check off): a tensor modified after it was saved fails the run, as it does without hooks."""
+    """Around each step's forward: the bytes of the distinct storages saved for backward (the parameters, which
+    stay anyway, left out), counted until the backward starts. What a checkpoint's recompute saves inside the
+    backward is left out: those storages come and go block by block, and counting them by address counted more or
+    fewer as the allocator reused addresses (a flaky count). Unpacking checks each tensor's version as autograd
+    would (saved-tensor hooks turn its own check off): a tensor modified after it was saved fails the run, as it
+    does without hooks."""
     real = training.loop.StepLoop._fwd_bwd
+    real_backward = torch.autograd.backward
 
     def fwd_bwd(self: Any, batch: Any, index: int) -> float:
         weights = {t.untyped_storage().data_ptr() for t in [*self.mp.model.parameters(), *self.mp.model.buffers()]}
         seen: dict[int, int] = {}
+        forward = [True]
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            forward[0] = False
+            return real_backward(*args, **kwargs)
 
         def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
             storage = t.untyped_storage()
-            if storage.data_ptr() not in weights:
+            if forward[0] and storage.data_ptr() not in weights:
                 seen[storage.data_ptr()] = storage.nbytes()
             return t, t._version
 
@@ -77,8 +86,10 @@ def _saved_meter(training: ModuleType, monkeypatch: pytest.MonkeyPatch, out: lis
             assert t._version == version, f"a {list(t.shape)} tensor was modified after it was saved for backward"
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), monkeypatch.context() as patch:
+            patch.setattr(torch.autograd, "backward", backward)
             loss = real(self, batch, index)
+        assert not forward[0], "the step's backward did not go through torch.autograd.backward"
         out.append(sum(seen.values()))
         return loss
 
