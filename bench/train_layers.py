@@ -84,26 +84,30 @@ def _adapter_params(module: Any, make: Any, made: dict[tuple[int, ...], list[int
 
 
 def count(family: str, choices: Sequence[str]) -> list[LayerFigures]:
-    """Each of ``choices`` on ``family``'s full-size model (made on ``meta``), with the pack's own filter."""
+    """Each of ``choices`` on ``family``'s full-size model (made on ``meta``), chosen by Train LoRA's own
+    ``choose_layers`` (the pack imported as ComfyUI imports it), so the table counts what a run trains."""
+    import importlib
+
     import torch
 
     import comfy.model_detection
     from comfy.weight_adapter import adapter_maps
-    from dataset_cache.layer_filter import LayerFilter
+    from support.pack import import_pack
 
     from .gpu_models import FULL_FAMILIES
 
+    pack = import_pack().__name__
+    layers = importlib.import_module(f"{pack}.nodes.training.layers")
+    layer_filter = importlib.import_module(f"{pack}.dataset_cache.layer_filter")
     config = comfy.model_detection.model_config_from_unet_config(dict(FULL_FAMILIES[family].unet_config))
     model = config.get_model({}, device=torch.device("meta"))
-    layers = [(n, m) for n, m in model.diffusion_model.named_modules()  # named as train_layers matches them
-              if hasattr(m, "weight_function")
-              and (getattr(m, "weight", None) is not None or getattr(m, "bias", None) is not None)]
+    modules = dict(model.named_modules())
     made: dict[tuple[int, ...], list[int]] = {}
-    sizes = {name: _adapter_params(module, adapter_maps["LoRA"], made) for name, module in layers}
+    sizes = {name: _adapter_params(modules[name], adapter_maps["LoRA"], made) for name in layers.adapter_layers(model)}
     out = []
     for choice in choices:
-        chosen = LayerFilter.parse(choice).select([name for name, _ in layers])
-        out.append(LayerFigures(family, choice, len(chosen), len(layers), sum(len(sizes[n]) for n in chosen),
+        chosen = layers.choose_layers(model, layer_filter.LayerFilter.parse(choice), {}, "[None]").chosen
+        out.append(LayerFigures(family, choice, len(chosen), len(sizes), sum(len(sizes[n]) for n in chosen),
                                 sum(sum(sizes[n]) for n in chosen)))
     return out
 

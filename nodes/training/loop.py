@@ -353,9 +353,7 @@ class StepLoop:
         out = {"sigma": sigma, "noise": noise}
         if plan.weights and any(w != 1.0 for w in plan.weights) and len(plan.weights) == shape[0]:
             out["row_weights"] = torch.tensor(plan.weights, dtype=torch.float32)
-        if self.settings.min_snr_gamma > 0:
-            out["snr_weights"] = self.loss.snr_weights(sigma)
-        return out
+        return {**out, **self.loss.drawn(sigma)}
 
     def _share(self, plan: BatchPlan, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sigmas and noise of this process's rows of batch ``index`` (CPU): one rank of several draws for its

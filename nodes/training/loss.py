@@ -101,6 +101,11 @@ class WeightedLoss:
             snr = self.snr_weights(sigma).to(self.device)
         return snr.view(pred.shape[0], *([1] * (pred.ndim - 1)))
 
+    def drawn(self, sigma: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The weights drawn with a batch of ``sigma`` on a loader worker (they reach the device with it): each
+        row's Min-SNR weight with ``min_snr_gamma``, else nothing."""
+        return {"snr_weights": self.snr_weights(sigma)} if self.settings.min_snr_gamma > 0 else {}
+
     def snr_weights(self, sigma: torch.Tensor) -> torch.Tensor:
         """Each row's Min-SNR weight ``min(SNR, min_snr_gamma)`` (fp32, CPU), the SNR of its sigma by the model's
         own ``noise_scaling`` (:mod:`dataset_cache.loss_weighting`), from the CPU copy of its sampling (any thread

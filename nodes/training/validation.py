@@ -111,10 +111,7 @@ class Validation:
             percents.append(draw_percents(g, 1, "uniform", span=self.loop.percent_span))
             noises.append(torch.randn((1, *shape[1:]), generator=g, dtype=torch.float32))
         sigma = self.loop.sigmas(torch.cat(percents))
-        out = {"sigma": sigma, "noise": torch.cat(noises)}
-        if self.loop.settings.min_snr_gamma > 0:  # weighed as the training's loss is
-            out["snr_weights"] = self.loop.loss.snr_weights(sigma)
-        return out
+        return {"sigma": sigma, "noise": torch.cat(noises), **self.loop.loss.drawn(sigma)}  # weighed as training
 
     def describe(self) -> str:
         """``validation loss (N images, fixed noise and timesteps): 0.12 at step 0 → 0.10 at step 500, lowest ...``."""
