@@ -1,4 +1,5 @@
-"""Caption lines → the texts that are encoded: the limits on them, kohya-style tag shuffles, and the report's notes.
+"""Caption lines → the texts that are encoded: the limits on them, kohya-style tag shuffles and tag dropout,
+wildcards (:mod:`.caption_wildcards`), and the report's notes.
 
 Kept apart from the planning of sources because what a caption line becomes is one rule shared by images and clips
 (and by the settings, which validate against its limits); every text this module gives is keyed as it is, so a
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from .caption_wildcards import expand_wildcards, wildcard_count
 from .keys import PlanKeys
 
 if TYPE_CHECKING:  # encode_jobs imports this module's limits and shuffles
@@ -28,6 +30,8 @@ __all__ = [
     "MAX_KEEP_TOKENS",
     "tag_orders",
     "shuffle_tags",
+    "drop_tags",
+    "MAX_TAG_DROPOUT",
     "too_many_variants",
     "caption_keys",
     "shuffle_notes",
@@ -52,6 +56,10 @@ MAX_SHUFFLE_VARIANTS = 64
 text encoders), and past a few dozen epochs more variants add nothing the sampler would use."""
 
 MAX_KEEP_TOKENS = 255
+
+MAX_TAG_DROPOUT = 0.9
+"""The largest tag dropout: past it a caption keeps almost no tag (and 1 would train the empty caption, which
+``caption_dropout`` does on purpose)."""
 
 
 _DRAWS_PER_VARIANT = 64
@@ -89,6 +97,33 @@ def _distinct_orders(rest: Sequence[str]) -> Iterator[tuple[str, ...]]:
         perm[k + 1:] = reversed(perm[k + 1:])
 
 
+def _orders(line: str, variants: int, keep_tokens: int) -> tuple[list[str], list[tuple[str, ...]]]:
+    """The line's kept tags and up to ``variants`` distinct orders of the rest (see :func:`shuffle_tags`)."""
+    fixed, rest = _tags(line, keep_tokens)
+    own = tuple(rest)
+    orders = tag_orders(line, keep_tokens, variants + 1)
+    chosen: list[tuple[str, ...]] = []
+    if orders - 1 < variants:  # every order, the shuffled ones first
+        every = list(_distinct_orders(rest))
+        return fixed, [o for o in every if o != own] + [own]
+    seen = {own}
+    for i in range(variants * _DRAWS_PER_VARIANT):
+        drawn = list(rest)
+        random.Random(xxhash.xxh64_intdigest(f"{i}\0{line}".encode("utf-8", "surrogatepass"))).shuffle(drawn)
+        if tuple(drawn) not in seen:
+            seen.add(tuple(drawn))
+            chosen.append(tuple(drawn))
+            if len(chosen) == variants:
+                break
+    for order in _distinct_orders(rest):  # draws kept repeating (few orders): the rest in enumeration order
+        if len(chosen) == variants:
+            break
+        if order not in seen:
+            seen.add(order)
+            chosen.append(order)
+    return fixed, chosen
+
+
 def shuffle_tags(line: str, variants: int, keep_tokens: int = 0) -> tuple[str, ...]:
     """Return up to ``variants`` shuffled-tag versions of one caption line (kohya's ``shuffle_caption`` with
     ``keep_tokens``), before prefix and suffix: distinct orders, none the line's own order where the tags allow.
@@ -102,34 +137,91 @@ def shuffle_tags(line: str, variants: int, keep_tokens: int = 0) -> tuple[str, .
     its conditionings stay cached). A line with fewer shuffled orders than ``variants`` (:func:`tag_orders`) gives
     every order it has, its own last: fewer texts (one for a line that cannot be shuffled).
     """
-    fixed, rest = _tags(line, keep_tokens)
-    own = tuple(rest)
-    orders = tag_orders(line, keep_tokens, variants + 1)
-    chosen: list[tuple[str, ...]] = []
-    if orders - 1 < variants:  # every order, the shuffled ones first
-        every = list(_distinct_orders(rest))
-        chosen = [o for o in every if o != own] + [own]
-    else:
-        seen = {own}
-        for i in range(variants * _DRAWS_PER_VARIANT):
-            drawn = list(rest)
-            random.Random(xxhash.xxh64_intdigest(f"{i}\0{line}".encode("utf-8", "surrogatepass"))).shuffle(drawn)
-            if tuple(drawn) not in seen:
-                seen.add(tuple(drawn))
-                chosen.append(tuple(drawn))
-                if len(chosen) == variants:
-                    break
-        for order in _distinct_orders(rest):  # draws kept repeating (few orders): the rest in enumeration order
-            if len(chosen) == variants:
-                break
-            if order not in seen:
-                seen.add(order)
-                chosen.append(order)
+    fixed, chosen = _orders(line, variants, keep_tokens)
     return tuple(", ".join([*fixed, *order]) for order in chosen)
+
+
+def _dropped_in(line: str, position: int, variants: int, rate: float) -> set[int]:
+    """Which of the ``variants`` leave out the movable tag at ``position``: ``rate × variants`` of them, the
+    fraction rounded up or down by a seeded draw (so its expectation is exact), the variants chosen at random."""
+    seed = xxhash.xxh64_intdigest(f"drop\0{position}\0{variants}\0{rate:.4f}\0{line}".encode("utf-8",
+                                                                                          "surrogatepass"))
+    rng = random.Random(seed)
+    share = rate * variants
+    count = math.floor(share) + (1 if rng.random() < share - math.floor(share) else 0)
+    return set(rng.sample(range(variants), count))
+
+
+def drop_tags(line: str, variants: int, keep_tokens: int, rate: float) -> tuple[str, ...]:
+    """Return ``variants`` versions of one caption line, each shuffled and with tags left out (kohya's
+    ``shuffle_caption`` with ``caption_tag_dropout_rate``), before prefix and suffix.
+
+    Version ``i`` takes the ``i``-th order of :func:`shuffle_tags` (cycling when the line has fewer) and leaves out
+    the movable tags whose draws chose it: each tag after the first ``keep_tokens`` is left out of ``rate × variants``
+    versions, rounded by a seeded draw, the versions chosen at random per tag (:func:`_dropped_in`, seeded by the
+    line, the tag's place in it, ``variants`` and ``rate``). So every tag is missing from a ``rate`` share of the
+    versions as kohya drops it in a ``rate`` share of steps, even with few versions, where independent draws would
+    often drop nothing. Versions may repeat (a line of one tag has two texts): each is a draw, so repeats weigh.
+    """
+    fixed, orders = _orders(line, variants, keep_tokens)
+    rest = _tags(line, keep_tokens)[1]
+    dropped = [_dropped_in(line, j, variants, rate) for j in range(len(rest))]
+    out = []
+    for i in range(variants):
+        drop = Counter(rest[j] for j in range(len(rest)) if i in dropped[j])
+        kept = []
+        for tag in orders[i % len(orders)]:
+            if drop[tag]:
+                drop[tag] -= 1
+            else:
+                kept.append(tag)
+        out.append(", ".join([*fixed, *kept]))
+    return tuple(out)
+
+
+def _line_variants(line: str, settings: EncodeSettings) -> int | None:
+    """How many texts one caption line gives (:meth:`~.encode_jobs.EncodeSettings.caption_texts`), counted without
+    encoding; ``None`` when its wildcard combinations alone pass :data:`MAX_CAPTION_VARIANTS`."""
+    line = line[:MAX_CAPTION_CHARS]
+    n, keep = settings.shuffle_variants, settings.keep_tokens
+    pieces = wildcard_count(line) if settings.wildcards else 1
+    if pieces > MAX_CAPTION_VARIANTS:
+        return None
+    if settings.tag_dropout:
+        return pieces * n
+    if not n:
+        return pieces
+    expanded = expand_wildcards(line, MAX_CAPTION_VARIANTS) if settings.wildcards else (line,)
+    return sum(min(tag_orders(piece, keep, n + 1), n) for piece in expanded)
+
+
+def _too_many_draws(captions: Sequence[str], settings: EncodeSettings) -> str | None:
+    """:func:`too_many_variants` where each line's texts are draws (wildcards, tag dropout): lines weigh alike, so
+    a sample holds every line's texts repeated to their least common multiple."""
+    counts = []
+    for line in captions:
+        n = _line_variants(line, settings)
+        if n is None or n > MAX_CAPTION_VARIANTS:
+            said = f"more than {MAX_CAPTION_VARIANTS}" if n is None else str(n)
+            return (f"its caption line {line[:60]!r} gives {said} caption variants (wildcard combinations × tag "
+                    f"variants), above the limit of {MAX_CAPTION_VARIANTS}; each is encoded separately: write fewer "
+                    "wildcard options or lower shuffle_variants")
+        counts.append(n)
+    if len(counts) < 2:
+        return None
+    total = len(counts) * math.lcm(*counts)
+    if total <= MAX_CAPTION_VARIANTS:
+        return None
+    return (f"its caption file's {len(counts)} lines give {', '.join(map(str, counts))} caption variants, which "
+            f"weigh alike only as {len(counts)} × {math.lcm(*counts)} = {total} entries of the sample, above the "
+            f"limit of {MAX_CAPTION_VARIANTS}: give the lines the same number of wildcard options, lower "
+            "shuffle_variants or keep fewer caption lines")
 
 
 def too_many_variants(captions: Sequence[str], settings: EncodeSettings) -> str | None:
     """Why a sample's caption variants (lines, times the shuffles of each) are too many to encode, or ``None``."""
+    if settings.weighs_lines:
+        return _too_many_draws(captions, settings)
     lines = len(captions)
     variants = lines * max(1, settings.shuffle_variants)
     if variants <= MAX_CAPTION_VARIANTS:
@@ -144,20 +236,47 @@ def too_many_variants(captions: Sequence[str], settings: EncodeSettings) -> str 
 
 def caption_keys(captions: Sequence[str], relpath: str, settings: EncodeSettings, keys: PlanKeys,
                  texts: dict[str, str], cut: list[str], many: list[str]) -> tuple[str, ...]:
-    """The conditioning keys of one sample's caption lines (with shuffling, every line's variants, each text
-    once; without, one per line, duplicates kept: they weight that line); adds their texts to ``texts``."""
+    """The conditioning keys of one sample's caption lines; adds their texts to ``texts``.
+
+    With shuffling alone, every line's variants, each text once; without, one per line, duplicates kept: they
+    weight that line. With wildcards or tag dropout (``settings.weighs_lines``) each line's texts are draws, kept
+    with their repeats, and each line's are repeated to the least common multiple of the lines' counts: every line
+    weighs alike, as kohya picks a line before its wildcards and dropped tags.
+    """
     if len(captions) > CAPTION_VARIANTS_NOTE:
         many.append(relpath)
-    out = []
+    per_line = []
     for line in captions:
         if len(line) > MAX_CAPTION_CHARS:
             cut.append(relpath)
             line = line[:MAX_CAPTION_CHARS]
+        line_keys = []
         for text in settings.caption_texts(line):
             ckey = keys.conditioning(text)
             texts.setdefault(ckey, text)
-            out.append(ckey)
+            line_keys.append(ckey)
+        per_line.append(line_keys)
+    if settings.weighs_lines:
+        common = math.lcm(*map(len, per_line)) if per_line else 1
+        return tuple(k for line_keys in per_line for k in line_keys * (common // len(line_keys)))
+    out = [k for line_keys in per_line for k in line_keys]
     return tuple(dict.fromkeys(out)) if settings.shuffle_variants else tuple(out)
+
+
+def _pieces(settings: EncodeSettings, captions: Iterable[Sequence[str]]) -> Iterator[str]:
+    """Every distinct caption line as it is shuffled: cut to :data:`MAX_CAPTION_CHARS` and, with wildcards, each of
+    its combinations (none for a line over the limit: it is a failure of its own)."""
+    seen: set[str] = set()
+    for lines in captions:
+        for line in lines:
+            line = line[:MAX_CAPTION_CHARS]
+            if line in seen:
+                continue
+            seen.add(line)
+            if not settings.wildcards:
+                yield line
+            elif wildcard_count(line) <= MAX_CAPTION_VARIANTS:
+                yield from expand_wildcards(line, MAX_CAPTION_VARIANTS)
 
 
 def shuffle_notes(settings: EncodeSettings, captions: Iterable[Sequence[str]]) -> tuple[str, ...]:
@@ -173,15 +292,13 @@ def shuffle_notes(settings: EncodeSettings, captions: Iterable[Sequence[str]]) -
     kept: list[str] = []  # keep_tokens leaves at most one tag to move
     single: list[str] = []  # one tag or none, or all the same
     short: dict[str, int] = {}
-    for lines in captions:
-        for line in lines:
-            line = line[:MAX_CAPTION_CHARS]
-            orders = tag_orders(line, keep, variants + 1)
-            if orders == 1:
-                fixed, rest = _tags(line, keep)
-                (kept if len(fixed) + len(rest) > 1 and len(rest) <= 1 else single).append(line)
-            elif orders - 1 < variants:
-                short.setdefault(line, orders)
+    for line in _pieces(settings, captions):
+        orders = tag_orders(line, keep, variants + 1)
+        if orders == 1:
+            fixed, rest = _tags(line, keep)
+            (kept if len(fixed) + len(rest) > 1 and len(rest) <= 1 else single).append(line)
+        elif orders - 1 < variants and not settings.tag_dropout:  # with dropout: versions cycle the orders
+            short.setdefault(line, orders)
     notes = []
     if kept:
         kept = sorted(set(kept))

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .buckets import BucketConfig, CropPlan
-from .captions import MAX_KEEP_TOKENS, MAX_SHUFFLE_VARIANTS, shuffle_tags
+from .caption_wildcards import expand_wildcards
+from .captions import (MAX_CAPTION_VARIANTS, MAX_KEEP_TOKENS, MAX_SHUFFLE_VARIANTS, MAX_TAG_DROPOUT, drop_tags,
+                       shuffle_tags)
 from .constants import DEFAULT_SHARD_BYTES
 from .dataset import Sample
 from .errors import SourceFailure
@@ -74,6 +76,10 @@ class EncodeSettings:
         missing_caption: what a source without a caption file is captioned with: ``"empty"`` (the empty prompt),
             ``"folder name"`` (its kohya ``<repeats>_<name>`` folder's name) or ``"file name"`` (see
             :mod:`.missing_captions`).
+        tag_dropout: with shuffling, the share of the shuffled versions each tag after ``keep_tokens`` is left out
+            of (kohya's ``caption_tag_dropout_rate``, see :func:`.captions.drop_tags`); ``0`` leaves every tag in.
+        wildcards: ``{a|b}`` option groups in caption lines give one text per combination of options (kohya's
+            ``enable_wildcard``, see :mod:`.caption_wildcards`); off, braces are encoded as written.
         mask_factor: the VAE's spatial compression (8 for SD/SDXL/Flux), which sets a mask's latent resolution;
             a property of the VAE, not a user setting (not described). ``None``: unknown (the VAE was not
             loaded): mask keys are then unresolved, so the VAE is asked for, and such a plan cannot be encoded.
@@ -94,6 +100,8 @@ class EncodeSettings:
     mask_factor: int | None = None
     missing_caption: str = "empty"
     extra_resolutions: tuple[int, ...] = ()
+    tag_dropout: float = 0.0
+    wildcards: bool = False
 
     def __post_init__(self) -> None:
         if type(self.shuffle_variants) is not int or not 0 <= self.shuffle_variants <= MAX_SHUFFLE_VARIANTS:
@@ -102,6 +110,7 @@ class EncodeSettings:
         if type(self.keep_tokens) is not int or not 0 <= self.keep_tokens <= MAX_KEEP_TOKENS:
             raise ValueError(f"EncodeSettings.keep_tokens must be an int from 0 to {MAX_KEEP_TOKENS}, "
                              f"got {self.keep_tokens!r}")
+        self._check_caption_draws()
         if type(self.empty_caption) is not bool:
             raise TypeError(f"EncodeSettings.empty_caption must be a bool, got {self.empty_caption!r}")
         if self.masks not in MASK_MODES:
@@ -130,6 +139,23 @@ class EncodeSettings:
         if self.encode_threads is not None and (type(self.encode_threads) is not int or self.encode_threads < 0):
             raise ValueError(f"EncodeSettings.encode_threads must be None or an int >= 0, got {self.encode_threads!r}")
 
+    def _check_caption_draws(self) -> None:
+        rate = self.tag_dropout
+        if type(rate) not in (int, float) or not 0 <= rate <= MAX_TAG_DROPOUT:
+            raise ValueError(f"EncodeSettings.tag_dropout must be a number from 0 to {MAX_TAG_DROPOUT}, "
+                             f"got {rate!r:.40}")
+        if rate and not self.shuffle_variants:
+            raise ValueError(f"tag_dropout {rate:g} leaves tags out of the shuffled versions of each caption line, and "
+                             "shuffle_variants is 0: set shuffle_variants to how many versions to encode (e.g. 8)")
+        if type(self.wildcards) is not bool:
+            raise TypeError(f"EncodeSettings.wildcards must be a bool, got {self.wildcards!r:.40}")
+
+    @property
+    def weighs_lines(self) -> bool:
+        """Whether a caption line's texts are draws that keep their repeats and lines weigh alike (wildcards, tag
+        dropout; see :func:`.captions.caption_keys`)."""
+        return self.wildcards or bool(self.tag_dropout)
+
     def _check_extra_resolutions(self) -> None:
         extra = self.extra_resolutions
         if not isinstance(extra, tuple) or not all(type(r) is int for r in extra):
@@ -153,11 +179,26 @@ class EncodeSettings:
         return (self.caption_prefix + line + self.caption_suffix).strip()
 
     def caption_texts(self, line: str) -> tuple[str, ...]:
-        """Return the texts encoded for one caption line: ``(caption_text(line),)``, or with shuffling the
-        :func:`.captions.shuffle_tags` variants (distinct orders), each through :meth:`caption_text`."""
-        if not self.shuffle_variants:
-            return (self.caption_text(line),)
-        return tuple(self.caption_text(t) for t in shuffle_tags(line, self.shuffle_variants, self.keep_tokens))
+        """Return the texts encoded for one caption line, each through :meth:`caption_text`: with wildcards, each
+        combination of its options (:func:`.caption_wildcards.expand_wildcards`); of each, with shuffling, the
+        :func:`.captions.shuffle_tags` variants (distinct orders), with tag dropout the :func:`.captions.drop_tags`
+        versions instead.
+
+        Raises:
+            ValueError: the line's wildcard combinations pass :data:`.captions.MAX_CAPTION_VARIANTS` (planning
+                leaves such a sample out first, naming its caption).
+        """
+        pieces = expand_wildcards(line, MAX_CAPTION_VARIANTS) if self.wildcards else (line,)
+        out: list[str] = []
+        for piece in pieces:
+            if self.tag_dropout:
+                texts = drop_tags(piece, self.shuffle_variants, self.keep_tokens, float(self.tag_dropout))
+            elif self.shuffle_variants:
+                texts = shuffle_tags(piece, self.shuffle_variants, self.keep_tokens)
+            else:
+                texts = (piece,)
+            out.extend(self.caption_text(t) for t in texts)
+        return tuple(out)
 
     def describe(self) -> dict[str, Any]:
         """Return the settings as plain JSON (stored in the dataset's info).
@@ -174,6 +215,10 @@ class EncodeSettings:
             out["shuffle_variants"] = self.shuffle_variants
             if self.keep_tokens:
                 out["keep_tokens"] = self.keep_tokens
+            if self.tag_dropout:
+                out["tag_dropout"] = self.tag_dropout
+        if self.wildcards:
+            out["wildcards"] = True
         if self.empty_caption:
             out["empty_caption"] = True
         if self.masks != "none":
@@ -346,7 +391,7 @@ class EncodePlan:
             "masks_to_encode": len(self.missing_masks),
         }
 
-    def variants(self) -> dict[str, int]:
+    def variants(self) -> dict[str, int | float]:
         """What the planned dataset holds beyond one latent and caption per sample, for the report: distinct
         caption conditionings, mirrors and masks, whether the empty caption is named (0/1), and the settings."""
         return variant_counts(self.samples, self.settings)
@@ -363,16 +408,22 @@ class EncodePlan:
                 + (f"; {len(self.failures)} failed" if self.failures else ""))
 
 
-def variant_counts(samples: Sequence[Sample], settings: EncodeSettings | None = None) -> dict[str, int]:
+def variant_counts(samples: Sequence[Sample], settings: EncodeSettings | None = None) -> dict[str, int | float]:
     """Distinct caption conditionings, mirrors and masks the samples name, and whether they name an empty
-    caption (0/1); with ``settings``, the shuffle count too (``shuffle_variants``) and, with ``flip="always"``, how
-    many samples are stored mirrored (``flipped``: all of them)."""
+    caption (0/1); with ``settings``, the shuffle count too (``shuffle_variants``, and ``tag_dropout`` and
+    ``wildcards`` (1) when set) and, with ``flip="always"``, how many samples are stored mirrored (``flipped``: all of
+    them)."""
     keys = role_keys(samples)
-    out = {"captions": len(keys["captions"]), "mirrors": len(keys["mirrors"]), "masks": len(keys["masks"]),
-           "masked_samples": sum(1 for s in samples if s.mask is not None),
-           "empty_caption": int(bool(keys["empty_caption"]))}
+    out: dict[str, int | float] = {
+        "captions": len(keys["captions"]), "mirrors": len(keys["mirrors"]), "masks": len(keys["masks"]),
+        "masked_samples": sum(1 for s in samples if s.mask is not None),
+        "empty_caption": int(bool(keys["empty_caption"]))}
     if settings is not None:
         out["shuffle_variants"] = settings.shuffle_variants
+        if settings.tag_dropout:
+            out["tag_dropout"] = settings.tag_dropout
+        if settings.wildcards:
+            out["wildcards"] = 1
         if settings.bucket.flip == "always":
             out["flipped"] = len(samples)
     return out

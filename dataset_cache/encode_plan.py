@@ -23,7 +23,8 @@ Variants (issue #16), each an entry of its own key, planned here and encoded by 
 
 * tag shuffles (``shuffle_variants`` > 0): each caption line gives that many shuffled-tag texts
   (:meth:`.encode_jobs.EncodeSettings.caption_texts`), keyed like any caption text, so only a changed line's
-  variants are new;
+  variants are new; with ``tag_dropout``, versions with tags left out instead, and with ``wildcards`` each
+  combination of a line's ``{a|b}`` options is a line of its own (:mod:`.caption_wildcards`);
 * the empty caption (``empty_caption``): the text ``""`` (no prefix or suffix), one conditioning per text encoder,
   named by every sample's ``empty_caption``;
 * mirrors (``bucket.flip == "random"``): the mirrored crop plan's latent (the key ``flip="always"`` gives), named
@@ -50,6 +51,7 @@ from typing import Any
 import xxhash
 
 from .buckets import BucketConfig, CropPlan
+from .caption_wildcards import wildcard_notes
 from .captions import caption_keys, caption_notes, shuffle_notes, too_many_variants
 from .missing_captions import fill_missing_captions
 from .clip_plan import clip_notes, plan_clips
@@ -167,6 +169,8 @@ def _output_settings(described: Mapping[str, Any]) -> dict[str, Any]:
     shuffle = described.get("shuffle_variants", 0)
     out["shuffle_variants"] = shuffle
     out["keep_tokens"] = described.get("keep_tokens", 0) if shuffle else 0  # no effect without shuffling
+    out["tag_dropout"] = described.get("tag_dropout", 0)
+    out["wildcards"] = described.get("wildcards", False)
     out["empty_caption"] = described.get("empty_caption", False)
     out["masks"] = described.get("masks", "none")
     out["missing_caption"] = described.get("missing_caption", "empty")
@@ -276,6 +280,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     missing = _Missing.of(latents, texts, masks, clips, have)
     unused = unused_masks(settings, validation.listing)
     unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures, *unplannable)}
+    lines = [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)]
     counts = validation.counts()
     return EncodePlan(
         cache_root=root, dataset=dataset, folder=src, settings=settings, vae_fingerprint=vae_fingerprint,
@@ -289,7 +294,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         skipped=_listed_samples(validation) - len({s.source for s in samples}),
         notes=(filled + caption_notes(cut, many) + clip_notes(settings, short)
                + mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
-               + shuffle_notes(settings, [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)])),
+               + shuffle_notes(settings, lines) + wildcard_notes(settings.wildcards, lines)),
         missing_clips=missing.clips, missing_masks=missing.masks, empty_caption=empty,
         images_without_mask=len(no_mask), unused_masks=len(unused), short_clips=tuple(short),
     )

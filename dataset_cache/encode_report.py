@@ -44,8 +44,8 @@ class EncodeReport:
         encoded_mirrors: mirrored latents among ``encoded_latents``.
         encoded_empty_caption: this run encoded the empty caption.
         variants: what the stored dataset holds (:func:`.encode_jobs.variant_counts`): distinct ``captions``,
-            ``mirrors``, ``masks``, ``masked_samples``, ``empty_caption`` (0/1), ``shuffle_variants`` and, with
-            ``flip="always"``, ``flipped``.
+            ``mirrors``, ``masks``, ``masked_samples``, ``empty_caption`` (0/1), ``shuffle_variants`` (with
+            ``tag_dropout``, ``wildcards`` when set) and, with ``flip="always"``, ``flipped``.
         short_clips: clips that give fewer frames than asked, each ``"<relpath>: <taken> of <asked> frames
             (why)"`` (the plan's; ``notes`` names the first of them).
     """
@@ -73,7 +73,7 @@ class EncodeReport:
     encoded_masks: int = 0
     encoded_mirrors: int = 0
     encoded_empty_caption: bool = False
-    variants: dict[str, int] = field(default_factory=dict)
+    variants: dict[str, int | float] = field(default_factory=dict)
     short_clips: tuple[str, ...] = ()
 
     @property
@@ -87,8 +87,11 @@ class EncodeReport:
         v = self.variants
         parts = []
         if v.get("shuffle_variants"):
-            parts.append(f"{v['shuffle_variants']} tag shuffles per caption line ({v.get('captions', 0)} distinct "
-                         "caption texts in the dataset)")
+            dropout = f" with tag dropout {v['tag_dropout']:g}" if v.get("tag_dropout") else ""
+            parts.append(f"{v['shuffle_variants']} tag shuffles{dropout} per caption line ({v.get('captions', 0)} "
+                         "distinct caption texts in the dataset)")
+        if v.get("wildcards"):
+            parts.append("wildcards: each combination of a caption line's {a|b} options is a caption variant")
         if v.get("mirrors") or self.encoded_mirrors:
             parts.append(f"mirrors: {self.encoded_mirrors} encoded, {v.get('mirrors', 0)} in the dataset")
         if v.get("flipped"):

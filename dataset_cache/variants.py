@@ -49,7 +49,8 @@ class VariantSummary:
         samples: samples in the dataset.
         roles: role -> its distinct entries, bytes and missing entries.
         settings: the variant settings the dataset was encoded with, from its info (``flip`` — ``"always"`` or
-            ``"random"`` —, ``shuffle_variants``, ``keep_tokens``, ``masks``, ``empty_caption``), for the report;
+            ``"random"`` —, ``shuffle_variants``, ``keep_tokens``, ``tag_dropout``, ``wildcards``, ``masks``,
+            ``empty_caption``), for the report;
             absent ones are at their defaults.
     """
 
@@ -83,7 +84,7 @@ class VariantSummary:
         return out
 
 
-_SETTING_NAMES = ("flip", "shuffle_variants", "keep_tokens", "masks", "empty_caption")
+_SETTING_NAMES = ("flip", "shuffle_variants", "keep_tokens", "tag_dropout", "wildcards", "masks", "empty_caption")
 
 
 def role_keys(samples: Sequence[Sample]) -> dict[str, set[str]]:

@@ -31,7 +31,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..dataset_cache.buckets import CROP_MODES, FLIP_MODES, BucketConfig
-from ..dataset_cache.captions import MAX_SHUFFLE_VARIANTS
+from ..dataset_cache.captions import MAX_SHUFFLE_VARIANTS, MAX_TAG_DROPOUT
 from ..dataset_cache.encode_jobs import FAILURE_POLICIES, MAX_EXTRA_RESOLUTIONS, EncodePlan, EncodeSettings
 from ..dataset_cache.encode_plan import plan_encode
 from ..dataset_cache.imaging import MASK_MODES
@@ -94,7 +94,8 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
               frame_sampling: str = "first", frame_step: int = 2, fps: float = 0.0,
               frame_stride: int | None = None, flip: str = "none", shuffle_variants: int = 0, keep_tokens: int = 0,
               empty_caption: bool = False, masks: str = "none", mask_factor: int | None = None,
-              missing_caption: str = "empty", extra_resolutions: str = "") -> EncodeSettings:
+              missing_caption: str = "empty", extra_resolutions: str = "", tag_dropout: float = 0.0,
+              wildcards: bool = False) -> EncodeSettings:
     problem = _bucket_problem(resolution, bucket_step) or _frame_problem(frame_count, frame_step, fps)
     if problem:
         raise ValueError(problem)
@@ -108,7 +109,8 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
                           batch_size=batch_size, failure_policy=on_failure, video=video,
                           shuffle_variants=shuffle_variants, keep_tokens=keep_tokens,
                           empty_caption=bool(empty_caption), masks=masks, mask_factor=mask_factor,
-                          missing_caption=missing_caption, extra_resolutions=extra)
+                          missing_caption=missing_caption, extra_resolutions=extra,
+                          tag_dropout=round(float(tag_dropout), 4), wildcards=bool(wildcards))
 
 
 def _extra_resolutions(text: Any, resolution: int, bucket_step: int) -> tuple[int, ...]:
@@ -377,6 +379,17 @@ class EncodeDataset(io.ComfyNode):
                                 "is a sample of the dataset, so an epoch sees each image once per resolution. Adding "
                                 "one encodes only its latents: captions are shared. Images only: clips use "
                                 "resolution."),
+                io.Float.Input("tag_dropout", default=0.0, min=0.0, max=MAX_TAG_DROPOUT, step=0.05, round=0.01,
+                               optional=True, advanced=True,
+                               tooltip="With tag shuffling (kohya's caption_tag_dropout_rate): the share of each "
+                               "caption line's shuffle_variants versions that leave out a tag after keep_tokens, "
+                               "per tag, e.g. 0.1. Needs shuffle_variants (8 or more lets small rates show). "
+                               "Changing it encodes only captions."),
+                io.Boolean.Input("wildcards", default=False, optional=True, advanced=True,
+                                 tooltip="Caption wildcards (kohya's enable_wildcard): '{red|blue} car' trains as "
+                                 "'red car' and 'blue car', each combination of a line's options its own cached "
+                                 "caption, picked per epoch; every caption line weighs alike. Write {{ and }} for "
+                                 "literal braces. Off: braces are encoded as written."),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),

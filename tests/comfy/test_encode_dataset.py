@@ -367,7 +367,7 @@ def test_small_images_are_not_upscaled_unless_asked_and_old_prompts_run_without_
     assert schema["upscale"].default is False and schema["upscale"].optional and schema["upscale"].advanced
     assert {k for k, i in schema.items() if i.advanced} == {"caption_suffix", "batch_size", "on_failure", "upscale",
                                                             "frame_step", "fps", "shuffle_variants", "keep_tokens",
-                                                            "empty_caption"}
+                                                            "empty_caption", "tag_dropout", "wildcards"}
     old = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), resolution=512,
                   bucket_step=32)
     assert "upscale" not in old["10"]["inputs"]  # as a workflow saved before the input existed
@@ -534,4 +534,39 @@ def test_extra_resolutions_encode_each_image_again_loading_only_the_vae(
     assert all(len(a) == 2 and a[0] < a[1] for a in areas.values()), areas
     bad = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), extra_resolutions="128, x")
     with pytest.raises(ValueError, match=r"extra_resolutions: 'x' is not a resolution; write resolutions from 64"):
+        Run(mod, bad).lazy()
+
+
+def test_tag_dropout_and_wildcards_encode_only_captions_through_the_node(
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str],
+        comfy_nodes: ModuleType, pack: ModuleType) -> None:
+    """A caption with a wildcard, after a plain run: turning wildcards and tag dropout on loads only CLIP, and the
+    sample holds the dropout versions of each combination, each encoded as CLIPTextEncode encodes it. The
+    frontend's float (0.25000000000000006) is the rate 0.25. Dropout without shuffles is refused naming both."""
+    vae, clip = encoders
+    img = kohya.images[0]
+    img.path.with_suffix(".txt").write_text("ohwx, {red|blue} ball, shiny", encoding="utf-8")
+    rel = img.path.relative_to(kohya.root).as_posix()
+    base = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"))
+    Run(mod, base).queue(vae, clip)
+    drawn = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), shuffle_variants=4,
+                    keep_tokens=1, tag_dropout=0.25000000000000006, wildcards=True)
+    handle, report, asked = Run(mod, drawn).queue(vae, clip)
+    assert asked == ["clip"] and _encoded(report)[0] == 0, report
+    assert "with tag dropout 0.25" in report and "each combination of a caption line's" in report, report
+    reader, samples = handle.open()
+    try:
+        (sample,) = [s for s in samples if s.source == rel]
+        info = reader.datasets()["default"].info["settings"]
+        assert info["tag_dropout"] == 0.25 and info["wildcards"] is True
+        assert len(sample.captions) == 2 * 4  # two combinations × four versions, repeats kept
+        first = reader.read([sample.captions[0]])[0]
+    finally:
+        reader.close()
+    drop_tags = importlib.import_module(f"{pack.__name__}.dataset_cache.captions").drop_tags
+    with torch.inference_mode():  # the same text through the same encoder, alone in its batch: the same numbers
+        (expected,) = comfy_nodes.CLIPTextEncode().encode(clip, drop_tags("ohwx, red ball, shiny", 4, 1, 0.25)[0])
+    assert torch.equal(first[0][0], expected[0][0])
+    bad = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), tag_dropout=0.1)
+    with pytest.raises(ValueError, match="tag_dropout 0.1 leaves tags out .* shuffle_variants is 0"):
         Run(mod, bad).lazy()
