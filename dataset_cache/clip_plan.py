@@ -1,5 +1,5 @@
 """The clips' planning: each clip (a video or a ``.frames`` folder) keyed by its source and the frames it takes,
-its sample added, and the report's notes on clips.
+its samples added (one per window of ``clips_per_video``), and the report's notes on clips.
 
 Apart from the images' planning because a clip's key, limits and shortfalls are its own (frame indices, the VAE's
 temporal stride, the keys of earlier builds kept), while its captions and mirror follow the images' rules.
@@ -27,9 +27,10 @@ SHORT_CLIPS_NAMED = 20
 ``short_clips`` and the node's structured report hold them all)."""
 
 
-def clip_notes(settings: EncodeSettings, short: Sequence[str]) -> tuple[str, ...]:
-    """What the report says about clips: a frame count the VAE's stride rounds, and the clips that give fewer
-    frames than asked (``short``, the first :data:`SHORT_CLIPS_NAMED` by name)."""
+def clip_notes(settings: EncodeSettings, short: Sequence[str], fewer: Sequence[str] = ()) -> tuple[str, ...]:
+    """What the report says about clips: a frame count the VAE's stride rounds, the clips that give fewer frames
+    than asked (``short``) and the videos whose clips overlap or are fewer than ``clips_per_video`` (``fewer``),
+    each list's first :data:`SHORT_CLIPS_NAMED` by name."""
     video = settings.video
     notes = []
     if video.stride and video.stride > 1 and video.effective_frames != video.frames:
@@ -40,6 +41,11 @@ def clip_notes(settings: EncodeSettings, short: Sequence[str]) -> tuple[str, ...
         notes.append(f"{len(short)} clip(s) give fewer frames than the {video.effective_frames} asked; each trains "
                      "with the frames it gives, in the bucket of that frame count: "
                      + "; ".join(short[:SHORT_CLIPS_NAMED]) + more)
+    if fewer:
+        more = f"; and {len(fewer) - SHORT_CLIPS_NAMED} more" if len(fewer) > SHORT_CLIPS_NAMED else ""
+        notes.append(f"{len(fewer)} video(s) are too short for clips_per_video {video.clips} clips end to end, so "
+                     "their clips overlap (windows taking the same frames are one clip): "
+                     + "; ".join(fewer[:SHORT_CLIPS_NAMED]) + more)
     return tuple(notes)
 
 
@@ -74,55 +80,78 @@ def _clip_source(clip: SourceClip, record: SourcesRecord) -> tuple[str, tuple[st
     return hash_bytes(listed.encode("utf-8", "surrogatepass")), tuple(f.path for f in clip.frames), frame_hashes
 
 
+def _prepared(clip: SourceClip, record: SourcesRecord, settings: EncodeSettings, acc: Planned
+              ) -> tuple[str, tuple[str, ...], tuple[str, ...], CropPlan] | None:
+    """A clip's source hash, frame files and hashes and its crop plan, or ``None`` when it cannot be planned (a
+    failure added to ``acc.unplannable``, or a file that could not be hashed: already a validation failure)."""
+    if settings.video.stride == 0:
+        acc.unplannable.append(SourceFailure(clip.relpath, clip.path, (
+            "is a video clip, but the VAE encodes still images only (it reads a batch as separate images); "
+            "connect a video VAE (e.g. WAN's) or move the clip out of the folder")))
+        return None
+    too_many = too_many_variants(clip.captions, settings)
+    if too_many:
+        acc.unplannable.append(SourceFailure(clip.relpath, clip.path, too_many))
+        return None
+    source = _clip_source(clip, record)
+    if source is None:
+        return None
+    try:
+        plan = settings.bucket.plan(clip.width, clip.height, token=source[0])
+    except ValueError as exc:
+        acc.unplannable.append(SourceFailure(clip.relpath, clip.path, str(exc)))
+        return None
+    return (*source, plan)
+
+
+def _fewer_clips(clip: SourceClip, video: FrameSettings, windows: Sequence[tuple[int, ...]]) -> str | None:
+    """``"<relpath>: <n> clips ... "`` when a video's clips overlap or are fewer than ``clips_per_video``."""
+    if video.clips == 1 or (len(windows) == video.clips and not set(windows[0]) & set(windows[1])):
+        return None
+    return (f"{clip.relpath}: {len(windows)} clip(s) of {len(windows[0])} frames from its {clip.frame_count}"
+            + (", overlapping" if len(windows) > 1 and set(windows[0]) & set(windows[1]) else ""))
+
+
 def plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: EncodeSettings, acc: Planned,
                have: set[str], short: list[str]) -> dict[str, LatentJob]:
     """Key every clip (its bytes, or its frames' in order, plus the crop plan and the frames it takes), add its
-    sample to ``acc``; return the latent jobs by key (apart from ``acc.latents``: clips are encoded on their own).
-    Clips that cannot be planned are added to ``acc.unplannable``, clips that give fewer frames than asked to
-    ``short`` (``"<relpath>: <taken> of <asked> frames (why)"``). ``have``: the keys the cache holds."""
+    samples to ``acc`` (one per window, ``clips_per_video``); return the latent jobs by key (apart from
+    ``acc.latents``: clips are encoded on their own). Clips that cannot be planned are added to
+    ``acc.unplannable``, clips that give fewer frames than asked to ``short`` (``"<relpath>: <taken> of <asked>
+    frames (why)"``), videos whose windows overlap or are fewer than asked to ``acc.fewer_clips``. ``have``: the
+    keys the cache holds."""
     jobs: dict[str, LatentJob] = {}
     video = settings.video
     for clip in clips:
-        if video.stride == 0:
-            acc.unplannable.append(SourceFailure(clip.relpath, clip.path, (
-                "is a video clip, but the VAE encodes still images only (it reads a batch as separate images); "
-                "connect a video VAE (e.g. WAN's) or move the clip out of the folder")))
+        prepared = _prepared(clip, record, settings, acc)
+        if prepared is None:
             continue
-        too_many = too_many_variants(clip.captions, settings)
-        if too_many:
-            acc.unplannable.append(SourceFailure(clip.relpath, clip.path, too_many))
-            continue
-        source = _clip_source(clip, record)
-        if source is None:
-            continue
-        source_hash, frame_paths, frame_hashes = source
-        try:
-            plan = settings.bucket.plan(clip.width, clip.height, token=source_hash)
-        except ValueError as exc:
-            acc.unplannable.append(SourceFailure(clip.relpath, clip.path, str(exc)))
-            continue
-        indices = video.indices(clip.frame_count, clip.rate)
+        source_hash, frame_paths, frame_hashes, plan = prepared
+        windows = video.windows(clip.frame_count, clip.rate)
         width, height = plan.bucket
-        need = len(indices) * width * height * 3 * 4
+        need = len(windows[0]) * width * height * 3 * 4
         if need > MAX_CLIP_PIXEL_BYTES:
             acc.unplannable.append(SourceFailure(clip.relpath, clip.path, (
-                f"{len(indices)} frames at {width}x{height} take {need / (1 << 30):.1f} GiB of pixels to encode, "
+                f"{len(windows[0])} frames at {width}x{height} take {need / (1 << 30):.1f} GiB of pixels to encode, "
                 f"above the limit of {MAX_CLIP_PIXEL_BYTES >> 30} GiB; lower the frame count or the resolution")))
             continue
         lack = video.shortfall(clip.frame_count, clip.rate)
         if lack is not None:
             short.append(f"{clip.relpath}: {lack}")
-        lkey = _clip_key(source_hash, plan, acc.keys.vae, video, clip.kind, indices, have)
-        if lkey not in jobs:
-            jobs[lkey] = LatentJob(lkey, clip.path, clip.relpath, source_hash, plan,
-                                   ClipJob(indices, frame_paths, frame_hashes))
-        mirror = None
-        if settings.bucket.flip == "random":
-            mplan = settings.bucket.mirror_plan(plan)
-            mirror = _clip_key(source_hash, mplan, acc.keys.vae, video, clip.kind, indices, have)
-            if mirror not in jobs:
-                jobs[mirror] = LatentJob(mirror, clip.path, clip.relpath, source_hash, mplan,
-                                         ClipJob(indices, frame_paths, frame_hashes), mirror=True)
+        fewer = _fewer_clips(clip, video, windows)
+        if fewer is not None:
+            acc.fewer_clips.append(fewer)
         ckeys = caption_keys(clip.captions, clip.relpath, settings, acc.keys, acc.texts, acc.cut, acc.many)
-        acc.samples.append(Sample(lkey, ckeys, clip.repeats, clip.relpath, mirror=mirror, empty_caption=acc.empty))
+        for indices in windows:
+            job = ClipJob(indices, frame_paths, frame_hashes)
+            lkey = _clip_key(source_hash, plan, acc.keys.vae, video, clip.kind, indices, have)
+            jobs.setdefault(lkey, LatentJob(lkey, clip.path, clip.relpath, source_hash, plan, job))
+            mirror = None
+            if settings.bucket.flip == "random":
+                mplan = settings.bucket.mirror_plan(plan)
+                mirror = _clip_key(source_hash, mplan, acc.keys.vae, video, clip.kind, indices, have)
+                jobs.setdefault(mirror, LatentJob(mirror, clip.path, clip.relpath, source_hash, mplan, job,
+                                                  mirror=True))
+            acc.samples.append(Sample(lkey, ckeys, clip.repeats, clip.relpath, mirror=mirror,
+                                      empty_caption=acc.empty))
     return jobs

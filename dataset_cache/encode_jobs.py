@@ -443,4 +443,5 @@ class Planned:
     cut: list[str] = field(default_factory=list)  # images with a caption line cut at captions.MAX_CAPTION_CHARS
     many: list[str] = field(default_factory=list)  # images with more than captions.CAPTION_VARIANTS_NOTE caption lines
     no_mask: list[str] = field(default_factory=list)  # images without a mask file (masklabel) or alpha (alpha)
+    fewer_clips: list[str] = field(default_factory=list)  # videos whose clips_per_video windows overlap
     empty: str | None = None  # the empty caption's key, when caption dropout is planned

@@ -292,7 +292,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
                 + sum(k in have for k in masks)),
         dataset_current=info is not None and info.get("samples_digest") == digest, validation=validation,
         skipped=_listed_samples(validation) - len({s.source for s in samples}),
-        notes=(filled + caption_notes(cut, many) + clip_notes(settings, short)
+        notes=(filled + caption_notes(cut, many) + clip_notes(settings, short, acc.fewer_clips)
                + mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
                + shuffle_notes(settings, lines) + wildcard_notes(settings.wildcards, lines)),
         missing_clips=missing.clips, missing_masks=missing.masks, empty_caption=empty,

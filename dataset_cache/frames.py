@@ -38,6 +38,7 @@ __all__ = [
     "FRAMES_SUFFIX",
     "SAMPLING_MODES",
     "MAX_CLIP_FRAMES",
+    "MAX_CLIPS_PER_VIDEO",
     "MAX_CLIP_PIXEL_BYTES",
     "VIDEO_RULES",
     "MIN_FPS",
@@ -60,6 +61,10 @@ SAMPLING_MODES = ("first", "uniform", "every_k")
 
 MAX_CLIP_FRAMES = 4097
 """Frames one clip may give: 1 + 4 * 1024, far above what a video model trains on (WAN: 81)."""
+
+MAX_CLIPS_PER_VIDEO = 64
+"""Clips one video (or frame folder) may give: each is a latent to encode and store, and a sample of the dataset
+(musubi-tuner's extraction of a long video into clips; 64 windows of 81 frames span a 5-minute video at 16 fps)."""
 
 MAX_CLIP_PIXEL_BYTES = 2 << 30
 """Decoded float32 pixels of one clip at its bucket size (2 GiB: 81 frames at 1280×720 take 0.9 GiB). A clip
@@ -108,6 +113,10 @@ class FrameSettings:
             ``1`` takes any count; ``0`` means the VAE encodes still images only, so clips are refused; ``None``
             means not known yet (the VAE was not loaded): clip keys are then marked unresolved, so the VAE is
             asked for, and such a plan cannot be encoded.
+        clips: how many clips (samples) each video gives (musubi-tuner's ``frame_extraction`` ``uniform`` with
+            ``frame_sample``): windows of the frames ``first`` or ``every_k`` take, their starts spread evenly from
+            the video's start to where the last window ends at its end (see :meth:`windows`). Not with
+            ``uniform``, whose one clip already spans the whole video.
     """
 
     frames: int = 17
@@ -115,6 +124,7 @@ class FrameSettings:
     every: int = 1
     fps: float = 0.0
     stride: int | None = 1
+    clips: int = 1
 
     def __post_init__(self) -> None:
         if type(self.frames) is not int or not 1 <= self.frames <= MAX_CLIP_FRAMES:
@@ -131,6 +141,12 @@ class FrameSettings:
         if self.stride is not None and (type(self.stride) is not int or not 0 <= self.stride <= 64):
             raise ValueError(f"frame stride (the VAE's temporal compression) must be None or an int from 0 to 64, "
                              f"got {self.stride!r}")
+        if type(self.clips) is not int or not 1 <= self.clips <= MAX_CLIPS_PER_VIDEO:
+            raise ValueError(f"clips_per_video must be an int from 1 to {MAX_CLIPS_PER_VIDEO}, got {self.clips!r:.40}")
+        if self.clips > 1 and self.sampling == "uniform":
+            raise ValueError(f"clips_per_video {self.clips} takes several windows of a video, and frame_sampling "
+                             "uniform spreads one clip over the whole video: use frame_sampling first (consecutive "
+                             "frames) or every_k, or clips_per_video 1")
 
     def fit(self, count: int) -> int:
         """Round a frame count down to ``1 + stride * m`` (unchanged for stride 0, 1 or unknown)."""
@@ -165,18 +181,40 @@ class FrameSettings:
             rate: the video's frame rate; with :attr:`fps` set the clip is first resampled to it (frame ``j`` of
                 the resampled clip is source frame ``floor(j * rate / fps)``).
         """
+        return self._window(total, rate, 0)
+
+    def _window(self, total: int, rate: Fraction | None, start: int) -> tuple[int, ...]:
+        """The source frame indices of the clip whose first frame is ``start`` of the resampled clip."""
         length, step = self._resampled(total, rate)
         n = self.fit(min(self.frames, self.available(total, rate)))
         virtual: Sequence[int]
         if self.sampling == "first":
-            virtual = range(n)
+            virtual = range(start, start + n)
         elif self.sampling == "every_k":
-            virtual = range(0, n * self.every, self.every)
+            virtual = range(start, start + n * self.every, self.every)
         elif n == 1:
             virtual = range(length // 2, length // 2 + 1)
         else:  # evenly spread, exact integer rounding of i * (length - 1) / (n - 1)
             virtual = [(2 * i * (length - 1) + (n - 1)) // (2 * (n - 1)) for i in range(n)]
         return tuple(min(total - 1, math.floor(j * step)) for j in virtual)
+
+    def span(self, total: int, rate: Fraction | None = None) -> int:
+        """How many frames of the resampled clip one window covers, first to last taken."""
+        n = self.fit(min(self.frames, self.available(total, rate)))
+        return (n - 1) * self.every + 1 if self.sampling == "every_k" else n
+
+    def windows(self, total: int, rate: Fraction | None = None) -> tuple[tuple[int, ...], ...]:
+        """Return the source frame indices of each clip a video of ``total`` frames gives: :attr:`clips` windows
+        (the first is :meth:`indices`), starting at ``round(j * (length - span) / (clips - 1))`` of the resampled
+        clip, so the last ends at the video's end. A video shorter than ``clips`` windows end to end gives
+        overlapping ones; windows that take the same frames are one (a video too short for one window gives
+        one clip)."""
+        if self.clips == 1:
+            return (self.indices(total, rate),)
+        length, _ = self._resampled(total, rate)
+        last, gaps = max(0, length - self.span(total, rate)), self.clips - 1
+        starts = dict.fromkeys((2 * j * last + gaps) // (2 * gaps) for j in range(self.clips))
+        return tuple(dict.fromkeys(self._window(total, rate, start) for start in starts))
 
     def shortfall(self, total: int, rate: Fraction | None = None) -> str | None:
         """Why a clip of ``total`` frames gives fewer than the :attr:`effective_frames` asked, in words for the
@@ -202,7 +240,11 @@ class FrameSettings:
 
     def describe(self) -> dict[str, Any]:
         """The user's settings as plain JSON (a dataset's info); the stride comes from the VAE, not the user."""
-        return {"frames": self.frames, "sampling": self.sampling, "every": self.every, "fps": float(self.fps)}
+        out: dict[str, Any] = {"frames": self.frames, "sampling": self.sampling, "every": self.every,
+                               "fps": float(self.fps)}
+        if self.clips != 1:  # absent in datasets stored before it: one clip per video
+            out["clips"] = self.clips
+        return out
 
 
 def clip_key_fields(kind: str, indices: Sequence[int], stride: int | None) -> dict[str, Any]:

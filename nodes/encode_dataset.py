@@ -39,7 +39,8 @@ from ..dataset_cache.missing_captions import MISSING_CAPTIONS
 from ..dataset_cache import check_dataset_name
 from ..dataset_cache.encode_report import EncodeReport
 from ..dataset_cache.encode_run import run_encode
-from ..dataset_cache.frames import FRAMES_SUFFIX, MAX_CLIP_FRAMES, MAX_FPS, MIN_FPS, SAMPLING_MODES, FrameSettings
+from ..dataset_cache.frames import (FRAMES_SUFFIX, MAX_CLIP_FRAMES, MAX_CLIPS_PER_VIDEO, MAX_FPS, MIN_FPS,
+                                    SAMPLING_MODES, FrameSettings)
 from . import encoders
 from .encoder_record import Encoders, choose_encoders, store_record
 from .fingerprints import OwnWrites, cache_identity, folder_digest
@@ -95,7 +96,7 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
               frame_stride: int | None = None, flip: str = "none", shuffle_variants: int = 0, keep_tokens: int = 0,
               empty_caption: bool = False, masks: str = "none", mask_factor: int | None = None,
               missing_caption: str = "empty", extra_resolutions: str = "", tag_dropout: float = 0.0,
-              wildcards: bool = False) -> EncodeSettings:
+              wildcards: bool = False, clips_per_video: int = 1) -> EncodeSettings:
     problem = _bucket_problem(resolution, bucket_step) or _frame_problem(frame_count, frame_step, fps)
     if problem:
         raise ValueError(problem)
@@ -104,7 +105,7 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
     bucket = BucketConfig(resolution=resolution, step=bucket_step, min_side=min_side, crop=crop, upscale=upscale,
                           flip=flip)
     video = FrameSettings(frames=frame_count, sampling=frame_sampling, every=frame_step, fps=float(fps),
-                          stride=frame_stride)
+                          stride=frame_stride, clips=clips_per_video)
     return EncodeSettings(bucket=bucket, caption_prefix=caption_prefix, caption_suffix=caption_suffix,
                           batch_size=batch_size, failure_policy=on_failure, video=video,
                           shuffle_variants=shuffle_variants, keep_tokens=keep_tokens,
@@ -390,6 +391,11 @@ class EncodeDataset(io.ComfyNode):
                                  "'red car' and 'blue car', each combination of a line's options its own cached "
                                  "caption, picked per epoch; every caption line weighs alike. Write {{ and }} for "
                                  "literal braces. Off: braces are encoded as written."),
+                io.Int.Input("clips_per_video", default=1, min=1, max=MAX_CLIPS_PER_VIDEO, optional=True,
+                             tooltip="Clips: how many clips each video (or .frames folder) gives, each a sample "
+                             "(musubi-tuner's uniform frame extraction): windows of frame_count frames (first or "
+                             "every_k), spread evenly from the start to the end of the video, so a long video "
+                             "trains all of it. Raising it encodes only the new windows. 1: one clip, as before."),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),

@@ -125,7 +125,8 @@ def test_old_prompts_without_the_frame_inputs_run_as_before(mod: ModuleType, tin
     assert ids[start:start + len(CLIPS)] == list(CLIPS)  # appended (saved workflows' widget values are positional)
     # only inputs added later follow them (#16's variant inputs), so old widget values keep their positions
     assert ids[start + len(CLIPS):] == ["flip", "shuffle_variants", "keep_tokens", "empty_caption", "masks",
-                                        "missing_caption", "extra_resolutions"]
+                                        "missing_caption", "extra_resolutions", "tag_dropout", "wildcards",
+                                        "clips_per_video"]
     settings = mod._settings(resolution=64, bucket_step=32, crop="center", caption_prefix="", caption_suffix="",
                              batch_size=2, on_failure="skip")
     assert settings.video.frames == 17 and settings.video.sampling == "first" and settings.video.stride is None
@@ -328,3 +329,31 @@ def test_a_new_dataset_name_and_a_frame_count_taking_the_same_frames_load_and_en
     assert run.lazy() == []
     _handle, report = run.execute()
     assert _encoded(report) == (0, 0) and "frame count 10 is taken as 9" in report
+
+
+def test_clips_per_video_encodes_each_window_with_the_video_vae_loading_only_it(
+        mod: ModuleType, wan_vae: tuple, clip: Any, tiny_models: TinyModels, clip_folder: tuple[str, Path]) -> None:
+    """Two clips per video after one: only the second windows are encoded (the VAE alone is asked for), each a
+    sample; the frame folder's second window (frames 6-10 of 11) is the VAE's encode of exactly those frames."""
+    vae_name, vae = wan_vae
+    folder, _root = clip_folder
+    one = _prompt(folder, f"cache_{folder}", vae_name, tiny_models.name("clip"), **{**CLIPS, "frame_count": 5})
+    Run(mod, one).queue(vae, clip)
+    two = _prompt(folder, f"cache_{folder}", vae_name, tiny_models.name("clip"),
+                  **{**CLIPS, "frame_count": 5, "clips_per_video": 2})
+    handle, report, asked = Run(mod, two).queue(vae, clip)
+    assert asked == ["vae"] and _encoded(report) == (3, 0), report
+    reader, samples = handle.open()
+    try:
+        jump = [s for s in samples if s.source == "jump.frames"]
+        assert len(jump) == 2 and len([s for s in samples if s.source == "walk.mp4"]) == 2
+        assert reader.datasets()["default"].info["settings"]["video"]["clips"] == 2
+        second = reader.read([jump[1].latent])[0]["samples"]
+    finally:
+        reader.close()
+    frames = torch.stack([torch.from_numpy(frame_array(i, 64, 64)).float() / 255 for i in range(6, 11)])
+    torch.testing.assert_close(second, vae.encode(frames).to(second.dtype), rtol=1e-3, atol=1e-4)
+    uniform = _prompt(folder, f"cache_{folder}", vae_name, tiny_models.name("clip"),
+                      **{**CLIPS, "frame_sampling": "uniform", "clips_per_video": 2})
+    with pytest.raises(ValueError, match="clips_per_video 2 takes several windows"):
+        Run(mod, uniform).lazy()

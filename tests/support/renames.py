@@ -25,7 +25,7 @@ ADDED = {
                               "ema_decay", "min_snr_gamma", "train_layers", "min_timestep", "max_timestep"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
                                   "keep_tokens", "empty_caption", "masks", "missing_caption",
-                                  "extra_resolutions", "tag_dropout", "wildcards"),
+                                  "extra_resolutions", "tag_dropout", "wildcards", "clips_per_video"),
     "StreamCache_SaveCache": ("publish_to",),
 }
 """Optional inputs added since; a prompt without them runs with their defaults (off, or images only; ``memory``
@@ -36,7 +36,7 @@ ADDED = {
 loss weighed alike; ``train_layers`` empty: every layer gets an adapter; ``min_timestep`` 0 and
 ``max_timestep`` 1000: every timestep; ``missing_caption`` 'empty': a source
 without a caption file trains with the empty prompt; ``extra_resolutions`` empty: one resolution; ``tag_dropout``
-0: every tag in; ``wildcards`` off: braces encoded as written))."""
+0: every tag in; ``wildcards`` off: braces encoded as written; ``clips_per_video`` 1: one clip per video))."""
 
 
 def as_current(prompt: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:
