@@ -78,9 +78,10 @@ OPTIMIZER_SLOTS: Mapping[str, frozenset[str]] = {
     "Adam": frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
     "SGD": frozenset({"momentum_buffer"}),
     "RMSprop": frozenset({"step", "square_avg", "momentum_buffer", "grad_avg"}),
+    "Prodigy": frozenset({"step", "exp_avg", "exp_avg_sq", "s", "p0"}),
 }
-"""Per optimizer (the names ComfyUI's ``_create_optimizer`` knows), the per-parameter state torch keeps; a file
-naming another slot is refused. ``step`` is a scalar; every other slot has its parameter's shape."""
+"""Per optimizer (the names ComfyUI's ``_create_optimizer`` knows, and Prodigy), the per-parameter state it keeps;
+a file naming another slot is refused. ``step`` is a scalar; every other slot has its parameter's shape."""
 AVERAGE_SLOTS = ("weights", "average")
 """The slots of a run that averaged its weights (``ema_decay``), whatever its optimizer: ``weights`` the trained
 values of the parameter (the LoRA file holds their average), ``average`` that average in fp32."""
@@ -115,7 +116,8 @@ class TrainState:
         steps: optimizer steps the LoRA has had, in total.
         batches: batches trained in total: the index of the next batch's noise and timesteps.
         slots: parameter name → slot → CPU tensor (parameters without state, e.g. never given a gradient, absent).
-        param_groups: the optimizer's groups: hyperparameters, and ``"params"``: the parameter names.
+        param_groups: the optimizer's groups: hyperparameters, and ``"params"``: the parameter names (and state an
+            optimizer keeps there: Prodigy's ``d``, ``d_max``, ``d_numerator``, ``k``).
         sampler: the sampler's ``state_dict()`` after the last batch, or ``None``.
         scaler: a ``GradScaler``'s ``state_dict()``, or ``None``.
         lr_schedule: the learning-rate schedule the run trained with
@@ -183,7 +185,8 @@ def capture_optimizer(state_dict: Mapping[str, Any], names: Sequence[str]
 
 
 def _plain(value: Any) -> Any:
-    """A hyperparameter as JSON (tuples as lists, a tensor as its number); recorded for the reader, never used."""
+    """A group value as JSON (tuples as lists, a tensor as its number): recorded for the reader; only the values an
+    optimizer keeps its state in are used again (:func:`optimizer_state_dict`'s ``carried``)."""
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, (tuple, list)):
@@ -195,13 +198,31 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-def optimizer_state_dict(state: TrainState, names: Sequence[str], current: Mapping[str, Any]) -> dict[str, Any]:
+def optimizer_state_dict(state: TrainState, names: Sequence[str], current: Mapping[str, Any],
+                         carried: Sequence[str] = ()) -> dict[str, Any]:
     """The ``state_dict`` to give ``optimizer.load_state_dict``: the saved state of each parameter, by name, in
     this run's numbering, with this run's parameter groups (``current``: the optimizer's own ``state_dict()``), so
-    the run's settings (the learning rate) stay what the node says."""
+    the run's settings (the learning rate) stay what the node says; of the saved groups only the values named in
+    ``carried`` are taken, the state an optimizer keeps in its groups (Prodigy's step size).
+
+    Raises:
+        ValueError: ``carried`` names a value the saved groups lack or hold as no finite number, or they are not as
+            many as this run's.
+    """
     index = {name: i for i, name in enumerate(names)}
-    return {"state": {index[name]: dict(values) for name, values in state.slots.items()},
-            "param_groups": current["param_groups"]}
+    groups = [dict(g) for g in current["param_groups"]]
+    if carried:
+        if len(state.param_groups) != len(groups):
+            raise ValueError(f"the state has {len(state.param_groups)} parameter groups, this run {len(groups)}")
+        for group, saved in zip(groups, state.param_groups):
+            missing = [k for k in carried if k not in saved]
+            if missing:
+                raise ValueError(f"its parameter groups lack {', '.join(missing)}")
+            bad = [k for k in carried if type(saved[k]) not in (int, float) or not math.isfinite(saved[k])]
+            if bad:
+                raise ValueError(f"its parameter groups' {', '.join(bad)} are not finite numbers")
+            group.update({k: saved[k] for k in carried})
+    return {"state": {index[name]: dict(values) for name, values in state.slots.items()}, "param_groups": groups}
 
 
 def check_fits(state: TrainState, optimizer: str, params: Mapping[str, torch.Tensor]) -> str | None:

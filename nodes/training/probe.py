@@ -33,8 +33,9 @@ __all__ = ["OPTIMIZER_STATES", "PROBES", "ProbeResult", "clear_probe_cache", "fp
 
 log = logging.getLogger("streamcache.train")
 
-OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "RMSprop": 1, "SGD": 0}
-"""Tensors the optimizer keeps per trained parameter (ComfyUI's optimizers with their default settings)."""
+OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "RMSprop": 1, "SGD": 0, "Prodigy": 4}
+"""Tensors the optimizer keeps per trained parameter (ComfyUI's optimizers with their default settings; Prodigy:
+its two moments, its gradient sum and the starting weights)."""
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 

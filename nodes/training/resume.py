@@ -36,6 +36,7 @@ from ...dataset_cache.optimizer_state import (
     read_train_state,
 )
 from ...dataset_cache.sampler import BatchPlan, BucketSampler
+from .optimizers import group_state
 
 __all__ = ["STATE_FOLDER", "Start", "capture_state", "resume_run", "save_state", "state_store"]
 
@@ -158,7 +159,8 @@ def _restore_optimizer(run: Any, state: TrainState, start: Start) -> bool:
     why = check_fits(state, settings.optimizer, run.lora_sd)
     if why is None:
         try:
-            run.optimizer.load_state_dict(optimizer_state_dict(state, list(run.lora_sd), run.optimizer.state_dict()))
+            run.optimizer.load_state_dict(optimizer_state_dict(state, list(run.lora_sd), run.optimizer.state_dict(),
+                                                               group_state(settings.optimizer)))
             if run.scaler is not None and state.scaler:
                 run.scaler.load_state_dict(dict(state.scaler))
             return True

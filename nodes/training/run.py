@@ -38,6 +38,7 @@ from .distributed import plan_team
 from .layers import LayerChoice, choose_layers
 from .loop import StepLoop
 from .memory import MemoryStep, plan_run_memory
+from .optimizers import create_optimizer, optimizer_notes
 from .report import (RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes,
                      validation_overlap_notes)
 from .resume import Start, TrainState, capture_state, resume_run, save_state
@@ -363,7 +364,8 @@ def load(model: Any, train: ModuleType, data: DataPlan, existing: dict[str, torc
         torch.manual_seed(derive_seed(settings.seed, "adapters"))  # the same draws again, from the CPU's generator
         draw_new_adapters_on_cpu(train, chosen, lora_sd, existing, settings.algorithm, adapter_dtype, settings.rank)
     resume_exactly(lora_sd, existing)
-    optimizer = train._create_optimizer(settings.optimizer, lora_sd.values(), settings.learning_rate)
+    optimizer = create_optimizer(train, settings, lora_sd.values())
+    data.notes.extend(optimizer_notes(settings))
     loss_fn = train._create_loss_function(settings.loss_function)
     scaler = torch.amp.GradScaler() if use_scaler else None
     model_options = comfy.model_patcher.create_model_options_clone(mp.model_options)

@@ -23,8 +23,9 @@ __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", 
            "MEMORY_MODES", "OPTIMIZERS",
            "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
 
-OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
-"""The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node)."""
+OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop", "Prodigy")
+"""The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node), then Prodigy
+(:mod:`dataset_cache.prodigy`, made by :mod:`.optimizers`)."""
 LOSS_FUNCTIONS = ("MSE", "L1", "Huber", "SmoothL1")
 """The losses ComfyUI's ``_create_loss_function`` knows."""
 TRAINING_DTYPES = ("bf16", "fp32", "none")

@@ -472,13 +472,14 @@ def _summary(out: Any) -> str:
     return text
 
 
+@pytest.mark.parametrize(("optimizer", "rate"), [("AdamW", 0.01), ("Prodigy", 1.0)])
 def test_continuing_a_lora_with_its_training_state_equals_one_run_bit_for_bit(
-        node: type, models: tuple, dataset: Any, lora_folder: Path) -> None:
+        node: type, models: tuple, dataset: Any, lora_folder: Path, optimizer: str, rate: float) -> None:
     """#27 item 10: 3 steps, Save LoRA Weights, 3 more from the saved file == 6 steps at once, bit for bit (CPU,
     fp32): the optimizer's moments, the step count and the sampler's position come back from the training state
-    Train LoRA saved beside the LoRA (AdamW used to start fresh: max abs diff 0.005)."""
-    optimizer = "AdamW"
-    opts = {"optimizer": optimizer, "learning_rate": 0.01, "grad_accumulation_steps": 2, "batch_size": 2}
+    Train LoRA saved beside the LoRA (AdamW used to start fresh: max abs diff 0.005); Prodigy's step size too,
+    which it keeps in its parameter groups."""
+    opts = {"optimizer": optimizer, "learning_rate": rate, "grad_accumulation_steps": 2, "batch_size": 2}
     whole = _train(node, models[0], dataset, steps=6, **opts).result
     first = _train(node, models[0], dataset, steps=3, **opts)
     assert "training state saved as streamcache_train_state/" in _summary(first)
@@ -491,6 +492,18 @@ def test_continuing_a_lora_with_its_training_state_equals_one_run_bit_for_bit(
     summary = _summary(rest)
     assert f"continued {name!r} from its training state (3 steps): {optimizer} state restored, the batch order " \
            "where it stopped" in summary and "NOTE" not in summary
+
+
+def test_prodigy_trains_and_a_rate_far_below_one_is_named(node: type, models: tuple, dataset: Any) -> None:
+    """Prodigy finds its own step size: at rate 1.0 it trains (the LoRA moves from where the same seed starts it,
+    and its summary has no note); at the node's default rate the summary says to set 1.0."""
+    start = _train(node, models[0], dataset, steps=1, optimizer="SGD", learning_rate=1e-30).result[0]
+    out = _train(node, models[0], dataset, steps=3, optimizer="Prodigy", learning_rate=1.0)
+    moved = [k for k, v in out.result[0].items() if not torch.equal(v, start[k])]
+    assert len(moved) >= len(start) // 2 and "NOTE" not in _summary(out)
+    slow = _train(node, models[0], dataset, steps=1, optimizer="Prodigy", learning_rate=0.0005)
+    assert ("NOTE: optimizer Prodigy finds its own step size and learning_rate 0.0005 multiplies it: set "
+            "learning_rate to 1.0") in _summary(slow)
 
 
 def test_a_lora_without_a_training_state_continues_as_before_and_says_the_optimizer_starts_fresh(

@@ -1,0 +1,109 @@
+"""What a Prodigy step costs the training thread: ours (``dataset_cache/prodigy.py``) against the ``prodigyopt``
+package LoRA trainers use, at the LoRA tensor counts of real models.
+
+At batch 1 a GPU step is launch-bound (docs/BENCHMARKS.md, "Ops per training step"), and a read of a device value
+(``.item()``, ``.tolist()``) stalls the host until the device catches up: what an optimizer costs there is the ops
+its Python dispatches and the reads it makes per step, which a CPU counts exactly. The CPU milliseconds include the
+arithmetic: a rough proxy only. ``tests/unit/test_prodigy_cuda.py`` counts the synchronizations on a GPU.
+
+    python -m bench.bench_prodigy            # prints a Markdown table (needs prodigyopt, the reference)
+    python -m bench.bench_prodigy --smoke    # 30 tensors, one repeat (the CPU test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.bench_step_extras import LORAS, _params
+from dataset_cache.prodigy import Prodigy
+
+__all__ = ["count", "measure", "main"]
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.reads += "_local_scalar_dense" in str(func)  # .item()
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _counting_tolist(counter: _Counter) -> Iterator[None]:
+    """``Tensor.tolist`` reads the tensor's values without a dispatched op: count its calls as reads."""
+    original = torch.Tensor.tolist
+
+    def tolist(self: torch.Tensor) -> Any:
+        counter.reads += 1
+        return original(self)
+    torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = original  # type: ignore[method-assign]
+
+
+def count(fn: Callable[[], object]) -> tuple[int, int]:
+    """(dispatched ops, reads of tensor values into Python) of one call of ``fn``."""
+    with _Counter() as counter, _counting_tolist(counter):
+        fn()
+    return counter.ops, counter.reads
+
+
+def _optimizers() -> dict[str, type]:
+    out: dict[str, type] = {"ours (dataset_cache.prodigy)": Prodigy}
+    try:
+        import prodigyopt
+    except ImportError:
+        return out
+    out["prodigyopt 1.1 (the reference)"] = prodigyopt.Prodigy
+    return out
+
+
+def measure(n: int, repeat: int) -> list[tuple[str, str, int, int, float]]:
+    """(optimizer, dtype, ops per step, reads per step, CPU ms per step) for ``n`` tensors."""
+    rows = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for what, cls in _optimizers().items():
+            params = _params(n, dtype)
+            opt = cls(params, weight_decay=0.01)
+            opt.step()  # the first step makes the state
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                opt.step()
+                times.append((time.perf_counter() - t0) * 1e3)
+            ops, reads = count(opt.step)
+            rows.append((what, name, ops, reads, statistics.median(times)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="30 tensors, one repeat: checks the harness only")
+    ap.add_argument("--repeat", type=int, default=10)
+    args = ap.parse_args(argv)
+    loras = {"smoke": 30} if args.smoke else LORAS
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {1 if args.smoke else args.repeat}"
+          " steps\n")
+    print("| LoRA (tensors) | optimizer | dtype | ops per step | value reads per step | CPU ms per step |")
+    print("|---|---|---|---:|---:|---:|")
+    for model, n in loras.items():
+        for what, dtype, ops, reads, ms in measure(n, 1 if args.smoke else args.repeat):
+            print(f"| {model} ({n:,}) | {what} | {dtype} | {ops:,} | {reads:,} | {ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
