@@ -40,6 +40,7 @@ from .training import (
     LR_SCHEDULES,
     MAX_EMA_DECAY,
     MAX_GRAD_NORM,
+    MAX_LORA_ALPHA,
     MAX_MIN_SNR_GAMMA,
     MAX_REG_RATIO,
     MAX_NOISE_OFFSET,
@@ -365,6 +366,12 @@ class TrainLoRA(io.ComfyNode):
                              tooltip="The noisiest timestep trained, of the model's 0-1000 (see min_timestep). The "
                              "timesteps are drawn as timestep_sampling says, within the range; the validation loss "
                              "is measured within it too."),
+                io.Float.Input("lora_alpha", default=1.0, min=0.01, max=MAX_LORA_ALPHA, step=1.0, round=0.01,
+                               optional=True, advanced=True,
+                               tooltip="The new adapters' alpha (kohya's network_alpha): a LoRA, LoHa or LoKr adds "
+                               "its difference times lora_alpha / rank. 1: ComfyUI's own Train LoRA (and kohya's "
+                               "default); lora_alpha = rank: scale 1, with a learning rate to match. The LoRA file "
+                               "holds it; a continued LoRA keeps its own."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -423,6 +430,7 @@ class TrainLoRA(io.ComfyNode):
         train_layers: str = "",
         min_timestep: int = 0,
         max_timestep: int = MAX_TIMESTEP,
+        lora_alpha: float = 1.0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -439,7 +447,7 @@ class TrainLoRA(io.ComfyNode):
             timestep_sampling=str(timestep_sampling), noise_offset=float(noise_offset), val_every=int(val_every),
             max_grad_norm=float(max_grad_norm), ema_decay=float(ema_decay), min_snr_gamma=float(min_snr_gamma),
             train_layers="" if train_layers is None else train_layers, min_timestep=min_timestep,
-            max_timestep=max_timestep,
+            max_timestep=max_timestep, lora_alpha=float(lora_alpha),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

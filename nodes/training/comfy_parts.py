@@ -84,6 +84,31 @@ def resume_exactly(lora_sd: dict[str, torch.Tensor], existing: dict[str, torch.T
                 param.copy_(saved.to(param.dtype))
 
 
+def set_alpha(lora_sd: dict[str, torch.Tensor], existing: dict[str, torch.Tensor], alpha: float,
+              existing_name: str = "") -> list[str]:
+    """Give every new adapter ``alpha`` (``<module>.alpha``: its difference is scaled by ``alpha / rank``); return
+    the notes (a continued LoRA keeps the alphas it was trained with, and its summary says so when they differ).
+
+    ComfyUI's trainer makes every adapter with alpha 1.0, so its scale is ``1 / rank``; kohya's ``network_alpha``
+    and the LyCORIS algorithms' ``alpha`` set it (``alpha`` = ``rank``: scale 1). The saved LoRA holds the alpha, so
+    every loader applies the scale it trained with. Call after :func:`resume_exactly` (and the CPU redraw).
+    """
+    kept = set()
+    with torch.no_grad():
+        for key, param in lora_sd.items():
+            if not key.endswith(".alpha"):
+                continue
+            if key in existing:
+                kept.add(float(existing[key]))
+            else:
+                param.fill_(alpha)
+    differ = ", ".join(f"{a:g}" for a in sorted(a for a in kept if a != alpha)[:3])
+    if differ and alpha != 1.0:
+        return [f"existing_lora {existing_name!r} keeps the alpha it was trained with ({differ}), not lora_alpha "
+                f"{alpha:g}: its scale is part of what it learned"]
+    return []
+
+
 def draw_new_adapters_on_cpu(train: ModuleType, mp: Any, lora_sd: dict[str, torch.Tensor],
                              existing: dict[str, torch.Tensor], algorithm: str, adapter_dtype: torch.dtype,
                              rank: int) -> bool:

@@ -31,7 +31,7 @@ from ...dataset_cache.seeding import derive_seed
 from ...dataset_cache.trainable import check_trainable
 from .comfy_parts import (
     bypass_setup, check_latent_channels, draw_new_adapters_on_cpu, load_existing_lora, nodes_train_module, release,
-    resume_exactly, training_dtypes,
+    resume_exactly, set_alpha, training_dtypes,
 )
 from .conditioning import Conditioner, ModelCall
 from .distributed import plan_team
@@ -364,6 +364,7 @@ def load(model: Any, train: ModuleType, data: DataPlan, existing: dict[str, torc
         torch.manual_seed(derive_seed(settings.seed, "adapters"))  # the same draws again, from the CPU's generator
         draw_new_adapters_on_cpu(train, chosen, lora_sd, existing, settings.algorithm, adapter_dtype, settings.rank)
     resume_exactly(lora_sd, existing)
+    data.notes.extend(set_alpha(lora_sd, existing, settings.lora_alpha, settings.existing_lora))
     optimizer = create_optimizer(train, settings, lora_sd.values())
     data.notes.extend(optimizer_notes(settings))
     loss_fn = train._create_loss_function(settings.loss_function)

@@ -20,9 +20,13 @@ from ...dataset_cache.noise_draws import (MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMEST
 
 __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_NOISE_OFFSET", "MAX_REG_RATIO",
            "MAX_REG_WEIGHT", "MAX_TIMESTEP", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY", "MAX_MIN_SNR_GAMMA",
-           "MEMORY_MODES", "OPTIMIZERS",
+           "MEMORY_MODES", "OPTIMIZERS", "MAX_LORA_ALPHA", "ALPHA_ALGORITHMS",
            "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
 
+MAX_LORA_ALPHA = 4096.0
+"""The largest ``lora_alpha``: past it the scale ``alpha / rank`` would turn a LoRA of any rank into noise."""
+ALPHA_ALGORITHMS = ("LoRA", "LoHa", "LoKr")
+"""The adapters whose ``alpha`` scales their difference by ``alpha / rank`` (OFT's is a constraint, fixed when made)."""
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop", "Prodigy")
 """The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node), then Prodigy
 (:mod:`dataset_cache.prodigy`, made by :mod:`.optimizers`)."""
@@ -129,6 +133,8 @@ class TrainSettings:
     # the model timesteps a batch is noised at (dataset_cache.noise_draws): 0 to 1000, every one, as ComfyUI's trainer
     min_timestep: int = 0
     max_timestep: int = MAX_TIMESTEP
+    # a new adapter's scale is lora_alpha / rank (.comfy_parts.set_alpha); 1.0: ComfyUI's trainer's alpha
+    lora_alpha: float = 1.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -170,6 +176,13 @@ class TrainSettings:
         check_min_snr_gamma(self.min_snr_gamma)
         LayerFilter.parse(self.train_layers)
         check_timestep_range(self.min_timestep, self.max_timestep)
+        check_number("lora_alpha", self.lora_alpha, MAX_LORA_ALPHA)
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha must be above 0 (the adapters' scale is lora_alpha / rank), got "
+                             f"{self.lora_alpha!r}")
+        if self.lora_alpha != 1.0 and self.algorithm not in ALPHA_ALGORITHMS:
+            raise ValueError(f"lora_alpha scales {', '.join(ALPHA_ALGORITHMS)} adapters; {self.algorithm}'s alpha "
+                             "is no scale (ComfyUI sets it when it makes the adapter): leave lora_alpha at 1")
 
     def lr_schedule_after(self, done: int) -> LrSchedule:
         """The learning rate of every step of a run continuing a LoRA that had ``done`` steps: the schedule spans

@@ -44,6 +44,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
     "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0, "max_grad_norm": 0.0,
     "ema_decay": 0.0, "min_snr_gamma": 0.0, "train_layers": "", "min_timestep": 0, "max_timestep": 1000,
+    "lora_alpha": 1.0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -492,6 +493,34 @@ def test_continuing_a_lora_with_its_training_state_equals_one_run_bit_for_bit(
     summary = _summary(rest)
     assert f"continued {name!r} from its training state (3 steps): {optimizer} state restored, the batch order " \
            "where it stopped" in summary and "NOTE" not in summary
+
+
+def test_lora_alpha_scales_the_new_adapters_and_a_continued_lora_keeps_its_own(
+        node: type, models: tuple, dataset: Any, lora_folder: Path) -> None:
+    """One SGD step from zero downs (ComfyUI draws the ups, zeroes the downs): the gradient of a down matrix is the
+    scale alpha / rank times what it is at alpha 1, and 16 is a power of two, so the downs trained at lora_alpha 16
+    are exactly 16 times those at 1 (the ups and alphas get no gradient yet: the difference is 0; the norm and bias
+    diffs no scale). The file holds 16 in every alpha; continuing it at another lora_alpha keeps 16 and says so;
+    OFT refuses another alpha."""
+    sgd = {"optimizer": "SGD", "learning_rate": 0.05, "steps": 1, "batch_size": 1}
+    one = _train(node, models[0], dataset, **sgd).result[0]
+    sixteen = _train(node, models[0], dataset, lora_alpha=16.0, **sgd)
+    lora = sixteen.result[0]
+    downs = [k for k in lora if k.endswith("lora_down.weight")]
+    assert downs and any(one[k].abs().max() > 0 for k in downs)
+    assert all(torch.equal(lora[k], 16 * one[k]) for k in downs)
+    assert all(torch.equal(lora[k], one[k]) for k in lora if not k.endswith(("lora_down.weight", ".alpha")))
+    alphas = [k for k in lora if k.endswith(".alpha")]
+    assert alphas and all(float(lora[k]) == 16.0 for k in alphas) and all(float(one[k]) == 1.0 for k in alphas)
+    name = _save_lora(lora, sixteen.result[2])
+    continued = _train(node, models[0], dataset, lora_alpha=4.0, existing_lora=name, **sgd)
+    # ComfyUI's adapters train their alpha too (every adapter parameter requires a gradient): a step moves it by
+    # a small amount from where it starts, 16 when kept, 4 had lora_alpha replaced it
+    assert all(abs(float(continued.result[0][k]) - 16.0) < 1.0 for k in alphas)
+    assert (f"NOTE: existing_lora {name!r} keeps the alpha it was trained with (16), not lora_alpha 4"
+            in _summary(continued))
+    with pytest.raises(ValueError, match="lora_alpha scales LoRA, LoHa, LoKr adapters; OFT's alpha is no scale"):
+        _train(node, models[0], dataset, algorithm="OFT", lora_alpha=8.0, **sgd)
 
 
 def test_prodigy_trains_and_a_rate_far_below_one_is_named(node: type, models: tuple, dataset: Any) -> None:

@@ -22,7 +22,8 @@ ADDED = {
                               "caption_dropout", "reg_ratio", "reg_weight", "memory", "stream_blocks", "allow_fp8",
                               "devices", "checkpoint_mode", "save_every", "save_prefix", "lr_schedule",
                               "warmup_steps", "timestep_sampling", "noise_offset", "val_every", "max_grad_norm",
-                              "ema_decay", "min_snr_gamma", "train_layers", "min_timestep", "max_timestep"),
+                              "ema_decay", "min_snr_gamma", "train_layers", "min_timestep", "max_timestep",
+                              "lora_alpha"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
                                   "keep_tokens", "empty_caption", "masks", "missing_caption",
                                   "extra_resolutions", "tag_dropout", "wildcards", "clips_per_video"),
@@ -34,7 +35,7 @@ ADDED = {
 ``noise_offset`` 0: ComfyUI's own trainer's draws; ``val_every`` 0, and no ``val_dataset``: no validation;
 ``max_grad_norm`` 0: no clipping; ``ema_decay`` 0: the last step's weights; ``min_snr_gamma`` 0: every row's
 loss weighed alike; ``train_layers`` empty: every layer gets an adapter; ``min_timestep`` 0 and
-``max_timestep`` 1000: every timestep; ``missing_caption`` 'empty': a source
+``max_timestep`` 1000: every timestep; ``lora_alpha`` 1: ComfyUI's alpha; ``missing_caption`` 'empty': a source
 without a caption file trains with the empty prompt; ``extra_resolutions`` empty: one resolution; ``tag_dropout``
 0: every tag in; ``wildcards`` off: braces encoded as written; ``clips_per_video`` 1: one clip per video))."""
 
