@@ -212,7 +212,8 @@ def _too_many_draws(captions: Sequence[str], settings: EncodeSettings) -> str | 
     total = len(counts) * math.lcm(*counts)
     if total <= MAX_CAPTION_VARIANTS:
         return None
-    return (f"its caption file's {len(counts)} lines give {', '.join(map(str, counts))} caption variants, which "
+    shown = ", ".join(map(str, counts[:8])) + (", ..." if len(counts) > 8 else "")
+    return (f"its caption file's {len(counts)} lines give {shown} caption variants, which "
             f"weigh alike only as {len(counts)} × {math.lcm(*counts)} = {total} entries of the sample, above the "
             f"limit of {MAX_CAPTION_VARIANTS}: give the lines the same number of wildcard options, lower "
             "shuffle_variants or keep fewer caption lines")

@@ -208,3 +208,11 @@ def test_a_sourceless_dataset_refuses_other_draw_settings(tmp_path: Path) -> Non
     assert _plan(folder, cache, settings).sourceless
     with pytest.raises(DatasetFolderError, match="encoded with other tag_dropout, wildcards than requested"):
         _plan(folder, cache, replace(BASE, shuffle_variants=2))
+
+
+def test_many_lines_that_cannot_weigh_alike_are_named_briefly(tmp_path: Path) -> None:
+    lines = "\n".join(f"line {i}" for i in range(300))  # 300 lines of one text each: 300 entries, past the limit
+    folder = _folder(tmp_path / "data", {"many": lines})
+    (failure,) = _plan(folder, tmp_path / "cache", replace(BASE, wildcards=True)).failures
+    assert "its caption file's 300 lines give 1, 1, 1, 1, 1, 1, 1, 1, ... caption variants" in failure.reason
+    assert len(failure.reason) < 400
