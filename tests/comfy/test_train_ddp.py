@@ -167,10 +167,12 @@ def test_a_learning_rate_schedule_and_validation_on_two_ranks_are_what_they_are_
 
 def test_chosen_layers_on_two_ranks_are_what_they_are_on_one(node: type, models: tuple, dataset: Any) -> None:
     """``train_layers``: every rank gives adapters to the same layers (rank 0's initial values broadcast by key),
-    and 2 ranks × 1 train what 1 rank × 2 trains."""
-    chosen = {"train_layers": "attn, -attn1"}
-    start = _train(node, models[0], dataset, steps=1, learning_rate=1e-30, **chosen).result[0]
+    and 2 ranks × 1 train what 1 rank × 2 trains; with Prodigy (every rank estimates its step size from the same
+    averaged gradients) and ``lora_alpha`` (every rank's new adapters get it)."""
+    chosen = {"train_layers": "attn, -attn1", "optimizer": "Prodigy", "learning_rate": 1.0, "lora_alpha": 8.0}
+    start = _train(node, models[0], dataset, steps=1, **{**chosen, "learning_rate": 1e-30}).result[0]
     assert start and all("attn2" in k for k in start)
+    assert all(float(v) == 8.0 for k, v in start.items() if k.endswith(".alpha"))
     one_rank = _train(node, models[0], dataset, batch_size=2, **chosen).result
     two = _train(node, models[0], dataset, batch_size=1, devices="cpu:2", **chosen).result
     _assert_same_training(two, one_rank, start)
