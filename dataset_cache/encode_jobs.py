@@ -35,6 +35,8 @@ __all__ = [
     "EncodePlan",
     "Planned",
     "variant_counts",
+    "caption_example",
+    "CAPTION_EXAMPLE_TEXTS",
 ]
 
 FAILURE_POLICIES = ("skip", "stop")
@@ -329,6 +331,9 @@ class EncodePlan:
         unused_masks: mask files in the folder that no sample uses.
         short_clips: clips that give fewer frames than asked, each ``"<relpath>: <taken> of <asked> frames
             (why)"``, sorted by path (they are kept, in frame buckets of their own, and named in ``notes``).
+        caption_example: with tag shuffles or wildcards, what the first sample with several caption texts trains
+            with, for the report: its source, how many distinct texts it has, then the first of them (at most
+            :data:`CAPTION_EXAMPLE_TEXTS`); empty otherwise.
     """
 
     cache_root: str
@@ -357,6 +362,7 @@ class EncodePlan:
     images_without_mask: int = 0
     unused_masks: int = 0
     short_clips: tuple[str, ...] = ()
+    caption_example: tuple[str, ...] = ()
 
     @property
     def needs_vae(self) -> bool:
@@ -406,6 +412,24 @@ class EncodePlan:
                 f"and {len(self.missing_conditionings)} conditionings{masks}, {self.reused} entries reused; sources "
                 f"{self.new} new, {self.changed} changed, {self.unchanged} unchanged, {self.removed} removed"
                 + (f"; {len(self.failures)} failed" if self.failures else ""))
+
+
+CAPTION_EXAMPLE_TEXTS = 4
+"""Caption texts of one sample the report shows, so the settings' effect can be seen before training."""
+
+
+def caption_example(samples: Sequence[Sample], texts: Mapping[str, str], settings: EncodeSettings
+                    ) -> tuple[str, ...]:
+    """:attr:`EncodePlan.caption_example`: ``(source, distinct count, texts...)`` of the first sample with several
+    distinct caption texts, with tag shuffles or wildcards on; ``()`` otherwise (or when none has several)."""
+    if not (settings.shuffle_variants or settings.wildcards):
+        return ()
+    for sample in samples:
+        distinct = list(dict.fromkeys(sample.captions))
+        if len(distinct) > 1 and all(k in texts for k in distinct):
+            shown = tuple(texts[k] for k in distinct[:CAPTION_EXAMPLE_TEXTS])
+            return (sample.source or sample.latent, str(len(distinct)), *shown)
+    return ()
 
 
 def variant_counts(samples: Sequence[Sample], settings: EncodeSettings | None = None) -> dict[str, int | float]:

@@ -56,7 +56,7 @@ from .captions import caption_keys, caption_notes, shuffle_notes, too_many_varia
 from .missing_captions import fill_missing_captions
 from .clip_plan import clip_notes, plan_clips
 from .dataset import Sample, check_epoch_size
-from .encode_jobs import EncodePlan, EncodeSettings, LatentJob, MaskJob, Planned
+from .encode_jobs import EncodePlan, EncodeSettings, LatentJob, MaskJob, Planned, caption_example
 from .errors import CacheError, CacheNotFoundError, DatasetFolderError, SourceFailure
 from .format.dataset_file import check_dataset_name
 from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file
@@ -297,6 +297,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
                + shuffle_notes(settings, lines) + wildcard_notes(settings.wildcards, lines)),
         missing_clips=missing.clips, missing_masks=missing.masks, empty_caption=empty,
         images_without_mask=len(no_mask), unused_masks=len(unused), short_clips=tuple(short),
+        caption_example=caption_example(samples, texts, settings),
     )
 
 

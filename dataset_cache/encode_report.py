@@ -48,6 +48,8 @@ class EncodeReport:
             ``tag_dropout``, ``wildcards`` when set) and, with ``flip="always"``, ``flipped``.
         short_clips: clips that give fewer frames than asked, each ``"<relpath>: <taken> of <asked> frames
             (why)"`` (the plan's; ``notes`` names the first of them).
+        caption_example: the plan's (:attr:`.encode_jobs.EncodePlan.caption_example`): a sample's caption texts,
+            shown in the summary so what shuffles, tag dropout and wildcards make is seen before training.
     """
 
     dataset: str
@@ -75,6 +77,7 @@ class EncodeReport:
     encoded_empty_caption: bool = False
     variants: dict[str, int | float] = field(default_factory=dict)
     short_clips: tuple[str, ...] = ()
+    caption_example: tuple[str, ...] = ()
 
     @property
     def encoded(self) -> int:
@@ -121,6 +124,10 @@ class EncodeReport:
         variants = self.variants_line()
         if variants:
             lines.append(variants)
+        if self.caption_example:
+            source, count, *texts = self.caption_example
+            lines.append(f"caption variants of {source} ({len(texts)} of {count}): "
+                         + " · ".join(repr(t[:80] + ("…" if len(t) > 80 else "")) for t in texts))
         if self.failures:
             lines.append(f"{self.failed} failed, {self.skipped} samples skipped; first: "
                          f"{self.failures[0].relpath}: {self.failures[0].reason}")

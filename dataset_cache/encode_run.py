@@ -275,7 +275,8 @@ def _encode_missing(plan: EncodePlan, writer: CacheWriter, report: EncodeReport,
 def _new_report(plan: EncodePlan) -> EncodeReport:
     report = EncodeReport(plan.dataset, new=plan.new, changed=plan.changed, unchanged=plan.unchanged,
                           removed=plan.removed, failures=list(plan.failures), sourceless=plan.sourceless,
-                          notes=list(plan.notes), short_clips=plan.short_clips)
+                          notes=list(plan.notes), short_clips=plan.short_clips,
+                          caption_example=plan.caption_example)
     report.timings.update(encoder=0.0, decode_wait=0.0, decode_cpu=0.0, commit=0.0, commit_wait=0.0, finish=0.0,
                           lock_wait=0.0)
     report.skipped = plan.skipped

@@ -108,14 +108,17 @@ def test_wildcards_encode_each_combination_once_and_lines_weigh_alike(tmp_path: 
     assert {counts[_key(settings, t)] for t in ("one dog", "two dog")} == {3}
     assert {counts[_key(settings, t)] for t in ("big cat", "small cat", "tiny cat")} == {2}
     assert report.variants["wildcards"] == 1 and "each combination of a caption line's" in report.summary()
+    # the report shows what the first sample with several texts trains with, before any training
+    assert "caption variants of x.png (2 of 2): 'a red car' · 'a blue car'" in report.summary()
     assert _plan(folder, tmp_path / "cache", settings).up_to_date
 
 
 def test_wildcards_on_a_folder_without_groups_encode_nothing_and_off_notes_them(tmp_path: Path) -> None:
     folder = _folder(tmp_path / "data", {"x": "plain, words", "y": "a {red|blue} car"})
     cache = tmp_path / "cache"
-    _report, enc = _build(folder, cache, BASE)
+    report, enc = _build(folder, cache, BASE)
     assert sorted(enc.texts) == ["a {red|blue} car", "plain, words"]  # off: as written
+    assert "caption variants of" not in report.summary()  # one text per image: nothing to show
     assert any("turn wildcards on" in n for n in _plan(folder, cache, BASE).notes)
     report, enc = _build(folder, cache, replace(BASE, wildcards=True))
     assert sorted(enc.texts) == ["a blue car", "a red car"] and enc.images == 0  # "plain, words" stays cached
