@@ -1,5 +1,6 @@
 """The clips' planning: each clip (a video or a ``.frames`` folder) keyed by its source and the frames it takes,
-its samples added (one per window of ``clips_per_video``), and the report's notes on clips.
+its samples added (one per resolution and window: ``extra_resolutions``, ``clips_per_video``), and the report's
+notes on clips.
 
 Apart from the images' planning because a clip's key, limits and shortfalls are its own (frame indices, the VAE's
 temporal stride, the keys of earlier builds kept), while its captions and mirror follow the images' rules.
@@ -81,9 +82,10 @@ def _clip_source(clip: SourceClip, record: SourcesRecord) -> tuple[str, tuple[st
 
 
 def _prepared(clip: SourceClip, record: SourcesRecord, settings: EncodeSettings, acc: Planned
-              ) -> tuple[str, tuple[str, ...], tuple[str, ...], CropPlan] | None:
-    """A clip's source hash, frame files and hashes and its crop plan, or ``None`` when it cannot be planned (a
-    failure added to ``acc.unplannable``, or a file that could not be hashed: already a validation failure)."""
+              ) -> tuple[str, tuple[str, ...], tuple[str, ...], list[CropPlan]] | None:
+    """A clip's source hash, frame files and hashes and its crop plan at each resolution (``extra_resolutions``;
+    a plan two resolutions share once), or ``None`` when it cannot be planned (a failure added to
+    ``acc.unplannable``, or a file that could not be hashed: already a validation failure)."""
     if settings.video.stride == 0:
         acc.unplannable.append(SourceFailure(clip.relpath, clip.path, (
             "is a video clip, but the VAE encodes still images only (it reads a batch as separate images); "
@@ -96,12 +98,27 @@ def _prepared(clip: SourceClip, record: SourcesRecord, settings: EncodeSettings,
     source = _clip_source(clip, record)
     if source is None:
         return None
+    plans: list[CropPlan] = []
     try:
-        plan = settings.bucket.plan(clip.width, clip.height, token=source[0])
+        for config in settings.bucket_configs():
+            plan = config.plan(clip.width, clip.height, token=source[0])
+            if plan not in plans:
+                plans.append(plan)
     except ValueError as exc:
         acc.unplannable.append(SourceFailure(clip.relpath, clip.path, str(exc)))
         return None
-    return (*source, plan)
+    return (*source, plans)
+
+
+def _too_big(frames: int, plans: list[CropPlan]) -> str | None:
+    """Why ``frames`` frames at one of ``plans``' sizes are too many pixels to decode (``None``: none is)."""
+    for plan in plans:
+        width, height = plan.bucket
+        need = frames * width * height * 3 * 4
+        if need > MAX_CLIP_PIXEL_BYTES:
+            return (f"{frames} frames at {width}x{height} take {need / (1 << 30):.1f} GiB of pixels to encode, "
+                    f"above the limit of {MAX_CLIP_PIXEL_BYTES >> 30} GiB; lower the frame count or the resolution")
+    return None
 
 
 def _fewer_clips(clip: SourceClip, video: FrameSettings, windows: Sequence[tuple[int, ...]]) -> str | None:
@@ -115,7 +132,8 @@ def _fewer_clips(clip: SourceClip, video: FrameSettings, windows: Sequence[tuple
 def plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: EncodeSettings, acc: Planned,
                have: set[str], short: list[str]) -> dict[str, LatentJob]:
     """Key every clip (its bytes, or its frames' in order, plus the crop plan and the frames it takes), add its
-    samples to ``acc`` (one per window, ``clips_per_video``); return the latent jobs by key (apart from
+    samples to ``acc`` (one per resolution and window: ``extra_resolutions``, ``clips_per_video``); return the
+    latent jobs by key (apart from
     ``acc.latents``: clips are encoded on their own). Clips that cannot be planned are added to
     ``acc.unplannable``, clips that give fewer frames than asked to ``short`` (``"<relpath>: <taken> of <asked>
     frames (why)"``), videos whose windows overlap or are fewer than asked to ``acc.fewer_clips``. ``have``: the
@@ -126,14 +144,11 @@ def plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: Enc
         prepared = _prepared(clip, record, settings, acc)
         if prepared is None:
             continue
-        source_hash, frame_paths, frame_hashes, plan = prepared
+        source_hash, frame_paths, frame_hashes, plans = prepared
         windows = video.windows(clip.frame_count, clip.rate)
-        width, height = plan.bucket
-        need = len(windows[0]) * width * height * 3 * 4
-        if need > MAX_CLIP_PIXEL_BYTES:
-            acc.unplannable.append(SourceFailure(clip.relpath, clip.path, (
-                f"{len(windows[0])} frames at {width}x{height} take {need / (1 << 30):.1f} GiB of pixels to encode, "
-                f"above the limit of {MAX_CLIP_PIXEL_BYTES >> 30} GiB; lower the frame count or the resolution")))
+        too_big = _too_big(len(windows[0]), plans)
+        if too_big:
+            acc.unplannable.append(SourceFailure(clip.relpath, clip.path, too_big))
             continue
         lack = video.shortfall(clip.frame_count, clip.rate)
         if lack is not None:
@@ -142,7 +157,7 @@ def plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: Enc
         if fewer is not None:
             acc.fewer_clips.append(fewer)
         ckeys = caption_keys(clip.captions, clip.relpath, settings, acc.keys, acc.texts, acc.cut, acc.many)
-        for indices in windows:
+        for plan, indices in ((plan, indices) for plan in plans for indices in windows):
             job = ClipJob(indices, frame_paths, frame_hashes)
             lkey = _clip_key(source_hash, plan, acc.keys.vae, video, clip.kind, indices, have)
             jobs.setdefault(lkey, LatentJob(lkey, clip.path, clip.relpath, source_hash, plan, job))

@@ -74,7 +74,8 @@ class EncodeSettings:
             ``"alpha"`` (the image's alpha channel); see :func:`.imaging.load_mask`. Images only.
         extra_resolutions: more resolutions each image is encoded at besides ``bucket.resolution`` (a
             multi-resolution dataset: one sample per image and distinct crop plan, each its own latent entry); the
-            bucket settings of each are ``bucket.at_resolution(r)``. Images only: clips use ``bucket`` alone.
+            bucket settings of each are ``bucket.at_resolution(r)``. Clips too: a sample per resolution
+            and window.
         missing_caption: what a source without a caption file is captioned with: ``"empty"`` (the empty prompt),
             ``"folder name"`` (its kohya ``<repeats>_<name>`` folder's name) or ``"file name"`` (see
             :mod:`.missing_captions`).

@@ -378,8 +378,8 @@ class EncodeDataset(io.ComfyNode):
                                 "resolution 512), each image also encoded at each of them (its own bucket and "
                                 "latent; a small image with upscale off once at its own size). Every resolution "
                                 "is a sample of the dataset, so an epoch sees each image once per resolution. Adding "
-                                "one encodes only its latents: captions are shared. Images only: clips use "
-                                "resolution."),
+                                "one encodes only its latents: captions are shared. Clips too: each clip (and "
+                                "each window of clips_per_video) at every resolution."),
                 io.Float.Input("tag_dropout", default=0.0, min=0.0, max=MAX_TAG_DROPOUT, step=0.05, round=0.01,
                                optional=True, advanced=True,
                                tooltip="With tag shuffling (kohya's caption_tag_dropout_rate): the share of each "

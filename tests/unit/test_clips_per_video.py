@@ -129,3 +129,25 @@ def test_a_video_gives_its_windows_with_a_mirror_each(tmp_path: Path) -> None:
     assert len({s.latent for s in plan.samples} | {s.mirror for s in plan.samples}) == 4
     jobs = sorted(job.clip.indices for job in plan.missing_clips if job.clip is not None)
     assert jobs == [(0, 1, 2, 3, 4)] * 2 + [(19, 20, 21, 22, 23)] * 2  # each window and its mirror
+
+
+def test_extra_resolutions_give_each_clip_window_at_each_resolution_encoding_only_the_new(folder: Path,
+                                                                                          tmp_path: Path) -> None:
+    """A second resolution: every clip window also at it (its own bucket and latent, the same frames), captions
+    shared, nothing of the first resolution encoded again; the first resolution's keys are what they were."""
+    cache = tmp_path / "cache"
+    one = _settings(frames=5, clips=2)
+    run_encode(_plan(folder, cache, one), **FakeEncoders().kw())
+    two = EncodeSettings(bucket=BucketConfig(resolution=64, step=16, min_side=32, upscale=True), batch_size=2,
+                         video=one.video, extra_resolutions=(96,))
+    first = _plan(folder, cache, EncodeSettings(bucket=two.bucket, batch_size=2, video=one.video))
+    plan = _plan(folder, cache, two)
+    assert not plan.missing_conditionings and len(plan.missing_clips) == 4  # 2 clips × 2 windows, at 96 only
+    assert {s.latent for s in first.samples} <= {s.latent for s in plan.samples}
+    assert len(plan.samples) == 2 * len(first.samples) == 8
+    enc = FakeEncoders()
+    run_encode(plan, **enc.kw())
+    # (frames, height, width, channels): only the new size, the 64×48 frames in 96's 4:3-ish bucket (area ≤ 96²)
+    assert {shape[1:3] for shape in enc.clips} == {(80, 112)}
+    assert {first.settings.bucket.plan(64, 48).bucket} != {(112, 80)}
+    assert _plan(folder, cache, two).up_to_date
