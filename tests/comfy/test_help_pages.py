@@ -114,3 +114,20 @@ def test_help_pages_name_every_option(pack: ModuleType) -> None:
             assert not missing, f"{schema.node_id}.md does not name the options {missing} of `{name}`"
             checked += 1
     assert checked >= 10  # the pack's fixed combos: crop, flip, masks, optimizer, memory, ...
+
+
+def test_readme_mapping_from_other_trainers_names_real_inputs(pack: ModuleType) -> None:
+    """README's table of what other trainers' configs set names, in its second column, inputs of Encode Dataset
+    (E) and Train LoRA (T) that exist: a renamed input fails here until the table follows."""
+    readme = (PACK_ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("### Coming from kohya", 1)[1].split("\n#", 1)[0]
+    schemas = {s.display_name: {i.id for i in s.inputs} for s in _schemas(pack)}
+    encode = next(ids for name, ids in schemas.items() if name.startswith("Encode Dataset"))
+    train = next(ids for name, ids in schemas.items() if name.startswith("Train LoRA"))
+    named = 0
+    for here in re.findall(r"^\|[^|]*\|([^|]*)\|", table, flags=re.MULTILINE):
+        for side, names in re.findall(r"\b([ET]) ((?:`[^`]+`(?:, | \+ |)?)+)", here):
+            for name in re.findall(r"`([^`]+)`", names):
+                assert name in (encode if side == "E" else train), f"README's mapping: {side} `{name}` is no input"
+                named += 1
+    assert named >= 50
