@@ -11,7 +11,7 @@ import torch
 
 from ...dataset_cache.prodigy import GROUP_STATE, Prodigy
 
-__all__ = ["PRODIGY_SETTINGS", "create_optimizer", "group_state", "optimizer_notes"]
+__all__ = ["PRODIGY_SETTINGS", "create_optimizer", "group_state", "optimizer_info", "optimizer_notes"]
 
 PRODIGY_SETTINGS = {"weight_decay": 0.01, "use_bias_correction": True}
 """What Prodigy runs with besides its defaults: the settings kohya's and diffusers' LoRA guides give it (decoupled
@@ -40,3 +40,14 @@ def optimizer_notes(settings: Any) -> list[str]:
         return [f"optimizer Prodigy finds its own step size and learning_rate {settings.learning_rate:g} multiplies "
                 "it: set learning_rate to 1.0, as its authors advise (below 1 only to slow it down)"]
     return []
+
+
+def optimizer_info(optimizer: Any) -> list[str]:
+    """What the summary says about the optimizer once the steps are done: the step size Prodigy found (``d`` times
+    the last step's rate is the rate Adam would have stepped at: a learning rate for AdamW, found)."""
+    if not isinstance(optimizer, Prodigy):
+        return []
+    group = optimizer.param_groups[0]
+    d, rate = float(group["d"]), float(group["lr"])
+    return [f"Prodigy's step size at the last step: d = {d:.3g}, so Adam's rate was learning_rate × d = "
+            f"{rate * d:.3g}"]

@@ -38,7 +38,7 @@ from .distributed import plan_team
 from .layers import LayerChoice, choose_layers
 from .loop import StepLoop
 from .memory import MemoryStep, plan_run_memory
-from .optimizers import create_optimizer, optimizer_notes
+from .optimizers import create_optimizer, optimizer_info, optimizer_notes
 from .report import (RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes,
                      validation_overlap_notes)
 from .resume import Start, TrainState, capture_state, resume_run, save_state
@@ -166,6 +166,7 @@ def train_result(run: LoadedRun, data: DataPlan, parts: RunParts,
         lo, hi = loop.percent_span
         info.append(f"noised at the model's timesteps {settings.min_timestep} to {settings.max_timestep} (from "
                     f"{lo:.1%} to {hi:.1%} of its schedule)")
+    info.extend(run.closing_info)
     if loop.validation is not None:
         info.insert(0, loop.validation.describe())
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
@@ -327,6 +328,7 @@ class LoadedRun:
     memory: MemoryStep = dataclasses.field(default=None)  # type: ignore[assignment]  # set by plan_run_memory
     average: WeightAverage | None = None  # with ema_decay: the weights' moving average, what the run outputs
     layers: LayerChoice | None = None  # the layers train_layers chose (None: a run made without load)
+    closing_info: list[str] = dataclasses.field(default_factory=list)  # what finish() read before releasing
 
     @property
     def device(self) -> torch.device:
@@ -418,6 +420,7 @@ def unprepare(run: LoadedRun, train: ModuleType) -> None:
 def finish(run: LoadedRun) -> dict[str, torch.Tensor]:
     """The trained adapter weights as detached CPU tensors (``SaveLoRA``'s keys); the adapters stop needing grads."""
     lora = lora_weights(run)
+    run.closing_info.extend(optimizer_info(run.optimizer))
     for adapter in run.adapters:
         adapter.requires_grad_(False)
     run.adapters.clear()

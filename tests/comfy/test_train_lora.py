@@ -530,6 +530,9 @@ def test_prodigy_trains_and_a_rate_far_below_one_is_named(node: type, models: tu
     out = _train(node, models[0], dataset, steps=3, optimizer="Prodigy", learning_rate=1.0)
     moved = [k for k, v in out.result[0].items() if not torch.equal(v, start[k])]
     assert len(moved) >= len(start) // 2 and "NOTE" not in _summary(out)
+    found = re.search(r"Prodigy's step size at the last step: d = ([0-9.e+-]+), so Adam's rate was learning_rate "
+                      r"× d = ([0-9.e+-]+)", _summary(out))
+    assert found and float(found.group(1)) >= 1e-6 and found.group(1) == found.group(2)  # from d0 up; rate 1
     slow = _train(node, models[0], dataset, steps=1, optimizer="Prodigy", learning_rate=0.0005)
     assert ("NOTE: optimizer Prodigy finds its own step size and learning_rate 0.0005 multiplies it: set "
             "learning_rate to 1.0") in _summary(slow)
