@@ -12,54 +12,15 @@ arithmetic: a rough proxy only. ``tests/unit/test_prodigy_cuda.py`` counts the s
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.bench_step_extras import LORAS, _params
+from bench.bench_step_extras import _params, count, lora_sizes
 from dataset_cache.prodigy import Prodigy
 
-__all__ = ["count", "measure", "main"]
-
-
-class _Counter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        self.reads += "_local_scalar_dense" in str(func)  # .item()
-        return func(*args, **(kwargs or {}))
-
-
-@contextmanager
-def _counting_tolist(counter: _Counter) -> Iterator[None]:
-    """``Tensor.tolist`` reads the tensor's values without a dispatched op: count its calls as reads."""
-    original = torch.Tensor.tolist
-
-    def tolist(self: torch.Tensor) -> Any:
-        counter.reads += 1
-        return original(self)
-    torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        torch.Tensor.tolist = original  # type: ignore[method-assign]
-
-
-def count(fn: Callable[[], object]) -> tuple[int, int]:
-    """(dispatched ops, reads of tensor values into Python) of one call of ``fn``."""
-    with _Counter() as counter, _counting_tolist(counter):
-        fn()
-    return counter.ops, counter.reads
+__all__ = ["measure", "main"]
 
 
 def _optimizers() -> dict[str, type]:
@@ -91,17 +52,12 @@ def measure(n: int, repeat: int) -> list[tuple[str, str, int, int, float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="30 tensors, one repeat: checks the harness only")
-    ap.add_argument("--repeat", type=int, default=10)
-    args = ap.parse_args(argv)
-    loras = {"smoke": 30} if args.smoke else LORAS
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {1 if args.smoke else args.repeat}"
-          " steps\n")
+    loras, repeat = lora_sizes(argv, __doc__.split("\n\n")[0], 10)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {repeat} steps\n")
     print("| LoRA (tensors) | optimizer | dtype | ops per step | value reads per step | CPU ms per step |")
     print("|---|---|---|---:|---:|---:|")
     for model, n in loras.items():
-        for what, dtype, ops, reads, ms in measure(n, 1 if args.smoke else args.repeat):
+        for what, dtype, ops, reads, ms in measure(n, repeat):
             print(f"| {model} ({n:,}) | {what} | {dtype} | {ops:,} | {reads:,} | {ms:.2f} |")
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dataset_cache.ema import WeightAverage
 from dataset_cache.grad_clip import clip_gradients
 
-__all__ = ["LORAS", "count_ops", "measure", "main"]
+__all__ = ["LORAS", "count", "count_ops", "lora_sizes", "measure", "main"]
 
 LORAS = {"SD1.5": 1244, "SDXL": 3265}
 """LoRA parameter tensors of a rank-16 LoRA with ComfyUI's adapters (ups, downs, alphas, norm and bias diffs), as
@@ -33,17 +35,50 @@ class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.reads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        self.reads += "_local_scalar_dense" in str(func)  # .item()
         return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _counting_tolist(counter: _Counter) -> Iterator[None]:
+    """``Tensor.tolist`` reads the tensor's values without a dispatched op: count its calls as reads."""
+    original = torch.Tensor.tolist
+
+    def tolist(self: torch.Tensor) -> Any:
+        counter.reads += 1
+        return original(self)
+    torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = original  # type: ignore[method-assign]
+
+
+def count(fn: Callable[[], object]) -> tuple[int, int]:
+    """(dispatched ops, reads of tensor values into Python) of one call of ``fn``: on a GPU each op is a kernel
+    launch or more (or a no-kernel op), each read a synchronization."""
+    with _Counter() as counter, _counting_tolist(counter):
+        fn()
+    return counter.ops, counter.reads
 
 
 def count_ops(fn: Callable[[], object]) -> int:
     """Dispatcher ops ``fn`` issues (each a kernel launch or more on a GPU, or a no-kernel op)."""
-    with _Counter() as counter:
-        fn()
-    return counter.ops
+    return count(fn)[0]
+
+
+def lora_sizes(argv: list[str] | None, description: str, repeat: int) -> tuple[dict[str, int], int]:
+    """The command line of a LoRA-step benchmark: the tensor counts to measure (:data:`LORAS`, or 30 with
+    ``--smoke``) and the repeats (1 with ``--smoke``)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--smoke", action="store_true", help="30 tensors, one repeat: checks the harness only")
+    ap.add_argument("--repeat", type=int, default=repeat)
+    args = ap.parse_args(argv)
+    return ({"smoke": 30}, 1) if args.smoke else (dict(LORAS), args.repeat)
 
 
 def _params(n: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -88,17 +123,12 @@ def measure(n: int, repeat: int) -> list[tuple[str, str, int, float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="30 tensors, one repeat: checks the harness only")
-    ap.add_argument("--repeat", type=int, default=20)
-    args = ap.parse_args(argv)
-    loras = {"smoke": 30} if args.smoke else LORAS
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {1 if args.smoke else args.repeat}"
-          " calls\n")
+    loras, repeat = lora_sizes(argv, __doc__.split("\n\n")[0], 20)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {repeat} calls\n")
     print("| LoRA (tensors) | what | dtype | ops per step | CPU ms per step |")
     print("|---|---|---|---:|---:|")
     for model, n in loras.items():
-        for what, dtype, ops, ms in measure(n, 1 if args.smoke else args.repeat):
+        for what, dtype, ops, ms in measure(n, repeat):
             print(f"| {model} ({n:,}) | {what} | {dtype} | {ops:,} | {ms:.2f} |")
 
 
