@@ -7,7 +7,7 @@ and caches, in fp32 (weights loaded in fp32, TF32 off on CUDA for matmuls and cu
 the trainer on the device: image and video latents, conditionings with their extras (SDXL's pooled output, Flux's
 guidance, Flux Kontext's reference latents, Lumina 2's attention masks and its rows run as separate model calls),
 loss masks with mirrored rows, regularization rows with their loss weight, batches holding rows of two caches, AdamW
-(the node's default optimizer) and a LoRA the node creates itself. The children record the LoRA, every LoRA
+(the node's default optimizer), Prodigy with adapters of another alpha, and a LoRA the node creates itself. The children record the LoRA, every LoRA
 parameter before the first step, every gradient the optimizer saw, the losses (the validation's too) and each
 batch's plan and devices.
 
@@ -47,7 +47,8 @@ Tolerances (fp32 on both devices; u = 2⁻²⁴ ≈ 6e-8, the unit roundoff):
   (3e-3 at ρ = 1e-5, 1e-2 at ρ = 1e-4; the CPU stand-in above gave 1.4e-5). The bound is ``ADAM_L2`` = 2e-2 of the
   CPU update's L2 norm; a step size off by 10% gives 1e-1, a gradient off by 1% anywhere ≈ 2√(0.8·0.01) ≈ 0.2. A
   flipped element changes the next gradients by more than rounding, so for AdamW only step 1's gradients are
-  compared element by element (the parameters are equal then).
+  compared element by element (the parameters are equal then). Prodigy's update is Adam's times its step size, the
+  same on both devices to the precision of two fp64 sums of those gradients: the same bound holds.
 
 The initial LoRA must be equal bit for bit (a LoRA file, or drawn by the node from the seed), and so must the batches
 (the sampler, noise and timesteps are drawn on the CPU whatever the device), including a LoRA the node creates on a
