@@ -7,9 +7,9 @@ and caches, in fp32 (weights loaded in fp32, TF32 off on CUDA for matmuls and cu
 the trainer on the device: image and video latents, conditionings with their extras (SDXL's pooled output, Flux's
 guidance, Flux Kontext's reference latents, Lumina 2's attention masks and its rows run as separate model calls),
 loss masks with mirrored rows, regularization rows with their loss weight, batches holding rows of two caches, AdamW
-(the node's default optimizer), Prodigy with adapters of another alpha, and a LoRA the node creates itself. The children record the LoRA, every LoRA
-parameter before the first step, every gradient the optimizer saw, the losses (the validation's too) and each
-batch's plan and devices.
+(the node's default optimizer), Prodigy with adapters of another alpha, and a LoRA the node creates itself. The
+children record the LoRA, every LoRA parameter before the first step, every gradient the optimizer saw, the losses
+(the validation's too) and each batch's plan and devices.
 
 Without a GPU the CUDA test skips; the same harness then runs with both children on the CPU, where the computation is
 the same and everything must be equal bit for bit, and against runs with a slightly different weighting, which the
