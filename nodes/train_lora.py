@@ -20,7 +20,10 @@ from comfy_api.latest import io
 
 from ..dataset_cache.autograd_release import release_error_frames
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
+from ..dataset_cache.dataset import Sample
+from ..dataset_cache.dataset_mix import DatasetMix
 from ..dataset_cache.devices import AUTO as ALL_DEVICES
+from ..dataset_cache.holdout import MAX_VAL_SPLIT, hold_out
 from ..dataset_cache.lock import READ_LOCK, CacheLock
 from ..dataset_cache.remote import is_remote_url
 from ..dataset_cache.memory_plan import AUTO, MEMORY_MODES, MemoryPlan
@@ -141,6 +144,14 @@ def _check_datasets(dataset: Any, reg_dataset: Any, val_dataset: Any) -> None:
                 f"{what}: expected a STREAM_DATASET from a StreamCache node, got {type(handle).__name__}")
     if dataset is None:
         raise ValueError("dataset: connect a StreamCache dataset (Encode Dataset, Load Lazy Cache, ...)")
+
+
+def _check_validation(val_dataset: Any, settings: TrainSettings) -> None:
+    """Refuse two validation sets: a held-out share of the dataset and a connected val_dataset."""
+    if val_dataset is not None and settings.val_split > 0:
+        raise ValueError(f"val_split {settings.val_split:g} holds out images of the dataset for the validation loss, "
+                         "and val_dataset gives another validation set: use one (val_split 0, or disconnect "
+                         "val_dataset)")
 
 
 def _output(result: TrainResult, dataset: StreamDatasetHandle | CombinedDatasetHandle,
@@ -372,6 +383,11 @@ class TrainLoRA(io.ComfyNode):
                                "its difference times lora_alpha / rank. 1: ComfyUI's own Train LoRA (and kohya's "
                                "default); lora_alpha = rank: scale 1, with a learning rate to match. The LoRA file "
                                "holds it; a continued LoRA keeps its own."),
+                io.Float.Input("val_split", default=0.0, min=0.0, max=MAX_VAL_SPLIT, step=0.05, round=0.01,
+                               optional=True,
+                               tooltip="Hold out this share of the dataset's images (or clips) for the validation "
+                               "loss, instead of a val_dataset: each held out whole (all its resolutions and "
+                               "windows), the same ones on every run (by their names), at least one. 0: none."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -431,6 +447,7 @@ class TrainLoRA(io.ComfyNode):
         min_timestep: int = 0,
         max_timestep: int = MAX_TIMESTEP,
         lora_alpha: float = 1.0,
+        val_split: float = 0.0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -447,10 +464,11 @@ class TrainLoRA(io.ComfyNode):
             timestep_sampling=str(timestep_sampling), noise_offset=float(noise_offset), val_every=int(val_every),
             max_grad_norm=float(max_grad_norm), ema_decay=float(ema_decay), min_snr_gamma=float(min_snr_gamma),
             train_layers="" if train_layers is None else train_layers, min_timestep=min_timestep,
-            max_timestep=max_timestep, lora_alpha=float(lora_alpha),
+            max_timestep=max_timestep, lora_alpha=float(lora_alpha), val_split=round(float(val_split), 4),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)
+        _check_validation(val_dataset, settings)
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
         result, samples, reg_count = cls._train_locked(model, dataset, settings, node_id, reg_dataset, val_dataset)
         return _output(result, dataset, reg_dataset, samples, reg_count, settings)
@@ -484,17 +502,23 @@ class TrainLoRA(io.ComfyNode):
         try:
             mix = dataset.load_mix(readers)
             reg = reg_dataset.load_mix(readers) if reg_dataset is not None else None
-            val = val_dataset.load_mix(readers) if val_dataset is not None else None
+            loaded_val = val_dataset.load_mix(readers) if val_dataset is not None else None
             for what, handle, loaded in (("dataset", dataset, mix), ("reg_dataset", reg_dataset, reg),
-                                         ("val_dataset", val_dataset, val)):
+                                         ("val_dataset", val_dataset, loaded_val)):
                 if handle is not None and loaded is not None and not loaded.samples:
                     raise ValueError(
                         f"{what} {handle.name!r} in the {handle.where()} is empty (0 samples): there is nothing to "
                         "train on; encode a folder that holds images")
+            val: DatasetMix | tuple[Sample, ...] | None = loaded_val
+            held = hold_out(mix, settings.val_split) if settings.val_split > 0 else None
+            if held is not None:  # the dataset's held-out sources are the validation set
+                mix, val = held.train, held.validation
             text = _NodeText(node_id)
             result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
                                 reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "",
                                 on_plan=text.plan, on_saved=text.saved, val=val)
+            if held is not None:
+                result.info = (held.describe(settings.val_split), *result.info)
         except BaseException as error:  # ComfyUI keeps its error in a reference cycle: the run's finished frames
             release_error_frames(error)  # would keep its tensors until a full collection (autograd_release)
             raise

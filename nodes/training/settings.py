@@ -11,6 +11,7 @@ from comfy.weight_adapter import adapter_maps
 from ...dataset_cache.checks import check_number
 from ...dataset_cache.ema import MAX_EMA_DECAY, check_ema_decay
 from ...dataset_cache.grad_clip import MAX_GRAD_NORM, check_max_grad_norm
+from ...dataset_cache.holdout import check_val_split
 from ...dataset_cache.layer_filter import LayerFilter
 from ...dataset_cache.loss_weighting import MAX_MIN_SNR_GAMMA, check_min_snr_gamma
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
@@ -135,6 +136,8 @@ class TrainSettings:
     max_timestep: int = MAX_TIMESTEP
     # a new adapter's scale is lora_alpha / rank (.comfy_parts.set_alpha); 1.0: ComfyUI's trainer's alpha
     lora_alpha: float = 1.0
+    # the share of the dataset's sources held out for the validation loss (dataset_cache.holdout); 0: none
+    val_split: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -176,6 +179,7 @@ class TrainSettings:
         check_min_snr_gamma(self.min_snr_gamma)
         LayerFilter.parse(self.train_layers)
         check_timestep_range(self.min_timestep, self.max_timestep)
+        check_val_split(self.val_split)
         check_number("lora_alpha", self.lora_alpha, MAX_LORA_ALPHA)
         if not self.lora_alpha > 0:
             raise ValueError(f"lora_alpha must be above 0 (the adapters' scale is lora_alpha / rank), got "

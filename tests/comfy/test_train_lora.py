@@ -44,7 +44,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
     "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0, "max_grad_norm": 0.0,
     "ema_decay": 0.0, "min_snr_gamma": 0.0, "train_layers": "", "min_timestep": 0, "max_timestep": 1000,
-    "lora_alpha": 1.0,
+    "lora_alpha": 1.0, "val_split": 0.0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -521,6 +521,25 @@ def test_lora_alpha_scales_the_new_adapters_and_a_continued_lora_keeps_its_own(
             in _summary(continued))
     with pytest.raises(ValueError, match="lora_alpha scales LoRA, LoHa, LoKr adapters; OFT's alpha is no scale"):
         _train(node, models[0], dataset, algorithm="OFT", lora_alpha=8.0, **sgd)
+
+
+def test_val_split_holds_sources_out_of_training_and_measures_them(node: type, models: tuple,
+                                                                    dataset: Any) -> None:
+    """val_split 0.3 of the 6-sample dataset: 2 samples held out, measured before the first step and after the
+    last (a validation loss on images the run never trained on), the run's rows from the other 4; the same two on
+    every run. With a val_dataset too, refused naming both."""
+    out = _train(node, models[0], dataset, steps=2, batch_size=1, val_split=0.3)
+    lora, losses, _steps = out.result
+    summary = _summary(out)
+    assert summary.startswith("dataset 'train' (4 samples): trained 2 steps")  # the other 4 train
+    assert "val_split 0.3: 2 source(s) held out of training for the validation loss (2 samples:" in summary
+    assert "validation loss (2 images, the same noise and timesteps each time)" in summary
+    assert [step for step, _ in losses["val_loss"]] == [0, 2]
+    again = _summary(_train(node, models[0], dataset, steps=1, batch_size=1, val_split=0.3))
+    held = re.search(r"\(2 samples: ([^)]*)\)", summary)
+    assert held and f"(2 samples: {held.group(1)})" in again
+    with pytest.raises(ValueError, match="val_split 0.3 holds out images of the dataset .* use one"):
+        _train(node, models[0], dataset, steps=1, val_split=0.3, val_dataset=dataset)
 
 
 def test_prodigy_trains_and_a_rate_far_below_one_is_named(node: type, models: tuple, dataset: Any) -> None:
