@@ -144,12 +144,12 @@ def test_two_ranks_train_what_one_rank_trains_with_the_global_batch(node: type, 
 def test_a_learning_rate_schedule_and_validation_on_two_ranks_are_what_they_are_on_one(node: type, models: tuple,
                                                                             dataset: Any, start: dict) -> None:
     """Every rank sets each step's rate from the same schedule: a linear decay after a warm-up step on 2 ranks × 1
-    trains what it trains on 1 rank × 2, within the module's tolerance. Each rank measures the validation loss of
-    the whole validation set itself (no rank waits for another): the values agree as the weights do. Gradients are
-    clipped after the ranks averaged them (every rank the same global norm, each step's reported the same), and
-    the LoRA is the moving average of the weights, the same on every rank; each rank weighs its rows' losses by
-    their Min-SNR weights (drawn with its share of the global batch's sigmas), all noised within one timestep
-    range."""
+    trains what it trains on 1 rank × 2, within the module's tolerance. Rank 0 measures the validation loss of
+    the whole validation set (the workers wait for it at the next step): the values agree as the weights do.
+    Gradients are clipped after the ranks averaged them (every rank the same global norm, each step's reported
+    the same), and the LoRA is the moving average of the weights, the same on every rank; each rank weighs its
+    rows' losses by their Min-SNR weights (drawn with its share of the global batch's sigmas), all noised within
+    one timestep range."""
     scheduled = {"lr_schedule": "linear", "warmup_steps": 2, "val_dataset": dataset}
     free = _train(node, models[0], dataset, batch_size=2, steps=3, **scheduled).result[1]["grad_norm"]
     scheduled["max_grad_norm"] = sorted(free)[1]  # the steps above the middle norm clipped
