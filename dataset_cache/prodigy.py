@@ -18,7 +18,7 @@ warm-up on it works as on Adam's). Its running values live in the parameter grou
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -36,8 +36,14 @@ def _total_dot(a: list[torch.Tensor], b: list[torch.Tensor] | tuple[torch.Tensor
     torch._foreach_mul_(b, a)
     positive = torch._foreach_clamp_min(b, 0.0)
     torch._foreach_clamp_max_(b, 0.0)
-    return (torch.stack(torch._foreach_norm(positive, 1, dtype=torch.float64)).sum()
-            - torch.stack(torch._foreach_norm(b, 1, dtype=torch.float64)).sum())
+    wide = _sum_dtype(a)
+    return (torch.stack(torch._foreach_norm(positive, 1, dtype=wide)).sum()
+            - torch.stack(torch._foreach_norm(b, 1, dtype=wide)).sum())
+
+
+def _sum_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """fp64 for the step size's sums, where the device has it (Apple's MPS has no fp64: fp32 there)."""
+    return torch.float32 if any(t.device.type == "mps" for t in tensors) else torch.float64
 
 
 class Prodigy(torch.optim.Optimizer):
@@ -112,7 +118,7 @@ class Prodigy(torch.optim.Optimizer):
         torch._foreach_addcmul_(avg_sq, grads, grads, value=d * d * (1 - beta2))
         torch._foreach_mul_(s, beta3)
         torch._foreach_add_(s, grads, alpha=(d / d0) * (d if first["safeguard_warmup"] else dlr))
-        total = torch.stack(torch._foreach_norm(s, 1, dtype=torch.float64)).sum()
+        total = torch.stack(torch._foreach_norm(s, 1, dtype=_sum_dtype(s))).sum()
         numerator, denominator = torch.stack([dot, total]).tolist()
         return numerator, denominator
 

@@ -147,3 +147,14 @@ def test_carried_group_values_are_checked() -> None:
                            param_groups=groups)
         with pytest.raises(ValueError, match=message):
             optimizer_state_dict(state, names, opt.state_dict(), GROUP_STATE)
+
+
+def test_the_sums_are_fp64_except_on_a_device_without_it() -> None:
+    """Apple's MPS has no fp64: the step size's sums are fp32 there (a Mac would fail in the first step)."""
+    from types import SimpleNamespace
+
+    from dataset_cache.prodigy import _sum_dtype
+
+    assert _sum_dtype([torch.zeros(2)]) == torch.float64
+    mps = SimpleNamespace(device=torch.device("mps"))
+    assert _sum_dtype([torch.zeros(2), mps]) == torch.float32  # type: ignore[list-item]
