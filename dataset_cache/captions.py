@@ -32,9 +32,11 @@ __all__ = [
     "shuffle_tags",
     "drop_tags",
     "MAX_TAG_DROPOUT",
+    "MAX_SEPARATOR_CHARS",
     "too_many_variants",
     "caption_keys",
     "shuffle_notes",
+    "separator_notes",
     "caption_notes",
 ]
 
@@ -57,6 +59,9 @@ text encoders), and past a few dozen epochs more variants add nothing the sample
 
 MAX_KEEP_TOKENS = 255
 
+MAX_SEPARATOR_CHARS = 16
+"""The longest ``keep_tokens_separator`` (kohya's examples use ``|||``)."""
+
 MAX_TAG_DROPOUT = 0.9
 """The largest tag dropout: past it a caption keeps almost no tag (and 1 would train the empty caption, which
 ``caption_dropout`` does on purpose)."""
@@ -67,16 +72,28 @@ _DRAWS_PER_VARIANT = 64
 by lines with few orders, where random draws keep hitting the ones already chosen)."""
 
 
-def _tags(line: str, keep_tokens: int) -> tuple[list[str], list[str]]:
-    """The line's tags split on ``,`` (stripped, empty ones dropped): the first ``keep_tokens`` and the rest."""
-    tags = [t for t in (part.strip() for part in line.split(",")) if t]
-    return tags[:keep_tokens], tags[keep_tokens:]
+def _split_tags(text: str) -> list[str]:
+    """``text``'s tags split on ``,``, stripped, empty ones dropped."""
+    return [t for t in (part.strip() for part in text.split(",")) if t]
 
 
-def tag_orders(line: str, keep_tokens: int = 0, limit: int = MAX_SHUFFLE_VARIANTS + 1) -> int:
+def _tags(line: str, keep_tokens: int, separator: str = "") -> tuple[list[str], list[str], list[str]]:
+    """The line's tags (see :func:`_split_tags`) as the ones kept in front, the ones that move, the ones kept at the
+    end. With ``separator`` in the line (kohya's ``keep_tokens_separator``): the tags before its first occurrence,
+    between it and a second one, after the second (``keep_tokens`` is then not used); otherwise the first
+    ``keep_tokens`` tags and the rest, none at the end."""
+    if separator and separator in line:
+        head, _, rest = line.partition(separator)
+        middle, _, tail = rest.partition(separator)
+        return _split_tags(head), _split_tags(middle), _split_tags(tail.replace(separator, ","))
+    tags = _split_tags(line)
+    return tags[:keep_tokens], tags[keep_tokens:], []
+
+
+def tag_orders(line: str, keep_tokens: int = 0, limit: int = MAX_SHUFFLE_VARIANTS + 1, separator: str = "") -> int:
     """How many distinct orders the shuffled tags of ``line`` have (repeated tags counted once per order), capped
     at ``limit``: 1 means the line cannot be shuffled (one tag to move or none, e.g. ``keep_tokens`` keeps all)."""
-    rest = _tags(line, keep_tokens)[1]
+    rest = _tags(line, keep_tokens, separator)[1]
     n = math.factorial(len(rest))
     for count in Counter(rest).values():
         n //= math.factorial(count)
@@ -97,15 +114,17 @@ def _distinct_orders(rest: Sequence[str]) -> Iterator[tuple[str, ...]]:
         perm[k + 1:] = reversed(perm[k + 1:])
 
 
-def _orders(line: str, variants: int, keep_tokens: int) -> tuple[list[str], list[tuple[str, ...]]]:
-    """The line's kept tags and up to ``variants`` distinct orders of the rest (see :func:`shuffle_tags`)."""
-    fixed, rest = _tags(line, keep_tokens)
+def _orders(line: str, variants: int, keep_tokens: int, separator: str = ""
+            ) -> tuple[list[str], list[tuple[str, ...]], list[str]]:
+    """The line's tags kept in front, up to ``variants`` distinct orders of the ones that move (see
+    :func:`shuffle_tags`), and the tags kept at the end."""
+    fixed, rest, tail = _tags(line, keep_tokens, separator)
     own = tuple(rest)
-    orders = tag_orders(line, keep_tokens, variants + 1)
+    orders = tag_orders(line, keep_tokens, variants + 1, separator)
     chosen: list[tuple[str, ...]] = []
     if orders - 1 < variants:  # every order, the shuffled ones first
         every = list(_distinct_orders(rest))
-        return fixed, [o for o in every if o != own] + [own]
+        return fixed, [o for o in every if o != own] + [own], tail
     seen = {own}
     for i in range(variants * _DRAWS_PER_VARIANT):
         drawn = list(rest)
@@ -121,10 +140,10 @@ def _orders(line: str, variants: int, keep_tokens: int) -> tuple[list[str], list
         if order not in seen:
             seen.add(order)
             chosen.append(order)
-    return fixed, chosen
+    return fixed, chosen, tail
 
 
-def shuffle_tags(line: str, variants: int, keep_tokens: int = 0) -> tuple[str, ...]:
+def shuffle_tags(line: str, variants: int, keep_tokens: int = 0, separator: str = "") -> tuple[str, ...]:
     """Return up to ``variants`` shuffled-tag versions of one caption line (kohya's ``shuffle_caption`` with
     ``keep_tokens``), before prefix and suffix: distinct orders, none the line's own order where the tags allow.
 
@@ -135,10 +154,11 @@ def shuffle_tags(line: str, variants: int, keep_tokens: int = 0) -> tuple[str, .
     are taken in turn, skipping an order already taken and the line's own order, until ``variants`` are taken: a
     line whose first ``variants`` draws were distinct and shuffled gives the texts it gave before this rule (so
     its conditionings stay cached). A line with fewer shuffled orders than ``variants`` (:func:`tag_orders`) gives
-    every order it has, its own last: fewer texts (one for a line that cannot be shuffled).
+    every order it has, its own last: fewer texts (one for a line that cannot be shuffled). With ``separator`` in
+    the line, the tags before it stay in front and those after a second one at the end (:func:`_tags`).
     """
-    fixed, chosen = _orders(line, variants, keep_tokens)
-    return tuple(", ".join([*fixed, *order]) for order in chosen)
+    fixed, chosen, tail = _orders(line, variants, keep_tokens, separator)
+    return tuple(", ".join([*fixed, *order, *tail]) for order in chosen)
 
 
 def _dropped_in(line: str, position: int, variants: int, rate: float) -> set[int]:
@@ -152,7 +172,7 @@ def _dropped_in(line: str, position: int, variants: int, rate: float) -> set[int
     return set(rng.sample(range(variants), count))
 
 
-def drop_tags(line: str, variants: int, keep_tokens: int, rate: float) -> tuple[str, ...]:
+def drop_tags(line: str, variants: int, keep_tokens: int, rate: float, separator: str = "") -> tuple[str, ...]:
     """Return ``variants`` versions of one caption line, each shuffled and with tags left out (kohya's
     ``shuffle_caption`` with ``caption_tag_dropout_rate``), before prefix and suffix.
 
@@ -163,8 +183,8 @@ def drop_tags(line: str, variants: int, keep_tokens: int, rate: float) -> tuple[
     versions as kohya drops it in a ``rate`` share of steps, even with few versions, where independent draws would
     often drop nothing. Versions may repeat (a line of one tag has two texts): each is a draw, so repeats weigh.
     """
-    fixed, orders = _orders(line, variants, keep_tokens)
-    rest = _tags(line, keep_tokens)[1]
+    fixed, orders, tail = _orders(line, variants, keep_tokens, separator)
+    rest = _tags(line, keep_tokens, separator)[1]
     dropped = [_dropped_in(line, j, variants, rate) for j in range(len(rest))]
     out = []
     for i in range(variants):
@@ -175,7 +195,7 @@ def drop_tags(line: str, variants: int, keep_tokens: int, rate: float) -> tuple[
                 drop[tag] -= 1
             else:
                 kept.append(tag)
-        out.append(", ".join([*fixed, *kept]))
+        out.append(", ".join([*fixed, *kept, *tail]))
     return tuple(out)
 
 
@@ -192,7 +212,7 @@ def _line_variants(line: str, settings: EncodeSettings) -> int | None:
     if not n:
         return pieces
     expanded = expand_wildcards(line, MAX_CAPTION_VARIANTS) if settings.wildcards else (line,)
-    return sum(min(tag_orders(piece, keep, n + 1), n) for piece in expanded)
+    return sum(min(tag_orders(piece, keep, n + 1, settings.keep_tokens_separator), n) for piece in expanded)
 
 
 def _too_many_draws(captions: Sequence[str], settings: EncodeSettings) -> str | None:
@@ -294,10 +314,10 @@ def shuffle_notes(settings: EncodeSettings, captions: Iterable[Sequence[str]]) -
     single: list[str] = []  # one tag or none, or all the same
     short: dict[str, int] = {}
     for line in _pieces(settings, captions):
-        orders = tag_orders(line, keep, variants + 1)
+        orders = tag_orders(line, keep, variants + 1, settings.keep_tokens_separator)
         if orders == 1:
-            fixed, rest = _tags(line, keep)
-            (kept if len(fixed) + len(rest) > 1 and len(rest) <= 1 else single).append(line)
+            fixed, rest, tail = _tags(line, keep, settings.keep_tokens_separator)
+            (kept if len(fixed) + len(rest) + len(tail) > 1 and len(rest) <= 1 else single).append(line)
         elif orders - 1 < variants and not settings.tag_dropout:  # with dropout: versions cycle the orders
             short.setdefault(line, orders)
     notes = []
@@ -314,6 +334,16 @@ def shuffle_notes(settings: EncodeSettings, captions: Iterable[Sequence[str]]) -
         notes.append(f"{len(short)} caption line(s) have fewer tag orders than shuffle_variants {variants} asks for "
                      f"(e.g. {line[:80]!r}: {orders} orders): each gives every order it has, its own among them")
     return tuple(notes)
+
+
+def separator_notes(settings: EncodeSettings, captions: Iterable[Sequence[str]]) -> tuple[str, ...]:
+    """What the report says about ``keep_tokens_separator``: set, but in no caption line (a typo, or captions
+    written without it: every line then shuffles after ``keep_tokens`` as without it)."""
+    sep = settings.keep_tokens_separator
+    if not sep or any(sep in line for lines in captions for line in lines):
+        return ()
+    return (f"keep_tokens_separator {sep!r} is in no caption line: every line is treated as without it "
+            f"(keep_tokens {settings.keep_tokens})",)
 
 
 def caption_notes(cut: Sequence[str], many: Sequence[str]) -> tuple[str, ...]:

@@ -13,8 +13,8 @@ from typing import Any
 
 from .buckets import BucketConfig, CropPlan
 from .caption_wildcards import expand_wildcards
-from .captions import (MAX_CAPTION_VARIANTS, MAX_KEEP_TOKENS, MAX_SHUFFLE_VARIANTS, MAX_TAG_DROPOUT, drop_tags,
-                       shuffle_tags)
+from .captions import (MAX_CAPTION_VARIANTS, MAX_KEEP_TOKENS, MAX_SEPARATOR_CHARS, MAX_SHUFFLE_VARIANTS,
+                       MAX_TAG_DROPOUT, _tags, drop_tags, shuffle_tags)
 from .constants import DEFAULT_SHARD_BYTES
 from .dataset import Sample
 from .errors import SourceFailure
@@ -83,6 +83,10 @@ class EncodeSettings:
             of (kohya's ``caption_tag_dropout_rate``, see :func:`.captions.drop_tags`); ``0`` leaves every tag in.
         wildcards: ``{a|b}`` option groups in caption lines give one text per combination of options (kohya's
             ``enable_wildcard``, see :mod:`.caption_wildcards`); off, braces are encoded as written.
+        keep_tokens_separator: kohya's: in a line holding it, the tags before it stay in front and those after a
+            second one stay at the end, the ones between are shuffled and dropped (``keep_tokens`` is not used
+            for that line); the separator itself is never encoded (the parts are joined with ``", "``, shuffled
+            or not). ``""``: none.
         mask_factor: the VAE's spatial compression (8 for SD/SDXL/Flux), which sets a mask's latent resolution;
             a property of the VAE, not a user setting (not described). ``None``: unknown (the VAE was not
             loaded): mask keys are then unresolved, so the VAE is asked for, and such a plan cannot be encoded.
@@ -105,6 +109,7 @@ class EncodeSettings:
     extra_resolutions: tuple[int, ...] = ()
     tag_dropout: float = 0.0
     wildcards: bool = False
+    keep_tokens_separator: str = ""
 
     def __post_init__(self) -> None:
         if type(self.shuffle_variants) is not int or not 0 <= self.shuffle_variants <= MAX_SHUFFLE_VARIANTS:
@@ -152,6 +157,11 @@ class EncodeSettings:
                              "shuffle_variants is 0: set shuffle_variants to how many versions to encode (e.g. 8)")
         if type(self.wildcards) is not bool:
             raise TypeError(f"EncodeSettings.wildcards must be a bool, got {self.wildcards!r:.40}")
+        sep = self.keep_tokens_separator
+        if not isinstance(sep, str) or len(sep) > MAX_SEPARATOR_CHARS or (sep and (
+                not sep.strip() or "," in sep or "\n" in sep or "{" in sep or "}" in sep)):
+            raise ValueError(f"keep_tokens_separator {sep!r:.40}: use a few characters that are no comma, brace or "
+                             f"line break, e.g. '|||' (at most {MAX_SEPARATOR_CHARS}), or leave it empty")
 
     @property
     def weighs_lines(self) -> bool:
@@ -192,12 +202,15 @@ class EncodeSettings:
                 leaves such a sample out first, naming its caption).
         """
         pieces = expand_wildcards(line, MAX_CAPTION_VARIANTS) if self.wildcards else (line,)
+        sep = self.keep_tokens_separator
         out: list[str] = []
         for piece in pieces:
             if self.tag_dropout:
-                texts = drop_tags(piece, self.shuffle_variants, self.keep_tokens, float(self.tag_dropout))
+                texts = drop_tags(piece, self.shuffle_variants, self.keep_tokens, float(self.tag_dropout), sep)
             elif self.shuffle_variants:
-                texts = shuffle_tags(piece, self.shuffle_variants, self.keep_tokens)
+                texts = shuffle_tags(piece, self.shuffle_variants, self.keep_tokens, sep)
+            elif sep and sep in piece:  # unshuffled, the separator still never reaches the encoder
+                texts = (", ".join(t for part in _tags(piece, 0, sep) for t in part),)
             else:
                 texts = (piece,)
             out.extend(self.caption_text(t) for t in texts)
@@ -222,6 +235,8 @@ class EncodeSettings:
                 out["tag_dropout"] = self.tag_dropout
         if self.wildcards:
             out["wildcards"] = True
+        if self.keep_tokens_separator:
+            out["keep_tokens_separator"] = self.keep_tokens_separator
         if self.empty_caption:
             out["empty_caption"] = True
         if self.masks != "none":

@@ -52,7 +52,7 @@ import xxhash
 
 from .buckets import BucketConfig, CropPlan
 from .caption_wildcards import wildcard_notes
-from .captions import caption_keys, caption_notes, shuffle_notes, too_many_variants
+from .captions import caption_keys, caption_notes, separator_notes, shuffle_notes, too_many_variants
 from .missing_captions import fill_missing_captions
 from .clip_plan import clip_notes, plan_clips
 from .dataset import Sample, check_epoch_size
@@ -171,6 +171,7 @@ def _output_settings(described: Mapping[str, Any]) -> dict[str, Any]:
     out["keep_tokens"] = described.get("keep_tokens", 0) if shuffle else 0  # no effect without shuffling
     out["tag_dropout"] = described.get("tag_dropout", 0)
     out["wildcards"] = described.get("wildcards", False)
+    out["keep_tokens_separator"] = described.get("keep_tokens_separator", "")
     out["empty_caption"] = described.get("empty_caption", False)
     out["masks"] = described.get("masks", "none")
     out["missing_caption"] = described.get("missing_caption", "empty")
@@ -294,7 +295,8 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         skipped=_listed_samples(validation) - len({s.source for s in samples}),
         notes=(filled + caption_notes(cut, many) + clip_notes(settings, short, acc.fewer_clips)
                + mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
-               + shuffle_notes(settings, lines) + wildcard_notes(settings.wildcards, lines)),
+               + shuffle_notes(settings, lines) + separator_notes(settings, lines)
+               + wildcard_notes(settings.wildcards, lines)),
         missing_clips=missing.clips, missing_masks=missing.masks, empty_caption=empty,
         images_without_mask=len(no_mask), unused_masks=len(unused), short_clips=tuple(short),
         caption_example=caption_example(samples, texts, settings),

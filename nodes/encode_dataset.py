@@ -96,7 +96,7 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
               frame_stride: int | None = None, flip: str = "none", shuffle_variants: int = 0, keep_tokens: int = 0,
               empty_caption: bool = False, masks: str = "none", mask_factor: int | None = None,
               missing_caption: str = "empty", extra_resolutions: str = "", tag_dropout: float = 0.0,
-              wildcards: bool = False, clips_per_video: int = 1) -> EncodeSettings:
+              wildcards: bool = False, clips_per_video: int = 1, keep_tokens_separator: str = "") -> EncodeSettings:
     problem = _bucket_problem(resolution, bucket_step) or _frame_problem(frame_count, frame_step, fps)
     if problem:
         raise ValueError(problem)
@@ -111,7 +111,8 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
                           shuffle_variants=shuffle_variants, keep_tokens=keep_tokens,
                           empty_caption=bool(empty_caption), masks=masks, mask_factor=mask_factor,
                           missing_caption=missing_caption, extra_resolutions=extra,
-                          tag_dropout=round(float(tag_dropout), 4), wildcards=bool(wildcards))
+                          tag_dropout=round(float(tag_dropout), 4), wildcards=bool(wildcards),
+                          keep_tokens_separator="" if keep_tokens_separator is None else keep_tokens_separator)
 
 
 def _extra_resolutions(text: Any, resolution: int, bucket_step: int) -> tuple[int, ...]:
@@ -396,6 +397,11 @@ class EncodeDataset(io.ComfyNode):
                              "(musubi-tuner's uniform frame extraction): windows of frame_count frames (first or "
                              "every_k), spread evenly from the start to the end of the video, so a long video "
                              "trains all of it. Raising it encodes only the new windows. 1: one clip, as before."),
+                io.String.Input("keep_tokens_separator", default="", optional=True, advanced=True,
+                                tooltip="kohya's keep_tokens_separator, e.g. '|||': in a caption line holding it, "
+                                "the tags before it stay in front and those after a second one stay at the end; "
+                                "only the tags between are shuffled and dropped (keep_tokens is then not used). "
+                                "The separator itself is never encoded. Empty: none."),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),

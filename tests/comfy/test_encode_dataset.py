@@ -367,7 +367,8 @@ def test_small_images_are_not_upscaled_unless_asked_and_old_prompts_run_without_
     assert schema["upscale"].default is False and schema["upscale"].optional and schema["upscale"].advanced
     assert {k for k, i in schema.items() if i.advanced} == {"caption_suffix", "batch_size", "on_failure", "upscale",
                                                             "frame_step", "fps", "shuffle_variants", "keep_tokens",
-                                                            "empty_caption", "tag_dropout", "wildcards"}
+                                                            "empty_caption", "tag_dropout", "wildcards",
+                                                            "keep_tokens_separator"}
     old = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), resolution=512,
                   bucket_step=32)
     assert "upscale" not in old["10"]["inputs"]  # as a workflow saved before the input existed
@@ -542,7 +543,8 @@ def test_tag_dropout_and_wildcards_encode_only_captions_through_the_node(
         comfy_nodes: ModuleType, pack: ModuleType) -> None:
     """A caption with a wildcard, after a plain run: turning wildcards and tag dropout on loads only CLIP, and the
     sample holds the dropout versions of each combination, each encoded as CLIPTextEncode encodes it. The
-    frontend's float (0.25000000000000006) is the rate 0.25. Dropout without shuffles is refused naming both."""
+    frontend's float (0.25000000000000006) is the rate 0.25. Dropout without shuffles is refused naming both, a
+    comma as keep_tokens_separator naming the input."""
     vae, clip = encoders
     img = kohya.images[0]
     img.path.with_suffix(".txt").write_text("ohwx, {red|blue} ball, shiny", encoding="utf-8")
@@ -570,3 +572,6 @@ def test_tag_dropout_and_wildcards_encode_only_captions_through_the_node(
     bad = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), tag_dropout=0.1)
     with pytest.raises(ValueError, match="tag_dropout 0.1 leaves tags out .* shuffle_variants is 0"):
         Run(mod, bad).lazy()
+    comma = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), keep_tokens_separator=",")
+    with pytest.raises(ValueError, match="keep_tokens_separator ',': use a few characters that are no comma"):
+        Run(mod, comma).lazy()

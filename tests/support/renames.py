@@ -26,7 +26,8 @@ ADDED = {
                               "lora_alpha", "val_split"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
                                   "keep_tokens", "empty_caption", "masks", "missing_caption",
-                                  "extra_resolutions", "tag_dropout", "wildcards", "clips_per_video"),
+                                  "extra_resolutions", "tag_dropout", "wildcards", "clips_per_video",
+                                  "keep_tokens_separator"),
     "StreamCache_SaveCache": ("publish_to",),
 }
 """Optional inputs added since; a prompt without them runs with their defaults (off, or images only; ``memory``
@@ -38,7 +39,7 @@ loss weighed alike; ``train_layers`` empty: every layer gets an adapter; ``min_t
 ``max_timestep`` 1000: every timestep; ``lora_alpha`` 1: ComfyUI's alpha; ``val_split`` 0: nothing held out;
 ``missing_caption`` 'empty': a source without a caption file trains with the empty prompt; ``extra_resolutions``
 empty: one resolution; ``tag_dropout`` 0: every tag in; ``wildcards`` off: braces encoded as written;
-``clips_per_video`` 1: one clip per video))."""
+``clips_per_video`` 1: one clip per video; ``keep_tokens_separator`` empty: none))."""
 
 
 def as_current(prompt: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:

@@ -219,3 +219,41 @@ def test_many_lines_that_cannot_weigh_alike_are_named_briefly(tmp_path: Path) ->
     (failure,) = _plan(folder, tmp_path / "cache", replace(BASE, wildcards=True)).failures
     assert "its caption file's 300 lines give 1, 1, 1, 1, 1, 1, 1, 1, ... caption variants" in failure.reason
     assert len(failure.reason) < 400
+
+
+# ------------------------------------------------------------------------------------------ keep_tokens_separator
+
+def test_the_separator_keeps_the_head_in_front_and_the_tail_at_the_end() -> None:
+    """kohya's example: ``1girl, hatsune miku, vocaloid ||| stage, microphone, white shirt, smile ||| best quality,
+    rating: general``: only the middle tags move (or drop); the separator is never encoded, shuffled or not."""
+    line = "1girl, hatsune miku, vocaloid ||| stage, microphone, white shirt, smile ||| best quality, rating: general"
+    head, tail = ["1girl", "hatsune miku", "vocaloid"], ["best quality", "rating: general"]
+    middle = {"stage", "microphone", "white shirt", "smile"}
+    shuffled = replace(BASE, shuffle_variants=6, keep_tokens=1, keep_tokens_separator="|||")
+    texts = shuffled.caption_texts(line)
+    assert len(set(texts)) == 6
+    for text in texts:
+        tags = text.split(", ")
+        assert tags[:3] == head and tags[-2:] == tail and set(tags[3:-2]) == middle and "|||" not in text
+    dropped = replace(shuffled, tag_dropout=0.5).caption_texts(line)
+    for text in dropped:
+        tags = text.split(", ")
+        assert tags[:3] == head and tags[-2:] == tail and set(tags[3:-2]) <= middle
+    assert any(len(t.split(", ")) < 9 for t in dropped)
+    plain = replace(BASE, keep_tokens_separator="|||")
+    assert plain.caption_texts(line) == (", ".join([*head, "stage", "microphone", "white shirt", "smile", *tail]),)
+    assert plain.caption_texts("no separator, here") == ("no separator, here",)  # as without it
+    # a line without it shuffles after keep_tokens, exactly as with no separator set (its keys unchanged)
+    assert shuffled.caption_texts("ohwx, a, b, c") == replace(shuffled, keep_tokens_separator="").caption_texts(
+        "ohwx, a, b, c")
+
+
+def test_a_separator_in_no_line_is_noted_and_bad_separators_are_refused(tmp_path: Path) -> None:
+    folder = _folder(tmp_path / "data", {"x": "ohwx, red, round"})
+    notes = _plan(folder, tmp_path / "cache", replace(BASE, keep_tokens_separator="|||")).notes
+    assert any(n.startswith("keep_tokens_separator '|||' is in no caption line") for n in notes)
+    for bad in (",", " ", "a,b", "{", "x" * 17, "a\nb"):
+        with pytest.raises(ValueError, match="keep_tokens_separator"):
+            EncodeSettings(keep_tokens_separator=bad)
+    assert "keep_tokens_separator" not in BASE.describe()
+    assert replace(BASE, keep_tokens_separator="|||").describe()["keep_tokens_separator"] == "|||"
