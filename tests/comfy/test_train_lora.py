@@ -133,7 +133,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "allow_fp8", "checkpoint_mode", "save_every",
                                                            "save_prefix", "timestep_sampling", "noise_offset",
                                                            "val_every", "ema_decay", "min_snr_gamma",
-                                                           "train_layers", "min_timestep", "max_timestep"}
+                                                           "train_layers", "min_timestep", "max_timestep",
+                                                           "lora_alpha"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
