@@ -323,8 +323,10 @@ def shuffle_notes(settings: EncodeSettings, captions: Iterable[Sequence[str]]) -
     notes = []
     if kept:
         kept = sorted(set(kept))
-        notes.append(f"{len(kept)} caption line(s) cannot be shuffled: keep_tokens {keep} keeps all their tags in "
-                     f"place (or all but one), so they train unshuffled (e.g. {kept[0][:80]!r}); lower keep_tokens")
+        by = (f"keep_tokens {keep} (or keep_tokens_separator {settings.keep_tokens_separator!r})"
+              if settings.keep_tokens_separator else f"keep_tokens {keep}")
+        notes.append(f"{len(kept)} caption line(s) cannot be shuffled: {by} keeps all their tags in place (or all "
+                     f"but one), so they train unshuffled (e.g. {kept[0][:80]!r}); lower keep_tokens")
     if single:
         single = sorted(set(single))
         notes.append(f"{len(single)} caption line(s) cannot be shuffled: they have one comma-separated tag (or "

@@ -257,3 +257,12 @@ def test_a_separator_in_no_line_is_noted_and_bad_separators_are_refused(tmp_path
             EncodeSettings(keep_tokens_separator=bad)
     assert "keep_tokens_separator" not in BASE.describe()
     assert replace(BASE, keep_tokens_separator="|||").describe()["keep_tokens_separator"] == "|||"
+
+
+def test_a_line_the_separator_leaves_one_tag_to_move_is_named_with_the_separator(tmp_path: Path) -> None:
+    folder = _folder(tmp_path / "data", {"x": "ohwx ||| red ||| round, shiny"})
+    settings = replace(BASE, shuffle_variants=2, keep_tokens_separator="|||")
+    notes = _plan(folder, tmp_path / "cache", settings).notes
+    assert any("cannot be shuffled: keep_tokens 0 (or keep_tokens_separator '|||') keeps all their tags in place"
+               in n for n in notes), notes
+    assert settings.caption_texts("ohwx ||| red ||| round, shiny") == ("ohwx, red, round, shiny",)
