@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.bench_step_extras import _params, count, lora_sizes
+from bench.bench_step_extras import count, lora_params, lora_sizes
 from dataset_cache.prodigy import Prodigy
 
 __all__ = ["measure", "main"]
@@ -38,7 +38,7 @@ def measure(n: int, repeat: int) -> list[tuple[str, str, int, int, float]]:
     rows = []
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         for what, cls in _optimizers().items():
-            params = _params(n, dtype)
+            params = lora_params(n, dtype)
             opt = cls(params, weight_decay=0.01)
             opt.step()  # the first step makes the state
             times = []

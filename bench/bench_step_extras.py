@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dataset_cache.ema import WeightAverage
 from dataset_cache.grad_clip import clip_gradients
 
-__all__ = ["LORAS", "count", "count_ops", "lora_sizes", "measure", "main"]
+__all__ = ["LORAS", "count", "count_ops", "lora_params", "lora_sizes", "measure", "main"]
 
 LORAS = {"SD1.5": 1244, "SDXL": 3265}
 """LoRA parameter tensors of a rank-16 LoRA with ComfyUI's adapters (ups, downs, alphas, norm and bias diffs), as
@@ -81,7 +81,7 @@ def lora_sizes(argv: list[str] | None, description: str, repeat: int) -> tuple[d
     return ({"smoke": 30}, 1) if args.smoke else (dict(LORAS), args.repeat)
 
 
-def _params(n: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+def lora_params(n: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
     """``n`` LoRA-like tensors: rank-16 matrices and scalars in turn, each with a gradient."""
     g = torch.Generator().manual_seed(0)
     shapes = [(320, 16), (16, 320), ()]
@@ -100,7 +100,7 @@ def measure(n: int, repeat: int) -> list[tuple[str, str, int, float]]:
     """(what, dtype, ops per call, CPU ms per call) for ``n`` tensors."""
     rows = []
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        params = _params(n, dtype)
+        params = lora_params(n, dtype)
         ema = WeightAverage({str(i): p for i, p in enumerate(params)}, 0.99)
         plain = [p.detach().float() for p in params]
         cases: dict[str, Callable[[], object]] = {

@@ -1,5 +1,5 @@
-"""Caption lines → the texts that are encoded: the limits on them, kohya-style tag shuffles and tag dropout,
-wildcards (:mod:`.caption_wildcards`), and the report's notes.
+"""Caption lines → the texts that are encoded: the limits on them, kohya-style tag shuffles and tag dropout (with
+``keep_tokens`` or ``keep_tokens_separator``), wildcards (:mod:`.caption_wildcards`), and the report's notes.
 
 Kept apart from the planning of sources because what a caption line becomes is one rule shared by images and clips
 (and by the settings, which validate against its limits); every text this module gives is keyed as it is, so a
@@ -31,6 +31,7 @@ __all__ = [
     "tag_orders",
     "shuffle_tags",
     "drop_tags",
+    "without_separator",
     "MAX_TAG_DROPOUT",
     "MAX_SEPARATOR_CHARS",
     "too_many_variants",
@@ -88,6 +89,12 @@ def _tags(line: str, keep_tokens: int, separator: str = "") -> tuple[list[str], 
         return _split_tags(head), _split_tags(middle), _split_tags(tail.replace(separator, ","))
     tags = _split_tags(line)
     return tags[:keep_tokens], tags[keep_tokens:], []
+
+
+def without_separator(line: str, separator: str) -> str:
+    """``line`` unshuffled with ``separator`` taken out: its tags joined with ``", "`` (the separator is a marker for
+    the shuffle, never text to encode)."""
+    return ", ".join(t for part in _tags(line, 0, separator) for t in part)
 
 
 def tag_orders(line: str, keep_tokens: int = 0, limit: int = MAX_SHUFFLE_VARIANTS + 1, separator: str = "") -> int:

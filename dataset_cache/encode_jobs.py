@@ -14,7 +14,7 @@ from typing import Any
 from .buckets import BucketConfig, CropPlan
 from .caption_wildcards import expand_wildcards
 from .captions import (MAX_CAPTION_VARIANTS, MAX_KEEP_TOKENS, MAX_SEPARATOR_CHARS, MAX_SHUFFLE_VARIANTS,
-                       MAX_TAG_DROPOUT, _tags, drop_tags, shuffle_tags)
+                       MAX_TAG_DROPOUT, drop_tags, shuffle_tags, without_separator)
 from .constants import DEFAULT_SHARD_BYTES
 from .dataset import Sample
 from .errors import SourceFailure
@@ -210,7 +210,7 @@ class EncodeSettings:
             elif self.shuffle_variants:
                 texts = shuffle_tags(piece, self.shuffle_variants, self.keep_tokens, sep)
             elif sep and sep in piece:  # unshuffled, the separator still never reaches the encoder
-                texts = (", ".join(t for part in _tags(piece, 0, sep) for t in part),)
+                texts = (without_separator(piece, sep),)
             else:
                 texts = (piece,)
             out.extend(self.caption_text(t) for t in texts)
