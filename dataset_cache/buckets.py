@@ -18,11 +18,13 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import xxhash
 
-__all__ = ["CROP_MODES", "FLIP_MODES", "PIXEL_RULES", "BucketConfig", "CropPlan", "make_buckets", "nearest_bucket"]
+__all__ = ["CROP_MODES", "FLIP_MODES", "PIXEL_RULES", "BucketConfig", "CropPlan", "crop_plans", "make_buckets",
+           "nearest_bucket"]
 
 CROP_MODES = ("center", "random")
 """How the resized image is cut to its bucket."""
@@ -264,3 +266,27 @@ def _described_flip(mode: str | bool) -> bool | str:
     if mode == "none" or mode == "always":
         return mode == "always"
     return mode
+
+
+def crop_plans(configs: Sequence[BucketConfig], width: int, height: int, token: str,
+               center: dict[tuple[int, int, int], CropPlan] | None = None) -> list[CropPlan]:
+    """A source's crop plan at each resolution of ``configs`` (``EncodeSettings.bucket_configs()``), in order, a
+    plan two resolutions share once (a small source with upscale off keeps its own size at every resolution above
+    it). ``center``: center crops already made, by ``(resolution, width, height)`` (they depend on nothing else),
+    filled as they are made: planning a folder makes each once.
+
+    Raises:
+        ValueError: a resolution cannot plan the source (named by :meth:`BucketConfig.plan`).
+    """
+    plans: list[CropPlan] = []
+    for config in configs:
+        if config.crop == "center" and center is not None:
+            key = (config.resolution, width, height)
+            plan = center.get(key)
+            if plan is None:
+                plan = center[key] = config.plan(width, height)
+        else:
+            plan = config.plan(width, height, token=token)
+        if plan not in plans:
+            plans.append(plan)
+    return plans

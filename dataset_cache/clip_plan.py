@@ -9,8 +9,9 @@ temporal stride, the keys of earlier builds kept), while its captions and mirror
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import product
 
-from .buckets import CropPlan
+from .buckets import CropPlan, crop_plans
 from .captions import caption_keys, too_many_variants
 from .dataset import Sample
 from .errors import SourceFailure
@@ -98,12 +99,8 @@ def _prepared(clip: SourceClip, record: SourcesRecord, settings: EncodeSettings,
     source = _clip_source(clip, record)
     if source is None:
         return None
-    plans: list[CropPlan] = []
     try:
-        for config in settings.bucket_configs():
-            plan = config.plan(clip.width, clip.height, token=source[0])
-            if plan not in plans:
-                plans.append(plan)
+        plans = crop_plans(settings.bucket_configs(), clip.width, clip.height, source[0])
     except ValueError as exc:
         acc.unplannable.append(SourceFailure(clip.relpath, clip.path, str(exc)))
         return None
@@ -123,21 +120,21 @@ def _too_big(frames: int, plans: list[CropPlan]) -> str | None:
 
 def _fewer_clips(clip: SourceClip, video: FrameSettings, windows: Sequence[tuple[int, ...]]) -> str | None:
     """``"<relpath>: <n> clips ... "`` when a video's clips overlap or are fewer than ``clips_per_video``."""
-    if video.clips == 1 or (len(windows) == video.clips and not set(windows[0]) & set(windows[1])):
+    overlap = len(windows) > 1 and bool(set(windows[0]) & set(windows[1]))  # evenly spread: the first two say
+    if video.clips == 1 or (len(windows) == video.clips and not overlap):
         return None
     return (f"{clip.relpath}: {len(windows)} clip(s) of {len(windows[0])} frames from its {clip.frame_count}"
-            + (", overlapping" if len(windows) > 1 and set(windows[0]) & set(windows[1]) else ""))
+            + (", overlapping" if overlap else ""))
 
 
 def plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: EncodeSettings, acc: Planned,
                have: set[str], short: list[str]) -> dict[str, LatentJob]:
     """Key every clip (its bytes, or its frames' in order, plus the crop plan and the frames it takes), add its
     samples to ``acc`` (one per resolution and window: ``extra_resolutions``, ``clips_per_video``); return the
-    latent jobs by key (apart from
-    ``acc.latents``: clips are encoded on their own). Clips that cannot be planned are added to
-    ``acc.unplannable``, clips that give fewer frames than asked to ``short`` (``"<relpath>: <taken> of <asked>
-    frames (why)"``), videos whose windows overlap or are fewer than asked to ``acc.fewer_clips``. ``have``: the
-    keys the cache holds."""
+    latent jobs by key (apart from ``acc.latents``: clips are encoded on their own). Clips that cannot be planned
+    are added to ``acc.unplannable``, clips that give fewer frames than asked to ``short`` (``"<relpath>: <taken>
+    of <asked> frames (why)"``), videos whose windows overlap or are fewer than asked to ``acc.fewer_clips``.
+    ``have``: the keys the cache holds."""
     jobs: dict[str, LatentJob] = {}
     video = settings.video
     for clip in clips:
@@ -157,7 +154,7 @@ def plan_clips(clips: Sequence[SourceClip], record: SourcesRecord, settings: Enc
         if fewer is not None:
             acc.fewer_clips.append(fewer)
         ckeys = caption_keys(clip.captions, clip.relpath, settings, acc.keys, acc.texts, acc.cut, acc.many)
-        for plan, indices in ((plan, indices) for plan in plans for indices in windows):
+        for plan, indices in product(plans, windows):
             job = ClipJob(indices, frame_paths, frame_hashes)
             lkey = _clip_key(source_hash, plan, acc.keys.vae, video, clip.kind, indices, have)
             jobs.setdefault(lkey, LatentJob(lkey, clip.path, clip.relpath, source_hash, plan, job))

@@ -17,6 +17,7 @@ from .captions import (MAX_CAPTION_VARIANTS, MAX_KEEP_TOKENS, MAX_SEPARATOR_CHAR
                        MAX_TAG_DROPOUT, drop_tags, shuffle_tags, without_separator)
 from .constants import DEFAULT_SHARD_BYTES
 from .dataset import Sample
+from .encode_report import CaptionExample
 from .errors import SourceFailure
 from .frames import FrameSettings
 from .imaging import MASK_MODES
@@ -348,8 +349,8 @@ class EncodePlan:
         short_clips: clips that give fewer frames than asked, each ``"<relpath>: <taken> of <asked> frames
             (why)"``, sorted by path (they are kept, in frame buckets of their own, and named in ``notes``).
         caption_example: with tag shuffles or wildcards, what the first sample with several caption texts trains
-            with, for the report: its source, how many distinct texts it has, then the first of them (at most
-            :data:`CAPTION_EXAMPLE_TEXTS`); empty otherwise.
+            with, for the report: its source, how many distinct texts it has, and the first of them (at most
+            :data:`CAPTION_EXAMPLE_TEXTS`); ``None`` otherwise.
     """
 
     cache_root: str
@@ -378,7 +379,7 @@ class EncodePlan:
     images_without_mask: int = 0
     unused_masks: int = 0
     short_clips: tuple[str, ...] = ()
-    caption_example: tuple[str, ...] = ()
+    caption_example: CaptionExample | None = None
 
     @property
     def needs_vae(self) -> bool:
@@ -435,17 +436,17 @@ CAPTION_EXAMPLE_TEXTS = 4
 
 
 def caption_example(samples: Sequence[Sample], texts: Mapping[str, str], settings: EncodeSettings
-                    ) -> tuple[str, ...]:
-    """:attr:`EncodePlan.caption_example`: ``(source, distinct count, texts...)`` of the first sample with several
-    distinct caption texts, with tag shuffles or wildcards on; ``()`` otherwise (or when none has several)."""
+                    ) -> CaptionExample | None:
+    """:attr:`EncodePlan.caption_example`: the first sample with several distinct caption texts, with tag shuffles
+    or wildcards on; ``None`` otherwise (or when none has several)."""
     if not (settings.shuffle_variants or settings.wildcards):
-        return ()
+        return None
     for sample in samples:
         distinct = list(dict.fromkeys(sample.captions))
         if len(distinct) > 1 and all(k in texts for k in distinct):
             shown = tuple(texts[k] for k in distinct[:CAPTION_EXAMPLE_TEXTS])
-            return (sample.source or sample.latent, str(len(distinct)), *shown)
-    return ()
+            return CaptionExample(sample.source or sample.latent, len(distinct), shown)
+    return None
 
 
 def variant_counts(samples: Sequence[Sample], settings: EncodeSettings | None = None) -> dict[str, int | float]:

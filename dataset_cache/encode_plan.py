@@ -50,7 +50,7 @@ from typing import Any
 
 import xxhash
 
-from .buckets import BucketConfig, CropPlan
+from .buckets import BucketConfig, CropPlan, crop_plans
 from .caption_wildcards import wildcard_notes
 from .captions import caption_keys, caption_notes, separator_notes, shuffle_notes, too_many_variants
 from .missing_captions import fill_missing_captions
@@ -319,7 +319,7 @@ def _plan_images(images: Sequence[SourceImage], record: SourcesRecord, listing: 
             acc.unplannable.append(SourceFailure(img.relpath, img.path, too_many))
             continue
         try:
-            plans = _crop_plans(img, entry.hash, configs, center)
+            plans = crop_plans(configs, img.width, img.height, entry.hash, center)
         except ValueError as exc:  # e.g. smaller than one bucket step with upscale off: left out, named
             acc.unplannable.append(SourceFailure(img.relpath, img.path, str(exc)))
             continue
@@ -343,28 +343,6 @@ def _plan_images(images: Sequence[SourceImage], record: SourcesRecord, listing: 
             mirror = _mirror(img, entry.hash, plan, settings.bucket, mirrors, acc)
             acc.samples.append(Sample(lkey, ckeys, img.repeats, img.relpath, mirror=mirror,
                                       mask=None if mask is None else mask.key, empty_caption=acc.empty))
-
-
-def _crop_plans(img: SourceImage, token: str, configs: Sequence[BucketConfig],
-                center: dict[tuple[int, int, int], CropPlan]) -> list[CropPlan]:
-    """The image's crop plan at each resolution of ``configs``, in order, a plan two resolutions share once (a small
-    image with upscale off keeps its own size at every resolution above it).
-
-    Raises:
-        ValueError: a resolution cannot plan the image (named by :meth:`BucketConfig.plan`).
-    """
-    plans: list[CropPlan] = []
-    for config in configs:
-        if config.crop == "center":
-            key = (config.resolution, img.width, img.height)
-            plan = center.get(key)
-            if plan is None:
-                plan = center[key] = config.plan(img.width, img.height)
-        else:
-            plan = config.plan(img.width, img.height, token=token)
-        if plan not in plans:
-            plans.append(plan)
-    return plans
 
 
 def _mirror(img: SourceImage, token: str, plan: CropPlan, bucket: BucketConfig, mirrors: dict[CropPlan, CropPlan],

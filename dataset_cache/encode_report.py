@@ -8,12 +8,22 @@ machinery that made it (:mod:`.encode_run`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .errors import SourceFailure
 from .format.compaction import CompactReport
 from .units import format_bytes
 
-__all__ = ["EncodeReport"]
+__all__ = ["CaptionExample", "EncodeReport"]
+
+
+class CaptionExample(NamedTuple):
+    """What one sample trains with, for the report: its source, its distinct caption texts' count, and the first of
+    them (:func:`.encode_jobs.caption_example`)."""
+
+    source: str
+    distinct: int
+    texts: tuple[str, ...]
 
 
 @dataclass
@@ -77,7 +87,7 @@ class EncodeReport:
     encoded_empty_caption: bool = False
     variants: dict[str, int | float] = field(default_factory=dict)
     short_clips: tuple[str, ...] = ()
-    caption_example: tuple[str, ...] = ()
+    caption_example: CaptionExample | None = None
 
     @property
     def encoded(self) -> int:
@@ -124,10 +134,10 @@ class EncodeReport:
         variants = self.variants_line()
         if variants:
             lines.append(variants)
-        if self.caption_example:
-            source, count, *texts = self.caption_example
-            lines.append(f"caption variants of {source} ({len(texts)} of {count}): "
-                         + " · ".join(repr(t[:80] + ("…" if len(t) > 80 else "")) for t in texts))
+        if self.caption_example is not None:
+            example = self.caption_example
+            lines.append(f"caption variants of {example.source} ({len(example.texts)} of {example.distinct}): "
+                         + " · ".join(repr(t[:80] + ("…" if len(t) > 80 else "")) for t in example.texts))
         if self.failures:
             lines.append(f"{self.failed} failed, {self.skipped} samples skipped; first: "
                          f"{self.failures[0].relpath}: {self.failures[0].reason}")

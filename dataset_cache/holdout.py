@@ -10,7 +10,7 @@ run and machine, whatever the seed, and a source added to the folder moves at mo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import xxhash
 
@@ -34,14 +34,14 @@ def check_val_split(value: object) -> float:
     return float(value)
 
 
+@dataclass(frozen=True)
 class HeldOut:
     """What :func:`hold_out` split: ``train`` (the mix without the held-out sources), ``validation`` (their samples,
     each once) and ``sources`` (their names, sorted)."""
 
-    def __init__(self, train: DatasetMix, validation: tuple[Sample, ...], sources: tuple[str, ...]) -> None:
-        self.train = train
-        self.validation = validation
-        self.sources = sources
+    train: DatasetMix
+    validation: tuple[Sample, ...]
+    sources: tuple[str, ...]
 
     def describe(self, share: float) -> str:
         """One line for the run's summary."""
@@ -79,9 +79,5 @@ def hold_out(mix: DatasetMix, share: float) -> HeldOut:
         kept += train
         validation += [s for s in part if _identity(s) in held]
         parts.append((name, len(train)))
-    return HeldOut(DatasetMix(tuple(kept), tuple(parts)), _each_once(validation), tuple(sorted(held)))
-
-
-def _each_once(samples: Sequence[Sample]) -> tuple[Sample, ...]:
-    """The held-out samples, each once (a dataset of two parts may name one twice)."""
-    return tuple(dict.fromkeys(samples))
+    # each held-out sample once: a mix of one dataset twice names it twice
+    return HeldOut(DatasetMix(tuple(kept), tuple(parts)), tuple(dict.fromkeys(validation)), tuple(sorted(held)))

@@ -46,6 +46,12 @@ def _sum_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     return torch.float32 if any(t.device.type == "mps" for t in tensors) else torch.float64
 
 
+def _betas(group: dict[str, Any]) -> tuple[float, float, float]:
+    """A group's Adam betas and the estimate's ``beta3`` (``None``: ``sqrt(beta2)``, the package's default)."""
+    beta1, beta2 = group["betas"]
+    return beta1, beta2, group["beta3"] if group["beta3"] is not None else math.sqrt(beta2)
+
+
 class Prodigy(torch.optim.Optimizer):
     """Adam with Prodigy's step size (``prodigyopt.Prodigy`` with ``decouple=True``, ``slice_p=1``, no FSDP).
 
@@ -102,8 +108,7 @@ class Prodigy(torch.optim.Optimizer):
         """Update the moving averages and ``s`` of the tensors of groups with a rate > 0; return the sums the
         estimate needs, ``sum(grad · (p0 - p))`` and ``sum(|s|)``, read in one synchronization."""
         first = self.param_groups[0]
-        beta1, beta2 = first["betas"]
-        beta3 = first["beta3"] if first["beta3"] is not None else math.sqrt(beta2)
+        beta1, beta2, beta3 = _betas(first)
         d0 = first["d0"]
         on = [p for group, p in live if group["lr"] > 0]
         if not on:
@@ -130,8 +135,7 @@ class Prodigy(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         first = self.param_groups[0]
-        beta1, beta2 = first["betas"]
-        beta3 = first["beta3"] if first["beta3"] is not None else math.sqrt(beta2)
+        beta1, beta2, beta3 = _betas(first)
         k, d, d_max, d0 = first["k"], first["d"], first["d_max"], first["d0"]
         lr = max(group["lr"] for group in self.param_groups)
         if any(group["lr"] not in (lr, 0.0) for group in self.param_groups):
