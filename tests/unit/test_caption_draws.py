@@ -266,3 +266,19 @@ def test_a_line_the_separator_leaves_one_tag_to_move_is_named_with_the_separator
     assert any("cannot be shuffled: keep_tokens 0 (or keep_tokens_separator '|||') keeps all their tags in place"
                in n for n in notes), notes
     assert settings.caption_texts("ohwx ||| red ||| round, shiny") == ("ohwx, red, round, shiny",)
+
+
+@pytest.mark.parametrize("settings", [
+    replace(BASE, wildcards=True), replace(BASE, wildcards=True, shuffle_variants=5, keep_tokens=1),
+    replace(BASE, shuffle_variants=4, tag_dropout=0.3), replace(BASE, wildcards=True, shuffle_variants=3,
+                                                                tag_dropout=0.5, keep_tokens_separator="|||"),
+    replace(BASE, shuffle_variants=8, wildcards=True, keep_tokens_separator="|||")])
+def test_the_variant_count_is_the_number_of_texts_a_line_gives(settings: EncodeSettings) -> None:
+    """The limit counts a line's texts without making them (planning a folder would make them twice): the count
+    must be what caption_texts makes, line by line."""
+    from dataset_cache.captions import _line_variants
+
+    lines = ["ohwx, {red|blue|green} ball, shiny", "a, b", "solo", "x ||| {a|b}, c, d ||| e", "one, one, two",
+             "{a|b} {c|d}, e, f, g, h"]
+    for line in lines:
+        assert _line_variants(line, settings) == len(settings.caption_texts(line)), line
