@@ -1,4 +1,5 @@
-"""Min-SNR-γ loss weighting (Hang et al. 2023): each row's loss weighed by ``min(SNR, γ)`` of its noise level.
+"""What a row's loss is measured on and weighed by: the clean latent or the model's own prediction, and Min-SNR-γ
+(Hang et al. 2023), each row's loss weighed by ``min(SNR, γ)`` of its noise level.
 
 Low-noise timesteps have a high signal-to-noise ratio, and a loss that weighs them like the rest spends most of
 the training on details the model already gets right; Min-SNR caps their weight at ``γ``. kohya
@@ -13,6 +14,17 @@ rectified-flow models (SD3, Flux, Qwen-Image, Lumina 2, WAN) the same weight app
 
 The SNR comes from the model's own ``noise_scaling`` (the caller's): ``x_t = signal · x0 + noise · ε``, so
 ``SNR = (signal / noise)²`` for any of ComfyUI's samplings.
+
+**The loss target.** The loss on the clean latent is not the loss kohya, musubi-tuner, ai-toolkit and OneTrainer
+train with: they compare the model's own output with the output that would give the clean latent (the noise ε for
+SD1.5 and SDXL, v for v-prediction models, the velocity ε - x0 for flow models). ComfyUI's prediction of the clean
+latent is affine in the model's output, ``x0' = a·x_t + β·output`` (its ``calculate_denoised``), so an error of the
+output is the clean latent's error divided by ``β``: with ``loss_target`` "prediction" each row's prediction and
+target are divided by ``|β|`` before the loss, which gives the output-space loss exactly for every loss ComfyUI
+offers (each a function of the difference). For MSE that weighs the clean-latent loss by ``1/β²``: ``SNR`` for an
+ε model, ``SNR + 1`` for a v model, ``1/σ²`` for a flow model, so the noisy rows weigh less than in ComfyUI's own
+trainer and the nearly clean ones more. Min-SNR's weight is the paper's for each target
+(``min(SNR, γ) · β²`` on the output), so with it both targets give the same MSE loss.
 """
 
 from __future__ import annotations
@@ -21,7 +33,12 @@ import torch
 
 from .checks import check_number
 
-__all__ = ["MAX_MIN_SNR_GAMMA", "check_min_snr_gamma", "min_snr_weights"]
+__all__ = ["LOSS_TARGETS", "MAX_MIN_SNR_GAMMA", "check_min_snr_gamma", "min_snr_weights",
+           "prediction_scales"]
+
+LOSS_TARGETS = ("clean latent", "prediction")
+"""What a row's loss compares: the predicted and true clean latent (ComfyUI's own trainer), or the model's output and
+the output that gives the clean latent (kohya's, musubi-tuner's, ai-toolkit's, OneTrainer's)."""
 
 MAX_MIN_SNR_GAMMA = 100.0
 """The largest γ accepted: at 100 only the lowest noise levels of SD1.5's schedule are capped."""
@@ -34,6 +51,22 @@ def check_min_snr_gamma(value: object) -> None:
         ValueError: naming ``min_snr_gamma``, the value and the usual setting.
     """
     check_number("min_snr_gamma", value, MAX_MIN_SNR_GAMMA, zero="no weighting", hint="5 is usual")
+
+
+def prediction_scales(coefficients: torch.Tensor) -> torch.Tensor:
+    """``1 / |β|`` per row (fp32), ``β`` each row's coefficient of the model's output in its predicted clean latent
+    (``calculate_denoised(σ, output=1, x_t=0)``): what turns a clean-latent error into the output's error.
+
+    Raises:
+        ValueError: a coefficient is 0 or not finite (a sampling whose output does not move its prediction at that
+            noise level), naming ``loss_target``.
+    """
+    beta = coefficients.double().abs()
+    if not bool(torch.isfinite(beta).all() and (beta > 0).all()):
+        raise ValueError(f"loss_target 'prediction': this model's prediction of the clean latent does not depend on "
+                         f"its output at some noise level (coefficients {coefficients.tolist()!r:.80}); use "
+                         "loss_target 'clean latent'")
+    return (1.0 / beta).float()
 
 
 def min_snr_weights(signal: torch.Tensor, noise: torch.Tensor, gamma: float) -> torch.Tensor:

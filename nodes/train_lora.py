@@ -40,6 +40,7 @@ from .training import (
     CHECKPOINT_MODES,
     DEFAULT_SAVE_PREFIX,
     LOSS_FUNCTIONS,
+    LOSS_TARGETS,
     LR_SCHEDULES,
     MAX_EMA_DECAY,
     MAX_GRAD_NORM,
@@ -388,6 +389,14 @@ class TrainLoRA(io.ComfyNode):
                                tooltip="Hold out this share of the dataset's images (or clips) for the validation "
                                "loss, instead of a val_dataset: each held out whole (all its resolutions and "
                                "windows), the same ones on every run (by their names), at least one. 0: none."),
+                io.Combo.Input("loss_target", options=list(LOSS_TARGETS), default=LOSS_TARGETS[0], optional=True,
+                               advanced=True,
+                               tooltip="What the loss compares. clean latent: the predicted and the true clean "
+                               "image, as ComfyUI's own Train LoRA. prediction: the model's output and its target "
+                               "(the noise for SD1.5 and SDXL, v for v-prediction models, the velocity for SD3, "
+                               "Flux, WAN, Qwen-Image, Lumina 2), as kohya, musubi-tuner, ai-toolkit and OneTrainer "
+                               "train: nearly clean images weigh more, very noisy ones less. With min_snr_gamma the "
+                               "two are the same (MSE)."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -448,6 +457,7 @@ class TrainLoRA(io.ComfyNode):
         max_timestep: int = MAX_TIMESTEP,
         lora_alpha: float = 1.0,
         val_split: float = 0.0,
+        loss_target: str = LOSS_TARGETS[0],
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -465,6 +475,7 @@ class TrainLoRA(io.ComfyNode):
             max_grad_norm=float(max_grad_norm), ema_decay=float(ema_decay), min_snr_gamma=float(min_snr_gamma),
             train_layers="" if train_layers is None else train_layers, min_timestep=min_timestep,
             max_timestep=max_timestep, lora_alpha=float(lora_alpha), val_split=round(float(val_split), 4),
+            loss_target=str(loss_target),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

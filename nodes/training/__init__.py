@@ -33,7 +33,7 @@ from .comfy_parts import nodes_train_module
 from .loop import NonFiniteLossError
 from .report import RowCounts, StepReport, TrainResult
 from .run import train_lora
-from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, LR_SCHEDULES, MAX_EMA_DECAY,
+from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, LOSS_TARGETS, LR_SCHEDULES, MAX_EMA_DECAY,
                        MAX_GRAD_NORM, MAX_LORA_ALPHA, MAX_MIN_SNR_GAMMA, MAX_NOISE_OFFSET, MAX_REG_RATIO,
                        MAX_REG_WEIGHT, MAX_TIMESTEP, MAX_WARMUP_STEPS, OPTIMIZERS, TIMESTEP_SAMPLINGS, TrainSettings)
 
@@ -41,6 +41,7 @@ __all__ = [
     "CHECKPOINT_MODES",
     "DEFAULT_SAVE_PREFIX",
     "LOSS_FUNCTIONS",
+    "LOSS_TARGETS",
     "LR_SCHEDULES",
     "MAX_EMA_DECAY",
     "MAX_GRAD_NORM",

@@ -1,15 +1,17 @@
 """The loss of a batch: ComfyUI's loss module as it is, or its per-element form weighted by the batch's masks, its
-rows' weights (regularization) and their Min-SNR weights (``min_snr_gamma``)."""
+rows' weights (regularization) and their Min-SNR weights (``min_snr_gamma``), on the clean latent or on the model's
+own prediction (``loss_target``)."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
+import comfy.model_sampling
 import torch
 
 from ...dataset_cache.loader import Batch
-from ...dataset_cache.loss_weighting import min_snr_weights
+from ...dataset_cache.loss_weighting import min_snr_weights, prediction_scales
 from .settings import TrainSettings
 
 __all__ = ["WeightedLoss"]
@@ -38,7 +40,13 @@ class WeightedLoss:
         share one shape). Not divided by the sum of the weights: then a row's weight ``w`` scales its own
         contribution by exactly ``w`` whatever the other rows weigh, a row of weight 0 adds nothing, and a mask
         that keeps a quarter of an image keeps a quarter of its loss (kohya's and OneTrainer's default).
+
+        With ``loss_target`` "prediction" each row's prediction and target are first divided by its ``|β|``
+        (:func:`~dataset_cache.loss_weighting.prediction_scales`): the loss is then the one on the model's output.
         """
+        scale = self._prediction_scale(batch, pred, sigma)
+        if scale is not None:
+            pred, target = pred * scale, target * scale
         weight = self.weight(batch, pred, sigma)
         if weight is None:
             return self.loss_fn(pred, target)
@@ -101,21 +109,59 @@ class WeightedLoss:
             snr = self.snr_weights(sigma).to(self.device)
         return snr.view(pred.shape[0], *([1] * (pred.ndim - 1)))
 
+    def _prediction_scale(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
+        """Each row's ``1 / |β|`` with ``loss_target`` "prediction" (drawn with the batch), shaped to multiply its
+        whole row; ``None`` for the clean latent."""
+        if self.settings.loss_target != "prediction":
+            return None
+        scale = batch.extras.get("prediction_scales")  # on the device already when the loader drew it
+        if scale is None:
+            scale = self.prediction_scales(sigma).to(self.device)
+        return scale.view(pred.shape[0], *([1] * (pred.ndim - 1)))
+
     def drawn(self, sigma: torch.Tensor) -> dict[str, torch.Tensor]:
         """The weights drawn with a batch of ``sigma`` on a loader worker (they reach the device with it): each
-        row's Min-SNR weight with ``min_snr_gamma``, else nothing."""
-        return {"snr_weights": self.snr_weights(sigma)} if self.settings.min_snr_gamma > 0 else {}
+        row's Min-SNR weight with ``min_snr_gamma``, its output scale with ``loss_target`` "prediction"."""
+        out = {"snr_weights": self.snr_weights(sigma)} if self.settings.min_snr_gamma > 0 else {}
+        if self.settings.loss_target == "prediction":
+            out["prediction_scales"] = self.prediction_scales(sigma)
+        return out
 
     def snr_weights(self, sigma: torch.Tensor) -> torch.Tensor:
         """Each row's Min-SNR weight ``min(SNR, min_snr_gamma)`` (fp32, CPU), the SNR of its sigma by the model's
         own ``noise_scaling`` (:mod:`dataset_cache.loss_weighting`), from the CPU copy of its sampling (any thread
-        may call this)."""
+        may call this). With ``loss_target`` "prediction" times ``β²``: the paper's weight for the model's output,
+        so the MSE loss is the clean latent's weighed by ``min(SNR, γ)`` whichever the target."""
         sigma = sigma.detach().to("cpu", torch.float32)
         rows = sigma.shape[0]
         scale = self._sampling_cpu.noise_scaling
         noise = scale(sigma, torch.ones(rows, 1), torch.zeros(rows, 1), False).reshape(rows)
         signal = scale(sigma, torch.zeros(rows, 1), torch.ones(rows, 1), False).reshape(rows)
-        return min_snr_weights(signal, noise, self.settings.min_snr_gamma)
+        weights = min_snr_weights(signal, noise, self.settings.min_snr_gamma)
+        if self.settings.loss_target == "prediction":
+            weights = (weights.double() * self._coefficients(sigma).double() ** 2).float()
+        return weights
+
+    def prediction_scales(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Each row's ``1 / |β|`` (fp32, CPU; :func:`~dataset_cache.loss_weighting.prediction_scales`), from the CPU
+        copy of the model's sampling (any thread may call this)."""
+        return prediction_scales(self._coefficients(sigma.detach().to("cpu", torch.float32)))
+
+    def describe_target(self) -> str | None:
+        """The summary's line for ``loss_target`` "prediction", naming what this model's output is; ``None`` for the
+        clean latent (ComfyUI's own loss)."""
+        if self.settings.loss_target != "prediction":
+            return None
+        if isinstance(self._sampling_cpu, comfy.model_sampling.X0):
+            return "loss_target prediction: this model predicts the clean latent, so its loss is the clean latent's"
+        return f"the loss is on the model's prediction ({_output_name(self._sampling_cpu)}), not the clean latent"
+
+    def _coefficients(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Each row's ``β``: its predicted clean latent per unit of the model's output, by the sampling's own
+        ``calculate_denoised`` (an output of 1 at an input of 0)."""
+        rows = sigma.shape[0]
+        denoised = self._sampling_cpu.calculate_denoised(sigma, torch.ones(rows, 1), torch.zeros(rows, 1))
+        return denoised.reshape(rows)
 
     def _per_element_loss(self) -> Any:
         """ComfyUI's loss module (from ``_create_loss_function``) with ``reduction="none"``: the same class and
@@ -130,3 +176,15 @@ class WeightedLoss:
             self._elementwise = copy.deepcopy(self.loss_fn)
             self._elementwise.reduction = "none"
         return self._elementwise
+
+
+def _output_name(sampling: Any) -> str:
+    """What a model of ``sampling`` outputs, by ComfyUI's sampling classes (the subclasses first; an x0 model is
+    :meth:`WeightedLoss.describe_target`'s)."""
+    ms = comfy.model_sampling
+    for kind, name in ((ms.EDM, "EDM's scaled output"),
+                       (ms.V_PREDICTION, "v"), (ms.V_PREDICTION_DDPM, "v"), (ms.EPS, "the noise"),
+                       (ms.CONST, "the velocity, noise minus latent")):
+        if isinstance(sampling, kind):
+            return name
+    return f"the output of its {type(sampling).__name__} sampling"

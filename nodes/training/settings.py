@@ -13,7 +13,7 @@ from ...dataset_cache.ema import MAX_EMA_DECAY, check_ema_decay
 from ...dataset_cache.grad_clip import MAX_GRAD_NORM, check_max_grad_norm
 from ...dataset_cache.holdout import check_val_split
 from ...dataset_cache.layer_filter import LayerFilter
-from ...dataset_cache.loss_weighting import MAX_MIN_SNR_GAMMA, check_min_snr_gamma
+from ...dataset_cache.loss_weighting import LOSS_TARGETS, MAX_MIN_SNR_GAMMA, check_min_snr_gamma
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 from ...dataset_cache.noise_draws import (MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMESTEP_SAMPLINGS, check_noise_settings,
@@ -21,7 +21,7 @@ from ...dataset_cache.noise_draws import (MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMEST
 
 __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_NOISE_OFFSET", "MAX_REG_RATIO",
            "MAX_REG_WEIGHT", "MAX_TIMESTEP", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY", "MAX_MIN_SNR_GAMMA",
-           "MEMORY_MODES", "OPTIMIZERS", "MAX_LORA_ALPHA", "ALPHA_ALGORITHMS",
+           "MEMORY_MODES", "OPTIMIZERS", "LOSS_TARGETS", "MAX_LORA_ALPHA", "ALPHA_ALGORITHMS",
            "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
 
 MAX_LORA_ALPHA = 4096.0
@@ -76,6 +76,8 @@ class TrainSettings:
     ``train_layers`` gives adapters to the layers whose names its patterns choose (:mod:`dataset_cache.layer_filter`;
     empty: every layer, as ComfyUI's own). ``min_timestep`` and ``max_timestep`` keep the noise levels drawn to that
     range of the model's 0-1000 timesteps (:func:`dataset_cache.noise_draws.percent_span`; 0 and 1000: all).
+    ``loss_target`` says what the loss compares (:data:`~dataset_cache.loss_weighting.LOSS_TARGETS`; "clean latent":
+    ComfyUI's own trainer; "prediction": the model's output, as kohya's).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -138,6 +140,9 @@ class TrainSettings:
     lora_alpha: float = 1.0
     # the share of the dataset's sources held out for the validation loss (dataset_cache.holdout); 0: none
     val_split: float = 0.0
+    # what the loss compares (dataset_cache.loss_weighting): the clean latents, as ComfyUI's trainer, or the model's
+    # output and its target (kohya's, musubi-tuner's)
+    loss_target: str = LOSS_TARGETS[0]
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -150,6 +155,7 @@ class TrainSettings:
             ("memory", self.memory, MEMORY_MODES),
             ("checkpoint_mode", self.checkpoint_mode, CHECKPOINT_MODES),
             ("lr_schedule", self.lr_schedule, LR_SCHEDULES),
+            ("loss_target", self.loss_target, LOSS_TARGETS),
         ):
             if value not in allowed:
                 raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(allowed)}")

@@ -44,7 +44,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
     "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0, "max_grad_norm": 0.0,
     "ema_decay": 0.0, "min_snr_gamma": 0.0, "train_layers": "", "min_timestep": 0, "max_timestep": 1000,
-    "lora_alpha": 1.0, "val_split": 0.0,
+    "lora_alpha": 1.0, "val_split": 0.0, "loss_target": "clean latent",
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -134,7 +134,7 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "save_prefix", "timestep_sampling", "noise_offset",
                                                            "val_every", "ema_decay", "min_snr_gamma",
                                                            "train_layers", "min_timestep", "max_timestep",
-                                                           "lora_alpha"}
+                                                           "lora_alpha", "loss_target"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -989,6 +989,28 @@ def test_min_snr_weighs_a_rows_loss_and_its_update_by_its_capped_snr(pack: Modul
         assert f"; each image's loss weighed by min(SNR, {gamma:g}) of its noise level" in _summary(weighted)
 
 
+def test_the_prediction_target_weighs_an_eps_models_loss_by_its_snr(pack: ModuleType, node: type, models: tuple,
+                                                                   dataset: Any) -> None:
+    """The tiny SD1.5 predicts the noise ε, and its clean-latent error is σ times its ε error: with loss_target
+    "prediction" one SGD step (fp32) has the loss of ε, the clean latent's times 1/σ², and so has the update of every
+    parameter ComfyUI starts at 0 (tolerances as for Min-SNR above: rounding, 1e-5; through the backward, 1e-4)."""
+    loop, settings = _module(pack, "nodes.training.loop"), _module(pack, "nodes.training.settings")
+    stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=FAST["seed"]),
+                                     _sampling_cpu=models[0].model.model_sampling, percent_span=(0.0, 1.0))
+    stand_in.sigmas = types.MethodType(loop.StepLoop.sigmas, stand_in)
+    (sigma,) = loop.StepLoop._draw(stand_in, (1, 4, 8, 8), 0)[0].tolist()
+    opts = {"optimizer": "SGD", "steps": 1, "batch_size": 1, "learning_rate": 0.02}
+    plain = _train(node, models[0], dataset, **opts).result
+    start = _train(node, models[0], dataset, **{**opts, "learning_rate": 1e-30}).result[0]
+    out = _train(node, models[0], dataset, loss_target="prediction", **opts)
+    assert out.result[1]["loss"][0] == pytest.approx(plain[1]["loss"][0] / sigma ** 2, rel=1e-5)
+    for k in (k for k in plain[0] if not k.endswith((".lora_up.weight", ".alpha"))):
+        step, plain_step = out.result[0][k] - start[k], plain[0][k] - start[k]
+        torch.testing.assert_close(step, plain_step / sigma ** 2, rtol=1e-4,
+                                   atol=1e-5 * float(plain_step.abs().max()) / sigma ** 2)
+    assert "; the loss is on the model's prediction (the noise), not the clean latent" in _summary(out)
+
+
 # ------------------------------------------------------------------------------------------ the weights' average
 def test_the_lora_of_an_averaging_run_is_the_average_of_its_steps(node: type, models: tuple, dataset: Any,
                                                                   lora_folder: Path) -> None:
@@ -1171,6 +1193,7 @@ def test_a_validation_set_that_shares_images_with_the_training_is_named(node: ty
     ({"max_grad_norm": math.nan}, "max_grad_norm must be a number from 0 (no clipping) to 10000, got nan"),
     ({"ema_decay": 1.0}, "ema_decay must be a number from 0 (no average) to 0.9999, got 1.0"),
     ({"min_snr_gamma": -5.0}, "min_snr_gamma must be a number from 0 (no weighting) to 100, got -5.0"),
+    ({"loss_target": "noise"}, "unknown loss_target 'noise'; use one of clean latent, prediction"),
     ({"min_timestep": 900, "max_timestep": 900}, "min_timestep and max_timestep must be whole numbers with 0 <= "
                                                  "min_timestep < max_timestep <= 1000"),
     ({"max_timestep": 1001}, "got 0 and 1001"),

@@ -113,7 +113,7 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": [str(ENCODE), 0], "val_every": 0,
             "max_grad_norm": 0.0, "ema_decay": 0.0, "min_snr_gamma": 0.0, "train_layers": "",
             "min_timestep": 0, "max_timestep": 1000, "lora_alpha": 1.0,
-            "val_split": 0.0}},
+            "val_split": 0.0, "loss_target": "clean latent"}},
         str(SAVE): {"class_type": "SaveLoRA", "inputs": {"lora": [str(TRAIN), 0], "prefix": "loras/streamcache_fe",
                                                          "steps": [str(TRAIN), 2]}},
         str(INFO): {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": damaged}},

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dataset_cache.loss_weighting import MAX_MIN_SNR_GAMMA, check_min_snr_gamma, min_snr_weights
+from dataset_cache.loss_weighting import MAX_MIN_SNR_GAMMA, check_min_snr_gamma, min_snr_weights, prediction_scales
 
 
 def test_an_eps_models_snr_is_one_over_sigma_squared_capped_at_gamma() -> None:
@@ -39,3 +39,20 @@ def test_min_snr_gamma_accepts_zero_to_the_maximum(value: float) -> None:
 def test_min_snr_gamma_refuses_other_values_naming_the_field(value: object) -> None:
     with pytest.raises(ValueError, match=r"min_snr_gamma must be a number from 0 \(no weighting\) to 100, got"):
         check_min_snr_gamma(value)
+
+
+def test_a_rows_prediction_scale_is_one_over_its_coefficients_size() -> None:
+    """β = -σ (an ε or flow model) and β = -σ/√(σ²+1) (v-prediction) give 1/σ and √(σ²+1)/σ, in fp32."""
+    sigma = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    assert prediction_scales(-sigma).tolist() == pytest.approx([2.0, 0.5], rel=1e-7)
+    v = prediction_scales(-sigma / torch.sqrt(sigma ** 2 + 1))
+    assert v.dtype == torch.float32
+    assert v.tolist() == pytest.approx([math.sqrt(1.25) / 0.5, math.sqrt(5.0) / 2.0], rel=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.0, math.inf, math.nan])
+def test_an_output_that_does_not_move_the_prediction_is_refused_naming_the_setting(beta: float) -> None:
+    with pytest.raises(ValueError, match="loss_target 'prediction': this model's prediction of the clean latent does "
+                                         "not depend on its output .* use loss_target 'clean latent'"):
+        prediction_scales(torch.tensor([0.5, beta]))
+

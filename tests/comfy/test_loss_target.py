@@ -1,0 +1,124 @@
+"""``loss_target`` "prediction" on ComfyUI's own samplings: the loss of the model's output against the output that
+gives the clean latent, the objective kohya, musubi-tuner, ai-toolkit and OneTrainer train with.
+
+The trainer only sees ComfyUI's prediction of the clean latent (``calculate_denoised`` of the model's output). Each
+case here draws a raw model output, turns it into that prediction with the sampling's own code, and checks the
+pack's loss against the loss computed directly on the output, with each family's target written out from the
+literature, not from the pack's rule: ε for ε-prediction, ``v = α·ε − s·x0`` (``α = 1/√(σ²+1)``, ``s = σ·α``) for
+v-prediction, the velocity ``ε − x0`` for rectified flow, ``x0`` for an x0 model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import types
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+PERCENTS = (0.1, 0.4, 0.7, 0.9)  # of the schedule; sigmas from 14.6 (SD1.5's noisiest) down to a flow model's 0.1
+LOSSES: dict[str, Callable[[], torch.nn.Module]] = {"MSE": torch.nn.MSELoss, "L1": torch.nn.L1Loss,
+                                                    "Huber": torch.nn.HuberLoss}
+
+
+def _module(pack: ModuleType, name: str) -> ModuleType:
+    return importlib.import_module(f"{pack.__name__}.{name}")
+
+
+def _sampling(kind: str) -> Any:
+    """A sampling as ComfyUI composes one for a model (``comfy.model_base.model_sampling``), at its defaults."""
+    import comfy.model_sampling as ms
+
+    bases = {"eps": (ms.ModelSamplingDiscrete, ms.EPS), "v": (ms.ModelSamplingDiscrete, ms.V_PREDICTION),
+             "flow": (ms.ModelSamplingFlux, ms.CONST), "x0": (ms.ModelSamplingDiscrete, ms.X0)}[kind]
+    return type(f"Sampling_{kind}", bases, {})()
+
+
+def _target(kind: str, x0: torch.Tensor, eps: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The output a model of ``kind`` should give for this clean latent and noise (the literature's targets)."""
+    s = sigma.view(-1, 1, 1, 1).double()
+    if kind == "eps":
+        return eps
+    if kind == "v":
+        alpha = 1 / torch.sqrt(s ** 2 + 1)
+        return (alpha * eps - s * alpha * x0).float()
+    if kind == "flow":
+        return eps - x0
+    return x0
+
+
+def _loss(pack: ModuleType, loss_fn: torch.nn.Module, sampling: Any, **settings: Any) -> Any:
+    train = _module(pack, "nodes.training.settings").TrainSettings(**settings)
+    return _module(pack, "nodes.training.loss").WeightedLoss(loss_fn, train, torch.device("cpu"), sampling)
+
+
+def _batch() -> Any:
+    return types.SimpleNamespace(masks=None, extras={}, plan=types.SimpleNamespace(weights=(), index=0, epoch=0))
+
+
+def _draw(sampling: Any, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Sigmas at :data:`PERCENTS`, a clean latent, noise and a raw model output (4 rows, SD-shaped latents)."""
+    g = torch.Generator().manual_seed(seed)
+    sigma = torch.tensor([float(sampling.percent_to_sigma(p)) for p in PERCENTS])
+    x0, eps, out = (torch.randn(4, 4, 8, 8, generator=g) for _ in range(3))
+    return sigma, x0, eps, out
+
+
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+@pytest.mark.parametrize("kind", ["eps", "v", "flow", "x0"])
+def test_the_prediction_loss_is_the_models_output_against_its_familys_target(pack: ModuleType, kind: str,
+                                                                             loss_name: str) -> None:
+    """Tolerance: the clean-latent prediction is rounded in fp32 (at most 2⁻²⁴ of |x_t| ≤ 60 per element), which the
+    output space divides by |β| ≥ 0.09 here (the smallest σ's coefficient): under 2e-5 on errors of size ~1, so the
+    losses agree to 1e-4 relative."""
+    sampling = _sampling(kind)
+    sigma, x0, eps, out = _draw(sampling)
+    xt = sampling.noise_scaling(sigma, eps, x0)
+    pred = sampling.calculate_denoised(sigma, out, xt)
+    loss = _loss(pack, LOSSES[loss_name](), sampling, loss_target="prediction")(pred, x0, _batch(), sigma)
+    expected = LOSSES[loss_name]()(out, _target(kind, x0, eps, sigma))
+    assert float(loss) == pytest.approx(float(expected), rel=1e-4)
+    clean = _loss(pack, LOSSES[loss_name](), sampling)(pred, x0, _batch(), sigma)
+    assert torch.equal(clean, LOSSES[loss_name]()(pred, x0))  # the default: ComfyUI's loss, the same call
+    if kind != "x0":  # an x0 model's output is the clean latent: the two targets are one
+        assert not math.isclose(float(loss), float(clean), rel_tol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["eps", "v", "flow"])
+def test_with_min_snr_both_targets_give_the_same_mse(pack: ModuleType, kind: str) -> None:
+    """Min-SNR's weight is the paper's for each target, so its MSE loss is one objective whichever the target: the
+    two differ by the fp32 rounding of the scaled rows (relative 1e-5 of each row's loss, well inside 1e-4)."""
+    sampling = _sampling(kind)
+    sigma, x0, eps, out = _draw(sampling, seed=1)
+    pred = sampling.calculate_denoised(sigma, out, sampling.noise_scaling(sigma, eps, x0))
+    losses = [_loss(pack, torch.nn.MSELoss(), sampling, loss_target=target, min_snr_gamma=5.0)(
+        pred, x0, _batch(), sigma) for target in ("clean latent", "prediction")]
+    assert float(losses[1]) == pytest.approx(float(losses[0]), rel=1e-4)
+
+
+def test_the_scales_drawn_on_a_loader_worker_are_the_ones_the_step_computes(pack: ModuleType) -> None:
+    """What the loader carries to the device with a batch (``drawn``) is what the loss would compute itself."""
+    sampling = _sampling("flow")
+    sigma, x0, eps, out = _draw(sampling, seed=2)
+    pred = sampling.calculate_denoised(sigma, out, sampling.noise_scaling(sigma, eps, x0))
+    loss = _loss(pack, torch.nn.MSELoss(), sampling, loss_target="prediction")
+    drawn = loss.drawn(sigma)
+    assert set(drawn) == {"prediction_scales"}
+    torch.testing.assert_close(drawn["prediction_scales"], 1 / sigma, rtol=1e-6, atol=0)  # flow: β = -σ
+    carried = types.SimpleNamespace(masks=None, extras=drawn, plan=_batch().plan)
+    assert torch.equal(loss(pred, x0, carried, sigma), loss(pred, x0, _batch(), sigma))
+
+
+def test_the_summary_names_what_each_family_predicts(pack: ModuleType) -> None:
+    names = {kind: _loss(pack, torch.nn.MSELoss(), _sampling(kind), loss_target="prediction").describe_target()
+             for kind in ("eps", "v", "flow", "x0")}
+    assert names == {
+        "eps": "the loss is on the model's prediction (the noise), not the clean latent",
+        "v": "the loss is on the model's prediction (v), not the clean latent",
+        "flow": "the loss is on the model's prediction (the velocity, noise minus latent), not the clean latent",
+        "x0": "loss_target prediction: this model predicts the clean latent, so its loss is the clean latent's"}
+    assert _loss(pack, torch.nn.MSELoss(), _sampling("eps")).describe_target() is None
