@@ -1,4 +1,5 @@
-"""What a training batch is noised with besides the latents: the timesteps' distribution and the noise offset.
+"""What a training batch is noised with besides the latents: the timesteps' distribution, the noise offset and
+multi-resolution noise.
 
 ComfyUI's own trainer draws each row's timestep uniformly (a percent of the sampling schedule, which its
 ``percent_to_sigma`` turns into a sigma with the model's own shift) and noises with plain Gaussian noise. Two
@@ -14,7 +15,11 @@ a run stays reproducible and a continued run draws what the uninterrupted one di
   timestep scale, 1000 the noisiest): a LoRA of WAN 2.2's high-noise expert trains where that expert denoises (875 to
   1000), its low-noise expert's below; a style LoRA can leave out the noisiest steps. The draws are mapped into the
   percents of the schedule whose timesteps lie in the range (:func:`percent_span`), so the distribution keeps its
-  shape over the range.
+  shape over the range;
+* multi-resolution ("pyramid") noise (kohya's ``--multires_noise_iterations`` / ``--multires_noise_discount``, from
+  Whitaker's report): Gaussian noise at lower resolutions, upsampled and added with a weight that falls by the
+  discount per level, so the noise also holds large blotches and the model learns to change an image's
+  coarse layout and colours, not only its details. :func:`pyramid_noise` follows kohya's rule, level by level.
 """
 
 from __future__ import annotations
@@ -22,16 +27,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .checks import check_number
 
-__all__ = ["MAX_NOISE_OFFSET", "MAX_TIMESTEP", "PERCENT_EDGE", "TIMESTEP_SAMPLINGS", "check_noise_settings",
-           "check_timestep_range", "draw_percents", "offset_noise", "percent_span"]
+__all__ = ["MAX_MULTIRES_ITERATIONS", "MAX_NOISE_OFFSET", "MAX_TIMESTEP", "PERCENT_EDGE", "TIMESTEP_SAMPLINGS",
+           "check_multires", "check_noise_settings", "check_timestep_range", "draw_percents", "offset_noise",
+           "percent_span", "pyramid_noise"]
 
 TIMESTEP_SAMPLINGS = ("uniform", "logit-normal")
 """How a row's timestep percent is drawn: uniformly (ComfyUI's own trainer), or ``sigmoid`` of a standard normal."""
 MAX_NOISE_OFFSET = 1.0
 """An offset as large as the noise itself; kohya's recommended values are 0.05-0.1."""
+MAX_MULTIRES_ITERATIONS = 10
+"""The most levels of multi-resolution noise (kohya suggests 6-10): past it every level is already 1×1."""
 MAX_TIMESTEP = 1000
 """The top of the timestep scale ``min_timestep`` / ``max_timestep`` use, kohya's and musubi-tuner's: the index of
 SD's discrete schedule, a flow model's shifted sigma × 1000."""
@@ -52,6 +61,19 @@ def check_noise_settings(timestep_sampling: object, noise_offset: object) -> Non
         raise ValueError(f"unknown timestep_sampling {timestep_sampling!r:.40}; use one of "
                          f"{', '.join(TIMESTEP_SAMPLINGS)}")
     check_number("noise_offset", noise_offset, MAX_NOISE_OFFSET)
+
+
+def check_multires(iterations: object, discount: object) -> None:
+    """Refuse a level count that is not a whole number from 0 to :data:`MAX_MULTIRES_ITERATIONS`, or a discount
+    outside ``[0, 1]``, naming the field.
+
+    Raises:
+        ValueError: naming ``multires_noise_iterations`` or ``multires_noise_discount``, the value and the range.
+    """
+    if type(iterations) is not int or not 0 <= iterations <= MAX_MULTIRES_ITERATIONS:
+        raise ValueError(f"multires_noise_iterations must be a whole number from 0 (no multi-resolution noise) to "
+                         f"{MAX_MULTIRES_ITERATIONS}, got {iterations!r:.20} (6 to 10 is kohya's advice)")
+    check_number("multires_noise_discount", discount, 1.0, hint="0.3 is kohya's default, 0.1 to 0.8 usual")
 
 
 def check_timestep_range(min_timestep: object, max_timestep: object) -> None:
@@ -128,3 +150,32 @@ def offset_noise(noise: torch.Tensor, generator: torch.Generator, offset: float)
         return noise
     shift = torch.randn(noise.shape[:2], generator=generator, dtype=noise.dtype) * offset
     return noise + shift.reshape(*noise.shape[:2], *(1,) * (noise.ndim - 2))
+
+
+def pyramid_noise(noise: torch.Tensor, generator: torch.Generator, iterations: int,
+                  discount: float) -> torch.Tensor:
+    """``noise`` (rows, channels, ..., h, w) with ``iterations`` levels of lower-resolution noise added, each row then
+    scaled to a standard deviation of 1; ``noise`` itself (nothing drawn) when ``iterations`` is 0.
+
+    Level ``i`` (from 0) draws ``r`` uniform in ``[2, 4)`` and Gaussian noise of ``int(h / r**i)`` by
+    ``int(w / r**i)`` (at least 1), upsamples it bilinearly to ``h`` by ``w`` and adds it times ``discount**i``; the
+    levels stop after the first with a side of 1. That is kohya's rule (level 0 is a second full-resolution noise, so
+    the finest detail keeps its share); kohya scales the whole batch by one standard deviation, here each row by its
+    own, so a row's noise does not depend on the rows it is batched with. Every value comes from ``generator``
+    (after the noise and the offset), so a run is reproducible. A video's frames (the dimensions between channels
+    and height) each get their own low-resolution noise.
+    """
+    if iterations == 0:
+        return noise
+    rows, h, w = noise.shape[0], noise.shape[-2], noise.shape[-1]
+    planes = noise.reshape(rows, -1, h, w)  # channels x frames as planes of one image
+    out = planes.clone()
+    for i in range(iterations):
+        r = 2.0 + 2.0 * float(torch.rand((), generator=generator, dtype=torch.float64))
+        hn, wn = max(1, int(h / r ** i)), max(1, int(w / r ** i))
+        level = torch.randn((rows, planes.shape[1], hn, wn), generator=generator, dtype=noise.dtype)
+        out += F.interpolate(level, size=(h, w), mode="bilinear", align_corners=False) * discount ** i
+        if hn == 1 or wn == 1:
+            break
+    out /= out.reshape(rows, -1).std(dim=1).reshape(rows, 1, 1, 1)
+    return out.reshape(noise.shape)

@@ -46,6 +46,7 @@ from .training import (
     MAX_GRAD_NORM,
     MAX_LORA_ALPHA,
     MAX_MIN_SNR_GAMMA,
+    MAX_MULTIRES_ITERATIONS,
     MAX_REG_RATIO,
     MAX_NOISE_OFFSET,
     MAX_REG_WEIGHT,
@@ -397,6 +398,16 @@ class TrainLoRA(io.ComfyNode):
                                "Flux, WAN, Qwen-Image, Lumina 2), as kohya, musubi-tuner, ai-toolkit and OneTrainer "
                                "train: nearly clean images weigh more, very noisy ones less. With min_snr_gamma the "
                                "two are the same (MSE)."),
+                io.Int.Input("multires_noise_iterations", default=0, min=0, max=MAX_MULTIRES_ITERATIONS,
+                             optional=True, advanced=True,
+                             tooltip="Multi-resolution (pyramid) noise, kohya's multires_noise_iterations: add this "
+                             "many levels of lower-resolution noise to each image's noise, so the LoRA also learns "
+                             "coarse layout and colour (6-10 usual). 0: plain noise, as ComfyUI's own Train LoRA."),
+                io.Float.Input("multires_noise_discount", default=0.3, min=0.0, max=1.0, step=0.05, round=0.01,
+                               optional=True, advanced=True,
+                               tooltip="Each coarser level of the multi-resolution noise weighs this times the one "
+                               "before (kohya's multires_noise_discount; 0.3 its default, 0.1-0.8 usual). No effect "
+                               "with multires_noise_iterations 0."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -458,6 +469,8 @@ class TrainLoRA(io.ComfyNode):
         lora_alpha: float = 1.0,
         val_split: float = 0.0,
         loss_target: str = LOSS_TARGETS[0],
+        multires_noise_iterations: int = 0,
+        multires_noise_discount: float = 0.3,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -475,7 +488,8 @@ class TrainLoRA(io.ComfyNode):
             max_grad_norm=float(max_grad_norm), ema_decay=float(ema_decay), min_snr_gamma=float(min_snr_gamma),
             train_layers="" if train_layers is None else train_layers, min_timestep=min_timestep,
             max_timestep=max_timestep, lora_alpha=float(lora_alpha), val_split=round(float(val_split), 4),
-            loss_target=str(loss_target),
+            loss_target=str(loss_target), multires_noise_iterations=multires_noise_iterations,
+            multires_noise_discount=round(float(multires_noise_discount), 4),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

@@ -33,9 +33,10 @@ from .comfy_parts import nodes_train_module
 from .loop import NonFiniteLossError
 from .report import RowCounts, StepReport, TrainResult
 from .run import train_lora
-from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, LOSS_TARGETS, LR_SCHEDULES, MAX_EMA_DECAY,
-                       MAX_GRAD_NORM, MAX_LORA_ALPHA, MAX_MIN_SNR_GAMMA, MAX_NOISE_OFFSET, MAX_REG_RATIO,
-                       MAX_REG_WEIGHT, MAX_TIMESTEP, MAX_WARMUP_STEPS, OPTIMIZERS, TIMESTEP_SAMPLINGS, TrainSettings)
+from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, LOSS_TARGETS, LR_SCHEDULES,
+                       MAX_EMA_DECAY, MAX_GRAD_NORM, MAX_LORA_ALPHA, MAX_MIN_SNR_GAMMA, MAX_MULTIRES_ITERATIONS,
+                       MAX_NOISE_OFFSET, MAX_REG_RATIO, MAX_REG_WEIGHT, MAX_TIMESTEP, MAX_WARMUP_STEPS, OPTIMIZERS,
+                       TIMESTEP_SAMPLINGS, TrainSettings)
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -47,6 +48,7 @@ __all__ = [
     "MAX_GRAD_NORM",
     "MAX_LORA_ALPHA",
     "MAX_MIN_SNR_GAMMA",
+    "MAX_MULTIRES_ITERATIONS",
     "MAX_NOISE_OFFSET",
     "MAX_REG_RATIO",
     "MAX_REG_WEIGHT",

@@ -160,6 +160,9 @@ def train_result(run: LoadedRun, data: DataPlan, parts: RunParts,
         info.append(f"the LoRA is the moving average of its weights (ema_decay {settings.ema_decay:g})")
     if settings.min_snr_gamma > 0:
         info.append(f"each image's loss weighed by min(SNR, {settings.min_snr_gamma:g}) of its noise level")
+    if settings.multires_noise_iterations > 0:
+        info.append(f"multi-resolution noise: {settings.multires_noise_iterations} levels, each coarser one weighing "
+                    f"{settings.multires_noise_discount:g} times the one before")
     target = loop.loss.describe_target()
     if target is not None:
         info.append(target)

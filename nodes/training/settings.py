@@ -16,13 +16,14 @@ from ...dataset_cache.layer_filter import LayerFilter
 from ...dataset_cache.loss_weighting import LOSS_TARGETS, MAX_MIN_SNR_GAMMA, check_min_snr_gamma
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
-from ...dataset_cache.noise_draws import (MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMESTEP_SAMPLINGS, check_noise_settings,
-                                          check_timestep_range)
+from ...dataset_cache.noise_draws import (MAX_MULTIRES_ITERATIONS, MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMESTEP_SAMPLINGS,
+                                          check_multires, check_noise_settings, check_timestep_range)
 
 __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_NOISE_OFFSET", "MAX_REG_RATIO",
            "MAX_REG_WEIGHT", "MAX_TIMESTEP", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY", "MAX_MIN_SNR_GAMMA",
-           "MEMORY_MODES", "OPTIMIZERS", "LOSS_TARGETS", "MAX_LORA_ALPHA", "ALPHA_ALGORITHMS",
-           "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings", "check_save_prefix"]
+           "MEMORY_MODES", "OPTIMIZERS", "LOSS_TARGETS", "MAX_MULTIRES_ITERATIONS", "MAX_LORA_ALPHA",
+           "ALPHA_ALGORITHMS", "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings",
+           "check_save_prefix"]
 
 MAX_LORA_ALPHA = 4096.0
 """The largest ``lora_alpha``: past it the scale ``alpha / rank`` would turn a LoRA of any rank into noise."""
@@ -77,7 +78,9 @@ class TrainSettings:
     empty: every layer, as ComfyUI's own). ``min_timestep`` and ``max_timestep`` keep the noise levels drawn to that
     range of the model's 0-1000 timesteps (:func:`dataset_cache.noise_draws.percent_span`; 0 and 1000: all).
     ``loss_target`` says what the loss compares (:data:`~dataset_cache.loss_weighting.LOSS_TARGETS`; "clean latent":
-    ComfyUI's own trainer; "prediction": the model's output, as kohya's).
+    ComfyUI's own trainer; "prediction": the model's output, as kohya's). ``multires_noise_iterations`` levels of
+    lower-resolution noise, weighed down by ``multires_noise_discount`` per level, are added to each row's noise
+    (:func:`dataset_cache.noise_draws.pyramid_noise`; 0: plain noise, as ComfyUI's own trainer).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -143,6 +146,9 @@ class TrainSettings:
     # what the loss compares (dataset_cache.loss_weighting): the clean latents, as ComfyUI's trainer, or the model's
     # output and its target (kohya's, musubi-tuner's)
     loss_target: str = LOSS_TARGETS[0]
+    # multi-resolution noise (dataset_cache.noise_draws.pyramid_noise): levels and their discount; 0: plain noise
+    multires_noise_iterations: int = 0
+    multires_noise_discount: float = 0.3
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -180,6 +186,7 @@ class TrainSettings:
             raise ValueError(f"warmup_steps must be at most {MAX_WARMUP_STEPS}, got {self.warmup_steps}")
         check_save_prefix(self.save_prefix)
         check_noise_settings(self.timestep_sampling, self.noise_offset)
+        check_multires(self.multires_noise_iterations, self.multires_noise_discount)
         check_max_grad_norm(self.max_grad_norm)
         check_ema_decay(self.ema_decay)
         check_min_snr_gamma(self.min_snr_gamma)

@@ -44,7 +44,8 @@ FAST = {  # the options every run shares unless a test says otherwise
     "save_every": 0, "save_prefix": "loras/streamcache_lora", "lr_schedule": "constant", "warmup_steps": 0,
     "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0, "max_grad_norm": 0.0,
     "ema_decay": 0.0, "min_snr_gamma": 0.0, "train_layers": "", "min_timestep": 0, "max_timestep": 1000,
-    "lora_alpha": 1.0, "val_split": 0.0, "loss_target": "clean latent",
+    "lora_alpha": 1.0, "val_split": 0.0, "loss_target": "clean latent", "multires_noise_iterations": 0,
+    "multires_noise_discount": 0.3,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -134,7 +135,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "save_prefix", "timestep_sampling", "noise_offset",
                                                            "val_every", "ema_decay", "min_snr_gamma",
                                                            "train_layers", "min_timestep", "max_timestep",
-                                                           "lora_alpha", "loss_target"}
+                                                           "lora_alpha", "loss_target",
+                                                           "multires_noise_iterations", "multires_noise_discount"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -1011,6 +1013,35 @@ def test_the_prediction_target_weighs_an_eps_models_loss_by_its_snr(pack: Module
     assert "; the loss is on the model's prediction (the noise), not the clean latent" in _summary(out)
 
 
+def test_multires_noise_is_drawn_after_the_plain_noise_and_trains_another_lora(pack: ModuleType, node: type,
+                                                                             models: tuple, dataset: Any) -> None:
+    """With multires_noise_iterations a batch's sigmas and plain noise are the ones drawn without it (the same
+    generator calls first), and its noise is their pyramid (:func:`dataset_cache.noise_draws.pyramid_noise`, tested
+    on its own) with the generator's next values; the run trains another LoRA and its summary says so."""
+    loop, settings = _module(pack, "nodes.training.loop"), _module(pack, "nodes.training.settings")
+    noise_draws, seeding = _module(pack, "dataset_cache.noise_draws"), _module(pack, "dataset_cache.seeding")
+
+    def draw(**options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=FAST["seed"], **options),
+                                         _sampling_cpu=models[0].model.model_sampling, percent_span=(0.0, 1.0))
+        stand_in.sigmas = types.MethodType(loop.StepLoop.sigmas, stand_in)
+        return loop.StepLoop._draw(stand_in, (2, 4, 8, 12), 3)
+
+    plain_sigma, plain_noise = draw()
+    sigma, noise = draw(multires_noise_iterations=4, multires_noise_discount=0.5)
+    assert torch.equal(sigma, plain_sigma)
+    g = seeding.seeded_generator(FAST["seed"], 3, "noise")
+    noise_draws.draw_percents(g, 2, "uniform")
+    torch.randn((2, 4, 8, 12), generator=g)  # the plain noise
+    assert torch.equal(noise, noise_draws.pyramid_noise(plain_noise.clone(), g, 4, 0.5))
+    opts = {"optimizer": "SGD", "steps": 1, "batch_size": 1, "learning_rate": 0.02}
+    plain = _train(node, models[0], dataset, **opts).result[0]
+    out = _train(node, models[0], dataset, multires_noise_iterations=6, **opts)
+    assert any(not torch.equal(out.result[0][k], plain[k]) for k in plain)
+    assert ("; multi-resolution noise: 6 levels, each coarser one weighing 0.3 times the one before"
+            in _summary(out))
+
+
 # ------------------------------------------------------------------------------------------ the weights' average
 def test_the_lora_of_an_averaging_run_is_the_average_of_its_steps(node: type, models: tuple, dataset: Any,
                                                                   lora_folder: Path) -> None:
@@ -1194,6 +1225,10 @@ def test_a_validation_set_that_shares_images_with_the_training_is_named(node: ty
     ({"ema_decay": 1.0}, "ema_decay must be a number from 0 (no average) to 0.9999, got 1.0"),
     ({"min_snr_gamma": -5.0}, "min_snr_gamma must be a number from 0 (no weighting) to 100, got -5.0"),
     ({"loss_target": "noise"}, "unknown loss_target 'noise'; use one of clean latent, prediction"),
+    ({"multires_noise_iterations": 11}, "multires_noise_iterations must be a whole number from 0 (no "
+                                        "multi-resolution noise) to 10, got 11"),
+    ({"multires_noise_iterations": 6, "multires_noise_discount": 1.5}, "multires_noise_discount must be a number "
+                                                                       "from 0 to 1, got 1.5"),
     ({"min_timestep": 900, "max_timestep": 900}, "min_timestep and max_timestep must be whole numbers with 0 <= "
                                                  "min_timestep < max_timestep <= 1000"),
     ({"max_timestep": 1001}, "got 0 and 1001"),

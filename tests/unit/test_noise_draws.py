@@ -4,14 +4,15 @@ defaults draw exactly what the trainer drew before they existed."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
 import torch
 
 from dataset_cache.noise_draws import (
-    MAX_TIMESTEP, PERCENT_EDGE, TIMESTEP_SAMPLINGS, check_noise_settings, check_timestep_range, draw_percents,
-    offset_noise, percent_span,
+    MAX_MULTIRES_ITERATIONS, MAX_TIMESTEP, PERCENT_EDGE, TIMESTEP_SAMPLINGS, check_multires, check_noise_settings,
+    check_timestep_range, draw_percents, offset_noise, percent_span, pyramid_noise,
 )
 
 EDGE = 1e-5
@@ -137,3 +138,77 @@ def test_a_bad_range_is_refused_naming_both_settings(low: Any, high: Any) -> Non
         check_timestep_range(low, high)
     check_timestep_range(0, 1000)
     check_timestep_range(875, 1000)
+
+
+# ------------------------------------------------------------------------------------- multi-resolution noise
+def _low_to_high_power(x: torch.Tensor) -> float:
+    """Mean spectral power of the lowest spatial frequencies (0 < |k| <= 3 cycles per side) over that of the
+    highest (|k| >= side / 4): about 1 for white noise."""
+    side = x.shape[-1]
+    power = torch.fft.fft2(x.double()).abs() ** 2
+    k = torch.fft.fftfreq(side, dtype=torch.float64) * side
+    radius = (k[:, None] ** 2 + k[None, :] ** 2).sqrt()
+    return float(power[..., (radius > 0) & (radius <= 3)].mean() / power[..., radius >= side / 4].mean())
+
+
+def test_no_levels_is_the_noise_itself_and_draws_nothing() -> None:
+    g = _gen()
+    noise = torch.randn(2, 4, 8, 8, generator=g)
+    assert pyramid_noise(noise, g, 0, 0.3) is noise
+    assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=_after_noise((2, 4, 8, 8))))
+
+
+def test_one_level_adds_a_second_full_resolution_noise_and_scales_each_row_to_unit_deviation() -> None:
+    """Level 0 is kohya's: r ** 0 = 1, so a full-resolution noise of weight 1 (its r drawn, unused); the upsampling
+    to the same size is the identity. Each row is divided by its own standard deviation, computed here alike."""
+    g = _gen()
+    noise = torch.randn(3, 4, 8, 8, generator=g)
+    out = pyramid_noise(noise.clone(), g, 1, 0.3)
+    reference = _gen()
+    torch.randn(3, 4, 8, 8, generator=reference)
+    torch.rand((), generator=reference, dtype=torch.float64)
+    added = noise + torch.randn(3, 4, 8, 8, generator=reference)
+    expected = added / added.reshape(3, -1).std(dim=1).reshape(3, 1, 1, 1)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("discount", "low"), [(0.3, 1.2), (0.8, 8.0)])
+def test_the_levels_put_power_in_the_low_frequencies(discount: float, low: float) -> None:
+    """64 rows of 4×64×64: white noise has the same power at every frequency (ratio 1.0 ± 0.1 over this many
+    rows); six levels move power to the coarse scales (measured about 1.5 at discount 0.3 and 21 at 0.8, so the
+    bounds hold with margin on any CPU), and every row keeps a standard deviation of 1 (to fp32 rounding)."""
+    noise = torch.randn(64, 4, 64, 64, generator=_gen())
+    assert _low_to_high_power(noise) == pytest.approx(1.0, abs=0.1)
+    out = pyramid_noise(noise.clone(), _gen(6), 6, discount)
+    assert _low_to_high_power(out) > low
+    torch.testing.assert_close(out.reshape(64, -1).std(dim=1), torch.ones(64), rtol=0, atol=1e-5)
+    assert torch.equal(out, pyramid_noise(noise.clone(), _gen(6), 6, discount))  # seeded: reproducible
+
+
+def test_a_videos_frames_each_get_their_own_coarse_noise() -> None:
+    """[B, C, T, h, w]: the shape is kept, each row has unit deviation, and two frames of a row differ in their
+    coarse part too (their means over the frame are independent draws)."""
+    noise = torch.randn(2, 4, 3, 32, 32, generator=_gen())
+    out = pyramid_noise(noise.clone(), _gen(1), 6, 0.8)
+    assert out.shape == noise.shape
+    torch.testing.assert_close(out.reshape(2, -1).std(dim=1), torch.ones(2), rtol=0, atol=1e-5)
+    frame_means = out.mean(dim=(-2, -1))  # [B, C, T]
+    assert not torch.allclose(frame_means[:, :, 0], frame_means[:, :, 1], atol=0.05)
+
+
+@pytest.mark.parametrize(("iterations", "discount"), [(0, 0.3), (MAX_MULTIRES_ITERATIONS, 0.0), (6, 1.0)])
+def test_multires_settings_accept_their_ranges(iterations: int, discount: float) -> None:
+    check_multires(iterations, discount)
+
+
+@pytest.mark.parametrize(("iterations", "discount", "message"), [
+    (-1, 0.3, "multires_noise_iterations must be a whole number from 0 (no multi-resolution noise) to 10, got -1"),
+    (11, 0.3, "multires_noise_iterations must be a whole number from 0 (no multi-resolution noise) to 10, got 11"),
+    (6.0, 0.3, "multires_noise_iterations must be a whole number"),
+    (True, 0.3, "multires_noise_iterations must be a whole number"),
+    (6, 1.5, "multires_noise_discount must be a number from 0 to 1, got 1.5 (0.3 is kohya's default"),
+    (6, math.nan, "multires_noise_discount must be a number from 0 to 1, got nan"),
+])
+def test_multires_settings_refuse_other_values_naming_the_field(iterations: Any, discount: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_multires(iterations, discount)
