@@ -17,7 +17,7 @@ import xxhash
 from .dataset import Sample
 from .dataset_mix import DatasetMix
 
-__all__ = ["MAX_VAL_SPLIT", "HeldOut", "check_val_split", "hold_out"]
+__all__ = ["MAX_VAL_SPLIT", "HeldOut", "check_val_split", "hold_out", "source_name", "source_rank"]
 
 MAX_VAL_SPLIT = 0.5
 """The largest share held out: past half the dataset, the training set is the smaller one."""
@@ -50,8 +50,15 @@ class HeldOut:
                 f"({len(self.validation)} samples: {shown})")
 
 
-def _identity(sample: Sample) -> str:
+def source_name(sample: Sample) -> str:
+    """The source a sample comes from: its path in its folder, or its latent key for a sample without one."""
     return sample.source if sample.source else sample.latent
+
+
+def source_rank(name: str) -> tuple[int, str]:
+    """A source's place in the fixed order the split (and the choice of sampled captions) takes sources in: the xxh64
+    of its name, the name itself on a tie. The same on every run and machine; a new source moves few others."""
+    return xxhash.xxh64_intdigest(name.encode("utf-8", "surrogatepass")), name
 
 
 def hold_out(mix: DatasetMix, share: float) -> HeldOut:
@@ -61,12 +68,12 @@ def hold_out(mix: DatasetMix, share: float) -> HeldOut:
         ValueError: ``share`` out of range, or it would hold out every source (naming the counts).
     """
     share = check_val_split(share)
-    sources = list(dict.fromkeys(_identity(s) for s in mix.samples))
+    sources = list(dict.fromkeys(source_name(s) for s in mix.samples))
     count = max(1, round(share * len(sources)))
     if count >= len(sources):
         raise ValueError(f"val_split {share:g} holds out {count} of the dataset's {len(sources)} source(s), leaving "
                          "none to train on; lower val_split, or give a val_dataset of other images")
-    ranked = sorted(sources, key=lambda s: (xxhash.xxh64_intdigest(s.encode("utf-8", "surrogatepass")), s))
+    ranked = sorted(sources, key=source_rank)
     held = set(ranked[:count])
     kept: list[Sample] = []
     validation: list[Sample] = []
@@ -75,9 +82,9 @@ def hold_out(mix: DatasetMix, share: float) -> HeldOut:
     for name, size in mix.parts:
         part = mix.samples[at:at + size]
         at += size
-        train = [s for s in part if _identity(s) not in held]
+        train = [s for s in part if source_name(s) not in held]
         kept += train
-        validation += [s for s in part if _identity(s) in held]
+        validation += [s for s in part if source_name(s) in held]
         parts.append((name, len(train)))
     # each held-out sample once: a mix of one dataset twice names it twice
     return HeldOut(DatasetMix(tuple(kept), tuple(parts)), tuple(dict.fromkeys(validation)), tuple(sorted(held)))

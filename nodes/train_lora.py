@@ -16,6 +16,7 @@ from typing import Any
 
 from comfy.weight_adapter import adapter_maps
 from comfy_api.latest import io
+from comfy_execution.graph_utils import ExecutionBlocker
 
 
 from ..dataset_cache.autograd_release import release_error_frames
@@ -26,6 +27,7 @@ from ..dataset_cache.devices import AUTO as ALL_DEVICES
 from ..dataset_cache.holdout import MAX_VAL_SPLIT, hold_out
 from ..dataset_cache.lock import READ_LOCK, CacheLock
 from ..dataset_cache.remote import is_remote_url
+from ..dataset_cache.sample_choice import MAX_SAMPLE_CFG, MAX_SAMPLE_COUNT, MAX_SAMPLE_STEPS
 from ..dataset_cache.memory_plan import AUTO, MEMORY_MODES, MemoryPlan
 from .handles import (
     CombinedDatasetHandle,
@@ -60,6 +62,7 @@ from .training import (
     train_lora,
 )
 from .training.lora_files import lora_choices
+from .training.samples import node_preview
 
 __all__ = ["EVENT", "TrainLoRA"]
 
@@ -173,7 +176,10 @@ def _output(result: TrainResult, dataset: StreamDatasetHandle | CombinedDatasetH
         loss_map["val_loss"] = ui["val_loss"] = [[step, loss] for step, loss in result.validation]
     if result.grad_norms:  # null for a norm that was not finite: JSON has no inf or NaN
         loss_map["grad_norm"] = ui["grad_norm"] = [_json_number(n) for n in result.grad_norms]
-    return io.NodeOutput(result.lora, loss_map, result.steps, ui=ui)
+    images: Any = ExecutionBlocker("Train LoRA made no sample images: set its sample_count above 0")
+    if result.samples is not None:
+        images = {"samples": result.samples}
+    return io.NodeOutput(result.lora, loss_map, result.steps, images, ui=ui)
 
 
 class TrainLoRA(io.ComfyNode):
@@ -408,11 +414,32 @@ class TrainLoRA(io.ComfyNode):
                                tooltip="Each coarser level of the multi-resolution noise weighs this times the one "
                                "before (kohya's multires_noise_discount; 0.3 its default, 0.1-0.8 usual). No effect "
                                "with multires_noise_iterations 0."),
+                io.Int.Input("sample_count", default=0, min=0, max=MAX_SAMPLE_COUNT, optional=True,
+                             tooltip="Sample images during training: generate this many of the cache's own captions "
+                             "(of the validation set when there is one, else of the dataset; one resolution bucket) "
+                             "before the first step, every sample_every steps and after the last, from the same "
+                             "noise each time. They come out of the samples output as latents (connect VAE Decode "
+                             "and Save Image); the node previews each. No text encoder or VAE is loaded while "
+                             "training. 0: none."),
+                io.Int.Input("sample_every", default=0, min=0, max=MAX_WARMUP_STEPS, optional=True, advanced=True,
+                             tooltip="Sample images every this many steps too (0: only before the first step and "
+                             "after the last). Each sampling costs sample_steps model calls per image (twice with "
+                             "sample_cfg above 1)."),
+                io.Int.Input("sample_steps", default=20, min=1, max=MAX_SAMPLE_STEPS, optional=True, advanced=True,
+                             tooltip="Euler steps per sample image, over ComfyUI's 'simple' schedule of the model."),
+                io.Float.Input("sample_cfg", default=1.0, min=1.0, max=MAX_SAMPLE_CFG, step=0.5, round=0.01,
+                               optional=True, advanced=True,
+                               tooltip="Classifier-free guidance of the sample images against the empty caption "
+                               "(needs Encode Dataset's empty_caption on). 1: none, the right choice for Flux and "
+                               "other guidance-distilled models; 5-7 for SD1.5 and SDXL."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
                 LossMap.Output(display_name="loss_map", tooltip="The loss of every step."),
                 io.Int.Output(display_name="steps", tooltip="Total training steps (with the existing LoRA's)."),
+                io.Latent.Output(display_name="samples",
+                                 tooltip="The sample images of sample_count, as latents: every sampling's images "
+                                 "in turn (decode with VAE Decode)."),
             ],
             hidden=[io.Hidden.unique_id],
         )
@@ -471,6 +498,10 @@ class TrainLoRA(io.ComfyNode):
         loss_target: str = LOSS_TARGETS[0],
         multires_noise_iterations: int = 0,
         multires_noise_discount: float = 0.3,
+        sample_count: int = 0,
+        sample_every: int = 0,
+        sample_steps: int = 20,
+        sample_cfg: float = 1.0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -489,7 +520,8 @@ class TrainLoRA(io.ComfyNode):
             train_layers="" if train_layers is None else train_layers, min_timestep=min_timestep,
             max_timestep=max_timestep, lora_alpha=float(lora_alpha), val_split=round(float(val_split), 4),
             loss_target=str(loss_target), multires_noise_iterations=multires_noise_iterations,
-            multires_noise_discount=round(float(multires_noise_discount), 4),
+            multires_noise_discount=round(float(multires_noise_discount), 4), sample_count=sample_count,
+            sample_every=sample_every, sample_steps=sample_steps, sample_cfg=round(float(sample_cfg), 4),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)
@@ -539,9 +571,10 @@ class TrainLoRA(io.ComfyNode):
             if held is not None:  # the dataset's held-out sources are the validation set
                 mix, val = held.train, held.validation
             text = _NodeText(node_id)
+            preview = node_preview(model, node_id, settings.steps) if settings.sample_count else None
             result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
                                 reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "",
-                                on_plan=text.plan, on_saved=text.saved, val=val)
+                                on_plan=text.plan, on_saved=text.saved, val=val, on_sampled=preview)
             if held is not None:
                 result.info = (held.describe(settings.val_split), *result.info)
         except BaseException as error:  # ComfyUI keeps its error in a reference cycle: the run's finished frames

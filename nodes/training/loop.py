@@ -188,6 +188,7 @@ class StepLoop:
                  schedule: LrSchedule | None = None, first_step: int = 0) -> None:
         self.first_batch = first_batch
         self.validation: Any = None  # a .validation.Validation, set by the run (it measures through this loop)
+        self.sampling: Any = None  # a .samples.Sampling, set by the run (it samples through this loop)
         self.average: WeightAverage | None = None  # with ema_decay: the weights' average, set by the run
         self.schedule = schedule
         self.first_step = first_step
@@ -241,6 +242,10 @@ class StepLoop:
                 self._validate(self.first_step)
                 if self.startup is not None:
                     self.startup.mark("validation")
+            if self.sampling is not None:  # the images of the LoRA the run starts from
+                self._sample(self.first_step)
+                if self.startup is not None:
+                    self.startup.mark("samples")
             with StepCollector() as collector:  # the collector's passes between steps, not inside them
                 if self.startup is not None:  # its first, full pass walks every object of the process
                     self.startup.mark("garbage collection")
@@ -305,6 +310,8 @@ class StepLoop:
             log.info("Train LoRA: %s", self.startup.describe())
         if self.validation is not None and not stopping and self.validation.due(self.first_step + step + 1):
             self._validate(self.first_step + step + 1)
+        if self.sampling is not None and not stopping and self.sampling.due(self.first_step + step + 1):
+            self._sample(self.first_step + step + 1)
 
     def _validate(self, step: int) -> None:
         """The validation loss after global step ``step``, of the LoRA the run outputs: with ``ema_decay`` the
@@ -312,6 +319,13 @@ class StepLoop:
         assert self.validation is not None
         with self.average.swapped_in() if self.average is not None else contextlib.nullcontext():
             self.validation.measure(step)
+
+    def _sample(self, step: int) -> None:
+        """The sample images after global step ``step``, of the LoRA the run outputs (with ``ema_decay`` the average,
+        swapped in as for :meth:`_validate`)."""
+        assert self.sampling is not None
+        with self.average.swapped_in() if self.average is not None else contextlib.nullcontext():
+            self.sampling.take(step)
 
     def _save(self, stopped_by: BaseException | None) -> None:
         assert self.save is not None and self._last_plan is not None
@@ -389,13 +403,19 @@ class StepLoop:
         with self._autocast():
             # inputs require grad as in the built-in trainer: its offload checkpointing only records a graph then
             xt, sigma = xt.requires_grad_(True), sigma.requires_grad_(True)
-            if len(groups) == 1:
-                pred = self.forward(xt, sigma, groups[0][1])
-            else:  # one model call per group, the predictions put back in row order
-                order = torch.tensor([i for rows, _ in groups for i in rows], device=self.device)
-                parts = [self.forward(xt[rows], sigma[rows], kwargs) for rows, kwargs in groups]
-                pred = torch.cat(parts)[torch.argsort(order)]
+            pred = self.predict(xt, sigma, groups)
             return self.loss(pred.float(), x0.float(), batch, sigma)
+
+    def predict(self, xt: torch.Tensor, sigma: torch.Tensor, groups: list[tuple[list[int], dict[str, Any]]]
+                ) -> torch.Tensor:
+        """The model's prediction of the clean latent for noised ``xt`` at ``sigma``: one model call, or one per
+        group of rows whose conditionings do not batch (:class:`~.conditioning.Conditioner`), put back in row
+        order."""
+        if len(groups) == 1:
+            return self.forward(xt, sigma, groups[0][1])
+        order = torch.tensor([i for rows, _ in groups for i in rows], device=self.device)
+        parts = [self.forward(xt[rows], sigma[rows], kwargs) for rows, kwargs in groups]
+        return torch.cat(parts)[torch.argsort(order)]
 
     def _draw(self, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmas (one per row) and noise of batch ``index``, on the CPU (``timestep_sampling``, ``noise_offset`` and

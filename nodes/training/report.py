@@ -210,6 +210,8 @@ class TrainResult:
         max_grad_norm: the norm the gradients were clipped to (0: not clipped).
         saves: with ``save_every``, each save's seconds: ``waited_s`` what it held the training thread (the copy off
             the device, a previous save still being written), ``written_s`` its writing, on the writer's thread.
+        samples: with ``sample_count``, every sampling's images as latents in one batch (each sampling's rows in
+            turn), on the CPU; ``None``: none taken.
     """
 
     lora: dict[str, torch.Tensor]
@@ -228,6 +230,7 @@ class TrainResult:
     validation: list[tuple[int, float]] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     max_grad_norm: float = 0.0
+    samples: torch.Tensor | None = None
 
     def summary(self) -> str:
         """One paragraph for the node's UI (what was changed from the settings first)."""

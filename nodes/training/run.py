@@ -25,6 +25,7 @@ from ...dataset_cache.layer_filter import LayerFilter
 from ...dataset_cache.loader import PrefetchLoader
 from ...dataset_cache.memory_plan import MemoryPlan
 from ...dataset_cache.reading import DatasetReader
+from ...dataset_cache.sample_choice import choose_sample_rows
 from ...dataset_cache.sampler import BucketSampler
 from ...dataset_cache.sharding import shard_sampler
 from ...dataset_cache.seeding import derive_seed
@@ -42,6 +43,7 @@ from .optimizers import create_optimizer, optimizer_info, optimizer_notes
 from .report import (RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes,
                      validation_overlap_notes)
 from .resume import Start, TrainState, capture_state, resume_run, save_state
+from .samples import Sampling
 from .saves import RunSaves, lora_weights
 from .settings import TrainSettings
 from .validation import Validation
@@ -64,6 +66,7 @@ def train_lora(
     world: Any = None,
     on_saved: Callable[[int, str], None] | None = None,
     val: Sequence[Sample] | DatasetMix | None = None,
+    on_sampled: Callable[[int, torch.Tensor], None] | None = None,
 ) -> TrainResult:
     """Train a LoRA (or LoHa/LoKr/OFT) on ``model`` over the cached ``samples`` and return its weights.
 
@@ -86,6 +89,8 @@ def train_lora(
             thread that wrote it (the node shows it).
         val: validation samples (read through ``reader`` too): their loss is measured before the first step, every
             ``settings.val_every`` steps and after the last (:mod:`.validation`); ``None``: none.
+        on_sampled: called with the global step and the latents of each sampling of ``settings.sample_count``
+            (:mod:`.samples`), on this thread (the node previews it).
         world: a worker's own collective (``nodes/training/worker.py``); not for callers. Where to train is
             ``settings.devices``: several devices train data-parallel with a global batch of ``batch_size`` ×
             devices (see :mod:`.distributed`).
@@ -109,7 +114,7 @@ def train_lora(
         startup.mark("model")
         run.memory = plan_run_memory(run, reader, data.rows, data.shapes, on_plan)
         startup.mark("memory plan")
-        parts = start_steps(run, data, reader, samples, existing, name_steps, team, startup, on_saved)
+        parts = start_steps(run, data, reader, samples, existing, name_steps, team, startup, (on_saved, on_sampled))
         outcome = run_steps(run, train, reader, parts.sampler, parts.loop, team, parts.saves, startup, on_step)
         # rank 0's run is the one to continue; a save of its last step already wrote this state
         saved_at_end = parts.saves is not None and parts.saves.holds_the_end(parts.start.steps + settings.steps)
@@ -130,10 +135,13 @@ class RunParts(NamedTuple):
 
 def start_steps(run: LoadedRun, data: DataPlan, reader: DatasetReader, samples: Sequence[Sample] | DatasetMix,
                 existing: dict[str, torch.Tensor], name_steps: int | None, team: Any, startup: Startup,
-                on_saved: Callable[[int, str], None] | None) -> RunParts:
+                callbacks: tuple[Callable[[int, str], None] | None, Callable[[int, torch.Tensor], None] | None]
+                ) -> RunParts:
     """The sampler of this rank's batches, where the run starts (continuing ``existing``: its optimizer, steps and
-    batch order, agreed by every rank), the weights' average, the saves and the step loop."""
+    batch order, agreed by every rank), the weights' average, the saves and the step loop; ``callbacks``: the
+    node's for each save and each sampling."""
     settings = run.settings
+    on_saved, on_sampled = callbacks
     sampler = shard_sampler(samples, data.buckets, settings.batch_size, settings.seed, tail="short",
                             rank=team.rank, world_size=team.size, caption_dropout=settings.caption_dropout,
                             reg=data.regularization)
@@ -142,7 +150,14 @@ def start_steps(run: LoadedRun, data: DataPlan, reader: DatasetReader, samples: 
     if settings.ema_decay > 0:  # after the trained weights (and the saved average) are restored
         run.average = WeightAverage(run.lora_sd, settings.ema_decay, start.average)
     saves = RunSaves(run, sampler, start, on_saved) if settings.save_every > 0 and team.is_main else None
-    return RunParts(sampler, start, saves, make_loop(run, data, reader, start, team, startup, saves))
+    loop = make_loop(run, data, reader, start, team, startup, saves)
+    if data.sampling is not None and team.is_main:  # rank 0 samples, as it validates
+        loop.sampling = Sampling(
+            loop, reader, *data.sampling, batch_size=settings.batch_size, seed=settings.seed,
+            every=settings.sample_every, last=start.steps + settings.steps, steps=settings.sample_steps,
+            cfg=settings.sample_cfg, device=run.loader_device, on_sampled=on_sampled,
+            interrupt=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None)
+    return RunParts(sampler, start, saves, loop)
 
 
 def train_result(run: LoadedRun, data: DataPlan, parts: RunParts,
@@ -175,13 +190,16 @@ def train_result(run: LoadedRun, data: DataPlan, parts: RunParts,
     info.extend(run.closing_info)
     if loop.validation is not None:
         info.insert(0, loop.validation.describe())
+    if loop.sampling is not None:
+        info.append(loop.sampling.describe())
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,
                        100.0 * waited / seconds if seconds > 0 else 0.0, dict(parts.sampler.buckets),
                        (*data.notes, *run.memory.notes(), *start.notes, *notes), counts, (*start.info, *info),
                        run.memory.report(), dict(startup.phases),
                        {"waited_s": saves.waited, "written_s": saves.written} if saves is not None else {},
                        list(loop.validation.results) if loop.validation is not None else [],
-                       grad_norms=list(loop.grad_norms), max_grad_norm=settings.max_grad_norm)
+                       grad_norms=list(loop.grad_norms), max_grad_norm=settings.max_grad_norm,
+                       samples=loop.sampling.latents() if loop.sampling is not None else None)
 
 
 def run_steps(run: LoadedRun, train: ModuleType, reader: DatasetReader, sampler: BucketSampler, loop: StepLoop,
@@ -251,6 +269,8 @@ class DataPlan:
         notes: settings the run had to change, for the user.
         rows: the sample of each of ``shapes`` (the memory probe reads the largest one's caption).
         validation: the validation samples (each once) and their buckets, or ``None``.
+        sampling: the samples whose captions are sampled and their latent shape
+            (:func:`~dataset_cache.sample_choice.choose_sample_rows`), or ``None``.
     """
 
     settings: TrainSettings
@@ -260,6 +280,7 @@ class DataPlan:
     notes: list[str]
     rows: list[Sample]
     validation: tuple[list[Sample], list[tuple[int, ...]]] | None = None
+    sampling: tuple[tuple[Sample, ...], tuple[int, ...]] | None = None
 
 
 def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, settings: TrainSettings,
@@ -298,6 +319,7 @@ def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, set
         shapes += val_buckets
         rows += val_samples
         notes += validation_overlap_notes(samples, val_samples)
+    sampling = _sampling_rows(main, buckets, validation, settings)
     fitted = fit_batch_size(main, buckets, settings.batch_size * ranks) // ranks
     if ranks > 1 and fitted < 1:
         raise ValueError(f"training on {ranks} devices needs at least {ranks} images × repeats in the largest "
@@ -311,7 +333,28 @@ def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, set
                      f"epoch): trained with batch_size {fitted} per device")
         log.warning("Train LoRA: %s", notes[-1])
         settings = dataclasses.replace(settings, batch_size=fitted)
-    return DataPlan(settings, buckets, regularization, shapes, notes, rows, validation)
+    return DataPlan(settings, buckets, regularization, shapes, notes, rows, validation, sampling)
+
+
+def _sampling_rows(main: Sequence[Sample], buckets: Sequence[tuple[int, ...]],
+                   validation: tuple[list[Sample], list[tuple[int, ...]]] | None,
+                   settings: TrainSettings) -> tuple[tuple[Sample, ...], tuple[int, ...]] | None:
+    """The samples whose captions ``sample_count`` samples (the validation set's when there is one: captions the
+    LoRA never trains on) and their shape; ``None`` without sampling.
+
+    Raises:
+        ValueError: ``sample_cfg`` above 1 and a chosen sample has no empty caption to guide against.
+    """
+    if settings.sample_count == 0:
+        return None
+    pool, shapes = validation if validation is not None else (main, buckets)
+    chosen, shape = choose_sample_rows(pool, shapes, settings.sample_count)
+    missing = [s.source or s.latent for s in chosen if s.empty_caption is None]
+    if settings.sample_cfg > 1 and missing:
+        raise ValueError(f"sample_cfg {settings.sample_cfg:g} guides each sample image against the empty caption, "
+                         f"which this dataset has not encoded ({', '.join(missing[:3])}): encode it with Encode "
+                         "Dataset's empty_caption on, or set sample_cfg 1")
+    return chosen, shape
 
 
 @dataclass

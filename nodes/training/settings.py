@@ -16,6 +16,7 @@ from ...dataset_cache.layer_filter import LayerFilter
 from ...dataset_cache.loss_weighting import LOSS_TARGETS, MAX_MIN_SNR_GAMMA, check_min_snr_gamma
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
+from ...dataset_cache.sample_choice import check_sampling
 from ...dataset_cache.noise_draws import (MAX_MULTIRES_ITERATIONS, MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMESTEP_SAMPLINGS,
                                           check_multires, check_noise_settings, check_timestep_range)
 
@@ -80,7 +81,9 @@ class TrainSettings:
     ``loss_target`` says what the loss compares (:data:`~dataset_cache.loss_weighting.LOSS_TARGETS`; "clean latent":
     ComfyUI's own trainer; "prediction": the model's output, as kohya's). ``multires_noise_iterations`` levels of
     lower-resolution noise, weighed down by ``multires_noise_discount`` per level, are added to each row's noise
-    (:func:`dataset_cache.noise_draws.pyramid_noise`; 0: plain noise, as ComfyUI's own trainer).
+    (:func:`dataset_cache.noise_draws.pyramid_noise`; 0: plain noise, as ComfyUI's own trainer). ``sample_count``
+    cached captions are turned into images before the first step, every ``sample_every`` steps and after the last,
+    with ``sample_steps`` Euler steps at guidance ``sample_cfg`` (:mod:`.samples`; 0: none).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -149,6 +152,11 @@ class TrainSettings:
     # multi-resolution noise (dataset_cache.noise_draws.pyramid_noise): levels and their discount; 0: plain noise
     multires_noise_iterations: int = 0
     multires_noise_discount: float = 0.3
+    # sample images (.samples): captions, how often, Euler steps, guidance; sample_count 0: none
+    sample_count: int = 0
+    sample_every: int = 0
+    sample_steps: int = 20
+    sample_cfg: float = 1.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -187,6 +195,7 @@ class TrainSettings:
         check_save_prefix(self.save_prefix)
         check_noise_settings(self.timestep_sampling, self.noise_offset)
         check_multires(self.multires_noise_iterations, self.multires_noise_discount)
+        check_sampling(self.sample_count, self.sample_every, self.sample_steps, self.sample_cfg)
         check_max_grad_norm(self.max_grad_norm)
         check_ema_decay(self.ema_decay)
         check_min_snr_gamma(self.min_snr_gamma)

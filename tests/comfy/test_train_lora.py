@@ -45,7 +45,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "timestep_sampling": "uniform", "noise_offset": 0.0, "val_dataset": None, "val_every": 0, "max_grad_norm": 0.0,
     "ema_decay": 0.0, "min_snr_gamma": 0.0, "train_layers": "", "min_timestep": 0, "max_timestep": 1000,
     "lora_alpha": 1.0, "val_split": 0.0, "loss_target": "clean latent", "multires_noise_iterations": 0,
-    "multires_noise_discount": 0.3,
+    "multires_noise_discount": 0.3, "sample_count": 0, "sample_every": 0, "sample_steps": 20, "sample_cfg": 1.0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -112,7 +112,7 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
 
     schema = node.GET_SCHEMA()
     info = node.GET_NODE_INFO_V1()  # what ComfyUI's /object_info serves: the schema finalizes
-    assert info["output"] == ["LORA_MODEL", "LOSS_MAP", "INT"]
+    assert info["output"] == ["LORA_MODEL", "LOSS_MAP", "INT", "LATENT"]
     assert all(i.tooltip for i in schema.inputs)
     assert schema.node_id == "StreamCache_TrainLoRA"
     assert schema.display_name == "Train LoRA (Stream Cache)"
@@ -123,7 +123,7 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     assert inputs["dataset"].get_io_type() == "STREAM_DATASET"
     assert inputs["algorithm"].options == list(adapter_maps)
     assert "[None]" in inputs["existing_lora"].options
-    assert [o.get_io_type() for o in schema.outputs] == ["LORA_MODEL", "LOSS_MAP", "INT"]
+    assert [o.get_io_type() for o in schema.outputs] == ["LORA_MODEL", "LOSS_MAP", "INT", "LATENT"]
     seed = info["input"]["required"]["seed"]
     assert seed[1]["control_after_generate"] == "fixed"  # the front end would randomize any other `seed`
     # expert inputs fold away in the new front end; what the built-in node shows stays in view
@@ -136,7 +136,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "val_every", "ema_decay", "min_snr_gamma",
                                                            "train_layers", "min_timestep", "max_timestep",
                                                            "lora_alpha", "loss_target",
-                                                           "multires_noise_iterations", "multires_noise_discount"}
+                                                           "multires_noise_iterations", "multires_noise_discount",
+                                                           "sample_every", "sample_steps", "sample_cfg"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -205,7 +206,7 @@ def untrained(node: type, models: tuple, dataset: Any) -> list[float]:
 def test_loss_falls(trained: Any, untrained: list[float]) -> None:
     """Raw losses swing by 100× with the random sigma of each step, so each step's loss is divided by the loss the
     untrained model has on the very same batch, sigma and noise: that ratio starts at 1 and must fall."""
-    lora, loss_map, steps = trained.result
+    lora, loss_map, steps = trained.result[:3]
     losses = loss_map["loss"]
     assert steps == STEPS and len(losses) == STEPS
     assert all(torch.isfinite(torch.tensor(losses)))
@@ -240,7 +241,7 @@ def test_outputs_work_with_the_builtin_lora_nodes(trained: Any, models: tuple, p
     import comfy.utils
     import folder_paths
 
-    lora, loss_map, steps = trained.result
+    lora, loss_map, steps = trained.result[:3]
     assert lora and all(t.device.type == "cpu" and not t.requires_grad for t in lora.values())
     assert {k.rsplit(".", 2)[-2] if k.endswith(".weight") else k.rsplit(".", 1)[-1] for k in lora} == {
         "lora_up", "lora_down", "alpha", "diff", "diff_b"}
@@ -335,7 +336,7 @@ def test_defaults_bf16_checkpointing_and_accumulation(node: type, models: tuple,
     """The node's default dtypes (bf16 autocast, bf16 LoRA) and gradient checkpointing, two batches per step."""
     out = _train(node, models[0], dataset, steps=1, grad_accumulation_steps=2, training_dtype="bf16",
                  lora_dtype="bf16", gradient_checkpointing=True, prefetch_batches=0)
-    lora, loss_map, steps = out.result
+    lora, loss_map, steps = out.result[:3]
     assert steps == 1 and len(loss_map["loss"]) == 1
     assert all(torch.isfinite(torch.tensor(loss_map["loss"])))
     assert {t.dtype for t in lora.values()} == {torch.bfloat16}
@@ -428,7 +429,7 @@ def test_existing_lora_is_continued(node: type, models: tuple, dataset: Any, tra
                         ([str(tmp_path)], set(folder_paths.supported_pt_extensions)))
     out = _train(node, models[0], dataset, steps=1, learning_rate=1e-7,
                  existing_lora=f"streamcache_{STEPS}_steps_00001_.safetensors")
-    continued, _, steps = out.result
+    continued, _, steps = out.result[:3]
     assert steps == STEPS + 1
     assert set(continued) == set(lora)
     # every tensor, including the norm/bias deltas and alpha that ComfyUI's own setup would reset
@@ -489,7 +490,7 @@ def test_continuing_a_lora_with_its_training_state_equals_one_run_bit_for_bit(
     assert "training state saved as streamcache_train_state/" in _summary(first)
     name = _save_lora(first.result[0], first.result[2])
     rest = _train(node, models[0], dataset, steps=3, existing_lora=name, **opts)
-    lora, losses, steps = rest.result
+    lora, losses, steps = rest.result[:3]
     assert steps == 6
     assert first.result[1]["loss"] + losses["loss"] == whole[1]["loss"]
     assert set(lora) == set(whole[0]) and all(torch.equal(lora[k], whole[0][k]) for k in whole[0])
@@ -532,7 +533,7 @@ def test_val_split_holds_sources_out_of_training_and_measures_them(node: type, m
     last (a validation loss on images the run never trained on), the run's rows from the other 4; the same two on
     every run. With a val_dataset too, refused naming both."""
     out = _train(node, models[0], dataset, steps=2, batch_size=1, val_split=0.3)
-    lora, losses, _steps = out.result
+    lora, losses, _steps = out.result[:3]
     summary = _summary(out)
     assert summary.startswith("dataset 'train' (4 samples): trained 2 steps")  # the other 4 train
     assert "val_split 0.3: 2 source(s) held out of training for the validation loss (2 samples:" in summary
@@ -627,7 +628,7 @@ def test_saves_every_n_steps_are_what_save_lora_writes_and_continue_exactly(
     """save_every 3 of 4 steps: a file at step 3, named as Save LoRA Weights names it, whose continuation for 1 step
     is the uninterrupted run bit for bit (its training state was saved with it); saving changes nothing trained."""
     out = _train(node, models[0], dataset, steps=4, save_every=3, **_CONTINUED)
-    lora, losses, _ = out.result
+    lora, losses, _ = out.result[:3]
     assert losses == whole_run[1] and all(torch.equal(lora[k], whole_run[0][k]) for k in lora)
     assert _saves(lora_folder) == ["streamcache_lora_3_steps_00001_.safetensors"]
     assert re.search(r"saved the LoRA at step 3 \(training waited \d+\.\d s per save at most, writing took "
@@ -1120,7 +1121,7 @@ def test_the_validation_loss_is_measured_at_fixed_draws_and_changes_nothing_trai
     reports: list[Any] = []
     monkeypatch.setattr(_module(pack, "nodes.train_lora")._Events, "__call__", lambda self, r: reports.append(r))
     out = _train(node, models[0], dataset, steps=4, val_dataset=val_dataset, val_every=3, **_CONTINUED)
-    lora, loss_map, _ = out.result
+    lora, loss_map, _ = out.result[:3]
     assert loss_map["loss"] == whole_run[1]["loss"]
     assert all(torch.equal(lora[k], whole_run[0][k]) for k in whole_run[0])
     steps = [step for step, _ in loss_map["val_loss"]]
@@ -1229,6 +1230,8 @@ def test_a_validation_set_that_shares_images_with_the_training_is_named(node: ty
                                         "multi-resolution noise) to 10, got 11"),
     ({"multires_noise_iterations": 6, "multires_noise_discount": 1.5}, "multires_noise_discount must be a number "
                                                                        "from 0 to 1, got 1.5"),
+    ({"sample_count": 17}, "sample_count must be a whole number from 0 to 16, got 17"),
+    ({"sample_count": 1, "sample_cfg": 0.5}, "sample_cfg must be a number from 1 (no guidance"),
     ({"min_timestep": 900, "max_timestep": 900}, "min_timestep and max_timestep must be whole numbers with 0 <= "
                                                  "min_timestep < max_timestep <= 1000"),
     ({"max_timestep": 1001}, "got 0 and 1001"),
@@ -1654,7 +1657,7 @@ def test_an_integer_latent_is_refused_before_any_step(pack: ModuleType, node: ty
 def test_a_batch_larger_than_the_dataset_is_clamped_and_the_node_says_so(node: type, models: tuple,
                                                                          dataset: Any) -> None:
     out = _train(node, models[0], dataset, batch_size=10_000, steps=2)  # the input's maximum
-    lora, loss_map, steps = out.result
+    lora, loss_map, steps = out.result[:3]
     (summary,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
     # 6 samples in buckets of 4 (64×64) and 2 (64×96): the largest bucket fills a batch of 4
     assert "batch_size 10000 is larger than this dataset's largest bucket (4 images × repeats per epoch): " \

@@ -206,7 +206,7 @@ def _write(recorder: _Recorder, result: Any, out: Path, seconds: float) -> None:
     """The LoRA, the recorded tensors and the report of one case into ``out``."""
     from safetensors.torch import save_file
 
-    lora, loss_map, steps = result.result
+    lora, loss_map, steps = result.result[:3]
     keys = list(lora)
     if len(recorder.initial) != len(keys):
         raise RuntimeError(f"the optimizer holds {len(recorder.initial)} parameters, the LoRA {len(keys)}")

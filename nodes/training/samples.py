@@ -1,0 +1,205 @@
+"""Sample images during training: a few cached captions turned into latents by the LoRA being trained, from the
+same noise each time, before the first step, every ``sample_every`` steps and after the last.
+
+kohya, OneTrainer and ai-toolkit show images as training goes, which tell more than a loss curve. Here the prompts
+are cached captions (:mod:`dataset_cache.sample_choice`), so sampling needs no text encoder and no VAE while the
+model trains: the run's own model call (its memory plan, its adapters) denoises them with Euler steps over the
+schedule ComfyUI's "simple" scheduler gives the model's sampling, as ComfyUI's KSampler would (the same noise
+scaling of an empty latent, the same Euler update, the latent format's ``process_latent_out`` at the end). The
+images leave as one ``LATENT`` batch (the ``samples`` output, for VAE Decode and Save Image), each sampling's rows
+in turn; each sampling also previews its first image on the node. It runs without gradients and draws nothing from
+the training's generators, so a run with samples trains the same LoRA bit for bit as one without.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import comfy.model_management
+import comfy.samplers
+import comfy.utils
+import torch
+
+from ...dataset_cache.dataset import Sample
+from ...dataset_cache.loader import PrefetchLoader
+from ...dataset_cache.reading import DatasetReader
+from ...dataset_cache.sampler import BucketSampler
+from ...dataset_cache.seeding import derive_seed, seeded_generator
+
+__all__ = ["SAMPLE_SCHEDULER", "Sampling", "node_preview"]
+
+log = logging.getLogger("streamcache.train")
+
+SAMPLE_SCHEDULER = "simple"
+"""ComfyUI's scheduler the samples are denoised over: evenly spaced in the model's own sigmas, for every family."""
+
+
+@dataclasses.dataclass
+class _Rows:
+    """One batch of sample rows read from the cache: its conditionings (and the empty caption's, for guidance), the
+    latent keys in row order and the latent shape."""
+
+    positive: list[Any]
+    negative: list[Any] | None
+    keys: list[str]
+    shape: tuple[int, ...]
+
+
+class Sampling:
+    """Generates the images of ``samples`` (one bucket, :func:`~dataset_cache.sample_choice.choose_sample_rows`) and
+    keeps every sampling's latents.
+
+    Args:
+        loop: the run's :class:`~.loop.StepLoop` (its model call, conditioner, autocast and model sampling).
+        reader: the reader of the samples' cache.
+        samples: the samples whose first caption is sampled, ``shape`` their latent shape.
+        batch_size: rows per model call; ``seed``: the run's seed (each image's noise is ``(seed, "sample", its
+            latent key)``'s, so the same at every sampling).
+        every: sample after every ``every`` steps (global step numbers); 0: before the first and after the last
+            only. ``last``: the run's last global step.
+        steps: Euler steps per image; ``cfg``: classifier-free guidance against the empty caption (1: none).
+        device: where the loader delivers batches; ``interrupt``: checked between model calls (Cancel);
+            ``on_sampled``: called with the steps this run has done and the latents after each sampling (the node's
+            preview: :func:`node_preview`).
+    """
+
+    def __init__(self, loop: Any, reader: DatasetReader, samples: Sequence[Sample], shape: tuple[int, ...], *,
+                 batch_size: int, seed: int, every: int, last: int, steps: int, cfg: float,
+                 device: torch.device | None, interrupt: Callable[[], None] | None = None,
+                 on_sampled: Callable[[int, torch.Tensor], None] | None = None) -> None:
+        self.loop = loop
+        self.reader = reader
+        self.samples = list(samples)
+        self.shape = tuple(shape)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.every = every
+        self.last = last
+        self.steps = steps
+        self.cfg = cfg
+        self.device = device
+        self.interrupt = interrupt
+        self.on_sampled = on_sampled
+        self.results: list[tuple[int, torch.Tensor]] = []  # (global step, latents on the CPU)
+        self.seconds = 0.0
+        self._rows: list[_Rows] | None = None  # read from the cache at the first sampling, kept for the others
+
+    def due(self, step: int) -> bool:
+        """Whether images are sampled after global step ``step``."""
+        return step == self.last or (self.every > 0 and step % self.every == 0)
+
+    def take(self, step: int) -> torch.Tensor:
+        """The images of the LoRA after global step ``step`` (latents in the VAE's space, on the CPU, in the order
+        of the samples); recorded, previewed and returned."""
+        t0 = time.perf_counter()
+        if self._rows is None:
+            self._rows = self._read()
+        with torch.no_grad():
+            latents = torch.cat([self._generate(rows) for rows in self._rows])
+        self.results.append((step, latents))
+        self.seconds += time.perf_counter() - t0
+        log.info("Train LoRA: %d sample image(s) at step %d (%.1f s)", latents.shape[0], step,
+                 time.perf_counter() - t0)
+        if self.on_sampled is not None:
+            self.on_sampled(step - self.loop.first_step, latents)
+        return latents
+
+    def latents(self) -> torch.Tensor | None:
+        """Every sampling's latents in one batch, in the order they were taken; ``None`` before the first."""
+        return torch.cat([latents for _, latents in self.results]) if self.results else None
+
+    def describe(self) -> str:
+        """One line for the run's summary."""
+        names = ", ".join(s.source or s.latent for s in self.samples[:3]) + (", ..." if len(self.samples) > 3 else "")
+        steps = ", ".join(str(step) for step, _ in self.results)
+        guidance = f", cfg {self.cfg:g} against the empty caption" if self.cfg > 1 else ""
+        return (f"sample images of {len(self.samples)} caption(s) ({names}) at steps {steps or 'none'}: "
+                f"{self.steps} Euler steps{guidance}, {self.seconds:.1f} s (the samples output)")
+
+    def _read(self) -> list[_Rows]:
+        """The samples' conditionings (and with guidance their empty captions'), in batches of ``batch_size``."""
+        positive = self._conditionings(self.samples)
+        negative = None
+        if self.cfg > 1:
+            empties = [dataclasses.replace(s, captions=(s.empty_caption or s.captions[0],), empty_caption=None)
+                       for s in self.samples]
+            negative = self._conditionings(empties)
+        return [_Rows(conds, negative[i][0] if negative is not None else None, keys, shape)
+                for i, (conds, keys, shape) in enumerate(positive)]
+
+    def _conditionings(self, samples: list[Sample]) -> list[tuple[list[Any], list[str], tuple[int, ...]]]:
+        rows = min(self.batch_size, len(samples))
+        sampler = BucketSampler(samples, [self.shape] * len(samples), rows, self.seed, tail="short",
+                                rank=0, world_size=1, shuffle=False, name="samples")
+        loader = PrefetchLoader(self.reader, sampler, prefetch_batches=1, threads=1, device=None, epochs=1,
+                                on_wait=self.interrupt)
+        try:
+            return [(list(batch.conditioning), list(batch.plan.latent_keys), tuple(batch.latents.shape))
+                    for batch in loader]
+        finally:
+            loader.close()
+
+    def _generate(self, rows: _Rows) -> torch.Tensor:
+        """One batch of images: Euler over the model's sigmas from noise of an empty latent, as ComfyUI's KSampler
+        (``max_denoise`` noise scaling, ``(x - denoised) / σ`` as the derivative), then the latent format's
+        ``process_latent_out``."""
+        loop, device = self.loop, self.loop.device
+        ms = loop.model_sampling
+        sigmas = comfy.samplers.calculate_sigmas(ms, SAMPLE_SCHEDULER, self.steps).to(device, torch.float32)
+        noise = torch.cat([torch.randn((1, *rows.shape[1:]), generator=seeded_generator(self.seed, "sample", key),
+                                       dtype=torch.float32) for key in rows.keys]).to(device)
+        empty = loop.mp.model.process_latent_in(torch.zeros_like(noise))
+        x = ms.noise_scaling(sigmas[0], noise, empty, self._max_denoise(float(sigmas[0])))
+        seed = derive_seed(self.seed, "sample", rows.keys[0])
+        positive = loop.conditioner(rows.positive, noise, empty, seed)
+        negative = loop.conditioner(rows.negative, noise, empty, seed) if rows.negative is not None else None
+        count = x.shape[0]
+        for i in range(self.steps):
+            if self.interrupt is not None:
+                self.interrupt()
+            sigma = sigmas[i].expand(count)
+            with loop._autocast():
+                denoised = loop.predict(x, sigma, positive).float()
+                if negative is not None:
+                    uncond = loop.predict(x, sigma, negative).float()
+                    denoised = uncond + self.cfg * (denoised - uncond)
+            x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
+        x = ms.inverse_noise_scaling(sigmas[-1], x)
+        return loop.mp.model.process_latent_out(x).to("cpu", torch.float32)
+
+    def _max_denoise(self, first_sigma: float) -> bool:
+        """ComfyUI's ``KSampler.max_denoise``: the first sigma is the model's largest (full noise)."""
+        top = float(self.loop.model_sampling.sigma_max)
+        return abs(first_sigma - top) <= 1e-5 * max(abs(first_sigma), abs(top)) or first_sigma > top
+
+
+def node_preview(model: Any, node_id: str | None, total: int) -> Callable[[int, torch.Tensor], None]:
+    """A sampling's first image shown on the node (``node_id``) as ComfyUI's KSampler shows its previews: the
+    previewer of the model's latent format (Latent2RGB, or TAESD where ComfyUI is set to and has it) through
+    ComfyUI's progress bar, at the run's progress (``done`` of ``total`` steps). A video shows its first frame. A
+    preview never fails the run: ComfyUI without previews, or one that cannot decode, shows none."""
+    import latent_preview  # ComfyUI's module (top level of its source)
+
+    try:
+        previewer = latent_preview.get_previewer(model.load_device, model.model.latent_format)
+    except Exception:
+        log.debug("Train LoRA: no previewer for the sample images", exc_info=True)
+        previewer = None
+
+    def show(done: int, latents: torch.Tensor) -> None:
+        if previewer is None:
+            return
+        try:
+            first = latents[:1] if latents.ndim == 4 else latents[:1, :, 0]
+            image = previewer.decode_latent_to_preview_image("JPEG", model.model.process_latent_in(first))
+            comfy.utils.ProgressBar(total, node_id=node_id).update_absolute(done, total, image)
+        except comfy.model_management.InterruptProcessingException:
+            raise  # ComfyUI's progress hook checks Cancel
+        except Exception:
+            log.debug("Train LoRA: could not preview a sample image", exc_info=True)
+
+    return show

@@ -1,0 +1,183 @@
+"""Sample images during training (``sample_count``), on the real ComfyUI with the tiny SD1.5 (CPU, fp32).
+
+The check of the sampler is ComfyUI's own: a new LoRA adds nothing before its first step (ComfyUI starts every
+up matrix at 0), so the samples taken before the first step must be what ComfyUI's KSampler makes of the base
+model with the same caption, noise, Euler sampler and "simple" schedule. The rest: a run with samples trains the
+same LoRA bit for bit, later samples show the LoRA, guidance is KSampler's, and the output blocks its users when
+no samples were asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from support.encoded import key, write_comfy_encoded
+
+CAPTION = "a photo of test pattern number {}"
+SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width): the 64×64 bucket has the most sources
+RUN = {  # the node's required inputs
+    "batch_size": 2, "grad_accumulation_steps": 1, "steps": 2, "learning_rate": 1e-2, "rank": 4,
+    "optimizer": "AdamW", "loss_function": "MSE", "seed": 7, "training_dtype": "fp32", "lora_dtype": "fp32",
+    "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
+    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0,
+}
+
+
+def _module(pack: ModuleType, name: str) -> ModuleType:
+    return importlib.import_module(f"{pack.__name__}.{name}")
+
+
+@pytest.fixture(scope="module")
+def node(pack: ModuleType) -> type:
+    return _module(pack, "nodes.train_lora").TrainLoRA
+
+
+@pytest.fixture(scope="module")
+def dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
+            tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Dataset "train" (6 samples, 2 buckets, no empty caption) and "guided": the same samples, each with the last
+    sample's caption as the caption guidance pushes away from (the empty caption's place)."""
+    _, clip, vae = models
+    root = tmp_path_factory.mktemp("train_samples") / "cache"
+
+    def guided(_cls: Any, samples: list[Any]) -> list[Any]:
+        return [dataclasses.replace(s, empty_caption=samples[-1].captions[0]) for s in samples]
+
+    write_comfy_encoded(pack, comfy_nodes, clip, vae, root, SIZES, seed=0, caption=CAPTION,
+                        extra={"guided": guided})
+    return handles.StreamDatasetHandle(str(root), "train"), handles.StreamDatasetHandle(str(root), "guided")
+
+
+def _train(node: type, model: Any, dataset: Any, **options: Any) -> Any:
+    with torch.inference_mode():  # ComfyUI executes every node under inference mode
+        return node.execute(model, dataset, **{**RUN, **options})
+
+
+def _summary(out: Any) -> str:
+    (text,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
+    return text
+
+
+def _sampled_sources(out: Any) -> list[str]:
+    """The sources the summary says were sampled, in order ("img2.png, img0.png")."""
+    match = re.search(r"sample images of \d+ caption\(s\) \(([^)]*)\)", _summary(out))
+    assert match, _summary(out)
+    return match.group(1).split(", ")
+
+
+def _ksampler(comfy_nodes: ModuleType, models: tuple, sources: list[str], seed: int, steps: int, cfg: float,
+              negative_index: int | None = None) -> torch.Tensor:
+    """ComfyUI's KSampler's images of the base model: each source's caption (CLIPTextEncode, as the cache holds
+    it), Euler over the "simple" schedule, the noise the pack draws for that image (``(seed, "sample", latent
+    key)``); ``negative_index``: the caption of that sample as the negative."""
+    import comfy.sample
+
+    from support.pack import import_pack
+
+    seeding = importlib.import_module(f"{import_pack().__name__}.dataset_cache.seeding")
+    model, clip, _ = models
+    out = []
+    for source in sources:
+        i = int(source.removeprefix("img").removesuffix(".png"))
+        (positive,) = comfy_nodes.CLIPTextEncode().encode(clip, CAPTION.format(i))
+        negative = positive
+        if negative_index is not None:
+            (negative,) = comfy_nodes.CLIPTextEncode().encode(clip, CAPTION.format(negative_index))
+        h, w = SIZES[i]
+        noise = torch.randn((1, 4, h // 8, w // 8), generator=seeding.seeded_generator(seed, "sample", key(
+            f"latent{i}")), dtype=torch.float32)
+        out.append(comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative,
+                                       torch.zeros_like(noise), seed=seed))
+    return torch.cat(out)
+
+
+def test_the_first_samples_are_comfyuis_ksampler_images_of_the_base_model(node: type, models: tuple, dataset: tuple,
+                                                                         comfy_nodes: ModuleType) -> None:
+    """Before the first step the LoRA adds nothing, so the samples are KSampler's. Tolerance: the same fp32
+    operations on the same inputs; KSampler's model wrapper may group them otherwise (rounding only, 1e-6 of
+    values of size ~1 per call), and 4 Euler steps carry that along: 1e-4 relative and absolute."""
+    with torch.inference_mode():
+        out = _train(node, models[0], dataset[0], sample_count=2, sample_steps=4)
+    lora, _losses, _steps, samples = out.result
+    latents = samples["samples"]
+    assert latents.shape == (4, 4, 8, 8)  # 2 captions before the first step and after the last
+    sources = _sampled_sources(out)
+    assert len(sources) == 2 and all(SIZES[int(s[3:-4])] == (64, 64) for s in sources)
+    with torch.inference_mode():
+        expected = _ksampler(comfy_nodes, models, sources, RUN["seed"], 4, 1.0)
+    torch.testing.assert_close(latents[:2], expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(latents[2:], latents[:2], atol=1e-3)  # after two steps: the LoRA's images
+    assert "at steps 0, 2: 4 Euler steps" in _summary(out)
+
+
+def test_sampling_changes_nothing_the_run_trains_and_repeats_itself(node: type, models: tuple,
+                                                                    dataset: tuple) -> None:
+    """The same LoRA and losses bit for bit with samples every step as without any (sampling draws from no
+    generator of the training's); a second run samples the same images; every step's sampling is in the output,
+    in order."""
+    plain = _train(node, models[0], dataset[0])
+    sampled = _train(node, models[0], dataset[0], sample_count=1, sample_every=1, sample_steps=2)
+    again = _train(node, models[0], dataset[0], sample_count=1, sample_every=1, sample_steps=2)
+    assert plain.result[1] == sampled.result[1]
+    for k, v in plain.result[0].items():
+        assert torch.equal(v, sampled.result[0][k]), k
+    assert sampled.result[3]["samples"].shape == (3, 4, 8, 8)  # steps 0, 1 and 2
+    assert torch.equal(sampled.result[3]["samples"], again.result[3]["samples"])
+    assert "at steps 0, 1, 2:" in _summary(sampled)
+
+
+def test_guidance_is_ksamplers_against_the_empty_caption(node: type, models: tuple, dataset: tuple,
+                                                         comfy_nodes: ModuleType) -> None:
+    """sample_cfg 3 with the "guided" dataset, whose empty caption is the last sample's caption: KSampler at cfg 3
+    with that caption as the negative (tolerance as above). The dataset without an empty caption is refused before
+    anything loads, naming both ways out."""
+    with torch.inference_mode():
+        out = _train(node, models[0], dataset[1], sample_count=1, sample_steps=3, sample_cfg=3.0, steps=1)
+        expected = _ksampler(comfy_nodes, models, _sampled_sources(out), RUN["seed"], 3, 3.0,
+                             negative_index=len(SIZES) - 1)
+    torch.testing.assert_close(out.result[3]["samples"][:1], expected, rtol=1e-4, atol=1e-4)
+    assert "3 Euler steps, cfg 3 against the empty caption" in _summary(out)
+    with pytest.raises(ValueError, match=r"sample_cfg 3 guides each sample image against the empty caption, which "
+                                         r"this dataset has not encoded .*empty_caption on, or set sample_cfg 1"):
+        _train(node, models[0], dataset[0], sample_count=1, sample_cfg=3.0)
+
+
+def test_without_samples_the_output_blocks_its_users_with_a_message(node: type, models: tuple,
+                                                                    dataset: tuple) -> None:
+    from comfy_execution.graph_utils import ExecutionBlocker
+
+    out = _train(node, models[0], dataset[0], steps=1)
+    assert isinstance(out.result[3], ExecutionBlocker)
+    assert out.result[3].message == "Train LoRA made no sample images: set its sample_count above 0"
+    assert "sample images" not in _summary(out)
+
+
+def test_each_sampling_is_previewed_on_the_node(node: type, models: tuple, dataset: tuple,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ComfyUI's previews on (its --preview-method, or the front end's setting), its progress hook gets a JPEG
+    preview (Latent2RGB of the first image) at the run's progress for each sampling, as KSampler's previews reach
+    the node; with them off (ComfyUI's default), none, as for KSampler."""
+    import comfy.utils
+    from comfy.cli_args import LatentPreviewMethod, args
+
+    seen: list[tuple[int, int, Any]] = []
+
+    def hook(value: int, total: int, preview: Any, node_id: Any = None) -> None:
+        if preview is not None:
+            seen.append((value, total, preview))
+
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", hook)
+    monkeypatch.setattr(args, "preview_method", LatentPreviewMethod.NoPreviews)
+    _train(node, models[0], dataset[0], sample_count=1, sample_steps=2, steps=1)
+    assert seen == []
+    monkeypatch.setattr(args, "preview_method", LatentPreviewMethod.Latent2RGB)
+    _train(node, models[0], dataset[0], sample_count=1, sample_steps=2)
+    assert [(value, total) for value, total, _ in seen] == [(0, 2), (2, 2)]
+    for _, _, (fmt, image, _size) in seen:
+        assert fmt == "JPEG" and image.size == (8, 8)
