@@ -62,7 +62,7 @@ from .training import (
     train_lora,
 )
 from .training.lora_files import lora_choices
-from .training.samples import node_preview
+from .training.samples import NO_PROMPTS, SamplePrompts, check_prompt, node_preview
 
 __all__ = ["EVENT", "TrainLoRA"]
 
@@ -432,6 +432,13 @@ class TrainLoRA(io.ComfyNode):
                                tooltip="Classifier-free guidance of the sample images against the empty caption "
                                "(needs Encode Dataset's empty_caption on). 1: none, the right choice for Flux and "
                                "other guidance-distilled models; 5-7 for SD1.5 and SDXL."),
+                io.Conditioning.Input("sample_prompt", optional=True,
+                                      tooltip="Sample this prompt instead of the cache's captions (a CLIP Text "
+                                      "Encode; ComfyUI encodes it before training): sample_count images of it, each "
+                                      "from its own noise. No effect with sample_count 0."),
+                io.Conditioning.Input("sample_negative", optional=True,
+                                      tooltip="The negative prompt of the sample images' guidance (sample_cfg above "
+                                      "1), instead of the cache's empty caption."),
             ],
             outputs=[
                 LoraModel.Output(display_name="lora", tooltip="The LoRA weights."),
@@ -502,6 +509,8 @@ class TrainLoRA(io.ComfyNode):
         sample_every: int = 0,
         sample_steps: int = 20,
         sample_cfg: float = 1.0,
+        sample_prompt: Any = None,
+        sample_negative: Any = None,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -526,15 +535,19 @@ class TrainLoRA(io.ComfyNode):
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)
         _check_validation(val_dataset, settings)
+        check_prompt(sample_prompt, "sample_prompt")
+        check_prompt(sample_negative, "sample_negative")
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
-        result, samples, reg_count = cls._train_locked(model, dataset, settings, node_id, reg_dataset, val_dataset)
+        result, samples, reg_count = cls._train_locked(model, dataset, settings, node_id, reg_dataset, val_dataset,
+                                                       SamplePrompts(sample_prompt, sample_negative))
         return _output(result, dataset, reg_dataset, samples, reg_count, settings)
 
     @classmethod
     def _train_locked(cls, model: Any, dataset: StreamDatasetHandle | CombinedDatasetHandle,
                       settings: TrainSettings, node_id: str | None,
                       reg_dataset: StreamDatasetHandle | CombinedDatasetHandle | None,
-                      val_dataset: StreamDatasetHandle | CombinedDatasetHandle | None) -> tuple[Any, int, int]:
+                      val_dataset: StreamDatasetHandle | CombinedDatasetHandle | None,
+                      prompts: SamplePrompts = NO_PROMPTS) -> tuple[Any, int, int]:
         """:meth:`_train` holding a shared read lock on EVERY cache the run reads, for the whole run: Clean Cache
         (and compaction after an encode) refuse to delete shard files while anybody trains from them."""
         roots = cache_roots(dataset, reg_dataset, val_dataset)
@@ -543,13 +556,13 @@ class TrainLoRA(io.ComfyNode):
             for root in roots:
                 if not is_remote_url(root):  # a bucket has no lock: its published files are never deleted
                     locks.enter_context(CacheLock(root, READ_LOCK, exclusive=False, purpose="training"))
-            return cls._train(model, dataset, settings, node_id, reg_dataset, val_dataset)
+            return cls._train(model, dataset, settings, node_id, reg_dataset, val_dataset, prompts)
 
     @classmethod
     def _train(cls, model: Any, dataset: StreamDatasetHandle | CombinedDatasetHandle, settings: TrainSettings,
                node_id: str | None, reg_dataset: StreamDatasetHandle | CombinedDatasetHandle | None = None,
                val_dataset: StreamDatasetHandle | CombinedDatasetHandle | None = None,
-               ) -> tuple[Any, int, int]:
+               prompts: SamplePrompts = NO_PROMPTS) -> tuple[Any, int, int]:
         """Train; returns the result and how many main and regularization samples it drew from.
 
         Each cache involved is opened once; datasets of one cache train through its own reader, datasets of
@@ -574,7 +587,8 @@ class TrainLoRA(io.ComfyNode):
             preview = node_preview(model, node_id, settings.steps) if settings.sample_count else None
             result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
                                 reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "",
-                                on_plan=text.plan, on_saved=text.saved, val=val, on_sampled=preview)
+                                on_plan=text.plan, on_saved=text.saved, val=val, on_sampled=preview,
+                                sample_prompts=prompts)
             if held is not None:
                 result.info = (held.describe(settings.val_split), *result.info)
         except BaseException as error:  # ComfyUI keeps its error in a reference cycle: the run's finished frames

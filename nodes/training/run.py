@@ -43,7 +43,7 @@ from .optimizers import create_optimizer, optimizer_info, optimizer_notes
 from .report import (RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes,
                      validation_overlap_notes)
 from .resume import Start, TrainState, capture_state, resume_run, save_state
-from .samples import Sampling
+from .samples import NO_PROMPTS, SamplePrompts, Sampling, SamplingPlan
 from .saves import RunSaves, lora_weights
 from .settings import TrainSettings
 from .validation import Validation
@@ -67,6 +67,7 @@ def train_lora(
     on_saved: Callable[[int, str], None] | None = None,
     val: Sequence[Sample] | DatasetMix | None = None,
     on_sampled: Callable[[int, torch.Tensor], None] | None = None,
+    sample_prompts: SamplePrompts = NO_PROMPTS,
 ) -> TrainResult:
     """Train a LoRA (or LoHa/LoKr/OFT) on ``model`` over the cached ``samples`` and return its weights.
 
@@ -90,7 +91,8 @@ def train_lora(
         val: validation samples (read through ``reader`` too): their loss is measured before the first step, every
             ``settings.val_every`` steps and after the last (:mod:`.validation`); ``None``: none.
         on_sampled: called with the global step and the latents of each sampling of ``settings.sample_count``
-            (:mod:`.samples`), on this thread (the node previews it).
+            (:mod:`.samples`), on this thread (the node previews it). ``sample_prompts``: the node's
+            ``sample_prompt`` (replacing the cached captions) and ``sample_negative`` (the empty caption's place).
         world: a worker's own collective (``nodes/training/worker.py``); not for callers. Where to train is
             ``settings.devices``: several devices train data-parallel with a global batch of ``batch_size`` ×
             devices (see :mod:`.distributed`).
@@ -102,7 +104,7 @@ def train_lora(
     startup = Startup()
     settings.validate()
     team = plan_team(settings.devices, model, reader, world)
-    data = plan_data(reader, samples, settings, reg, reg_name, team.size, val)
+    data = plan_data(reader, samples, settings, reg, reg_name, team.size, val, sample_prompts)
     data.notes.extend(team.notes)
     train = nodes_train_module()
     existing, name_steps = load_existing_lora(settings.existing_lora)
@@ -153,7 +155,7 @@ def start_steps(run: LoadedRun, data: DataPlan, reader: DatasetReader, samples: 
     loop = make_loop(run, data, reader, start, team, startup, saves)
     if data.sampling is not None and team.is_main:  # rank 0 samples, as it validates
         loop.sampling = Sampling(
-            loop, reader, *data.sampling, batch_size=settings.batch_size, seed=settings.seed,
+            loop, reader, data.sampling, batch_size=settings.batch_size, seed=settings.seed,
             every=settings.sample_every, last=start.steps + settings.steps, steps=settings.sample_steps,
             cfg=settings.sample_cfg, device=run.loader_device, on_sampled=on_sampled,
             interrupt=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None)
@@ -269,8 +271,7 @@ class DataPlan:
         notes: settings the run had to change, for the user.
         rows: the sample of each of ``shapes`` (the memory probe reads the largest one's caption).
         validation: the validation samples (each once) and their buckets, or ``None``.
-        sampling: the samples whose captions are sampled and their latent shape
-            (:func:`~dataset_cache.sample_choice.choose_sample_rows`), or ``None``.
+        sampling: what ``sample_count`` samples (:class:`~.samples.SamplingPlan`), or ``None``.
     """
 
     settings: TrainSettings
@@ -280,12 +281,13 @@ class DataPlan:
     notes: list[str]
     rows: list[Sample]
     validation: tuple[list[Sample], list[tuple[int, ...]]] | None = None
-    sampling: tuple[tuple[Sample, ...], tuple[int, ...]] | None = None
+    sampling: SamplingPlan | None = None
 
 
 def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, settings: TrainSettings,
               reg: Sequence[Sample] | DatasetMix | None, reg_name: str, ranks: int = 1,
-              val: Sequence[Sample] | DatasetMix | None = None) -> DataPlan:
+              val: Sequence[Sample] | DatasetMix | None = None,
+              sample_prompts: SamplePrompts = NO_PROMPTS) -> DataPlan:
     """Buckets, the regularization set and the batch size, checked before any model loads.
 
     With several ``ranks`` a global batch is ``batch_size × ranks`` rows of one bucket; it is what is clamped.
@@ -319,7 +321,7 @@ def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, set
         shapes += val_buckets
         rows += val_samples
         notes += validation_overlap_notes(samples, val_samples)
-    sampling = _sampling_rows(main, buckets, validation, settings)
+    sampling = _sampling_plan(main, buckets, validation, settings, sample_prompts)
     fitted = fit_batch_size(main, buckets, settings.batch_size * ranks) // ranks
     if ranks > 1 and fitted < 1:
         raise ValueError(f"training on {ranks} devices needs at least {ranks} images × repeats in the largest "
@@ -336,25 +338,29 @@ def plan_data(reader: DatasetReader, samples: Sequence[Sample] | DatasetMix, set
     return DataPlan(settings, buckets, regularization, shapes, notes, rows, validation, sampling)
 
 
-def _sampling_rows(main: Sequence[Sample], buckets: Sequence[tuple[int, ...]],
-                   validation: tuple[list[Sample], list[tuple[int, ...]]] | None,
-                   settings: TrainSettings) -> tuple[tuple[Sample, ...], tuple[int, ...]] | None:
-    """The samples whose captions ``sample_count`` samples (the validation set's when there is one: captions the
-    LoRA never trains on) and their shape; ``None`` without sampling.
+def _sampling_plan(main: Sequence[Sample], buckets: Sequence[tuple[int, ...]],
+                   validation: tuple[list[Sample], list[tuple[int, ...]]] | None, settings: TrainSettings,
+                   prompts: SamplePrompts) -> SamplingPlan | None:
+    """What ``sample_count`` samples: the captions of the validation set when there is one (captions the LoRA never
+    trains on), else of the dataset, or the connected ``sample_prompt``, at the chosen bucket's shape; ``None``
+    without sampling.
 
     Raises:
-        ValueError: ``sample_cfg`` above 1 and a chosen sample has no empty caption to guide against.
+        ValueError: ``sample_cfg`` above 1 without a ``sample_negative`` and a chosen sample has no empty caption
+            to guide against.
     """
     if settings.sample_count == 0:
         return None
     pool, shapes = validation if validation is not None else (main, buckets)
     chosen, shape = choose_sample_rows(pool, shapes, settings.sample_count)
-    missing = [s.source or s.latent for s in chosen if s.empty_caption is None]
-    if settings.sample_cfg > 1 and missing:
+    needed = chosen if prompts.positive is None else chosen[:1]
+    missing = [s.source or s.latent for s in needed if s.empty_caption is None]
+    if settings.sample_cfg > 1 and prompts.negative is None and missing:
         raise ValueError(f"sample_cfg {settings.sample_cfg:g} guides each sample image against the empty caption, "
                          f"which this dataset has not encoded ({', '.join(missing[:3])}): encode it with Encode "
-                         "Dataset's empty_caption on, or set sample_cfg 1")
-    return chosen, shape
+                         "Dataset's empty_caption on, connect a sample_negative, or set sample_cfg 1")
+    count = settings.sample_count if prompts.positive is not None else len(chosen)
+    return SamplingPlan(chosen, shape, count, prompts)
 
 
 @dataclass

@@ -1,9 +1,11 @@
-"""Sample images during training: a few cached captions turned into latents by the LoRA being trained, from the
-same noise each time, before the first step, every ``sample_every`` steps and after the last.
+"""Sample images during training: a few cached captions (or a prompt the node is given) turned into latents by
+the LoRA being trained, from the same noise each time, before the first step, every ``sample_every`` steps and
+after the last.
 
 kohya, OneTrainer and ai-toolkit show images as training goes, which tell more than a loss curve. Here the prompts
-are cached captions (:mod:`dataset_cache.sample_choice`), so sampling needs no text encoder and no VAE while the
-model trains: the run's own model call (its memory plan, its adapters) denoises them with Euler steps over the
+are cached captions (:mod:`dataset_cache.sample_choice`), or the conditioning wired to the node's ``sample_prompt``
+(encoded by ComfyUI before the run, like any prompt), so sampling needs no text encoder and no VAE while the model
+trains: the run's own model call (its memory plan, its adapters) denoises them with Euler steps over the
 schedule ComfyUI's "simple" scheduler gives the model's sampling, as ComfyUI's KSampler would (the same noise
 scaling of an empty latent, the same Euler update, the latent format's ``process_latent_out`` at the end). The
 images leave as one ``LATENT`` batch (the ``samples`` output, for VAE Decode and Save Image), each sampling's rows
@@ -17,7 +19,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import comfy.model_management
 import comfy.samplers
@@ -29,13 +31,60 @@ from ...dataset_cache.loader import PrefetchLoader
 from ...dataset_cache.reading import DatasetReader
 from ...dataset_cache.sampler import BucketSampler
 from ...dataset_cache.seeding import derive_seed, seeded_generator
+from ...dataset_cache.trainable import UNTRAINABLE_CONDITIONING_KEYS
 
-__all__ = ["SAMPLE_SCHEDULER", "Sampling", "node_preview"]
+__all__ = ["NO_PROMPTS", "SAMPLE_SCHEDULER", "SamplePrompts", "SamplingPlan", "Sampling", "check_prompt",
+           "node_preview"]
 
 log = logging.getLogger("streamcache.train")
 
 SAMPLE_SCHEDULER = "simple"
 """ComfyUI's scheduler the samples are denoised over: evenly spaced in the model's own sigmas, for every family."""
+
+
+class SamplePrompts(NamedTuple):
+    """The conditionings wired to the node's ``sample_prompt`` and ``sample_negative`` (``None``: not connected)."""
+
+    positive: Any = None
+    negative: Any = None
+
+
+NO_PROMPTS = SamplePrompts()
+"""Neither input connected: the cached captions and, for guidance, the empty caption."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingPlan:
+    """What a run samples, decided with its data: ``samples`` (whose captions, and empty captions, are read),
+    ``shape`` (their bucket's latent shape without the batch, ``(C, H, W)`` or ``(C, T, H, W)``: every image's),
+    ``count`` images, and the node's ``prompts`` (a connected ``sample_prompt`` replaces the captions: ``count``
+    images of it, each from its own noise)."""
+
+    samples: tuple[Sample, ...]
+    shape: tuple[int, ...]
+    count: int
+    prompts: SamplePrompts = NO_PROMPTS
+
+
+def check_prompt(value: Any, name: str) -> None:
+    """Refuse a conditioning wired to ``sample_prompt`` or ``sample_negative`` that one model call cannot take: not
+    one ComfyUI conditioning entry, or one with an area, mask, timestep range, ControlNet or hook.
+
+    Raises:
+        ValueError: naming the input and what to connect instead.
+    """
+    if value is None:
+        return
+    if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], (list, tuple))
+            and len(value[0]) == 2 and isinstance(value[0][1], dict) and isinstance(value[0][0], torch.Tensor)):
+        count = len(value) if isinstance(value, list) else 0
+        raise ValueError(f"{name}: connect one prompt's conditioning (a CLIP Text Encode); this one holds {count} "
+                         "conditionings (Conditioning Combine makes several: use Conditioning Concat)")
+    unusable = [k for k in UNTRAINABLE_CONDITIONING_KEYS if k in value[0][1]]
+    if unusable:
+        raise ValueError(f"{name}: the conditioning carries {', '.join(map(repr, unusable))}, which a sample image's "
+                         "single model call cannot apply; connect the prompt without area, mask, timestep range, "
+                         "ControlNet or hook nodes")
 
 
 @dataclasses.dataclass
@@ -56,7 +105,7 @@ class Sampling:
     Args:
         loop: the run's :class:`~.loop.StepLoop` (its model call, conditioner, autocast and model sampling).
         reader: the reader of the samples' cache.
-        samples: the samples whose first caption is sampled, ``shape`` their latent shape.
+        plan: what to sample (:class:`SamplingPlan`).
         batch_size: rows per model call; ``seed``: the run's seed (each image's noise is ``(seed, "sample", its
             latent key)``'s, so the same at every sampling).
         every: sample after every ``every`` steps (global step numbers); 0: before the first and after the last
@@ -67,14 +116,13 @@ class Sampling:
             preview: :func:`node_preview`).
     """
 
-    def __init__(self, loop: Any, reader: DatasetReader, samples: Sequence[Sample], shape: tuple[int, ...], *,
-                 batch_size: int, seed: int, every: int, last: int, steps: int, cfg: float,
+    def __init__(self, loop: Any, reader: DatasetReader, plan: SamplingPlan, *, batch_size: int, seed: int,
+                 every: int, last: int, steps: int, cfg: float,
                  device: torch.device | None, interrupt: Callable[[], None] | None = None,
                  on_sampled: Callable[[int, torch.Tensor], None] | None = None) -> None:
         self.loop = loop
         self.reader = reader
-        self.samples = list(samples)
-        self.shape = tuple(shape)
+        self.plan = plan
         self.batch_size = batch_size
         self.seed = seed
         self.every = every
@@ -114,34 +162,56 @@ class Sampling:
 
     def describe(self) -> str:
         """One line for the run's summary."""
-        names = ", ".join(s.source or s.latent for s in self.samples[:3]) + (", ..." if len(self.samples) > 3 else "")
+        plan = self.plan
+        if plan.prompts.positive is not None:
+            what = f"sample images of the sample_prompt ({plan.count} noises)"
+        else:
+            names = ", ".join(s.source or s.latent for s in plan.samples[:3]) + (", ..." if len(plan.samples) > 3
+                                                                               else "")
+            what = f"sample images of {len(plan.samples)} caption(s) ({names})"
         steps = ", ".join(str(step) for step, _ in self.results)
-        guidance = f", cfg {self.cfg:g} against the empty caption" if self.cfg > 1 else ""
-        return (f"sample images of {len(self.samples)} caption(s) ({names}) at steps {steps or 'none'}: "
-                f"{self.steps} Euler steps{guidance}, {self.seconds:.1f} s (the samples output)")
+        against = "the sample_negative" if plan.prompts.negative is not None else "the empty caption"
+        guidance = f", cfg {self.cfg:g} against {against}" if self.cfg > 1 else ""
+        return (f"{what} at steps {steps or 'none'}: {self.steps} Euler steps{guidance}, {self.seconds:.1f} s (the "
+                "samples output)")
 
     def _read(self) -> list[_Rows]:
-        """The samples' conditionings (and with guidance their empty captions'), in batches of ``batch_size``."""
-        positive = self._conditionings(self.samples)
+        """Every image's conditioning, key (its noise's seed) and, with guidance, negative, in batches of
+        ``batch_size``: the connected prompts, or the samples' captions and empty captions read from the cache."""
+        plan = self.plan
+        if plan.prompts.positive is not None:
+            keys = [f"sample_prompt:{i}" for i in range(plan.count)]
+            positive = [plan.prompts.positive] * plan.count
+        else:
+            positive, keys = self._cached(plan.samples)
         negative = None
-        if self.cfg > 1:
+        if self.cfg > 1 and plan.prompts.negative is not None:
+            negative = [plan.prompts.negative] * len(keys)
+        elif self.cfg > 1:  # the empty caption: the same text (and key) for every sample of a dataset
             empties = [dataclasses.replace(s, captions=(s.empty_caption or s.captions[0],), empty_caption=None)
-                       for s in self.samples]
-            negative = self._conditionings(empties)
-        return [_Rows(conds, negative[i][0] if negative is not None else None, keys, shape)
-                for i, (conds, keys, shape) in enumerate(positive)]
+                       for s in plan.samples]
+            negative, _ = self._cached(empties if plan.prompts.positive is None else empties[:1])
+            negative = negative if plan.prompts.positive is None else negative * len(keys)
+        n = self.batch_size
+        return [_Rows(positive[i:i + n], negative[i:i + n] if negative is not None else None, keys[i:i + n],
+                      (len(keys[i:i + n]), *plan.shape)) for i in range(0, len(keys), n)]
 
-    def _conditionings(self, samples: list[Sample]) -> list[tuple[list[Any], list[str], tuple[int, ...]]]:
+    def _cached(self, samples: Sequence[Sample]) -> tuple[list[Any], list[str]]:
+        """The first caption's conditioning of each of ``samples`` and their latent keys, in their order."""
         rows = min(self.batch_size, len(samples))
-        sampler = BucketSampler(samples, [self.shape] * len(samples), rows, self.seed, tail="short",
+        sampler = BucketSampler(list(samples), [self.plan.shape] * len(samples), rows, self.seed, tail="short",
                                 rank=0, world_size=1, shuffle=False, name="samples")
         loader = PrefetchLoader(self.reader, sampler, prefetch_batches=1, threads=1, device=None, epochs=1,
                                 on_wait=self.interrupt)
+        conditionings: list[Any] = []
+        keys: list[str] = []
         try:
-            return [(list(batch.conditioning), list(batch.plan.latent_keys), tuple(batch.latents.shape))
-                    for batch in loader]
+            for batch in loader:
+                conditionings += batch.conditioning
+                keys += batch.plan.latent_keys
         finally:
             loader.close()
+        return conditionings, keys
 
     def _generate(self, rows: _Rows) -> torch.Tensor:
         """One batch of images: Euler over the model's sigmas from noise of an empty latent, as ComfyUI's KSampler

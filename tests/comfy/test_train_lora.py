@@ -46,6 +46,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "ema_decay": 0.0, "min_snr_gamma": 0.0, "train_layers": "", "min_timestep": 0, "max_timestep": 1000,
     "lora_alpha": 1.0, "val_split": 0.0, "loss_target": "clean latent", "multires_noise_iterations": 0,
     "multires_noise_discount": 0.3, "sample_count": 0, "sample_every": 0, "sample_steps": 20, "sample_cfg": 1.0,
+    "sample_prompt": None, "sample_negative": None,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 

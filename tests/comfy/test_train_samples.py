@@ -97,6 +97,55 @@ def _ksampler(comfy_nodes: ModuleType, models: tuple, sources: list[str], seed: 
     return torch.cat(out)
 
 
+def _ksampler_of(models: tuple, positive: Any, negative: Any, noise_key: str, steps: int, cfg: float,
+                 shape: tuple[int, ...] = (1, 4, 8, 8)) -> torch.Tensor:
+    """KSampler's image of the base model for these conditionings and the pack's noise of ``noise_key``."""
+    import comfy.sample
+
+    from support.pack import import_pack
+
+    seeding = importlib.import_module(f"{import_pack().__name__}.dataset_cache.seeding")
+    noise = torch.randn(shape, generator=seeding.seeded_generator(RUN["seed"], "sample", noise_key),
+                        dtype=torch.float32)
+    return comfy.sample.sample(models[0], noise, steps, cfg, "euler", "simple", positive, negative,
+                               torch.zeros_like(noise), seed=RUN["seed"])
+
+
+def test_a_connected_prompt_is_sampled_with_a_noise_per_image(node: type, models: tuple, dataset: tuple,
+                                                              comfy_nodes: ModuleType) -> None:
+    """sample_prompt replaces the cached captions: sample_count images of it, image i from the noise of
+    ``(seed, "sample", "sample_prompt:i")``, each KSampler's (tolerance as above), at the dataset's most common
+    bucket (64×64); with sample_negative, guidance needs no empty caption in the cache."""
+    clip = models[1]
+    (prompt,) = comfy_nodes.CLIPTextEncode().encode(clip, "a red square on a blue field")
+    (negative,) = comfy_nodes.CLIPTextEncode().encode(clip, "blurry")
+    with torch.inference_mode():
+        out = _train(node, models[0], dataset[0], steps=1, sample_count=2, sample_steps=3, sample_prompt=prompt)
+        expected = torch.cat([_ksampler_of(models, prompt, prompt, f"sample_prompt:{i}", 3, 1.0) for i in range(2)])
+    torch.testing.assert_close(out.result[3]["samples"][:2], expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(expected[0], expected[1])  # two noises
+    assert "sample images of the sample_prompt (2 noises) at steps 0, 1: 3 Euler steps" in _summary(out)
+    with torch.inference_mode():
+        guided = _train(node, models[0], dataset[0], steps=1, sample_count=1, sample_steps=3, sample_cfg=4.0,
+                        sample_prompt=prompt, sample_negative=negative)
+        expected = _ksampler_of(models, prompt, negative, "sample_prompt:0", 3, 4.0)
+    torch.testing.assert_close(guided.result[3]["samples"][:1], expected, rtol=1e-4, atol=1e-4)
+    assert "cfg 4 against the sample_negative" in _summary(guided)
+
+
+def test_a_prompt_one_model_call_cannot_take_is_refused_naming_the_input(node: type, models: tuple, dataset: tuple,
+                                                                        comfy_nodes: ModuleType) -> None:
+    (a,) = comfy_nodes.CLIPTextEncode().encode(models[1], "a")
+    (b,) = comfy_nodes.CLIPTextEncode().encode(models[1], "b")
+    (combined,) = comfy_nodes.ConditioningCombine().combine(a, b)
+    with pytest.raises(ValueError, match=r"sample_prompt: connect one prompt's conditioning \(a CLIP Text Encode\); "
+                                         r"this one holds 2 conditionings"):
+        _train(node, models[0], dataset[0], sample_count=1, sample_prompt=combined)
+    (area,) = comfy_nodes.ConditioningSetArea().append(a, 64, 64, 0, 0, 1.0)
+    with pytest.raises(ValueError, match=r"sample_negative: the conditioning carries 'area', 'strength'"):
+        _train(node, models[0], dataset[0], sample_count=1, sample_cfg=2.0, sample_negative=area)
+
+
 def test_the_first_samples_are_comfyuis_ksampler_images_of_the_base_model(node: type, models: tuple, dataset: tuple,
                                                                          comfy_nodes: ModuleType) -> None:
     """Before the first step the LoRA adds nothing, so the samples are KSampler's. Tolerance: the same fp32
@@ -144,7 +193,8 @@ def test_guidance_is_ksamplers_against_the_empty_caption(node: type, models: tup
     torch.testing.assert_close(out.result[3]["samples"][:1], expected, rtol=1e-4, atol=1e-4)
     assert "3 Euler steps, cfg 3 against the empty caption" in _summary(out)
     with pytest.raises(ValueError, match=r"sample_cfg 3 guides each sample image against the empty caption, which "
-                                         r"this dataset has not encoded .*empty_caption on, or set sample_cfg 1"):
+                                         r"this dataset has not encoded .*empty_caption on, connect a sample_negative, "
+                                         r"or set sample_cfg 1"):
         _train(node, models[0], dataset[0], sample_count=1, sample_cfg=3.0)
 
 
