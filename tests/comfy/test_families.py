@@ -106,9 +106,14 @@ def test_family_trains_and_its_lora_applies_with_every_key(
     train_cell, keys_cell, sample_cell = (matrix(fam.name, c, part) for c in ("train", "lora_keys", "sample"))
     node = _module(pack, "nodes.train_lora").TrainLoRA
     options = {**TRAIN, **fam.train, "batch_size": batch_size}
-    train_cell.note(f"{part}: Train LoRA from a cache of 2 buckets")
+    if batch_size == 1:  # and samples during training: the family's sampling, its latent format and shape
+        options.update(sample_count=1, sample_steps=2)
+    train_cell.note(f"{part}: Train LoRA from a cache of 2 buckets" + (", with a sample image" if batch_size == 1
+                                                                       else ""))
     with torch.inference_mode():
-        lora, loss_map, steps = node.execute(model, dataset, **options).result[:3]
+        lora, loss_map, steps, images = node.execute(model, dataset, **options).result
+    if batch_size == 1:  # before the first step and after the last, at the bucket of 3 sources
+        assert images["samples"].shape == (2, *fam.latent[1:]) and torch.isfinite(images["samples"]).all()
     losses = loss_map["loss"]
     assert steps == TRAIN["steps"] and len(losses) == TRAIN["steps"]
     assert all(torch.isfinite(torch.tensor(losses))), losses
