@@ -99,26 +99,27 @@ class _Rows:
 
 
 class Sampling:
-    """Generates the images of ``samples`` (one bucket, :func:`~dataset_cache.sample_choice.choose_sample_rows`) and
-    keeps every sampling's latents.
+    """Generates the images its plan asks for (the captions of samples of one bucket,
+    :func:`~dataset_cache.sample_choice.choose_sample_rows`, or a connected prompt) and keeps every sampling's
+    latents.
 
     Args:
         loop: the run's :class:`~.loop.StepLoop` (its model call, conditioner, autocast and model sampling).
         reader: the reader of the samples' cache.
         plan: what to sample (:class:`SamplingPlan`).
         batch_size: rows per model call; ``seed``: the run's seed (each image's noise is ``(seed, "sample", its
-            latent key)``'s, so the same at every sampling).
+            latent key)``'s, or ``"sample_prompt:<i>"``'s for a prompt's image ``i``: the same at every sampling).
         every: sample after every ``every`` steps (global step numbers); 0: before the first and after the last
             only. ``last``: the run's last global step.
-        steps: Euler steps per image; ``cfg``: classifier-free guidance against the empty caption (1: none).
-        device: where the loader delivers batches; ``interrupt``: checked between model calls (Cancel);
+        steps: Euler steps per image; ``cfg``: classifier-free guidance against the empty caption or the connected
+            negative (1: none).
+        interrupt: checked between model calls (Cancel);
             ``on_sampled``: called with the steps this run has done and the latents after each sampling (the node's
             preview: :func:`node_preview`).
     """
 
     def __init__(self, loop: Any, reader: DatasetReader, plan: SamplingPlan, *, batch_size: int, seed: int,
-                 every: int, last: int, steps: int, cfg: float,
-                 device: torch.device | None, interrupt: Callable[[], None] | None = None,
+                 every: int, last: int, steps: int, cfg: float, interrupt: Callable[[], None] | None = None,
                  on_sampled: Callable[[int, torch.Tensor], None] | None = None) -> None:
         self.loop = loop
         self.reader = reader
@@ -129,7 +130,6 @@ class Sampling:
         self.last = last
         self.steps = steps
         self.cfg = cfg
-        self.device = device
         self.interrupt = interrupt
         self.on_sampled = on_sampled
         self.results: list[tuple[int, torch.Tensor]] = []  # (global step, latents on the CPU)
@@ -184,17 +184,25 @@ class Sampling:
             positive = [plan.prompts.positive] * plan.count
         else:
             positive, keys = self._cached(plan.samples)
-        negative = None
-        if self.cfg > 1 and plan.prompts.negative is not None:
-            negative = [plan.prompts.negative] * len(keys)
-        elif self.cfg > 1:  # the empty caption: the same text (and key) for every sample of a dataset
-            empties = [dataclasses.replace(s, captions=(s.empty_caption or s.captions[0],), empty_caption=None)
-                       for s in plan.samples]
-            negative, _ = self._cached(empties if plan.prompts.positive is None else empties[:1])
-            negative = negative if plan.prompts.positive is None else negative * len(keys)
+        negative = self._negatives(keys) if self.cfg > 1 else None
         n = self.batch_size
         return [_Rows(positive[i:i + n], negative[i:i + n] if negative is not None else None, keys[i:i + n],
                       (len(keys[i:i + n]), *plan.shape)) for i in range(0, len(keys), n)]
+
+    def _negatives(self, keys: list[str]) -> list[Any]:
+        """The negative of each image of ``keys``: the connected one, or its sample's empty caption (one serves
+        every image of a prompt); the plan refused guidance where neither exists."""
+        plan = self.plan
+        if plan.prompts.negative is not None:
+            return [plan.prompts.negative] * len(keys)
+        empties = [dataclasses.replace(s, captions=(s.empty_caption,), empty_caption=None)
+                   for s in plan.samples if s.empty_caption is not None]
+        if plan.prompts.positive is not None:
+            conditionings, _ = self._cached(empties[:1])
+            return conditionings * len(keys)
+        conditionings, latent_keys = self._cached(empties)
+        by_latent = dict(zip(latent_keys, conditionings))  # an empty caption's row has its sample's latent key
+        return [by_latent[key] for key in keys]
 
     def _cached(self, samples: Sequence[Sample]) -> tuple[list[Any], list[str]]:
         """The first caption's conditioning of each of ``samples`` and their latent keys, in their order."""
