@@ -79,8 +79,9 @@ OPTIMIZER_SLOTS: Mapping[str, frozenset[str]] = {
     "SGD": frozenset({"momentum_buffer"}),
     "RMSprop": frozenset({"step", "square_avg", "momentum_buffer", "grad_avg"}),
     "Prodigy": frozenset({"step", "exp_avg", "exp_avg_sq", "s", "p0"}),
+    "Lion": frozenset({"exp_avg"}),
 }
-"""Per optimizer (the names ComfyUI's ``_create_optimizer`` knows, and Prodigy), the per-parameter state it keeps;
+"""Per optimizer (the names ComfyUI's ``_create_optimizer`` knows, Prodigy and Lion), the per-parameter state it keeps;
 a file naming another slot is refused. ``step`` is a scalar; every other slot has its parameter's shape."""
 AVERAGE_SLOTS = ("weights", "average")
 """The slots of a run that averaged its weights (``ema_decay``), whatever its optimizer: ``weights`` the trained

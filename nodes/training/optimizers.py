@@ -1,5 +1,7 @@
 """The optimizer of a run: ComfyUI's own for the names its trainer knows, so those train as the built-in node does,
-and :class:`~dataset_cache.prodigy.Prodigy` for ``Prodigy``, with the settings LoRA trainers use it with."""
+:class:`~dataset_cache.prodigy.Prodigy` for ``Prodigy``, with the settings LoRA trainers use it with, and
+:class:`~dataset_cache.lion.Lion` for ``Lion``, with the ``lion-pytorch`` package's defaults (kohya's, when its
+config sets no optimizer arguments)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ...dataset_cache.lion import Lion
 from ...dataset_cache.prodigy import GROUP_STATE, Prodigy
 
 __all__ = ["PRODIGY_SETTINGS", "create_optimizer", "group_state", "optimizer_info", "optimizer_notes"]
@@ -21,7 +24,9 @@ weight decay 0.01, as this node's AdamW has; Adam's bias correction on the step 
 
 def create_optimizer(train: ModuleType, settings: Any, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     """The run's optimizer over ``params`` at ``settings.learning_rate``: ComfyUI's ``_create_optimizer`` for its
-    names, Prodigy otherwise (:data:`PRODIGY_SETTINGS`)."""
+    names, Prodigy (:data:`PRODIGY_SETTINGS`) and Lion otherwise."""
+    if settings.optimizer == "Lion":
+        return Lion(params, lr=settings.learning_rate)
     if settings.optimizer == "Prodigy":
         return Prodigy(params, lr=settings.learning_rate, safeguard_warmup=settings.warmup_steps > 0,
                        **PRODIGY_SETTINGS)

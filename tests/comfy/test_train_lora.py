@@ -478,7 +478,7 @@ def _summary(out: Any) -> str:
     return text
 
 
-@pytest.mark.parametrize(("optimizer", "rate"), [("AdamW", 0.01), ("Prodigy", 1.0)])
+@pytest.mark.parametrize(("optimizer", "rate"), [("AdamW", 0.01), ("Prodigy", 1.0), ("Lion", 1e-3)])
 def test_continuing_a_lora_with_its_training_state_equals_one_run_bit_for_bit(
         node: type, models: tuple, dataset: Any, lora_folder: Path, optimizer: str, rate: float) -> None:
     """#27 item 10: 3 steps, Save LoRA Weights, 3 more from the saved file == 6 steps at once, bit for bit (CPU,
