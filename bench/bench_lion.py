@@ -11,52 +11,31 @@ a rough proxy only.
 
 from __future__ import annotations
 
-import statistics
-import time
+from typing import Any
 
-import torch
-
-from bench.bench_step_extras import count, lora_params, lora_sizes
+from bench.bench_step_extras import optimizer_rows, print_optimizer_table
 from dataset_cache.lion import Lion
 
 __all__ = ["measure", "main"]
 
 
-def _optimizers() -> dict[str, type]:
-    out: dict[str, type] = {"ours (dataset_cache.lion)": Lion}
+def _optimizers() -> dict[str, Any]:
+    out: dict[str, Any] = {"ours (dataset_cache.lion)": lambda params: Lion(params, lr=1e-4)}
     try:
         import lion_pytorch
     except ImportError:
         return out
-    out["lion-pytorch 0.2 (the reference)"] = lion_pytorch.Lion
+    out["lion-pytorch 0.2 (the reference)"] = lambda params: lion_pytorch.Lion(params, lr=1e-4)
     return out
 
 
 def measure(n: int, repeat: int) -> list[tuple[str, str, int, int, float]]:
     """(optimizer, dtype, ops per step, reads per step, CPU ms per step) for ``n`` tensors."""
-    rows = []
-    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        for what, cls in _optimizers().items():
-            opt = cls(lora_params(n, dtype), lr=1e-4)
-            opt.step()  # the first step makes the state
-            times = []
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                opt.step()
-                times.append((time.perf_counter() - t0) * 1e3)
-            ops, reads = count(opt.step)
-            rows.append((what, name, ops, reads, statistics.median(times)))
-    return rows
+    return optimizer_rows(_optimizers(), n, repeat)
 
 
 def main(argv: list[str] | None = None) -> None:
-    loras, repeat = lora_sizes(argv, __doc__.split("\n\n")[0], 10)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {repeat} steps\n")
-    print("| LoRA (tensors) | optimizer | dtype | ops per step | value reads per step | CPU ms per step |")
-    print("|---|---|---|---:|---:|---:|")
-    for model, n in loras.items():
-        for what, dtype, ops, reads, ms in measure(n, repeat):
-            print(f"| {model} ({n:,}) | {what} | {dtype} | {ops:,} | {reads:,} | {ms:.2f} |")
+    print_optimizer_table(argv, __doc__.split("\n\n")[0], measure)
 
 
 if __name__ == "__main__":

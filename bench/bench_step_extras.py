@@ -91,6 +91,38 @@ def lora_params(n: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
     return params
 
 
+def optimizer_rows(optimizers: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]], n: int,
+                   repeat: int) -> list[tuple[str, str, int, int, float]]:
+    """(optimizer, dtype, ops per step, reads per step, CPU ms per step) of each of ``optimizers`` (name → a
+    function making it over the parameters) on ``n`` LoRA-like tensors, in fp32 and bf16: the optimizer benchmarks'
+    shared loop (``bench_prodigy``, ``bench_lion``). The first step, which makes the state, is not timed."""
+    rows = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for what, make in optimizers.items():
+            opt = make(lora_params(n, dtype))
+            opt.step()
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                opt.step()
+                times.append((time.perf_counter() - t0) * 1e3)
+            ops, reads = count(opt.step)
+            rows.append((what, name, ops, reads, statistics.median(times)))
+    return rows
+
+
+def print_optimizer_table(argv: list[str] | None, description: str,
+                          measure: Callable[[int, int], list[tuple[str, str, int, int, float]]]) -> None:
+    """The optimizer benchmarks' command line and Markdown table (``--smoke``, ``--repeat``; :func:`lora_sizes`)."""
+    loras, repeat = lora_sizes(argv, description, 10)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {repeat} steps\n")
+    print("| LoRA (tensors) | optimizer | dtype | ops per step | value reads per step | CPU ms per step |")
+    print("|---|---|---|---:|---:|---:|")
+    for model, n in loras.items():
+        for what, dtype, ops, reads, ms in measure(n, repeat):
+            print(f"| {model} ({n:,}) | {what} | {dtype} | {ops:,} | {reads:,} | {ms:.2f} |")
+
+
 def _per_tensor_average(average: list[torch.Tensor], params: list[torch.nn.Parameter], weight: float) -> None:
     """The design not taken: a cast per tensor before the fused lerp."""
     torch._foreach_lerp_(average, [p.detach().float() for p in params], weight)
