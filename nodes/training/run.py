@@ -90,9 +90,10 @@ def train_lora(
             thread that wrote it (the node shows it).
         val: validation samples (read through ``reader`` too): their loss is measured before the first step, every
             ``settings.val_every`` steps and after the last (:mod:`.validation`); ``None``: none.
-        on_sampled: called with the global step and the latents of each sampling of ``settings.sample_count``
-            (:mod:`.samples`), on this thread (the node previews it). ``sample_prompts``: the node's
-            ``sample_prompt`` (replacing the cached captions) and ``sample_negative`` (the empty caption's place).
+        on_sampled: called with the steps this run has done and the latents of each sampling of
+            ``settings.sample_count`` (:mod:`.samples`), on this thread (the node previews it).
+        sample_prompts: the node's ``sample_prompt`` (replacing the cached captions) and ``sample_negative`` (the
+            empty caption's place).
         world: a worker's own collective (``nodes/training/worker.py``); not for callers. Where to train is
             ``settings.devices``: several devices train data-parallel with a global batch of ``batch_size`` ×
             devices (see :mod:`.distributed`).
