@@ -162,6 +162,8 @@ def _assert_covers(case: Case, planned: dict[str, Any], run: Run) -> None:
     for what in case.expect:
         if what == "saved":
             assert "saved the LoRA at step 2 (" in run.report["summary"], run.report["summary"]
+        elif what == "sampled":
+            assert "sample images of 1 caption(s)" in run.report["summary"], run.report["summary"]
         elif what == "validated":
             steps = case.settings()["steps"]
             assert [s for s, _ in run.report["val_losses"]] == [0, steps], run.report["val_losses"]

@@ -57,10 +57,9 @@ class Case:
         validate: the run measures a validation loss on its own dataset (``val_dataset``; the images need not be
             held out to compare two devices).
         expect: what the batches must show for the case to cover its branch: ``"saved"`` (the summary names a save
-            during the run), ``"validated"`` (validation losses before the first step and after the last),
-            ``"mirrored_mask"``, ``"reg_rows"``,
-            ``"two_caches"``, ``"groups"`` (a batch run as several model calls), ``"video"``, or a conditioning
-            option (``"option:guidance"``).
+            during the run), ``"sampled"`` (it names the sample images), ``"validated"`` (validation losses before
+            the first step and after the last), ``"mirrored_mask"``, ``"reg_rows"``, ``"two_caches"``, ``"groups"``
+            (a batch run as several model calls), ``"video"``, or a conditioning option (``"option:guidance"``).
     """
 
     name: str
@@ -87,8 +86,13 @@ CASES: tuple[Case, ...] = (
                                         "max_grad_norm": 1.0, "ema_decay": 0.9},
          validate=True, expect=("saved", "validated")),
     # the LoRA the node creates by default, drawn where the model already is (--highvram), on the layers
-    # train_layers chooses (adapters on the cross-attention only: ComfyUI's own, drawn again on the CPU)
-    Case("sd15_fresh_lora", "sd15", lora="fresh", high_vram=True, options={"train_layers": "attn2"}),
+    # train_layers chooses (adapters on the cross-attention only: ComfyUI's own, drawn again on the CPU); the loss
+    # on the model's prediction (each row's scale drawn on a loader worker), multi-resolution noise (drawn there
+    # too) and a sample image before the first step and after the last (its Euler steps on the device)
+    Case("sd15_fresh_lora", "sd15", lora="fresh", high_vram=True,
+         options={"train_layers": "attn2", "loss_target": "prediction", "multires_noise_iterations": 4,
+                  "sample_count": 1, "sample_steps": 2},
+         expect=("sampled",)),
     Case("sd15_masks_mirrors", "sd15", "masks_mirrors", options={"unmasked_weight": 0.1},
          expect=("mirrored_mask",)),
     Case("sd15_reg_two_caches", "sd15", "reg_two_caches", options={"reg_ratio": 1.0, "reg_weight": 0.5, "seed": 3,
