@@ -33,13 +33,15 @@ import torch
 
 from .checks import check_number
 
-__all__ = ["LOSS_TARGETS", "MAX_MIN_SNR_GAMMA", "check_min_snr_gamma", "min_snr_weights",
-           "prediction_scales"]
+__all__ = ["DEBIASED_SNR_CAP", "LOSS_TARGETS", "MAX_MIN_SNR_GAMMA", "check_min_snr_gamma", "debiased_weights",
+           "min_snr_weights", "prediction_scales"]
 
 LOSS_TARGETS = ("clean latent", "prediction")
 """What a row's loss compares: the predicted and true clean latent (ComfyUI's own trainer), or the model's output and
 the output that gives the clean latent (kohya's, musubi-tuner's, ai-toolkit's, OneTrainer's)."""
 
+DEBIASED_SNR_CAP = 1000.0
+"""kohya's cap on the SNR of debiased estimation (its timestep 0 has an infinite SNR)."""
 MAX_MIN_SNR_GAMMA = 100.0
 """The largest γ accepted: at 100 only the lowest noise levels of SD1.5's schedule are capped."""
 
@@ -78,3 +80,17 @@ def min_snr_weights(signal: torch.Tensor, noise: torch.Tensor, gamma: float) -> 
     signal, noise = signal.double(), noise.double()
     snr = torch.where(noise == 0, torch.full_like(signal, float("inf")), (signal / noise) ** 2)
     return snr.clamp(max=gamma).float()
+
+
+def debiased_weights(signal: torch.Tensor, noise: torch.Tensor, v_prediction: bool) -> torch.Tensor:
+    """kohya's debiased estimation (``--debiased_estimation_loss``) per row (fp32): the prediction loss of an
+    ε-prediction model weighed by ``1/√SNR``, of a v-prediction model by ``1/(SNR + 1)``, the SNR (computed in fp64
+    from the rows' signal and noise coefficients, as for Min-SNR) capped at :data:`DEBIASED_SNR_CAP` as kohya's is.
+
+    It counters the bias of the ε loss toward nearly clean images (Yu et al. 2023); kohya offers it for SD1.5,
+    SDXL and SD2, not for flow models.
+    """
+    signal, noise = signal.double(), noise.double()
+    snr = torch.where(noise == 0, torch.full_like(signal, DEBIASED_SNR_CAP), (signal / noise) ** 2)
+    snr = snr.clamp(max=DEBIASED_SNR_CAP)
+    return (1.0 / (snr + 1.0) if v_prediction else 1.0 / snr.sqrt()).float()

@@ -252,6 +252,7 @@ class TrainLoRA(io.ComfyNode):
         sample_cfg: float = 1.0,
         sample_prompt: Any = None,
         sample_negative: Any = None,
+        debiased_estimation: bool = False,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -272,6 +273,7 @@ class TrainLoRA(io.ComfyNode):
             loss_target=str(loss_target), multires_noise_iterations=multires_noise_iterations,
             multires_noise_discount=round(float(multires_noise_discount), 4), sample_count=sample_count,
             sample_every=sample_every, sample_steps=sample_steps, sample_cfg=round(float(sample_cfg), 4),
+            debiased_estimation=bool(debiased_estimation),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

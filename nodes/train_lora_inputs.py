@@ -304,4 +304,8 @@ def _option_inputs() -> list[io.Input]:
         io.Conditioning.Input("sample_negative", optional=True,
                               tooltip="The negative prompt of the sample images' guidance (sample_cfg above "
                               "1), instead of the cache's empty caption."),
+        io.Boolean.Input("debiased_estimation", default=False, optional=True, advanced=True,
+                         tooltip="kohya's debiased estimation (debiased_estimation_loss): weigh each image's loss on "
+                         "the prediction by 1/sqrt(SNR) of its noise level (1/(SNR+1) for v-prediction), for SD1.5, "
+                         "SDXL and SD2. Needs loss_target prediction."),
     ]

@@ -11,7 +11,7 @@ import comfy.model_sampling
 import torch
 
 from ...dataset_cache.loader import Batch
-from ...dataset_cache.loss_weighting import min_snr_weights, prediction_scales
+from ...dataset_cache.loss_weighting import debiased_weights, min_snr_weights, prediction_scales
 from .settings import TrainSettings
 
 __all__ = ["WeightedLoss"]
@@ -27,6 +27,7 @@ class WeightedLoss:
         self.settings = settings
         self.device = device
         self._sampling_cpu = sampling_cpu
+        self._v_prediction = _v_prediction(sampling_cpu) if settings.debiased_estimation else False
         self._elementwise: Any = None  # the per-element form of loss_fn, made when a batch first needs it
 
     def __call__(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch, sigma: torch.Tensor) -> torch.Tensor:
@@ -60,9 +61,10 @@ class WeightedLoss:
     def weight(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
         """Per-element loss weight of the batch (broadcastable to ``pred``, fp32 on the training device), or
         ``None`` when every element weighs 1: its mask's weight times its rows' weights times their Min-SNR
-        weights, each only where it applies."""
+        weights and debiased-estimation weights, each only where it applies."""
         weight = self._mask_weight(batch, pred)
-        for per_row in (self._row_weights(batch, pred), self._snr_row_weights(batch, pred, sigma)):
+        for per_row in (self._row_weights(batch, pred), self._snr_row_weights(batch, pred, sigma),
+                        self._debiased_row_weights(batch, pred, sigma)):
             if per_row is not None:
                 weight = per_row if weight is None else weight * per_row
         return weight
@@ -119,12 +121,30 @@ class WeightedLoss:
             scale = self.prediction_scales(sigma).to(self.device)
         return scale.view(pred.shape[0], *([1] * (pred.ndim - 1)))
 
+    def _debiased_row_weights(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
+        """Each row's debiased-estimation weight (``debiased_estimation``: :meth:`debiased` of its ``sigma``, drawn
+        with the batch), shaped to multiply its whole row; ``None`` without it."""
+        if not self.settings.debiased_estimation:
+            return None
+        weights = batch.extras.get("debiased_weights")  # on the device already when the loader drew it
+        if weights is None:
+            weights = self.debiased(sigma).to(self.device)
+        return weights.view(pred.shape[0], *([1] * (pred.ndim - 1)))
+
+    def debiased(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Each row's debiased-estimation weight (fp32, CPU; :func:`~dataset_cache.loss_weighting.debiased_weights`)
+        from the CPU copy of the model's sampling (any thread may call this)."""
+        signal, noise = self._signal_noise(sigma.detach().to("cpu", torch.float32))
+        return debiased_weights(signal, noise, self._v_prediction)
+
     def drawn(self, sigma: torch.Tensor) -> dict[str, torch.Tensor]:
         """The weights drawn with a batch of ``sigma`` on a loader worker (they reach the device with it): each
         row's Min-SNR weight with ``min_snr_gamma``, its output scale with ``loss_target`` "prediction"."""
         out = {"snr_weights": self.snr_weights(sigma)} if self.settings.min_snr_gamma > 0 else {}
         if self.settings.loss_target == "prediction":
             out["prediction_scales"] = self.prediction_scales(sigma)
+        if self.settings.debiased_estimation:
+            out["debiased_weights"] = self.debiased(sigma)
         return out
 
     def snr_weights(self, sigma: torch.Tensor) -> torch.Tensor:
@@ -133,10 +153,7 @@ class WeightedLoss:
         may call this). With ``loss_target`` "prediction" times ``β²``: the paper's weight for the model's output,
         so the MSE loss is the clean latent's weighed by ``min(SNR, γ)`` whichever the target."""
         sigma = sigma.detach().to("cpu", torch.float32)
-        rows = sigma.shape[0]
-        scale = self._sampling_cpu.noise_scaling
-        noise = scale(sigma, torch.ones(rows, 1), torch.zeros(rows, 1), False).reshape(rows)
-        signal = scale(sigma, torch.zeros(rows, 1), torch.ones(rows, 1), False).reshape(rows)
+        signal, noise = self._signal_noise(sigma)
         weights = min_snr_weights(signal, noise, self.settings.min_snr_gamma)
         if self.settings.loss_target == "prediction":
             weights = (weights.double() * self._coefficients(sigma).double() ** 2).float()
@@ -146,6 +163,15 @@ class WeightedLoss:
         """Each row's ``1 / |β|`` (fp32, CPU; :func:`~dataset_cache.loss_weighting.prediction_scales`), from the CPU
         copy of the model's sampling (any thread may call this)."""
         return prediction_scales(self._coefficients(sigma.detach().to("cpu", torch.float32)))
+
+    def _signal_noise(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's coefficients of the clean latent and of the noise in its noised input (CPU ``sigma``), by the
+        model's own ``noise_scaling``."""
+        rows = sigma.shape[0]
+        scale = self._sampling_cpu.noise_scaling
+        noise = scale(sigma, torch.ones(rows, 1), torch.zeros(rows, 1), False).reshape(rows)
+        signal = scale(sigma, torch.zeros(rows, 1), torch.ones(rows, 1), False).reshape(rows)
+        return signal, noise
 
     def describe_target(self) -> str | None:
         """The summary's line for ``loss_target`` "prediction", naming what this model's output is; ``None`` for the
@@ -188,3 +214,16 @@ def _output_name(sampling: Any) -> str:
         if isinstance(sampling, kind):
             return name
     return f"the output of its {type(sampling).__name__} sampling"
+
+
+def _v_prediction(sampling: Any) -> bool:
+    """Whether debiased estimation weighs a v-prediction model's loss (else an ε-prediction model's).
+
+    Raises:
+        ValueError: the model predicts neither (a flow model, an x0 or EDM model), naming the setting.
+    """
+    ms = comfy.model_sampling
+    if isinstance(sampling, (ms.EDM, ms.X0)) or not isinstance(sampling, (ms.EPS, ms.V_PREDICTION_DDPM)):
+        raise ValueError(f"debiased_estimation is kohya's weighting for noise- and v-prediction models (SD1.5, SDXL, "
+                         f"SD2); this model's sampling is {type(sampling).__name__}: turn debiased_estimation off")
+    return isinstance(sampling, (ms.V_PREDICTION, ms.V_PREDICTION_DDPM))

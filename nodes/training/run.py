@@ -181,6 +181,9 @@ def train_result(run: LoadedRun, data: DataPlan, parts: RunParts,
     if settings.multires_noise_iterations > 0:
         info.append(f"multi-resolution noise: {settings.multires_noise_iterations} levels, each coarser one weighing "
                     f"{settings.multires_noise_discount:g} times the one before")
+    if settings.debiased_estimation:
+        info.append("each image's prediction loss weighed by kohya's debiased estimation (1/√SNR of its noise level; "
+                    "1/(SNR + 1) for v-prediction)")
     target = loop.loss.describe_target()
     if target is not None:
         info.append(target)

@@ -83,7 +83,8 @@ class TrainSettings:
     lower-resolution noise, weighed down by ``multires_noise_discount`` per level, are added to each row's noise
     (:func:`dataset_cache.noise_draws.pyramid_noise`; 0: plain noise, as ComfyUI's own trainer). ``sample_count``
     cached captions are turned into images before the first step, every ``sample_every`` steps and after the last,
-    with ``sample_steps`` Euler steps at guidance ``sample_cfg`` (:mod:`.samples`; 0: none).
+    with ``sample_steps`` Euler steps at guidance ``sample_cfg`` (:mod:`.samples`; 0: none). ``debiased_estimation``
+    weighs each row's prediction loss as kohya's ``--debiased_estimation_loss`` (with ``loss_target`` "prediction").
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -157,6 +158,8 @@ class TrainSettings:
     sample_every: int = 0
     sample_steps: int = 20
     sample_cfg: float = 1.0
+    # kohya's debiased estimation on the prediction loss (dataset_cache.loss_weighting); off: unweighted
+    debiased_estimation: bool = False
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -196,6 +199,9 @@ class TrainSettings:
         check_noise_settings(self.timestep_sampling, self.noise_offset)
         check_multires(self.multires_noise_iterations, self.multires_noise_discount)
         check_sampling(self.sample_count, self.sample_every, self.sample_steps, self.sample_cfg)
+        if self.debiased_estimation and self.loss_target != "prediction":
+            raise ValueError("debiased_estimation weighs the loss on the model's prediction, as kohya's "
+                             "--debiased_estimation_loss does: set loss_target to prediction")
         check_max_grad_norm(self.max_grad_norm)
         check_ema_decay(self.ema_decay)
         check_min_snr_gamma(self.min_snr_gamma)

@@ -122,3 +122,26 @@ def test_the_summary_names_what_each_family_predicts(pack: ModuleType) -> None:
         "flow": "the loss is on the model's prediction (the velocity, noise minus latent), not the clean latent",
         "x0": "loss_target prediction: this model predicts the clean latent, so its loss is the clean latent's"}
     assert _loss(pack, torch.nn.MSELoss(), _sampling("eps")).describe_target() is None
+
+
+@pytest.mark.parametrize("kind", ["eps", "v"])
+def test_debiased_estimation_weighs_each_rows_prediction_loss_as_kohya(pack: ModuleType, kind: str) -> None:
+    """kohya's debiased estimation on the prediction loss: each row's MSE of output against target (the
+    literature's, as above) times 1/√SNR (ε) or 1/(SNR + 1) (v), SNR = 1/σ² capped at 1000, averaged over the rows
+    (the rows share one shape). Tolerance as above."""
+    sampling = _sampling(kind)
+    sigma, x0, eps, out = _draw(sampling, seed=3)
+    pred = sampling.calculate_denoised(sigma, out, sampling.noise_scaling(sigma, eps, x0))
+    loss = _loss(pack, torch.nn.MSELoss(), sampling, loss_target="prediction", debiased_estimation=True)(
+        pred, x0, _batch(), sigma)
+    snr = (1 / sigma.double() ** 2).clamp(max=1000.0)
+    weights = 1 / snr.sqrt() if kind == "eps" else 1 / (snr + 1)
+    rows = ((out.double() - _target(kind, x0, eps, sigma).double()) ** 2).mean(dim=(1, 2, 3))
+    assert float(loss) == pytest.approx(float((rows * weights).mean()), rel=1e-4)
+
+
+def test_debiased_estimation_is_refused_for_a_model_it_has_no_weight_for(pack: ModuleType) -> None:
+    for kind in ("flow", "x0"):
+        with pytest.raises(ValueError, match="debiased_estimation is kohya's weighting for noise- and v-prediction "
+                                             "models .* turn debiased_estimation off"):
+            _loss(pack, torch.nn.MSELoss(), _sampling(kind), loss_target="prediction", debiased_estimation=True)

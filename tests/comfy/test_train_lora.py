@@ -46,7 +46,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "ema_decay": 0.0, "min_snr_gamma": 0.0, "train_layers": "", "min_timestep": 0, "max_timestep": 1000,
     "lora_alpha": 1.0, "val_split": 0.0, "loss_target": "clean latent", "multires_noise_iterations": 0,
     "multires_noise_discount": 0.3, "sample_count": 0, "sample_every": 0, "sample_steps": 20, "sample_cfg": 1.0,
-    "sample_prompt": None, "sample_negative": None,
+    "sample_prompt": None, "sample_negative": None, "debiased_estimation": False,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -138,7 +138,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "train_layers", "min_timestep", "max_timestep",
                                                            "lora_alpha", "loss_target",
                                                            "multires_noise_iterations", "multires_noise_discount",
-                                                           "sample_every", "sample_steps", "sample_cfg"}
+                                                           "sample_every", "sample_steps", "sample_cfg",
+                                                           "debiased_estimation"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -997,7 +998,8 @@ def test_the_prediction_target_weighs_an_eps_models_loss_by_its_snr(pack: Module
                                                                    dataset: Any) -> None:
     """The tiny SD1.5 predicts the noise ε, and its clean-latent error is σ times its ε error: with loss_target
     "prediction" one SGD step (fp32) has the loss of ε, the clean latent's times 1/σ², and so has the update of every
-    parameter ComfyUI starts at 0 (tolerances as for Min-SNR above: rounding, 1e-5; through the backward, 1e-4)."""
+    parameter ComfyUI starts at 0 (tolerances as for Min-SNR above: rounding, 1e-5; through the backward, 1e-4).
+    debiased_estimation weighs that loss by kohya's 1/√SNR."""
     loop, settings = _module(pack, "nodes.training.loop"), _module(pack, "nodes.training.settings")
     stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=FAST["seed"]),
                                      _sampling_cpu=models[0].model.model_sampling, percent_span=(0.0, 1.0))
@@ -1013,6 +1015,10 @@ def test_the_prediction_target_weighs_an_eps_models_loss_by_its_snr(pack: Module
         torch.testing.assert_close(step, plain_step / sigma ** 2, rtol=1e-4,
                                    atol=1e-5 * float(plain_step.abs().max()) / sigma ** 2)
     assert "; the loss is on the model's prediction (the noise), not the clean latent" in _summary(out)
+    debiased = _train(node, models[0], dataset, loss_target="prediction", debiased_estimation=True, **opts)
+    weight = min(1.0 / sigma ** 2, 1000.0) ** -0.5  # kohya's 1/√SNR, the SNR capped at 1000
+    assert debiased.result[1]["loss"][0] == pytest.approx(out.result[1]["loss"][0] * weight, rel=1e-5)
+    assert "debiased estimation (1/√SNR of its noise level" in _summary(debiased)
 
 
 def test_multires_noise_is_drawn_after_the_plain_noise_and_trains_another_lora(pack: ModuleType, node: type,
@@ -1233,6 +1239,8 @@ def test_a_validation_set_that_shares_images_with_the_training_is_named(node: ty
                                                                        "from 0 to 1, got 1.5"),
     ({"sample_count": 17}, "sample_count must be a whole number from 0 to 16, got 17"),
     ({"sample_count": 1, "sample_cfg": 0.5}, "sample_cfg must be a number from 1 (no guidance"),
+    ({"debiased_estimation": True}, "debiased_estimation weighs the loss on the model's prediction, as kohya's "
+                                    "--debiased_estimation_loss does: set loss_target to prediction"),
     ({"min_timestep": 900, "max_timestep": 900}, "min_timestep and max_timestep must be whole numbers with 0 <= "
                                                  "min_timestep < max_timestep <= 1000"),
     ({"max_timestep": 1001}, "got 0 and 1001"),

@@ -115,7 +115,7 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "min_timestep": 0, "max_timestep": 1000, "lora_alpha": 1.0,
             "val_split": 0.0, "loss_target": "clean latent", "multires_noise_iterations": 0,
             "multires_noise_discount": 0.3, "sample_count": 0, "sample_every": 0, "sample_steps": 20,
-            "sample_cfg": 1.0}},
+            "sample_cfg": 1.0, "debiased_estimation": False}},
         str(SAVE): {"class_type": "SaveLoRA", "inputs": {"lora": [str(TRAIN), 0], "prefix": "loras/streamcache_fe",
                                                          "steps": [str(TRAIN), 2]}},
         str(INFO): {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": damaged}},

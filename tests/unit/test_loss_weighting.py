@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from dataset_cache.loss_weighting import MAX_MIN_SNR_GAMMA, check_min_snr_gamma, min_snr_weights, prediction_scales
+from dataset_cache.loss_weighting import (DEBIASED_SNR_CAP, MAX_MIN_SNR_GAMMA, check_min_snr_gamma, debiased_weights,
+                                          min_snr_weights, prediction_scales)
 
 
 def test_an_eps_models_snr_is_one_over_sigma_squared_capped_at_gamma() -> None:
@@ -56,3 +57,14 @@ def test_an_output_that_does_not_move_the_prediction_is_refused_naming_the_setti
                                          "not depend on its output .* use loss_target 'clean latent'"):
         prediction_scales(torch.tensor([0.5, beta]))
 
+
+
+def test_debiased_estimation_is_one_over_the_root_snr_capped_as_kohyas() -> None:
+    """ε-prediction (x_t = x0 + σ·ε, SNR 1/σ²): σ = 0.5 gives 1/√4, σ = 2 gives 1/√0.25; σ = 0.01 (SNR 10,000) is
+    capped at SNR 1000; v-prediction weighs 1/(SNR + 1). A row without noise weighs as the cap."""
+    sigma = torch.tensor([0.5, 2.0, 0.01, 0.0])
+    eps = debiased_weights(torch.ones(4), sigma, v_prediction=False)
+    assert eps.dtype == torch.float32
+    assert eps.tolist() == pytest.approx([0.5, 2.0, DEBIASED_SNR_CAP ** -0.5, DEBIASED_SNR_CAP ** -0.5], rel=1e-6)
+    v = debiased_weights(torch.ones(4), sigma, v_prediction=True)
+    assert v.tolist() == pytest.approx([1 / 5, 1 / 1.25, 1 / 1001, 1 / 1001], rel=1e-6)
