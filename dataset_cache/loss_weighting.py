@@ -71,15 +71,19 @@ def prediction_scales(coefficients: torch.Tensor) -> torch.Tensor:
     return (1.0 / beta).float()
 
 
+def _snr(signal: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``(signal / noise)²`` per row in fp64, infinite for a row without noise."""
+    signal, noise = signal.double(), noise.double()
+    return torch.where(noise == 0, torch.full_like(signal, float("inf")), (signal / noise) ** 2)
+
+
 def min_snr_weights(signal: torch.Tensor, noise: torch.Tensor, gamma: float) -> torch.Tensor:
     """``min(SNR, gamma)`` per row (fp32, ``signal``'s device), ``SNR = (signal / noise)²`` computed in fp64.
 
     ``signal`` and ``noise`` are each row's coefficients of the clean latent and of the noise in the noised input.
     A row without noise (an infinite SNR) weighs ``gamma``.
     """
-    signal, noise = signal.double(), noise.double()
-    snr = torch.where(noise == 0, torch.full_like(signal, float("inf")), (signal / noise) ** 2)
-    return snr.clamp(max=gamma).float()
+    return _snr(signal, noise).clamp(max=gamma).float()
 
 
 def debiased_weights(signal: torch.Tensor, noise: torch.Tensor, v_prediction: bool) -> torch.Tensor:
@@ -90,7 +94,5 @@ def debiased_weights(signal: torch.Tensor, noise: torch.Tensor, v_prediction: bo
     It counters the bias of the ε loss toward nearly clean images (Yu et al. 2023); kohya offers it for SD1.5,
     SDXL and SD2, not for flow models.
     """
-    signal, noise = signal.double(), noise.double()
-    snr = torch.where(noise == 0, torch.full_like(signal, DEBIASED_SNR_CAP), (signal / noise) ** 2)
-    snr = snr.clamp(max=DEBIASED_SNR_CAP)
+    snr = _snr(signal, noise).clamp(max=DEBIASED_SNR_CAP)
     return (1.0 / (snr + 1.0) if v_prediction else 1.0 / snr.sqrt()).float()

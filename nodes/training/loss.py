@@ -5,6 +5,7 @@ own prediction (``loss_target``)."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import comfy.model_sampling
@@ -27,7 +28,19 @@ class WeightedLoss:
         self.settings = settings
         self.device = device
         self._sampling_cpu = sampling_cpu
-        self._v_prediction = _v_prediction(sampling_cpu) if settings.debiased_estimation else False
+        self._predicts = _predicts(sampling_cpu)
+        if settings.debiased_estimation and self._predicts not in ("noise", "v"):
+            raise ValueError(f"debiased_estimation is kohya's weighting for noise- and v-prediction models (SD1.5, "
+                             f"SDXL, SD2); this model's sampling is {type(sampling_cpu).__name__}: turn "
+                             "debiased_estimation off")
+        # each per-row value a batch is drawn with, by its key in Batch.extras, that the settings ask for
+        self._drawn: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        if settings.min_snr_gamma > 0:
+            self._drawn["snr_weights"] = self.snr_weights
+        if settings.loss_target == "prediction":
+            self._drawn["prediction_scales"] = self.prediction_scales
+        if settings.debiased_estimation:
+            self._drawn["debiased_weights"] = self.debiased
         self._elementwise: Any = None  # the per-element form of loss_fn, made when a batch first needs it
 
     def __call__(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch, sigma: torch.Tensor) -> torch.Tensor:
@@ -45,7 +58,7 @@ class WeightedLoss:
         With ``loss_target`` "prediction" each row's prediction and target are first divided by its ``|β|``
         (:func:`~dataset_cache.loss_weighting.prediction_scales`): the loss is then the one on the model's output.
         """
-        scale = self._prediction_scale(batch, pred, sigma)
+        scale = self._drawn_per_row("prediction_scales", batch, pred, sigma)
         if scale is not None:
             pred, target = pred * scale, target * scale
         weight = self.weight(batch, pred, sigma)
@@ -63,8 +76,8 @@ class WeightedLoss:
         ``None`` when every element weighs 1: its mask's weight times its rows' weights times their Min-SNR
         weights and debiased-estimation weights, each only where it applies."""
         weight = self._mask_weight(batch, pred)
-        for per_row in (self._row_weights(batch, pred), self._snr_row_weights(batch, pred, sigma),
-                        self._debiased_row_weights(batch, pred, sigma)):
+        for per_row in (self._row_weights(batch, pred), self._drawn_per_row("snr_weights", batch, pred, sigma),
+                        self._drawn_per_row("debiased_weights", batch, pred, sigma)):
             if per_row is not None:
                 weight = per_row if weight is None else weight * per_row
         return weight
@@ -101,51 +114,27 @@ class WeightedLoss:
             per_row = torch.tensor(row_weights, dtype=torch.float32, device=self.device)
         return per_row.view(rows, *([1] * (pred.ndim - 1)))
 
-    def _snr_row_weights(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
-        """Each row's Min-SNR weight (``min_snr_gamma``: :meth:`snr_weights` of its ``sigma``, drawn with the
-        batch), shaped to multiply its whole row; ``None`` without ``min_snr_gamma``."""
-        if self.settings.min_snr_gamma <= 0:
+    def _drawn_per_row(self, key: str, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
+        """The per-row value ``key`` of :attr:`_drawn` (drawn with the batch on a loader worker, else computed from
+        ``sigma`` here), shaped to multiply its whole row; ``None`` when the settings do not ask for it."""
+        compute = self._drawn.get(key)
+        if compute is None:
             return None
-        snr = batch.extras.get("snr_weights")  # on the device already when the loader drew it
-        if snr is None:
-            snr = self.snr_weights(sigma).to(self.device)
-        return snr.view(pred.shape[0], *([1] * (pred.ndim - 1)))
+        values = batch.extras.get(key)  # on the device already when the loader drew it
+        if values is None:
+            values = compute(sigma).to(self.device)
+        return values.view(pred.shape[0], *([1] * (pred.ndim - 1)))
 
-    def _prediction_scale(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
-        """Each row's ``1 / |β|`` with ``loss_target`` "prediction" (drawn with the batch), shaped to multiply its
-        whole row; ``None`` for the clean latent."""
-        if self.settings.loss_target != "prediction":
-            return None
-        scale = batch.extras.get("prediction_scales")  # on the device already when the loader drew it
-        if scale is None:
-            scale = self.prediction_scales(sigma).to(self.device)
-        return scale.view(pred.shape[0], *([1] * (pred.ndim - 1)))
-
-    def _debiased_row_weights(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
-        """Each row's debiased-estimation weight (``debiased_estimation``: :meth:`debiased` of its ``sigma``, drawn
-        with the batch), shaped to multiply its whole row; ``None`` without it."""
-        if not self.settings.debiased_estimation:
-            return None
-        weights = batch.extras.get("debiased_weights")  # on the device already when the loader drew it
-        if weights is None:
-            weights = self.debiased(sigma).to(self.device)
-        return weights.view(pred.shape[0], *([1] * (pred.ndim - 1)))
+    def drawn(self, sigma: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-row values drawn with a batch of ``sigma`` on a loader worker (they reach the device with it):
+        those of :attr:`_drawn`."""
+        return {key: compute(sigma) for key, compute in self._drawn.items()}
 
     def debiased(self, sigma: torch.Tensor) -> torch.Tensor:
         """Each row's debiased-estimation weight (fp32, CPU; :func:`~dataset_cache.loss_weighting.debiased_weights`)
         from the CPU copy of the model's sampling (any thread may call this)."""
         signal, noise = self._signal_noise(sigma.detach().to("cpu", torch.float32))
-        return debiased_weights(signal, noise, self._v_prediction)
-
-    def drawn(self, sigma: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The weights drawn with a batch of ``sigma`` on a loader worker (they reach the device with it): each
-        row's Min-SNR weight with ``min_snr_gamma``, its output scale with ``loss_target`` "prediction"."""
-        out = {"snr_weights": self.snr_weights(sigma)} if self.settings.min_snr_gamma > 0 else {}
-        if self.settings.loss_target == "prediction":
-            out["prediction_scales"] = self.prediction_scales(sigma)
-        if self.settings.debiased_estimation:
-            out["debiased_weights"] = self.debiased(sigma)
-        return out
+        return debiased_weights(signal, noise, self._predicts == "v")
 
     def snr_weights(self, sigma: torch.Tensor) -> torch.Tensor:
         """Each row's Min-SNR weight ``min(SNR, min_snr_gamma)`` (fp32, CPU), the SNR of its sigma by the model's
@@ -178,9 +167,10 @@ class WeightedLoss:
         clean latent (ComfyUI's own loss)."""
         if self.settings.loss_target != "prediction":
             return None
-        if isinstance(self._sampling_cpu, comfy.model_sampling.X0):
+        if self._predicts == "x0":
             return "loss_target prediction: this model predicts the clean latent, so its loss is the clean latent's"
-        return f"the loss is on the model's prediction ({_output_name(self._sampling_cpu)}), not the clean latent"
+        output = _OUTPUT_NAMES.get(self._predicts, f"the output of its {type(self._sampling_cpu).__name__} sampling")
+        return f"the loss is on the model's prediction ({output}), not the clean latent"
 
     def _coefficients(self, sigma: torch.Tensor) -> torch.Tensor:
         """Each row's ``β``: its predicted clean latent per unit of the model's output, by the sampling's own
@@ -204,26 +194,18 @@ class WeightedLoss:
         return self._elementwise
 
 
-def _output_name(sampling: Any) -> str:
-    """What a model of ``sampling`` outputs, by ComfyUI's sampling classes (the subclasses first; an x0 model is
-    :meth:`WeightedLoss.describe_target`'s)."""
+
+_OUTPUT_NAMES = {"edm": "EDM's scaled output", "v": "v", "noise": "the noise",
+                 "velocity": "the velocity, noise minus latent"}
+"""How the summary names what a model outputs, by :func:`_predicts`."""
+
+
+def _predicts(sampling: Any) -> str:
+    """What a model of ``sampling`` outputs, by ComfyUI's sampling classes (the subclasses first): ``"x0"``,
+    ``"edm"``, ``"v"``, ``"noise"``, ``"velocity"``, or ``""`` for another sampling."""
     ms = comfy.model_sampling
-    for kind, name in ((ms.EDM, "EDM's scaled output"),
-                       (ms.V_PREDICTION, "v"), (ms.V_PREDICTION_DDPM, "v"), (ms.EPS, "the noise"),
-                       (ms.CONST, "the velocity, noise minus latent")):
+    for kind, name in ((ms.X0, "x0"), (ms.EDM, "edm"), (ms.V_PREDICTION, "v"), (ms.V_PREDICTION_DDPM, "v"),
+                       (ms.EPS, "noise"), (ms.CONST, "velocity")):
         if isinstance(sampling, kind):
             return name
-    return f"the output of its {type(sampling).__name__} sampling"
-
-
-def _v_prediction(sampling: Any) -> bool:
-    """Whether debiased estimation weighs a v-prediction model's loss (else an ε-prediction model's).
-
-    Raises:
-        ValueError: the model predicts neither (a flow model, an x0 or EDM model), naming the setting.
-    """
-    ms = comfy.model_sampling
-    if isinstance(sampling, (ms.EDM, ms.X0)) or not isinstance(sampling, (ms.EPS, ms.V_PREDICTION_DDPM)):
-        raise ValueError(f"debiased_estimation is kohya's weighting for noise- and v-prediction models (SD1.5, SDXL, "
-                         f"SD2); this model's sampling is {type(sampling).__name__}: turn debiased_estimation off")
-    return isinstance(sampling, (ms.V_PREDICTION, ms.V_PREDICTION_DDPM))
+    return ""

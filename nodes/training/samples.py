@@ -5,9 +5,9 @@ after the last.
 kohya, OneTrainer and ai-toolkit show images as training goes, which tell more than a loss curve. Here the prompts
 are cached captions (:mod:`dataset_cache.sample_choice`), or the conditioning wired to the node's ``sample_prompt``
 (encoded by ComfyUI before the run, like any prompt), so sampling needs no text encoder and no VAE while the model
-trains: the run's own model call (its memory plan, its adapters) denoises them with Euler steps over the
-schedule ComfyUI's "simple" scheduler gives the model's sampling, as ComfyUI's KSampler would (the same noise
-scaling of an empty latent, the same Euler update, the latent format's ``process_latent_out`` at the end). The
+trains: ComfyUI's own Euler sampler, over the schedule its "simple" scheduler gives the model's sampling, denoises
+them through the run's own model call (its memory plan, its adapters), as ComfyUI's KSampler would (the same noise
+scaling of an empty latent, the latent format's ``process_latent_out`` at the end). The
 images leave as one ``LATENT`` batch (the ``samples`` output, for VAE Decode and Save Image), each sampling's rows
 in turn; each sampling also previews its first image on the node. It runs without gradients and draws nothing from
 the training's generators, so a run with samples trains the same LoRA bit for bit as one without.
@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import comfy.k_diffusion.sampling
 import comfy.model_management
 import comfy.samplers
 import comfy.utils
@@ -222,37 +224,35 @@ class Sampling:
         return conditionings, keys
 
     def _generate(self, rows: _Rows) -> torch.Tensor:
-        """One batch of images: Euler over the model's sigmas from noise of an empty latent, as ComfyUI's KSampler
-        (``max_denoise`` noise scaling, ``(x - denoised) / σ`` as the derivative), then the latent format's
-        ``process_latent_out``."""
+        """One batch of images as ComfyUI's KSampler makes them: noise of an empty latent scaled as its
+        ``max_denoise`` says, ComfyUI's own Euler (``sample_euler``) over the model's sigmas with a denoiser that
+        runs the run's model call (and the guidance), then the latent format's ``process_latent_out``."""
         loop, device = self.loop, self.loop.device
         ms = loop.model_sampling
         sigmas = comfy.samplers.calculate_sigmas(ms, SAMPLE_SCHEDULER, self.steps).to(device, torch.float32)
         noise = torch.cat([torch.randn((1, *rows.shape[1:]), generator=seeded_generator(self.seed, "sample", key),
                                        dtype=torch.float32) for key in rows.keys]).to(device)
         empty = loop.mp.model.process_latent_in(torch.zeros_like(noise))
-        x = ms.noise_scaling(sigmas[0], noise, empty, self._max_denoise(float(sigmas[0])))
+        top = float(ms.sigma_max)  # KSampler.max_denoise: the first sigma is the model's largest (full noise)
+        full = math.isclose(top, float(sigmas[0]), rel_tol=1e-05) or float(sigmas[0]) > top
+        x = ms.noise_scaling(sigmas[0], noise, empty, full)
         seed = derive_seed(self.seed, "sample", rows.keys[0])
         positive = loop.conditioner(rows.positive, noise, empty, seed)
         negative = loop.conditioner(rows.negative, noise, empty, seed) if rows.negative is not None else None
-        count = x.shape[0]
-        for i in range(self.steps):
+
+        def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             if self.interrupt is not None:
                 self.interrupt()
-            sigma = sigmas[i].expand(count)
             with loop._autocast():
                 denoised = loop.predict(x, sigma, positive).float()
-                if negative is not None:
-                    uncond = loop.predict(x, sigma, negative).float()
-                    denoised = uncond + self.cfg * (denoised - uncond)
-            x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
+                if negative is None:
+                    return denoised
+                uncond = loop.predict(x, sigma, negative).float()
+            return uncond + self.cfg * (denoised - uncond)
+
+        x = comfy.k_diffusion.sampling.sample_euler(denoise, x, sigmas, disable=True)
         x = ms.inverse_noise_scaling(sigmas[-1], x)
         return loop.mp.model.process_latent_out(x).to("cpu", torch.float32)
-
-    def _max_denoise(self, first_sigma: float) -> bool:
-        """ComfyUI's ``KSampler.max_denoise``: the first sigma is the model's largest (full noise)."""
-        top = float(self.loop.model_sampling.sigma_max)
-        return abs(first_sigma - top) <= 1e-5 * max(abs(first_sigma), abs(top)) or first_sigma > top
 
 
 def node_preview(model: Any, node_id: str | None, total: int) -> Callable[[int, torch.Tensor], None]:
