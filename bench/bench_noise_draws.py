@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from dataset_cache.noise_draws import offset_noise, pyramid_noise
+from dataset_cache.noise_draws import draw_noise
 
 __all__ = ["SHAPES", "VARIANTS", "measure", "main"]
 
@@ -39,9 +39,7 @@ VARIANTS = {
 
 def _draw(shape: tuple[int, ...], offset: float, iterations: int, discount: float, seed: int) -> torch.Tensor:
     """One batch's noise as ``StepLoop._draw`` makes it (the sigmas left out: a handful of values)."""
-    g = torch.Generator().manual_seed(seed)
-    noise = offset_noise(torch.randn(shape, generator=g, dtype=torch.float32), g, offset)
-    return pyramid_noise(noise, g, iterations, discount)
+    return draw_noise(shape, torch.Generator().manual_seed(seed), offset, iterations, discount)
 
 
 def measure(shapes: dict[str, tuple[int, ...]], batches: tuple[int, ...],

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from .checks import check_number
 
 __all__ = ["MAX_MULTIRES_ITERATIONS", "MAX_NOISE_OFFSET", "MAX_TIMESTEP", "PERCENT_EDGE", "TIMESTEP_SAMPLINGS",
-           "check_multires", "check_noise_settings", "check_timestep_range", "draw_percents", "offset_noise",
-           "percent_span", "pyramid_noise"]
+           "check_multires", "check_noise_settings", "check_timestep_range", "draw_noise", "draw_percents",
+           "offset_noise", "percent_span", "pyramid_noise"]
 
 TIMESTEP_SAMPLINGS = ("uniform", "logit-normal")
 """How a row's timestep percent is drawn: uniformly (ComfyUI's own trainer), or ``sigmoid`` of a standard normal."""
@@ -179,3 +179,12 @@ def pyramid_noise(noise: torch.Tensor, generator: torch.Generator, iterations: i
             break
     out /= out.reshape(rows, -1).std(dim=1).reshape(rows, 1, 1, 1)
     return out.reshape(noise.shape)
+
+
+def draw_noise(shape: tuple[int, ...], generator: torch.Generator, offset: float, iterations: int,
+               discount: float) -> torch.Tensor:
+    """A batch's noise (fp32, CPU): Gaussian noise of ``shape``, then its offset (:func:`offset_noise`), then its
+    multi-resolution levels (:func:`pyramid_noise`), each drawn from ``generator`` in that order; plain noise (the
+    one draw) with neither."""
+    noise = offset_noise(torch.randn(shape, generator=generator, dtype=torch.float32), generator, offset)
+    return pyramid_noise(noise, generator, iterations, discount)

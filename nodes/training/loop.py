@@ -23,7 +23,7 @@ from ...dataset_cache.gcpause import StepCollector
 from ...dataset_cache.grad_clip import clip_gradients
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.lr_schedule import LrSchedule
-from ...dataset_cache.noise_draws import draw_percents, offset_noise, percent_span, pyramid_noise
+from ...dataset_cache.noise_draws import draw_noise, draw_percents, percent_span
 from ...dataset_cache.sampler import BatchPlan
 from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.sharding import share_of
@@ -427,8 +427,7 @@ class StepLoop:
         s = self.settings
         g = seeded_generator(s.seed, index, "noise")
         sigma = self.sigmas(draw_percents(g, shape[0], s.timestep_sampling, span=self.percent_span))
-        noise = offset_noise(torch.randn(shape, generator=g, dtype=torch.float32), g, s.noise_offset)
-        return sigma, pyramid_noise(noise, g, s.multires_noise_iterations, s.multires_noise_discount)
+        return sigma, draw_noise(shape, g, s.noise_offset, s.multires_noise_iterations, s.multires_noise_discount)
 
     def timestep_at(self, percent: float) -> float:
         """The timestep of a percent of the model's schedule on the 0-1000 scale kohya and musubi-tuner use: a flow
