@@ -45,7 +45,8 @@ from .training import (
     train_lora,
 )
 from .train_lora_inputs import train_lora_inputs
-from .training.samples import NO_PROMPTS, SamplePrompts, check_prompt, node_preview
+from .training.samples import (NO_PROMPTS, SAMPLE_SAMPLER, SAMPLE_SCHEDULER, SamplePrompts, check_prompt,
+                               node_preview)
 
 __all__ = ["EVENT", "TrainLoRA"]
 
@@ -253,6 +254,8 @@ class TrainLoRA(io.ComfyNode):
         sample_prompt: Any = None,
         sample_negative: Any = None,
         debiased_estimation: bool = False,
+        sample_sampler: str = SAMPLE_SAMPLER,
+        sample_scheduler: str = SAMPLE_SCHEDULER,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -273,7 +276,8 @@ class TrainLoRA(io.ComfyNode):
             loss_target=str(loss_target), multires_noise_iterations=multires_noise_iterations,
             multires_noise_discount=round(float(multires_noise_discount), 4), sample_count=sample_count,
             sample_every=sample_every, sample_steps=sample_steps, sample_cfg=round(float(sample_cfg), 4),
-            debiased_estimation=bool(debiased_estimation),
+            debiased_estimation=bool(debiased_estimation), sample_sampler=str(sample_sampler),
+            sample_scheduler=str(sample_scheduler),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

@@ -7,6 +7,7 @@ schema test (``tests/comfy/test_train_lora.py``) pins the order and the advanced
 
 from __future__ import annotations
 
+import comfy.samplers
 from comfy.weight_adapter import adapter_maps
 from comfy_api.latest import io
 
@@ -36,6 +37,7 @@ from .training import (
     TIMESTEP_SAMPLINGS,
 )
 from .training.lora_files import lora_choices
+from .training.samples import SAMPLE_SAMPLER, SAMPLE_SCHEDULER
 
 __all__ = ["train_lora_inputs"]
 
@@ -291,7 +293,7 @@ def _option_inputs() -> list[io.Input]:
                      "after the last). Each sampling costs sample_steps model calls per image (twice with "
                      "sample_cfg above 1)."),
         io.Int.Input("sample_steps", default=20, min=1, max=MAX_SAMPLE_STEPS, optional=True, advanced=True,
-                     tooltip="Euler steps per sample image, over ComfyUI's 'simple' schedule of the model."),
+                     tooltip="Denoising steps per sample image (of sample_sampler over sample_scheduler)."),
         io.Float.Input("sample_cfg", default=1.0, min=1.0, max=MAX_SAMPLE_CFG, step=0.5, round=0.01,
                        optional=True, advanced=True,
                        tooltip="Classifier-free guidance of the sample images against the empty caption "
@@ -308,4 +310,13 @@ def _option_inputs() -> list[io.Input]:
                          tooltip="kohya's debiased estimation (debiased_estimation_loss): weigh each image's loss on "
                          "the prediction by 1/sqrt(SNR) of its noise level (1/(SNR+1) for v-prediction), for SD1.5, "
                          "SDXL and SD2. Needs loss_target prediction."),
+        io.Combo.Input("sample_sampler", options=comfy.samplers.KSampler.SAMPLERS, default=SAMPLE_SAMPLER,
+                       optional=True, advanced=True,
+                       tooltip="The sampler of the sample images, as KSampler's sampler_name (any of ComfyUI's). "
+                       "A sampler that adds noise as it goes (ancestral, SDE) draws it from the run's seed, so "
+                       "every sampling of a run starts from the same noise."),
+        io.Combo.Input("sample_scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default=SAMPLE_SCHEDULER,
+                       optional=True, advanced=True,
+                       tooltip="The scheduler of the sample images, as KSampler's scheduler: the noise levels "
+                       "the sample_steps go through."),
     ]

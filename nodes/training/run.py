@@ -158,7 +158,8 @@ def start_steps(run: LoadedRun, data: DataPlan, reader: DatasetReader, samples: 
         loop.sampling = Sampling(
             loop, reader, data.sampling, batch_size=settings.batch_size, seed=settings.seed,
             every=settings.sample_every, last=start.steps + settings.steps, steps=settings.sample_steps,
-            cfg=settings.sample_cfg, on_sampled=on_sampled,
+            cfg=settings.sample_cfg, sampler=settings.sample_sampler, scheduler=settings.sample_scheduler,
+            on_sampled=on_sampled,
             interrupt=comfy.model_management.throw_exception_if_processing_interrupted if team.size == 1 else None)
     return RunParts(sampler, start, saves, loop)
 

@@ -5,12 +5,13 @@ after the last.
 kohya, OneTrainer and ai-toolkit show images as training goes, which tell more than a loss curve. Here the prompts
 are cached captions (:mod:`dataset_cache.sample_choice`), or the conditioning wired to the node's ``sample_prompt``
 (encoded by ComfyUI before the run, like any prompt), so sampling needs no text encoder and no VAE while the model
-trains: ComfyUI's own Euler sampler, over the schedule its "simple" scheduler gives the model's sampling, denoises
-them through the run's own model call (its memory plan, its adapters), as ComfyUI's KSampler would (the same noise
-scaling of an empty latent, the latent format's ``process_latent_out`` at the end). The
-images leave as one ``LATENT`` batch (the ``samples`` output, for VAE Decode and Save Image), each sampling's rows
-in turn; each sampling also previews its first image on the node. It runs without gradients and draws nothing from
-the training's generators, so a run with samples trains the same LoRA bit for bit as one without.
+trains: any of ComfyUI's samplers and schedulers (``sample_sampler``, ``sample_scheduler``: Euler over "simple" by
+default) denoises them through the run's own model call (its memory plan, its adapters), as ComfyUI's KSampler
+would (its sampler object, noise scaling, sigmas and guidance function; the latent format's ``process_latent_out``
+at the end). The images leave as one ``LATENT`` batch (the ``samples`` output, for VAE Decode and Save Image), each
+sampling's rows in turn; each sampling also previews its first image on the node. It runs without gradients and
+draws nothing from the training's generators (it restores torch's global ones), so a run with samples trains the
+same LoRA bit for bit as one without.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import comfy.k_diffusion.sampling
 import comfy.model_management
 import comfy.samplers
 import comfy.utils
@@ -35,13 +35,45 @@ from ...dataset_cache.sampler import BucketSampler
 from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.trainable import UNTRAINABLE_CONDITIONING_KEYS
 
-__all__ = ["NO_PROMPTS", "SAMPLE_SCHEDULER", "SamplePrompts", "SamplingPlan", "Sampling", "check_prompt",
-           "node_preview"]
+__all__ = ["NO_PROMPTS", "SAMPLE_SAMPLER", "SAMPLE_SCHEDULER", "SamplePrompts", "SamplingPlan", "Sampling",
+           "check_prompt", "check_sampler", "guided_by_negative", "node_preview", "sample_sigmas"]
 
 log = logging.getLogger("streamcache.train")
 
+SAMPLE_SAMPLER = "euler"
+"""``sample_sampler``'s default: ComfyUI's Euler, deterministic and right for every family."""
 SAMPLE_SCHEDULER = "simple"
-"""ComfyUI's scheduler the samples are denoised over: evenly spaced in the model's own sigmas, for every family."""
+"""``sample_scheduler``'s default: evenly spaced in the model's own sigmas, for every family."""
+
+
+def check_sampler(sampler: object, scheduler: object) -> None:
+    """Refuse a ``sample_sampler`` or ``sample_scheduler`` this ComfyUI does not have (an API prompt's typo, or a
+    workflow from a ComfyUI with another list).
+
+    Raises:
+        ValueError: naming the input and the names ComfyUI offers.
+    """
+    for name, value, known in (("sample_sampler", sampler, comfy.samplers.KSampler.SAMPLERS),
+                               ("sample_scheduler", scheduler, comfy.samplers.KSampler.SCHEDULERS)):
+        if value not in known:
+            raise ValueError(f"unknown {name} {value!r:.60}; use one of ComfyUI's: {', '.join(known)}")
+
+
+def guided_by_negative(sampler: str, cfg: float, negative_connected: bool) -> bool:
+    """Whether the samples' model calls include the negative: with guidance (``cfg`` above 1), and for a CFG++
+    sampler (ComfyUI's ``*_cfg_pp``, whose step follows the unguided prediction even at cfg 1) when a
+    ``sample_negative`` is connected. Without one, a CFG++ sampler at cfg 1 steps along the prompt's own
+    prediction, which is the sampler's Euler counterpart."""
+    return cfg > 1 or (negative_connected and sampler.endswith("_cfg_pp"))
+
+
+def sample_sigmas(model_sampling: Any, sampler: str, scheduler: str, steps: int) -> torch.Tensor:
+    """The noise levels KSampler denoises over for ``steps`` steps of ``sampler`` with ``scheduler``: ComfyUI's
+    ``calculate_sigmas``, one step more with the penultimate level dropped for the samplers KSampler does so for
+    (DPM2, UniPC)."""
+    discard = sampler in comfy.samplers.KSampler.DISCARD_PENULTIMATE_SIGMA_SAMPLERS
+    sigmas = comfy.samplers.calculate_sigmas(model_sampling, scheduler, steps + 1 if discard else steps)
+    return torch.cat([sigmas[:-2], sigmas[-1:]]) if discard else sigmas
 
 
 class SamplePrompts(NamedTuple):
@@ -113,15 +145,16 @@ class Sampling:
             latent key)``'s, or ``"sample_prompt:<i>"``'s for a prompt's image ``i``: the same at every sampling).
         every: sample after every ``every`` steps (global step numbers); 0: before the first and after the last
             only. ``last``: the run's last global step.
-        steps: Euler steps per image; ``cfg``: classifier-free guidance against the empty caption or the connected
-            negative (1: none).
+        steps: denoising steps per image; ``cfg``: classifier-free guidance against the empty caption or the
+            connected negative (1: none); ``sampler``, ``scheduler``: ComfyUI's names (:func:`check_sampler`).
         interrupt: checked between model calls (Cancel);
             ``on_sampled``: called with the steps this run has done and the latents after each sampling (the node's
             preview: :func:`node_preview`).
     """
 
     def __init__(self, loop: Any, reader: DatasetReader, plan: SamplingPlan, *, batch_size: int, seed: int,
-                 every: int, last: int, steps: int, cfg: float, interrupt: Callable[[], None] | None = None,
+                 every: int, last: int, steps: int, cfg: float, sampler: str = SAMPLE_SAMPLER,
+                 scheduler: str = SAMPLE_SCHEDULER, interrupt: Callable[[], None] | None = None,
                  on_sampled: Callable[[int, torch.Tensor], None] | None = None) -> None:
         self.loop = loop
         self.reader = reader
@@ -132,6 +165,8 @@ class Sampling:
         self.last = last
         self.steps = steps
         self.cfg = cfg
+        self.sampler = sampler
+        self.scheduler = scheduler
         self.interrupt = interrupt
         self.on_sampled = on_sampled
         self.results: list[tuple[int, torch.Tensor]] = []  # (global step, latents on the CPU)
@@ -148,7 +183,7 @@ class Sampling:
         t0 = time.perf_counter()
         if self._rows is None:
             self._rows = self._read()
-        with torch.no_grad():
+        with torch.no_grad(), self._own_random_state():
             latents = torch.cat([self._generate(rows) for rows in self._rows])
         self.results.append((step, latents))
         self.seconds += time.perf_counter() - t0
@@ -157,6 +192,13 @@ class Sampling:
         if self.on_sampled is not None:
             self.on_sampled(step - self.loop.first_step, latents)
         return latents
+
+    def _own_random_state(self) -> Any:
+        """Restores torch's global generators after a sampling: ComfyUI's "ddim" sampler reseeds the global CPU
+        generator (``torch.manual_seed``), and a sampling must leave the training's random numbers as it found
+        them."""
+        device = torch.device(self.loop.device)
+        return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
     def latents(self) -> torch.Tensor | None:
         """Every sampling's latents in one batch, in the order they were taken; ``None`` before the first."""
@@ -174,8 +216,8 @@ class Sampling:
         steps = ", ".join(str(step) for step, _ in self.results)
         against = "the sample_negative" if plan.prompts.negative is not None else "the empty caption"
         guidance = f", cfg {self.cfg:g} against {against}" if self.cfg > 1 else ""
-        return (f"{what} at steps {steps or 'none'}: {self.steps} Euler steps{guidance}, {self.seconds:.1f} s (the "
-                "samples output)")
+        return (f"{what} at steps {steps or 'none'}: {self.steps} {self.sampler} steps ({self.scheduler} schedule)"
+                f"{guidance}, {self.seconds:.1f} s (the samples output)")
 
     def _read(self) -> list[_Rows]:
         """Every image's conditioning, key (its noise's seed) and, with guidance, negative, in batches of
@@ -186,7 +228,8 @@ class Sampling:
             positive = [plan.prompts.positive] * plan.count
         else:
             positive, keys = self._cached(plan.samples)
-        negative = self._negatives(keys) if self.cfg > 1 else None
+        guided = guided_by_negative(self.sampler, self.cfg, plan.prompts.negative is not None)
+        negative = self._negatives(keys) if guided else None
         n = self.batch_size
         return [_Rows(positive[i:i + n], negative[i:i + n] if negative is not None else None, keys[i:i + n],
                       (len(keys[i:i + n]), *plan.shape)) for i in range(0, len(keys), n)]
@@ -224,35 +267,65 @@ class Sampling:
         return conditionings, keys
 
     def _generate(self, rows: _Rows) -> torch.Tensor:
-        """One batch of images as ComfyUI's KSampler makes them: noise of an empty latent scaled as its
-        ``max_denoise`` says, ComfyUI's own Euler (``sample_euler``) over the model's sigmas with a denoiser that
-        runs the run's model call (and the guidance), then the latent format's ``process_latent_out``."""
+        """One batch of images as ComfyUI's KSampler makes them: its sampler object for ``sampler`` (noise of an
+        empty latent scaled as its ``max_denoise`` says, the sampler's steps, the inverse scaling) over
+        :func:`sample_sigmas`, with the run's model call in place of KSampler's (:class:`_Guider`), then the latent
+        format's ``process_latent_out``. A sampler that adds noise as it goes draws it from the seed of
+        ``(seed, "sample", the batch's first latent key)``, the same at every sampling."""
         loop, device = self.loop, self.loop.device
-        ms = loop.model_sampling
-        sigmas = comfy.samplers.calculate_sigmas(ms, SAMPLE_SCHEDULER, self.steps).to(device, torch.float32)
+        sigmas = sample_sigmas(loop.model_sampling, self.sampler, self.scheduler, self.steps).to(device, torch.float32)
         noise = torch.cat([torch.randn((1, *rows.shape[1:]), generator=seeded_generator(self.seed, "sample", key),
                                        dtype=torch.float32) for key in rows.keys]).to(device)
         empty = loop.mp.model.process_latent_in(torch.zeros_like(noise))
-        top = float(ms.sigma_max)  # KSampler.max_denoise: the first sigma is the model's largest (full noise)
-        full = math.isclose(top, float(sigmas[0]), rel_tol=1e-05) or float(sigmas[0]) > top
-        x = ms.noise_scaling(sigmas[0], noise, empty, full)
         seed = derive_seed(self.seed, "sample", rows.keys[0])
         positive = loop.conditioner(rows.positive, noise, empty, seed)
         negative = loop.conditioner(rows.negative, noise, empty, seed) if rows.negative is not None else None
-
-        def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            if self.interrupt is not None:
-                self.interrupt()
-            with loop._autocast():
-                denoised = loop.predict(x, sigma, positive).float()
-                if negative is None:
-                    return denoised
-                uncond = loop.predict(x, sigma, negative).float()
-            return uncond + self.cfg * (denoised - uncond)
-
-        x = comfy.k_diffusion.sampling.sample_euler(denoise, x, sigmas, disable=True)
-        x = ms.inverse_noise_scaling(sigmas[-1], x)
+        guider = _Guider(loop, positive, negative, self.cfg, self.interrupt)
+        x = comfy.samplers.sampler_object(self.sampler).sample(guider, sigmas, {"model_options": {}, "seed": seed},
+                                                                None, noise, empty, disable_pbar=True)
         return loop.mp.model.process_latent_out(x).to("cpu", torch.float32)
+
+
+class _Guider:
+    """The model ComfyUI's samplers call (the interface of its ``CFGGuider``: ``inner_model``, ``model_patcher``,
+    a call on ``(x, sigma, model_options, seed)``), running the run's own model call rather than KSampler's, which
+    would load the model through model management and move the memory plan's weights. Guidance is ComfyUI's own
+    ``cfg_function``, so a sampler's guidance hooks (the CFG++ samplers' post-CFG function) apply as in KSampler.
+
+    Args:
+        loop: the run's :class:`~.loop.StepLoop`; ``positive``, ``negative``: its conditioner's model arguments
+            (``negative`` ``None``: no guidance); ``cfg``: the guidance scale; ``interrupt``: checked at each call.
+    """
+
+    def __init__(self, loop: Any, positive: Any, negative: Any, cfg: float,
+                 interrupt: Callable[[], None] | None) -> None:
+        self.loop = loop
+        self.inner_model = loop.mp.model
+        self.model_patcher = loop.mp
+        self.model_options: dict[str, Any] = {}
+        self.positive = positive
+        self.negative = negative
+        self.cfg = cfg
+        self.interrupt = interrupt
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, model_options: dict[str, Any] | None = None,
+                 seed: int | None = None) -> torch.Tensor:
+        """The guided prediction of the clean latent, as ComfyUI's ``sampling_function``: the negative's call is
+        skipped at cfg 1 unless the sampler asks for it (``disable_cfg1_optimization``); skipped, it counts as
+        zeros, as there, and with no negative at all the prompt's own prediction serves."""
+        options = model_options or {}
+        if self.interrupt is not None:
+            self.interrupt()
+        uses_negative = not math.isclose(self.cfg, 1.0) or bool(options.get("disable_cfg1_optimization", False))
+        with self.loop._autocast():
+            cond = self.loop.predict(x, sigma, self.positive).float()
+            if not uses_negative:
+                uncond = torch.zeros_like(cond)
+            elif self.negative is None:
+                uncond = cond
+            else:
+                uncond = self.loop.predict(x, sigma, self.negative).float()
+        return comfy.samplers.cfg_function(self.inner_model, cond, uncond, self.cfg, x, sigma, model_options=options)
 
 
 def node_preview(model: Any, node_id: str | None, total: int) -> Callable[[int, torch.Tensor], None]:

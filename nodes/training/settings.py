@@ -17,6 +17,7 @@ from ...dataset_cache.loss_weighting import LOSS_TARGETS, MAX_MIN_SNR_GAMMA, che
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 from ...dataset_cache.sample_choice import check_sampling
+from .samples import check_sampler
 from ...dataset_cache.noise_draws import (MAX_MULTIRES_ITERATIONS, MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMESTEP_SAMPLINGS,
                                           check_multires, check_noise_settings, check_timestep_range)
 
@@ -83,7 +84,8 @@ class TrainSettings:
     lower-resolution noise, weighed down by ``multires_noise_discount`` per level, are added to each row's noise
     (:func:`dataset_cache.noise_draws.pyramid_noise`; 0: plain noise, as ComfyUI's own trainer). ``sample_count``
     cached captions are turned into images before the first step, every ``sample_every`` steps and after the last,
-    with ``sample_steps`` Euler steps at guidance ``sample_cfg`` (:mod:`.samples`; 0: none). ``debiased_estimation``
+    with ``sample_steps`` steps of ComfyUI's ``sample_sampler`` over its ``sample_scheduler`` at guidance
+    ``sample_cfg`` (:mod:`.samples`; 0: none). ``debiased_estimation``
     weighs each row's prediction loss as kohya's ``--debiased_estimation_loss`` (with ``loss_target`` "prediction").
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
@@ -160,6 +162,9 @@ class TrainSettings:
     sample_cfg: float = 1.0
     # kohya's debiased estimation on the prediction loss (dataset_cache.loss_weighting); off: unweighted
     debiased_estimation: bool = False
+    # the sample images' sampler and scheduler (.samples), ComfyUI's names; Euler over "simple" by default
+    sample_sampler: str = "euler"
+    sample_scheduler: str = "simple"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -199,6 +204,7 @@ class TrainSettings:
         check_noise_settings(self.timestep_sampling, self.noise_offset)
         check_multires(self.multires_noise_iterations, self.multires_noise_discount)
         check_sampling(self.sample_count, self.sample_every, self.sample_steps, self.sample_cfg)
+        check_sampler(self.sample_sampler, self.sample_scheduler)
         if self.debiased_estimation and self.loss_target != "prediction":
             raise ValueError("debiased_estimation weighs the loss on the model's prediction, as kohya's "
                              "--debiased_estimation_loss does: set loss_target to prediction")

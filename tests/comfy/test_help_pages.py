@@ -91,6 +91,9 @@ def test_readme_inputs_table_names_every_input(pack: ModuleType) -> None:
 _USER_LISTS = frozenset({"folder", "cache", "publish_to", "existing_lora"})
 """Combo inputs that list the user's own folders, caches, buckets or LoRAs (what the session's other tests
 created, here), not choices the pack defines."""
+_COMFY_LISTS = frozenset({"sample_sampler", "sample_scheduler"})
+"""Combo inputs offering ComfyUI's own lists (KSampler's samplers and schedulers): ComfyUI documents those, and
+the list grows with ComfyUI; the page says what the input does and names its default."""
 
 
 def _fixed_options(schema: object) -> dict[str, list[str]]:
@@ -98,7 +101,7 @@ def _fixed_options(schema: object) -> dict[str, list[str]]:
     fixed = {}
     for inp in schema.inputs:  # type: ignore[attr-defined]
         options = getattr(inp, "options", None)
-        if options and inp.id not in _USER_LISTS:
+        if options and inp.id not in _USER_LISTS | _COMFY_LISTS:
             fixed[inp.id] = [str(o) for o in options]
     return fixed
 
@@ -114,6 +117,9 @@ def test_help_pages_name_every_option(pack: ModuleType) -> None:
             assert not missing, f"{schema.node_id}.md does not name the options {missing} of `{name}`"
             checked += 1
     assert checked >= 10  # the pack's fixed combos: crop, flip, masks, optimizer, memory, ...
+    train = (_docs(pack) / "StreamCache_TrainLoRA.md").read_text(encoding="utf-8")
+    for name, default in (("sample_sampler", "euler"), ("sample_scheduler", "simple")):
+        assert f"| `{name}` | {default} (advanced) |" in train, name
 
 
 def test_readme_mapping_from_other_trainers_names_real_inputs(pack: ModuleType) -> None:

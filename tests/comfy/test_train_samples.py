@@ -2,9 +2,9 @@
 
 The check of the sampler is ComfyUI's own: a new LoRA adds nothing before its first step (ComfyUI starts every
 up matrix at 0), so the samples taken before the first step must be what ComfyUI's KSampler makes of the base
-model with the same caption, noise, Euler sampler and "simple" schedule. The rest: a run with samples trains the
-same LoRA bit for bit, later samples show the LoRA, guidance is KSampler's, and the output blocks its users when
-no samples were asked for.
+model with the same caption, noise, sampler and schedule (Euler over "simple" by default, and others). The rest:
+a run with samples trains the same LoRA bit for bit, later samples show the LoRA, guidance is KSampler's, every
+sampler of ComfyUI's runs, and the output blocks its users when no samples were asked for.
 """
 
 from __future__ import annotations
@@ -98,8 +98,10 @@ def _ksampler(comfy_nodes: ModuleType, models: tuple, sources: list[str], seed: 
 
 
 def _ksampler_of(models: tuple, positive: Any, negative: Any, noise_key: str, steps: int, cfg: float,
-                 shape: tuple[int, ...] = (1, 4, 8, 8)) -> torch.Tensor:
-    """KSampler's image of the base model for these conditionings and the pack's noise of ``noise_key``."""
+                 shape: tuple[int, ...] = (1, 4, 8, 8), sampler: str = "euler", scheduler: str = "simple"
+                 ) -> torch.Tensor:
+    """KSampler's image of the base model for these conditionings and the pack's noise of ``noise_key``, with
+    the seed the pack gives a sampler that adds noise as it goes (``(seed, "sample", noise_key)``'s)."""
     import comfy.sample
 
     from support.pack import import_pack
@@ -107,8 +109,82 @@ def _ksampler_of(models: tuple, positive: Any, negative: Any, noise_key: str, st
     seeding = importlib.import_module(f"{import_pack().__name__}.dataset_cache.seeding")
     noise = torch.randn(shape, generator=seeding.seeded_generator(RUN["seed"], "sample", noise_key),
                         dtype=torch.float32)
-    return comfy.sample.sample(models[0], noise, steps, cfg, "euler", "simple", positive, negative,
-                               torch.zeros_like(noise), seed=RUN["seed"])
+    return comfy.sample.sample(models[0], noise, steps, cfg, sampler, scheduler, positive, negative,
+                               torch.zeros_like(noise), seed=seeding.derive_seed(RUN["seed"], "sample", noise_key))
+
+
+@pytest.mark.parametrize(("sampler", "scheduler", "cfg"), [
+    ("dpmpp_2m", "karras", 1.0),  # a multistep sampler over another schedule
+    ("uni_pc", "normal", 1.0),  # KSampler drops its penultimate sigma
+    ("euler_ancestral", "beta", 1.0),  # noise added as it goes, from the seed
+    ("dpmpp_2m_sde", "exponential", 2.5),  # Brownian-tree noise from the seed, with guidance
+    ("euler_cfg_pp", "simple", 1.0),  # the negative's prediction at cfg 1 (ComfyUI's post-CFG hook)
+])
+def test_samplers_and_schedulers_are_ksamplers(node: type, models: tuple, dataset: tuple,
+                                               comfy_nodes: ModuleType, sampler: str, scheduler: str,
+                                               cfg: float) -> None:
+    """sample_sampler and sample_scheduler give KSampler's image of that sampler and scheduler (before the first
+    step the LoRA adds nothing), with the negative's call whenever KSampler makes it. Tolerance as above: the same
+    fp32 operations in another grouping, over 4 steps."""
+    clip = models[1]
+    (prompt,) = comfy_nodes.CLIPTextEncode().encode(clip, "a red square on a blue field")
+    (negative,) = comfy_nodes.CLIPTextEncode().encode(clip, "blurry")
+    with torch.inference_mode():
+        out = _train(node, models[0], dataset[0], steps=1, sample_count=1, sample_steps=4, sample_cfg=cfg,
+                     sample_prompt=prompt, sample_negative=negative, sample_sampler=sampler,
+                     sample_scheduler=scheduler)
+        expected = _ksampler_of(models, prompt, negative, "sample_prompt:0", 4, cfg, sampler=sampler,
+                                scheduler=scheduler)
+        plain = _ksampler_of(models, prompt, negative, "sample_prompt:0", 4, cfg)
+    torch.testing.assert_close(out.result[3]["samples"][:1], expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(expected, plain, atol=1e-3)  # the choice changed the image
+    assert f"4 {sampler} steps ({scheduler} schedule)" in _summary(out)
+
+
+def test_every_comfyui_sampler_and_scheduler_runs_through_the_run(node: type, models: tuple, dataset: tuple,
+                                                                  pack: ModuleType) -> None:
+    """Every sampler of this ComfyUI's list samples through the run's model call (each takes what it needs from
+    the guider: the model sampling, the model patcher, the guidance hooks), and every scheduler's noise levels
+    are KSampler's own for every sampler (the same ComfyUI function: equal)."""
+    import comfy.samplers
+
+    samples = _module(pack, "nodes.training.samples")
+    model = models[0]
+    for scheduler in comfy.samplers.KSampler.SCHEDULERS:
+        for sampler in ("euler", "uni_pc"):  # one that keeps every level, one whose penultimate KSampler drops
+            expected = comfy.samplers.KSampler(model, 5, "cpu", sampler, scheduler).sigmas
+            got = samples.sample_sigmas(model.get_model_object("model_sampling"), sampler, scheduler, 5)
+            assert torch.equal(got, expected), (sampler, scheduler)
+    with torch.inference_mode():
+        for sampler in comfy.samplers.KSampler.SAMPLERS:
+            out = _train(node, model, dataset[0], steps=1, sample_count=1, sample_steps=2, sample_sampler=sampler)
+            latents = out.result[3]["samples"]
+            assert latents.shape == (2, 4, 8, 8) and torch.isfinite(latents).all(), sampler
+            assert f"2 {sampler} steps" in _summary(out)
+
+
+def test_a_sampler_that_reseeds_torch_leaves_the_training_s_random_numbers(node: type, models: tuple,
+                                                                          dataset: tuple) -> None:
+    """ComfyUI's "ddim" reseeds torch's global generator; a run sampling with it every step trains the same LoRA
+    and leaves the global generator where a run without samples does (from the same state)."""
+    torch.manual_seed(11)
+    plain = _train(node, models[0], dataset[0])
+    after_plain = torch.get_rng_state()
+    torch.manual_seed(11)
+    sampled = _train(node, models[0], dataset[0], sample_count=1, sample_every=1, sample_steps=2,
+                     sample_sampler="ddim")
+    assert torch.equal(torch.get_rng_state(), after_plain)
+    assert plain.result[1] == sampled.result[1]
+    for k, v in plain.result[0].items():
+        assert torch.equal(v, sampled.result[0][k]), k
+
+
+def test_an_unknown_sampler_or_scheduler_is_refused_naming_the_input(node: type, models: tuple,
+                                                                    dataset: tuple) -> None:
+    with pytest.raises(ValueError, match=r"unknown sample_sampler 'euler_a'; use one of ComfyUI's: euler, "):
+        _train(node, models[0], dataset[0], sample_count=1, sample_sampler="euler_a")
+    with pytest.raises(ValueError, match=r"unknown sample_scheduler 'Karras'; use one of ComfyUI's: simple, "):
+        _train(node, models[0], dataset[0], sample_count=1, sample_scheduler="Karras")
 
 
 def test_a_connected_prompt_is_sampled_with_a_noise_per_image(node: type, models: tuple, dataset: tuple,
@@ -124,7 +200,8 @@ def test_a_connected_prompt_is_sampled_with_a_noise_per_image(node: type, models
         expected = torch.cat([_ksampler_of(models, prompt, prompt, f"sample_prompt:{i}", 3, 1.0) for i in range(2)])
     torch.testing.assert_close(out.result[3]["samples"][:2], expected, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(expected[0], expected[1])  # two noises
-    assert "sample images of the sample_prompt (2 noises) at steps 0, 1: 3 Euler steps" in _summary(out)
+    assert ("sample images of the sample_prompt (2 noises) at steps 0, 1: 3 euler steps (simple schedule)"
+            in _summary(out))
     with torch.inference_mode():
         guided = _train(node, models[0], dataset[0], steps=1, sample_count=1, sample_steps=3, sample_cfg=4.0,
                         sample_prompt=prompt, sample_negative=negative)
@@ -162,7 +239,7 @@ def test_the_first_samples_are_comfyuis_ksampler_images_of_the_base_model(node: 
         expected = _ksampler(comfy_nodes, models, sources, RUN["seed"], 4, 1.0)
     torch.testing.assert_close(latents[:2], expected, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(latents[2:], latents[:2], atol=1e-3)  # after two steps: the LoRA's images
-    assert "at steps 0, 2: 4 Euler steps" in _summary(out)
+    assert "at steps 0, 2: 4 euler steps (simple schedule)" in _summary(out)
 
 
 def test_sampling_changes_nothing_the_run_trains_and_repeats_itself(node: type, models: tuple,
@@ -191,7 +268,7 @@ def test_guidance_is_ksamplers_against_the_empty_caption(node: type, models: tup
         expected = _ksampler(comfy_nodes, models, _sampled_sources(out), RUN["seed"], 3, 3.0,
                              negative_index=len(SIZES) - 1)
     torch.testing.assert_close(out.result[3]["samples"][:1], expected, rtol=1e-4, atol=1e-4)
-    assert "3 Euler steps, cfg 3 against the empty caption" in _summary(out)
+    assert "3 euler steps (simple schedule), cfg 3 against the empty caption" in _summary(out)
     with pytest.raises(ValueError, match=r"sample_cfg 3 guides each sample image against the empty caption, which "
                                          r"this dataset has not encoded .*empty_caption on, connect a sample_negative, "
                                          r"or set sample_cfg 1"):

@@ -41,7 +41,7 @@ def test_the_samples_decode_and_save_through_comfyuis_nodes(comfy_server: ComfyS
     for image in images:
         assert (comfy_server.output_dir / image["subfolder"] / image["filename"]).is_file()
     (summary,) = result.outputs["5"]["text"]
-    assert "sample images of 2 caption(s)" in summary and "at steps 0, 2: 3 Euler steps" in summary
+    assert "sample images of 2 caption(s)" in summary and "at steps 0, 2: 3 euler steps (simple schedule)" in summary
 
 
 def test_without_samples_a_wired_vae_decode_is_blocked_with_the_message(comfy_server: ComfyServer,

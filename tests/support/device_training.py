@@ -88,10 +88,11 @@ CASES: tuple[Case, ...] = (
     # the LoRA the node creates by default, drawn where the model already is (--highvram), on the layers
     # train_layers chooses (adapters on the cross-attention only: ComfyUI's own, drawn again on the CPU); the loss
     # on the model's prediction (each row's scale drawn on a loader worker), multi-resolution noise (drawn there
-    # too) and a sample image before the first step and after the last (its Euler steps on the device)
+    # too) and a sample image before the first step and after the last (ComfyUI's "ddim" on the device, which
+    # reseeds torch's generators: the sampling restores the device's and the CPU's)
     Case("sd15_fresh_lora", "sd15", lora="fresh", high_vram=True,
          options={"train_layers": "attn2", "loss_target": "prediction", "multires_noise_iterations": 4,
-                  "sample_count": 1, "sample_steps": 2},
+                  "sample_count": 1, "sample_steps": 2, "sample_sampler": "ddim"},
          expect=("sampled",)),
     Case("sd15_masks_mirrors", "sd15", "masks_mirrors", options={"unmasked_weight": 0.1},
          expect=("mirrored_mask",)),
