@@ -34,7 +34,7 @@ import torch
 from .checks import check_number
 
 __all__ = ["DEBIASED_SNR_CAP", "LOSS_TARGETS", "MAX_MIN_SNR_GAMMA", "check_min_snr_gamma", "debiased_weights",
-           "min_snr_weights", "prediction_scales"]
+           "min_snr_weights", "noise_like_weights", "prediction_scales"]
 
 LOSS_TARGETS = ("clean latent", "prediction")
 """What a row's loss compares: the predicted and true clean latent (ComfyUI's own trainer), or the model's output and
@@ -96,3 +96,15 @@ def debiased_weights(signal: torch.Tensor, noise: torch.Tensor, v_prediction: bo
     """
     snr = _snr(signal, noise).clamp(max=DEBIASED_SNR_CAP)
     return (1.0 / (snr + 1.0) if v_prediction else 1.0 / snr.sqrt()).float()
+
+
+def noise_like_weights(signal: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """kohya's ``--scale_v_pred_loss_like_noise_pred`` per row (fp32): a v-prediction model's loss weighed by
+    ``SNR / (SNR + 1)``, the SNR (fp64, from the rows' coefficients) capped at :data:`DEBIASED_SNR_CAP` as kohya's.
+
+    The MSE of v is the clean latent's times ``SNR + 1`` and the MSE of the noise the clean latent's times ``SNR``,
+    so this weight makes a v model's loss weigh its noise levels as an ε model's does (the recipes written for
+    ε models then carry over to v-prediction ones such as SD2 768-v or NoobAI-XL v-pred).
+    """
+    snr = _snr(signal, noise).clamp(max=DEBIASED_SNR_CAP)
+    return (snr / (snr + 1.0)).float()

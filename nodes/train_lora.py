@@ -256,6 +256,7 @@ class TrainLoRA(io.ComfyNode):
         debiased_estimation: bool = False,
         sample_sampler: str = SAMPLE_SAMPLER,
         sample_scheduler: str = SAMPLE_SCHEDULER,
+        scale_v_pred_loss: bool = False,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -277,7 +278,7 @@ class TrainLoRA(io.ComfyNode):
             multires_noise_discount=round(float(multires_noise_discount), 4), sample_count=sample_count,
             sample_every=sample_every, sample_steps=sample_steps, sample_cfg=round(float(sample_cfg), 4),
             debiased_estimation=bool(debiased_estimation), sample_sampler=str(sample_sampler),
-            sample_scheduler=str(sample_scheduler),
+            sample_scheduler=str(sample_scheduler), scale_v_pred_loss=bool(scale_v_pred_loss),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

@@ -319,4 +319,8 @@ def _option_inputs() -> list[io.Input]:
                        optional=True, advanced=True,
                        tooltip="The scheduler of the sample images, as KSampler's scheduler: the noise levels "
                        "the sample_steps go through."),
+        io.Boolean.Input("scale_v_pred_loss", default=False, optional=True, advanced=True,
+                         tooltip="kohya's scale_v_pred_loss_like_noise_pred: weigh a v-prediction model's loss "
+                         "(SD2 768-v, v-pred SDXL) by SNR/(SNR+1) of each image's noise level, so its noise levels "
+                         "weigh as a noise-prediction model's. Needs loss_target prediction."),
     ]

@@ -208,7 +208,9 @@ class StepLoop:
         self.forward = forward
         self.conditioner = conditioner
         self.device = device
-        self.model_sampling = mp.model.model_sampling
+        # the model's sampling as ComfyUI samples it: a Model Sampling node's object patch (a shift, v-prediction,
+        # zero terminal SNR), which ComfyUI sets on the model only when it loads it, after this
+        self.model_sampling = mp.get_model_object("model_sampling")
         # the draws' own copy, on the CPU: ComfyUI's load moves the model's (each scalar read then a synchronization)
         self._sampling_cpu = _on_cpu(self.model_sampling)
         self.loss = WeightedLoss(loss_fn, settings, device, self._sampling_cpu)  # the batch's loss and its weights

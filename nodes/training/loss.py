@@ -12,7 +12,7 @@ import comfy.model_sampling
 import torch
 
 from ...dataset_cache.loader import Batch
-from ...dataset_cache.loss_weighting import debiased_weights, min_snr_weights, prediction_scales
+from ...dataset_cache.loss_weighting import debiased_weights, min_snr_weights, noise_like_weights, prediction_scales
 from .settings import TrainSettings
 
 __all__ = ["WeightedLoss"]
@@ -33,6 +33,11 @@ class WeightedLoss:
             raise ValueError(f"debiased_estimation is kohya's weighting for noise- and v-prediction models (SD1.5, "
                              f"SDXL, SD2); this model's sampling is {type(sampling_cpu).__name__}: turn "
                              "debiased_estimation off")
+        if settings.scale_v_pred_loss and self._predicts != "v":
+            raise ValueError(f"scale_v_pred_loss weighs a v-prediction model's loss like a noise-prediction one's, "
+                             f"as kohya's --scale_v_pred_loss_like_noise_pred; this model's sampling is "
+                             f"{type(sampling_cpu).__name__} (it predicts {self._predicts or 'something else'}): "
+                             "turn scale_v_pred_loss off")
         # each per-row value a batch is drawn with, by its key in Batch.extras, that the settings ask for
         self._drawn: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         if settings.min_snr_gamma > 0:
@@ -41,6 +46,8 @@ class WeightedLoss:
             self._drawn["prediction_scales"] = self.prediction_scales
         if settings.debiased_estimation:
             self._drawn["debiased_weights"] = self.debiased
+        if settings.scale_v_pred_loss:
+            self._drawn["noise_like_weights"] = self.noise_like
         self._elementwise: Any = None  # the per-element form of loss_fn, made when a batch first needs it
 
     def __call__(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch, sigma: torch.Tensor) -> torch.Tensor:
@@ -73,11 +80,12 @@ class WeightedLoss:
 
     def weight(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
         """Per-element loss weight of the batch (broadcastable to ``pred``, fp32 on the training device), or
-        ``None`` when every element weighs 1: its mask's weight times its rows' weights times their Min-SNR
-        weights and debiased-estimation weights, each only where it applies."""
+        ``None`` when every element weighs 1: its mask's weight times its rows' weights times their Min-SNR,
+        debiased-estimation and v-scaling weights, each only where it applies."""
         weight = self._mask_weight(batch, pred)
-        for per_row in (self._row_weights(batch, pred), self._drawn_per_row("snr_weights", batch, pred, sigma),
-                        self._drawn_per_row("debiased_weights", batch, pred, sigma)):
+        drawn = [self._drawn_per_row(key, batch, pred, sigma)
+                 for key in ("snr_weights", "debiased_weights", "noise_like_weights")]
+        for per_row in (self._row_weights(batch, pred), *drawn):
             if per_row is not None:
                 weight = per_row if weight is None else weight * per_row
         return weight
@@ -136,6 +144,11 @@ class WeightedLoss:
         signal, noise = self._signal_noise(sigma.detach().to("cpu", torch.float32))
         return debiased_weights(signal, noise, self._predicts == "v")
 
+    def noise_like(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Each row's ``scale_v_pred_loss`` weight (fp32, CPU; :func:`~dataset_cache.loss_weighting.noise_like_weights`)
+        from the CPU copy of the model's sampling (any thread may call this)."""
+        return noise_like_weights(*self._signal_noise(sigma.detach().to("cpu", torch.float32)))
+
     def snr_weights(self, sigma: torch.Tensor) -> torch.Tensor:
         """Each row's Min-SNR weight ``min(SNR, min_snr_gamma)`` (fp32, CPU), the SNR of its sigma by the model's
         own ``noise_scaling`` (:mod:`dataset_cache.loss_weighting`), from the CPU copy of its sampling (any thread
@@ -161,6 +174,21 @@ class WeightedLoss:
         noise = scale(sigma, torch.ones(rows, 1), torch.zeros(rows, 1), False).reshape(rows)
         signal = scale(sigma, torch.zeros(rows, 1), torch.ones(rows, 1), False).reshape(rows)
         return signal, noise
+
+    def describe(self) -> list[str]:
+        """The summary's lines for the weights and the target this loss applies (none for ComfyUI's own loss)."""
+        s = self.settings
+        lines = []
+        if s.min_snr_gamma > 0:
+            lines.append(f"each image's loss weighed by min(SNR, {s.min_snr_gamma:g}) of its noise level")
+        if s.debiased_estimation:
+            lines.append("each image's prediction loss weighed by kohya's debiased estimation (1/√SNR of its noise "
+                         "level; 1/(SNR + 1) for v-prediction)")
+        if s.scale_v_pred_loss:
+            lines.append("each image's v loss weighed by SNR/(SNR + 1) of its noise level, as a noise prediction's "
+                         "(scale_v_pred_loss)")
+        target = self.describe_target()
+        return lines if target is None else [*lines, target]
 
     def describe_target(self) -> str | None:
         """The summary's line for ``loss_target`` "prediction", naming what this model's output is; ``None`` for the

@@ -126,11 +126,11 @@ def _prepare(mp: Any, shape: tuple[int, ...], conditioning: Any, device: torch.d
              ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], dict[str, Any]]]]:
     """The step loop's inputs for one batch of ``shape`` (zeros; real tensors: turning conditionings into the
     model's arguments looks at values, e.g. an attention mask's length), before the fake forward."""
-    model = mp.model
+    model, sampling = mp.model, mp.get_model_object("model_sampling")  # a Model Sampling node's patch included
     latents = model.process_latent_in(torch.zeros(shape, device=device))
-    sigma = torch.full((shape[0],), float(model.model_sampling.percent_to_sigma(0.5)), device=device)
+    sigma = torch.full((shape[0],), float(sampling.percent_to_sigma(0.5)), device=device)
     noise = torch.zeros(shape, device=device)
-    xt = model.model_sampling.noise_scaling(sigma, noise, latents, False)
+    xt = sampling.noise_scaling(sigma, noise, latents, False)
     return xt, sigma, Conditioner(model, device)([conditioning] * shape[0], noise, latents, 0)
 
 

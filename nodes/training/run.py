@@ -177,17 +177,10 @@ def train_result(run: LoadedRun, data: DataPlan, parts: RunParts,
     info = [*describe_rates(settings.lr_schedule_after(start.steps), start.steps, settings.steps), *info]
     if run.average is not None:
         info.append(f"the LoRA is the moving average of its weights (ema_decay {settings.ema_decay:g})")
-    if settings.min_snr_gamma > 0:
-        info.append(f"each image's loss weighed by min(SNR, {settings.min_snr_gamma:g}) of its noise level")
     if settings.multires_noise_iterations > 0:
         info.append(f"multi-resolution noise: {settings.multires_noise_iterations} levels, each coarser one weighing "
                     f"{settings.multires_noise_discount:g} times the one before")
-    if settings.debiased_estimation:
-        info.append("each image's prediction loss weighed by kohya's debiased estimation (1/√SNR of its noise level; "
-                    "1/(SNR + 1) for v-prediction)")
-    target = loop.loss.describe_target()
-    if target is not None:
-        info.append(target)
+    info += loop.loss.describe()
     if run.layers is not None and not run.layers.filter.everything:
         info.append(run.layers.describe())
     if loop.percent_span != (0.0, 1.0):

@@ -86,7 +86,8 @@ class TrainSettings:
     cached captions are turned into images before the first step, every ``sample_every`` steps and after the last,
     with ``sample_steps`` steps of ComfyUI's ``sample_sampler`` over its ``sample_scheduler`` at guidance
     ``sample_cfg`` (:mod:`.samples`; 0: none). ``debiased_estimation``
-    weighs each row's prediction loss as kohya's ``--debiased_estimation_loss`` (with ``loss_target`` "prediction").
+    weighs each row's prediction loss as kohya's ``--debiased_estimation_loss`` (with ``loss_target`` "prediction"),
+    ``scale_v_pred_loss`` a v-prediction model's as its ``--scale_v_pred_loss_like_noise_pred``.
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -165,6 +166,8 @@ class TrainSettings:
     # the sample images' sampler and scheduler (.samples), ComfyUI's names; Euler over "simple" by default
     sample_sampler: str = "euler"
     sample_scheduler: str = "simple"
+    # kohya's scale_v_pred_loss_like_noise_pred on a v-prediction model's prediction loss; off: unweighted
+    scale_v_pred_loss: bool = False
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -208,6 +211,9 @@ class TrainSettings:
         if self.debiased_estimation and self.loss_target != "prediction":
             raise ValueError("debiased_estimation weighs the loss on the model's prediction, as kohya's "
                              "--debiased_estimation_loss does: set loss_target to prediction")
+        if self.scale_v_pred_loss and self.loss_target != "prediction":
+            raise ValueError("scale_v_pred_loss weighs the loss on the model's prediction (v), as kohya's "
+                             "--scale_v_pred_loss_like_noise_pred does: set loss_target to prediction")
         check_max_grad_norm(self.max_grad_norm)
         check_ema_decay(self.ema_decay)
         check_min_snr_gamma(self.min_snr_gamma)

@@ -145,3 +145,33 @@ def test_debiased_estimation_is_refused_for_a_model_it_has_no_weight_for(pack: M
         with pytest.raises(ValueError, match="debiased_estimation is kohya's weighting for noise- and v-prediction "
                                              "models .* turn debiased_estimation off"):
             _loss(pack, torch.nn.MSELoss(), _sampling(kind), loss_target="prediction", debiased_estimation=True)
+
+
+def test_scale_v_pred_loss_makes_a_v_models_loss_its_noise_prediction_loss(pack: ModuleType) -> None:
+    """kohya's scale_v_pred_loss_like_noise_pred: a v model's prediction MSE, each row weighed by SNR/(SNR + 1),
+    is the MSE of the noise its output implies (``(x_t - x0') / σ`` against ε; SNR = 1/σ² ≤ 100 here, under the
+    cap). Tolerance as above: both sides divide the fp32 clean-latent prediction's rounding by σ ≥ 0.09. The
+    weights drawn on a loader worker are the step's."""
+    sampling = _sampling("v")
+    sigma, x0, eps, out = _draw(sampling, seed=4)
+    xt = sampling.noise_scaling(sigma, eps, x0)
+    pred = sampling.calculate_denoised(sigma, out, xt)
+    loss = _loss(pack, torch.nn.MSELoss(), sampling, loss_target="prediction", scale_v_pred_loss=True)
+    got = loss(pred, x0, _batch(), sigma)
+    implied = (xt.double() - pred.double()) / sigma.double().view(-1, 1, 1, 1)
+    assert float(got) == pytest.approx(float(((implied - eps.double()) ** 2).mean()), rel=1e-4)
+    plain = _loss(pack, torch.nn.MSELoss(), sampling, loss_target="prediction")(pred, x0, _batch(), sigma)
+    assert not math.isclose(float(got), float(plain), rel_tol=1e-2)
+    drawn = loss.drawn(sigma)
+    assert set(drawn) == {"prediction_scales", "noise_like_weights"}
+    carried = types.SimpleNamespace(masks=None, extras=drawn, plan=_batch().plan)
+    assert torch.equal(loss(pred, x0, carried, sigma), got)
+    assert "each image's v loss weighed by SNR/(SNR + 1) of its noise level" in loss.describe()[0]
+
+
+def test_scale_v_pred_loss_is_refused_for_a_model_that_does_not_predict_v(pack: ModuleType) -> None:
+    for kind, predicts in (("eps", "noise"), ("flow", "velocity"), ("x0", "x0")):
+        with pytest.raises(ValueError, match=rf"scale_v_pred_loss weighs a v-prediction model's loss like a "
+                                             rf"noise-prediction one's.*\(it predicts {predicts}\): turn "
+                                             "scale_v_pred_loss off"):
+            _loss(pack, torch.nn.MSELoss(), _sampling(kind), loss_target="prediction", scale_v_pred_loss=True)

@@ -47,7 +47,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "lora_alpha": 1.0, "val_split": 0.0, "loss_target": "clean latent", "multires_noise_iterations": 0,
     "multires_noise_discount": 0.3, "sample_count": 0, "sample_every": 0, "sample_steps": 20, "sample_cfg": 1.0,
     "sample_prompt": None, "sample_negative": None, "debiased_estimation": False,
-    "sample_sampler": "euler", "sample_scheduler": "simple",
+    "sample_sampler": "euler", "sample_scheduler": "simple", "scale_v_pred_loss": False,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -141,7 +141,7 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "multires_noise_iterations", "multires_noise_discount",
                                                            "sample_every", "sample_steps", "sample_cfg",
                                                            "debiased_estimation", "sample_sampler",
-                                                           "sample_scheduler"}
+                                                           "sample_scheduler", "scale_v_pred_loss"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -1023,6 +1023,62 @@ def test_the_prediction_target_weighs_an_eps_models_loss_by_its_snr(pack: Module
     assert "debiased estimation (1/√SNR of its noise level" in _summary(debiased)
 
 
+def test_a_model_sampling_nodes_patch_is_the_sampling_the_run_draws_and_weighs_with(
+        pack: ModuleType, node: type, models: tuple, dataset: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Model Sampling node before Train LoRA replaces the model's sampling by an object patch, which ComfyUI
+    applies only when it loads the model. The run's noise levels come from the patched sampling from the first
+    step (ModelSamplingDiscrete's zero-terminal-SNR schedule: other sigmas for the same draws), as ComfyUI's own
+    trainer gets them from its loaded model."""
+    import comfy_extras.nodes_model_advanced
+
+    loop, settings = _module(pack, "nodes.training.loop"), _module(pack, "nodes.training.settings")
+    (patched,) = comfy_extras.nodes_model_advanced.ModelSamplingDiscrete().patch(models[0], "eps", True)
+
+    def expected(sampling: Any) -> float:
+        stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=FAST["seed"]),
+                                         _sampling_cpu=sampling, percent_span=(0.0, 1.0))
+        stand_in.sigmas = types.MethodType(loop.StepLoop.sigmas, stand_in)
+        return float(loop.StepLoop._draw(stand_in, (1, 4, 8, 8), 0)[0])
+
+    drawn: list[float] = []
+    draw = loop.StepLoop._draw
+
+    def recorded(self: Any, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sigma, noise = draw(self, shape, index)
+        drawn.append(float(sigma[0]))
+        return sigma, noise
+
+    monkeypatch.setattr(loop.StepLoop, "_draw", recorded)
+    _train(node, patched, dataset, steps=1, batch_size=1)
+    zsnr, plain = expected(patched.get_model_object("model_sampling")), expected(models[0].model.model_sampling)
+    assert not math.isclose(zsnr, plain, rel_tol=1e-3)
+    assert drawn[0] == pytest.approx(zsnr, rel=1e-6)
+
+
+def test_scale_v_pred_loss_weighs_a_v_models_loss_as_a_noise_predictions(pack: ModuleType, node: type,
+                                                                        models: tuple, dataset: Any) -> None:
+    """The tiny SD1.5 made a v-prediction model by ComfyUI's ModelSamplingDiscrete node: one step's prediction loss
+    with scale_v_pred_loss is the one without times kohya's SNR/(SNR + 1) (SNR = 1/σ² of the step's drawn σ;
+    rounding only, 1e-5); the plain model (ε) is refused before its first step, naming the option."""
+    import comfy_extras.nodes_model_advanced
+
+    loop, settings = _module(pack, "nodes.training.loop"), _module(pack, "nodes.training.settings")
+    (v_model,) = comfy_extras.nodes_model_advanced.ModelSamplingDiscrete().patch(models[0], "v_prediction", False)
+    stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=FAST["seed"]),
+                                     _sampling_cpu=v_model.get_model_object("model_sampling"), percent_span=(0.0, 1.0))
+    stand_in.sigmas = types.MethodType(loop.StepLoop.sigmas, stand_in)
+    (sigma,) = loop.StepLoop._draw(stand_in, (1, 4, 8, 8), 0)[0].tolist()
+    opts = {"optimizer": "SGD", "steps": 1, "batch_size": 1, "learning_rate": 0.02, "loss_target": "prediction"}
+    plain = _train(node, v_model, dataset, **opts)
+    scaled = _train(node, v_model, dataset, scale_v_pred_loss=True, **opts)
+    snr = 1.0 / sigma ** 2
+    assert scaled.result[1]["loss"][0] == pytest.approx(plain.result[1]["loss"][0] * snr / (snr + 1), rel=1e-5)
+    assert "; the loss is on the model's prediction (v), not the clean latent" in _summary(scaled)
+    assert "each image's v loss weighed by SNR/(SNR + 1)" in _summary(scaled)
+    with pytest.raises(ValueError, match="turn scale_v_pred_loss off"):
+        _train(node, models[0], dataset, scale_v_pred_loss=True, **opts)
+
+
 def test_multires_noise_is_drawn_after_the_plain_noise_and_trains_another_lora(pack: ModuleType, node: type,
                                                                              models: tuple, dataset: Any) -> None:
     """With multires_noise_iterations a batch's sigmas and plain noise are the ones drawn without it (the same
@@ -1243,6 +1299,13 @@ def test_a_validation_set_that_shares_images_with_the_training_is_named(node: ty
     ({"sample_count": 1, "sample_cfg": 0.5}, "sample_cfg must be a number from 1 (no guidance"),
     ({"debiased_estimation": True}, "debiased_estimation weighs the loss on the model's prediction, as kohya's "
                                     "--debiased_estimation_loss does: set loss_target to prediction"),
+    ({"scale_v_pred_loss": True}, "scale_v_pred_loss weighs the loss on the model's prediction (v), as kohya's "
+                                  "--scale_v_pred_loss_like_noise_pred does: set loss_target to prediction"),
+    ({"loss_target": "prediction", "scale_v_pred_loss": True}, "scale_v_pred_loss weighs a v-prediction model's "
+                                                               "loss like a noise-prediction one's, as kohya's "
+                                                               "--scale_v_pred_loss_like_noise_pred; this model's "
+                                                               "sampling is "),
+    ({"sample_count": 1, "sample_sampler": "k_euler"}, "unknown sample_sampler 'k_euler'"),
     ({"min_timestep": 900, "max_timestep": 900}, "min_timestep and max_timestep must be whole numbers with 0 <= "
                                                  "min_timestep < max_timestep <= 1000"),
     ({"max_timestep": 1001}, "got 0 and 1001"),

@@ -25,7 +25,8 @@ ADDED = {
                               "ema_decay", "min_snr_gamma", "train_layers", "min_timestep", "max_timestep",
                               "lora_alpha", "val_split", "loss_target", "multires_noise_iterations",
                               "multires_noise_discount", "sample_count", "sample_every", "sample_steps", "sample_cfg",
-                              "debiased_estimation", "sample_sampler", "sample_scheduler"),
+                              "debiased_estimation", "sample_sampler", "sample_scheduler",
+                              "scale_v_pred_loss"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
                                   "keep_tokens", "empty_caption", "masks", "missing_caption",
                                   "extra_resolutions", "tag_dropout", "wildcards", "clips_per_video",
@@ -42,7 +43,8 @@ loss weighed alike; ``train_layers`` empty: every layer gets an adapter; ``min_t
 ``loss_target`` 'clean latent': ComfyUI's loss;
 ``multires_noise_iterations`` 0: plain noise (``multires_noise_discount`` then has no effect); ``sample_count`` 0: no
 sample images (``sample_every``, ``sample_steps`` and ``sample_cfg`` then have no effect); ``debiased_estimation``
-off: no debiasing weight; ``sample_sampler`` 'euler' and ``sample_scheduler`` 'simple': the samples' sampler before;
+off: no debiasing weight; ``sample_sampler`` 'euler' and
+``sample_scheduler`` 'simple': the samples' sampler before; ``scale_v_pred_loss`` off: no v weight;
 ``missing_caption`` 'empty': a source without a caption file trains with the empty prompt; ``extra_resolutions``
 empty: one resolution; ``tag_dropout`` 0: every tag in; ``wildcards`` off: braces encoded as written;
 ``clips_per_video`` 1: one clip per video; ``keep_tokens_separator`` empty: none))."""

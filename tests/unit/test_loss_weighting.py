@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dataset_cache.loss_weighting import (DEBIASED_SNR_CAP, MAX_MIN_SNR_GAMMA, check_min_snr_gamma, debiased_weights,
-                                          min_snr_weights, prediction_scales)
+                                          min_snr_weights, noise_like_weights, prediction_scales)
 
 
 def test_an_eps_models_snr_is_one_over_sigma_squared_capped_at_gamma() -> None:
@@ -68,3 +68,13 @@ def test_debiased_estimation_is_one_over_the_root_snr_capped_as_kohyas() -> None
     assert eps.tolist() == pytest.approx([0.5, 2.0, DEBIASED_SNR_CAP ** -0.5, DEBIASED_SNR_CAP ** -0.5], rel=1e-6)
     v = debiased_weights(torch.ones(4), sigma, v_prediction=True)
     assert v.tolist() == pytest.approx([1 / 5, 1 / 1.25, 1 / 1001, 1 / 1001], rel=1e-6)
+
+
+def test_the_v_scaling_is_snr_over_snr_plus_one_capped_as_kohyas() -> None:
+    """x_t = x0 + σ·ε (SNR 1/σ²): σ = 0.5 gives 4/5, σ = 2 gives 0.25/1.25; σ = 0.01 (SNR 10,000) is capped at
+    SNR 1000, as a row without noise is; pure noise weighs 0."""
+    sigma = torch.tensor([0.5, 2.0, 0.01, 0.0])
+    weights = noise_like_weights(torch.ones(4), sigma)
+    assert weights.dtype == torch.float32
+    assert weights.tolist() == pytest.approx([0.8, 0.2, 1000 / 1001, 1000 / 1001], rel=1e-6)
+    assert noise_like_weights(torch.zeros(1), torch.ones(1)).tolist() == [0.0]
