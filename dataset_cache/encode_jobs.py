@@ -22,6 +22,7 @@ from .errors import SourceFailure
 from .frames import FrameSettings
 from .imaging import MASK_MODES
 from .keys import PlanKeys
+from .listing import CAPTION_EXTENSION, check_caption_extension
 from .missing_captions import MISSING_CAPTIONS
 from .sources import Validation
 from .variants import role_keys
@@ -88,6 +89,9 @@ class EncodeSettings:
             second one stay at the end, the ones between are shuffled and dropped (``keep_tokens`` is not used
             for that line); the separator itself is never encoded (the parts are joined with ``", "``, shuffled
             or not). ``""``: none.
+        caption_extension: the caption files' extension, lowercased with its dot (kohya's ``caption_extension``:
+            ``".txt"``, or ``".caption"`` for datasets captioned so; see
+            :func:`.listing.check_caption_extension`).
         mask_factor: the VAE's spatial compression (8 for SD/SDXL/Flux), which sets a mask's latent resolution;
             a property of the VAE, not a user setting (not described). ``None``: unknown (the VAE was not
             loaded): mask keys are then unresolved, so the VAE is asked for, and such a plan cannot be encoded.
@@ -111,6 +115,7 @@ class EncodeSettings:
     tag_dropout: float = 0.0
     wildcards: bool = False
     keep_tokens_separator: str = ""
+    caption_extension: str = CAPTION_EXTENSION
 
     def __post_init__(self) -> None:
         if type(self.shuffle_variants) is not int or not 0 <= self.shuffle_variants <= MAX_SHUFFLE_VARIANTS:
@@ -120,6 +125,9 @@ class EncodeSettings:
             raise ValueError(f"EncodeSettings.keep_tokens must be an int from 0 to {MAX_KEEP_TOKENS}, "
                              f"got {self.keep_tokens!r}")
         self._check_caption_draws()
+        if check_caption_extension(self.caption_extension) != self.caption_extension:
+            raise ValueError(f"EncodeSettings.caption_extension must be lowercase with its dot, such as "
+                             f"{check_caption_extension(self.caption_extension)!r}; got {self.caption_extension!r}")
         if type(self.empty_caption) is not bool:
             raise TypeError(f"EncodeSettings.empty_caption must be a bool, got {self.empty_caption!r}")
         if self.masks not in MASK_MODES:
@@ -246,6 +254,8 @@ class EncodeSettings:
             out["missing_caption"] = self.missing_caption
         if self.extra_resolutions:
             out["extra_resolutions"] = list(self.extra_resolutions)
+        if self.caption_extension != CAPTION_EXTENSION:
+            out["caption_extension"] = self.caption_extension
         return out
 
 

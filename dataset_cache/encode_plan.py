@@ -64,7 +64,7 @@ from .format.reader import open_cache
 from .frames import FrameSettings, clip_folder_of
 from .gcpause import gc_paused
 from .keys import PlanKeys
-from .listing import FolderListing
+from .listing import CAPTION_EXTENSION, FolderListing
 from .mask_plan import mask_job, mask_notes, unused_masks
 from .scan import SourceImage, scan_folder
 from .sources import Validation, validate_sources
@@ -176,6 +176,7 @@ def _output_settings(described: Mapping[str, Any]) -> dict[str, Any]:
     out["masks"] = described.get("masks", "none")
     out["missing_caption"] = described.get("missing_caption", "empty")
     out["extra_resolutions"] = described.get("extra_resolutions", [])
+    out["caption_extension"] = described.get("caption_extension", CAPTION_EXTENSION)
     return out
 
 
@@ -253,7 +254,8 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     if not os.path.exists(src):
         return _sourceless_plan(root, dataset, src, settings, vae_fingerprint, text_fingerprint, record_path)
 
-    validation = validate_sources(src, _load_record(record_path), threads=threads)
+    validation = validate_sources(src, _load_record(record_path), threads=threads,
+                                  caption_extension=settings.caption_extension)
     record = validation.record
     scan = scan_folder(validation.listing, known_sizes=record.image_sizes(), known_captions=record.caption_lines(),
                        threads=threads)

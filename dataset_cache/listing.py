@@ -29,8 +29,9 @@ Layout rules:
   folder is refused like a caption: the link is a failure and its images are listed in
   :attr:`FolderListing.refused_masks` (left out when masks are used). Inside a ``.frames`` folder a mask file is
   no frame (clips get no mask).
-* Captions: ``<stem>.txt`` (any case of ``.txt``) next to the image (how its lines become caption variants:
-  :mod:`.scan`).
+* Captions: ``<stem>.txt`` (any case of ``.txt``) next to the image, or the extension a run names
+  (``caption_extension``, kohya's: ``.caption``; then ``.txt`` files are no captions); how its lines become
+  caption variants: :mod:`.scan`.
 
 Everything returned is sorted by relative path (POSIX separators) and does not depend on directory order.
 """
@@ -54,6 +55,7 @@ from .threads import resolve_threads
 __all__ = [
     "IMAGE_EXTENSIONS",
     "CAPTION_EXTENSION",
+    "check_caption_extension",
     "MASK_SUFFIX",
     "ListedImage",
     "FolderListing",
@@ -67,7 +69,27 @@ IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tiff",
 """Image file extensions (compared lowercased)."""
 
 CAPTION_EXTENSION = ".txt"
-"""Caption file extension (compared lowercased)."""
+"""The caption files' extension unless a run names another (``caption_extension``; compared lowercased)."""
+_EXTENSION_TEXT = re.compile(r"^\.[a-z0-9_-]{1,16}$")
+
+
+def check_caption_extension(extension: object) -> str:
+    """The caption files' extension, lowercased (``".caption"``; ``"caption"`` gains its dot): kohya's
+    ``caption_extension``, for datasets whose captions are not ``.txt`` files.
+
+    Raises:
+        ValueError: naming ``caption_extension``: not a short extension of letters, digits, ``_`` and ``-``, or
+            one the folder's images, videos or masks use.
+    """
+    text = extension.strip().lower() if isinstance(extension, str) else ""
+    text = text if text.startswith(".") else "." + text
+    if not _EXTENSION_TEXT.match(text):
+        raise ValueError(f"caption_extension must be a file extension such as '.txt' or '.caption' (letters, digits, "
+                         f"'_' or '-', at most 16), got {extension!r:.40}")
+    if text in IMAGE_EXTENSIONS or text in VIDEO_EXTENSIONS or text == FRAMES_SUFFIX:
+        raise ValueError(f"caption_extension {text!r} is the extension of images, videos or clip folders, which "
+                         "are the samples; name the extension of the caption files, such as '.txt'")
+    return text
 
 MASK_SUFFIX = "-masklabel"
 """End of a mask file's stem (compared lowercased): ``a-masklabel.png`` is the loss mask of ``a.png``."""
@@ -190,31 +212,31 @@ class _Entries:
     refused_masks: set[str] = field(default_factory=set)  # image stems whose mask links outside the folder
 
 
-def _list_dir(root: str, real_root: str, reldir: str, repeats: int, ancestors: frozenset[tuple[int, int]],
-              clip_caption: _Caption | None = None
+def _list_dir(root: str, real_root: str, caption_ext: str, reldir: str, repeats: int,
+              ancestors: frozenset[tuple[int, int]], clip_caption: _Caption | None = None
               ) -> tuple[list[ListedImage], list[SourceFailure], list[_Pending], _Masks]:
-    """List one directory: its images (with caption stats), failures, subfolders still to list, and its mask
-    files paired with their images. A ``.frames`` folder lists its images only, each with the clip's caption
-    ``clip_caption`` (its mask files are unused)."""
+    """List one directory: its images (with the stats of their ``caption_ext`` captions), failures, subfolders
+    still to list, and its mask files paired with their images. A ``.frames`` folder lists its images only, each
+    with the clip's caption ``clip_caption`` (its mask files are unused)."""
     frames_dir = clip_folder_of(reldir + "/x") is not None if reldir else False
     absdir = os.path.join(root, *reldir.split("/")) if reldir else root
     prefix = reldir + "/" if reldir else ""
     found = _Entries()
     masks: _Masks = (found.mask_files, [], [])
     try:
-        _scan_entries(found, root, real_root, reldir, absdir, prefix, repeats, ancestors, frames_dir)
+        _scan_entries(found, root, real_root, reldir, absdir, prefix, repeats, ancestors, frames_dir, caption_ext)
     except OSError as exc:
         found.failures.append(SourceFailure(reldir or ".", absdir, f"cannot list folder: {exc.strerror or exc}"))
         return [], found.failures, found.subdirs, masks
     if frames_dir:
         return _frame_images(found, prefix, repeats, clip_caption), found.failures, found.subdirs, masks
-    _clip_captions(found, prefix, absdir)
+    _clip_captions(found, prefix, absdir, caption_ext)
     _pair_masks(found, prefix, masks)
-    return _captioned_images(found, prefix, repeats), found.failures, found.subdirs, masks
+    return _captioned_images(found, prefix, repeats, caption_ext), found.failures, found.subdirs, masks
 
 
 def _scan_entries(found: _Entries, root: str, real_root: str, reldir: str, absdir: str, prefix: str, repeats: int,
-                  ancestors: frozenset[tuple[int, int]], frames_dir: bool) -> None:
+                  ancestors: frozenset[tuple[int, int]], frames_dir: bool, caption_ext: str) -> None:
     """One pass over the directory's entries (``absdir``, ``reldir`` in the dataset folder ``root``) into ``found``
     (links out of the folder and unreadable entries among its failures). Raises the ``OSError`` of listing the
     directory itself."""
@@ -235,7 +257,7 @@ def _scan_entries(found: _Entries, root: str, real_root: str, reldir: str, absdi
                             f"is a symbolic link to {target}, outside the dataset folder {root}; links out of "
                             "the folder are not followed (the pack reads only inside the folders you gave "
                             "ComfyUI): copy the file into the folder instead")))
-                        if ext == CAPTION_EXTENSION:
+                        if ext == caption_ext:
                             found.refused_captions.add(name[:dot])
                         elif ext in IMAGE_EXTENSIONS and _is_mask_name(name, dot):
                             found.refused_masks.add(name[:dot - len(MASK_SUFFIX)])
@@ -259,10 +281,10 @@ def _scan_entries(found: _Entries, root: str, real_root: str, reldir: str, absdi
                     mask_entries[stem] = entry
             elif ext in IMAGE_EXTENSIONS or (ext in VIDEO_EXTENSIONS and not frames_dir):
                 images.append((name, name[:dot], entry))
-            elif ext == CAPTION_EXTENSION and not frames_dir:
+            elif ext == caption_ext and not frames_dir:
                 stem = name[:dot]
                 # a.txt wins over a.TXT; otherwise the first name in sorted order, so the choice is stable
-                if stem not in captions or _caption_rank(name) < _caption_rank(captions[stem].name):
+                if stem not in captions or _caption_rank(name, ext) < _caption_rank(captions[stem].name, ext):
                     captions[stem] = entry
 
 
@@ -285,7 +307,7 @@ def _frame_images(found: _Entries, prefix: str, repeats: int, clip_caption: _Cap
     return out
 
 
-def _clip_captions(found: _Entries, prefix: str, absdir: str) -> None:
+def _clip_captions(found: _Entries, prefix: str, absdir: str, caption_ext: str) -> None:
     """Give each clip folder (``<stem>.frames``) among the subfolders the caption beside it; drop a clip folder whose
     caption is a link out of the dataset folder."""
     subdirs, failures = found.subdirs, found.failures
@@ -295,7 +317,7 @@ def _clip_captions(found: _Entries, prefix: str, absdir: str) -> None:
             stem = folder[:-len(FRAMES_SUFFIX)]
             if stem in found.refused_captions:
                 failures.append(SourceFailure(sub, os.path.join(absdir, folder), (
-                    f"left out: its caption {prefix}{stem}{CAPTION_EXTENSION} is a symbolic link outside the "
+                    f"left out: its caption {prefix}{stem}{caption_ext} is a symbolic link outside the "
                     "dataset folder (see that file's line)")))
                 subdirs[i] = ("", 0, sub_ancestors, None)  # dropped below
                 continue
@@ -322,7 +344,7 @@ def _pair_masks(found: _Entries, prefix: str, masks: _Masks) -> None:
             masks[1].append((prefix + name, prefix + found.mask_entries[stem].name))
 
 
-def _captioned_images(found: _Entries, prefix: str, repeats: int) -> list[ListedImage]:
+def _captioned_images(found: _Entries, prefix: str, repeats: int, caption_ext: str) -> list[ListedImage]:
     """The folder's images and videos with their captions' stats; one whose caption links out of the folder is
     left out, and said so."""
     out: list[ListedImage] = []
@@ -330,7 +352,7 @@ def _captioned_images(found: _Entries, prefix: str, repeats: int) -> list[Listed
     for name, stem, entry in found.images:
         if stem in refused:
             failures.append(SourceFailure(prefix + name, entry.path, (
-                f"left out: its caption {prefix}{stem}{CAPTION_EXTENSION} is a symbolic link outside the dataset "
+                f"left out: its caption {prefix}{stem}{caption_ext} is a symbolic link outside the dataset "
                 "folder (see that file's line)")))
             continue
         try:
@@ -347,8 +369,8 @@ def _captioned_images(found: _Entries, prefix: str, repeats: int) -> list[Listed
     return out
 
 
-def _caption_rank(name: str) -> tuple[bool, str]:
-    return (not name.endswith(CAPTION_EXTENSION), name)
+def _caption_rank(name: str, caption_ext: str) -> tuple[bool, str]:
+    return (not name.endswith(caption_ext), name)
 
 
 def _add_subdir(entry: os.DirEntry[str], reldir: str, prefix: str, repeats: int,
@@ -375,9 +397,10 @@ def _add_subdir(entry: os.DirEntry[str], reldir: str, prefix: str, repeats: int,
     subdirs.append((prefix + entry.name, repeats, ancestors | {ident}, None))
 
 
-def _walk(root: str, threads: int) -> tuple[list[ListedImage], list[SourceFailure], _Masks]:
-    """List every folder under ``root``; with ``threads > 1`` folders are listed concurrently (their stat calls
-    release the GIL, which pays off on network filesystems and cold caches)."""
+def _walk(root: str, threads: int, caption_ext: str) -> tuple[list[ListedImage], list[SourceFailure], _Masks]:
+    """List every folder under ``root`` (captions: the ``caption_ext`` files); with ``threads > 1`` folders are
+    listed concurrently (their stat calls release the GIL, which pays off on network filesystems and cold
+    caches)."""
     st = os.stat(root)
     real_root = os.path.realpath(root)
     first: _Pending = ("", 1, frozenset({(st.st_dev, st.st_ino)}), None)
@@ -392,14 +415,14 @@ def _walk(root: str, threads: int) -> tuple[list[ListedImage], list[SourceFailur
     if threads <= 1:
         pending = [first]
         while pending:
-            imgs, fails, subs, found = _list_dir(root, real_root, *pending.pop())
+            imgs, fails, subs, found = _list_dir(root, real_root, caption_ext, *pending.pop())
             out += imgs
             failures += fails
             pending += subs
             add_masks(found)
         return out, failures, masks
     with ThreadPoolExecutor(threads, thread_name_prefix="list") as pool:
-        running = {pool.submit(_list_dir, root, real_root, *first)}
+        running = {pool.submit(_list_dir, root, real_root, caption_ext, *first)}
         while running:
             done, running = wait(running, return_when=FIRST_COMPLETED)
             for fut in done:
@@ -407,15 +430,17 @@ def _walk(root: str, threads: int) -> tuple[list[ListedImage], list[SourceFailur
                 out += imgs
                 failures += fails
                 add_masks(found)
-                running.update(pool.submit(_list_dir, root, real_root, *sub) for sub in subs)
+                running.update(pool.submit(_list_dir, root, real_root, caption_ext, *sub) for sub in subs)
     return out, failures, masks
 
 
-def list_folder(root: str | os.PathLike[str], *, threads: int | None = 1) -> FolderListing:
+def list_folder(root: str | os.PathLike[str], *, threads: int | None = 1,
+                caption_extension: str = CAPTION_EXTENSION) -> FolderListing:
     """List the images and captions under ``root`` (stat only, no file opened).
 
     Args:
         root: the dataset folder.
+        caption_extension: the caption files' extension (:func:`check_caption_extension`; ``.txt`` by default).
         threads: folders listed concurrently; ``None`` chooses from the CPUs this process may use. The default,
             1, is fastest on a local disk with a warm page cache (the work is then GIL-bound: measured on 100k
             files, threads cost CPU and gained nothing); raise it for network filesystems or cold caches, where
@@ -423,17 +448,19 @@ def list_folder(root: str | os.PathLike[str], *, threads: int | None = 1) -> Fol
 
     Raises:
         DatasetFolderError: ``root`` is missing, not a folder, or holds no image.
+        ValueError: a bad ``caption_extension``.
     """
     started_ns = time.time_ns()
+    caption_ext = check_caption_extension(caption_extension)
     path = _check_root(root)
     n = resolve_threads(threads, purpose="listing threads", per_cpu=2.0, maximum=8)
-    out, failures, (masks, pairs, refused) = _walk(path, n)
+    out, failures, (masks, pairs, refused) = _walk(path, n, caption_ext)
     if not out:
         detail = f" ({len(failures)} entries could not be read, first: {failures[0].reason})" if failures else ""
         raise DatasetFolderError(
             path,
             f"no images found{detail}; put .png/.jpg/.jpeg/.webp/.bmp/.tiff files, videos (.mp4/.webm/.mov/.mkv) "
-            "or <name>.frames folders of frames (with optional same-name .txt captions) in it or in "
+            f"or <name>.frames folders of frames (with optional same-name {caption_ext} captions) in it or in "
             "<repeats>_<name> subfolders",
         )
     out.sort()  # relpaths are unique, so tuple order is relpath order (and cheaper than a key function)

@@ -45,7 +45,7 @@ from .frames import VIDEO_EXTENSIONS
 from .gcpause import gc_paused
 from .imaging import image_size_from_bytes
 from .keys import hash_file
-from .listing import FolderListing, list_folder
+from .listing import CAPTION_EXTENSION, FolderListing, list_folder
 from .scan import decode_captions
 from .sources_record import SourceEntry, SourcesRecord
 from .threads import resolve_threads
@@ -218,6 +218,7 @@ def validate_sources(
     threads: int | None = None,
     list_threads: int | None = 1,
     racy_window_ns: int = RACY_WINDOW_NS,
+    caption_extension: str = CAPTION_EXTENSION,
 ) -> Validation:
     """Compare a folder with the record of a previous run (``None``: everything is new).
 
@@ -227,6 +228,8 @@ def validate_sources(
         threads: hashing threads; ``None`` chooses from the CPUs this process may use.
         list_threads: folders listed concurrently (see :func:`.listing.list_folder`: 1 suits local disks).
         racy_window_ns: see :data:`RACY_WINDOW_NS`.
+        caption_extension: the caption files' extension (see :func:`.listing.list_folder`), when ``source`` is a
+            folder.
 
     Raises:
         DatasetFolderError: the folder is missing, not a folder, or holds no image.
@@ -234,7 +237,8 @@ def validate_sources(
     prev = previous.entries if previous is not None else {}
     trust_before = previous.scanned_ns - racy_window_ns if previous is not None else 0
     with gc_paused():  # hundreds of thousands of acyclic objects: see .gcpause
-        listing = source if isinstance(source, FolderListing) else list_folder(source, threads=list_threads)
+        listing = source if isinstance(source, FolderListing) else list_folder(
+            source, threads=list_threads, caption_extension=caption_extension)
         trusted = _trust(listing, prev, trust_before)
     entries, pending = trusted.entries, trusted.pending
     failures = list(listing.failures)

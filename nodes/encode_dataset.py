@@ -35,6 +35,7 @@ from ..dataset_cache.captions import MAX_SHUFFLE_VARIANTS, MAX_TAG_DROPOUT
 from ..dataset_cache.encode_jobs import FAILURE_POLICIES, MAX_EXTRA_RESOLUTIONS, EncodePlan, EncodeSettings
 from ..dataset_cache.encode_plan import plan_encode
 from ..dataset_cache.imaging import MASK_MODES
+from ..dataset_cache.listing import CAPTION_EXTENSION, check_caption_extension
 from ..dataset_cache.missing_captions import MISSING_CAPTIONS
 from ..dataset_cache import check_dataset_name
 from ..dataset_cache.encode_report import EncodeReport
@@ -96,7 +97,8 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
               frame_stride: int | None = None, flip: str = "none", shuffle_variants: int = 0, keep_tokens: int = 0,
               empty_caption: bool = False, masks: str = "none", mask_factor: int | None = None,
               missing_caption: str = "empty", extra_resolutions: str = "", tag_dropout: float = 0.0,
-              wildcards: bool = False, clips_per_video: int = 1, keep_tokens_separator: str = "") -> EncodeSettings:
+              wildcards: bool = False, clips_per_video: int = 1, keep_tokens_separator: str = "",
+              caption_extension: str = CAPTION_EXTENSION) -> EncodeSettings:
     problem = _bucket_problem(resolution, bucket_step) or _frame_problem(frame_count, frame_step, fps)
     if problem:
         raise ValueError(problem)
@@ -112,7 +114,8 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
                           empty_caption=bool(empty_caption), masks=masks, mask_factor=mask_factor,
                           missing_caption=missing_caption, extra_resolutions=extra,
                           tag_dropout=round(float(tag_dropout), 4), wildcards=bool(wildcards),
-                          keep_tokens_separator="" if keep_tokens_separator is None else keep_tokens_separator)
+                          keep_tokens_separator="" if keep_tokens_separator is None else keep_tokens_separator,
+                          caption_extension=check_caption_extension(caption_extension))
 
 
 def _extra_resolutions(text: Any, resolution: int, bucket_step: int) -> tuple[int, ...]:
@@ -184,9 +187,10 @@ def _format(report: EncodeReport, enc: Encoders) -> str:
     return f"{report.summary()}\n{loaded}"
 
 
-def _source_state(src: Path) -> str:
-    """The folder part of the node's fingerprint: its path and stat-only listing (``missing`` when gone)."""
-    return f"{src}\0{folder_digest(src) if src.exists() else 'missing'}"
+def _source_state(src: Path, caption_extension: str = CAPTION_EXTENSION) -> str:
+    """The folder part of the node's fingerprint: its path and stat-only listing with the captions of
+    ``caption_extension`` (``missing`` when gone)."""
+    return f"{src}\0{folder_digest(src, caption_extension) if src.exists() else 'missing'}"
 
 
 def _run(plan: EncodePlan, vae: Any, clip: Any, node_id: str | None = None) -> EncodeReport:
@@ -402,6 +406,10 @@ class EncodeDataset(io.ComfyNode):
                                 "the tags before it stay in front and those after a second one stay at the end; "
                                 "only the tags between are shuffled and dropped (keep_tokens is then not used). "
                                 "The separator itself is never encoded. Empty: none."),
+                io.String.Input("caption_extension", default=CAPTION_EXTENSION, optional=True, advanced=True,
+                                tooltip="The caption files' extension (kohya's caption_extension): '.txt', or "
+                                "'.caption' for a dataset captioned so; then .txt files beside the images are "
+                                "not read."),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),
@@ -426,9 +434,10 @@ class EncodeDataset(io.ComfyNode):
         return True
 
     @classmethod
-    def fingerprint_inputs(cls, folder: str, cache: str, dataset_name: str, **_: Any) -> str:
+    def fingerprint_inputs(cls, folder: str, cache: str, dataset_name: str,
+                           caption_extension: str = CAPTION_EXTENSION, **_: Any) -> str:
         root, src = resolve_cache(cache), resolve_folder(folder)
-        return _OWN_WRITES.fingerprint(_key(root, dataset_name), _source_state(src),
+        return _OWN_WRITES.fingerprint(_key(root, dataset_name), _source_state(src, caption_extension),
                                        cache_identity(root, dataset_name))
 
     @classmethod
@@ -472,7 +481,8 @@ class EncodeDataset(io.ComfyNode):
             report = _run(plan, vae, clip, _hidden(cls, "unique_id"))
         if not report.sourceless:
             store_record(root, dataset, enc)
-        _OWN_WRITES.remember(_key(root, dataset), _source_state(Path(plan.folder)), cache_identity(root, dataset))
+        _OWN_WRITES.remember(_key(root, dataset), _source_state(Path(plan.folder), plan.settings.caption_extension),
+                             cache_identity(root, dataset))
         text = _format(report, enc)
         return io.NodeOutput(StreamDatasetHandle(str(root), dataset), text,
                              ui=TextWithData(text, streamcache_report=report_fields(report, enc)))

@@ -48,7 +48,7 @@ import xxhash
 
 from ..dataset_cache import CacheError, CacheNotFoundError, read_state
 from ..dataset_cache.keys import fingerprint
-from ..dataset_cache.listing import list_folder
+from ..dataset_cache.listing import CAPTION_EXTENSION, list_folder
 
 __all__ = [
     "FULL_TENSOR_BYTES",
@@ -326,8 +326,9 @@ def upstream_identity(dynprompt: Any, node_id: str | None, input_name: str) -> s
 # ------------------------------------------------------------------------------------------------ node inputs
 
 
-def folder_digest(folder: str | os.PathLike[str]) -> str:
-    """Digest of an image folder's listing: relative path, size and mtime of every image and caption file.
+def folder_digest(folder: str | os.PathLike[str], caption_extension: str = CAPTION_EXTENSION) -> str:
+    """Digest of an image folder's listing: relative path, size and mtime of every image and caption file (those
+    of ``caption_extension``).
 
     One ``os.scandir`` per directory and no file opened (:func:`dataset_cache.listing.list_folder`), so it is cheap
     enough for ``fingerprint_inputs``, which ComfyUI calls on every queue.
@@ -335,7 +336,7 @@ def folder_digest(folder: str | os.PathLike[str]) -> str:
     Raises:
         DatasetFolderError: the folder is missing or holds no image.
     """
-    listing = list_folder(folder, threads=1)
+    listing = list_folder(folder, threads=1, caption_extension=caption_extension)
     h = xxhash.xxh3_128()
     h.update(f"{listing.root}\0".encode())
     for relpath, size, mtime_ns in listing.files():

@@ -237,6 +237,40 @@ def test_fingerprint_inputs_follows_the_folder_not_our_own_writes(
     assert run.fingerprint() == changed
 
 
+def test_captions_of_another_extension_are_read_and_fingerprinted(
+        mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels, names: tuple[str, str]) -> None:
+    """caption_extension ".caption": an image's ``.caption`` file is its caption and its ``.txt`` file is not read
+    (the first image's ``.caption`` repeats its ``.txt`` text: the same caption key as the ``.txt`` run; the others
+    have none: the empty caption), the node's fingerprint follows the ``.caption`` files, not the ``.txt`` ones; a
+    bad extension is refused naming the input, before any model loads."""
+    vae, clip = encoders
+    first = kohya.images[0]
+    first.path.with_suffix(".caption").write_text(first.caption, encoding="utf-8")
+
+    def captions(handle: Any) -> dict[str, tuple[str, ...]]:
+        reader, samples = handle.open()
+        reader.close()
+        return {s.source: s.captions for s in samples}
+
+    models = (tiny_models.name("vae"), tiny_models.name("clip"))
+    plain, _, _ = Run(mod, _prompt(names[0], names[1], *models)).queue(vae, clip)
+    run = Run(mod, _prompt(names[0], names[1], *models, dataset_name="captions", caption_extension=".caption"))
+    other, _, _ = run.queue(vae, clip)
+    by_txt, by_caption = captions(plain), captions(other)
+    first_source = next(s for s in by_txt if s.endswith(first.path.name))
+    assert by_caption[first_source] == by_txt[first_source]
+    empty = {c for s, c in by_caption.items() if s != first_source}
+    assert len(empty) == 1 and not empty & {c for s, c in by_txt.items() if s != first_source}
+    before = run.fingerprint()
+    first.path.with_suffix(".txt").write_text("changed, not read", encoding="utf-8")
+    assert run.fingerprint() == before
+    first.path.with_suffix(".caption").write_text("another sentence", encoding="utf-8")
+    assert run.fingerprint() != before
+    bad = Run(mod, _prompt(names[0], names[1], *models, caption_extension=".png"))
+    with pytest.raises(ValueError, match="caption_extension '.png' is the extension of images"):
+        bad.lazy()
+
+
 def test_interrupt_keeps_finished_batches(mod: ModuleType, encoders: tuple, kohya: Any, tiny_models: TinyModels,
                                           names: tuple[str, str]) -> None:
     import comfy.model_management as mm
@@ -368,7 +402,7 @@ def test_small_images_are_not_upscaled_unless_asked_and_old_prompts_run_without_
     assert {k for k, i in schema.items() if i.advanced} == {"caption_suffix", "batch_size", "on_failure", "upscale",
                                                             "frame_step", "fps", "shuffle_variants", "keep_tokens",
                                                             "empty_caption", "tag_dropout", "wildcards",
-                                                            "keep_tokens_separator"}
+                                                            "keep_tokens_separator", "caption_extension"}
     old = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), resolution=512,
                   bucket_step=32)
     assert "upscale" not in old["10"]["inputs"]  # as a workflow saved before the input existed
