@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import comfy.model_management
+import comfy.model_patcher
 import comfy.samplers
 import comfy.utils
 import torch
@@ -281,7 +282,9 @@ class Sampling:
         positive = loop.conditioner(rows.positive, noise, empty, seed)
         negative = loop.conditioner(rows.negative, noise, empty, seed) if rows.negative is not None else None
         guider = _Guider(loop, positive, negative, self.cfg, self.interrupt)
-        x = comfy.samplers.sampler_object(self.sampler).sample(guider, sigmas, {"model_options": {}, "seed": seed},
+        options = comfy.model_patcher.create_model_options_clone(guider.model_options)  # as CFGGuider.inner_sample
+        options.setdefault("transformer_options", {})["sample_sigmas"] = sigmas
+        x = comfy.samplers.sampler_object(self.sampler).sample(guider, sigmas, {"model_options": options, "seed": seed},
                                                                 None, noise, empty, disable_pbar=True)
         return loop.mp.model.process_latent_out(x).to("cpu", torch.float32)
 
@@ -290,7 +293,9 @@ class _Guider:
     """The model ComfyUI's samplers call (the interface of its ``CFGGuider``: ``inner_model``, ``model_patcher``,
     a call on ``(x, sigma, model_options, seed)``), running the run's own model call rather than KSampler's, which
     would load the model through model management and move the memory plan's weights. Guidance is ComfyUI's own
-    ``cfg_function``, so a sampler's guidance hooks (the CFG++ samplers' post-CFG function) apply as in KSampler.
+    ``cfg_function`` given the model patcher's options, so the guidance hooks of the user's model nodes (RescaleCFG's
+    ``sampler_cfg_function``, post-CFG functions) and of a sampler (CFG++) apply as in KSampler; pre-CFG hooks and
+    cond-batch functions, which work on ComfyUI's own cond lists, do not.
 
     Args:
         loop: the run's :class:`~.loop.StepLoop`; ``positive``, ``negative``: its conditioner's model arguments
@@ -302,7 +307,7 @@ class _Guider:
         self.loop = loop
         self.inner_model = loop.mp.model
         self.model_patcher = loop.mp
-        self.model_options: dict[str, Any] = {}
+        self.model_options: dict[str, Any] = loop.mp.model_options
         self.positive = positive
         self.negative = negative
         self.cfg = cfg

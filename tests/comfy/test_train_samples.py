@@ -141,6 +141,25 @@ def test_samplers_and_schedulers_are_ksamplers(node: type, models: tuple, datase
     assert f"4 {sampler} steps ({scheduler} schedule)" in _summary(out)
 
 
+def test_the_models_guidance_hooks_apply_as_in_ksampler(node: type, models: tuple, dataset: tuple,
+                                                        comfy_nodes: ModuleType) -> None:
+    """A model patched by ComfyUI's RescaleCFG node (its sampler_cfg_function) samples what KSampler makes of it
+    at cfg 4 (tolerance as above), which differs from the unpatched model's images."""
+    import comfy_extras.nodes_model_advanced
+
+    (patched,) = comfy_extras.nodes_model_advanced.RescaleCFG().patch(models[0], 0.7)
+    clip = models[1]
+    (prompt,) = comfy_nodes.CLIPTextEncode().encode(clip, "a red square on a blue field")
+    (negative,) = comfy_nodes.CLIPTextEncode().encode(clip, "blurry")
+    with torch.inference_mode():
+        out = _train(node, patched, dataset[0], steps=1, sample_count=1, sample_steps=3, sample_cfg=4.0,
+                     sample_prompt=prompt, sample_negative=negative)
+        expected = _ksampler_of((patched, *models[1:]), prompt, negative, "sample_prompt:0", 3, 4.0)
+        plain = _ksampler_of(models, prompt, negative, "sample_prompt:0", 3, 4.0)
+    torch.testing.assert_close(out.result[3]["samples"][:1], expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(expected, plain, atol=1e-3)
+
+
 def test_every_comfyui_sampler_and_scheduler_runs_through_the_run(node: type, models: tuple, dataset: tuple,
                                                                   pack: ModuleType) -> None:
     """Every sampler of this ComfyUI's list samples through the run's model call (each takes what it needs from
