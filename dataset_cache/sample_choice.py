@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from .dataset import Sample
 from .holdout import source_name, source_rank
 
-__all__ = ["MAX_SAMPLE_CFG", "MAX_SAMPLE_COUNT", "MAX_SAMPLE_STEPS", "check_sampling", "choose_sample_rows"]
+__all__ = ["MAX_SAMPLE_CFG", "MAX_SAMPLE_COUNT", "MAX_SAMPLE_SIZE", "MAX_SAMPLE_STEPS", "MIN_SAMPLE_SIZE",
+           "check_sample_size", "check_sampling", "choose_sample_rows"]
 
 MAX_SAMPLE_COUNT = 16
 """The most captions sampled: each costs ``sample_steps`` model calls (twice with CFG) at every sampling."""
@@ -25,6 +26,24 @@ MAX_SAMPLE_STEPS = 100
 """The most denoising steps per sample (20-30 is usual for Euler)."""
 MAX_SAMPLE_CFG = 30.0
 """The largest classifier-free guidance scale."""
+MIN_SAMPLE_SIZE = 64
+MAX_SAMPLE_SIZE = 8192
+"""The range of ``sample_width`` and ``sample_height`` in pixels (0: the bucket's)."""
+
+
+def check_sample_size(width: object, height: object) -> None:
+    """Refuse a sample size that is not both 0 (the bucket of the captions) or both pixels in range.
+
+    Raises:
+        ValueError: naming ``sample_width`` / ``sample_height``, the value and the range.
+    """
+    for name, value in (("sample_width", width), ("sample_height", height)):
+        if type(value) is not int or not (value == 0 or MIN_SAMPLE_SIZE <= value <= MAX_SAMPLE_SIZE):
+            raise ValueError(f"{name} must be 0 (the size of the captions' bucket) or a whole number of pixels from "
+                             f"{MIN_SAMPLE_SIZE} to {MAX_SAMPLE_SIZE}, got {value!r:.20}")
+    if (width == 0) != (height == 0):
+        raise ValueError(f"sample_width {width} and sample_height {height}: set both (the sample images' size in "
+                         "pixels) or leave both at 0 (the size of the captions' bucket)")
 
 
 def check_sampling(count: object, every: object, steps: object, cfg: object) -> None:

@@ -257,6 +257,8 @@ class TrainLoRA(io.ComfyNode):
         sample_sampler: str = SAMPLE_SAMPLER,
         sample_scheduler: str = SAMPLE_SCHEDULER,
         scale_v_pred_loss: bool = False,
+        sample_width: int = 0,
+        sample_height: int = 0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -279,6 +281,7 @@ class TrainLoRA(io.ComfyNode):
             sample_every=sample_every, sample_steps=sample_steps, sample_cfg=round(float(sample_cfg), 4),
             debiased_estimation=bool(debiased_estimation), sample_sampler=str(sample_sampler),
             sample_scheduler=str(sample_scheduler), scale_v_pred_loss=bool(scale_v_pred_loss),
+            sample_width=sample_width, sample_height=sample_height,
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

@@ -15,7 +15,7 @@ from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
 from ..dataset_cache.devices import AUTO as ALL_DEVICES
 from ..dataset_cache.holdout import MAX_VAL_SPLIT
 from ..dataset_cache.memory_plan import AUTO, MEMORY_MODES
-from ..dataset_cache.sample_choice import MAX_SAMPLE_CFG, MAX_SAMPLE_COUNT, MAX_SAMPLE_STEPS
+from ..dataset_cache.sample_choice import MAX_SAMPLE_CFG, MAX_SAMPLE_COUNT, MAX_SAMPLE_SIZE, MAX_SAMPLE_STEPS
 from .handles import StreamDataset
 from .training import (
     CHECKPOINT_MODES,
@@ -323,4 +323,9 @@ def _option_inputs() -> list[io.Input]:
                          tooltip="kohya's scale_v_pred_loss_like_noise_pred: weigh a v-prediction model's loss "
                          "(SD2 768-v, v-pred SDXL) by SNR/(SNR+1) of each image's noise level, so its noise levels "
                          "weigh as a noise-prediction model's. Needs loss_target prediction."),
+        io.Int.Input("sample_width", default=0, min=0, max=MAX_SAMPLE_SIZE, step=8, optional=True, advanced=True,
+                     tooltip="The sample images' width in pixels (with sample_height; a multiple of the model's "
+                     "latent downscale, 8 for SD and Flux). 0: the size of the bucket the captions come from."),
+        io.Int.Input("sample_height", default=0, min=0, max=MAX_SAMPLE_SIZE, step=8, optional=True, advanced=True,
+                     tooltip="The sample images' height in pixels (with sample_width). 0: the bucket's."),
     ]

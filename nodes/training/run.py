@@ -43,7 +43,7 @@ from .optimizers import create_optimizer, optimizer_info, optimizer_notes
 from .report import (RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes,
                      validation_overlap_notes)
 from .resume import Start, TrainState, capture_state, resume_run, save_state
-from .samples import NO_PROMPTS, SamplePrompts, Sampling, SamplingPlan
+from .samples import NO_PROMPTS, SamplePrompts, Sampling, SamplingPlan, sized_plan
 from .saves import RunSaves, lora_weights
 from .settings import TrainSettings
 from .validation import Validation
@@ -106,6 +106,7 @@ def train_lora(
     settings.validate()
     team = plan_team(settings.devices, model, reader, world)
     data = plan_data(reader, samples, settings, reg, reg_name, team.size, val, sample_prompts)
+    data.sampling = sized_plan(data.sampling, model, settings.sample_width, settings.sample_height, data.shapes)
     data.notes.extend(team.notes)
     train = nodes_train_module()
     existing, name_steps = load_existing_lora(settings.existing_lora)

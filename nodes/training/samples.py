@@ -37,7 +37,7 @@ from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.trainable import UNTRAINABLE_CONDITIONING_KEYS
 
 __all__ = ["NO_PROMPTS", "SAMPLE_SAMPLER", "SAMPLE_SCHEDULER", "SamplePrompts", "SamplingPlan", "Sampling",
-           "check_prompt", "check_sampler", "guided_by_negative", "node_preview", "sample_sigmas"]
+           "check_prompt", "check_sampler", "guided_by_negative", "node_preview", "sample_sigmas", "sized_plan"]
 
 log = logging.getLogger("streamcache.train")
 
@@ -93,12 +93,39 @@ class SamplingPlan:
     """What a run samples, decided with its data: ``samples`` (whose captions, and empty captions, are read),
     ``shape`` (their bucket's latent shape without the batch, ``(C, H, W)`` or ``(C, T, H, W)``: every image's),
     ``count`` images, and the node's ``prompts`` (a connected ``sample_prompt`` replaces the captions: ``count``
-    images of it, each from its own noise)."""
+    images of it, each from its own noise). ``size``: ``(width, height)`` in pixels when ``sample_width`` and
+    ``sample_height`` set it (``shape`` is then that size's; ``None``: the bucket's); ``rows_per_call``: images per
+    model call when fewer than the run's ``batch_size`` (a size larger than every training bucket: one at a time)."""
 
     samples: tuple[Sample, ...]
     shape: tuple[int, ...]
     count: int
     prompts: SamplePrompts = NO_PROMPTS
+    size: tuple[int, int] | None = None
+    rows_per_call: int | None = None
+
+
+def sized_plan(plan: SamplingPlan | None, model: Any, width: int, height: int,
+               shapes: Sequence[tuple[int, ...]]) -> SamplingPlan | None:
+    """``plan`` at ``width`` × ``height`` pixels (0 and 0: unchanged), its latent shape from the model's latent
+    format (its spatial downscale, 8 for SD and Flux); one image per model call when that latent is larger than
+    every training shape (``shapes``), so sampling needs no more memory than a training row's forward.
+
+    Raises:
+        ValueError: a size that is not a multiple of the downscale, naming the input and the nearest that is.
+    """
+    if plan is None or (width == 0 and height == 0):
+        return plan
+    latent_format = model.get_model_object("latent_format")
+    ratio = int(getattr(latent_format, "spacial_downscale_ratio", 8))
+    for name, value in (("sample_width", width), ("sample_height", height)):
+        if value % ratio:
+            raise ValueError(f"{name} {value} is not a multiple of {ratio}, this model's latent downscale: use "
+                             f"{max(ratio, round(value / ratio) * ratio)}")
+    shape = (*plan.shape[:-2], height // ratio, width // ratio)
+    largest = max(math.prod(s[-2:]) for s in shapes) if shapes else 0
+    rows = 1 if math.prod(shape[-2:]) > largest else None
+    return dataclasses.replace(plan, shape=shape, size=(width, height), rows_per_call=rows)
 
 
 def check_prompt(value: Any, name: str) -> None:
@@ -217,8 +244,9 @@ class Sampling:
         steps = ", ".join(str(step) for step, _ in self.results)
         against = "the sample_negative" if plan.prompts.negative is not None else "the empty caption"
         guidance = f", cfg {self.cfg:g} against {against}" if self.cfg > 1 else ""
+        size = f", {plan.size[0]}×{plan.size[1]} px" if plan.size is not None else ""
         return (f"{what} at steps {steps or 'none'}: {self.steps} {self.sampler} steps ({self.scheduler} schedule)"
-                f"{guidance}, {self.seconds:.1f} s (the samples output)")
+                f"{guidance}{size}, {self.seconds:.1f} s (the samples output)")
 
     def _read(self) -> list[_Rows]:
         """Every image's conditioning, key (its noise's seed) and, with guidance, negative, in batches of
@@ -231,7 +259,7 @@ class Sampling:
             positive, keys = self._cached(plan.samples)
         guided = guided_by_negative(self.sampler, self.cfg, plan.prompts.negative is not None)
         negative = self._negatives(keys) if guided else None
-        n = self.batch_size
+        n = plan.rows_per_call or self.batch_size
         return [_Rows(positive[i:i + n], negative[i:i + n] if negative is not None else None, keys[i:i + n],
                       (len(keys[i:i + n]), *plan.shape)) for i in range(0, len(keys), n)]
 

@@ -16,7 +16,7 @@ from ...dataset_cache.layer_filter import LayerFilter
 from ...dataset_cache.loss_weighting import LOSS_TARGETS, MAX_MIN_SNR_GAMMA, check_min_snr_gamma
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
-from ...dataset_cache.sample_choice import check_sampling
+from ...dataset_cache.sample_choice import check_sample_size, check_sampling
 from .samples import check_sampler
 from ...dataset_cache.noise_draws import (MAX_MULTIRES_ITERATIONS, MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMESTEP_SAMPLINGS,
                                           check_multires, check_noise_settings, check_timestep_range)
@@ -168,6 +168,9 @@ class TrainSettings:
     sample_scheduler: str = "simple"
     # kohya's scale_v_pred_loss_like_noise_pred on a v-prediction model's prediction loss; off: unweighted
     scale_v_pred_loss: bool = False
+    # the sample images' size in pixels (.samples.sized_plan); 0 and 0: the captions' bucket
+    sample_width: int = 0
+    sample_height: int = 0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -208,6 +211,7 @@ class TrainSettings:
         check_multires(self.multires_noise_iterations, self.multires_noise_discount)
         check_sampling(self.sample_count, self.sample_every, self.sample_steps, self.sample_cfg)
         check_sampler(self.sample_sampler, self.sample_scheduler)
+        check_sample_size(self.sample_width, self.sample_height)
         if self.debiased_estimation and self.loss_target != "prediction":
             raise ValueError("debiased_estimation weighs the loss on the model's prediction, as kohya's "
                              "--debiased_estimation_loss does: set loss_target to prediction")

@@ -47,7 +47,8 @@ FAST = {  # the options every run shares unless a test says otherwise
     "lora_alpha": 1.0, "val_split": 0.0, "loss_target": "clean latent", "multires_noise_iterations": 0,
     "multires_noise_discount": 0.3, "sample_count": 0, "sample_every": 0, "sample_steps": 20, "sample_cfg": 1.0,
     "sample_prompt": None, "sample_negative": None, "debiased_estimation": False,
-    "sample_sampler": "euler", "sample_scheduler": "simple", "scale_v_pred_loss": False,
+    "sample_sampler": "euler", "sample_scheduler": "simple", "scale_v_pred_loss": False, "sample_width": 0,
+    "sample_height": 0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -141,7 +142,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "multires_noise_iterations", "multires_noise_discount",
                                                            "sample_every", "sample_steps", "sample_cfg",
                                                            "debiased_estimation", "sample_sampler",
-                                                           "sample_scheduler", "scale_v_pred_loss"}
+                                                           "sample_scheduler", "scale_v_pred_loss",
+                                                           "sample_width", "sample_height"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]

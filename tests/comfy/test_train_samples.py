@@ -198,6 +198,50 @@ def test_a_sampler_that_reseeds_torch_leaves_the_training_s_random_numbers(node:
         assert torch.equal(v, sampled.result[0][k]), k
 
 
+def test_a_sample_size_of_the_users_is_ksamplers_image_at_that_size(node: type, models: tuple, dataset: tuple,
+                                                                    comfy_nodes: ModuleType, pack: ModuleType,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """sample_width 96 × sample_height 80: KSampler's images of the base model at that size (latent 10 × 12,
+    tolerance as above); larger than every training bucket (8 × 8 and 8 × 12 latents), so one image per model call
+    (the model sees no batch larger than a training row's forward)."""
+    loop = _module(pack, "nodes.training.loop").StepLoop
+    predict, rows = loop.predict, []
+
+    def counted(self: Any, x: torch.Tensor, sigma: torch.Tensor, groups: Any) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # the samples' calls (the training steps have gradients)
+            rows.append(tuple(x.shape))
+        return predict(self, x, sigma, groups)
+
+    monkeypatch.setattr(loop, "predict", counted)
+    (prompt,) = comfy_nodes.CLIPTextEncode().encode(models[1], "a red square on a blue field")
+    with torch.inference_mode():
+        out = _train(node, models[0], dataset[0], steps=1, sample_count=2, sample_steps=3, sample_prompt=prompt,
+                     sample_width=96, sample_height=80)
+        expected = torch.cat([_ksampler_of(models, prompt, prompt, f"sample_prompt:{i}", 3, 1.0,
+                                           shape=(1, 4, 10, 12)) for i in range(2)])
+    torch.testing.assert_close(out.result[3]["samples"][:2], expected, rtol=1e-4, atol=1e-4)
+    assert set(rows) == {(1, 4, 10, 12)}
+    assert "3 euler steps (simple schedule), 96×80 px" in _summary(out)
+    rows.clear()
+    with torch.inference_mode():  # no larger than the largest bucket: the batch's rows in one call
+        _train(node, models[0], dataset[0], steps=1, sample_count=2, sample_steps=2, sample_prompt=prompt,
+               sample_width=96, sample_height=64)
+    assert set(rows) == {(2, 4, 8, 12)}
+
+
+@pytest.mark.parametrize(("size", "message"), [
+    ({"sample_width": 96}, "sample_width 96 and sample_height 0: set both"),
+    ({"sample_width": 100, "sample_height": 64}, "sample_width 100 is not a multiple of 8, this model's latent "
+                                                 "downscale: use "),
+    ({"sample_width": 32, "sample_height": 32}, "sample_width must be 0 (the size of the captions' bucket) or a "
+                                                "whole number of pixels from 64 to 8192, got 32"),
+])
+def test_a_sample_size_that_cannot_be_is_refused_naming_the_input(node: type, models: tuple, dataset: tuple,
+                                                                 size: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _train(node, models[0], dataset[0], sample_count=1, **size)
+
+
 def test_an_unknown_sampler_or_scheduler_is_refused_naming_the_input(node: type, models: tuple,
                                                                     dataset: tuple) -> None:
     with pytest.raises(ValueError, match=r"unknown sample_sampler 'euler_a'; use one of ComfyUI's: euler, "):
