@@ -1025,16 +1025,22 @@ def test_the_prediction_target_weighs_an_eps_models_loss_by_its_snr(pack: Module
     assert "debiased estimation (1/√SNR of its noise level" in _summary(debiased)
 
 
+@pytest.mark.parametrize("patch", ["zsnr", "sd3 shift"])
 def test_a_model_sampling_nodes_patch_is_the_sampling_the_run_draws_and_weighs_with(
-        pack: ModuleType, node: type, models: tuple, dataset: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        pack: ModuleType, node: type, models: tuple, dataset: Any, monkeypatch: pytest.MonkeyPatch,
+        patch: str) -> None:
     """A Model Sampling node before Train LoRA replaces the model's sampling by an object patch, which ComfyUI
     applies only when it loads the model. The run's noise levels come from the patched sampling from the first
-    step (ModelSamplingDiscrete's zero-terminal-SNR schedule: other sigmas for the same draws), as ComfyUI's own
-    trainer gets them from its loaded model."""
-    import comfy_extras.nodes_model_advanced
+    step (ModelSamplingDiscrete's zero-terminal-SNR schedule, or ModelSamplingSD3's shift 3, musubi-tuner's
+    discrete_flow_shift: other sigmas for the same draws), as ComfyUI's own trainer gets them from its loaded
+    model."""
+    import comfy_extras.nodes_model_advanced as advanced
 
     loop, settings = _module(pack, "nodes.training.loop"), _module(pack, "nodes.training.settings")
-    (patched,) = comfy_extras.nodes_model_advanced.ModelSamplingDiscrete().patch(models[0], "eps", True)
+    if patch == "zsnr":
+        (patched,) = advanced.ModelSamplingDiscrete().patch(models[0], "eps", True)
+    else:
+        (patched,) = advanced.ModelSamplingSD3().patch(models[0], 3.0)
 
     def expected(sampling: Any) -> float:
         stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=FAST["seed"]),
