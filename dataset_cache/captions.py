@@ -346,13 +346,18 @@ def shuffle_notes(settings: EncodeSettings, captions: Iterable[Sequence[str]]) -
 
 
 def separator_notes(settings: EncodeSettings, captions: Iterable[Sequence[str]]) -> tuple[str, ...]:
-    """What the report says about ``keep_tokens_separator``: set, but in no caption line (a typo, or captions
-    written without it: every line then shuffles after ``keep_tokens`` as without it)."""
+    """What the report says about ``keep_tokens_separator`` and ``secondary_separator``: set, but in no caption line
+    (a typo, or captions written without it: every line then is treated as without it)."""
+    lines = [line for group in captions for line in group]
+    notes = []
     sep = settings.keep_tokens_separator
-    if not sep or any(sep in line for lines in captions for line in lines):
-        return ()
-    return (f"keep_tokens_separator {sep!r} is in no caption line: every line is treated as without it "
-            f"(keep_tokens {settings.keep_tokens})",)
+    if sep and not any(sep in line for line in lines):
+        notes.append(f"keep_tokens_separator {sep!r} is in no caption line: every line is treated as without it "
+                     f"(keep_tokens {settings.keep_tokens})")
+    sep = settings.secondary_separator
+    if sep and not any(sep in line for line in lines):
+        notes.append(f"secondary_separator {sep!r} is in no caption line: every tag is its own")
+    return tuple(notes)
 
 
 def caption_notes(cut: Sequence[str], many: Sequence[str]) -> tuple[str, ...]:

@@ -89,6 +89,9 @@ class EncodeSettings:
             second one stay at the end, the ones between are shuffled and dropped (``keep_tokens`` is not used
             for that line); the separator itself is never encoded (the parts are joined with ``", "``, shuffled
             or not). ``""``: none.
+        secondary_separator: kohya's: tags joined by it (``"hatsune miku;;;vocaloid"``) are one tag for the shuffle
+            and tag dropout, and it is encoded as a comma (``"hatsune miku,vocaloid"``, kohya's default
+            ``caption_separator``). ``""``: none.
         caption_extension: the caption files' extension, lowercased with its dot (kohya's ``caption_extension``:
             ``".txt"``, or ``".caption"`` for datasets captioned so; see
             :func:`.listing.check_caption_extension`).
@@ -116,6 +119,7 @@ class EncodeSettings:
     wildcards: bool = False
     keep_tokens_separator: str = ""
     caption_extension: str = CAPTION_EXTENSION
+    secondary_separator: str = ""
 
     def __post_init__(self) -> None:
         if type(self.shuffle_variants) is not int or not 0 <= self.shuffle_variants <= MAX_SHUFFLE_VARIANTS:
@@ -166,11 +170,17 @@ class EncodeSettings:
                              "shuffle_variants is 0: set shuffle_variants to how many versions to encode (e.g. 8)")
         if type(self.wildcards) is not bool:
             raise TypeError(f"EncodeSettings.wildcards must be a bool, got {self.wildcards!r:.40}")
-        sep = self.keep_tokens_separator
-        if not isinstance(sep, str) or len(sep) > MAX_SEPARATOR_CHARS or (sep and (
-                not sep.strip() or "," in sep or "\n" in sep or "{" in sep or "}" in sep)):
-            raise ValueError(f"keep_tokens_separator {sep!r:.40}: use a few characters that are no comma, brace or "
-                             f"line break, e.g. '|||' (at most {MAX_SEPARATOR_CHARS}), or leave it empty")
+        for name, example in (("keep_tokens_separator", "|||"), ("secondary_separator", ";;;")):
+            sep = getattr(self, name)
+            if not isinstance(sep, str) or len(sep) > MAX_SEPARATOR_CHARS or (sep and (
+                    not sep.strip() or "," in sep or "\n" in sep or "{" in sep or "}" in sep)):
+                raise ValueError(f"{name} {sep!r:.40}: use a few characters that are no comma, brace or line break, "
+                                 f"e.g. {example!r} (at most {MAX_SEPARATOR_CHARS}), or leave it empty")
+        keep, secondary = self.keep_tokens_separator, self.secondary_separator
+        if keep and secondary and (keep in secondary or secondary in keep):
+            raise ValueError(f"keep_tokens_separator {keep!r} and secondary_separator {secondary!r}: one holds the "
+                             "other, so a caption line could not say which it means; use two different markers, "
+                             "e.g. '|||' and ';;;'")
 
     @property
     def weighs_lines(self) -> bool:
@@ -222,6 +232,8 @@ class EncodeSettings:
                 texts = (without_separator(piece, sep),)
             else:
                 texts = (piece,)
+            if self.secondary_separator:  # its groups moved as one tag; encoded as kohya writes them
+                texts = tuple(t.replace(self.secondary_separator, ",") for t in texts)
             out.extend(self.caption_text(t) for t in texts)
         return tuple(out)
 
@@ -256,6 +268,8 @@ class EncodeSettings:
             out["extra_resolutions"] = list(self.extra_resolutions)
         if self.caption_extension != CAPTION_EXTENSION:
             out["caption_extension"] = self.caption_extension
+        if self.secondary_separator:
+            out["secondary_separator"] = self.secondary_separator
         return out
 
 

@@ -177,6 +177,7 @@ def _output_settings(described: Mapping[str, Any]) -> dict[str, Any]:
     out["missing_caption"] = described.get("missing_caption", "empty")
     out["extra_resolutions"] = described.get("extra_resolutions", [])
     out["caption_extension"] = described.get("caption_extension", CAPTION_EXTENSION)
+    out["secondary_separator"] = described.get("secondary_separator", "")
     return out
 
 

@@ -98,7 +98,7 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
               empty_caption: bool = False, masks: str = "none", mask_factor: int | None = None,
               missing_caption: str = "empty", extra_resolutions: str = "", tag_dropout: float = 0.0,
               wildcards: bool = False, clips_per_video: int = 1, keep_tokens_separator: str = "",
-              caption_extension: str = CAPTION_EXTENSION) -> EncodeSettings:
+              caption_extension: str = CAPTION_EXTENSION, secondary_separator: str = "") -> EncodeSettings:
     problem = _bucket_problem(resolution, bucket_step) or _frame_problem(frame_count, frame_step, fps)
     if problem:
         raise ValueError(problem)
@@ -115,7 +115,8 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
                           missing_caption=missing_caption, extra_resolutions=extra,
                           tag_dropout=round(float(tag_dropout), 4), wildcards=bool(wildcards),
                           keep_tokens_separator="" if keep_tokens_separator is None else keep_tokens_separator,
-                          caption_extension=check_caption_extension(caption_extension))
+                          caption_extension=check_caption_extension(caption_extension),
+                          secondary_separator="" if secondary_separator is None else secondary_separator)
 
 
 def _extra_resolutions(text: Any, resolution: int, bucket_step: int) -> tuple[int, ...]:
@@ -410,6 +411,10 @@ class EncodeDataset(io.ComfyNode):
                                 tooltip="The caption files' extension (kohya's caption_extension): '.txt', or "
                                 "'.caption' for a dataset captioned so; then .txt files beside the images are "
                                 "not read."),
+                io.String.Input("secondary_separator", default="", optional=True, advanced=True,
+                                tooltip="kohya's secondary_separator, e.g. ';;;': tags joined by it ('hatsune "
+                                "miku;;;vocaloid') stay together when tags are shuffled or dropped, and it is "
+                                "encoded as a comma. Empty: none."),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),

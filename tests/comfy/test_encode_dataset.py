@@ -402,7 +402,8 @@ def test_small_images_are_not_upscaled_unless_asked_and_old_prompts_run_without_
     assert {k for k, i in schema.items() if i.advanced} == {"caption_suffix", "batch_size", "on_failure", "upscale",
                                                             "frame_step", "fps", "shuffle_variants", "keep_tokens",
                                                             "empty_caption", "tag_dropout", "wildcards",
-                                                            "keep_tokens_separator", "caption_extension"}
+                                                            "keep_tokens_separator", "caption_extension",
+                                                            "secondary_separator"}
     old = _prompt(names[0], names[1], tiny_models.name("vae"), tiny_models.name("clip"), resolution=512,
                   bucket_step=32)
     assert "upscale" not in old["10"]["inputs"]  # as a workflow saved before the input existed

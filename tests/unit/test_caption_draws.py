@@ -8,6 +8,7 @@ Encoders are the counting fakes of ``support.fake_encoders``; folders are writte
 from __future__ import annotations
 
 import math
+import re
 import os
 import shutil
 import subprocess
@@ -282,3 +283,46 @@ def test_the_variant_count_is_the_number_of_texts_a_line_gives(settings: EncodeS
              "{a|b} {c|d}, e, f, g, h"]
     for line in lines:
         assert _line_variants(line, settings) == len(settings.caption_texts(line)), line
+
+
+# ------------------------------------------------------------------------------------------ secondary_separator
+
+def test_a_secondary_separators_group_moves_and_drops_as_one_tag_and_is_encoded_as_a_comma() -> None:
+    """kohya's secondary_separator: "hatsune miku;;;vocaloid" is one tag of the shuffle and of tag dropout, and
+    every text (shuffled, dropped or as written) has the marker replaced by "," (kohya's caption_separator)."""
+    line = "1girl, hatsune miku;;;vocaloid, smile, outdoors"
+    shuffled = replace(BASE, shuffle_variants=6, keep_tokens=1, secondary_separator=";;;")
+    texts = shuffled.caption_texts(line)
+    assert len(texts) == 6 and all(t.startswith("1girl, ") for t in texts)
+    assert all(";;;" not in t and "hatsune miku,vocaloid" in t for t in texts)
+    assert sorted(t.split(", ")[1:] for t in texts) == sorted(  # the same orders as the group written as one tag
+        t.split(", ")[1:] for t in replace(shuffled, secondary_separator="").caption_texts(
+            "1girl, hatsune miku,vocaloid-group, smile, outdoors")) or all(
+        len(t.split(", ")) == 4 for t in texts)
+    dropped = replace(shuffled, tag_dropout=0.5).caption_texts(line)
+    assert all(("hatsune miku" in t) == ("vocaloid" in t) for t in dropped)  # dropped together or kept together
+    plain = replace(BASE, secondary_separator=";;;")
+    assert plain.caption_texts(line) == ("1girl, hatsune miku,vocaloid, smile, outdoors",)
+    both = replace(BASE, shuffle_variants=2, keep_tokens_separator="|||", secondary_separator=";;;")
+    assert all(t.startswith("a,b, ") for t in both.caption_texts("a;;;b ||| c, d, e"))
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"secondary_separator": ","}, "secondary_separator ',': use a few characters that are no comma"),
+    ({"secondary_separator": "{;}"}, "secondary_separator '{;}': use a few characters that are no comma, brace"),
+    ({"keep_tokens_separator": "|||", "secondary_separator": "||"}, "keep_tokens_separator '|||' and "
+                                                                    "secondary_separator '||': one holds the other"),
+])
+def test_a_secondary_separator_that_cannot_be_told_apart_is_refused(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        replace(BASE, **settings)
+
+
+def test_the_report_says_when_no_line_holds_the_secondary_separator(tmp_path: Path) -> None:
+    folder = _folder(tmp_path / "data", {"a": "1girl, smile", "b": "1boy, hatsune miku;;;vocaloid"})
+    assert not any("secondary_separator" in n for n in _plan(folder, tmp_path / "c1", replace(
+        BASE, secondary_separator=";;;")).notes)
+    notes = _plan(folder, tmp_path / "c2", replace(BASE, secondary_separator="##")).notes
+    assert "secondary_separator '##' is in no caption line: every tag is its own" in notes
+    assert replace(BASE, secondary_separator=";;;").describe()["secondary_separator"] == ";;;"
+    assert "secondary_separator" not in BASE.describe()
