@@ -45,8 +45,9 @@ from .training import (
     train_lora,
 )
 from .train_lora_inputs import train_lora_inputs
-from .training.samples import (NO_PROMPTS, SAMPLE_SAMPLER, SAMPLE_SCHEDULER, SamplePrompts, check_prompt,
-                               node_preview)
+from .training.sample_prompts import (NO_PROMPTS, SamplePrompts, check_prompt, encode_sample_texts,
+                                      sample_text_lines)
+from .training.samples import SAMPLE_SAMPLER, SAMPLE_SCHEDULER, node_preview
 
 __all__ = ["EVENT", "TrainLoRA"]
 
@@ -259,6 +260,8 @@ class TrainLoRA(io.ComfyNode):
         scale_v_pred_loss: bool = False,
         sample_width: int = 0,
         sample_height: int = 0,
+        sample_clip: Any = None,
+        sample_texts: str = "",
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -288,9 +291,11 @@ class TrainLoRA(io.ComfyNode):
         _check_validation(val_dataset, settings)
         check_prompt(sample_prompt, "sample_prompt")
         check_prompt(sample_negative, "sample_negative")
+        lines = sample_text_lines(sample_texts)
+        texts = encode_sample_texts(sample_clip, lines) if settings.sample_count else ()
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
         result, samples, reg_count = cls._train_locked(model, dataset, settings, node_id, reg_dataset, val_dataset,
-                                                       SamplePrompts(sample_prompt, sample_negative))
+                                                       SamplePrompts(sample_prompt, sample_negative, texts))
         return _output(result, dataset, reg_dataset, samples, reg_count, settings)
 
     @classmethod

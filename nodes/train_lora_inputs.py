@@ -328,4 +328,12 @@ def _option_inputs() -> list[io.Input]:
                      "latent downscale, 8 for SD and Flux). 0: the size of the bucket the captions come from."),
         io.Int.Input("sample_height", default=0, min=0, max=MAX_SAMPLE_SIZE, step=8, optional=True, advanced=True,
                      tooltip="The sample images' height in pixels (with sample_width). 0: the bucket's."),
+        io.Clip.Input("sample_clip", optional=True,
+                      tooltip="The text encoder that encodes sample_texts before training (the same CLIP a CLIP "
+                      "Text Encode would take). Only used when sample_texts holds prompts and sample_count is "
+                      "above 0."),
+        io.String.Input("sample_texts", default="", multiline=True, optional=True, advanced=True,
+                        tooltip="Prompts to sample, one per line (kohya's prompt file; blank lines and lines "
+                        "starting with # are skipped): each gives sample_count images, encoded with sample_clip "
+                        "before training, instead of the cache's captions. At most 16."),
     ]

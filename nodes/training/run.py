@@ -43,7 +43,8 @@ from .optimizers import create_optimizer, optimizer_info, optimizer_notes
 from .report import (RowCounts, Startup, StepReport, TrainResult, counted, describe_rates, overlap_notes,
                      validation_overlap_notes)
 from .resume import Start, TrainState, capture_state, resume_run, save_state
-from .samples import NO_PROMPTS, SamplePrompts, Sampling, SamplingPlan, sized_plan
+from .sample_prompts import NO_PROMPTS, SamplePrompts
+from .samples import Sampling, SamplingPlan, sized_plan
 from .saves import RunSaves, lora_weights
 from .settings import TrainSettings
 from .validation import Validation
@@ -341,8 +342,8 @@ def _sampling_plan(main: Sequence[Sample], buckets: Sequence[tuple[int, ...]],
                    validation: tuple[list[Sample], list[tuple[int, ...]]] | None, settings: TrainSettings,
                    prompts: SamplePrompts) -> SamplingPlan | None:
     """What ``sample_count`` samples: the captions of the validation set when there is one (captions the LoRA never
-    trains on), else of the dataset, or the connected ``sample_prompt``, at the chosen bucket's shape; ``None``
-    without sampling.
+    trains on), else of the dataset, or the node's prompts (``sample_prompt``, ``sample_texts``), at the chosen
+    bucket's shape; ``None`` without sampling.
 
     Raises:
         ValueError: ``sample_cfg`` above 1 without a ``sample_negative`` and a chosen sample has no empty caption
@@ -352,13 +353,13 @@ def _sampling_plan(main: Sequence[Sample], buckets: Sequence[tuple[int, ...]],
         return None
     pool, shapes = validation if validation is not None else (main, buckets)
     chosen, shape = choose_sample_rows(pool, shapes, settings.sample_count)
-    needed = chosen if prompts.positive is None else chosen[:1]
+    needed = chosen[:1] if prompts.given else chosen
     missing = [s.source or s.latent for s in needed if s.empty_caption is None]
     if settings.sample_cfg > 1 and prompts.negative is None and missing:
         raise ValueError(f"sample_cfg {settings.sample_cfg:g} guides each sample image against the empty caption, "
                          f"which this dataset has not encoded ({', '.join(missing[:3])}): encode it with Encode "
                          "Dataset's empty_caption on, connect a sample_negative, or set sample_cfg 1")
-    count = settings.sample_count if prompts.positive is not None else len(chosen)
+    count = settings.sample_count if prompts.given else len(chosen)
     return SamplingPlan(chosen, shape, count, prompts)
 
 

@@ -1,17 +1,17 @@
-"""Sample images during training: a few cached captions (or a prompt the node is given) turned into latents by
-the LoRA being trained, from the same noise each time, before the first step, every ``sample_every`` steps and
-after the last.
+"""Sample images during training: a few cached captions (or a prompt the node is given) turned into latents by the LoRA
+being trained, from the same noise each time, before the first step, every ``sample_every`` steps and after the
+last.
 
 kohya, OneTrainer and ai-toolkit show images as training goes, which tell more than a loss curve. Here the prompts
-are cached captions (:mod:`dataset_cache.sample_choice`), or the conditioning wired to the node's ``sample_prompt``
-(encoded by ComfyUI before the run, like any prompt), so sampling needs no text encoder and no VAE while the model
-trains: any of ComfyUI's samplers and schedulers (``sample_sampler``, ``sample_scheduler``: Euler over "simple" by
-default) denoises them through the run's own model call (its memory plan, its adapters), as ComfyUI's KSampler
-would (its sampler object, noise scaling, sigmas and guidance function; the latent format's ``process_latent_out``
-at the end). The images leave as one ``LATENT`` batch (the ``samples`` output, for VAE Decode and Save Image), each
-sampling's rows in turn; each sampling also previews its first image on the node. It runs without gradients and
-draws nothing from the training's generators (it restores torch's global ones), so a run with samples trains the
-same LoRA bit for bit as one without.
+are cached captions (:mod:`dataset_cache.sample_choice`), or the node's prompts (:mod:`.sample_prompts`: the
+conditioning wired to ``sample_prompt``, ``sample_texts`` lines, all encoded by ComfyUI before the run), so sampling
+needs no text encoder and no VAE while the model trains: any of ComfyUI's samplers and schedulers
+(``sample_sampler``, ``sample_scheduler``: Euler over "simple" by default) denoises them through the run's own model
+call (its memory plan, its adapters), as ComfyUI's KSampler would (its sampler object, noise scaling, sigmas and
+guidance function; the latent format's ``process_latent_out`` at the end). The images leave as one ``LATENT`` batch
+(the ``samples`` output, for VAE Decode and Save Image), each sampling's rows in turn; each sampling also previews
+its first image on the node. It runs without gradients and draws nothing from the training's generators (it restores
+torch's global ones), so a run with samples trains the same LoRA bit for bit as one without.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import comfy.model_management
 import comfy.model_patcher
@@ -34,10 +34,10 @@ from ...dataset_cache.loader import PrefetchLoader
 from ...dataset_cache.reading import DatasetReader
 from ...dataset_cache.sampler import BucketSampler
 from ...dataset_cache.seeding import derive_seed, seeded_generator
-from ...dataset_cache.trainable import UNTRAINABLE_CONDITIONING_KEYS
+from .sample_prompts import NO_PROMPTS, SamplePrompts
 
-__all__ = ["NO_PROMPTS", "SAMPLE_SAMPLER", "SAMPLE_SCHEDULER", "SamplePrompts", "SamplingPlan", "Sampling",
-           "check_prompt", "check_sampler", "guided_by_negative", "node_preview", "sample_sigmas", "sized_plan"]
+__all__ = ["SAMPLE_SAMPLER", "SAMPLE_SCHEDULER", "SamplingPlan", "Sampling", "check_sampler", "guided_by_negative",
+           "node_preview", "sample_sigmas", "sized_plan"]
 
 log = logging.getLogger("streamcache.train")
 
@@ -77,25 +77,15 @@ def sample_sigmas(model_sampling: Any, sampler: str, scheduler: str, steps: int)
     return torch.cat([sigmas[:-2], sigmas[-1:]]) if discard else sigmas
 
 
-class SamplePrompts(NamedTuple):
-    """The conditionings wired to the node's ``sample_prompt`` and ``sample_negative`` (``None``: not connected)."""
-
-    positive: Any = None
-    negative: Any = None
-
-
-NO_PROMPTS = SamplePrompts()
-"""Neither input connected: the cached captions and, for guidance, the empty caption."""
-
-
 @dataclasses.dataclass(frozen=True)
 class SamplingPlan:
-    """What a run samples, decided with its data: ``samples`` (whose captions, and empty captions, are read),
-    ``shape`` (their bucket's latent shape without the batch, ``(C, H, W)`` or ``(C, T, H, W)``: every image's),
-    ``count`` images, and the node's ``prompts`` (a connected ``sample_prompt`` replaces the captions: ``count``
-    images of it, each from its own noise). ``size``: ``(width, height)`` in pixels when ``sample_width`` and
-    ``sample_height`` set it (``shape`` is then that size's; ``None``: the bucket's); ``rows_per_call``: images per
-    model call when fewer than the run's ``batch_size`` (a size larger than every training bucket: one at a time)."""
+    """What a run samples, decided with its data: ``samples`` (whose captions, and empty captions, are read), ``shape``
+    (their bucket's latent shape without the batch, ``(C, H, W)`` or ``(C, T, H, W)``: every image's), ``count``
+    images, and the node's ``prompts`` (a connected ``sample_prompt`` or ``sample_texts`` lines replace the
+    captions: ``count`` images of each, each from its own noise). ``size``: ``(width, height)`` in pixels when
+    ``sample_width`` and ``sample_height`` set it (``shape`` is then that size's; ``None``: the bucket's);
+    ``rows_per_call``: images per model call when fewer than the run's ``batch_size`` (a size larger than every
+    training bucket: one at a time)."""
 
     samples: tuple[Sample, ...]
     shape: tuple[int, ...]
@@ -128,27 +118,6 @@ def sized_plan(plan: SamplingPlan | None, model: Any, width: int, height: int,
     return dataclasses.replace(plan, shape=shape, size=(width, height), rows_per_call=rows)
 
 
-def check_prompt(value: Any, name: str) -> None:
-    """Refuse a conditioning wired to ``sample_prompt`` or ``sample_negative`` that one model call cannot take: not
-    one ComfyUI conditioning entry, or one with an area, mask, timestep range, ControlNet or hook.
-
-    Raises:
-        ValueError: naming the input and what to connect instead.
-    """
-    if value is None:
-        return
-    if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], (list, tuple))
-            and len(value[0]) == 2 and isinstance(value[0][1], dict) and isinstance(value[0][0], torch.Tensor)):
-        count = len(value) if isinstance(value, list) else 0
-        raise ValueError(f"{name}: connect one prompt's conditioning (a CLIP Text Encode); this one holds {count} "
-                         "conditionings (Conditioning Combine makes several: use Conditioning Concat)")
-    unusable = [k for k in UNTRAINABLE_CONDITIONING_KEYS if k in value[0][1]]
-    if unusable:
-        raise ValueError(f"{name}: the conditioning carries {', '.join(map(repr, unusable))}, which a sample image's "
-                         "single model call cannot apply; connect the prompt without area, mask, timestep range, "
-                         "ControlNet or hook nodes")
-
-
 @dataclasses.dataclass
 class _Rows:
     """One batch of sample rows read from the cache: its conditionings (and the empty caption's, for guidance), the
@@ -170,7 +139,8 @@ class Sampling:
         reader: the reader of the samples' cache.
         plan: what to sample (:class:`SamplingPlan`).
         batch_size: rows per model call; ``seed``: the run's seed (each image's noise is ``(seed, "sample", its
-            latent key)``'s, or ``"sample_prompt:<i>"``'s for a prompt's image ``i``: the same at every sampling).
+            latent key)``'s, or a prompt's key for its image ``i`` (:meth:`~.sample_prompts.SamplePrompts.images`):
+            the same at every sampling).
         every: sample after every ``every`` steps (global step numbers); 0: before the first and after the last
             only. ``last``: the run's last global step.
         steps: denoising steps per image; ``cfg``: classifier-free guidance against the empty caption or the
@@ -235,8 +205,8 @@ class Sampling:
     def describe(self) -> str:
         """One line for the run's summary."""
         plan = self.plan
-        if plan.prompts.positive is not None:
-            what = f"sample images of the sample_prompt ({plan.count} noises)"
+        if plan.prompts.given:
+            what = f"sample images of {plan.prompts.describe(plan.count)}"
         else:
             names = ", ".join(s.source or s.latent for s in plan.samples[:3]) + (", ..." if len(plan.samples) > 3
                                                                                else "")
@@ -252,9 +222,9 @@ class Sampling:
         """Every image's conditioning, key (its noise's seed) and, with guidance, negative, in batches of
         ``batch_size``: the connected prompts, or the samples' captions and empty captions read from the cache."""
         plan = self.plan
-        if plan.prompts.positive is not None:
-            keys = [f"sample_prompt:{i}" for i in range(plan.count)]
-            positive = [plan.prompts.positive] * plan.count
+        if plan.prompts.given:
+            images = plan.prompts.images(plan.count)
+            keys, positive = [key for key, _ in images], [conditioning for _, conditioning in images]
         else:
             positive, keys = self._cached(plan.samples)
         guided = guided_by_negative(self.sampler, self.cfg, plan.prompts.negative is not None)
@@ -271,7 +241,7 @@ class Sampling:
             return [plan.prompts.negative] * len(keys)
         empties = [dataclasses.replace(s, captions=(s.empty_caption,), empty_caption=None)
                    for s in plan.samples if s.empty_caption is not None]
-        if plan.prompts.positive is not None:
+        if plan.prompts.given:
             conditionings, _ = self._cached(empties[:1])
             return conditionings * len(keys)
         conditionings, latent_keys = self._cached(empties)

@@ -273,6 +273,54 @@ def test_a_connected_prompt_is_sampled_with_a_noise_per_image(node: type, models
     assert "cfg 4 against the sample_negative" in _summary(guided)
 
 
+def test_sample_texts_lines_are_encoded_with_sample_clip_and_sampled_each(node: type, models: tuple,
+                                                                         dataset: tuple, comfy_nodes: ModuleType,
+                                                                         pack: ModuleType) -> None:
+    """sample_texts (blank lines, a # comment and a repeated line left out) with sample_clip: sample_count images of
+    each line, after the sample_prompt's, each KSampler's image of CLIP Text Encode's conditioning of the line and
+    the noise of ``(seed, "sample", "sample_text:<digest of the line>:i")`` (tolerance as above); the order of the
+    lines changes no line's images."""
+    import xxhash
+
+    clip = models[1]
+    (prompt,) = comfy_nodes.CLIPTextEncode().encode(clip, "a red square on a blue field")
+    lines = ["a green circle", "a yellow triangle"]
+    texts = f"# what the LoRA should keep\n{lines[0]}\n\n  {lines[1]}  \n{lines[0]}\n"
+    with torch.inference_mode():
+        out = _train(node, models[0], dataset[0], steps=1, sample_count=2, sample_steps=3, sample_prompt=prompt,
+                     sample_clip=clip, sample_texts=texts)
+        expected = [_ksampler_of(models, prompt, prompt, f"sample_prompt:{i}", 3, 1.0) for i in range(2)]
+        for line in lines:
+            (cond,) = comfy_nodes.CLIPTextEncode().encode(clip, line)
+            digest = xxhash.xxh3_64_hexdigest(line.encode())
+            expected += [_ksampler_of(models, cond, cond, f"sample_text:{digest}:{i}", 3, 1.0) for i in range(2)]
+        swapped = _train(node, models[0], dataset[0], steps=1, sample_count=2, sample_steps=3, sample_clip=clip,
+                         sample_texts="\n".join(reversed(lines)))
+    latents = out.result[3]["samples"]
+    assert latents.shape == (12, 4, 8, 8)  # 6 images before the first step and 6 after the last
+    torch.testing.assert_close(latents[:6], torch.cat(expected), rtol=1e-4, atol=1e-4)
+    first = swapped.result[3]["samples"][:4]
+    torch.testing.assert_close(first, torch.cat([*expected[4:6], *expected[2:4]]), rtol=1e-4, atol=1e-4)
+    assert ("sample images of the sample_prompt and 2 sample_texts line(s) ('a green circle', 'a yellow "
+            "triangle'; 2 noise(s) each) at steps 0, 1" in _summary(out))
+
+
+def test_sample_texts_need_a_clip_and_are_not_encoded_without_samples(node: type, models: tuple, dataset: tuple,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    clip = models[1]
+    with pytest.raises(ValueError, match=r"sample_texts holds 1 prompt\(s\) but no CLIP is connected to "
+                                         "sample_clip"):
+        _train(node, models[0], dataset[0], sample_count=1, sample_texts="a cat")
+    with pytest.raises(ValueError, match="sample_texts holds 17 prompts; at most 16"):
+        _train(node, models[0], dataset[0], sample_count=1, sample_clip=clip,
+               sample_texts="\n".join(f"prompt {i}" for i in range(17)))
+    calls: list[str] = []
+    tokenize = clip.tokenize
+    monkeypatch.setattr(clip, "tokenize", lambda text, **kw: calls.append(text) or tokenize(text, **kw))
+    out = _train(node, models[0], dataset[0], steps=1, sample_clip=clip, sample_texts="a cat")
+    assert calls == [] and "sample images" not in _summary(out)
+
+
 def test_a_prompt_one_model_call_cannot_take_is_refused_naming_the_input(node: type, models: tuple, dataset: tuple,
                                                                         comfy_nodes: ModuleType) -> None:
     (a,) = comfy_nodes.CLIPTextEncode().encode(models[1], "a")

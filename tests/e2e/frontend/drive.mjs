@@ -25,7 +25,7 @@ const browser = await chromium.launch({
          "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-dev-shm-usage"],
 });
 try {
-  const page = await browser.newPage({ viewport: { width: 1600, height: 1500 } }); // Train LoRA's chart in view
+  const page = await browser.newPage({ viewport: { width: 1600, height: 2000 } }); // Train LoRA's chart in view
   page.on("console", (m) => result.console.push({ type: m.type(), text: m.text(), url: m.location()?.url ?? "" }));
   page.on("pageerror", (e) => result.pageErrors.push(String(e?.stack ?? e)));
   mark("launched");
