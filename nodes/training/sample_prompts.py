@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 import xxhash
 
+from ...dataset_cache.captions import MAX_CAPTION_CHARS
 from ...dataset_cache.trainable import UNTRAINABLE_CONDITIONING_KEYS
 
 __all__ = ["MAX_SAMPLE_TEXTS", "NO_PROMPTS", "SamplePrompts", "check_prompt", "encode_sample_texts",
@@ -86,7 +87,8 @@ def sample_text_lines(text: object) -> tuple[str, ...]:
     file), each once, in order.
 
     Raises:
-        ValueError: not text, or more than :data:`MAX_SAMPLE_TEXTS` prompts, naming ``sample_texts``.
+        ValueError: not text, more than :data:`MAX_SAMPLE_TEXTS` prompts, or a line longer than a caption line may
+            be (:data:`~dataset_cache.captions.MAX_CAPTION_CHARS`), naming ``sample_texts``.
     """
     if text is None:
         return ()
@@ -97,6 +99,10 @@ def sample_text_lines(text: object) -> tuple[str, ...]:
     if len(lines) > MAX_SAMPLE_TEXTS:
         raise ValueError(f"sample_texts holds {len(lines)} prompts; at most {MAX_SAMPLE_TEXTS} (each gives "
                          "sample_count images at every sampling): keep the ones you want to watch")
+    long = next((line for line in lines if len(line) > MAX_CAPTION_CHARS), None)
+    if long is not None:
+        raise ValueError(f"sample_texts line {long[:40]!r}... has {len(long)} characters; at most "
+                         f"{MAX_CAPTION_CHARS}, as a caption line: shorten it")
     return lines
 
 

@@ -314,6 +314,8 @@ def test_sample_texts_need_a_clip_and_are_not_encoded_without_samples(node: type
     with pytest.raises(ValueError, match="sample_texts holds 17 prompts; at most 16"):
         _train(node, models[0], dataset[0], sample_count=1, sample_clip=clip,
                sample_texts="\n".join(f"prompt {i}" for i in range(17)))
+    with pytest.raises(ValueError, match=r"sample_texts line 'xxxxxxxx.*\.\.\. has 2001 characters; at most 2000"):
+        _train(node, models[0], dataset[0], sample_count=1, sample_clip=clip, sample_texts="x" * 2001)
     calls: list[str] = []
     tokenize = clip.tokenize
     monkeypatch.setattr(clip, "tokenize", lambda text, **kw: calls.append(text) or tokenize(text, **kw))
