@@ -334,6 +334,7 @@ def _option_inputs() -> list[io.Input]:
                       "above 0."),
         io.String.Input("sample_texts", default="", multiline=True, optional=True, advanced=True,
                         tooltip="Prompts to sample, one per line (kohya's prompt file; blank lines and lines "
-                        "starting with # are skipped): each gives sample_count images, encoded with sample_clip "
-                        "before training, instead of the cache's captions. At most 16."),
+                        "starting with # are skipped; '--n <negative>' ends a line with its own negative): each "
+                        "gives sample_count images, encoded with sample_clip before training, instead of the "
+                        "cache's captions. At most 16."),
     ]

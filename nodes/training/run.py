@@ -355,7 +355,7 @@ def _sampling_plan(main: Sequence[Sample], buckets: Sequence[tuple[int, ...]],
     chosen, shape = choose_sample_rows(pool, shapes, settings.sample_count)
     needed = chosen[:1] if prompts.given else chosen
     missing = [s.source or s.latent for s in needed if s.empty_caption is None]
-    if settings.sample_cfg > 1 and prompts.negative is None and missing:
+    if settings.sample_cfg > 1 and prompts.negative is None and not prompts.own_negatives and missing:
         raise ValueError(f"sample_cfg {settings.sample_cfg:g} guides each sample image against the empty caption, "
                          f"which this dataset has not encoded ({', '.join(missing[:3])}): encode it with Encode "
                          "Dataset's empty_caption on, connect a sample_negative, or set sample_cfg 1")

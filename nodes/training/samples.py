@@ -222,28 +222,33 @@ class Sampling:
         """Every image's conditioning, key (its noise's seed) and, with guidance, negative, in batches of
         ``batch_size``: the connected prompts, or the samples' captions and empty captions read from the cache."""
         plan = self.plan
-        if plan.prompts.given:
-            images = plan.prompts.images(plan.count)
-            keys, positive = [key for key, _ in images], [conditioning for _, conditioning in images]
+        images = plan.prompts.images(plan.count)
+        if images:
+            keys, positive = [image.key for image in images], [image.conditioning for image in images]
         else:
             positive, keys = self._cached(plan.samples)
-        guided = guided_by_negative(self.sampler, self.cfg, plan.prompts.negative is not None)
-        negative = self._negatives(keys) if guided else None
+        connected = plan.prompts.negative is not None or plan.prompts.own_negatives
+        negative = self._negatives(keys, [image.negative for image in images]) \
+            if guided_by_negative(self.sampler, self.cfg, connected) else None
         n = plan.rows_per_call or self.batch_size
         return [_Rows(positive[i:i + n], negative[i:i + n] if negative is not None else None, keys[i:i + n],
                       (len(keys[i:i + n]), *plan.shape)) for i in range(0, len(keys), n)]
 
-    def _negatives(self, keys: list[str]) -> list[Any]:
-        """The negative of each image of ``keys``: the connected one, or its sample's empty caption (one serves
-        every image of a prompt); the plan refused guidance where neither exists."""
+    def _negatives(self, keys: list[str], own: list[Any]) -> list[Any]:
+        """The negative of each image of ``keys``: a prompt line's own (``own``, one per image of the prompts, or
+        empty for the captions), else the connected one, else its sample's empty caption (one serves every image of
+        a prompt); the plan refused guidance where none exists."""
         plan = self.plan
+        if own and all(negative is not None for negative in own):
+            return own
         if plan.prompts.negative is not None:
-            return [plan.prompts.negative] * len(keys)
+            default = plan.prompts.negative
+            return [default if mine is None else mine for mine in own] if own else [default] * len(keys)
         empties = [dataclasses.replace(s, captions=(s.empty_caption,), empty_caption=None)
                    for s in plan.samples if s.empty_caption is not None]
         if plan.prompts.given:
-            conditionings, _ = self._cached(empties[:1])
-            return conditionings * len(keys)
+            (empty,), _ = self._cached(empties[:1])
+            return [empty if mine is None else mine for mine in own]
         conditionings, latent_keys = self._cached(empties)
         by_latent = dict(zip(latent_keys, conditionings))  # an empty caption's row has its sample's latent key
         return [by_latent[key] for key in keys]

@@ -305,6 +305,36 @@ def test_sample_texts_lines_are_encoded_with_sample_clip_and_sampled_each(node: 
             "triangle'; 2 noise(s) each) at steps 0, 1" in _summary(out))
 
 
+def test_a_sample_texts_lines_own_negative_guides_it(node: type, models: tuple, dataset: tuple,
+                                                     comfy_nodes: ModuleType) -> None:
+    """kohya's ``--n``: at cfg 3 the first line is guided against its own negative, the second (without one)
+    against sample_negative, each KSampler's image (tolerance as above); the noise is the prompt's, whatever its
+    negative. Every line with its own negative guides without sample_negative or an empty caption in the cache.
+    Another kohya option is refused naming the input that sets it."""
+    import xxhash
+
+    clip = models[1]
+    encode = comfy_nodes.CLIPTextEncode().encode
+    (fallback,) = encode(clip, "blurry")
+    texts = "a green circle --n a red square\na yellow triangle"
+    with torch.inference_mode():
+        out = _train(node, models[0], dataset[0], steps=1, sample_count=1, sample_steps=3, sample_cfg=3.0,
+                     sample_clip=clip, sample_texts=texts, sample_negative=fallback)
+        expected = []
+        for line, negative in (("a green circle", encode(clip, "a red square")[0]), ("a yellow triangle", fallback)):
+            key = f"sample_text:{xxhash.xxh3_64_hexdigest(line.encode())}:0"
+            expected.append(_ksampler_of(models, encode(clip, line)[0], negative, key, 3, 3.0))
+        own = _train(node, models[0], dataset[0], steps=1, sample_count=1, sample_steps=3, sample_cfg=3.0,
+                     sample_clip=clip, sample_texts="a green circle --n a red square")
+    torch.testing.assert_close(out.result[3]["samples"][:2], torch.cat(expected), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(own.result[3]["samples"][:1], expected[0], rtol=1e-4, atol=1e-4)
+    assert "2 sample_texts line(s) ('a green circle', 'a yellow triangle'; 1 noise(s) each, 1 with its own --n " \
+           "negative)" in _summary(out)
+    with pytest.raises(ValueError, match=r"sample_texts line 'a cat --w 512 --h 512': --w is kohya's per-line "
+                                         r"option; here sample_width sets it for every line: take it out"):
+        _train(node, models[0], dataset[0], sample_count=1, sample_clip=clip, sample_texts="a cat --w 512 --h 512")
+
+
 def test_sample_texts_need_a_clip_and_are_not_encoded_without_samples(node: type, models: tuple, dataset: tuple,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     clip = models[1]
