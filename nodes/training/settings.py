@@ -156,7 +156,7 @@ class TrainSettings:
     # multi-resolution noise (dataset_cache.noise_draws.pyramid_noise): levels and their discount; 0: plain noise
     multires_noise_iterations: int = 0
     multires_noise_discount: float = 0.3
-    # sample images (.samples): captions, how often, Euler steps, guidance; sample_count 0: none
+    # sample images (.samples): captions, how often, denoising steps, guidance; sample_count 0: none
     sample_count: int = 0
     sample_every: int = 0
     sample_steps: int = 20
