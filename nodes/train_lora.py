@@ -262,6 +262,7 @@ class TrainLoRA(io.ComfyNode):
         sample_height: int = 0,
         sample_clip: Any = None,
         sample_texts: str = "",
+        sample_seed: int = -1,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -284,7 +285,7 @@ class TrainLoRA(io.ComfyNode):
             sample_every=sample_every, sample_steps=sample_steps, sample_cfg=round(float(sample_cfg), 4),
             debiased_estimation=bool(debiased_estimation), sample_sampler=str(sample_sampler),
             sample_scheduler=str(sample_scheduler), scale_v_pred_loss=bool(scale_v_pred_loss),
-            sample_width=sample_width, sample_height=sample_height,
+            sample_width=sample_width, sample_height=sample_height, sample_seed=sample_seed,
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

@@ -31,6 +31,7 @@ from .training import (
     MAX_NOISE_OFFSET,
     MAX_REG_RATIO,
     MAX_REG_WEIGHT,
+    MAX_SEED,
     MAX_TIMESTEP,
     MAX_WARMUP_STEPS,
     OPTIMIZERS,
@@ -337,4 +338,8 @@ def _option_inputs() -> list[io.Input]:
                         "starting with # are skipped; '--n <negative>' ends a line with its own negative): each "
                         "gives sample_count images, encoded with sample_clip before training, instead of the "
                         "cache's captions. At most 16."),
+        io.Int.Input("sample_seed", default=-1, min=-1, max=MAX_SEED, optional=True, advanced=True,
+                     tooltip="The seed of the sample images' noise (kohya's --d): the same seed gives the same "
+                     "noise in runs of other training seeds, so their LoRAs can be compared image by image. "
+                     "-1: the run's seed."),
     ]

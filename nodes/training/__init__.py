@@ -35,8 +35,8 @@ from .report import RowCounts, StepReport, TrainResult
 from .run import train_lora
 from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, LOSS_TARGETS, LR_SCHEDULES,
                        MAX_EMA_DECAY, MAX_GRAD_NORM, MAX_LORA_ALPHA, MAX_MIN_SNR_GAMMA, MAX_MULTIRES_ITERATIONS,
-                       MAX_NOISE_OFFSET, MAX_REG_RATIO, MAX_REG_WEIGHT, MAX_TIMESTEP, MAX_WARMUP_STEPS, OPTIMIZERS,
-                       TIMESTEP_SAMPLINGS, TrainSettings)
+                       MAX_NOISE_OFFSET, MAX_REG_RATIO, MAX_REG_WEIGHT, MAX_SEED, MAX_TIMESTEP, MAX_WARMUP_STEPS,
+                       OPTIMIZERS, TIMESTEP_SAMPLINGS, TrainSettings)
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -52,6 +52,7 @@ __all__ = [
     "MAX_NOISE_OFFSET",
     "MAX_REG_RATIO",
     "MAX_REG_WEIGHT",
+    "MAX_SEED",
     "MAX_TIMESTEP",
     "MAX_WARMUP_STEPS",
     "NonFiniteLossError",

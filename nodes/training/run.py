@@ -158,7 +158,7 @@ def start_steps(run: LoadedRun, data: DataPlan, reader: DatasetReader, samples: 
     loop = make_loop(run, data, reader, start, team, startup, saves)
     if data.sampling is not None and team.is_main:  # rank 0 samples, as it validates
         loop.sampling = Sampling(
-            loop, reader, data.sampling, batch_size=settings.batch_size, seed=settings.seed,
+            loop, reader, data.sampling, batch_size=settings.batch_size, seed=settings.samples_seed,
             every=settings.sample_every, last=start.steps + settings.steps, steps=settings.sample_steps,
             cfg=settings.sample_cfg, sampler=settings.sample_sampler, scheduler=settings.sample_scheduler,
             on_sampled=on_sampled,

@@ -115,7 +115,7 @@ def check_prompt(value: Any, name: str) -> None:
 
 
 _KOHYA_OPTIONS = {"w": "sample_width", "h": "sample_height", "l": "sample_cfg", "s": "sample_steps",
-                  "d": "seed (each line's noise comes from the run's seed and the line)"}
+                  "d": "sample_seed (each line's noise comes from it and the line)"}
 """kohya's per-line prompt options this node sets for every line, and the input that does."""
 
 

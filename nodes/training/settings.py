@@ -22,11 +22,14 @@ from ...dataset_cache.noise_draws import (MAX_MULTIRES_ITERATIONS, MAX_NOISE_OFF
                                           check_multires, check_noise_settings, check_timestep_range)
 
 __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_NOISE_OFFSET", "MAX_REG_RATIO",
-           "MAX_REG_WEIGHT", "MAX_TIMESTEP", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY", "MAX_MIN_SNR_GAMMA",
+           "MAX_REG_WEIGHT", "MAX_SEED", "MAX_TIMESTEP", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY",
+           "MAX_MIN_SNR_GAMMA",
            "MEMORY_MODES", "OPTIMIZERS", "LOSS_TARGETS", "MAX_MULTIRES_ITERATIONS", "MAX_LORA_ALPHA",
            "ALPHA_ALGORITHMS", "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings",
            "check_save_prefix"]
 
+MAX_SEED = 0xFFFFFFFFFFFFFFFF
+"""The largest seed ComfyUI's seed widgets take (and ``sample_seed``)."""
 MAX_LORA_ALPHA = 4096.0
 """The largest ``lora_alpha``: past it the scale ``alpha / rank`` would turn a LoRA of any rank into noise."""
 ALPHA_ALGORITHMS = ("LoRA", "LoHa", "LoKr")
@@ -171,6 +174,8 @@ class TrainSettings:
     # the sample images' size in pixels (.samples.sized_plan); 0 and 0: the captions' bucket
     sample_width: int = 0
     sample_height: int = 0
+    # the seed of the samples' noise; -1: the run's seed
+    sample_seed: int = -1
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -212,6 +217,9 @@ class TrainSettings:
         check_sampling(self.sample_count, self.sample_every, self.sample_steps, self.sample_cfg)
         check_sampler(self.sample_sampler, self.sample_scheduler)
         check_sample_size(self.sample_width, self.sample_height)
+        if type(self.sample_seed) is not int or not -1 <= self.sample_seed <= MAX_SEED:
+            raise ValueError(f"sample_seed must be -1 (the run's seed) or a seed from 0 to {MAX_SEED}, got "
+                             f"{self.sample_seed!r:.30}")
         if self.debiased_estimation and self.loss_target != "prediction":
             raise ValueError("debiased_estimation weighs the loss on the model's prediction, as kohya's "
                              "--debiased_estimation_loss does: set loss_target to prediction")
@@ -231,6 +239,11 @@ class TrainSettings:
         if self.lora_alpha != 1.0 and self.algorithm not in ALPHA_ALGORITHMS:
             raise ValueError(f"lora_alpha scales {', '.join(ALPHA_ALGORITHMS)} adapters; {self.algorithm}'s alpha "
                              "is no scale (ComfyUI sets it when it makes the adapter): leave lora_alpha at 1")
+
+    @property
+    def samples_seed(self) -> int:
+        """The seed of the sample images' noise: ``sample_seed``, or the run's ``seed`` when it is -1."""
+        return self.seed if self.sample_seed < 0 else self.sample_seed
 
     def lr_schedule_after(self, done: int) -> LrSchedule:
         """The learning rate of every step of a run continuing a LoRA that had ``done`` steps: the schedule spans

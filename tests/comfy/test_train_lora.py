@@ -49,6 +49,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "sample_prompt": None, "sample_negative": None, "debiased_estimation": False,
     "sample_sampler": "euler", "sample_scheduler": "simple", "scale_v_pred_loss": False, "sample_width": 0,
     "sample_height": 0, "sample_clip": None, "sample_texts": "",
+    "sample_seed": -1,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -143,7 +144,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "sample_every", "sample_steps", "sample_cfg",
                                                            "debiased_estimation", "sample_sampler",
                                                            "sample_scheduler", "scale_v_pred_loss",
-                                                           "sample_width", "sample_height", "sample_texts"}
+                                                           "sample_width", "sample_height", "sample_texts",
+                                                           "sample_seed"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]

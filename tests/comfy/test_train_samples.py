@@ -98,8 +98,8 @@ def _ksampler(comfy_nodes: ModuleType, models: tuple, sources: list[str], seed: 
 
 
 def _ksampler_of(models: tuple, positive: Any, negative: Any, noise_key: str, steps: int, cfg: float,
-                 shape: tuple[int, ...] = (1, 4, 8, 8), sampler: str = "euler", scheduler: str = "simple"
-                 ) -> torch.Tensor:
+                 shape: tuple[int, ...] = (1, 4, 8, 8), sampler: str = "euler", scheduler: str = "simple",
+                 seed: int = RUN["seed"]) -> torch.Tensor:
     """KSampler's image of the base model for these conditionings and the pack's noise of ``noise_key``, with
     the seed the pack gives a sampler that adds noise as it goes (``(seed, "sample", noise_key)``'s)."""
     import comfy.sample
@@ -107,10 +107,9 @@ def _ksampler_of(models: tuple, positive: Any, negative: Any, noise_key: str, st
     from support.pack import import_pack
 
     seeding = importlib.import_module(f"{import_pack().__name__}.dataset_cache.seeding")
-    noise = torch.randn(shape, generator=seeding.seeded_generator(RUN["seed"], "sample", noise_key),
-                        dtype=torch.float32)
+    noise = torch.randn(shape, generator=seeding.seeded_generator(seed, "sample", noise_key), dtype=torch.float32)
     return comfy.sample.sample(models[0], noise, steps, cfg, sampler, scheduler, positive, negative,
-                               torch.zeros_like(noise), seed=seeding.derive_seed(RUN["seed"], "sample", noise_key))
+                               torch.zeros_like(noise), seed=seeding.derive_seed(seed, "sample", noise_key))
 
 
 @pytest.mark.parametrize(("sampler", "scheduler", "cfg"), [
@@ -240,6 +239,26 @@ def test_a_sample_size_that_cannot_be_is_refused_naming_the_input(node: type, mo
                                                                  size: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         _train(node, models[0], dataset[0], sample_count=1, **size)
+
+
+def test_sample_seed_gives_runs_of_other_seeds_the_same_noise(node: type, models: tuple, dataset: tuple,
+                                                              comfy_nodes: ModuleType) -> None:
+    """sample_seed 5: the samples of runs with seed 7 and seed 8 start from the same noise (KSampler's images of
+    the noise of ``(5, "sample", key)``, tolerance as above; an ancestral sampler's added noise too), and their
+    later samples differ only by their LoRAs; with sample_seed -1 each run samples from its own seed's noise."""
+    (prompt,) = comfy_nodes.CLIPTextEncode().encode(models[1], "a red square on a blue field")
+    opts = {"steps": 1, "sample_count": 1, "sample_steps": 3, "sample_prompt": prompt,
+            "sample_sampler": "euler_ancestral"}
+    with torch.inference_mode():
+        runs = [_train(node, models[0], dataset[0], seed=seed, sample_seed=5, **opts) for seed in (7, 8)]
+        expected = _ksampler_of(models, prompt, prompt, "sample_prompt:0", 3, 1.0, sampler="euler_ancestral", seed=5)
+        own = _train(node, models[0], dataset[0], seed=8, **opts)
+    for out in runs:
+        torch.testing.assert_close(out.result[3]["samples"][:1], expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(runs[0].result[3]["samples"][0], runs[1].result[3]["samples"][0])
+    assert not torch.allclose(own.result[3]["samples"][0], runs[1].result[3]["samples"][0], atol=1e-3)
+    with pytest.raises(ValueError, match=r"sample_seed must be -1 \(the run's seed\) or a seed from 0 to "):
+        _train(node, models[0], dataset[0], sample_count=1, sample_seed=-2)
 
 
 def test_an_unknown_sampler_or_scheduler_is_refused_naming_the_input(node: type, models: tuple,
