@@ -83,8 +83,8 @@ class WeightedLoss:
         ``None`` when every element weighs 1: its mask's weight times its rows' weights times their Min-SNR,
         debiased-estimation and v-scaling weights, each only where it applies."""
         weight = self._mask_weight(batch, pred)
-        drawn = [self._drawn_per_row(key, batch, pred, sigma)
-                 for key in ("snr_weights", "debiased_weights", "noise_like_weights")]
+        drawn = [self._drawn_per_row(key, batch, pred, sigma)  # every drawn value but the scales is a row weight
+                 for key in self._drawn if key != "prediction_scales"]
         for per_row in (self._row_weights(batch, pred), *drawn):
             if per_row is not None:
                 weight = per_row if weight is None else weight * per_row

@@ -179,10 +179,14 @@ def encode_sample_texts(clip: Any, lines: tuple[SampleLine, ...]) -> tuple[Sampl
         raise ValueError(f"sample_texts holds {len(lines)} prompt(s) but no CLIP is connected to sample_clip: connect "
                          "the text encoder's Load CLIP (or the checkpoint loader's CLIP), or clear sample_texts")
 
+    encoded: dict[str, Any] = {}  # a prompt file's lines often share one --n negative: each text encoded once
+
     def encode(text: str) -> Any:
-        conditioning = clip.encode_from_tokens_scheduled(clip.tokenize(text))  # what CLIP Text Encode runs
-        check_prompt(conditioning, f"sample_texts line {text[:40]!r}")
-        return conditioning
+        if text not in encoded:
+            conditioning = clip.encode_from_tokens_scheduled(clip.tokenize(text))  # what CLIP Text Encode runs
+            check_prompt(conditioning, f"sample_texts line {text[:40]!r}")
+            encoded[text] = conditioning
+        return encoded[text]
 
     return tuple(SampleText(line.prompt, encode(line.prompt), None if line.negative is None else encode(line.negative))
                  for line in lines)

@@ -36,8 +36,8 @@ from ...dataset_cache.sampler import BucketSampler
 from ...dataset_cache.seeding import derive_seed, seeded_generator
 from .sample_prompts import NO_PROMPTS, SamplePrompts
 
-__all__ = ["SAMPLE_SAMPLER", "SAMPLE_SCHEDULER", "SamplingPlan", "Sampling", "check_sampler", "guided_by_negative",
-           "node_preview", "sample_sigmas", "sized_plan"]
+__all__ = ["SAMPLE_SAMPLER", "SAMPLE_SCHEDULER", "SamplingPlan", "Sampling", "check_sampler", "node_preview",
+           "sample_sigmas", "sized_plan"]
 
 log = logging.getLogger("streamcache.train")
 
@@ -58,14 +58,6 @@ def check_sampler(sampler: object, scheduler: object) -> None:
                                ("sample_scheduler", scheduler, comfy.samplers.KSampler.SCHEDULERS)):
         if value not in known:
             raise ValueError(f"unknown {name} {value!r:.60}; use one of ComfyUI's: {', '.join(known)}")
-
-
-def guided_by_negative(sampler: str, cfg: float, negative_connected: bool) -> bool:
-    """Whether the samples' model calls include the negative: with guidance (``cfg`` above 1), and for a CFG++
-    sampler (ComfyUI's ``*_cfg_pp``, whose step follows the unguided prediction even at cfg 1) when a
-    ``sample_negative`` is connected. Without one, a CFG++ sampler at cfg 1 steps along the prompt's own
-    prediction, which is the sampler's Euler counterpart."""
-    return cfg > 1 or (negative_connected and sampler.endswith("_cfg_pp"))
 
 
 def sample_sigmas(model_sampling: Any, sampler: str, scheduler: str, steps: int) -> torch.Tensor:
@@ -227,28 +219,33 @@ class Sampling:
             keys, positive = [image.key for image in images], [image.conditioning for image in images]
         else:
             positive, keys = self._cached(plan.samples)
-        connected = plan.prompts.negative is not None or plan.prompts.own_negatives
-        negative = self._negatives(keys, [image.negative for image in images]) \
-            if guided_by_negative(self.sampler, self.cfg, connected) else None
+        # a connected or a line's own negative is already encoded: given to every model call, which uses it when the
+        # guidance or the sampler asks (:class:`_Guider`); the cache's empty captions are read for guidance only
+        given = plan.prompts.negative is not None or plan.prompts.own_negatives
+        negative = self._negatives(keys, [image.negative for image in images]) if self.cfg > 1 or given else None
         n = plan.rows_per_call or self.batch_size
         return [_Rows(positive[i:i + n], negative[i:i + n] if negative is not None else None, keys[i:i + n],
                       (len(keys[i:i + n]), *plan.shape)) for i in range(0, len(keys), n)]
 
     def _negatives(self, keys: list[str], own: list[Any]) -> list[Any]:
         """The negative of each image of ``keys``: a prompt line's own (``own``, one per image of the prompts, or
-        empty for the captions), else the connected one, else its sample's empty caption (one serves every image of
-        a prompt); the plan refused guidance where none exists."""
-        plan = self.plan
-        if own and all(negative is not None for negative in own):
+        empty for the captions), else :meth:`_default_negatives`'."""
+        own = own or [None] * len(keys)
+        if all(negative is not None for negative in own):
             return own
+        return [default if mine is None else mine for mine, default in zip(own, self._default_negatives(keys))]
+
+    def _default_negatives(self, keys: list[str]) -> list[Any]:
+        """The negative of each image of ``keys`` without one of its own: the connected one, else its sample's empty
+        caption (one serves every image of a prompt); the plan refused guidance where none exists."""
+        plan = self.plan
         if plan.prompts.negative is not None:
-            default = plan.prompts.negative
-            return [default if mine is None else mine for mine in own] if own else [default] * len(keys)
+            return [plan.prompts.negative] * len(keys)
         empties = [dataclasses.replace(s, captions=(s.empty_caption,), empty_caption=None)
                    for s in plan.samples if s.empty_caption is not None]
         if plan.prompts.given:
-            (empty,), _ = self._cached(empties[:1])
-            return [empty if mine is None else mine for mine in own]
+            conditionings, _ = self._cached(empties[:1])
+            return conditionings * len(keys)
         conditionings, latent_keys = self._cached(empties)
         by_latent = dict(zip(latent_keys, conditionings))  # an empty caption's row has its sample's latent key
         return [by_latent[key] for key in keys]
