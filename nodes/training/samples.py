@@ -204,7 +204,11 @@ class Sampling:
                                                                                else "")
             what = f"sample images of {len(plan.samples)} caption(s) ({names})"
         steps = ", ".join(str(step) for step, _ in self.results)
-        against = "the sample_negative" if plan.prompts.negative is not None else "the empty caption"
+        prompts = plan.prompts
+        against = ("the sample_negative" if prompts.negative is not None else
+                   "each line's --n negative" if prompts.own_negatives else "the empty caption")
+        if not prompts.own_negatives and any(t.negative is not None for t in prompts.texts):
+            against += " (a line's own --n where it has one)"
         guidance = f", cfg {self.cfg:g} against {against}" if self.cfg > 1 else ""
         size = f", {plan.size[0]}×{plan.size[1]} px" if plan.size is not None else ""
         return (f"{what} at steps {steps or 'none'}: {self.steps} {self.sampler} steps ({self.scheduler} schedule)"

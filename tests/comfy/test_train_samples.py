@@ -349,6 +349,8 @@ def test_a_sample_texts_lines_own_negative_guides_it(node: type, models: tuple, 
     torch.testing.assert_close(own.result[3]["samples"][:1], expected[0], rtol=1e-4, atol=1e-4)
     assert "2 sample_texts line(s) ('a green circle', 'a yellow triangle'; 1 noise(s) each, 1 with its own --n " \
            "negative)" in _summary(out)
+    assert "cfg 3 against the sample_negative (a line's own --n where it has one)" in _summary(out)
+    assert "cfg 3 against each line's --n negative" in _summary(own)
     with pytest.raises(ValueError, match=r"sample_texts line 'a cat --w 512 --h 512': --w is kohya's per-line "
                                          r"option; here sample_width sets it for every line: take it out"):
         _train(node, models[0], dataset[0], sample_count=1, sample_clip=clip, sample_texts="a cat --w 512 --h 512")
