@@ -375,6 +375,10 @@ class EncodePlan:
         caption_example: with tag shuffles or wildcards, what the first sample with several caption texts trains
             with, for the report: its source, how many distinct texts it has, and the first of them (at most
             :data:`CAPTION_EXAMPLE_TEXTS`); ``None`` otherwise.
+        tag_frequency: ``folder -> tag -> images`` of the folder's captions (:mod:`.tag_frequency`), kept in the
+            dataset's info for the metadata of the LoRAs trained from it.
+        tags_current: the stored dataset's info already holds ``tag_frequency`` (else the dataset is stored again
+            even when its samples are unchanged, so a cache encoded before the counts existed gains them).
     """
 
     cache_root: str
@@ -404,6 +408,8 @@ class EncodePlan:
     unused_masks: int = 0
     short_clips: tuple[str, ...] = ()
     caption_example: CaptionExample | None = None
+    tag_frequency: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    tags_current: bool = True
 
     @property
     def needs_vae(self) -> bool:
@@ -424,9 +430,9 @@ class EncodePlan:
 
     @property
     def up_to_date(self) -> bool:
-        """True when there is nothing to encode and the dataset is already stored as planned."""
+        """True when there is nothing to encode and the dataset is already stored as planned (its info too)."""
         return (not self.needs_vae and not self.needs_text_encoder and not self.missing_masks
-                and self.dataset_current)
+                and self.dataset_current and self.tags_current)
 
     def counts(self) -> dict[str, int]:
         """Source file counts and work to do, for logs and the dataset's info."""

@@ -69,6 +69,7 @@ from .mask_plan import mask_job, mask_notes, unused_masks
 from .scan import SourceImage, scan_folder
 from .sources import Validation, validate_sources
 from .sources_record import SourcesRecord, SourcesRecordError, load_record, save_record
+from .tag_frequency import count_tags
 
 __all__ = [
     "SOURCES_DIR",
@@ -286,6 +287,8 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures, *unplannable)}
     lines = [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)]
     counts = validation.counts()
+    tags = count_tags([*((_tag_folder(src, i.relpath), i.captions) for i in scan.images),
+                       *((_tag_folder(src, c.relpath), c.captions) for c in scan.clips)])
     return EncodePlan(
         cache_root=root, dataset=dataset, folder=src, settings=settings, vae_fingerprint=vae_fingerprint,
         text_fingerprint=text_fingerprint, new=counts["new"], changed=counts["changed"],
@@ -302,7 +305,8 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
                + wildcard_notes(settings.wildcards, lines)),
         missing_clips=missing.clips, missing_masks=missing.masks, empty_caption=empty,
         images_without_mask=len(no_mask), unused_masks=len(unused), short_clips=tuple(short),
-        caption_example=caption_example(samples, texts, settings),
+        caption_example=caption_example(samples, texts, settings), tag_frequency=tags,
+        tags_current=info is not None and info.get("tag_frequency", {}) == tags,
     )
 
 
@@ -384,6 +388,12 @@ class _Missing:
             tuple(sorted((j for j in masks.values() if j.key not in have), key=lambda j: (j.relpath, j.key))),
             tuple(sorted((j for j in clips.values() if j.key not in have),
                          key=lambda j: (len(j.clip.indices) if j.clip else 0, j.bucket[1], j.bucket[0], j.relpath))))
+
+
+def _tag_folder(folder: str, relpath: str) -> str:
+    """The folder a source's tags count under: its kohya subfolder, or the dataset folder's own name."""
+    head, sep, _ = relpath.partition("/")
+    return head if sep else os.path.basename(folder)
 
 
 def _listed_samples(validation: Validation) -> int:

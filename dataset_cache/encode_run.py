@@ -398,7 +398,7 @@ def _store_dataset(plan: EncodePlan, writer: CacheWriter, report: EncodeReport, 
     """Store the dataset's samples (when they changed), compact the run's small shards, settle the sources."""
     t_finish = time.perf_counter()
     samples = _finish(plan, report, failed_keys)
-    if not (plan.dataset_current and samples == plan.samples):
+    if not (plan.dataset_current and samples == plan.samples and plan.tags_current):
         writer.set_dataset(plan.dataset, samples, info=_info(plan, report, samples))
     if report.encoded:  # the run's last shard is partly filled: merge it with earlier small ones
         report.compaction = compact_if_unread(writer, plan.cache_root)
@@ -409,7 +409,7 @@ def _store_dataset(plan: EncodePlan, writer: CacheWriter, report: EncodeReport, 
 
 
 def _info(plan: EncodePlan, report: EncodeReport, samples: Sequence[Sample]) -> dict[str, Any]:
-    return {
+    info: dict[str, Any] = {
         "samples_digest": samples_digest(samples),
         "vae_fingerprint": plan.vae_fingerprint,
         "text_fingerprint": plan.text_fingerprint,
@@ -420,3 +420,6 @@ def _info(plan: EncodePlan, report: EncodeReport, samples: Sequence[Sample]) -> 
             "removed": plan.removed, "failed": len(report.failures), "skipped": report.skipped,
         },
     }
+    if plan.tag_frequency:  # none for a folder without captions: its info stays as before
+        info["tag_frequency"] = plan.tag_frequency
+    return info

@@ -10,6 +10,7 @@ from .combine_datasets import CombineDatasets
 from .encode_dataset import EncodeDataset
 from .load_cache import LoadLazyCache
 from .save_cache import SaveCache
+from .save_lora import SaveLoRA
 from .train_lora import TrainLoRA
 from .inputs import register_prompt_upgrade
 from .paths import register_cache_folder
@@ -17,7 +18,7 @@ from .paths import register_cache_folder
 __all__ = ["NODES", "StreamCacheExtension"]
 
 NODES: tuple[type[io.ComfyNode], ...] = (EncodeDataset, SaveCache, LoadLazyCache, CombineDatasets, TrainLoRA,
-                                         CleanCache, CacheInfo)
+                                         SaveLoRA, CleanCache, CacheInfo)
 """Every node of the pack; ids start with ``StreamCache_`` and the category is ``StreamCache``."""
 
 

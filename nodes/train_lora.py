@@ -13,6 +13,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from comfy_api.latest import io
@@ -47,6 +48,7 @@ from .training import (
 from .train_lora_inputs import train_lora_inputs
 from .training.sample_prompts import (NO_PROMPTS, SamplePrompts, check_prompt, encode_sample_texts,
                                       sample_text_lines)
+from .training.lora_output import TrainedLora, describe_training
 from .training.samples import SAMPLE_SAMPLER, SAMPLE_SCHEDULER, node_preview
 
 __all__ = ["EVENT", "TrainLoRA"]
@@ -165,6 +167,26 @@ def _output(result: TrainResult, dataset: StreamDatasetHandle | CombinedDatasetH
     if result.samples is not None:
         images = {"samples": result.samples}
     return io.NodeOutput(result.lora, loss_map, result.steps, images, ui=ui)
+
+
+def _named(mix: DatasetMix) -> list[tuple[Sample, str]]:
+    """Each trained sample with the name of its dataset (the LoRA's ``ss_dataset_dirs``)."""
+    named: list[tuple[Sample, str]] = []
+    at = 0
+    for name, count in mix.parts:
+        named.extend((sample, name) for sample in mix.samples[at:at + count])
+        at += count
+    return named
+
+
+def _infos(dataset: StreamDatasetHandle | CombinedDatasetHandle, readers: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The stored infos of the datasets ``dataset`` names (what they were encoded with, their tag counts)."""
+    infos = []
+    for part in dataset.parts:
+        found = readers[part.cache_root].datasets().get(part.name)
+        if found is not None and isinstance(found.info, dict):
+            infos.append(found.info)
+    return infos
 
 
 class TrainLoRA(io.ComfyNode):
@@ -342,10 +364,14 @@ class TrainLoRA(io.ComfyNode):
                 mix, val = held.train, held.validation
             text = _NodeText(node_id)
             preview = node_preview(model, node_id, settings.steps) if settings.sample_count else None
+            described = describe_training(model, settings, _named(mix), reg.samples if reg is not None else (),
+                                          _infos(dataset, readers), time.time())
             result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
                                 reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "",
                                 on_plan=text.plan, on_saved=text.saved, val=val, on_sampled=preview,
-                                sample_prompts=prompts)
+                                sample_prompts=prompts, lora_metadata=described)
+            total = str(result.steps)  # an existing LoRA's steps and this run's
+            result.lora = TrainedLora(result.lora, {**described, "ss_steps": total, "ss_max_train_steps": total})
             if held is not None:
                 result.info = (held.describe(settings.val_split), *result.info)
         except BaseException as error:  # ComfyUI keeps its error in a reference cycle: the run's finished frames

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -69,6 +69,7 @@ def train_lora(
     val: Sequence[Sample] | DatasetMix | None = None,
     on_sampled: Callable[[int, torch.Tensor], None] | None = None,
     sample_prompts: SamplePrompts = NO_PROMPTS,
+    lora_metadata: Mapping[str, str] | None = None,
 ) -> TrainResult:
     """Train a LoRA (or LoHa/LoKr/OFT) on ``model`` over the cached ``samples`` and return its weights.
 
@@ -95,6 +96,8 @@ def train_lora(
             ``settings.sample_count`` (:mod:`.samples`), on this thread (the node previews it).
         sample_prompts: the node's ``sample_prompt`` (replacing the cached captions) and ``sample_negative`` (the
             empty caption's place).
+        lora_metadata: the training keys the saves of ``save_every`` write into their files
+            (:func:`.lora_output.describe_training`); ``None``: none.
         world: a worker's own collective (``nodes/training/worker.py``); not for callers. Where to train is
             ``settings.devices``: several devices train data-parallel with a global batch of ``batch_size`` ×
             devices (see :mod:`.distributed`).
@@ -119,7 +122,8 @@ def train_lora(
         startup.mark("model")
         run.memory = plan_run_memory(run, reader, data.rows, data.shapes, on_plan)
         startup.mark("memory plan")
-        parts = start_steps(run, data, reader, samples, existing, name_steps, team, startup, (on_saved, on_sampled))
+        parts = start_steps(run, data, reader, samples, existing, name_steps, team, startup, (on_saved, on_sampled),
+                            lora_metadata)
         outcome = run_steps(run, train, reader, parts.sampler, parts.loop, team, parts.saves, startup, on_step)
         # rank 0's run is the one to continue; a save of its last step already wrote this state
         saved_at_end = parts.saves is not None and parts.saves.holds_the_end(parts.start.steps + settings.steps)
@@ -140,11 +144,11 @@ class RunParts(NamedTuple):
 
 def start_steps(run: LoadedRun, data: DataPlan, reader: DatasetReader, samples: Sequence[Sample] | DatasetMix,
                 existing: dict[str, torch.Tensor], name_steps: int | None, team: Any, startup: Startup,
-                callbacks: tuple[Callable[[int, str], None] | None, Callable[[int, torch.Tensor], None] | None]
-                ) -> RunParts:
+                callbacks: tuple[Callable[[int, str], None] | None, Callable[[int, torch.Tensor], None] | None],
+                lora_metadata: Mapping[str, str] | None = None) -> RunParts:
     """The sampler of this rank's batches, where the run starts (continuing ``existing``: its optimizer, steps and
     batch order, agreed by every rank), the weights' average, the saves and the step loop; ``callbacks``: the
-    node's for each save and each sampling."""
+    node's for each save and each sampling; ``lora_metadata``: what the saves write into their files."""
     settings = run.settings
     on_saved, on_sampled = callbacks
     sampler = shard_sampler(samples, data.buckets, settings.batch_size, settings.seed, tail="short",
@@ -154,7 +158,8 @@ def start_steps(run: LoadedRun, data: DataPlan, reader: DatasetReader, samples: 
     team.same_start(start.steps, start.first_batch, sampler.position, run.optimizer)
     if settings.ema_decay > 0:  # after the trained weights (and the saved average) are restored
         run.average = WeightAverage(run.lora_sd, settings.ema_decay, start.average)
-    saves = RunSaves(run, sampler, start, on_saved) if settings.save_every > 0 and team.is_main else None
+    saves = (RunSaves(run, sampler, start, on_saved, lora_metadata) if settings.save_every > 0 and team.is_main
+             else None)
     loop = make_loop(run, data, reader, start, team, startup, saves)
     if data.sampling is not None and team.is_main:  # rank 0 samples, as it validates
         loop.sampling = Sampling(

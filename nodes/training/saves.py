@@ -4,34 +4,32 @@ continues exactly.
 
 ComfyUI's own trainer returns its LoRA only when the last step is done: a run cancelled or failed at step 900 of
 1000 leaves nothing, and kohya, OneTrainer and ai-toolkit all save as they go. A save writes what **Save LoRA
-Weights** writes (the adapter tensors, named ``<prefix>_<steps>_steps_<counter>_.safetensors`` in ComfyUI's output
-folder, so ``existing_lora`` reads the step count from the name) and the training state :mod:`.resume` writes at a
+(Stream Cache)** writes (the adapter tensors with the run's training metadata, named
+``<prefix>_<steps>_steps_<counter>_.safetensors`` in ComfyUI's output folder, so ``existing_lora`` reads the step
+count from the name) and the training state :mod:`.resume` writes at a
 run's end, found again by the LoRA's content: continuing a save is the same as never having stopped.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 
 import comfy.model_management
 import folder_paths
 
-from ...dataset_cache.format.durable import atomic_write
 from ...dataset_cache.optimizer_state import TrainState, lora_digest
 from ...dataset_cache.sampler import BatchPlan, BucketSampler
+from .lora_output import write_lora
 from .resume import Start, capture_state, save_state, state_store
 
-__all__ = ["RunSaves", "lora_weights", "write_lora"]
+__all__ = ["RunSaves", "lora_weights", "shown_path"]
 
 log = logging.getLogger("streamcache.train")
 
@@ -42,34 +40,6 @@ def lora_weights(run: Any) -> dict[str, torch.Tensor]:
     if run.average is not None:
         return {k: v.to(run.adapter_dtype) for k, v in run.average.weights().items()}
     return {k: v.detach().to("cpu", run.adapter_dtype).clone() for k, v in run.lora_sd.items()}
-
-
-def write_lora(lora: Mapping[str, torch.Tensor], prefix: str, steps: int) -> Path:
-    """Write ``lora`` as Save LoRA Weights names it, ``<prefix>_<steps>_steps_<counter>_.safetensors`` under
-    ComfyUI's output folder, atomically (a crash leaves the whole file or none); return its path.
-
-    The counter is one more than the highest of the files already named so (ComfyUI's own counter reads the step
-    count as one). A file is never replaced.
-
-    Raises:
-        OSError: the folder or the file cannot be written (naming it); ValueError: the prefix leaves the output
-            folder (ComfyUI's check).
-    """
-    try:
-        folder, name, _, _, _ = folder_paths.get_save_image_path(prefix, folder_paths.get_output_directory())
-    except OSError:
-        raise
-    except Exception as exc:  # ComfyUI raises a plain Exception for a prefix outside the output folder
-        raise ValueError(f"save_prefix {prefix!r}: {str(exc).strip().splitlines()[0].strip('* ')}") from None
-    os.makedirs(folder, exist_ok=True)
-    taken = re.compile(re.escape(name) + r"_\d+_steps_(\d+)_\.safetensors", re.IGNORECASE)
-    counters = [int(m.group(1)) for m in map(taken.fullmatch, os.listdir(folder)) if m]
-    path = Path(folder) / f"{name}_{steps}_steps_{max(counters, default=0) + 1:05}_.safetensors"
-    if os.path.lexists(path):
-        raise OSError(f"{path} already exists")
-    data = safetensors.torch.save(dict(lora))
-    atomic_write(path, lambda f: f.write(data))
-    return path
 
 
 class RunSaves:
@@ -85,8 +55,11 @@ class RunSaves:
     """
 
     def __init__(self, run: Any, sampler: BucketSampler, start: Start,
-                 on_saved: Callable[[int, str], None] | None = None) -> None:
+                 on_saved: Callable[[int, str], None] | None = None, metadata: Mapping[str, str] | None = None
+                 ) -> None:
         self.run = run
+        # the run's training keys (lora_output.describe_training), the steps it will end at known now
+        self.metadata = {**metadata, "ss_max_train_steps": str(start.steps + run.settings.steps)} if metadata else {}
         self.on_saved = on_saved  # told each save's total steps and file (from the writer's thread, mostly)
         self.sampler = sampler
         self.start = start
@@ -128,7 +101,7 @@ class RunSaves:
                stopped_by: BaseException | None) -> None:
         t0 = time.perf_counter()
         try:
-            path = write_lora(lora, self.run.settings.save_prefix, steps)
+            path = write_lora(lora, self.run.settings.save_prefix, steps, self.metadata)
             self._save_state(state, lora)
         except Exception as exc:  # on the writer's thread nothing else would see it: said, and the run goes on
             self._failed(steps, exc, stopped_by)
@@ -137,7 +110,7 @@ class RunSaves:
         self.saved.append((steps, path))
         if self.on_saved is not None:
             try:
-                self.on_saved(steps, _shown(path))
+                self.on_saved(steps, shown_path(path))
             except Exception:  # showing a save must never fail it
                 log.debug("could not show the save", exc_info=True)
         if stopped_by is None:
@@ -181,7 +154,7 @@ class RunSaves:
         if not self.saved:
             return []
         steps = ", ".join(str(s) for s, _ in self.saved)
-        last, where = self.saved[-1][0], _shown(self.saved[-1][1])
+        last, where = self.saved[-1][0], shown_path(self.saved[-1][1])
         state = ", with its training state," if last == self.state_steps else ""
         return [f"saved the LoRA at step{'s' if len(self.saved) > 1 else ''} {steps} (training waited "
                 f"{max(self.waited):.1f} s per save at most, writing took {max(self.written):.1f} s; the last{state} "
@@ -194,7 +167,7 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
 
 
-def _shown(path: Path) -> str:
+def shown_path(path: Path) -> str:
     """``path`` relative to the output folder where it is inside it (the summary names where to look)."""
     try:
         return f"output/{path.relative_to(folder_paths.get_output_directory()).as_posix()}"

@@ -1,0 +1,82 @@
+"""How often each caption tag occurs in a dataset's folders: kohya's ``ss_tag_frequency``, counted when a folder is
+encoded and kept in the dataset's info, so a LoRA trained from the cache can say what it was trained on.
+
+Civitai and the LoRA browsers of A1111, Forge and ComfyUI's model managers show a LoRA's training tags from this
+field of its metadata; kohya writes it for every LoRA. Here it is counted from the caption files as read (before
+``caption_prefix`` and the tag shuffles), per kohya folder (``10_ohwx woman``) or, for images at the top of the
+dataset folder, under the folder's own name; a tag counts once per image or clip whatever its lines hold.
+
+Stored in a dataset's info (``tag_frequency``, docs/FORMAT.md §10): bounded, so a folder of ten thousand booru-tagged
+images keeps the manifest small; read back through :func:`read_tag_frequency`, which accepts only what this module
+writes (a stranger's cache cannot make a LoRA's metadata huge or malformed).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+__all__ = ["MAX_FOLDERS", "MAX_TAG_CHARS", "MAX_TAGS_PER_FOLDER", "count_tags", "merge_tag_frequency",
+           "read_tag_frequency"]
+
+MAX_TAGS_PER_FOLDER = 1000
+"""The most frequent tags kept per folder (ties by name): a LoRA page shows the top few dozen."""
+MAX_FOLDERS = 64
+"""The folders kept (those with the most images): kohya datasets have a handful."""
+MAX_TAG_CHARS = 200
+"""A longer tag is a sentence, not a tag: not counted."""
+
+
+def _tags(line: str) -> Iterable[str]:
+    for tag in line.split(","):
+        tag = tag.strip()
+        if tag and len(tag) <= MAX_TAG_CHARS:
+            yield tag
+
+
+def count_tags(captions: Iterable[tuple[str, Sequence[str]]]) -> dict[str, dict[str, int]]:
+    """``folder -> tag -> images`` from ``(folder, caption lines)`` per image or clip (see the module docstring),
+    bounded by :data:`MAX_FOLDERS` and :data:`MAX_TAGS_PER_FOLDER`; folders and their tags in a fixed order (most
+    images first, then by name), so the same folder gives the same info on every run."""
+    counts: dict[str, Counter[str]] = {}
+    images: Counter[str] = Counter()
+    for folder, lines in captions:
+        images[folder] += 1
+        tags = {tag for line in lines for tag in _tags(line)}
+        if tags:
+            counts.setdefault(folder, Counter()).update(tags)
+    folders = sorted(counts, key=lambda f: (-images[f], f))[:MAX_FOLDERS]
+    return {folder: _top(counts[folder]) for folder in folders}
+
+
+def _top(counter: Mapping[str, int]) -> dict[str, int]:
+    ranked = sorted(counter.items(), key=lambda item: (-item[1], item[0]))[:MAX_TAGS_PER_FOLDER]
+    return dict(ranked)
+
+
+def read_tag_frequency(value: object) -> dict[str, dict[str, int]]:
+    """A dataset info's ``tag_frequency`` as :func:`count_tags` writes it, or ``{}`` for anything else (an older
+    cache has none; a malformed or oversized one is ignored rather than trusted): the metadata is a courtesy, never
+    a reason to refuse training."""
+    if not isinstance(value, dict) or len(value) > MAX_FOLDERS:
+        return {}
+    out: dict[str, dict[str, int]] = {}
+    for folder, tags in value.items():
+        if not (isinstance(folder, str) and isinstance(tags, dict) and len(tags) <= MAX_TAGS_PER_FOLDER):
+            return {}
+        if not all(isinstance(t, str) and 0 < len(t) <= MAX_TAG_CHARS and type(n) is int and n > 0
+                   for t, n in tags.items()):
+            return {}
+        out[folder] = dict(tags)
+    return out
+
+
+def merge_tag_frequency(parts: Iterable[Mapping[str, Mapping[str, int]]]) -> dict[str, dict[str, int]]:
+    """Several datasets' counts as one (a folder in two datasets sums), bounded as :func:`count_tags`: the
+    ``ss_tag_frequency`` of a LoRA trained on a Combine Datasets output."""
+    merged: dict[str, Counter[str]] = {}
+    for part in parts:
+        for folder, tags in part.items():
+            merged.setdefault(folder, Counter()).update(tags)
+    folders = sorted(merged, key=lambda f: (-max(merged[f].values(), default=0), f))[:MAX_FOLDERS]
+    return {folder: _top(merged[folder]) for folder in folders}
