@@ -23,7 +23,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-__all__ = ["ARCHITECTURES", "Architecture", "addnet_hashes", "architecture_of", "file_metadata",
+__all__ = ["ARCHITECTURES", "Architecture", "addnet_hashes", "architecture_of", "file_metadata", "network_shape",
            "training_metadata"]
 
 MODELSPEC_VERSION = "1.0.0"
@@ -164,6 +164,21 @@ def training_metadata(*, arch: Architecture, v_prediction: bool, settings: Mappi
     return out
 
 
+def network_shape(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``ss_network_dim`` and ``ss_network_alpha`` as the tensors hold them, where they say: a LoRA's down matrices'
+    rank when they share one, the adapters' ``alpha`` (their mean to 4 digits where they differ: ComfyUI's adapters
+    train their alpha with the weights). A continued LoRA keeps its own, whatever the run's inputs."""
+    out: dict[str, str] = {}
+    ranks = {int(t.shape[0]) for k, t in tensors.items() if k.endswith(".lora_down.weight") and t.dim() >= 2}
+    alphas = [float(t.item()) for k, t in tensors.items() if k.endswith(".alpha") and t.numel() == 1]
+    if len(ranks) == 1:
+        out["ss_network_dim"] = str(ranks.pop())
+    if alphas:
+        same = len(set(alphas)) == 1
+        out["ss_network_alpha"] = str(alphas[0]) if same else f"{sum(alphas) / len(alphas):.4g}"
+    return out
+
+
 def addnet_hashes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[str, str]:
     """kohya's ``sshs_model_hash`` and ``sshs_legacy_hash`` of a LoRA: the SHA-256 of its safetensors data section
     (the tensors' bytes, whatever the header holds) and the legacy 8-hex hash of bytes 1 MiB to 1 MiB + 64 KiB of
@@ -186,6 +201,7 @@ def file_metadata(tensors: Mapping[str, torch.Tensor], training: Mapping[str, st
     out = dict(training)
     out["ss_output_name"] = title
     if training:
+        out.update(network_shape(tensors))
         out["modelspec.title"] = title
         out["ss_training_finished_at"] = repr(float(saved_at))
         out["modelspec.date"] = datetime.datetime.fromtimestamp(int(saved_at), datetime.timezone.utc).isoformat()

@@ -16,13 +16,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["MAX_FOLDERS", "MAX_TAG_CHARS", "MAX_TAGS_PER_FOLDER", "count_tags", "merge_tag_frequency",
+__all__ = ["MAX_FOLDERS", "MAX_TAG_CHARS", "MAX_TAGS", "MAX_TAGS_PER_FOLDER", "count_tags", "merge_tag_frequency",
            "read_tag_frequency"]
 
 MAX_TAGS_PER_FOLDER = 1000
 """The most frequent tags kept per folder (ties by name): a LoRA page shows the top few dozen."""
 MAX_FOLDERS = 64
 """The folders kept (those with the most images): kohya datasets have a handful."""
+MAX_TAGS = 4000
+"""The tags kept in all (each of many folders keeps its share of them): the info, in the manifest, stays under
+~150 KB however the dataset is laid out."""
 MAX_TAG_CHARS = 200
 """A longer tag is a sentence, not a tag: not counted."""
 
@@ -36,8 +39,9 @@ def _tags(line: str) -> Iterable[str]:
 
 def count_tags(captions: Iterable[tuple[str, Sequence[str]]]) -> dict[str, dict[str, int]]:
     """``folder -> tag -> images`` from ``(folder, caption lines)`` per image or clip (see the module docstring),
-    bounded by :data:`MAX_FOLDERS` and :data:`MAX_TAGS_PER_FOLDER`; folders and their tags in a fixed order (most
-    images first, then by name), so the same folder gives the same info on every run."""
+    bounded by :data:`MAX_FOLDERS`, :data:`MAX_TAGS_PER_FOLDER` and :data:`MAX_TAGS` (each folder its share);
+    folders and their tags in a fixed order (most images first, then by name), so the same folder gives the same
+    info on every run."""
     counts: dict[str, Counter[str]] = {}
     images: Counter[str] = Counter()
     for folder, lines in captions:
@@ -46,11 +50,16 @@ def count_tags(captions: Iterable[tuple[str, Sequence[str]]]) -> dict[str, dict[
         if tags:
             counts.setdefault(folder, Counter()).update(tags)
     folders = sorted(counts, key=lambda f: (-images[f], f))[:MAX_FOLDERS]
-    return {folder: _top(counts[folder]) for folder in folders}
+    return {folder: _top(counts[folder], len(folders)) for folder in folders}
 
 
-def _top(counter: Mapping[str, int]) -> dict[str, int]:
-    ranked = sorted(counter.items(), key=lambda item: (-item[1], item[0]))[:MAX_TAGS_PER_FOLDER]
+def _share(folders: int) -> int:
+    """The tags each of ``folders`` folders keeps."""
+    return min(MAX_TAGS_PER_FOLDER, MAX_TAGS // max(folders, 1))
+
+
+def _top(counter: Mapping[str, int], folders: int) -> dict[str, int]:
+    ranked = sorted(counter.items(), key=lambda item: (-item[1], item[0]))[:_share(folders)]
     return dict(ranked)
 
 
@@ -59,6 +68,8 @@ def read_tag_frequency(value: object) -> dict[str, dict[str, int]]:
     cache has none; a malformed or oversized one is ignored rather than trusted): the metadata is a courtesy, never
     a reason to refuse training."""
     if not isinstance(value, dict) or len(value) > MAX_FOLDERS:
+        return {}
+    if sum(len(tags) if isinstance(tags, dict) else 0 for tags in value.values()) > MAX_TAGS:
         return {}
     out: dict[str, dict[str, int]] = {}
     for folder, tags in value.items():
@@ -79,4 +90,4 @@ def merge_tag_frequency(parts: Iterable[Mapping[str, Mapping[str, int]]]) -> dic
         for folder, tags in part.items():
             merged.setdefault(folder, Counter()).update(tags)
     folders = sorted(merged, key=lambda f: (-max(merged[f].values(), default=0), f))[:MAX_FOLDERS]
-    return {folder: _top(merged[folder]) for folder in folders}
+    return {folder: _top(merged[folder], len(folders)) for folder in folders}

@@ -26,6 +26,7 @@ from ..dataset_cache.dataset_mix import DatasetMix
 from ..dataset_cache.devices import AUTO as ALL_DEVICES
 from ..dataset_cache.holdout import hold_out
 from ..dataset_cache.lock import READ_LOCK, CacheLock
+from ..dataset_cache.lora_metadata import network_shape
 from ..dataset_cache.remote import is_remote_url
 from ..dataset_cache.memory_plan import AUTO, MemoryPlan
 from .handles import (
@@ -179,14 +180,23 @@ def _named(mix: DatasetMix) -> list[tuple[Sample, str]]:
     return named
 
 
-def _infos(dataset: StreamDatasetHandle | CombinedDatasetHandle, readers: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The stored infos of the datasets ``dataset`` names (what they were encoded with, their tag counts)."""
-    infos = []
-    for part in dataset.parts:
-        found = readers[part.cache_root].datasets().get(part.name)
-        if found is not None and isinstance(found.info, dict):
-            infos.append(found.info)
-    return infos
+def _described(model: Any, settings: TrainSettings, mix: DatasetMix, reg: DatasetMix | None,
+               dataset: StreamDatasetHandle | CombinedDatasetHandle, readers: Mapping[str, Any]) -> dict[str, str]:
+    """The run's training metadata (what its LoRA files say about it), from the stored infos of the datasets
+    ``dataset`` names (what they were encoded with, their tag counts). A courtesy: what fails to describe leaves
+    the LoRA without metadata, never the run without its LoRA."""
+    try:
+        infos = []
+        for part in dataset.parts:
+            found = readers[part.cache_root].datasets().get(part.name)
+            if found is not None and isinstance(found.info, dict):
+                infos.append(found.info)
+        return describe_training(model, settings, _named(mix), reg.samples if reg is not None else (), infos,
+                                 time.time())
+    except Exception:
+        log.warning("Train LoRA: could not describe the run for its LoRA's metadata; it is saved without",
+                    exc_info=True)
+        return {}
 
 
 class TrainLoRA(io.ComfyNode):
@@ -364,14 +374,14 @@ class TrainLoRA(io.ComfyNode):
                 mix, val = held.train, held.validation
             text = _NodeText(node_id)
             preview = node_preview(model, node_id, settings.steps) if settings.sample_count else None
-            described = describe_training(model, settings, _named(mix), reg.samples if reg is not None else (),
-                                          _infos(dataset, readers), time.time())
+            described = _described(model, settings, mix, reg, dataset, readers)
             result = train_lora(model, training_reader(readers), mix, settings, on_step=_Events(node_id), reg=reg,
                                 reg_name=f"reg_dataset {reg_dataset.name!r}" if reg_dataset is not None else "",
                                 on_plan=text.plan, on_saved=text.saved, val=val, on_sampled=preview,
                                 sample_prompts=prompts, lora_metadata=described)
             total = str(result.steps)  # an existing LoRA's steps and this run's
-            result.lora = TrainedLora(result.lora, {**described, "ss_steps": total, "ss_max_train_steps": total})
+            result.lora = TrainedLora(result.lora, {**described, **network_shape(result.lora), "ss_steps": total,
+                                                    "ss_max_train_steps": total} if described else {})
             if held is not None:
                 result.info = (held.describe(settings.val_split), *result.info)
         except BaseException as error:  # ComfyUI keeps its error in a reference cycle: the run's finished frames

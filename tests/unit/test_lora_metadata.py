@@ -21,8 +21,8 @@ from dataset_cache.encode_run import run_encode
 from dataset_cache.format.reader import open_cache
 from dataset_cache.format.writer import CacheWriter
 from dataset_cache.lora_metadata import (ARCHITECTURES, addnet_hashes, architecture_of, file_metadata,
-                                         training_metadata)
-from dataset_cache.tag_frequency import (MAX_FOLDERS, MAX_TAGS_PER_FOLDER, count_tags, merge_tag_frequency,
+                                         network_shape, training_metadata)
+from dataset_cache.tag_frequency import (MAX_FOLDERS, MAX_TAGS, MAX_TAGS_PER_FOLDER, count_tags, merge_tag_frequency,
                                          read_tag_frequency)
 from support.datasets import make_kohya_folder
 from support.fake_encoders import FakeEncoders
@@ -43,12 +43,15 @@ def test_counts_are_bounded_per_folder_and_in_folders_and_long_tags_are_not_tags
     assert len(count_tags(many)["f"]) == MAX_TAGS_PER_FOLDER
     folders = [(f"{n}_x{n}", ("a",)) for n in range(MAX_FOLDERS + 5)]
     assert len(count_tags(folders)) == MAX_FOLDERS
+    crowded = count_tags((f"{n}_f", (", ".join(f"t{i}" for i in range(MAX_TAGS_PER_FOLDER)),)) for n in range(10))
+    assert len(crowded) == 10 and all(len(tags) == MAX_TAGS // 10 for tags in crowded.values())
     assert count_tags([("f", ("x" * 201 + ", short",))]) == {"f": {"short": 1}}
 
 
 @pytest.mark.parametrize("stored", [None, [], {"f": []}, {"f": {"a": "1"}}, {"f": {"a": 0}}, {"f": {"": 1}},
                                     {"f": {"a": True}}, {str(i): {"a": 1} for i in range(MAX_FOLDERS + 1)},
-                                    {"f": {f"t{i}": 1 for i in range(MAX_TAGS_PER_FOLDER + 1)}}])
+                                    {"f": {f"t{i}": 1 for i in range(MAX_TAGS_PER_FOLDER + 1)}},
+                                    {str(n): {f"t{i}": 1 for i in range(MAX_TAGS_PER_FOLDER)} for n in range(5)}])
 def test_a_stored_count_that_is_not_what_this_pack_writes_reads_as_none(stored: object) -> None:
     assert read_tag_frequency(stored) == {}
 
@@ -161,6 +164,17 @@ def test_the_content_hash_is_the_sha256_of_the_files_tensor_bytes_whatever_its_m
     with safetensors.safe_open(str(path), "pt") as f:
         assert f.metadata() == meta
     assert addnet_hashes(tensors, {"other": "x"})[0] == meta["sshs_model_hash"]
+
+
+def test_the_files_rank_and_alpha_are_the_tensors_own() -> None:
+    lora = {"a.lora_down.weight": torch.zeros(16, 8), "a.lora_up.weight": torch.zeros(8, 16),
+            "a.alpha": torch.tensor(8.0), "b.lora_down.weight": torch.zeros(16, 4), "b.alpha": torch.tensor(8.0),
+            "c.diff": torch.zeros(3)}
+    assert network_shape(lora) == {"ss_network_dim": "16", "ss_network_alpha": "8.0"}
+    meta = file_metadata(lora, _training(), title="t", saved_at=0.0)  # _training says rank 8, alpha 4
+    assert (meta["ss_network_dim"], meta["ss_network_alpha"]) == ("16", "8.0")
+    trained = {**lora, "b.alpha": torch.tensor(8.0125)}  # ComfyUI's adapters train their alpha: the mean
+    assert network_shape(trained) == {"ss_network_dim": "16", "ss_network_alpha": "8.006"}
 
 
 def test_a_lora_trained_elsewhere_gets_its_name_and_hashes_only() -> None:
