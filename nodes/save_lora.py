@@ -14,11 +14,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from .training.settings import DEFAULT_SAVE_PREFIX, check_save_prefix
 from .training.lora_output import TrainedLora, write_lora
 from .training.saves import shown_path
+from .ui_output import show_text
 
 __all__ = ["SaveLoRA"]
 
@@ -71,6 +72,7 @@ class SaveLoRA(io.ComfyNode):
                              "own (Train LoRA (Stream Cache)'s LoRA knows it), else none in the name."),
             ],
             outputs=[],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -84,4 +86,6 @@ class SaveLoRA(io.ComfyNode):
         where = shown_path(path)
         log.info("Save LoRA (Stream Cache): saved %s (%s)", where,
                  "with its training metadata" if metadata else "no training metadata: not trained by this pack")
-        return io.NodeOutput(ui={"text": [f"saved {where}"]})
+        text = f"saved {where}" + ("" if metadata else " (no training metadata: not trained by this pack)")
+        show_text(text, getattr(getattr(cls, "hidden", None), "unique_id", None))
+        return io.NodeOutput(ui=ui.PreviewText(text))

@@ -47,6 +47,7 @@ from .training import (
     train_lora,
 )
 from .train_lora_inputs import train_lora_inputs
+from .ui_output import show_text
 from .training.sample_prompts import (NO_PROMPTS, SamplePrompts, check_prompt, encode_sample_texts,
                                       sample_text_lines)
 from .training.lora_output import TrainedLora, describe_training
@@ -120,13 +121,7 @@ class _NodeText:
         self._send("\n".join(filter(None, (self._plan, f"saved the LoRA at step {steps}: {where}"))))
 
     def _send(self, text: str) -> None:
-        instance = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
-        if instance is None or self.node_id is None:
-            return
-        try:
-            instance.send_progress_text(text, self.node_id, getattr(instance, "client_id", None))
-        except Exception:  # what the node shows must never fail the training
-            log.debug("could not show %r", text[:80], exc_info=True)
+        show_text(text, self.node_id)
 
 
 def _check_datasets(dataset: Any, reg_dataset: Any, val_dataset: Any) -> None:

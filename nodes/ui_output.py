@@ -18,7 +18,7 @@ from typing import Any
 
 from comfy_api.latest import ui
 
-__all__ = ["EventSender", "TextWithData"]
+__all__ = ["EventSender", "TextWithData", "show_text"]
 
 log = logging.getLogger("streamcache.ui")
 
@@ -32,6 +32,18 @@ class TextWithData(ui.PreviewText):
 
     def as_dict(self) -> dict[str, Any]:
         return {**super().as_dict(), **{key: [value] for key, value in self.data.items()}}
+
+
+def show_text(text: str, node_id: str | None) -> None:
+    """Show ``text`` on node ``node_id`` (ComfyUI's ``send_progress_text``, drawn by its own front end) when a server
+    exists; never raises: what a node shows must never fail its work."""
+    instance = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
+    if instance is None or node_id is None:
+        return
+    try:
+        instance.send_progress_text(text, node_id, getattr(instance, "client_id", None))
+    except Exception:
+        log.debug("could not show %r", text[:80], exc_info=True)
 
 
 class EventSender:

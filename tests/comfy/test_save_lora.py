@@ -115,7 +115,7 @@ def test_save_lora_writes_the_tensors_with_the_metadata_named_as_save_lora_weigh
     assert {k: v for k, v in meta.items() if k in lora.metadata} == lora.metadata
     assert meta["ss_output_name"] == meta["modelspec.title"] == "cat"
     assert meta["sshs_model_hash"] == hashlib.sha256(data).hexdigest()
-    assert out.ui["text"] == [f"saved output/loras/{path.name}"]
+    assert out.ui.as_dict()["text"] == (f"saved output/loras/{path.name}",)
     _save(pack, lora, save_prefix="loras/cat", steps=9)  # connected steps name it, the counter goes on
     assert (lora_folder / "loras" / "cat_9_steps_00002_.safetensors").is_file()
 

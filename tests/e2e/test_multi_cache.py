@@ -6,6 +6,7 @@ real server; then Clean Cache cleans the shared cache (the run's read locks are 
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -32,10 +33,36 @@ def _encode(tiny_models: TinyModels, ids: tuple[str, str, str], folder: str, cac
     return {vae: prompt["1"], clip: prompt["2"], encode: prompt["3"]}
 
 
+def _check_metadata(server: ComfyServer, result: Any, images: list[Any]) -> None:
+    """Save LoRA (Stream Cache)'s file holds the tensors Save LoRA Weights wrote and the run's metadata: the tags
+    each folder's captions hold (counted by the encodes over HTTP, summed over the combined datasets), the
+    folders' repeats, the family, the steps; the node says where it saved."""
+    import safetensors
+
+    (path,) = (server.output_dir / "loras").glob(f"e2e_meta_{STEPS}_steps_00001_.safetensors")
+    (plain,) = (server.output_dir / "loras").glob(f"e2e_multi_cache_{STEPS}_steps_*.safetensors")
+    with safetensors.safe_open(str(path), "pt") as f, safetensors.safe_open(str(plain), "pt") as g:
+        meta = f.metadata()
+        assert set(f.keys()) == set(g.keys()) and all(f.get_tensor(k).equal(g.get_tensor(k)) for k in f.keys())
+    want: dict[str, dict[str, int]] = {}
+    for image in images:
+        tags = {t.strip() for line in image.caption.splitlines() for t in line.split(",") if t.strip()}
+        for tag in tags:
+            want.setdefault(image.path.parent.name, {}).setdefault(tag, 0)
+            want[image.path.parent.name][tag] += 1
+    assert json.loads(meta["ss_tag_frequency"]) == want
+    assert json.loads(meta["ss_dataset_dirs"]) == {"1_ohwx": {"n_repeats": 2, "img_count": 4},
+                                                   "1_style": {"n_repeats": 1, "img_count": 2}}
+    assert (meta["ss_steps"], meta["ss_num_reg_images"], meta["modelspec.architecture"]) == (
+        str(STEPS), "2", "stable-diffusion-v1/lora")
+    shown = [e["data"]["text"] for e in result.events if e["type"] == "progress_text" and e["data"]["node"] == "17"]
+    assert shown == [f"saved output/loras/{path.name}"] and result.outputs["17"]["text"] == shown
+
+
 def test_datasets_of_two_caches_train_together_and_leave_both_unlocked(
         comfy_server: ComfyServer, client: ComfyClient, tiny_models: TinyModels) -> None:
-    make_kohya_folder(comfy_server.input_dir / MAIN, (Subset(1, "ohwx", ((64, 64),) * 4),))
-    make_kohya_folder(comfy_server.input_dir / "e2e_multi_style", (Subset(1, "style", ((64, 64),) * 2),))
+    project = make_kohya_folder(comfy_server.input_dir / MAIN, (Subset(1, "ohwx", ((64, 64),) * 4),))
+    style = make_kohya_folder(comfy_server.input_dir / "e2e_multi_style", (Subset(1, "style", ((64, 64),) * 2),))
     make_kohya_folder(comfy_server.input_dir / "e2e_multi_reg", (Subset(1, "square", ((64, 64), (96, 64))),))
     prompt = {
         **_encode(tiny_models, ("1", "2", "10"), MAIN, MAIN, "project"),
@@ -50,6 +77,7 @@ def test_datasets_of_two_caches_train_together_and_leave_both_unlocked(
             "reg_weight": 0.5, **TRAIN}},
         "16": {"class_type": "SaveLoRA", "inputs": {"lora": ["15", 0], "steps": ["15", 2],
                                                     "prefix": "loras/e2e_multi_cache"}},
+        "17": {"class_type": "StreamCache_SaveLoRA", "inputs": {"lora": ["15", 0], "save_prefix": "loras/e2e_meta"}},
     }
     result = client.run(prompt, timeout=900)
     assert result.status == "success"
@@ -63,6 +91,7 @@ def test_datasets_of_two_caches_train_together_and_leave_both_unlocked(
     assert " regularization" in summary.split("rows: ")[1]  # regularization rows of the shared cache trained
     saved = sorted((comfy_server.output_dir / "loras").glob(f"e2e_multi_cache_{STEPS}_steps_*.safetensors"))
     assert saved
+    _check_metadata(comfy_server, result, [*project.images, *style.images])
     with open_cache(main_root) as reader:  # each dataset stayed in its own cache: nothing was copied
         assert sorted(reader.datasets()) == ["project"]
     with open_cache(shared_root) as reader:
