@@ -11,7 +11,10 @@ import hashlib
 
 import torch
 
-__all__ = ["derive_seed", "seeded_generator"]
+__all__ = ["MAX_SEED", "derive_seed", "seeded_generator"]
+
+MAX_SEED = 0xFFFFFFFFFFFFFFFF
+"""The largest seed ComfyUI's seed widgets take (a run's ``seed``, ``sample_seed``, a prompt line's ``--d``)."""
 
 
 def derive_seed(*parts: object) -> int:

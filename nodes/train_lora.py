@@ -9,6 +9,7 @@ Weights", "Plot Loss Graph" and "Load LoRA Model" take them unchanged; a fourth 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import sys
@@ -48,7 +49,7 @@ from .training import (
 )
 from .train_lora_inputs import train_lora_inputs
 from .ui_output import show_text
-from .training.sample_prompts import (NO_PROMPTS, SamplePrompts, check_prompt, encode_sample_texts,
+from .training.sample_prompts import (NO_PROMPTS, SamplePrompts, check_prompt, encode_sample_texts, lines_size,
                                       sample_text_lines)
 from .training.lora_output import TrainedLora, describe_training
 from .training.samples import SAMPLE_SAMPLER, SAMPLE_SCHEDULER, node_preview
@@ -320,6 +321,10 @@ class TrainLoRA(io.ComfyNode):
         check_prompt(sample_prompt, "sample_prompt")
         check_prompt(sample_negative, "sample_negative")
         lines = sample_text_lines(sample_texts)
+        size = lines_size(lines, settings.sample_width, settings.sample_height)  # the lines' --w and --h
+        if size != (settings.sample_width, settings.sample_height):
+            settings = dataclasses.replace(settings, sample_width=size[0], sample_height=size[1])
+            settings.validate()
         texts = encode_sample_texts(sample_clip, lines) if settings.sample_count else ()
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
         result, samples, reg_count = cls._train_locked(model, dataset, settings, node_id, reg_dataset, val_dataset,

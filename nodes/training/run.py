@@ -360,10 +360,12 @@ def _sampling_plan(main: Sequence[Sample], buckets: Sequence[tuple[int, ...]],
     chosen, shape = choose_sample_rows(pool, shapes, settings.sample_count)
     needed = chosen[:1] if prompts.given else chosen
     missing = [s.source or s.latent for s in needed if s.empty_caption is None]
-    if settings.sample_cfg > 1 and prompts.negative is None and not prompts.own_negatives and missing:
-        raise ValueError(f"sample_cfg {settings.sample_cfg:g} guides each sample image against the empty caption, "
+    if prompts.needs_empty_caption(settings.sample_cfg) and missing:
+        scale = f"sample_cfg {settings.sample_cfg:g}" if settings.sample_cfg > 1 else "a sample_texts line's --l"
+        raise ValueError(f"{scale} guides each sample image against the empty caption, "
                          f"which this dataset has not encoded ({', '.join(missing[:3])}): encode it with Encode "
-                         "Dataset's empty_caption on, connect a sample_negative, or set sample_cfg 1")
+                         "Dataset's empty_caption on, connect a sample_negative, or sample without guidance "
+                         "(sample_cfg 1, no line's --l above 1)")
     count = settings.sample_count if prompts.given else len(chosen)
     return SamplingPlan(chosen, shape, count, prompts)
 

@@ -10,42 +10,66 @@ text, so reordering or adding lines keeps every other line's images), and by its
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
 import xxhash
 
 from ...dataset_cache.captions import MAX_CAPTION_CHARS
+from ...dataset_cache.sample_choice import MAX_SAMPLE_CFG, MAX_SAMPLE_SIZE, MAX_SAMPLE_STEPS, MIN_SAMPLE_SIZE
+from ...dataset_cache.seeding import MAX_SEED
 from ...dataset_cache.trainable import UNTRAINABLE_CONDITIONING_KEYS
 
-__all__ = ["MAX_SAMPLE_TEXTS", "NO_PROMPTS", "SampleLine", "SamplePrompts", "SampleText", "check_prompt",
-           "encode_sample_texts", "sample_text_lines"]
+__all__ = ["MAX_SAMPLE_TEXTS", "NO_PROMPTS", "LineOptions", "SampleLine", "SamplePrompts", "SampleText",
+           "check_prompt", "encode_sample_texts", "lines_size", "sample_text_lines"]
 
 MAX_SAMPLE_TEXTS = 16
 """The most ``sample_texts`` lines: each gives ``sample_count`` images at every sampling."""
 
 
+class LineOptions(NamedTuple):
+    """A ``sample_texts`` line's own sampling settings, kohya's ``--s`` (steps), ``--l`` (guidance scale) and ``--d``
+    (seed); ``None``: the node's ``sample_steps``, ``sample_cfg``, ``sample_seed``."""
+
+    steps: int | None = None
+    cfg: float | None = None
+    seed: int | None = None
+
+    def describe(self) -> str:
+        """``"--s 30 --l 5"``: the options the line sets, as written in a prompt file."""
+        return " ".join(f"--{k} {v:g}" if isinstance(v, float) else f"--{k} {v}"
+                        for k, v in (("s", self.steps), ("l", self.cfg), ("d", self.seed)) if v is not None)
+
+
 class SampleLine(NamedTuple):
-    """One ``sample_texts`` line: its prompt and, after ``--n``, its own negative (``None``: none)."""
+    """One ``sample_texts`` line: its prompt, after ``--n`` its own negative (``None``: none), its own ``options``
+    and, after ``--w`` and ``--h``, its size in pixels (``None``: the node's)."""
 
     prompt: str
     negative: str | None = None
+    options: LineOptions = LineOptions()
+    size: tuple[int, int] | None = None
 
 
 class SampleText(NamedTuple):
-    """A ``sample_texts`` line encoded: its prompt's text and conditioning, and its own negative's (``None``)."""
+    """A ``sample_texts`` line encoded: its prompt's text and conditioning, its own negative's (``None``) and its
+    own sampling ``options``."""
 
     text: str
     conditioning: Any
     negative: Any = None
+    options: LineOptions = LineOptions()
 
 
 class SampleImage(NamedTuple):
-    """One image of a prompt: its noise key, its conditioning and its own negative (``None``: the default one)."""
+    """One image of a prompt: its noise key, its conditioning, its own negative (``None``: the default one) and its
+    line's own sampling ``options``."""
 
     key: str
     conditioning: Any
     negative: Any = None
+    options: LineOptions = LineOptions()
 
 
 class SamplePrompts(NamedTuple):
@@ -73,7 +97,8 @@ class SamplePrompts(NamedTuple):
             if self.positive is not None else []
         for text in self.texts:
             digest = xxhash.xxh3_64_hexdigest(text.text.encode("utf-8", "surrogatepass"))
-            out += [SampleImage(f"sample_text:{digest}:{i}", text.conditioning, text.negative) for i in range(count)]
+            out += [SampleImage(f"sample_text:{digest}:{i}", text.conditioning, text.negative, text.options)
+                    for i in range(count)]
         return out
 
     def describe(self, count: int) -> str:
@@ -85,7 +110,27 @@ class SamplePrompts(NamedTuple):
         prompt = "the sample_prompt and " if self.positive is not None else ""
         own = sum(t.negative is not None for t in self.texts)
         negatives = f", {own} with its own --n negative" if own else ""
-        return f"{prompt}{len(self.texts)} sample_texts line(s) ({lines}{more}; {count} noise(s) each{negatives})"
+        options = [f"{t.text[:20]!r}: {t.options.describe()}" for t in self.texts if t.options != LineOptions()]
+        settings = f"; own settings {', '.join(options[:3])}{', ...' if len(options) > 3 else ''}" if options else ""
+        return (f"{prompt}{len(self.texts)} sample_texts line(s) ({lines}{more}; {count} noise(s) each{negatives}"
+                f"{settings})")
+
+    def needs_empty_caption(self, cfg: float) -> bool:
+        """Whether some image is guided against the cache's empty caption: guided (its line's ``--l``, else ``cfg``,
+        above 1) with neither its own ``--n`` nor a connected ``sample_negative``."""
+        if self.negative is not None:
+            return False
+        if (self.positive is not None or not self.texts) and cfg > 1:
+            return True
+        return any((t.options.cfg if t.options.cfg is not None else cfg) > 1 and t.negative is None
+                   for t in self.texts)
+
+    def guided(self, cfg: float) -> bool:
+        """Whether any image is guided (a line's own ``--l`` or, for the others, ``cfg``, above 1)."""
+        scales = [t.options.cfg if t.options.cfg is not None else cfg for t in self.texts]
+        if self.positive is not None or not self.texts:
+            scales.append(cfg)
+        return any(scale > 1 for scale in scales)
 
 
 NO_PROMPTS = SamplePrompts()
@@ -114,30 +159,88 @@ def check_prompt(value: Any, name: str) -> None:
                          "ControlNet or hook nodes")
 
 
-_KOHYA_OPTIONS = {"w": "sample_width", "h": "sample_height", "l": "sample_cfg", "s": "sample_steps",
-                  "d": "sample_seed (each line's noise comes from it and the line)"}
-"""kohya's per-line prompt options this node sets for every line, and the input that does."""
+_NUMBERS: dict[str, tuple[str, type, float, float]] = {
+    "s": ("steps", int, 1, MAX_SAMPLE_STEPS), "l": ("guidance scale", float, 1, MAX_SAMPLE_CFG),
+    "d": ("seed", int, 0, MAX_SEED), "w": ("width", int, MIN_SAMPLE_SIZE, MAX_SAMPLE_SIZE),
+    "h": ("height", int, MIN_SAMPLE_SIZE, MAX_SAMPLE_SIZE),
+}
+"""kohya's per-line prompt options besides ``--n``: what each sets, its type and range (the node inputs')."""
+
+
+def _number(raw: str, key: str, value: str) -> float:
+    """The value of option ``--<key>`` of line ``raw``, checked against its range.
+
+    Raises:
+        ValueError: naming the line, the option, what it sets and its range.
+    """
+    what, kind, low, high = _NUMBERS[key]
+    try:
+        number = kind(value.strip())
+    except ValueError:
+        number = None
+    if number is None or not (isinstance(number, int) or math.isfinite(number)) or not low <= number <= high:
+        bounds = f"{int(low)} to {int(high)}" if kind is int else f"{low:g} to {high:g}"
+        raise ValueError(f"sample_texts line {raw[:60]!r}: --{key} sets the line's {what}, a "
+                         f"{'whole ' if kind is int else ''}number from {bounds}; got {value.strip()!r:.20}")
+    return number
 
 
 def _line(raw: str) -> SampleLine:
-    """One prompt-file line as kohya splits it (on ``" --"``): the prompt, and ``--n <negative>``.
+    """One prompt-file line as kohya splits it (on ``" --"``): the prompt, ``--n <negative>``, and the line's own
+    ``--s`` steps, ``--l`` guidance scale, ``--d`` seed, ``--w`` width and ``--h`` height.
 
     Raises:
-        ValueError: another option (``--w``, ``--h``, ``--l``, ``--s``, ``--d``: set for every line by an input,
-            named), or an unknown one.
+        ValueError: an option out of its range, a width without a height (or the reverse), or an option kohya's
+            prompt files have that this node does not, each naming the line.
     """
     prompt, *options = raw.split(" --")
     negative = None
+    numbers: dict[str, float] = {}
     for option in options:
         key, _, value = option.strip().partition(" ")
-        if key.lower() == "n":
+        key = key.lower()
+        if key == "n":
             negative = value.strip()
-            continue
-        where = _KOHYA_OPTIONS.get(key.lower())
-        hint = f"here {where} sets it for every line" if where else "it is no option here (only --n, the negative)"
-        raise ValueError(f"sample_texts line {raw[:60]!r}: --{key[:10]} is kohya's per-line option; {hint}: take it "
-                         "out of the line")
-    return SampleLine(prompt.strip(), negative)
+        elif key in _NUMBERS:
+            numbers[key] = _number(raw, key, value)
+        else:
+            raise ValueError(f"sample_texts line {raw[:60]!r}: --{key[:10]} is no option here (these are: --n the "
+                             "negative, --s steps, --l guidance scale, --d seed, --w and --h the size): take it out "
+                             "of the line")
+    if ("w" in numbers) != ("h" in numbers):
+        raise ValueError(f"sample_texts line {raw[:60]!r}: give both --w and --h (the image's size in pixels), or "
+                         "neither")
+    size = (int(numbers["w"]), int(numbers["h"])) if "w" in numbers else None
+    steps, seed = numbers.get("s"), numbers.get("d")
+    own = LineOptions(None if steps is None else int(steps), numbers.get("l"), None if seed is None else int(seed))
+    return SampleLine(prompt.strip(), negative, own, size)
+
+
+def lines_size(lines: tuple[SampleLine, ...], width: int, height: int) -> tuple[int, int]:
+    """The sample images' size with the lines' ``--w`` and ``--h``: a sampling's images leave as one ``LATENT``
+    batch, so one size for all (``(width, height)``, the node's, when no line gives one; ``(0, 0)``: the bucket's).
+
+    Raises:
+        ValueError: lines of different sizes, or a line's size other than the node's ``sample_width`` and
+            ``sample_height`` (or than the bucket's, for lines without one), naming both.
+    """
+    sizes = {line.size for line in lines if line.size is not None}
+    if not sizes:
+        return width, height
+    if len(sizes) > 1:
+        shown = ", ".join(f"{w}×{h}" for w, h in sorted(sizes))
+        raise ValueError(f"sample_texts lines ask for sizes {shown}: a sampling's images leave as one LATENT batch of "
+                         "one size; give every line the same --w and --h (or none, and set sample_width and "
+                         "sample_height)")
+    (size,) = sizes
+    if (width, height) not in ((0, 0), size):
+        raise ValueError(f"sample_texts lines ask for {size[0]}×{size[1]} px and sample_width × sample_height is "
+                         f"{width}×{height}: a sampling's images have one size; make them agree (or set both to 0)")
+    if any(line.size is None for line in lines):
+        raise ValueError(f"sample_texts: some lines ask for {size[0]}×{size[1]} px with --w and --h, others for none "
+                         "(the captions' bucket): a sampling's images have one size; give every line the same --w "
+                         "and --h, or set sample_width and sample_height instead")
+    return size
 
 
 def sample_text_lines(text: object) -> tuple[SampleLine, ...]:
@@ -188,5 +291,5 @@ def encode_sample_texts(clip: Any, lines: tuple[SampleLine, ...]) -> tuple[Sampl
             encoded[text] = conditioning
         return encoded[text]
 
-    return tuple(SampleText(line.prompt, encode(line.prompt), None if line.negative is None else encode(line.negative))
-                 for line in lines)
+    return tuple(SampleText(line.prompt, encode(line.prompt), None if line.negative is None else encode(line.negative),
+                            line.options) for line in lines)

@@ -34,7 +34,7 @@ from ...dataset_cache.loader import PrefetchLoader
 from ...dataset_cache.reading import DatasetReader
 from ...dataset_cache.sampler import BucketSampler
 from ...dataset_cache.seeding import derive_seed, seeded_generator
-from .sample_prompts import NO_PROMPTS, SamplePrompts
+from .sample_prompts import NO_PROMPTS, LineOptions, SamplePrompts
 
 __all__ = ["SAMPLE_SAMPLER", "SAMPLE_SCHEDULER", "SamplingPlan", "Sampling", "check_sampler", "node_preview",
            "sample_sigmas", "sized_plan"]
@@ -112,13 +112,16 @@ def sized_plan(plan: SamplingPlan | None, model: Any, width: int, height: int,
 
 @dataclasses.dataclass
 class _Rows:
-    """One batch of sample rows read from the cache: its conditionings (and the empty caption's, for guidance), the
-    latent keys in row order and the latent shape."""
+    """One batch of sample rows: its conditionings (and the negatives, for guidance), the noise keys in row order,
+    the latent shape, and the batch's steps, guidance scale and seed (the node's, or its prompt line's own)."""
 
     positive: list[Any]
     negative: list[Any] | None
     keys: list[str]
     shape: tuple[int, ...]
+    steps: int
+    cfg: float
+    seed: int
 
 
 class Sampling:
@@ -209,7 +212,9 @@ class Sampling:
                    "each line's --n negative" if prompts.own_negatives else "the empty caption")
         if not prompts.own_negatives and any(t.negative is not None for t in prompts.texts):
             against += " (a line's own --n where it has one)"
-        guidance = f", cfg {self.cfg:g} against {against}" if self.cfg > 1 else ""
+        own_cfg = " (a line's own --l where it has one)" if any(t.options.cfg is not None for t in prompts.texts) \
+            else ""
+        guidance = f", cfg {self.cfg:g}{own_cfg} against {against}" if prompts.guided(self.cfg) else ""
         size = f", {plan.size[0]}×{plan.size[1]} px" if plan.size is not None else ""
         return (f"{what} at steps {steps or 'none'}: {self.steps} {self.sampler} steps ({self.scheduler} schedule)"
                 f"{guidance}{size}, {self.seconds:.1f} s (the samples output)")
@@ -223,21 +228,36 @@ class Sampling:
             keys, positive = [image.key for image in images], [image.conditioning for image in images]
         else:
             positive, keys = self._cached(plan.samples)
-        # a connected or a line's own negative is already encoded: given to every model call, which uses it when the
-        # guidance or the sampler asks (:class:`_Guider`); the cache's empty captions are read for guidance only
-        given = plan.prompts.negative is not None or plan.prompts.own_negatives
-        negative = self._negatives(keys, [image.negative for image in images]) if self.cfg > 1 or given else None
+        settings = [self._settings(image.options) for image in images] or [self._settings(LineOptions())] * len(keys)
+        own = [image.negative for image in images] or [None] * len(keys)
         n = plan.rows_per_call or self.batch_size
-        return [_Rows(positive[i:i + n], negative[i:i + n] if negative is not None else None, keys[i:i + n],
-                      (len(keys[i:i + n]), *plan.shape)) for i in range(0, len(keys), n)]
+        batches: list[_Rows] = []
+        start = 0
+        for end in range(1, len(keys) + 1):  # a batch holds consecutive images of one setting, at most n
+            if end == len(keys) or settings[end] != settings[start] or end - start == n:
+                steps, cfg, seed = settings[start]
+                negative = self._negatives(keys[start:end], own[start:end], cfg)
+                batches.append(_Rows(positive[start:end], negative, keys[start:end], (end - start, *plan.shape),
+                                     steps, cfg, seed))
+                start = end
+        return batches
 
-    def _negatives(self, keys: list[str], own: list[Any]) -> list[Any]:
-        """The negative of each image of ``keys``: a prompt line's own (``own``, one per image of the prompts, or
-        empty for the captions), else :meth:`_default_negatives`'."""
-        own = own or [None] * len(keys)
+    def _settings(self, own: LineOptions) -> tuple[int, float, int]:
+        """An image's steps, guidance scale and seed: its prompt line's own where it sets them, else the node's."""
+        return (own.steps if own.steps is not None else self.steps, own.cfg if own.cfg is not None else self.cfg,
+                own.seed if own.seed is not None else self.seed)
+
+    def _negatives(self, keys: list[str], own: list[Any], cfg: float) -> list[Any] | None:
+        """The negative of each image of one batch (``keys``, guided at ``cfg``): a prompt line's own (``own``), else
+        :meth:`_default_negatives`'. A connected or a line's own negative is already encoded and given to every model
+        call, which uses it when the guidance or the sampler asks (:class:`_Guider`); the cache's empty captions are
+        read for guidance only (``None``: a batch without guidance and without given negatives)."""
         if all(negative is not None for negative in own):
             return own
-        return [default if mine is None else mine for mine, default in zip(own, self._default_negatives(keys))]
+        if self.plan.prompts.negative is None and cfg <= 1:
+            return None
+        defaults = iter(self._default_negatives([key for key, mine in zip(keys, own) if mine is None]))
+        return [next(defaults) if mine is None else mine for mine in own]
 
     def _default_negatives(self, keys: list[str]) -> list[Any]:
         """The negative of each image of ``keys`` without one of its own: the connected one, else its sample's empty
@@ -278,14 +298,14 @@ class Sampling:
         format's ``process_latent_out``. A sampler that adds noise as it goes draws it from the seed of
         ``(seed, "sample", the batch's first latent key)``, the same at every sampling."""
         loop, device = self.loop, self.loop.device
-        sigmas = sample_sigmas(loop.model_sampling, self.sampler, self.scheduler, self.steps).to(device, torch.float32)
-        noise = torch.cat([torch.randn((1, *rows.shape[1:]), generator=seeded_generator(self.seed, "sample", key),
+        sigmas = sample_sigmas(loop.model_sampling, self.sampler, self.scheduler, rows.steps).to(device, torch.float32)
+        noise = torch.cat([torch.randn((1, *rows.shape[1:]), generator=seeded_generator(rows.seed, "sample", key),
                                        dtype=torch.float32) for key in rows.keys]).to(device)
         empty = loop.mp.model.process_latent_in(torch.zeros_like(noise))
-        seed = derive_seed(self.seed, "sample", rows.keys[0])
+        seed = derive_seed(rows.seed, "sample", rows.keys[0])
         positive = loop.conditioner(rows.positive, noise, empty, seed)
         negative = loop.conditioner(rows.negative, noise, empty, seed) if rows.negative is not None else None
-        guider = _Guider(loop, positive, negative, self.cfg, self.interrupt)
+        guider = _Guider(loop, positive, negative, rows.cfg, self.interrupt)
         options = comfy.model_patcher.create_model_options_clone(guider.model_options)  # as CFGGuider.inner_sample
         options.setdefault("transformer_options", {})["sample_sigmas"] = sigmas
         x = comfy.samplers.sampler_object(self.sampler).sample(guider, sigmas, {"model_options": options, "seed": seed},

@@ -17,6 +17,7 @@ from ...dataset_cache.loss_weighting import LOSS_TARGETS, MAX_MIN_SNR_GAMMA, che
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 from ...dataset_cache.sample_choice import check_sample_size, check_sampling
+from ...dataset_cache.seeding import MAX_SEED
 from .samples import check_sampler
 from ...dataset_cache.noise_draws import (MAX_MULTIRES_ITERATIONS, MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMESTEP_SAMPLINGS,
                                           check_multires, check_noise_settings, check_timestep_range)
@@ -28,8 +29,6 @@ __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", 
            "ALPHA_ALGORITHMS", "TIMESTEP_SAMPLINGS", "TRAINING_DTYPES", "DEFAULT_SAVE_PREFIX", "TrainSettings",
            "check_save_prefix"]
 
-MAX_SEED = 0xFFFFFFFFFFFFFFFF
-"""The largest seed ComfyUI's seed widgets take (and ``sample_seed``)."""
 MAX_LORA_ALPHA = 4096.0
 """The largest ``lora_alpha``: past it the scale ``alpha / rank`` would turn a LoRA of any rank into noise."""
 ALPHA_ALGORITHMS = ("LoRA", "LoHa", "LoKr")

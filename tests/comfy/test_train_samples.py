@@ -329,7 +329,7 @@ def test_a_sample_texts_lines_own_negative_guides_it(node: type, models: tuple, 
     """kohya's ``--n``: at cfg 3 the first line is guided against its own negative, the second (without one)
     against sample_negative, each KSampler's image (tolerance as above); the noise is the prompt's, whatever its
     negative. Every line with its own negative guides without sample_negative or an empty caption in the cache.
-    Another kohya option is refused naming the input that sets it."""
+    An option kohya's prompt files have and this node does not is refused, naming the ones it has."""
     import xxhash
 
     clip = models[1]
@@ -351,9 +351,65 @@ def test_a_sample_texts_lines_own_negative_guides_it(node: type, models: tuple, 
            "negative)" in _summary(out)
     assert "cfg 3 against the sample_negative (a line's own --n where it has one)" in _summary(out)
     assert "cfg 3 against each line's --n negative" in _summary(own)
-    with pytest.raises(ValueError, match=r"sample_texts line 'a cat --w 512 --h 512': --w is kohya's per-line "
-                                         r"option; here sample_width sets it for every line: take it out"):
-        _train(node, models[0], dataset[0], sample_count=1, sample_clip=clip, sample_texts="a cat --w 512 --h 512")
+    with pytest.raises(ValueError, match=r"sample_texts line 'a cat --f 17': --f is no option here \(these are: --n "
+                                         r"the negative, --s steps, --l guidance scale, --d seed, --w and --h the "
+                                         r"size\): take it out"):
+        _train(node, models[0], dataset[0], sample_count=1, sample_clip=clip, sample_texts="a cat --f 17")
+
+
+def test_a_lines_own_steps_guidance_seed_and_size_are_kohyas(node: type, models: tuple, dataset: tuple,
+                                                             comfy_nodes: ModuleType, pack: ModuleType,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """kohya's ``--s``, ``--l``, ``--d``, ``--w``, ``--h``: the first line samples 2 steps at cfg 3 against its --n
+    from the noise of seed 11, the second the node's 3 steps without guidance from the run's seed, both at the lines'
+    96×80 px, each KSampler's image (tolerance as above); no model call mixes the two lines' settings."""
+    import xxhash
+
+    loop = _module(pack, "nodes.training.loop").StepLoop
+    predict, rows = loop.predict, []
+
+    def counted(self: Any, x: torch.Tensor, sigma: torch.Tensor, groups: Any) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            rows.append(x.shape[0])
+        return predict(self, x, sigma, groups)
+
+    monkeypatch.setattr(loop, "predict", counted)
+    clip, encode = models[1], comfy_nodes.CLIPTextEncode().encode
+    texts = "a green circle --s 2 --l 3 --d 11 --w 96 --h 80 --n a red square\na yellow triangle --w 96 --h 80"
+    with torch.inference_mode():
+        out = _train(node, models[0], dataset[0], steps=1, batch_size=2, sample_count=1, sample_steps=3,
+                     sample_clip=clip, sample_texts=texts)
+        keys = [f"sample_text:{xxhash.xxh3_64_hexdigest(line.encode())}:0"
+                for line in ("a green circle", "a yellow triangle")]
+        (green,), (square,), (yellow,) = (encode(clip, t) for t in ("a green circle", "a red square",
+                                                                    "a yellow triangle"))
+        expected = torch.cat([
+            _ksampler_of(models, green, square, keys[0], 2, 3.0, shape=(1, 4, 10, 12), seed=11),
+            _ksampler_of(models, yellow, yellow, keys[1], 3, 1.0, shape=(1, 4, 10, 12))])
+    torch.testing.assert_close(out.result[3]["samples"][:2], expected, rtol=1e-4, atol=1e-4)
+    assert set(rows) == {1}  # each line its own model calls: 2 × 2 (guided) + 3 per sampling
+    assert "own settings 'a green circle': --s 2 --l 3 --d 11" in _summary(out) and "96×80 px" in _summary(out)
+
+
+@pytest.mark.parametrize(("texts", "options", "message"), [
+    ("a --w 96 --h 80\nb --w 64 --h 64", {}, "sample_texts lines ask for sizes 64×64, 96×80: a sampling's images "
+                                            "leave as one LATENT batch"),
+    ("a --w 96 --h 80\nb", {}, "sample_texts: some lines ask for 96×80 px with --w and --h, others for none"),
+    ("a --w 96 --h 80", {"sample_width": 64, "sample_height": 64},
+     "sample_texts lines ask for 96×80 px and sample_width × sample_height is 64×64"),
+    ("a --w 96", {}, "sample_texts line 'a --w 96': give both --w and --h"),
+    ("a --s 0", {}, "sample_texts line 'a --s 0': --s sets the line's steps, a whole number from 1 to 100; got '0'"),
+    ("a --l 0.5", {}, "--l sets the line's guidance scale, a number from 1 to 30; got '0.5'"),
+    ("a --l nan", {}, "--l sets the line's guidance scale, a number from 1 to 30; got 'nan'"),
+    ("a --d x", {}, "--d sets the line's seed, a whole number from 0 to 18446744073709551615; got 'x'"),
+    ("a --w 100 --h 64", {}, "sample_width 100 is not a multiple of 8"),
+    ("a --l 3", {}, "a sample_texts line's --l guides each sample image against the empty caption, which this "
+                    "dataset has not encoded"),
+])
+def test_a_lines_option_that_cannot_be_is_refused_naming_the_line(node: type, models: tuple, dataset: tuple,
+                                                                  texts: str, options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _train(node, models[0], dataset[0], sample_count=1, sample_clip=models[1], sample_texts=texts, **options)
 
 
 def test_sample_texts_need_a_clip_and_are_not_encoded_without_samples(node: type, models: tuple, dataset: tuple,
@@ -435,7 +491,7 @@ def test_guidance_is_ksamplers_against_the_empty_caption(node: type, models: tup
     assert "3 euler steps (simple schedule), cfg 3 against the empty caption" in _summary(out)
     with pytest.raises(ValueError, match=r"sample_cfg 3 guides each sample image against the empty caption, which "
                                          r"this dataset has not encoded .*empty_caption on, connect a sample_negative, "
-                                         r"or set sample_cfg 1"):
+                                         r"or sample without guidance \(sample_cfg 1, no line's --l above 1\)"):
         _train(node, models[0], dataset[0], sample_count=1, sample_cfg=3.0)
 
 
