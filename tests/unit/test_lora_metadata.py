@@ -104,6 +104,31 @@ def test_a_dataset_stored_before_the_counts_gains_them_on_its_next_encode_withou
     assert plan().tags_current
 
 
+def test_the_plan_of_an_unchanged_folder_counts_no_tag_and_an_edited_caption_counts_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataset_cache.encode_plan as encode_plan
+
+    written = make_kohya_folder(tmp_path / "data")
+    cache = tmp_path / "cache"
+    counted: list[int] = []
+    real = encode_plan.count_tags
+    monkeypatch.setattr(encode_plan, "count_tags", lambda captions: counted.append(1) or real(captions))
+
+    def plan() -> object:
+        return plan_encode(tmp_path / "data", cache, dataset="ds", settings=SETTINGS, vae_fingerprint="vae-1",
+                           text_fingerprint="te-1")
+
+    run_encode(plan(), **FakeEncoders().kw())
+    assert len(counted) == 1
+    warm = plan()
+    assert len(counted) == 1 and warm.tags_current and warm.up_to_date  # the stored counts are the samples'
+    caption = written.images[-1].path.with_suffix(".txt")
+    caption.write_text("a new tag, another", encoding="utf-8")
+    edited = plan()
+    assert len(counted) == 2 and not edited.tags_current
+    assert edited.tag_frequency[written.images[-1].path.parent.name]["a new tag"] == 1
+
+
 # ----------------------------------------------------------------------------------------------------- metadata
 def _training(**overrides: object) -> dict[str, str]:
     settings = {"rank": 8, "lora_alpha": 4.0, "learning_rate": 1e-4, "optimizer": "AdamW", "batch_size": 2,
