@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -167,7 +168,7 @@ def _output(result: TrainResult, dataset: StreamDatasetHandle | CombinedDatasetH
 
 
 def _named(mix: DatasetMix) -> list[tuple[Sample, str]]:
-    """Each trained sample with the name of its dataset (the LoRA's ``ss_dataset_dirs``)."""
+    """Each trained sample with the name of its dataset."""
     named: list[tuple[Sample, str]] = []
     at = 0
     for name, count in mix.parts:
@@ -182,13 +183,17 @@ def _described(model: Any, settings: TrainSettings, mix: DatasetMix, reg: Datase
     ``dataset`` names (what they were encoded with, their tag counts). A courtesy: what fails to describe leaves
     the LoRA without metadata, never the run without its LoRA."""
     try:
-        infos = []
+        infos, folders = [], {}
         for part in dataset.parts:
             found = readers[part.cache_root].datasets().get(part.name)
-            if found is not None and isinstance(found.info, dict):
-                infos.append(found.info)
-        return describe_training(model, settings, _named(mix), reg.samples if reg is not None else (), infos,
-                                 time.time())
+            info = found.info if found is not None and isinstance(found.info, dict) else {}
+            infos.append(info)
+            folder = info.get("folder")
+            name = re.split(r"[\\/]", folder.rstrip("\\/"))[-1] if isinstance(folder, str) else ""
+            if name:  # the encoded folder's own name (a path written on Windows or POSIX)
+                folders[part.name] = name
+        named = [(sample, folders.get(name, name)) for sample, name in _named(mix)]  # a folder's name, as kohya's
+        return describe_training(model, settings, named, reg.samples if reg is not None else (), infos, time.time())
     except Exception:
         log.warning("Train LoRA: could not describe the run for its LoRA's metadata; it is saved without",
                     exc_info=True)

@@ -53,7 +53,8 @@ def _family(model: Any) -> tuple[str, bool]:
 
 
 def _folder(sample: Sample, dataset: str) -> str:
-    """The kohya folder a sample's source lies in (``10_ohwx``), else its dataset's name."""
+    """The kohya folder a sample's source lies in (``10_ohwx``), else ``dataset``: its dataset folder's name (or the
+    dataset's, when its info names no folder)."""
     source = sample.source or ""
     head, sep, _ = source.partition("/")
     return head if sep else dataset
@@ -78,7 +79,8 @@ def describe_training(model: Any, settings: TrainSettings, named: Iterable[tuple
 
     Args:
         model: the ``MODEL`` trained on; ``settings``: the run's.
-        named: the trained samples with their dataset's name; ``reg``: the regularization samples.
+        named: the trained samples with their dataset folder's name (the dataset's when unknown: what a source
+            at the folder's top counts under, as in the tag counts); ``reg``: the regularization samples.
         infos: the infos of the datasets trained on (their encode settings and tag counts; an older cache's lack
             them, and the keys that need them are left out).
         started_at: the run's start, seconds since the epoch.

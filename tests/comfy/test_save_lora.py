@@ -59,6 +59,7 @@ def dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: M
         writer.set_dataset("cats", [dataclasses.replace(s, source=f"10_cat/{s.source}", repeats=10)
                                     for s in samples],
                            info={"settings": {"bucket": {"resolution": 64}}, "tag_frequency": tags})
+        writer.set_dataset("flat", samples, info={"folder": "C:\\Users\\me\\my photos"})  # sources at the top
         writer.commit()
     return handles.StreamDatasetHandle(str(root), "cats")
 
@@ -103,6 +104,14 @@ def test_the_trained_lora_carries_its_training_and_is_still_a_lora_model(trained
     assert json.loads(meta["ss_tag_frequency"]) == tags == {"10_cat": {"cat": 3, "sitting": 2, "dog": 1,
                                                                        "outdoors": 1}}
     assert json.loads(meta["streamcache.settings"])["learning_rate"] == RUN["learning_rate"]
+
+
+def test_sources_at_a_folders_top_count_under_its_name_and_an_older_dataset_gives_no_tags(
+        pack: ModuleType, models: tuple, dataset: Any, handles: ModuleType) -> None:
+    flat = handles.StreamDatasetHandle(dataset.cache_root, "flat")
+    meta = _train(pack, models[0], flat, steps=1).result[0].metadata
+    assert json.loads(meta["ss_dataset_dirs"]) == {"my photos": {"n_repeats": 1, "img_count": 4}}
+    assert "ss_tag_frequency" not in meta and meta["ss_resolution"] == "(512, 512)"  # SD1.5's usual, unstated
 
 
 def test_save_lora_writes_the_tensors_with_the_metadata_named_as_save_lora_weights(
