@@ -12,13 +12,11 @@ LoRAs of SD1.5-, SDXL- and Flux-like sizes in bf16 (no file is written: the disk
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
-from collections.abc import Callable
-
 import safetensors.torch
 import torch
 
+from bench.bench_incremental import median_time
 from dataset_cache.lora_metadata import architecture_of, file_metadata, training_metadata
 
 __all__ = ["main"]
@@ -40,15 +38,6 @@ def _lora(megabytes: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _median(fn: Callable[[], object], runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -61,13 +50,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'LoRA':<26} {'plain save':>11} {'metadata':>10} {'both':>9} {'both / plain':>13}")
     for label, megabytes in SIZES_MB.items():
         lora = _lora(megabytes)
-        plain = _median(lambda: safetensors.torch.save(lora), args.runs)
-        meta = _median(lambda: file_metadata(lora, training, title="bench", saved_at=time.time()), args.runs)
+        plain = median_time(lambda: safetensors.torch.save(lora), args.runs)
+        meta = median_time(lambda: file_metadata(lora, training, title="bench", saved_at=time.time()), args.runs)
 
         def both() -> None:
             safetensors.torch.save(lora, metadata=file_metadata(lora, training, title="bench", saved_at=time.time()))
 
-        total = _median(both, args.runs)
+        total = median_time(both, args.runs)
         print(f"{label:<26} {plain * 1e3:>8.0f} ms {meta * 1e3:>7.0f} ms {total * 1e3:>6.0f} ms "
               f"{total / plain:>12.2f}×")
 
