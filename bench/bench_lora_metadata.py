@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     training = training_metadata(arch=architecture_of("Flux", False), v_prediction=False,
                                  settings={"rank": 64, "lora_alpha": 64.0}, resolution=None, dataset_dirs={},
                                  train_images=0, reg_images=0, tag_frequency={"f": {f"t{i}": 1 for i in range(1000)}},
-                                 started_at=time.time(), steps=1000, version="bench")
+                                 started_at=time.time(), version="bench")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {args.runs} runs")
     print(f"{'LoRA':<26} {'plain save':>11} {'metadata':>10} {'both':>9} {'both / plain':>13}")
     for label, megabytes in SIZES_MB.items():

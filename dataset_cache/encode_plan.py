@@ -69,7 +69,7 @@ from .mask_plan import mask_job, mask_notes, unused_masks
 from .scan import ScanResult, SourceImage, scan_folder
 from .sources import Validation, validate_sources
 from .sources_record import SourcesRecord, SourcesRecordError, load_record, save_record
-from .tag_frequency import count_tags
+from .tag_frequency import count_tags, folder_name, source_folder
 
 __all__ = [
     "SOURCES_DIR",
@@ -396,14 +396,9 @@ def _tags(folder: str, scan: ScanResult, stored: dict[str, Any] | None) -> dict[
     counted, about a second per 100k images of 30 tags: the warm plan of an unchanged folder counts nothing."""
     if stored is not None and isinstance(stored.get("tag_frequency"), dict):
         return stored["tag_frequency"]
-    return count_tags([*((_tag_folder(folder, i.relpath), i.captions) for i in scan.images),
-                       *((_tag_folder(folder, c.relpath), c.captions) for c in scan.clips)])
-
-
-def _tag_folder(folder: str, relpath: str) -> str:
-    """The folder a source's tags count under: its kohya subfolder, or the dataset folder's own name."""
-    head, sep, _ = relpath.partition("/")
-    return head if sep else os.path.basename(folder)
+    top = folder_name(folder)
+    return count_tags([*((source_folder(i.relpath, top), i.captions) for i in scan.images),
+                       *((source_folder(c.relpath, top), c.captions) for c in scan.clips)])
 
 
 def _listed_samples(validation: Validation) -> int:

@@ -89,8 +89,10 @@ def _flag(value: bool) -> str:
 def training_metadata(*, arch: Architecture, v_prediction: bool, settings: Mapping[str, Any],
                       resolution: tuple[int, int] | None, dataset_dirs: Mapping[str, Mapping[str, int]],
                       train_images: int, reg_images: int, tag_frequency: Mapping[str, Mapping[str, int]],
-                      started_at: float, steps: int, version: str) -> dict[str, str]:
-    """The keys that describe a training run (see the module docstring), from plain values.
+                      started_at: float, version: str) -> dict[str, str]:
+    """The keys that describe a training run (see the module docstring), from plain values. The step counts are not
+    among them: a run is described before it knows an existing LoRA's steps; its saves add them
+    (``ss_max_train_steps``, and :func:`file_metadata`'s ``ss_steps``).
 
     Args:
         arch: the model's family; ``v_prediction``: whether it predicts v (``modelspec.prediction_type``).
@@ -100,8 +102,7 @@ def training_metadata(*, arch: Architecture, v_prediction: bool, settings: Mappi
         dataset_dirs: kohya's ``ss_dataset_dirs``: folder -> ``{"n_repeats", "img_count"}``.
         train_images, reg_images: occurrences of one epoch (images times repeats), kohya's counts.
         tag_frequency: folder -> tag -> images (:mod:`.tag_frequency`); ``{}`` writes none.
-        started_at: the run's start, seconds since the epoch; ``steps``: the LoRA's trained steps in all (an
-            existing LoRA's and this run's).
+        started_at: the run's start, seconds since the epoch.
         version: this pack's version.
     """
     s = settings
@@ -118,8 +119,6 @@ def training_metadata(*, arch: Architecture, v_prediction: bool, settings: Mappi
         "ss_optimizer": str(s.get("optimizer")),
         "ss_lr_scheduler": str(s.get("lr_schedule", "constant")),
         "ss_lr_warmup_steps": str(s.get("warmup_steps", 0)),
-        "ss_max_train_steps": str(steps),
-        "ss_steps": str(steps),
         "ss_batch_size_per_device": str(s.get("batch_size")),
         "ss_gradient_accumulation_steps": str(s.get("grad_accumulation_steps")),
         "ss_gradient_checkpointing": _flag(bool(s.get("gradient_checkpointing"))),

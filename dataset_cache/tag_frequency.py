@@ -13,11 +13,12 @@ writes (a stranger's cache cannot make a LoRA's metadata huge or malformed).
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["MAX_FOLDERS", "MAX_TAG_CHARS", "MAX_TAGS", "MAX_TAGS_PER_FOLDER", "count_tags", "merge_tag_frequency",
-           "read_tag_frequency"]
+__all__ = ["MAX_FOLDERS", "MAX_TAG_CHARS", "MAX_TAGS", "MAX_TAGS_PER_FOLDER", "count_tags", "folder_name",
+           "merge_tag_frequency", "read_tag_frequency", "source_folder"]
 
 MAX_TAGS_PER_FOLDER = 1000
 """The most frequent tags kept per folder (ties by name): a LoRA page shows the top few dozen."""
@@ -28,6 +29,18 @@ MAX_TAGS = 4000
 ~150 KB however the dataset is laid out."""
 MAX_TAG_CHARS = 200
 """A longer tag is a sentence, not a tag: not counted."""
+
+
+def folder_name(path: str) -> str:
+    """The last part of a folder's path as written on POSIX or Windows (a dataset's info may come from either)."""
+    return re.split(r"[\\/]", path.rstrip("\\/"))[-1]
+
+
+def source_folder(relpath: str, top: str) -> str:
+    """The folder a source counts under, in the tags and a LoRA's ``ss_dataset_dirs``: its kohya subfolder
+    (``10_ohwx`` of ``10_ohwx/a.png``), or ``top`` (the dataset folder's name) for a source at the folder's top."""
+    head, sep, _ = relpath.partition("/")
+    return head if sep else top
 
 
 def _tags(line: str) -> Iterable[str]:

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import re
 import sys
 import time
 from collections.abc import Mapping
@@ -29,6 +28,7 @@ from ..dataset_cache.devices import AUTO as ALL_DEVICES
 from ..dataset_cache.holdout import hold_out
 from ..dataset_cache.lock import READ_LOCK, CacheLock
 from ..dataset_cache.lora_metadata import network_shape
+from ..dataset_cache.tag_frequency import folder_name
 from ..dataset_cache.remote import is_remote_url
 from ..dataset_cache.memory_plan import AUTO, MemoryPlan
 from .handles import (
@@ -167,16 +167,6 @@ def _output(result: TrainResult, dataset: StreamDatasetHandle | CombinedDatasetH
     return io.NodeOutput(result.lora, loss_map, result.steps, images, ui=ui)
 
 
-def _named(mix: DatasetMix) -> list[tuple[Sample, str]]:
-    """Each trained sample with the name of its dataset."""
-    named: list[tuple[Sample, str]] = []
-    at = 0
-    for name, count in mix.parts:
-        named.extend((sample, name) for sample in mix.samples[at:at + count])
-        at += count
-    return named
-
-
 def _described(model: Any, settings: TrainSettings, mix: DatasetMix, reg: DatasetMix | None,
                dataset: StreamDatasetHandle | CombinedDatasetHandle, readers: Mapping[str, Any]) -> dict[str, str]:
     """The run's training metadata (what its LoRA files say about it), from the stored infos of the datasets
@@ -189,10 +179,10 @@ def _described(model: Any, settings: TrainSettings, mix: DatasetMix, reg: Datase
             info = found.info if found is not None and isinstance(found.info, dict) else {}
             infos.append(info)
             folder = info.get("folder")
-            name = re.split(r"[\\/]", folder.rstrip("\\/"))[-1] if isinstance(folder, str) else ""
-            if name:  # the encoded folder's own name (a path written on Windows or POSIX)
-                folders[part.name] = name
-        named = [(sample, folders.get(name, name)) for sample, name in _named(mix)]  # a folder's name, as kohya's
+            if isinstance(folder, str) and folder_name(folder):  # the encoded folder's own name
+                folders[part.name] = folder_name(folder)
+        names = (mix.name_of(i) for i in range(len(mix.samples)))
+        named = [(sample, folders.get(name, name)) for sample, name in zip(mix.samples, names)]
         return describe_training(model, settings, named, reg.samples if reg is not None else (), infos, time.time())
     except Exception:
         log.warning("Train LoRA: could not describe the run for its LoRA's metadata; it is saved without",

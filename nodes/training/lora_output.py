@@ -26,7 +26,7 @@ from ...dataset_cache import __version__
 from ...dataset_cache.dataset import Sample
 from ...dataset_cache.format.durable import atomic_write
 from ...dataset_cache.lora_metadata import architecture_of, file_metadata, training_metadata
-from ...dataset_cache.tag_frequency import merge_tag_frequency, read_tag_frequency
+from ...dataset_cache.tag_frequency import merge_tag_frequency, read_tag_frequency, source_folder
 from .settings import TrainSettings
 
 __all__ = ["TrainedLora", "describe_training", "write_lora"]
@@ -52,21 +52,13 @@ def _family(model: Any) -> tuple[str, bool]:
     return config, v_prediction
 
 
-def _folder(sample: Sample, dataset: str) -> str:
-    """The kohya folder a sample's source lies in (``10_ohwx``), else ``dataset``: its dataset folder's name (or the
-    dataset's, when its info names no folder)."""
-    source = sample.source or ""
-    head, sep, _ = source.partition("/")
-    return head if sep else dataset
-
-
 def dataset_dirs(samples: Iterable[tuple[Sample, str]]) -> dict[str, dict[str, int]]:
-    """kohya's ``ss_dataset_dirs`` of ``(sample, its dataset's name)`` pairs: folder -> its repeats (the highest of
-    its samples', a combined dataset's multiplied in) and its images (distinct sources)."""
+    """kohya's ``ss_dataset_dirs`` of ``(sample, its dataset folder's name)`` pairs: folder -> its repeats (the
+    highest of its samples', a combined dataset's multiplied in) and its images (distinct sources)."""
     repeats: dict[str, int] = {}
     sources: dict[str, set[str]] = {}
     for sample, dataset in samples:
-        folder = _folder(sample, dataset)
+        folder = source_folder(sample.source or "", dataset)
         repeats[folder] = max(repeats.get(folder, 0), sample.repeats)
         sources.setdefault(folder, set()).add(sample.source or sample.latent)
     return {folder: {"n_repeats": repeats[folder], "img_count": len(sources[folder])} for folder in sorted(repeats)}
@@ -93,7 +85,7 @@ def describe_training(model: Any, settings: TrainSettings, named: Iterable[tuple
         settings=dataclasses.asdict(settings), resolution=_resolution(infos), dataset_dirs=dataset_dirs(named),
         train_images=sum(s.repeats for s, _ in named), reg_images=sum(s.repeats for s in reg),
         tag_frequency=merge_tag_frequency(read_tag_frequency(i.get("tag_frequency")) for i in infos),
-        started_at=started_at, steps=settings.steps, version=__version__)
+        started_at=started_at, version=__version__)
 
 
 def _resolution(infos: Iterable[Mapping[str, Any]]) -> tuple[int, int] | None:

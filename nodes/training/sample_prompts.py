@@ -36,6 +36,11 @@ class LineOptions(NamedTuple):
     cfg: float | None = None
     seed: int | None = None
 
+    def resolved(self, steps: int, cfg: float, seed: int) -> tuple[int, float, int]:
+        """The line's steps, guidance scale and seed: its own where it sets them, else the node's given here."""
+        return (steps if self.steps is None else self.steps, cfg if self.cfg is None else self.cfg,
+                seed if self.seed is None else self.seed)
+
     def describe(self) -> str:
         """``"--s 30 --l 5"``: the options the line sets, as written in a prompt file."""
         return " ".join(f"--{k} {v:g}" if isinstance(v, float) else f"--{k} {v}"
@@ -122,12 +127,11 @@ class SamplePrompts(NamedTuple):
             return False
         if (self.positive is not None or not self.texts) and cfg > 1:
             return True
-        return any((t.options.cfg if t.options.cfg is not None else cfg) > 1 and t.negative is None
-                   for t in self.texts)
+        return any(t.options.resolved(0, cfg, 0)[1] > 1 and t.negative is None for t in self.texts)
 
     def guided(self, cfg: float) -> bool:
         """Whether any image is guided (a line's own ``--l`` or, for the others, ``cfg``, above 1)."""
-        scales = [t.options.cfg if t.options.cfg is not None else cfg for t in self.texts]
+        scales = [t.options.resolved(0, cfg, 0)[1] for t in self.texts]
         if self.positive is not None or not self.texts:
             scales.append(cfg)
         return any(scale > 1 for scale in scales)

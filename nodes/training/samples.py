@@ -228,36 +228,32 @@ class Sampling:
             keys, positive = [image.key for image in images], [image.conditioning for image in images]
         else:
             positive, keys = self._cached(plan.samples)
-        settings = [self._settings(image.options) for image in images] or [self._settings(LineOptions())] * len(keys)
-        own = [image.negative for image in images] or [None] * len(keys)
+        options = [image.options for image in images] or [LineOptions()] * len(keys)
+        settings = [o.resolved(self.steps, self.cfg, self.seed) for o in options]
+        negative = self._negatives(keys, [image.negative for image in images] or [None] * len(keys), settings)
         n = plan.rows_per_call or self.batch_size
         batches: list[_Rows] = []
         start = 0
         for end in range(1, len(keys) + 1):  # a batch holds consecutive images of one setting, at most n
             if end == len(keys) or settings[end] != settings[start] or end - start == n:
-                steps, cfg, seed = settings[start]
-                negative = self._negatives(keys[start:end], own[start:end], cfg)
-                batches.append(_Rows(positive[start:end], negative, keys[start:end], (end - start, *plan.shape),
-                                     steps, cfg, seed))
+                own = negative[start:end]
+                given = all(mine is not None for mine in own)
+                batches.append(_Rows(positive[start:end], own if given else None, keys[start:end],
+                                     (end - start, *plan.shape), *settings[start]))
                 start = end
         return batches
 
-    def _settings(self, own: LineOptions) -> tuple[int, float, int]:
-        """An image's steps, guidance scale and seed: its prompt line's own where it sets them, else the node's."""
-        return (own.steps if own.steps is not None else self.steps, own.cfg if own.cfg is not None else self.cfg,
-                own.seed if own.seed is not None else self.seed)
-
-    def _negatives(self, keys: list[str], own: list[Any], cfg: float) -> list[Any] | None:
-        """The negative of each image of one batch (``keys``, guided at ``cfg``): a prompt line's own (``own``), else
-        :meth:`_default_negatives`'. A connected or a line's own negative is already encoded and given to every model
-        call, which uses it when the guidance or the sampler asks (:class:`_Guider`); the cache's empty captions are
-        read for guidance only (``None``: a batch without guidance and without given negatives)."""
-        if all(negative is not None for negative in own):
-            return own
-        if self.plan.prompts.negative is None and cfg <= 1:
-            return None
-        defaults = iter(self._default_negatives([key for key, mine in zip(keys, own) if mine is None]))
-        return [next(defaults) if mine is None else mine for mine in own]
+    def _negatives(self, keys: list[str], own: list[Any], settings: list[tuple[int, float, int]]) -> list[Any]:
+        """The negative of each image (``None`` where it needs none): a prompt line's own (``own``), else, for an
+        image that is guided or when ``sample_negative`` is connected, :meth:`_default_negatives`' (the cache's empty
+        captions read once for every batch). A connected or a line's own negative is already encoded and given to
+        every model call, which uses it when the guidance or the sampler asks (:class:`_Guider`); the empty captions
+        are read for guidance only. A batch is given its negatives only when every image has one."""
+        wanted = [mine is None and (self.plan.prompts.negative is not None or cfg > 1)
+                  for mine, (_, cfg, _) in zip(own, settings)]
+        defaults = iter(self._default_negatives([key for key, want in zip(keys, wanted) if want]) if any(wanted)
+                        else ())
+        return [next(defaults) if want else mine for mine, want in zip(own, wanted)]
 
     def _default_negatives(self, keys: list[str]) -> list[Any]:
         """The negative of each image of ``keys`` without one of its own: the connected one, else its sample's empty

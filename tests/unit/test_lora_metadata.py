@@ -138,7 +138,7 @@ def _training(**overrides: object) -> dict[str, str]:
     return training_metadata(arch=architecture_of("SDXL", False), v_prediction=False, settings=settings,
                              resolution=(1024, 1024), dataset_dirs={"10_cat": {"n_repeats": 10, "img_count": 3}},
                              train_images=30, reg_images=0, tag_frequency={"10_cat": {"cat": 3}},
-                             started_at=1700000000.5, steps=100, version="0.1.0")
+                             started_at=1700000000.5, version="0.1.0")
 
 
 def test_the_training_keys_are_kohyas_with_kohyas_value_formats() -> None:
