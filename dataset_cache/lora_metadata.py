@@ -110,7 +110,8 @@ def training_metadata(*, arch: Architecture, v_prediction: bool, settings: Mappi
     algorithm = str(s.get("algorithm", "LoRA"))
     out = {
         "ss_network_module": "comfy.weight_adapter",
-        "ss_network_args": json.dumps({"algo": algorithm.lower()}),
+        "ss_network_args": json.dumps(_network_args(algorithm, s)),
+        "ss_network_dropout": str(s.get("network_dropout", 0.0)),
         "ss_network_dim": str(s.get("rank")),
         "ss_network_alpha": str(s.get("lora_alpha")),
         "ss_network_train_unet_only": "True",
@@ -161,6 +162,15 @@ def training_metadata(*, arch: Architecture, v_prediction: bool, settings: Mappi
     if (low, high) != (0, 1000):
         out["modelspec.timestep_range"] = f"{low},{high}"
     return out
+
+
+def _network_args(algorithm: str, settings: Mapping[str, Any]) -> dict[str, str]:
+    """kohya's ``network_args``: the adapter kind, and the rank and module dropout where set (as its strings)."""
+    args = {"algo": algorithm.lower()}
+    for name in ("rank_dropout", "module_dropout"):
+        if float(settings.get(name) or 0.0) > 0:
+            args[name] = str(settings[name])
+    return args
 
 
 def network_shape(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:

@@ -286,6 +286,9 @@ class TrainLoRA(io.ComfyNode):
         sample_clip: Any = None,
         sample_texts: str = "",
         sample_seed: int = -1,
+        network_dropout: float = 0.0,
+        rank_dropout: float = 0.0,
+        module_dropout: float = 0.0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -309,6 +312,8 @@ class TrainLoRA(io.ComfyNode):
             debiased_estimation=bool(debiased_estimation), sample_sampler=str(sample_sampler),
             sample_scheduler=str(sample_scheduler), scale_v_pred_loss=bool(scale_v_pred_loss),
             sample_width=sample_width, sample_height=sample_height, sample_seed=sample_seed,
+            network_dropout=round(float(network_dropout), 4), rank_dropout=round(float(rank_dropout), 4),
+            module_dropout=round(float(module_dropout), 4),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

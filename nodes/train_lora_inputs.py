@@ -11,6 +11,7 @@ import comfy.samplers
 from comfy.weight_adapter import adapter_maps
 from comfy_api.latest import io
 
+from ..dataset_cache.adapter_dropout import MAX_DROPOUT
 from ..dataset_cache.constants import DEFAULT_PREFETCH_BATCHES
 from ..dataset_cache.devices import AUTO as ALL_DEVICES
 from ..dataset_cache.holdout import MAX_VAL_SPLIT
@@ -335,11 +336,25 @@ def _option_inputs() -> list[io.Input]:
                       "above 0."),
         io.String.Input("sample_texts", default="", multiline=True, optional=True, advanced=True,
                         tooltip="Prompts to sample, one per line (kohya's prompt file; blank lines and lines "
-                        "starting with # are skipped; '--n <negative>' ends a line with its own negative): each "
-                        "gives sample_count images, encoded with sample_clip before training, instead of the "
-                        "cache's captions. At most 16."),
+                        "starting with # are skipped; a line's own --n negative, --s, --l, --d, --w and --h as "
+                        "kohya's): each gives sample_count images, encoded with sample_clip before training, "
+                        "instead of the cache's captions. At most 16."),
         io.Int.Input("sample_seed", default=-1, min=-1, max=MAX_SEED, optional=True, advanced=True,
                      tooltip="The seed of the sample images' noise (kohya's --d): the same seed gives the same "
                      "noise in runs of other training seeds, so their LoRAs can be compared image by image. "
                      "-1: the run's seed."),
+        io.Float.Input("network_dropout", default=0.0, min=0.0, max=MAX_DROPOUT, step=0.01, optional=True,
+                       advanced=True,
+                       tooltip="kohya's network_dropout: in each training step, each hidden unit of a LoRA (its "
+                       "down projection's output) is zeroed with this probability, the rest scaled up. Needs "
+                       "bypass_mode (only there does the LoRA run beside the layer). 0: none; 0.1 is usual."),
+        io.Float.Input("rank_dropout", default=0.0, min=0.0, max=MAX_DROPOUT, step=0.01, optional=True,
+                       advanced=True,
+                       tooltip="kohya's rank_dropout: in each training step, each rank of a LoRA is dropped with "
+                       "this probability (per image in bypass_mode, for the whole batch otherwise), the rest "
+                       "scaled up. LoRA only. 0: none."),
+        io.Float.Input("module_dropout", default=0.0, min=0.0, max=MAX_DROPOUT, step=0.01, optional=True,
+                       advanced=True,
+                       tooltip="kohya's module_dropout: in each training step, each layer's whole change is left "
+                       "out with this probability. Any algorithm. 0: none."),
     ]

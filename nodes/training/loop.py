@@ -28,6 +28,7 @@ from ...dataset_cache.sampler import BatchPlan
 from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.sharding import share_of
 from ...dataset_cache.trainable import non_finite_entries
+from .dropout import AdapterDropout
 from .conditioning import Conditioner, ModelCall
 from .loss import WeightedLoss
 from .report import Startup, StepReport
@@ -190,6 +191,7 @@ class StepLoop:
         self.validation: Any = None  # a .validation.Validation, set by the run (it measures through this loop)
         self.sampling: Any = None  # a .samples.Sampling, set by the run (it samples through this loop)
         self.average: WeightAverage | None = None  # with ema_decay: the weights' average, set by the run
+        self.dropout: AdapterDropout | None = None  # the adapters' dropout, set by the run (drawn per batch here)
         self.schedule = schedule
         self.first_step = first_step
         self.save = save  # the saves during the run (.saves.RunSaves): every settings.save_every steps, and on a stop
@@ -381,10 +383,14 @@ class StepLoop:
         return sigma, noise
 
     def _fwd_bwd(self, batch: Batch, index: int) -> torch.Tensor:
-        """One batch forward and backward; its loss, detached, where it was computed (read later: :meth:`run`)."""
-        loss = self.batch_loss(batch, index)
-        scaled = loss / self.settings.grad_accumulation_steps
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        """One batch forward and backward; its loss, detached, where it was computed (read later: :meth:`run`).
+        The adapters' dropout draws in both (its masks seeded by the batch's number and this rank)."""
+        drawing = contextlib.nullcontext() if self.dropout is None else \
+            self.dropout.batch(index, self.device, self.world.rank if self.world is not None else 0)
+        with drawing:
+            loss = self.batch_loss(batch, index)
+            scaled = loss / self.settings.grad_accumulation_steps
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.detach()
 
     def batch_loss(self, batch: Batch, index: int, cond_seed: int | None = None) -> torch.Tensor:

@@ -35,6 +35,7 @@ from .comfy_parts import (
     resume_exactly, set_alpha, training_dtypes,
 )
 from .conditioning import Conditioner, ModelCall
+from .dropout import AdapterDropout
 from .distributed import plan_team
 from .layers import LayerChoice, choose_layers
 from .loop import StepLoop
@@ -256,6 +257,7 @@ def make_loop(run: LoadedRun, data: DataPlan, reader: DatasetReader, start: Star
                     first_batch=start.first_batch, world=team.collective, startup=startup, save=saves,
                     schedule=settings.lr_schedule_after(start.steps), first_step=start.steps)
     loop.average = run.average
+    loop.dropout = run.dropout
     if data.validation is not None:
         loop.validation = Validation(
             loop, reader, *data.validation, batch_size=settings.batch_size, seed=settings.seed,
@@ -390,6 +392,7 @@ class LoadedRun:
     memory: MemoryStep = dataclasses.field(default=None)  # type: ignore[assignment]  # set by plan_run_memory
     average: WeightAverage | None = None  # with ema_decay: the weights' moving average, what the run outputs
     layers: LayerChoice | None = None  # the layers train_layers chose (None: a run made without load)
+    dropout: AdapterDropout | None = None  # the adapters' dropout (None: a run made without load)
     closing_info: list[str] = dataclasses.field(default_factory=list)  # what finish() read before releasing
 
     @property
@@ -427,6 +430,7 @@ def load(model: Any, train: ModuleType, data: DataPlan, existing: dict[str, torc
                                                            settings.rank)
         torch.manual_seed(derive_seed(settings.seed, "adapters"))  # the same draws again, from the CPU's generator
         draw_new_adapters_on_cpu(train, chosen, lora_sd, existing, settings.algorithm, adapter_dtype, settings.rank)
+    dropout = AdapterDropout(settings.dropout_rates, settings.seed, adapters)  # before any forward: the probe's too
     resume_exactly(lora_sd, existing)
     data.notes.extend(set_alpha(lora_sd, existing, settings.lora_alpha, settings.existing_lora))
     optimizer = create_optimizer(train, settings, lora_sd.values())
@@ -435,7 +439,7 @@ def load(model: Any, train: ModuleType, data: DataPlan, existing: dict[str, torc
     scaler = torch.amp.GradScaler() if use_scaler else None
     model_options = comfy.model_patcher.create_model_options_clone(mp.model_options)
     return LoadedRun(mp, settings, dtype, adapter_dtype, lora_sd, adapters, bypass, optimizer, loss_fn, scaler,
-                     model_options, layers=layers)
+                     model_options, layers=layers, dropout=dropout)
 
 
 def prepare(run: LoadedRun, train: ModuleType) -> None:
@@ -483,6 +487,8 @@ def finish(run: LoadedRun) -> dict[str, torch.Tensor]:
     """The trained adapter weights as detached CPU tensors (``SaveLoRA``'s keys); the adapters stop needing grads."""
     lora = lora_weights(run)
     run.closing_info.extend(optimizer_info(run.optimizer))
+    if run.dropout is not None:
+        run.dropout.detach()
     for adapter in run.adapters:
         adapter.requires_grad_(False)
     run.adapters.clear()

@@ -8,6 +8,7 @@ from pathlib import PurePosixPath, PureWindowsPath
 
 from comfy.weight_adapter import adapter_maps
 
+from ...dataset_cache.adapter_dropout import DropoutRates
 from ...dataset_cache.checks import check_number
 from ...dataset_cache.ema import MAX_EMA_DECAY, check_ema_decay
 from ...dataset_cache.grad_clip import MAX_GRAD_NORM, check_max_grad_norm
@@ -90,6 +91,8 @@ class TrainSettings:
     ``sample_cfg`` (:mod:`.samples`; 0: none). ``debiased_estimation``
     weighs each row's prediction loss as kohya's ``--debiased_estimation_loss`` (with ``loss_target`` "prediction"),
     ``scale_v_pred_loss`` a v-prediction model's as its ``--scale_v_pred_loss_like_noise_pred``.
+    ``network_dropout``, ``rank_dropout`` and ``module_dropout`` drop parts of the adapters in each training forward,
+    as kohya's LoRA networks (:mod:`.dropout`; 0: none, as ComfyUI's own).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -175,6 +178,10 @@ class TrainSettings:
     sample_height: int = 0
     # the seed of the samples' noise; -1: the run's seed
     sample_seed: int = -1
+    # kohya's dropout inside the adapters while they train (.dropout); 0: none
+    network_dropout: float = 0.0
+    rank_dropout: float = 0.0
+    module_dropout: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -238,6 +245,24 @@ class TrainSettings:
         if self.lora_alpha != 1.0 and self.algorithm not in ALPHA_ALGORITHMS:
             raise ValueError(f"lora_alpha scales {', '.join(ALPHA_ALGORITHMS)} adapters; {self.algorithm}'s alpha "
                              "is no scale (ComfyUI sets it when it makes the adapter): leave lora_alpha at 1")
+        self._check_dropout()
+
+    def _check_dropout(self) -> None:
+        """The dropout rates in range, and where they can act: a LoRA's hidden units exist only in bypass mode
+        (otherwise the adapter changes the weight, and no activation of its own is there to drop)."""
+        rates = self.dropout_rates
+        rates.validate()
+        if (rates.network or rates.rank) and self.algorithm != "LoRA":
+            raise ValueError(f"network_dropout and rank_dropout drop a LoRA's ranks; algorithm is {self.algorithm}: "
+                             "set them to 0 (module_dropout drops any adapter) or train a LoRA")
+        if rates.network and not self.bypass_mode:
+            raise ValueError("network_dropout drops a LoRA's hidden units, which exist only when the LoRA runs "
+                             "beside the layer: turn bypass_mode on (or use rank_dropout, module_dropout)")
+
+    @property
+    def dropout_rates(self) -> DropoutRates:
+        """``network_dropout``, ``rank_dropout`` and ``module_dropout`` as the library takes them."""
+        return DropoutRates(self.network_dropout, self.rank_dropout, self.module_dropout)
 
     @property
     def samples_seed(self) -> int:

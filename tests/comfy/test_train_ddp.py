@@ -198,6 +198,22 @@ def test_chosen_layers_on_two_ranks_are_what_they_are_on_one(node: type, models:
     _assert_same_training(two, one_rank, start)
 
 
+def test_dropout_on_two_ranks_draws_each_ranks_own_masks_the_same_every_time(node: type, models: tuple,
+                                                                             dataset: Any, start: dict) -> None:
+    """``module_dropout`` and ``rank_dropout`` on 2 ranks: each rank draws its own rows' choices (seeded by the
+    batch and the rank), so a layer may train on one rank and skip on the other in a step (its gradient then
+    averages with the other rank's zeros, as a rank without it counts); the same run twice is the same LoRA, bit
+    for bit (the same operations, the same two-rank sums), and not the one trained without dropout."""
+    dropout = {"module_dropout": 0.5, "rank_dropout": 0.5}
+    a = _train(node, models[0], dataset, batch_size=1, devices="cpu:2", **dropout).result
+    b = _train(node, models[0], dataset, batch_size=1, devices="cpu:2", **dropout).result
+    plain = _train(node, models[0], dataset, batch_size=1, devices="cpu:2").result
+    assert a[1]["loss"] == b[1]["loss"] and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+    assert any(not torch.equal(a[0][k], plain[0][k]) for k in a[0])
+    assert sum(not torch.equal(a[0][k], start[k]) for k in a[0]) >= len(a[0]) // 2  # it did train
+    _no_workers_left()
+
+
 def test_short_batches_and_stand_in_rows_train_what_one_rank_trains(node: type, models: tuple, dataset: Any,
                                                                     handles: ModuleType, start: dict) -> None:
     """Global batch 4 over buckets of 5 and 1 occurrences: batches of 4, 1 and 1 rows (kohya's short last batch).
