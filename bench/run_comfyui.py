@@ -20,6 +20,7 @@ ComfyUI runs.
     "$COMFYUI_PYTHON" bench/run_comfyui.py startup [options]         # bench/startup.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py saves [options]           # bench/saves.py
     "$COMFYUI_PYTHON" bench/run_comfyui.py layers [options]          # bench/train_layers.py
+    "$COMFYUI_PYTHON" bench/run_comfyui.py dropout [options]         # bench/dropout_cost.py
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ def main() -> int:
         from bench.train_layers import main as layers_main
 
         return layers_main(argv[1:])
+    if argv[:1] == ["dropout"]:
+        from bench.dropout_cost import main as dropout_main
+
+        return dropout_main(argv[1:])
     if argv[:1] == ["step-ops"]:
         from bench.step_ops import main as step_ops_main
 

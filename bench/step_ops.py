@@ -180,8 +180,9 @@ class _Windows:
 
 
 def count_arm(trainers: Any, model: Any, data: Any, family: str, arm: str, batch: int, timed: int = 3,
-              counted: int = 2) -> ArmCounts:
-    """Run one arm (``bound``, ``ours``, ``lean`` or ``builtin``) and count its steps (see the module docstring)."""
+              counted: int = 2, options: dict[str, Any] | None = None) -> ArmCounts:
+    """Run one arm (``bound``, ``ours``, ``lean`` or ``builtin``) and count its steps (see the module docstring);
+    ``options``: Train LoRA inputs the arm sets besides the stand-in's (:mod:`bench.dropout_cost`'s arms)."""
     from .gpu_figures import TrainFigures
     from .gpu_train import arm_settings, free_device
 
@@ -189,7 +190,7 @@ def count_arm(trainers: Any, model: Any, data: Any, family: str, arm: str, batch
     counter = OpCounter()
     windows = _Windows(counter, timed, counted, skip=_Windows.WARMUP if arm == "builtin" else 1)
     fig = TrainFigures(result.id, family, batch, arm, 1)
-    fig.settings = arm_settings(fig, windows.total, {**SETTINGS, **(LEAN if arm == "lean" else {})})
+    fig.settings = arm_settings(fig, windows.total, {**SETTINGS, **(LEAN if arm == "lean" else {}), **(options or {})})
     free_device(trainers.device)
     try:
         with cuda_like_optimizers(), cuda_like_attention(), phases_marked(counter):
