@@ -23,6 +23,8 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from .optimizer_args import parse_optimizer_args
+
 __all__ = ["ARCHITECTURES", "Architecture", "addnet_hashes", "architecture_of", "file_metadata", "network_shape",
            "training_metadata"]
 
@@ -117,7 +119,7 @@ def training_metadata(*, arch: Architecture, v_prediction: bool, settings: Mappi
         "ss_network_train_unet_only": "True",
         "ss_learning_rate": str(s.get("learning_rate")),
         "ss_unet_lr": str(s.get("learning_rate")),
-        "ss_optimizer": str(s.get("optimizer")),
+        "ss_optimizer": _optimizer(s),
         "ss_lr_scheduler": str(s.get("lr_schedule", "constant")),
         "ss_lr_warmup_steps": str(s.get("warmup_steps", 0)),
         "ss_batch_size_per_device": str(s.get("batch_size")),
@@ -162,6 +164,17 @@ def training_metadata(*, arch: Architecture, v_prediction: bool, settings: Mappi
     if (low, high) != (0, 1000):
         out["modelspec.timestep_range"] = f"{low},{high}"
     return out
+
+
+def _optimizer(settings: Mapping[str, Any]) -> str:
+    """kohya's ``ss_optimizer``: the optimizer, with its ``optimizer_args`` as kohya writes them (``AdamW(
+    weight_decay=0.1,betas=(0.9, 0.99))``); a stored text that no longer parses is left out."""
+    name = str(settings.get("optimizer"))
+    try:
+        args = parse_optimizer_args(settings.get("optimizer_args") or "")
+    except ValueError:
+        args = {}
+    return f"{name}({','.join(f'{k}={v}' for k, v in args.items())})" if args else name
 
 
 def _network_args(algorithm: str, settings: Mapping[str, Any]) -> dict[str, str]:

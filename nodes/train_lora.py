@@ -289,6 +289,7 @@ class TrainLoRA(io.ComfyNode):
         network_dropout: float = 0.0,
         rank_dropout: float = 0.0,
         module_dropout: float = 0.0,
+        optimizer_args: str = "",
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -314,6 +315,7 @@ class TrainLoRA(io.ComfyNode):
             sample_width=sample_width, sample_height=sample_height, sample_seed=sample_seed,
             network_dropout=round(float(network_dropout), 4), rank_dropout=round(float(rank_dropout), 4),
             module_dropout=round(float(module_dropout), 4),
+            optimizer_args="" if optimizer_args is None else optimizer_args,
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

@@ -357,4 +357,8 @@ def _option_inputs() -> list[io.Input]:
                        advanced=True,
                        tooltip="kohya's module_dropout: in each training step, each layer's whole change is left "
                        "out with this probability. Any algorithm. 0: none."),
+        io.String.Input("optimizer_args", default="", optional=True, advanced=True,
+                        tooltip="The optimizer's own settings as kohya's optimizer_args: name=value separated by "
+                        "spaces, e.g. 'weight_decay=0.1 betas=0.9,0.99' (AdamW), 'd_coef=0.8' (Prodigy). Empty: "
+                        "its defaults (AdamW's weight decay 0.01, as ComfyUI's own)."),
     ]

@@ -5,6 +5,7 @@ config sets no optimizer arguments)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
@@ -12,9 +13,17 @@ from typing import Any
 import torch
 
 from ...dataset_cache.lion import Lion
+from ...dataset_cache.optimizer_args import check_optimizer_args, format_optimizer_args, parse_optimizer_args
 from ...dataset_cache.prodigy import GROUP_STATE, Prodigy
 
-__all__ = ["PRODIGY_SETTINGS", "create_optimizer", "group_state", "optimizer_info", "optimizer_notes"]
+__all__ = ["OPTIMIZER_CLASSES", "PRODIGY_SETTINGS", "check_args", "create_optimizer", "group_state", "optimizer_info",
+           "optimizer_notes", "slots_differ"]
+
+OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD, "RMSprop": torch.optim.RMSprop,
+    "Prodigy": Prodigy, "Lion": Lion}
+"""The class each ``optimizer`` name makes (ComfyUI's ``_create_optimizer`` for the first four): what
+``optimizer_args`` is checked against."""
 
 PRODIGY_SETTINGS = {"weight_decay": 0.01, "use_bias_correction": True}
 """What Prodigy runs with besides its defaults: the settings kohya's and diffusers' LoRA guides give it (decoupled
@@ -24,13 +33,66 @@ weight decay 0.01, as this node's AdamW has; Adam's bias correction on the step 
 
 def create_optimizer(train: ModuleType, settings: Any, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     """The run's optimizer over ``params`` at ``settings.learning_rate``: ComfyUI's ``_create_optimizer`` for its
-    names, Prodigy (:data:`PRODIGY_SETTINGS`) and Lion otherwise."""
+    names, Prodigy (:data:`PRODIGY_SETTINGS`) and Lion otherwise; ``settings.optimizer_args`` over their defaults
+    (for ComfyUI's, its optimizer made again with its own defaults and them, so its class stays ComfyUI's choice)."""
+    args = parse_optimizer_args(settings.optimizer_args)
+    params = list(params)
     if settings.optimizer == "Lion":
-        return Lion(params, lr=settings.learning_rate)
+        return Lion(params, lr=settings.learning_rate, **args)
     if settings.optimizer == "Prodigy":
-        return Prodigy(params, lr=settings.learning_rate, safeguard_warmup=settings.warmup_steps > 0,
-                       **PRODIGY_SETTINGS)
-    return train._create_optimizer(settings.optimizer, params, settings.learning_rate)
+        return Prodigy(params, lr=settings.learning_rate,
+                       **{"safeguard_warmup": settings.warmup_steps > 0, **PRODIGY_SETTINGS, **args})
+    optimizer = train._create_optimizer(settings.optimizer, params, settings.learning_rate)
+    return _remade(optimizer, params, args) if args else optimizer
+
+
+def _remade(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], changes: dict[str, Any]
+            ) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class and settings, with ``changes``, over ``params``. Only the settings its
+    constructor takes are passed on: torch's AdamW keeps Adam's ``decoupled_weight_decay`` among its defaults but
+    takes no such argument."""
+    accepted = inspect.signature(type(optimizer)).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(params, **{**settings, **changes})
+
+
+def check_args(optimizer: str, text: object) -> None:
+    """Refuse an ``optimizer_args`` that ``optimizer`` cannot take, before anything loads: its names and kinds
+    (:func:`~dataset_cache.optimizer_args.check_optimizer_args`), then its values, by making the optimizer over one
+    stand-in parameter (each optimizer's own range checks, e.g. a beta of 1).
+
+    Raises:
+        ValueError: naming ``optimizer_args`` and what is wrong.
+    """
+    args = parse_optimizer_args(text)
+    if not args:
+        return
+    cls = OPTIMIZER_CLASSES[optimizer]
+    check_optimizer_args(optimizer, cls, args)
+    try:
+        cls([torch.zeros(1, requires_grad=True)], lr=1e-3, **args)  # type: ignore[call-arg]
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ValueError(f"optimizer_args: {optimizer} refuses {format_optimizer_args(args)}: {exc}") from None
+
+
+def slots_differ(optimizer: torch.optim.Optimizer, saved: Iterable[Iterable[str]]) -> str | None:
+    """Why state slots ``saved`` (each parameter's slot names) cannot continue ``optimizer``, or ``None``: torch's
+    optimizers keep other slots with some settings (``amsgrad``'s ``max_exp_avg_sq``, RMSprop's ``centered`` and
+    ``momentum``), and stepping with a slot missing fails mid-run. The slots this one keeps are those of one step of
+    its class and settings over a stand-in parameter. Ours (Prodigy, Lion) keep the same slots whatever their
+    settings: ``None``."""
+    if not type(optimizer).__module__.startswith("torch.optim"):
+        return None
+    param = torch.zeros(1, requires_grad=True)
+    probe = _remade(optimizer, [param], {})
+    param.grad = torch.zeros(1)
+    probe.step()
+    want = set(probe.state[param])
+    for slots in saved:
+        if set(slots) != want:
+            return (f"it keeps {', '.join(sorted(slots))}, {type(optimizer).__name__} with this run's "
+                    f"optimizer_args keeps {', '.join(sorted(want))}")
+    return None
 
 
 def group_state(optimizer: str) -> tuple[str, ...]:

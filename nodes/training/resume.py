@@ -36,7 +36,7 @@ from ...dataset_cache.optimizer_state import (
     read_train_state,
 )
 from ...dataset_cache.sampler import BatchPlan, BucketSampler
-from .optimizers import group_state
+from .optimizers import group_state, slots_differ
 
 __all__ = ["STATE_FOLDER", "Start", "capture_state", "resume_run", "save_state", "state_store"]
 
@@ -156,7 +156,7 @@ def _restore_optimizer(run: Any, state: TrainState, start: Start) -> bool:
     """Load the saved optimizer (and gradient scaler) state into the run's; ``False`` (with a note) when it does not
     fit, and the optimizer then starts fresh."""
     settings = run.settings
-    why = check_fits(state, settings.optimizer, run.lora_sd)
+    why = check_fits(state, settings.optimizer, run.lora_sd) or slots_differ(run.optimizer, state.slots.values())
     if why is None:
         try:
             run.optimizer.load_state_dict(optimizer_state_dict(state, list(run.lora_sd), run.optimizer.state_dict(),

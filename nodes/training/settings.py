@@ -19,6 +19,7 @@ from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 from ...dataset_cache.sample_choice import check_sample_size, check_sampling
 from ...dataset_cache.seeding import MAX_SEED
+from .optimizers import check_args
 from .samples import check_sampler
 from ...dataset_cache.noise_draws import (MAX_MULTIRES_ITERATIONS, MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMESTEP_SAMPLINGS,
                                           check_multires, check_noise_settings, check_timestep_range)
@@ -92,7 +93,8 @@ class TrainSettings:
     weighs each row's prediction loss as kohya's ``--debiased_estimation_loss`` (with ``loss_target`` "prediction"),
     ``scale_v_pred_loss`` a v-prediction model's as its ``--scale_v_pred_loss_like_noise_pred``.
     ``network_dropout``, ``rank_dropout`` and ``module_dropout`` drop parts of the adapters in each training forward,
-    as kohya's LoRA networks (:mod:`.dropout`; 0: none, as ComfyUI's own).
+    as kohya's LoRA networks (:mod:`.dropout`; 0: none, as ComfyUI's own). ``optimizer_args`` sets the optimizer's
+    own settings as kohya's ``optimizer_args`` (:mod:`dataset_cache.optimizer_args`; empty: its defaults).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -182,6 +184,8 @@ class TrainSettings:
     network_dropout: float = 0.0
     rank_dropout: float = 0.0
     module_dropout: float = 0.0
+    # the optimizer's settings as kohya's optimizer_args ("weight_decay=0.1 betas=0.9,0.99"); empty: its defaults
+    optimizer_args: str = ""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -246,6 +250,7 @@ class TrainSettings:
             raise ValueError(f"lora_alpha scales {', '.join(ALPHA_ALGORITHMS)} adapters; {self.algorithm}'s alpha "
                              "is no scale (ComfyUI sets it when it makes the adapter): leave lora_alpha at 1")
         self._check_dropout()
+        check_args(self.optimizer, self.optimizer_args)
 
     def _check_dropout(self) -> None:
         """The dropout rates in range, and where they can act: a LoRA's hidden units exist only in bypass mode
