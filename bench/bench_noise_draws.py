@@ -1,5 +1,6 @@
-"""What drawing a batch's noise costs a loader worker: plain Gaussian noise, with ``noise_offset``, and with
-multi-resolution noise (``multires_noise_iterations``), at the latent shapes of the families at 1024² (WAN: 81
+"""What drawing a batch's noise costs a loader worker: plain Gaussian noise, with ``noise_offset``, with
+multi-resolution noise (``multires_noise_iterations``) and with the input perturbation (``ip_noise_gamma``: a second
+Gaussian draw of the batch's shape), at the latent shapes of the families at 1024² (WAN: 81
 frames at 480p).
 
 The draw runs on a loader worker (``StepLoop.per_batch``) while the device trains the batch before, so it costs the
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from dataset_cache.noise_draws import draw_noise
+from dataset_cache.noise_draws import draw_noise, draw_perturbation
 
 __all__ = ["SHAPES", "VARIANTS", "measure", "main"]
 
@@ -29,17 +30,22 @@ SHAPES: dict[str, tuple[int, ...]] = {
 }
 """One row's latent, ``[C, (T,) h, w]``."""
 VARIANTS = {
-    "plain": (0.0, 0, 0.3),
-    "noise_offset 0.1": (0.1, 0, 0.3),
-    "multires 6, 0.3": (0.0, 6, 0.3),
-    "multires 10, 0.8": (0.0, 10, 0.8),
+    "plain": (0.0, 0, 0.3, 0.0),
+    "noise_offset 0.1": (0.1, 0, 0.3, 0.0),
+    "multires 6, 0.3": (0.0, 6, 0.3, 0.0),
+    "multires 10, 0.8": (0.0, 10, 0.8, 0.0),
+    "ip_noise_gamma 0.1": (0.0, 0, 0.3, 0.1),
 }
-"""Name -> (noise_offset, multires_noise_iterations, multires_noise_discount)."""
+"""Name -> (noise_offset, multires_noise_iterations, multires_noise_discount, ip_noise_gamma)."""
 
 
-def _draw(shape: tuple[int, ...], offset: float, iterations: int, discount: float, seed: int) -> torch.Tensor:
-    """One batch's noise as ``StepLoop._draw`` makes it (the sigmas left out: a handful of values)."""
-    return draw_noise(shape, torch.Generator().manual_seed(seed), offset, iterations, discount)
+def _draw(shape: tuple[int, ...], offset: float, iterations: int, discount: float, gamma: float,
+          seed: int) -> torch.Tensor:
+    """One batch's noise as ``StepLoop._draw`` makes it, and its perturbation as ``StepLoop._perturbation`` does
+    (the sigmas left out: a handful of values)."""
+    noise = draw_noise(shape, torch.Generator().manual_seed(seed), offset, iterations, discount)
+    draw_perturbation(shape, torch.Generator().manual_seed(seed + 1), gamma)
+    return noise
 
 
 def measure(shapes: dict[str, tuple[int, ...]], batches: tuple[int, ...],

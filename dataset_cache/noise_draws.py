@@ -19,7 +19,11 @@ a run stays reproducible and a continued run draws what the uninterrupted one di
 * multi-resolution ("pyramid") noise (kohya's ``--multires_noise_iterations`` / ``--multires_noise_discount``, from
   Whitaker's report): Gaussian noise at lower resolutions, upsampled and added with a weight that falls by the
   discount per level, so the noise also holds large blotches and the model learns to change an image's
-  coarse layout and colours, not only its details. :func:`pyramid_noise` follows kohya's rule, level by level.
+  coarse layout and colours, not only its details. :func:`pyramid_noise` follows kohya's rule, level by level;
+* input perturbation (kohya's ``--ip_noise_gamma``, Ning et al. 2023, "Input Perturbation Reduces Exposure Bias in
+  Diffusion Models"): the model's input is noised with the noise plus ``gamma`` times more Gaussian noise
+  (:func:`draw_perturbation`), its target stays that of the noise alone, so training sees inputs as imperfect as
+  the ones its own sampling steps will give it.
 """
 
 from __future__ import annotations
@@ -31,14 +35,17 @@ import torch.nn.functional as F
 
 from .checks import check_number
 
-__all__ = ["MAX_MULTIRES_ITERATIONS", "MAX_NOISE_OFFSET", "MAX_TIMESTEP", "PERCENT_EDGE", "TIMESTEP_SAMPLINGS",
-           "check_multires", "check_noise_settings", "check_timestep_range", "draw_noise", "draw_percents",
-           "offset_noise", "percent_span", "pyramid_noise"]
+__all__ = ["MAX_IP_NOISE_GAMMA", "MAX_MULTIRES_ITERATIONS", "MAX_NOISE_OFFSET", "MAX_TIMESTEP", "PERCENT_EDGE",
+           "TIMESTEP_SAMPLINGS", "check_ip_noise_gamma", "check_multires", "check_noise_settings",
+           "check_timestep_range", "draw_noise", "draw_percents", "draw_perturbation", "offset_noise", "percent_span",
+           "pyramid_noise"]
 
 TIMESTEP_SAMPLINGS = ("uniform", "logit-normal")
 """How a row's timestep percent is drawn: uniformly (ComfyUI's own trainer), or ``sigmoid`` of a standard normal."""
 MAX_NOISE_OFFSET = 1.0
 """An offset as large as the noise itself; kohya's recommended values are 0.05-0.1."""
+MAX_IP_NOISE_GAMMA = 1.0
+"""A perturbation as large as the noise itself; kohya's and the paper's value is 0.1."""
 MAX_MULTIRES_ITERATIONS = 10
 """The most levels of multi-resolution noise (kohya suggests 6-10): past it every level is already 1×1."""
 MAX_TIMESTEP = 1000
@@ -61,6 +68,15 @@ def check_noise_settings(timestep_sampling: object, noise_offset: object) -> Non
         raise ValueError(f"unknown timestep_sampling {timestep_sampling!r:.40}; use one of "
                          f"{', '.join(TIMESTEP_SAMPLINGS)}")
     check_number("noise_offset", noise_offset, MAX_NOISE_OFFSET)
+
+
+def check_ip_noise_gamma(value: object) -> None:
+    """Refuse an ``ip_noise_gamma`` outside ``[0, MAX_IP_NOISE_GAMMA]``, naming it.
+
+    Raises:
+        ValueError: naming ``ip_noise_gamma``, what 0 means and the usual value.
+    """
+    check_number("ip_noise_gamma", value, MAX_IP_NOISE_GAMMA, zero="no perturbation", hint="0.1 is kohya's")
 
 
 def check_multires(iterations: object, discount: object) -> None:
@@ -188,3 +204,11 @@ def draw_noise(shape: tuple[int, ...], generator: torch.Generator, offset: float
     one draw) with neither."""
     noise = offset_noise(torch.randn(shape, generator=generator, dtype=torch.float32), generator, offset)
     return pyramid_noise(noise, generator, iterations, discount)
+
+
+def draw_perturbation(shape: tuple[int, ...], generator: torch.Generator, gamma: float) -> torch.Tensor | None:
+    """The input perturbation of a batch (fp32, CPU): ``gamma`` times Gaussian noise of ``shape``, drawn from
+    ``generator`` after the batch's noise; ``None`` (and no draw: the batch's other draws as before) at 0."""
+    if gamma <= 0.0:
+        return None
+    return torch.randn(shape, generator=generator, dtype=torch.float32).mul_(gamma)

@@ -290,6 +290,7 @@ class TrainLoRA(io.ComfyNode):
         rank_dropout: float = 0.0,
         module_dropout: float = 0.0,
         optimizer_args: str = "",
+        ip_noise_gamma: float = 0.0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -316,6 +317,7 @@ class TrainLoRA(io.ComfyNode):
             network_dropout=round(float(network_dropout), 4), rank_dropout=round(float(rank_dropout), 4),
             module_dropout=round(float(module_dropout), 4),
             optimizer_args="" if optimizer_args is None else optimizer_args,
+            ip_noise_gamma=round(float(ip_noise_gamma), 4),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

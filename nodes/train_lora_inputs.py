@@ -361,4 +361,8 @@ def _option_inputs() -> list[io.Input]:
                         tooltip="The optimizer's own settings as kohya's optimizer_args: name=value separated by "
                         "spaces, e.g. 'weight_decay=0.1 betas=0.9,0.99' (AdamW), 'd_coef=0.8' (Prodigy). Empty: "
                         "its defaults (AdamW's weight decay 0.01, as ComfyUI's own)."),
+        io.Float.Input("ip_noise_gamma", default=0.0, min=0.0, max=1.0, step=0.01, optional=True, advanced=True,
+                       tooltip="kohya's ip_noise_gamma (input perturbation): each training image's noisy input gets "
+                       "this times more noise than its target is made of, so training sees inputs as imperfect as "
+                       "sampling gives. 0: none; 0.1 is kohya's."),
     ]

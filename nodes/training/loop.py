@@ -23,7 +23,7 @@ from ...dataset_cache.gcpause import StepCollector
 from ...dataset_cache.grad_clip import clip_gradients
 from ...dataset_cache.loader import Batch
 from ...dataset_cache.lr_schedule import LrSchedule
-from ...dataset_cache.noise_draws import draw_noise, draw_percents, percent_span
+from ...dataset_cache.noise_draws import draw_noise, draw_percents, draw_perturbation, percent_span
 from ...dataset_cache.sampler import BatchPlan
 from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.sharding import share_of
@@ -369,6 +369,9 @@ class StepLoop:
         ``first_batch + number`` of the run: the same draws as :meth:`_fwd_bwd` would make itself."""
         sigma, noise = self._share(plan, tuple(shape), self.first_batch + number)
         out = {"sigma": sigma, "noise": noise}
+        perturbation = self._perturbation(plan, tuple(shape), self.first_batch + number)
+        if perturbation is not None:
+            out["perturbation"] = perturbation
         if plan.weights and any(w != 1.0 for w in plan.weights) and len(plan.weights) == shape[0]:
             out["row_weights"] = torch.tensor(plan.weights, dtype=torch.float32)
         return {**out, **self.loss.drawn(sigma)}
@@ -381,6 +384,17 @@ class StepLoop:
         if (first, shape[0]) != (0, rows):
             sigma, noise = sigma[first:first + shape[0]].clone(), noise[first:first + shape[0]].clone()
         return sigma, noise
+
+    def _perturbation(self, plan: BatchPlan, shape: tuple[int, ...], index: int) -> torch.Tensor | None:
+        """This process's rows of batch ``index``'s input perturbation (``ip_noise_gamma``; CPU), ``None`` without
+        one: drawn for the global batch from a generator of its own, so the other draws are those of a run
+        without it."""
+        rows, first = share_of(plan, shape[0])
+        drawn = draw_perturbation((rows, *shape[1:]), seeded_generator(self.settings.seed, index, "perturbation"),
+                                  self.settings.ip_noise_gamma)
+        if drawn is None or (first, shape[0]) == (0, rows):
+            return drawn
+        return drawn[first:first + shape[0]].clone()
 
     def _fwd_bwd(self, batch: Batch, index: int) -> torch.Tensor:
         """One batch forward and backward; its loss, detached, where it was computed (read later: :meth:`run`).
@@ -401,11 +415,17 @@ class StepLoop:
         latents = self.mp.model.process_latent_in(batch.latents.to(self.device, torch.float32))
         if "sigma" in batch.extras and "noise" in batch.extras:  # drawn by the loader (:meth:`per_batch`)
             sigma, noise = batch.extras["sigma"], batch.extras["noise"]
+            perturbation = batch.extras.get("perturbation")
         else:
             sigma, noise = self._share(batch.plan, tuple(latents.shape), index)
             sigma, noise = sigma.to(self.device), noise.to(self.device)
-        xt = ms.noise_scaling(sigma, noise, latents, False)
+            perturbation = self._perturbation(batch.plan, tuple(latents.shape), index)
+            perturbation = perturbation.to(self.device) if perturbation is not None else None
         x0 = ms.noise_scaling(torch.zeros_like(sigma), torch.zeros_like(noise), latents, False)
+        if perturbation is None or not torch.is_grad_enabled():  # validation measures the unperturbed loss
+            xt = ms.noise_scaling(sigma, noise, latents, False)
+        else:
+            xt, x0 = self._perturbed(sigma, noise, perturbation, latents, x0)
         seed = derive_seed(self.settings.seed, index) if cond_seed is None else cond_seed
         groups = self.conditioner(batch.conditioning, noise, latents, seed)
         with self._autocast():
@@ -413,6 +433,20 @@ class StepLoop:
             xt, sigma = xt.requires_grad_(True), sigma.requires_grad_(True)
             pred = self.predict(xt, sigma, groups)
             return self.loss(pred.float(), x0.float(), batch, sigma)
+
+    def _perturbed(self, sigma: torch.Tensor, noise: torch.Tensor, perturbation: torch.Tensor, latents: torch.Tensor,
+                   x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's input noised with ``noise + perturbation`` (``ip_noise_gamma``), and the clean latent the loss
+        compares with: ``x0`` for the clean-latent loss; for the prediction loss the denoised latent that the output
+        kohya targets (that of the noise alone: ε, v, or the flow's velocity) gives at the perturbed input, ``x0 +
+        α'·(x_t' - x_t)`` with ``α'`` the input's coefficient in the model's ``calculate_denoised``."""
+        ms = self.model_sampling
+        xt = ms.noise_scaling(sigma, noise + perturbation, latents, False)
+        if self.settings.loss_target != "prediction":
+            return xt, x0
+        plain = ms.noise_scaling(sigma, noise, latents, False)
+        zero = torch.zeros_like(xt)
+        return xt, x0 + (ms.calculate_denoised(sigma, zero, xt) - ms.calculate_denoised(sigma, zero, plain))
 
     def predict(self, xt: torch.Tensor, sigma: torch.Tensor, groups: list[tuple[list[int], dict[str, Any]]]
                 ) -> torch.Tensor:

@@ -22,7 +22,8 @@ from ...dataset_cache.seeding import MAX_SEED
 from .optimizers import check_args
 from .samples import check_sampler
 from ...dataset_cache.noise_draws import (MAX_MULTIRES_ITERATIONS, MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMESTEP_SAMPLINGS,
-                                          check_multires, check_noise_settings, check_timestep_range)
+                                          check_ip_noise_gamma, check_multires, check_noise_settings,
+                                          check_timestep_range)
 
 __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_NOISE_OFFSET", "MAX_REG_RATIO",
            "MAX_REG_WEIGHT", "MAX_SEED", "MAX_TIMESTEP", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY",
@@ -95,6 +96,7 @@ class TrainSettings:
     ``network_dropout``, ``rank_dropout`` and ``module_dropout`` drop parts of the adapters in each training forward,
     as kohya's LoRA networks (:mod:`.dropout`; 0: none, as ComfyUI's own). ``optimizer_args`` sets the optimizer's
     own settings as kohya's ``optimizer_args`` (:mod:`dataset_cache.optimizer_args`; empty: its defaults).
+    ``ip_noise_gamma`` perturbs each training batch's input noise (kohya's input perturbation; 0: none).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -186,6 +188,8 @@ class TrainSettings:
     module_dropout: float = 0.0
     # the optimizer's settings as kohya's optimizer_args ("weight_decay=0.1 betas=0.9,0.99"); empty: its defaults
     optimizer_args: str = ""
+    # kohya's ip_noise_gamma: the model's input noised with gamma times more noise than its target (0: none)
+    ip_noise_gamma: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -251,6 +255,7 @@ class TrainSettings:
                              "is no scale (ComfyUI sets it when it makes the adapter): leave lora_alpha at 1")
         self._check_dropout()
         check_args(self.optimizer, self.optimizer_args)
+        check_ip_noise_gamma(self.ip_noise_gamma)
 
     def _check_dropout(self) -> None:
         """The dropout rates in range, and where they can act: a LoRA's hidden units exist only in bypass mode

@@ -168,13 +168,14 @@ def test_a_learning_rate_schedule_and_validation_on_two_ranks_are_what_they_are_
 def test_the_loss_target_pyramid_noise_lion_and_samples_on_two_ranks_are_what_they_are_on_one(
         node: type, models: tuple, dataset: Any) -> None:
     """The loss on the model's prediction (each rank scales its own rows), multi-resolution noise (each row scaled
-    by its own deviation, so a rank's rows are those of the global batch), Lion (every rank steps from the same
+    by its own deviation, so a rank's rows are those of the global batch), the input perturbation (drawn for the
+    global batch, each rank its rows), Lion (every rank steps from the same
     averaged gradients) and sample images (rank 0 samples, the workers wait for it at the next step): 2 ranks × 1
     train what 1 rank × 2 trains, and rank 0's first samples, of the same starting LoRA through the same model
     call, are the single rank's up to rounding: a rank runs with fewer CPU threads, which changes how the BLAS
     kernels sum (1e-4 relative after 2 Euler steps)."""
     chosen = {"loss_target": "prediction", "multires_noise_iterations": 4, "optimizer": "Lion",
-              "learning_rate": 1e-3, "sample_count": 1, "sample_steps": 2}
+              "learning_rate": 1e-3, "sample_count": 1, "sample_steps": 2, "ip_noise_gamma": 0.1}
     start = _train(node, models[0], dataset, steps=1, **{**chosen, "learning_rate": 1e-30}).result[0]
     one_rank = _train(node, models[0], dataset, batch_size=2, **chosen).result
     two = _train(node, models[0], dataset, batch_size=1, devices="cpu:2", **chosen).result

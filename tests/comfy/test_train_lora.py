@@ -50,6 +50,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "sample_sampler": "euler", "sample_scheduler": "simple", "scale_v_pred_loss": False, "sample_width": 0,
     "sample_height": 0, "sample_clip": None, "sample_texts": "",
     "sample_seed": -1, "network_dropout": 0.0, "rank_dropout": 0.0, "module_dropout": 0.0, "optimizer_args": "",
+    "ip_noise_gamma": 0.0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -146,7 +147,7 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "sample_scheduler", "scale_v_pred_loss",
                                                            "sample_width", "sample_height", "sample_texts",
                                                            "sample_seed", "network_dropout", "rank_dropout",
-                                                           "module_dropout", "optimizer_args"}
+                                                           "module_dropout", "optimizer_args", "ip_noise_gamma"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -204,6 +205,9 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # a prompt without it makes the optimizer with its defaults, as before (and as ComfyUI's own Train LoRA)
     assert inputs["optimizer_args"].optional and inputs["optimizer_args"].default == ""
     assert "optimizer_args" in info["input"]["optional"]
+    # a prompt without it noises the input as the target, as before (and as ComfyUI's own Train LoRA)
+    assert inputs["ip_noise_gamma"].optional and inputs["ip_noise_gamma"].default == 0.0
+    assert "ip_noise_gamma" in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training

@@ -119,7 +119,7 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "sample_cfg": 1.0, "debiased_estimation": False, "sample_sampler": "euler",
             "sample_scheduler": "simple", "scale_v_pred_loss": False, "sample_width": 0, "sample_height": 0,
             "sample_texts": "", "sample_seed": -1, "network_dropout": 0.0,
-            "rank_dropout": 0.0, "module_dropout": 0.0, "optimizer_args": ""}},
+            "rank_dropout": 0.0, "module_dropout": 0.0, "optimizer_args": "", "ip_noise_gamma": 0.0}},
         str(SAVE): {"class_type": "SaveLoRA", "inputs": {"lora": [str(TRAIN), 0], "prefix": "loras/streamcache_fe",
                                                          "steps": [str(TRAIN), 2]}},
         str(INFO): {"class_type": "StreamCache_CacheInfo", "inputs": {"cache": damaged}},
