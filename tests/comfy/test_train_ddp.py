@@ -189,8 +189,9 @@ def test_the_loss_target_pyramid_noise_lion_and_samples_on_two_ranks_are_what_th
 def test_chosen_layers_on_two_ranks_are_what_they_are_on_one(node: type, models: tuple, dataset: Any) -> None:
     """``train_layers``: every rank gives adapters to the same layers (rank 0's initial values broadcast by key),
     and 2 ranks × 1 train what 1 rank × 2 trains; with Prodigy (every rank estimates its step size from the same
-    averaged gradients) and ``lora_alpha`` (every rank's new adapters get it)."""
-    chosen = {"train_layers": "attn, -attn1", "optimizer": "Prodigy", "learning_rate": 1.0, "lora_alpha": 8.0}
+    averaged gradients) and its ``optimizer_args``, and ``lora_alpha`` (every rank's new adapters get it)."""
+    chosen = {"train_layers": "attn, -attn1", "optimizer": "Prodigy", "learning_rate": 1.0, "lora_alpha": 8.0,
+              "optimizer_args": "d_coef=0.8 betas=0.9,0.99"}
     start = _train(node, models[0], dataset, steps=1, **{**chosen, "learning_rate": 1e-30}).result[0]
     assert start and all("attn2" in k for k in start)
     assert all(float(v) == 8.0 for k, v in start.items() if k.endswith(".alpha"))
