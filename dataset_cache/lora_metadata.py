@@ -130,6 +130,7 @@ def training_metadata(*, arch: Architecture, v_prediction: bool, settings: Mappi
         "ss_loss_type": _LOSS_TYPES.get(str(s.get("loss_function")), str(s.get("loss_function")).lower()),
         "ss_noise_offset": str(s.get("noise_offset", 0.0)),
         "ss_ip_noise_gamma": str(s.get("ip_noise_gamma", 0.0)),
+        "ss_v_pred_like_loss": str(s.get("v_pred_like_loss", 0.0)),
         "ss_min_snr_gamma": str(s.get("min_snr_gamma", 0.0)),
         "ss_max_grad_norm": str(s.get("max_grad_norm", 0.0)),
         "ss_caption_dropout_rate": str(s.get("caption_dropout", 0.0)),

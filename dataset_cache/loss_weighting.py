@@ -33,7 +33,8 @@ import torch
 
 from .checks import check_number
 
-__all__ = ["DEBIASED_SNR_CAP", "LOSS_TARGETS", "MAX_MIN_SNR_GAMMA", "check_min_snr_gamma", "debiased_weights",
+__all__ = ["DEBIASED_SNR_CAP", "LOSS_TARGETS", "MAX_MIN_SNR_GAMMA", "MAX_V_PRED_LIKE_LOSS", "check_min_snr_gamma",
+           "check_v_pred_like_loss", "v_like_weights", "debiased_weights",
            "min_snr_weights", "noise_like_weights", "prediction_scales"]
 
 LOSS_TARGETS = ("clean latent", "prediction")
@@ -96,6 +97,32 @@ def debiased_weights(signal: torch.Tensor, noise: torch.Tensor, v_prediction: bo
     """
     snr = _snr(signal, noise).clamp(max=DEBIASED_SNR_CAP)
     return (1.0 / (snr + 1.0) if v_prediction else 1.0 / snr.sqrt()).float()
+
+
+MAX_V_PRED_LIKE_LOSS = 1.0
+"""As much v-like loss as the noise loss itself; kohya's guides use about 0.1."""
+
+
+def check_v_pred_like_loss(value: object) -> None:
+    """Refuse a ``v_pred_like_loss`` outside ``[0, MAX_V_PRED_LIKE_LOSS]``, naming it.
+
+    Raises:
+        ValueError: naming ``v_pred_like_loss``, what 0 means and the usual value.
+    """
+    check_number("v_pred_like_loss", value, MAX_V_PRED_LIKE_LOSS, zero="none", hint="about 0.1 in kohya's guides")
+
+
+def v_like_weights(signal: torch.Tensor, noise: torch.Tensor, strength: float) -> torch.Tensor:
+    """kohya's ``--v_pred_like_loss`` per row (fp32): a noise-prediction model's loss plus ``strength`` times the
+    v loss it implies, ``1 + strength · (SNR + 1) / SNR``, the SNR (fp64, from the rows' coefficients) capped at
+    :data:`DEBIASED_SNR_CAP` as kohya's ``get_snr_scale`` caps it.
+
+    The MSE of v is the clean latent's times ``SNR + 1`` and the noise's the clean latent's times ``SNR`` (see
+    :func:`noise_like_weights`), so the added term weighs the noisy levels up as training v would, while the model
+    keeps predicting the noise.
+    """
+    snr = _snr(signal, noise).clamp(max=DEBIASED_SNR_CAP)
+    return (1.0 + strength * (snr + 1.0) / snr).float()
 
 
 def noise_like_weights(signal: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

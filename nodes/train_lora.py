@@ -291,6 +291,7 @@ class TrainLoRA(io.ComfyNode):
         module_dropout: float = 0.0,
         optimizer_args: str = "",
         ip_noise_gamma: float = 0.0,
+        v_pred_like_loss: float = 0.0,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -317,7 +318,7 @@ class TrainLoRA(io.ComfyNode):
             network_dropout=round(float(network_dropout), 4), rank_dropout=round(float(rank_dropout), 4),
             module_dropout=round(float(module_dropout), 4),
             optimizer_args="" if optimizer_args is None else optimizer_args,
-            ip_noise_gamma=round(float(ip_noise_gamma), 4),
+            ip_noise_gamma=round(float(ip_noise_gamma), 4), v_pred_like_loss=round(float(v_pred_like_loss), 4),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

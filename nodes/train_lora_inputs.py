@@ -365,4 +365,8 @@ def _option_inputs() -> list[io.Input]:
                        tooltip="kohya's ip_noise_gamma (input perturbation): each training image's noisy input gets "
                        "this times more noise than its target is made of, so training sees inputs as imperfect as "
                        "sampling gives. 0: none; 0.1 is kohya's."),
+        io.Float.Input("v_pred_like_loss", default=0.0, min=0.0, max=1.0, step=0.01, optional=True, advanced=True,
+                       tooltip="kohya's v_pred_like_loss: a noise-prediction model's (SD1.5, SDXL) loss plus this "
+                       "times the v loss it implies, which weighs the noisiest levels up as training v would. Needs "
+                       "loss_target prediction. 0: none; about 0.1 in kohya's guides."),
     ]

@@ -12,7 +12,8 @@ import comfy.model_sampling
 import torch
 
 from ...dataset_cache.loader import Batch
-from ...dataset_cache.loss_weighting import debiased_weights, min_snr_weights, noise_like_weights, prediction_scales
+from ...dataset_cache.loss_weighting import (debiased_weights, min_snr_weights, noise_like_weights, prediction_scales,
+                                              v_like_weights)
 from .settings import TrainSettings
 
 __all__ = ["WeightedLoss"]
@@ -38,6 +39,10 @@ class WeightedLoss:
                              f"as kohya's --scale_v_pred_loss_like_noise_pred; this model's sampling is "
                              f"{type(sampling_cpu).__name__} (it predicts {self._predicts or 'something else'}): "
                              "turn scale_v_pred_loss off")
+        if settings.v_pred_like_loss > 0 and self._predicts != "noise":
+            raise ValueError(f"v_pred_like_loss adds a noise-prediction model's implied v loss, as kohya's "
+                             f"--v_pred_like_loss; this model's sampling is {type(sampling_cpu).__name__} (it "
+                             f"predicts {self._predicts or 'something else'}): set v_pred_like_loss to 0")
         # each per-row value a batch is drawn with, by its key in Batch.extras, that the settings ask for
         self._drawn: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         if settings.min_snr_gamma > 0:
@@ -48,6 +53,8 @@ class WeightedLoss:
             self._drawn["debiased_weights"] = self.debiased
         if settings.scale_v_pred_loss:
             self._drawn["noise_like_weights"] = self.noise_like
+        if settings.v_pred_like_loss > 0:
+            self._drawn["v_like_weights"] = self.v_like
         self._elementwise: Any = None  # the per-element form of loss_fn, made when a batch first needs it
 
     def __call__(self, pred: torch.Tensor, target: torch.Tensor, batch: Batch, sigma: torch.Tensor) -> torch.Tensor:
@@ -81,7 +88,7 @@ class WeightedLoss:
     def weight(self, batch: Batch, pred: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor | None:
         """Per-element loss weight of the batch (broadcastable to ``pred``, fp32 on the training device), or
         ``None`` when every element weighs 1: its mask's weight times its rows' weights times their Min-SNR,
-        debiased-estimation and v-scaling weights, each only where it applies."""
+        debiased-estimation, v-scaling and v-like weights, each only where it applies."""
         weight = self._mask_weight(batch, pred)
         drawn = [self._drawn_per_row(key, batch, pred, sigma)  # every drawn value but the scales is a row weight
                  for key in self._drawn if key != "prediction_scales"]
@@ -149,6 +156,12 @@ class WeightedLoss:
         from the CPU copy of the model's sampling (any thread may call this)."""
         return noise_like_weights(*self._signal_noise(sigma.detach().to("cpu", torch.float32)))
 
+    def v_like(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Each row's ``v_pred_like_loss`` weight (fp32, CPU; :func:`~dataset_cache.loss_weighting.v_like_weights`)
+        from the CPU copy of the model's sampling (any thread may call this)."""
+        return v_like_weights(*self._signal_noise(sigma.detach().to("cpu", torch.float32)),
+                              self.settings.v_pred_like_loss)
+
     def snr_weights(self, sigma: torch.Tensor) -> torch.Tensor:
         """Each row's Min-SNR weight ``min(SNR, min_snr_gamma)`` (fp32, CPU), the SNR of its sigma by the model's
         own ``noise_scaling`` (:mod:`dataset_cache.loss_weighting`), from the CPU copy of its sampling (any thread
@@ -187,6 +200,9 @@ class WeightedLoss:
         if s.scale_v_pred_loss:
             lines.append("each image's v loss weighed by SNR/(SNR + 1) of its noise level, as a noise prediction's "
                          "(scale_v_pred_loss)")
+        if s.v_pred_like_loss > 0:
+            lines.append(f"each image's noise loss plus {s.v_pred_like_loss:g} times the v loss it implies "
+                         "(v_pred_like_loss)")
         target = self.describe_target()
         return lines if target is None else [*lines, target]
 

@@ -14,7 +14,7 @@ from ...dataset_cache.ema import MAX_EMA_DECAY, check_ema_decay
 from ...dataset_cache.grad_clip import MAX_GRAD_NORM, check_max_grad_norm
 from ...dataset_cache.holdout import check_val_split
 from ...dataset_cache.layer_filter import LayerFilter
-from ...dataset_cache.loss_weighting import LOSS_TARGETS, MAX_MIN_SNR_GAMMA, check_min_snr_gamma
+from ...dataset_cache.loss_weighting import LOSS_TARGETS, MAX_MIN_SNR_GAMMA, check_min_snr_gamma, check_v_pred_like_loss
 from ...dataset_cache.lr_schedule import LR_SCHEDULES, LrSchedule
 from ...dataset_cache.memory_plan import AUTO, MEMORY_MODES
 from ...dataset_cache.sample_choice import check_sample_size, check_sampling
@@ -96,7 +96,8 @@ class TrainSettings:
     ``network_dropout``, ``rank_dropout`` and ``module_dropout`` drop parts of the adapters in each training forward,
     as kohya's LoRA networks (:mod:`.dropout`; 0: none, as ComfyUI's own). ``optimizer_args`` sets the optimizer's
     own settings as kohya's ``optimizer_args`` (:mod:`dataset_cache.optimizer_args`; empty: its defaults).
-    ``ip_noise_gamma`` perturbs each training batch's input noise (kohya's input perturbation; 0: none).
+    ``ip_noise_gamma`` perturbs each training batch's input noise (kohya's input perturbation; 0: none);
+    ``v_pred_like_loss`` adds a noise-prediction model's implied v loss (kohya's; 0: none).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -190,6 +191,8 @@ class TrainSettings:
     optimizer_args: str = ""
     # kohya's ip_noise_gamma: the model's input noised with gamma times more noise than its target (0: none)
     ip_noise_gamma: float = 0.0
+    # kohya's v_pred_like_loss: a noise-prediction model's loss plus this times the v loss it implies (0: none)
+    v_pred_like_loss: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -256,6 +259,10 @@ class TrainSettings:
         self._check_dropout()
         check_args(self.optimizer, self.optimizer_args)
         check_ip_noise_gamma(self.ip_noise_gamma)
+        check_v_pred_like_loss(self.v_pred_like_loss)
+        if self.v_pred_like_loss and self.loss_target != "prediction":
+            raise ValueError("v_pred_like_loss adds to the loss on the model's prediction (the noise), as kohya's "
+                             "--v_pred_like_loss does: set loss_target to prediction")
 
     def _check_dropout(self) -> None:
         """The dropout rates in range, and where they can act: a LoRA's hidden units exist only in bypass mode

@@ -175,3 +175,28 @@ def test_scale_v_pred_loss_is_refused_for_a_model_that_does_not_predict_v(pack: 
                                              rf"noise-prediction one's.*\(it predicts {predicts}\): turn "
                                              "scale_v_pred_loss off"):
             _loss(pack, torch.nn.MSELoss(), _sampling(kind), loss_target="prediction", scale_v_pred_loss=True)
+
+
+def test_v_pred_like_loss_adds_the_v_loss_an_eps_models_output_implies(pack: ModuleType) -> None:
+    """kohya's v_pred_like_loss λ on an ε model: the prediction MSE with each row weighed by 1 + λ·(SNR + 1)/SNR
+    is the ε MSE plus λ times the MSE of the v the output implies against the literature's v (``v = α·ε − s·x0``,
+    ``α = 1/√(σ²+1)``, ``s = σ·α``; per row: MSE_v = MSE_ε·(SNR + 1)/SNR). Tolerance as above."""
+    sampling, lam = _sampling("eps"), 0.1
+    sigma, x0, eps, out = _draw(sampling, seed=5)
+    xt = sampling.noise_scaling(sigma, eps, x0)
+    pred = sampling.calculate_denoised(sigma, out, xt)
+    loss = _loss(pack, torch.nn.MSELoss(), sampling, loss_target="prediction", v_pred_like_loss=lam)
+    got = loss(pred, x0, _batch(), sigma)
+    s = sigma.double().view(-1, 1, 1, 1)
+    alpha = 1 / torch.sqrt(s ** 2 + 1)
+    x0_implied = xt.double() - s * out.double()  # the clean latent the ε output implies
+    v_out = alpha * out.double() - s * alpha * x0_implied  # the v of that output's (ε, x0) pair
+    v_target = _target("v", x0, eps, sigma).double()
+    want = ((out.double() - eps.double()) ** 2).mean() + lam * ((v_out - v_target) ** 2).mean(dim=(1, 2, 3)).mean()
+    assert float(got) == pytest.approx(float(want), rel=1e-4)
+    assert set(loss.drawn(sigma)) == {"prediction_scales", "v_like_weights"}
+    assert "plus 0.1 times the v loss it implies" in loss.describe()[0]
+    for kind, predicts in (("v", "v"), ("flow", "velocity"), ("x0", "x0")):
+        with pytest.raises(ValueError, match=rf"v_pred_like_loss adds a noise-prediction model's implied v loss.*"
+                                             rf"\(it predicts {predicts}\): set v_pred_like_loss to 0"):
+            _loss(pack, torch.nn.MSELoss(), _sampling(kind), loss_target="prediction", v_pred_like_loss=lam)

@@ -50,7 +50,7 @@ FAST = {  # the options every run shares unless a test says otherwise
     "sample_sampler": "euler", "sample_scheduler": "simple", "scale_v_pred_loss": False, "sample_width": 0,
     "sample_height": 0, "sample_clip": None, "sample_texts": "",
     "sample_seed": -1, "network_dropout": 0.0, "rank_dropout": 0.0, "module_dropout": 0.0, "optimizer_args": "",
-    "ip_noise_gamma": 0.0,
+    "ip_noise_gamma": 0.0, "v_pred_like_loss": 0.0,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -147,7 +147,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "sample_scheduler", "scale_v_pred_loss",
                                                            "sample_width", "sample_height", "sample_texts",
                                                            "sample_seed", "network_dropout", "rank_dropout",
-                                                           "module_dropout", "optimizer_args", "ip_noise_gamma"}
+                                                           "module_dropout", "optimizer_args", "ip_noise_gamma",
+                                                           "v_pred_like_loss"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -208,6 +209,9 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # a prompt without it noises the input as the target, as before (and as ComfyUI's own Train LoRA)
     assert inputs["ip_noise_gamma"].optional and inputs["ip_noise_gamma"].default == 0.0
     assert "ip_noise_gamma" in info["input"]["optional"]
+    # a prompt without it weighs the loss as before
+    assert inputs["v_pred_like_loss"].optional and inputs["v_pred_like_loss"].default == 0.0
+    assert "v_pred_like_loss" in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -1101,6 +1105,26 @@ def test_scale_v_pred_loss_weighs_a_v_models_loss_as_a_noise_predictions(pack: M
         _train(node, models[0], dataset, scale_v_pred_loss=True, **opts)
 
 
+def test_v_pred_like_loss_adds_the_implied_v_loss_to_an_eps_models(pack: ModuleType, node: type, models: tuple,
+                                                                  dataset: Any) -> None:
+    """The tiny SD1.5 (ε): one step's prediction loss with v_pred_like_loss λ is the one without times kohya's
+    1 + λ·(SNR + 1)/SNR = 1 + λ·(1 + σ²) of the step's drawn σ (rounding only, 1e-5); the summary names it."""
+    loop, settings = _module(pack, "nodes.training.loop"), _module(pack, "nodes.training.settings")
+    stand_in = types.SimpleNamespace(settings=settings.TrainSettings(seed=FAST["seed"]),
+                                     _sampling_cpu=models[0].get_model_object("model_sampling"),
+                                     percent_span=(0.0, 1.0))
+    stand_in.sigmas = types.MethodType(loop.StepLoop.sigmas, stand_in)
+    (sigma,) = loop.StepLoop._draw(stand_in, (1, 4, 8, 8), 0)[0].tolist()
+    opts = {"optimizer": "SGD", "steps": 1, "batch_size": 1, "learning_rate": 0.02, "loss_target": "prediction"}
+    plain = _train(node, models[0], dataset, **opts)
+    added = _train(node, models[0], dataset, v_pred_like_loss=0.2, **opts)
+    assert sigma > 0.04  # SNR under kohya's cap of 1000
+    assert added.result[1]["loss"][0] == pytest.approx(plain.result[1]["loss"][0] * (1 + 0.2 * (1 + sigma ** 2)),
+                                                       rel=1e-5)
+    assert "plus 0.2 times the v loss it implies (v_pred_like_loss)" in _summary(added)
+    assert added.result[0].metadata["ss_v_pred_like_loss"] == "0.2"
+
+
 def test_multires_noise_is_drawn_after_the_plain_noise_and_trains_another_lora(pack: ModuleType, node: type,
                                                                              models: tuple, dataset: Any) -> None:
     """With multires_noise_iterations a batch's sigmas and plain noise are the ones drawn without it (the same
@@ -1327,6 +1351,9 @@ def test_a_validation_set_that_shares_images_with_the_training_is_named(node: ty
                                                                "loss like a noise-prediction one's, as kohya's "
                                                                "--scale_v_pred_loss_like_noise_pred; this model's "
                                                                "sampling is "),
+    ({"v_pred_like_loss": 0.1}, "v_pred_like_loss adds to the loss on the model's prediction (the noise), as kohya's "
+                                "--v_pred_like_loss does: set loss_target to prediction"),
+    ({"loss_target": "prediction", "v_pred_like_loss": 1.5}, "v_pred_like_loss must be a number from 0 (none) to 1"),
     ({"sample_count": 1, "sample_sampler": "k_euler"}, "unknown sample_sampler 'k_euler'"),
     ({"min_timestep": 900, "max_timestep": 900}, "min_timestep and max_timestep must be whole numbers with 0 <= "
                                                  "min_timestep < max_timestep <= 1000"),

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dataset_cache.loss_weighting import (DEBIASED_SNR_CAP, MAX_MIN_SNR_GAMMA, check_min_snr_gamma, debiased_weights,
-                                          min_snr_weights, noise_like_weights, prediction_scales)
+                                          min_snr_weights, noise_like_weights, prediction_scales,
+                                          v_like_weights)
 
 
 def test_an_eps_models_snr_is_one_over_sigma_squared_capped_at_gamma() -> None:
@@ -78,3 +79,13 @@ def test_the_v_scaling_is_snr_over_snr_plus_one_capped_as_kohyas() -> None:
     assert weights.dtype == torch.float32
     assert weights.tolist() == pytest.approx([0.8, 0.2, 1000 / 1001, 1000 / 1001], rel=1e-6)
     assert noise_like_weights(torch.zeros(1), torch.ones(1)).tolist() == [0.0]
+
+
+def test_v_like_weights_add_the_implied_v_loss_capped_as_kohyas() -> None:
+    """ε model: SNR = 1/σ², so 1 + λ·(SNR + 1)/SNR = 1 + λ·(1 + σ²); σ = 0.01 has SNR 10⁴, capped at 1000: 1 +
+    λ·1.001 (kohya's get_snr_scale caps the same way)."""
+    sigma = torch.tensor([0.5, 2.0, 14.6, 0.01])
+    weights = v_like_weights(torch.ones(4), sigma, 0.1)
+    assert weights.dtype == torch.float32
+    assert weights.tolist() == pytest.approx([1.125, 1.5, 1 + 0.1 * (1 + 14.6 ** 2), 1 + 0.1 * 1.001], rel=1e-6)
+    assert v_like_weights(torch.ones(2), torch.tensor([0.5, 2.0]), 0.0).tolist() == [1.0, 1.0]
