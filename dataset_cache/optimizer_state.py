@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import xxhash
 
+from .adafactor import factored_shapes
 from .errors import CacheError
 from .format.durable import atomic_write
 from .lr_schedule import LR_SCHEDULES, LrSchedule
@@ -80,9 +81,11 @@ OPTIMIZER_SLOTS: Mapping[str, frozenset[str]] = {
     "RMSprop": frozenset({"step", "square_avg", "momentum_buffer", "grad_avg"}),
     "Prodigy": frozenset({"step", "exp_avg", "exp_avg_sq", "s", "p0"}),
     "Lion": frozenset({"exp_avg"}),
+    "Adafactor": frozenset({"exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg"}),
 }
-"""Per optimizer (the names ComfyUI's ``_create_optimizer`` knows, Prodigy and Lion), the per-parameter state it keeps;
-a file naming another slot is refused. ``step`` is a scalar; every other slot has its parameter's shape."""
+"""Per optimizer (the names ComfyUI's ``_create_optimizer`` knows, Prodigy, Lion and Adafactor), the per-parameter
+state it keeps; a file naming another slot is refused. ``step`` is a scalar; Adafactor's factored second moments have
+the shapes :func:`~dataset_cache.adafactor.factored_shapes` gives; every other slot has its parameter's shape."""
 AVERAGE_SLOTS = ("weights", "average")
 """The slots of a run that averaged its weights (``ema_decay``), whatever its optimizer: ``weights`` the trained
 values of the parameter (the LoRA file holds their average), ``average`` that average in fp32."""
@@ -239,12 +242,20 @@ def check_fits(state: TrainState, optimizer: str, params: Mapping[str, torch.Ten
         for slot, value in values.items():
             if slot == "step":
                 continue
-            if tuple(value.shape) != tuple(param.shape):
+            want = _slot_shape(optimizer, slot, tuple(param.shape))
+            if tuple(value.shape) != want:
                 return (f"its {slot} of {name!r:.120} has shape {list(value.shape)}, the parameter "
-                        f"{list(param.shape)}")
+                        f"{list(param.shape)}" + ("" if want == tuple(param.shape) else f" (needing {list(want)})"))
             if not value.is_floating_point():
                 return f"its {slot} of {name!r:.120} is {value.dtype}, not floating point"
     return None
+
+
+def _slot_shape(optimizer: str, slot: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape ``optimizer``'s ``slot`` has for a parameter of ``shape``."""
+    if optimizer == "Adafactor" and slot.startswith("exp_avg_sq"):
+        return factored_shapes(shape).get(slot, (-1,))  # a matrix's "exp_avg_sq", a vector's row: never fits
+    return shape
 
 
 def check_average_fits(state: TrainState, params: Mapping[str, torch.Tensor]) -> str | None:

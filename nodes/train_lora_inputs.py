@@ -65,8 +65,8 @@ def _builtin_inputs() -> list[io.Input]:
         io.Int.Input("rank", default=8, min=1, max=128, tooltip="Rank of the LoRA layers."),
         io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
                        tooltip="The optimizer that updates the LoRA weights: ComfyUI's four, Prodigy (finds its "
-                       "own step size: set learning_rate 1.0) or Lion (one step size per weight: rates 3-10x "
-                       "below AdamW's)."),
+                       "own step size: set learning_rate 1.0), Lion (one step size per weight: rates 3-10x "
+                       "below AdamW's) or Adafactor (kohya's and FluxGym's Flux optimizer, with their settings)."),
         io.Combo.Input("loss_function", options=list(LOSS_FUNCTIONS), default="MSE",
                        tooltip="How the denoised prediction is compared with the clean latent."),
         io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF,

@@ -1,7 +1,8 @@
 """The optimizer of a run: ComfyUI's own for the names its trainer knows, so those train as the built-in node does,
-:class:`~dataset_cache.prodigy.Prodigy` for ``Prodigy``, with the settings LoRA trainers use it with, and
+:class:`~dataset_cache.prodigy.Prodigy` for ``Prodigy``, with the settings LoRA trainers use it with,
 :class:`~dataset_cache.lion.Lion` for ``Lion``, with the ``lion-pytorch`` package's defaults (kohya's, when its
-config sets no optimizer arguments)."""
+config sets no optimizer arguments), and :class:`~dataset_cache.adafactor.Adafactor` for ``Adafactor``, with the
+settings kohya's and FluxGym's recipes give it (:data:`ADAFACTOR_SETTINGS`)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,18 @@ from typing import Any
 
 import torch
 
+from ...dataset_cache.adafactor import GROUP_STATE as ADAFACTOR_GROUP_STATE
+from ...dataset_cache.adafactor import Adafactor
 from ...dataset_cache.lion import Lion
 from ...dataset_cache.optimizer_args import check_optimizer_args, format_optimizer_args, parse_optimizer_args
 from ...dataset_cache.prodigy import GROUP_STATE, Prodigy
 
-__all__ = ["OPTIMIZER_CLASSES", "PRODIGY_SETTINGS", "check_args", "create_optimizer", "group_state", "optimizer_info",
-           "optimizer_notes", "slots_differ"]
+__all__ = ["ADAFACTOR_SETTINGS", "OPTIMIZER_CLASSES", "PRODIGY_SETTINGS", "check_args", "create_optimizer",
+           "group_state", "optimizer_info", "optimizer_notes", "slots_differ"]
 
 OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD, "RMSprop": torch.optim.RMSprop,
-    "Prodigy": Prodigy, "Lion": Lion}
+    "Prodigy": Prodigy, "Lion": Lion, "Adafactor": Adafactor}
 """The class each ``optimizer`` name makes (ComfyUI's ``_create_optimizer`` for the first four): what
 ``optimizer_args`` is checked against."""
 
@@ -31,17 +34,31 @@ weight decay 0.01, as this node's AdamW has; Adam's bias correction on the step 
 ``warmup_steps``: on with a warm-up, as its authors advise."""
 
 
+ADAFACTOR_SETTINGS = {"scale_parameter": False, "relative_step": False, "warmup_init": False}
+"""What Adafactor runs with besides transformers' defaults: the settings kohya's Flux guides and FluxGym give it, so
+``learning_rate`` (and ``lr_schedule``) set its step size. ``relative_step=True`` in ``optimizer_args`` gives it back
+its own step size (``learning_rate`` then has no effect; the summary says so)."""
+
+
+def _own_kwargs(name: str, rate: float, warmup_steps: int, args: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ours (Prodigy, Lion, Adafactor) are made with: the rate, our settings, ``args``."""
+    if name == "Prodigy":
+        return {"lr": rate, "safeguard_warmup": warmup_steps > 0, **PRODIGY_SETTINGS, **args}
+    if name == "Adafactor":
+        merged = {**ADAFACTOR_SETTINGS, **args}
+        return {**merged, "lr": None if merged["relative_step"] else rate}
+    return {"lr": rate, **args}
+
+
 def create_optimizer(train: ModuleType, settings: Any, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     """The run's optimizer over ``params`` at ``settings.learning_rate``: ComfyUI's ``_create_optimizer`` for its
     names, Prodigy (:data:`PRODIGY_SETTINGS`) and Lion otherwise; ``settings.optimizer_args`` over their defaults
     (for ComfyUI's, its optimizer made again with its own defaults and them, so its class stays ComfyUI's choice)."""
     args = parse_optimizer_args(settings.optimizer_args)
     params = list(params)
-    if settings.optimizer == "Lion":
-        return Lion(params, lr=settings.learning_rate, **args)
-    if settings.optimizer == "Prodigy":
-        return Prodigy(params, lr=settings.learning_rate,
-                       **{"safeguard_warmup": settings.warmup_steps > 0, **PRODIGY_SETTINGS, **args})
+    if settings.optimizer in ("Lion", "Prodigy", "Adafactor"):
+        cls = OPTIMIZER_CLASSES[settings.optimizer]
+        return cls(params, **_own_kwargs(settings.optimizer, settings.learning_rate, settings.warmup_steps, args))
     optimizer = train._create_optimizer(settings.optimizer, params, settings.learning_rate)
     return _remade(optimizer, params, args) if args else optimizer
 
@@ -69,8 +86,10 @@ def check_args(optimizer: str, text: object) -> None:
         return
     cls = OPTIMIZER_CLASSES[optimizer]
     check_optimizer_args(optimizer, cls, args)
+    kwargs = _own_kwargs(optimizer, 1e-3, 0, args) if optimizer in ("Lion", "Prodigy", "Adafactor") else \
+        {"lr": 1e-3, **args}
     try:
-        cls([torch.zeros(1, requires_grad=True)], lr=1e-3, **args)  # type: ignore[call-arg]
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"optimizer_args: {optimizer} refuses {format_optimizer_args(args)}: {exc}") from None
 
@@ -97,7 +116,7 @@ def slots_differ(optimizer: torch.optim.Optimizer, saved: Iterable[Iterable[str]
 
 def group_state(optimizer: str) -> tuple[str, ...]:
     """The parameter-group values that carry ``optimizer``'s state between steps (restored with it)."""
-    return GROUP_STATE if optimizer == "Prodigy" else ()
+    return {"Prodigy": GROUP_STATE, "Adafactor": ADAFACTOR_GROUP_STATE}.get(optimizer, ())
 
 
 def optimizer_notes(settings: Any) -> list[str]:
@@ -106,6 +125,9 @@ def optimizer_notes(settings: Any) -> list[str]:
     if settings.optimizer == "Prodigy" and settings.learning_rate < 0.1:
         return [f"optimizer Prodigy finds its own step size and learning_rate {settings.learning_rate:g} multiplies "
                 "it: set learning_rate to 1.0, as its authors advise (below 1 only to slow it down)"]
+    if settings.optimizer == "Adafactor" and parse_optimizer_args(settings.optimizer_args).get("relative_step"):
+        return ["optimizer Adafactor with relative_step=True finds its own step size (at most 0.01, falling as "
+                "1/sqrt(step)): learning_rate and lr_schedule have no effect"]
     return []
 
 

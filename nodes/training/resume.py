@@ -22,6 +22,7 @@ import torch
 import folder_paths
 
 from ...dataset_cache.lr_schedule import LrSchedule
+from ...dataset_cache.optimizer_args import parse_optimizer_args
 from ...dataset_cache.optimizer_state import (
     AVERAGE_SLOTS,
     OPTIMIZER_SLOTS,
@@ -45,8 +46,9 @@ log = logging.getLogger("streamcache.train")
 STATE_FOLDER = "streamcache_train_state"
 """The folder of training states in ComfyUI's output directory (beside ``loras/``, where Save LoRA writes)."""
 
-_STATEFUL = ("AdamW", "Adam", "RMSprop")
-"""Optimizers whose state a continued run loses without the state file (ComfyUI's SGD has no momentum)."""
+_STATEFUL = ("AdamW", "Adam", "RMSprop", "Prodigy", "Lion", "Adafactor")
+"""Optimizers whose state a continued run loses without the state file (ComfyUI's SGD has no momentum, unless its
+``optimizer_args`` give it one)."""
 
 
 def state_store() -> TrainStateStore:
@@ -208,7 +210,7 @@ def _without_state(name: str, name_steps: int | None, sampler: BucketSampler, se
             f"existing_lora {name!r}: {why}, and its name carries no step count (Save LoRA Weights names files "
             "<prefix>_<steps>_steps_<counter>_): the batch order, noise and timesteps start again from step 0 and "
             f"{settings.optimizer} starts fresh")
-    elif settings.optimizer in _STATEFUL or problem:
+    elif settings.optimizer in _STATEFUL or parse_optimizer_args(settings.optimizer_args).get("momentum") or problem:
         start.notes.append(
             f"existing_lora {name!r}: {why}: continuing at step {steps} from its name, but {settings.optimizer} "
             "starts fresh, so the result differs from one uninterrupted run")

@@ -173,7 +173,7 @@ def test_nan_and_infinite_values_are_refused(saved, value: float) -> None:
     (lambda m: m.pop("sampler"), "its metadata has no 'sampler'"),
     (lambda m: m.update(batches=-1), "its metadata's batches is not valid"),
     (lambda m: m.update(steps=2.5), "its metadata's steps is not valid"),
-    (lambda m: m.update(optimizer="Adafactor"), "its metadata's optimizer is not valid"),
+    (lambda m: m.update(optimizer="AdamW8bit"), "its metadata's optimizer is not valid"),
     (lambda m: m.update(format="other"), "is not a StreamCache training state"),
     (lambda m: m.update(version=2), "has version 2; this version reads 1"),
     (lambda m: m.update(lora_digest="0" * 32), "was written for another LoRA"),
@@ -408,3 +408,38 @@ def test_the_store_stays_bounded_and_removes_only_its_own_files(tmp_path: Path) 
     small = TrainStateStore(folder, max_files=10, max_bytes=written[4].stat().st_size)
     path, pruned = small.save(TrainState("e" * 32, "AdamW", 9, 9, base.slots, base.param_groups))
     assert path.exists() and len(pruned) == 3  # only the one just written fits the bytes
+
+
+def test_adafactors_factored_moments_fit_by_their_own_shapes(tmp_path: Path) -> None:
+    """A matrix's Adafactor state is its row and column means (shapes [6] and [2] for a 6×2 up), which fit; a state
+    whose row mean has another length, or a vector's moment where a matrix's row is expected, does not. Written,
+    read back and continued: 3 + 3 steps equal 6 bit for bit, its step count restored from the groups."""
+    from dataset_cache.adafactor import GROUP_STATE, Adafactor
+
+    settings = {"lr": 0.01, "relative_step": False, "scale_parameter": False, "warmup_init": False, "beta1": 0.9}
+    straight = _params()
+    _steps(Adafactor(straight.values(), **settings), straight, 0, 6)
+    first = _params()
+    opt = Adafactor(first.values(), **settings)
+    _steps(opt, first, 0, 3)
+    state = _state(first, opt, "Adafactor")
+    assert {k: list(v.shape) for k, v in state.slots["diffusion_model.b.lora_up.weight"].items()} == {
+        "exp_avg_sq_row": [6], "exp_avg_sq_col": [2], "exp_avg": [6, 2]}
+    assert check_fits(state, "Adafactor", first) is None
+    path = tmp_path / f"{state.lora_digest}.safetensors"
+    write_train_state(path, state)
+    back = read_train_state(path, digest=state.lora_digest, max_bytes=BIG)
+    rest = {k: torch.nn.Parameter(v.detach().clone()) for k, v in first.items()}
+    opt = Adafactor(rest.values(), **settings)
+    opt.load_state_dict(optimizer_state_dict(back, list(rest), opt.state_dict(), GROUP_STATE))
+    assert opt.param_groups[0]["step"] == 3
+    _steps(opt, rest, 3, 3)
+    assert all(torch.equal(rest[k], straight[k]) for k in straight)
+    wrong = dict(state.slots)
+    wrong["diffusion_model.b.lora_up.weight"] = {**wrong["diffusion_model.b.lora_up.weight"],
+                                                 "exp_avg_sq_row": torch.zeros(5)}
+    assert check_fits(dataclasses.replace(state, slots=wrong), "Adafactor", first) == (
+        "its exp_avg_sq_row of 'diffusion_model.b.lora_up.weight' has shape [5], the parameter [6, 2] (needing [6])")
+    wrong["diffusion_model.b.lora_up.weight"] = {"exp_avg_sq": torch.zeros(6, 2)}
+    assert "its exp_avg_sq of 'diffusion_model.b.lora_up.weight' has shape [6, 2]" in str(
+        check_fits(dataclasses.replace(state, slots=wrong), "Adafactor", first))
