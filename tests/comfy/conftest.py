@@ -170,3 +170,23 @@ def lora_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
                         ([str(output / "loras")], set(folder_paths.supported_pt_extensions)))
     return output
+
+
+@pytest.fixture(scope="module")
+def train_node(pack: ModuleType) -> type:
+    """The pack's Train LoRA node class, as ComfyUI loaded it."""
+    return importlib.import_module(f"{pack.__name__}.nodes.train_lora").TrainLoRA
+
+
+@pytest.fixture(scope="module")
+def six_images(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
+               tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A cache of six 64×64 images encoded by ComfyUI's VAEEncode (TAESD) and CLIPTextEncode (CLIP-L), one bucket:
+    its dataset's handle (the short runs of ``support.train_options``)."""
+    from support.encoded import write_comfy_encoded
+
+    _, clip, vae = models
+    root = tmp_path_factory.mktemp("six_images") / "cache"
+    write_comfy_encoded(pack, comfy_nodes, clip, vae, root, [(64, 64)] * 6, seed=0,
+                        caption="a photo of test pattern number {}")
+    return handles.StreamDatasetHandle(str(root), "train")

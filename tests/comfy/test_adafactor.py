@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.encoded import write_comfy_encoded
+from support.train_options import SHORT_RUN, summary, train
 
 SHAPES = [(32, 4), (4, 48), (8, 4, 3, 3), (32,), ()]
 """A LoRA's up and down, a convolution's down as a 4-D kernel, a norm's diff, an alpha."""
@@ -104,42 +104,23 @@ def test_the_state_is_factored_and_reads_back_nothing(pack: ModuleType) -> None:
             module.Adafactor(params, **bad)
 
 
-FAST = {
-    "batch_size": 2, "grad_accumulation_steps": 1, "steps": 3, "learning_rate": 1e-3, "rank": 4,
-    "optimizer": "Adafactor", "loss_function": "MSE", "seed": 7, "training_dtype": "fp32", "lora_dtype": "fp32",
-    "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
-    "bypass_mode": False, "devices": "auto",
-}
 
 
-@pytest.fixture(scope="module")
-def node(pack: ModuleType) -> type:
-    return importlib.import_module(f"{pack.__name__}.nodes.train_lora").TrainLoRA
 
 
-@pytest.fixture(scope="module")
-def dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
-            tmp_path_factory: pytest.TempPathFactory) -> Any:
-    _, clip, vae = models
-    root = tmp_path_factory.mktemp("adafactor") / "cache"
-    write_comfy_encoded(pack, comfy_nodes, clip, vae, root, [(64, 64)] * 6, seed=0,
-                        caption="a photo of test pattern number {}")
-    return handles.StreamDatasetHandle(str(root), "train")
+
+
+
+BASE = {**SHORT_RUN, "optimizer": "Adafactor", "learning_rate": 1e-3}
+"""This file's short run: Adafactor at kohya's Flux rate."""
 
 
 def _train(node: type, model: Any, dataset: Any, **options: Any) -> Any:
-    with torch.inference_mode():
-        return node.execute(model, dataset, **{**FAST, **options})
-
-
-def _summary(out: Any) -> str:
-    (text,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
-    return text
+    return train(node, model, dataset, BASE, **options)
 
 
 @pytest.mark.parametrize("args", ["", "beta1=0.9 scale_parameter=True"])
-def test_train_lora_with_adafactor_continues_bit_for_bit(node: type, models: tuple, dataset: Any,
+def test_train_lora_with_adafactor_continues_bit_for_bit(train_node: type, models: tuple, six_images: Any,
                                                          lora_folder: Path, args: str) -> None:
     """kohya's settings by default (learning_rate is the step size), or with a first moment and scaled steps: 3
     steps, Save LoRA Weights, 3 more from the file == 6 at once, bit for bit (the factored moments come back from
@@ -147,26 +128,26 @@ def test_train_lora_with_adafactor_continues_bit_for_bit(node: type, models: tup
     import folder_paths
     from comfy_extras.nodes_train import SaveLoRA
 
-    whole = _train(node, models[0], dataset, steps=6, optimizer_args=args).result
-    first = _train(node, models[0], dataset, optimizer_args=args)
-    assert "training state saved as" in _summary(first)
+    whole = _train(train_node, models[0], six_images, steps=6, optimizer_args=args).result
+    first = _train(train_node, models[0], six_images, optimizer_args=args)
+    assert "training state saved as" in summary(first)
     before = set(folder_paths.get_filename_list("loras"))
     SaveLoRA.execute(first.result[0], "loras/adafactor", first.result[2])
     (name,) = set(folder_paths.get_filename_list("loras")) - before
-    rest = _train(node, models[0], dataset, existing_lora=name, optimizer_args=args)
-    assert "Adafactor state restored" in _summary(rest) and "NOTE" not in _summary(rest)
+    rest = _train(train_node, models[0], six_images, existing_lora=name, optimizer_args=args)
+    assert "Adafactor state restored" in summary(rest) and "NOTE" not in summary(rest)
     assert first.result[1]["loss"] + rest.result[1]["loss"] == whole[1]["loss"]
     assert all(torch.equal(rest.result[0][k], whole[0][k]) for k in whole[0])
     assert any(not torch.equal(whole[0][k], first.result[0][k]) for k in whole[0])
 
 
-def test_adafactors_own_step_size_is_named_and_bad_settings_refused(node: type, models: tuple,
-                                                                     dataset: Any) -> None:
-    out = _train(node, models[0], dataset, steps=1, optimizer_args="relative_step=True scale_parameter=True")
-    assert "relative_step=True finds its own step size" in _summary(out)
+def test_adafactors_own_step_size_is_named_and_bad_settings_refused(train_node: type, models: tuple,
+                                                                     six_images: Any) -> None:
+    out = _train(train_node, models[0], six_images, steps=1, optimizer_args="relative_step=True scale_parameter=True")
+    assert "relative_step=True finds its own step size" in summary(out)
     assert out.result[0].metadata["ss_optimizer"] == "Adafactor(relative_step=True,scale_parameter=True)"
     for args, message in (("warmup_init=True", "warmup_init=True needs relative_step=True"),
                           ("decay_rate=0.5", "invalid decay_rate 0.5"),
                           ("betas=0.9,0.99", "Adafactor has no setting 'betas'; its settings: eps, clip_threshold")):
         with pytest.raises(ValueError, match=message):
-            _train(node, models[0], dataset, optimizer_args=args)
+            _train(train_node, models[0], six_images, optimizer_args=args)

@@ -12,36 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from support.encoded import write_comfy_encoded
+from support.train_options import train
 
-FAST = {
-    "batch_size": 2, "grad_accumulation_steps": 1, "steps": 3, "learning_rate": 3e-3, "rank": 4,
-    "optimizer": "AdamW", "loss_function": "MSE", "seed": 7, "training_dtype": "fp32", "lora_dtype": "fp32",
-    "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
-    "bypass_mode": False, "devices": "auto",
-}
 GAMMA = 0.1
 
 
-@pytest.fixture(scope="module")
-def node(pack: ModuleType) -> type:
-    return importlib.import_module(f"{pack.__name__}.nodes.train_lora").TrainLoRA
 
 
-@pytest.fixture(scope="module")
-def dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
-            tmp_path_factory: pytest.TempPathFactory) -> Any:
-    _, clip, vae = models
-    root = tmp_path_factory.mktemp("input_perturbation") / "cache"
-    write_comfy_encoded(pack, comfy_nodes, clip, vae, root, [(64, 64)] * 6, seed=0,
-                        caption="a photo of test pattern number {}")
-    return handles.StreamDatasetHandle(str(root), "train")
-
-
-def _train(node: type, model: Any, dataset: Any, **options: Any) -> Any:
-    with torch.inference_mode():
-        return node.execute(model, dataset, **{**FAST, **options})
 
 
 @pytest.fixture
@@ -84,12 +61,12 @@ def _extra(call: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.parametrize("target", ["clean latent", "prediction"])
 def test_the_input_carries_gamma_more_noise_and_the_target_that_of_the_noise_alone(
-        node: type, models: tuple, dataset: Any, seen: list, target: str) -> None:
+        train_node: type, models: tuple, six_images: Any, seen: list, target: str) -> None:
     """The extra noise is Gaussian with deviation γ (512 values per batch: the sample deviation lies within 0.02 of
     0.1 but at 6 standard errors, and the seed is fixed); the clean-latent loss compares with x0 exactly; the
     prediction loss with x0 + σ·ξ, the denoised latent of kohya's target ε at the perturbed input (to fp32
     rounding of values of size σ·|noise|: 1e-5 relative to the input's scale)."""
-    _train(node, models[0], dataset, ip_noise_gamma=GAMMA, loss_target=target)
+    train(train_node, models[0], six_images, ip_noise_gamma=GAMMA, loss_target=target)
     assert len(seen) == 3
     draws = []
     for call in seen:
@@ -106,8 +83,8 @@ def test_the_input_carries_gamma_more_noise_and_the_target_that_of_the_noise_alo
     assert not torch.allclose(draws[0], draws[1])  # each batch its own
 
 
-def test_a_flow_models_target_is_kohyas_velocity_of_the_unperturbed_noise(node: type, models: tuple, dataset: Any,
-                                                                           seen: list) -> None:
+def test_a_flow_models_target_is_kohyas_velocity_of_the_unperturbed_noise(
+        train_node: type, models: tuple, six_images: Any, seen: list) -> None:
     """The same UNet sampled as a flow model (ModelSamplingSD3: ``x_t = (1 - σ)·x0 + σ·noise``, denoised ``x_t -
     σ·v``): kohya's target is the velocity ``noise - x0`` of the noise alone, so the denoised latent the loss compares
     with at the perturbed input is ``x_t' - σ·(noise - x0)`` (fp32 rounding, as above), and the perturbation is what
@@ -115,7 +92,7 @@ def test_a_flow_models_target_is_kohyas_velocity_of_the_unperturbed_noise(node: 
     import comfy_extras.nodes_model_advanced as advanced
 
     (flow,) = advanced.ModelSamplingSD3().patch(models[0], 3.0)
-    _train(node, flow, dataset, ip_noise_gamma=GAMMA, loss_target="prediction", steps=2)
+    train(train_node, flow, six_images, ip_noise_gamma=GAMMA, loss_target="prediction", steps=2)
     for call in seen:
         sigma = call["sigma"].view(-1, 1, 1, 1)
         extra = (call["xt"] - (1 - sigma) * call["x0"] - sigma * call["noise"]) / sigma
@@ -124,13 +101,14 @@ def test_a_flow_models_target_is_kohyas_velocity_of_the_unperturbed_noise(node: 
         torch.testing.assert_close(call["target"], want, rtol=0, atol=1e-5 * float(call["xt"].abs().max()))
 
 
-def test_no_gamma_draws_nothing_and_trains_as_before(node: type, models: tuple, dataset: Any, seen: list) -> None:
-    _train(node, models[0], dataset)
+def test_no_gamma_draws_nothing_and_trains_as_before(train_node: type, models: tuple, six_images: Any,
+                                                     seen: list) -> None:
+    train(train_node, models[0], six_images)
     assert all(torch.allclose(_extra(c), torch.zeros(()), atol=1e-4) for c in seen)
     assert all(torch.equal(c["target"], c["x0"]) for c in seen)
 
 
-def test_validation_continuation_refusals_and_metadata(node: type, models: tuple, dataset: Any,
+def test_validation_continuation_refusals_and_metadata(train_node: type, models: tuple, six_images: Any,
                                                        lora_folder: Path) -> None:
     """The validation loss before the first step is the same with and without the perturbation (measured without
     it); 2 steps, Save LoRA Weights, 2 more == 4 at once, bit for bit; out-of-range values refused by name; the
@@ -139,18 +117,18 @@ def test_validation_continuation_refusals_and_metadata(node: type, models: tuple
     from comfy_extras.nodes_train import SaveLoRA
 
     split = {"val_split": 0.34, "steps": 2}
-    plain = _train(node, models[0], dataset, **split).result[1]["val_loss"]
-    perturbed = _train(node, models[0], dataset, ip_noise_gamma=GAMMA, **split).result[1]["val_loss"]
+    plain = train(train_node, models[0], six_images, **split).result[1]["val_loss"]
+    perturbed = train(train_node, models[0], six_images, ip_noise_gamma=GAMMA, **split).result[1]["val_loss"]
     assert plain[0] == perturbed[0] and plain[-1] != perturbed[-1]  # the first the same LoRA, the last not
-    whole = _train(node, models[0], dataset, steps=4, ip_noise_gamma=GAMMA).result
-    first = _train(node, models[0], dataset, steps=2, ip_noise_gamma=GAMMA).result
+    whole = train(train_node, models[0], six_images, steps=4, ip_noise_gamma=GAMMA).result
+    first = train(train_node, models[0], six_images, steps=2, ip_noise_gamma=GAMMA).result
     before = set(folder_paths.get_filename_list("loras"))
     SaveLoRA.execute(first[0], "loras/ip", first[2])
     (name,) = set(folder_paths.get_filename_list("loras")) - before
-    rest = _train(node, models[0], dataset, steps=2, ip_noise_gamma=GAMMA, existing_lora=name).result
+    rest = train(train_node, models[0], six_images, steps=2, ip_noise_gamma=GAMMA, existing_lora=name).result
     assert first[1]["loss"] + rest[1]["loss"] == whole[1]["loss"]
     assert all(torch.equal(rest[0][k], whole[0][k]) for k in whole[0])
     assert whole[0].metadata["ss_ip_noise_gamma"] == "0.1"
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"ip_noise_gamma must be a number from 0 \(no perturbation\) to 1"):
-            _train(node, models[0], dataset, ip_noise_gamma=bad)
+            train(train_node, models[0], six_images, ip_noise_gamma=bad)

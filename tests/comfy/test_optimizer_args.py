@@ -13,30 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from support.encoded import write_comfy_encoded
-
-FAST = {
-    "batch_size": 2, "grad_accumulation_steps": 1, "steps": 3, "learning_rate": 3e-3, "rank": 4,
-    "optimizer": "AdamW", "loss_function": "MSE", "seed": 7, "training_dtype": "fp32", "lora_dtype": "fp32",
-    "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
-    "bypass_mode": False, "devices": "auto",
-}
+from support.train_options import train
 
 
-@pytest.fixture(scope="module")
-def node(pack: ModuleType) -> type:
-    return importlib.import_module(f"{pack.__name__}.nodes.train_lora").TrainLoRA
 
 
-@pytest.fixture(scope="module")
-def dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
-            tmp_path_factory: pytest.TempPathFactory) -> Any:
-    _, clip, vae = models
-    root = tmp_path_factory.mktemp("optimizer_args") / "cache"
-    write_comfy_encoded(pack, comfy_nodes, clip, vae, root, [(64, 64)] * 6, seed=0,
-                        caption="a photo of test pattern number {}")
-    return handles.StreamDatasetHandle(str(root), "train")
 
 
 @pytest.fixture
@@ -55,16 +36,12 @@ def made(pack: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return out
 
 
-def _train(node: type, model: Any, dataset: Any, **options: Any) -> Any:
-    with torch.inference_mode():
-        return node.execute(model, dataset, **{**FAST, **options})
-
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_settings_reach_the_optimizer_the_run_steps_with(node: type, models: tuple, dataset: Any,
+def test_the_settings_reach_the_optimizer_the_run_steps_with(train_node: type, models: tuple, six_images: Any,
                                                              made: list[Any]) -> None:
     """AdamW's, SGD's, Prodigy's and Lion's settings in their parameter groups (the learning rate still the
     input's); AdamW stays torch's AdamW (ComfyUI's choice) though torch's AdamW refuses its own defaults back."""
@@ -77,7 +54,7 @@ def test_the_settings_reach_the_optimizer_the_run_steps_with(node: type, models:
     ]
     for optimizer, text, want in cases:
         rate = 1.0 if optimizer == "Prodigy" else 1e-3
-        out = _train(node, models[0], dataset, optimizer=optimizer, learning_rate=rate, optimizer_args=text,
+        out = train(train_node, models[0], six_images, optimizer=optimizer, learning_rate=rate, optimizer_args=text,
                      steps=2).result
         group = made[-1].param_groups[0]
         assert {k: group[k] for k in want} == want and group["lr"] == rate, optimizer
@@ -85,20 +62,20 @@ def test_the_settings_reach_the_optimizer_the_run_steps_with(node: type, models:
         assert all(torch.isfinite(torch.tensor(out[1]["loss"])))
 
 
-def test_settings_equal_to_the_defaults_train_the_same_lora_and_others_another(node: type, models: tuple,
-                                                                              dataset: Any) -> None:
-    plain = _train(node, models[0], dataset).result
-    same = _train(node, models[0], dataset, optimizer_args="weight_decay=0.01 betas=0.9,0.999 eps=1e-8").result
+def test_settings_equal_to_the_defaults_train_the_same_lora_and_others_another(train_node: type, models: tuple,
+                                                                              six_images: Any) -> None:
+    plain = train(train_node, models[0], six_images).result
+    same = train(train_node, models[0], six_images, optimizer_args="weight_decay=0.01 betas=0.9,0.999 eps=1e-8").result
     assert _equal(same[0], plain[0]) and same[1]["loss"] == plain[1]["loss"]
-    other = _train(node, models[0], dataset, optimizer_args="weight_decay=0.5 betas=0.5,0.9").result
+    other = train(train_node, models[0], six_images, optimizer_args="weight_decay=0.5 betas=0.5,0.9").result
     assert not _equal(other[0], plain[0])
-    sgd = _train(node, models[0], dataset, optimizer="SGD", learning_rate=0.05).result
-    momentum = _train(node, models[0], dataset, optimizer="SGD", learning_rate=0.05,
+    sgd = train(train_node, models[0], six_images, optimizer="SGD", learning_rate=0.05).result
+    momentum = train(train_node, models[0], six_images, optimizer="SGD", learning_rate=0.05,
                       optimizer_args="momentum=0.9").result
     assert sgd[1]["loss"][0] == momentum[1]["loss"][0] and not _equal(sgd[0], momentum[0])  # from step 2 on
 
 
-def test_bad_settings_are_refused_by_name_before_anything_loads(node: type, models: tuple, dataset: Any,
+def test_bad_settings_are_refused_by_name_before_anything_loads(train_node: type, models: tuple, six_images: Any,
                                                                 pack: ModuleType,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     run = importlib.import_module(f"{pack.__name__}.nodes.training.run")
@@ -121,11 +98,11 @@ def test_bad_settings_are_refused_by_name_before_anything_loads(node: type, mode
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=message):
-            _train(node, models[0], dataset, **options)
+            train(train_node, models[0], six_images, **options)
 
 
 def test_a_continued_run_keeps_its_state_under_the_settings_and_starts_fresh_when_they_change_its_slots(
-        node: type, models: tuple, dataset: Any, lora_folder: Path) -> None:
+        train_node: type, models: tuple, six_images: Any, lora_folder: Path) -> None:
     """3 steps, Save LoRA Weights, 3 more with the same settings == 6 at once, bit for bit (the moments come back
     from the training state; the settings are this run's input). Continuing with ``amsgrad`` on, whose AdamW keeps
     one more slot, would fail at its first step with the saved state: it starts fresh instead and says so."""
@@ -133,14 +110,14 @@ def test_a_continued_run_keeps_its_state_under_the_settings_and_starts_fresh_whe
     from comfy_extras.nodes_train import SaveLoRA
 
     args = {"optimizer_args": "weight_decay=0.1 betas=0.8,0.9"}
-    whole = _train(node, models[0], dataset, steps=6, **args).result
-    first = _train(node, models[0], dataset, steps=3, **args).result
+    whole = train(train_node, models[0], six_images, steps=6, **args).result
+    first = train(train_node, models[0], six_images, steps=3, **args).result
     before = set(folder_paths.get_filename_list("loras"))
     SaveLoRA.execute(first[0], "loras/args", first[2])
     (name,) = set(folder_paths.get_filename_list("loras")) - before
-    rest = _train(node, models[0], dataset, steps=3, existing_lora=name, **args).result
+    rest = train(train_node, models[0], six_images, steps=3, existing_lora=name, **args).result
     assert first[1]["loss"] + rest[1]["loss"] == whole[1]["loss"] and _equal(rest[0], whole[0])
-    changed = _train(node, models[0], dataset, steps=1, existing_lora=name,
+    changed = train(train_node, models[0], six_images, steps=1, existing_lora=name,
                      optimizer_args="weight_decay=0.1 betas=0.8,0.9 amsgrad=True")
     (text,) = changed.ui["text"] if isinstance(changed.ui, dict) else changed.ui.as_dict()["text"]
     assert "its saved optimizer state does not fit this run (it keeps exp_avg, exp_avg_sq, step, AdamW with this " \
@@ -148,9 +125,10 @@ def test_a_continued_run_keeps_its_state_under_the_settings_and_starts_fresh_whe
     assert all(torch.isfinite(torch.tensor(changed.result[1]["loss"])))
 
 
-def test_the_lora_file_names_the_settings_as_kohya_writes_them(node: type, models: tuple, dataset: Any) -> None:
-    lora = _train(node, models[0], dataset, steps=1, optimizer_args="weight_decay=0.1 betas=0.9,0.99").result[0]
+def test_the_lora_file_names_the_settings_as_kohya_writes_them(train_node: type, models: tuple,
+                                                               six_images: Any) -> None:
+    lora = train(train_node, models[0], six_images, steps=1, optimizer_args="weight_decay=0.1 betas=0.9,0.99").result[0]
     assert lora.metadata["ss_optimizer"] == "AdamW(weight_decay=0.1,betas=(0.9, 0.99))"
     assert json.loads(lora.metadata["streamcache.settings"])["optimizer_args"] == "weight_decay=0.1 betas=0.9,0.99"
-    plain = _train(node, models[0], dataset, steps=1).result[0]
+    plain = train(train_node, models[0], six_images, steps=1).result[0]
     assert plain.metadata["ss_optimizer"] == "AdamW"

@@ -15,15 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from support.encoded import write_comfy_encoded
+from support.train_options import SHORT_RUN, train
 
-FAST = {
-    "batch_size": 2, "grad_accumulation_steps": 1, "steps": 4, "learning_rate": 3e-3, "rank": 4,
-    "optimizer": "AdamW", "loss_function": "MSE", "seed": 7, "training_dtype": "fp32", "lora_dtype": "fp32",
-    "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0, "quantized_backward": False,
-    "bypass_mode": False, "devices": "auto",
-}
 WEIGHTS = {"rank_dropout": 0.5, "module_dropout": 0.3}  # what acts where the adapters change the weights
 HIDDEN = {"network_dropout": 0.3, "rank_dropout": 0.5, "module_dropout": 0.3, "bypass_mode": True}  # beside them
 
@@ -32,25 +25,15 @@ def _module(pack: ModuleType, name: str) -> ModuleType:
     return importlib.import_module(f"{pack.__name__}.{name}")
 
 
-@pytest.fixture(scope="module")
-def node(pack: ModuleType) -> type:
-    return _module(pack, "nodes.train_lora").TrainLoRA
 
 
-@pytest.fixture(scope="module")
-def dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: ModuleType,
-            tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Six 64×64 samples, their captions encoded by ComfyUI's CLIPTextEncode; their handle."""
-    _, clip, vae = models
-    root = tmp_path_factory.mktemp("train_dropout") / "cache"
-    write_comfy_encoded(pack, comfy_nodes, clip, vae, root, [(64, 64)] * 6, seed=0,
-                        caption="a photo of test pattern number {}")
-    return handles.StreamDatasetHandle(str(root), "train")
 
+
+BASE = {**SHORT_RUN, "steps": 4}
+"""This file's short run: 4 steps (a continued run trains 2 + 2)."""
 
 def _train(node: type, model: Any, dataset: Any, **options: Any) -> Any:
-    with torch.inference_mode():  # ComfyUI executes every node under inference mode
-        return node.execute(model, dataset, **{**FAST, **options})
+    return train(node, model, dataset, BASE, **options)
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -58,27 +41,27 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def plain(node: type, models: tuple, dataset: Any) -> Any:
-    return _train(node, models[0], dataset).result
+def plain(train_node: type, models: tuple, six_images: Any) -> Any:
+    return _train(train_node, models[0], six_images).result
 
 
 @pytest.mark.parametrize("rates", [WEIGHTS, HIDDEN], ids=["weights", "bypass"])
-def test_dropout_trains_another_lora_and_the_same_one_every_time(node: type, models: tuple, dataset: Any,
+def test_dropout_trains_another_lora_and_the_same_one_every_time(train_node: type, models: tuple, six_images: Any,
                                                                   plain: Any, rates: dict[str, Any]) -> None:
     """The masks are seeded by the run's seed and the batch: the same run twice is the same LoRA bit for bit, and
     not the LoRA trained without dropout."""
-    a = _train(node, models[0], dataset, **rates).result
-    b = _train(node, models[0], dataset, **rates).result
+    a = _train(train_node, models[0], six_images, **rates).result
+    b = _train(train_node, models[0], six_images, **rates).result
     assert _equal(a[0], b[0]) and a[1]["loss"] == b[1]["loss"]
     assert all(torch.isfinite(torch.tensor(a[1]["loss"])))
     assert not _equal(a[0], plain[0])
-    other_seed = _train(node, models[0], dataset, **rates, seed=8).result
+    other_seed = _train(train_node, models[0], six_images, **rates, seed=8).result
     assert not _equal(a[0], other_seed[0])
 
 
 @pytest.mark.parametrize("rates", [WEIGHTS, HIDDEN], ids=["weights", "bypass"])
 def test_a_checkpointed_block_recomputes_with_the_masks_its_forward_drew(
-        pack: ModuleType, node: type, models: tuple, dataset: Any, rates: dict[str, Any],
+        pack: ModuleType, train_node: type, models: tuple, six_images: Any, rates: dict[str, Any],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """With every block checkpointed, the backward pass recomputes each block's forward: torch restores the global
     generators the masks come from, so it draws the same ones and the run is the one without checkpointing, bit
@@ -95,34 +78,34 @@ def test_a_checkpointed_block_recomputes_with_the_masks_its_forward_drew(
     for name in ("dropped_ranks", "dropped_hidden"):
         monkeypatch.setattr(training.dropout, name, counting(getattr(training.dropout, name)))
     draws.append(0)
-    whole = _train(node, models[0], dataset, **rates).result
+    whole = _train(train_node, models[0], six_images, **rates).result
     draws.append(0)
-    checkpointed = _train(node, models[0], dataset, **rates, gradient_checkpointing=True, memory="auto").result
+    checkpointed = _train(train_node, models[0], six_images, **rates, gradient_checkpointing=True, memory="auto").result
     assert draws[1] > draws[0] > 0  # the recomputes drew again
     assert whole[1]["loss"] == checkpointed[1]["loss"]
     assert _equal(whole[0], checkpointed[0])
 
 
-def test_a_continued_run_draws_the_masks_of_the_run_that_never_stopped(node: type, models: tuple, dataset: Any,
+def test_a_continued_run_draws_the_masks_of_the_run_that_never_stopped(train_node: type, models: tuple, six_images: Any,
                                                                       lora_folder: Path) -> None:
     """2 steps, saved by Save LoRA Weights, 2 more from the file == 4 steps at once, bit for bit: the masks come
     from the batch's global number, as the noise does."""
     from comfy_extras.nodes_train import SaveLoRA
     import folder_paths
 
-    whole = _train(node, models[0], dataset, **HIDDEN).result
-    first = _train(node, models[0], dataset, **HIDDEN, steps=2).result
+    whole = _train(train_node, models[0], six_images, **HIDDEN).result
+    first = _train(train_node, models[0], six_images, **HIDDEN, steps=2).result
     before = set(folder_paths.get_filename_list("loras"))
     SaveLoRA.execute(first[0], "loras/dropout", first[2])
     (name,) = set(folder_paths.get_filename_list("loras")) - before
-    rest = _train(node, models[0], dataset, **HIDDEN, steps=2, existing_lora=name).result
+    rest = _train(train_node, models[0], six_images, **HIDDEN, steps=2, existing_lora=name).result
     assert rest[2] == 4
     assert first[1]["loss"] + rest[1]["loss"] == whole[1]["loss"]
     assert _equal(rest[0], whole[0])
 
 
-def test_samples_and_validation_see_the_whole_adapters(pack: ModuleType, node: type, models: tuple, dataset: Any,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_samples_and_validation_see_the_whole_adapters(pack: ModuleType, train_node: type, models: tuple,
+                                                       six_images: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Dropout draws only in a training batch's forward and backward: never while the run measures its validation
     loss (the same loss code, without gradients) or makes its sample images, and the adapters are ComfyUI's own
     classes again after the run."""
@@ -148,7 +131,7 @@ def test_samples_and_validation_see_the_whole_adapters(pack: ModuleType, node: t
     monkeypatch.setattr(training.dropout.AdapterDropout, "_attach", on_attach)
     monkeypatch.setattr(training.loop.StepLoop, "batch_loss", on_loss)
     monkeypatch.setattr(training.samples.Sampling, "take", on_take)
-    _train(node, models[0], dataset, **HIDDEN, steps=2, val_split=0.34, val_every=1, sample_count=1,
+    _train(train_node, models[0], six_images, **HIDDEN, steps=2, val_split=0.34, val_every=1, sample_count=1,
            sample_every=1, sample_steps=2)
     assert [d for g, d in losses if g] == [True, True]  # the two training batches
     assert [d for g, d in losses if not g] and not any(d for g, d in losses if not g)  # the validation batches
@@ -157,7 +140,7 @@ def test_samples_and_validation_see_the_whole_adapters(pack: ModuleType, node: t
     assert not any(hasattr(a, "_streamcache_dropout") for a in adapters)
 
 
-def test_dropout_settings_that_cannot_act_are_refused_by_name(node: type, models: tuple, dataset: Any) -> None:
+def test_dropout_settings_that_cannot_act_are_refused_by_name(train_node: type, models: tuple, six_images: Any) -> None:
     cases = [
         ({"network_dropout": 0.1}, "network_dropout drops a LoRA's hidden units.*turn bypass_mode on"),
         ({"rank_dropout": 0.2, "algorithm": "LoHa"}, "rank_dropout drop a LoRA's ranks; algorithm is LoHa"),
@@ -168,28 +151,28 @@ def test_dropout_settings_that_cannot_act_are_refused_by_name(node: type, models
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=message):
-            _train(node, models[0], dataset, **options)
+            _train(train_node, models[0], six_images, **options)
 
 
-def test_module_dropout_trains_any_algorithm(node: type, models: tuple, dataset: Any) -> None:
+def test_module_dropout_trains_any_algorithm(train_node: type, models: tuple, six_images: Any) -> None:
     """module_dropout leaves a layer's whole change out, whatever the adapter: LoHa, and OFT in bypass mode (its
     change is the output's rotation, ``g``, left out with the rest)."""
     for options in ({"algorithm": "LoHa"}, {"algorithm": "OFT", "bypass_mode": True}):
-        with_dropout = _train(node, models[0], dataset, **options, module_dropout=0.5, steps=2).result
-        without = _train(node, models[0], dataset, **options, steps=2).result
+        with_dropout = _train(train_node, models[0], six_images, **options, module_dropout=0.5, steps=2).result
+        without = _train(train_node, models[0], six_images, **options, steps=2).result
         assert all(torch.isfinite(torch.tensor(with_dropout[1]["loss"])))
         assert not _equal(with_dropout[0], without[0]), options
 
 
-def test_the_lora_file_says_its_dropout_as_kohya_writes_it(node: type, models: tuple, dataset: Any) -> None:
+def test_the_lora_file_says_its_dropout_as_kohya_writes_it(train_node: type, models: tuple, six_images: Any) -> None:
     import json
 
-    out = _train(node, models[0], dataset, **HIDDEN, steps=1).result[0]
+    out = _train(train_node, models[0], six_images, **HIDDEN, steps=1).result[0]
     metadata = out.metadata
     assert metadata["ss_network_dropout"] == "0.3"
     assert json.loads(metadata["ss_network_args"]) == {"algo": "lora", "rank_dropout": "0.5",
                                                        "module_dropout": "0.3"}
-    plain = _train(node, models[0], dataset, steps=1).result[0].metadata
+    plain = _train(train_node, models[0], six_images, steps=1).result[0].metadata
     assert plain["ss_network_dropout"] == "0.0" and json.loads(plain["ss_network_args"]) == {"algo": "lora"}
 
 
