@@ -86,6 +86,18 @@ def test_a_checkpointed_block_recomputes_with_the_masks_its_forward_drew(
     assert _equal(whole[0], checkpointed[0])
 
 
+@pytest.mark.parametrize("memory", ["stream blocks", "stream blocks + host activations", "auto + keep blocks whole"])
+def test_every_memory_plan_trains_the_same_lora_with_dropout(train_node: type, models: tuple, six_images: Any,
+                                                             memory: str) -> None:
+    """The plans that stream the blocks' weights, keep their activations on the host, or keep some blocks whole (not
+    recomputed) train, with all three dropouts, the LoRA of every block checkpointed, bit for bit: each recompute
+    draws what its forward drew, whichever blocks are recomputed."""
+    every = _train(train_node, models[0], six_images, **HIDDEN, gradient_checkpointing=True,
+                   memory="no offload").result
+    other = _train(train_node, models[0], six_images, **HIDDEN, gradient_checkpointing=True, memory=memory).result
+    assert every[1]["loss"] == other[1]["loss"] and _equal(every[0], other[0])
+
+
 def test_a_continued_run_draws_the_masks_of_the_run_that_never_stopped(train_node: type, models: tuple, six_images: Any,
                                                                       lora_folder: Path) -> None:
     """2 steps, saved by Save LoRA Weights, 2 more from the file == 4 steps at once, bit for bit: the masks come
