@@ -12,7 +12,8 @@ machine has one GPU); then Qwen-Image and Lumina 2.
 
 A **group** is what must come from one run, side by side: a family/batch row's three arms (``sd15/b1``), a capped
 family's capped and uncapped arms (``cap/flux``), a family's checkpointing arms (``ckpt/sdxl``: exact, fast, kept), a
-family's option arms (``options/sd15``: plain, clip, ema, snr, all, layers, prodigy), one multi-GPU family
+family's option arms (``options/sd15``: plain, clip, ema, snr, all, layers, prodigy, adafactor, dropout), one
+multi-GPU family
 (``devices/sdxl``), one encode row (``encode/flux``), one profile (its own id). Runs accumulate by group
 (:mod:`bench.gpu_ledger`).
 """
@@ -65,12 +66,16 @@ STEP_OPTION_ARMS: dict[str, dict[str, float | str]] = {
     "snr": {"min_snr_gamma": 5.0},
     "all": {"max_grad_norm": 1.0, "ema_decay": 0.999, "min_snr_gamma": 5.0},
     "layers": {"train_layers": ""},
-    "prodigy": {"optimizer": "Prodigy", "learning_rate": 1.0}}
+    "prodigy": {"optimizer": "Prodigy", "learning_rate": 1.0},
+    "adafactor": {"optimizer": "Adafactor"},
+    "dropout": {"rank_dropout": 0.1, "module_dropout": 0.1}}
 """Ours without the step's options (``plain``, the reference), with each alone, with all three, with adapters on
 part of the layers only (``layers``: the family's :data:`LAYER_CHOICES` piece) and with the Prodigy optimizer: what
 gradient clipping (the norm is measured every step anyway), the weights' average and Min-SNR weighting cost on the
 device (``bench/bench_step_extras.py`` counts their ops on the CPU), what training the attention alone saves, and
-what Prodigy's step costs against AdamW's (``bench/bench_prodigy.py`` counts its ops and reads on the CPU)."""
+what Prodigy's step costs against AdamW's (``bench/bench_prodigy.py`` counts its ops and reads on the CPU), what
+Adafactor's does (``bench/bench_adafactor.py``), and what kohya's rank and module dropout add (``scripts/bench-comfy
+dropout`` counts their ops)."""
 LAYER_CHOICES = {"sd15": "attn", "sdxl": "attn", "flux": "double_blocks"}
 """``train_layers`` of each family's ``layers`` arm (``bench/train_layers.py`` counts what each trains)."""
 

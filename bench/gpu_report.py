@@ -436,17 +436,19 @@ def render(runs: Ledger | GpuRun, families: dict[str, FamilySpec] | None = None,
                         reference="exact", versus="exact", cap_column=False)]
     o += ["", *_grouped(shown, "options/",
                         "### G7. The step's options: gradient clipping, the weights' average, Min-SNR, part of the "
-                        "layers, Prodigy",
+                        "layers, Prodigy, Adafactor, dropout",
                         "Ours at batch 1 (`memory` = auto) without the step's options (`plain`; the gradient norm is "
                         "measured every step all the same) and with each: `clip` = `max_grad_norm` 1, `ema` = "
                         "`ema_decay` 0.999 (an fp32 average of the bf16 LoRA, updated every step), `snr` = "
                         "`min_snr_gamma` 5; `all` = the three; `layers` = adapters on part of the layers "
                         "(`train_layers` `attn` for SD1.5 and SDXL, `double_blocks` for Flux: "
                         "`bench/train_layers.py` counts what each trains); `prodigy` = `optimizer` Prodigy at "
-                        "`learning_rate` 1 (plain: AdamW). Speed against plain (same run); losses compared step by "
-                        "step (the average does not change the training's losses; clipping, Min-SNR, another LoRA "
-                        "and another optimizer do). `bench/bench_step_extras.py` and `bench/bench_prodigy.py` count "
-                        "the ops each adds on the CPU.",
+                        "`learning_rate` 1 (plain: AdamW); `adafactor` = `optimizer` Adafactor (kohya's settings); "
+                        "`dropout` = `rank_dropout` and `module_dropout` 0.1. Speed against plain (same run); "
+                        "losses compared step by step (the average does not change the training's losses; "
+                        "clipping, Min-SNR, another LoRA, another optimizer and dropout do). "
+                        "`bench/bench_step_extras.py`, `bench/bench_prodigy.py`, `bench/bench_adafactor.py` and "
+                        "`scripts/bench-comfy dropout` count the ops each adds on the CPU.",
                         reference="plain", versus="plain", cap_column=False)]
     prof = _profile(shown)
     if prof:

@@ -180,25 +180,34 @@ def test_a_second_run_measures_what_the_first_left_and_adds_to_it(
 def test_the_option_arms_train_with_their_settings_against_plain(pack: ModuleType, comfy_folders: Path,
                                                                   tmp_path: Path) -> None:
     """The step-options group (G7) on tiny SD1.5: its arms reach Train LoRA with their settings, train, and are shown
-    against plain; Min-SNR weighs the losses, the average leaves them as plain's; Prodigy trains at rate 1."""
+    against plain; Min-SNR weighs the losses, the average leaves them as plain's; Prodigy trains at rate 1; Adafactor
+    and dropout train another LoRA."""
     lines: list[str] = []
     ctx = context_from_pack(pack, tmp_path / "work", tmp_path / "out", lines.append)
     ctx.work.mkdir()
     families, vaes = tiny_specs()
-    only = ["options/sd15-plain", "options/sd15-ema", "options/sd15-all", "options/sd15-prodigy"]
+    only = ["options/sd15-plain", "options/sd15-ema", "options/sd15-all", "options/sd15-prodigy",
+            "options/sd15-adafactor", "options/sd15-dropout"]
     opts = Options(steps=2, warmup=1, budget_s=3600.0, only=only, extras=False, settings=STANDIN_SETTINGS,
                    command="scripts/bench-gpu --cpu-standin", commit="x")
     run = measure(ctx, opts, families, vaes, device_info(ctx.device, "test"), torch.float32)
 
     by_id = {f.id: f for f in run.train}
     assert list(by_id) == ["options/sd15-plain/ours", "options/sd15-ema/ours", "options/sd15-all/ours",
-                           "options/sd15-prodigy/ours"]
+                           "options/sd15-prodigy/ours", "options/sd15-adafactor/ours", "options/sd15-dropout/ours"]
     assert all(f.ok and len(f.step_s) == 2 for f in by_id.values()), [(f.id, f.error) for f in by_id.values()]
     plain, ema, every = (by_id[f"options/sd15-{m}/ours"] for m in ("plain", "ema", "all"))
     assert "max_grad_norm" not in plain.settings and ema.settings["ema_decay"] == 0.999
     assert (every.settings["max_grad_norm"], every.settings["min_snr_gamma"]) == (1.0, 5.0)
     prodigy = by_id["options/sd15-prodigy/ours"]
     assert (prodigy.settings["optimizer"], prodigy.settings["learning_rate"]) == ("Prodigy", 1.0)
+    adafactor, dropout = by_id["options/sd15-adafactor/ours"], by_id["options/sd15-dropout/ours"]
+    assert adafactor.settings["optimizer"] == "Adafactor"
+    assert (dropout.settings["rank_dropout"], dropout.settings["module_dropout"]) == (0.1, 0.1)
+    assert adafactor.losses[0] == plain.losses[0] and dropout.losses[0] == plain.losses[0]  # the same first LoRA
+    # (a new LoRA's downs are 0, so its first forward is the base model's whatever the dropout: the losses part
+    # from the second step on, where the optimizers and the masks have acted)
+    assert adafactor.losses != plain.losses and dropout.losses != plain.losses
     # the same seed and batches: the average is not what trains, so the losses are plain's exactly; Min-SNR's
     # weights (min(SNR, 5) of each drawn noise level) change them
     assert ema.losses == plain.losses and every.losses != plain.losses

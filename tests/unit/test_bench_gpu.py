@@ -60,13 +60,15 @@ def test_the_option_arms_are_ours_without_and_with_each_extra_at_batch_one() -> 
         ("options/sd15-snr/ours", {"min_snr_gamma": 5.0}, 1, "ours"),
         ("options/sd15-all/ours", {"max_grad_norm": 1.0, "ema_decay": 0.999, "min_snr_gamma": 5.0}, 1, "ours"),
         ("options/sd15-layers/ours", {"train_layers": "attn"}, 1, "ours"),
-        ("options/sd15-prodigy/ours", {"optimizer": "Prodigy", "learning_rate": 1.0}, 1, "ours")]
+        ("options/sd15-prodigy/ours", {"optimizer": "Prodigy", "learning_rate": 1.0}, 1, "ours"),
+        ("options/sd15-adafactor/ours", {"optimizer": "Adafactor"}, 1, "ours"),
+        ("options/sd15-dropout/ours", {"rank_dropout": 0.1, "module_dropout": 0.1}, 1, "ours")]
     assert next(a.extra for a in plan_step_options() if a.id == "options/flux-layers/ours") == {
         "train_layers": "double_blocks"}
     assert {a.family for a in plan_step_options()} == {"sd15", "sdxl", "flux"}
     assert {group_key(a.id) for a in plan_step_options()} == {"options/sd15", "options/sdxl", "options/flux"}
     # each arm's settings are its own copy: a run that changes one leaves the plan as it was
-    arms[-3].extra["max_grad_norm"] = 2.0
+    arms[4].extra["max_grad_norm"] = 2.0
     assert STEP_OPTION_ARMS["all"]["max_grad_norm"] == 1.0
     assert matches("options/sd15-all/ours", ["options/sd15"]) and not matches("options/sd15-all/ours", ["options/sdxl"])
 
@@ -241,7 +243,7 @@ def test_the_option_arms_are_shown_against_plain_in_their_own_section(run: GpuRu
     text = render(run)
     lines = text.splitlines()
     g7 = lines.index("### G7. The step's options: gradient clipping, the weights' average, Min-SNR, part of the "
-                     "layers, Prodigy")
+                     "layers, Prodigy, Adafactor, dropout")
     rows = [x for x in lines[g7:] if x.startswith("| `options/sd15-")]
     # speed against plain (0.40 / 0.41); the average leaves the losses as they are, Min-SNR weighs them
     assert rows == ["| `options/sd15-plain/ours` | R1 | 0.400 | — | 6.0 | 4.0 | — |",
