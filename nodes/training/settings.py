@@ -237,15 +237,9 @@ class TrainSettings:
         if type(self.sample_seed) is not int or not -1 <= self.sample_seed <= MAX_SEED:
             raise ValueError(f"sample_seed must be -1 (the run's seed) or a seed from 0 to {MAX_SEED}, got "
                              f"{self.sample_seed!r:.30}")
-        if self.debiased_estimation and self.loss_target != "prediction":
-            raise ValueError("debiased_estimation weighs the loss on the model's prediction, as kohya's "
-                             "--debiased_estimation_loss does: set loss_target to prediction")
-        if self.scale_v_pred_loss and self.loss_target != "prediction":
-            raise ValueError("scale_v_pred_loss weighs the loss on the model's prediction (v), as kohya's "
-                             "--scale_v_pred_loss_like_noise_pred does: set loss_target to prediction")
+        self._check_loss_weights()
         check_max_grad_norm(self.max_grad_norm)
         check_ema_decay(self.ema_decay)
-        check_min_snr_gamma(self.min_snr_gamma)
         LayerFilter.parse(self.train_layers)
         check_timestep_range(self.min_timestep, self.max_timestep)
         check_val_split(self.val_split)
@@ -259,8 +253,21 @@ class TrainSettings:
         self._check_dropout()
         check_args(self.optimizer, self.optimizer_args)
         check_ip_noise_gamma(self.ip_noise_gamma)
+
+    def _check_loss_weights(self) -> None:
+        """The loss weights' settings in range, and those defined on the loss on the model's prediction (kohya's
+        debiased estimation, v scaling and v-like loss) only with ``loss_target`` prediction."""
+        check_min_snr_gamma(self.min_snr_gamma)
         check_v_pred_like_loss(self.v_pred_like_loss)
-        if self.v_pred_like_loss and self.loss_target != "prediction":
+        if self.loss_target == "prediction":
+            return
+        if self.debiased_estimation:
+            raise ValueError("debiased_estimation weighs the loss on the model's prediction, as kohya's "
+                             "--debiased_estimation_loss does: set loss_target to prediction")
+        if self.scale_v_pred_loss:
+            raise ValueError("scale_v_pred_loss weighs the loss on the model's prediction (v), as kohya's "
+                             "--scale_v_pred_loss_like_noise_pred does: set loss_target to prediction")
+        if self.v_pred_like_loss:
             raise ValueError("v_pred_like_loss adds to the loss on the model's prediction (the noise), as kohya's "
                              "--v_pred_like_loss does: set loss_target to prediction")
 
