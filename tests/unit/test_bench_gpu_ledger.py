@@ -79,7 +79,8 @@ def test_the_plan_is_every_group_in_run_order() -> None:
         "ckpt/flux-exact/ours", "ckpt/flux-fast/ours", "ckpt/flux-kept/ours"]
     assert {g.section for g in groups if g.key.startswith("options/")} == {"options"}
     assert [a.id for a in next(g for g in groups if g.key == "options/flux").arms] == [
-        f"options/flux-{mode}/ours" for mode in ("plain", "clip", "ema", "snr", "all", "layers", "prodigy")]
+        f"options/flux-{mode}/ours"
+        for mode in ("plain", "clip", "ema", "snr", "all", "layers", "prodigy", "adafactor", "dropout")]
     assert next(g for g in groups if g.key == "cap/flux_fp8").family == "flux_fp8"
     assert next(g for g in groups if g.key == "encode/flux").text == "clip_l+t5xxl"
 
