@@ -54,6 +54,13 @@ def _on_cpu(sampling: Any) -> Any:
     return copy.deepcopy(sampling).to("cpu")
 
 
+def _own_rows(plan: BatchPlan, count: int, drawn: torch.Tensor) -> torch.Tensor:
+    """This process's ``count`` rows of ``drawn``, a draw for the global batch (:func:`share_of`): all of it on one
+    process, else a copy of its slice (the draw itself is not kept)."""
+    rows, first = share_of(plan, count)
+    return drawn if (first, count) == (0, rows) else drawn[first:first + count].clone()
+
+
 class NonFiniteLossError(ValueError):
     """Training stopped at a NaN or infinite loss: every later step would only spread it into the LoRA."""
 
@@ -379,22 +386,18 @@ class StepLoop:
     def _share(self, plan: BatchPlan, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sigmas and noise of this process's rows of batch ``index`` (CPU): one rank of several draws for its
         global batch (seeded by its number) and keeps its own rows."""
-        rows, first = share_of(plan, shape[0])
+        rows = share_of(plan, shape[0])[0]
         sigma, noise = self._draw((rows, *shape[1:]), index)
-        if (first, shape[0]) != (0, rows):
-            sigma, noise = sigma[first:first + shape[0]].clone(), noise[first:first + shape[0]].clone()
-        return sigma, noise
+        return _own_rows(plan, shape[0], sigma), _own_rows(plan, shape[0], noise)
 
     def _perturbation(self, plan: BatchPlan, shape: tuple[int, ...], index: int) -> torch.Tensor | None:
         """This process's rows of batch ``index``'s input perturbation (``ip_noise_gamma``; CPU), ``None`` without
         one: drawn for the global batch from a generator of its own, so the other draws are those of a run
         without it."""
-        rows, first = share_of(plan, shape[0])
+        rows = share_of(plan, shape[0])[0]
         drawn = draw_perturbation((rows, *shape[1:]), seeded_generator(self.settings.seed, index, "perturbation"),
                                   self.settings.ip_noise_gamma)
-        if drawn is None or (first, shape[0]) == (0, rows):
-            return drawn
-        return drawn[first:first + shape[0]].clone()
+        return None if drawn is None else _own_rows(plan, shape[0], drawn)
 
     def _fwd_bwd(self, batch: Batch, index: int) -> torch.Tensor:
         """One batch forward and backward; its loss, detached, where it was computed (read later: :meth:`run`).

@@ -40,8 +40,12 @@ ADAFACTOR_SETTINGS = {"scale_parameter": False, "relative_step": False, "warmup_
 its own step size (``learning_rate`` then has no effect; the summary says so)."""
 
 
+OURS = ("Prodigy", "Lion", "Adafactor")
+"""The optimizers this pack makes itself (the others are ComfyUI's ``_create_optimizer``'s)."""
+
+
 def _own_kwargs(name: str, rate: float, warmup_steps: int, args: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments ours (Prodigy, Lion, Adafactor) are made with: the rate, our settings, ``args``."""
+    """The keyword arguments an optimizer named ``name`` is made with: the rate, our settings for ours, ``args``."""
     if name == "Prodigy":
         return {"lr": rate, "safeguard_warmup": warmup_steps > 0, **PRODIGY_SETTINGS, **args}
     if name == "Adafactor":
@@ -56,7 +60,7 @@ def create_optimizer(train: ModuleType, settings: Any, params: Iterable[torch.Te
     (for ComfyUI's, its optimizer made again with its own defaults and them, so its class stays ComfyUI's choice)."""
     args = parse_optimizer_args(settings.optimizer_args)
     params = list(params)
-    if settings.optimizer in ("Lion", "Prodigy", "Adafactor"):
+    if settings.optimizer in OURS:
         cls = OPTIMIZER_CLASSES[settings.optimizer]
         return cls(params, **_own_kwargs(settings.optimizer, settings.learning_rate, settings.warmup_steps, args))
     optimizer = train._create_optimizer(settings.optimizer, params, settings.learning_rate)
@@ -86,8 +90,7 @@ def check_args(optimizer: str, text: object) -> None:
         return
     cls = OPTIMIZER_CLASSES[optimizer]
     check_optimizer_args(optimizer, cls, args)
-    kwargs = _own_kwargs(optimizer, 1e-3, 0, args) if optimizer in ("Lion", "Prodigy", "Adafactor") else \
-        {"lr": 1e-3, **args}
+    kwargs = _own_kwargs(optimizer, 1e-3, 0, args)
     try:
         cls([torch.zeros(1, requires_grad=True)], **kwargs)
     except (ValueError, TypeError, RuntimeError) as exc:
