@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -91,8 +92,17 @@ def _images(folder: Path, n: int, size: int) -> None:
 
 
 def run(images: int, size: int, batch: int, steps: int) -> dict[str, Any]:
-    """Encode ``images`` of ``size`` px, then train ``steps`` steps, with the peak memory of each phase."""
+    """Encode ``images`` of ``size`` px, then train ``steps`` steps, with the peak memory of each phase; its
+    ComfyUI folders (models, images, cache: about 20 MiB) are removed after."""
     work = Path(tempfile.mkdtemp(prefix="bench_encode_memory_"))
+    try:
+        return _measure(work, images, size, batch, steps)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(work: Path, images: int, size: int, batch: int, steps: int) -> dict[str, Any]:
+    """:func:`run` in the folder ``work``."""
     (work / "models" / "streamcache").mkdir(parents=True)
     phases = Phases()
     install = comfy_setup(work)  # ComfyUI on the CPU, its folders private to ``work``
