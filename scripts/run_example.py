@@ -3,7 +3,7 @@
 By default it starts a private ComfyUI server (CPU, temporary folders, this pack symlinked in as a custom
 node) with tiny generated models, writes a small kohya-style image folder (``input/streamcache_example``: four
 captioned images in three aspect buckets) and runs the main job, ``example_workflows/api/Train a LoRA from an
-image folder.json``: Encode Dataset → Train LoRA (Stream Cache) → Save LoRA Weights + Plot Loss Graph, then
+image folder.json``: Encode Dataset → Train LoRA (Stream Cache) → Save LoRA (Stream Cache) + Plot Loss Graph, then
 Load LoRA with the saved file → KSampler → VAE Decode → Save Image. Like a user in the UI, it queues the
 workflow, and queues it again for the sampling branch, which needs the LoRA file the first queue wrote. It prints
 the encode report, the loss, the LoRA file, the sample image and the seconds, then stops the server.

@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 from support.client import ComfyClient
 from support.datasets import Subset, make_kohya_folder
+from support.examples import as_saved_before
 from support.paths import PACK_ROOT
 from support.renames import RENAMED, as_current
 from support.server import ComfyServer
@@ -440,8 +441,8 @@ def test_every_node_fresh_and_old_workflows_in_the_real_front_end(browser_tools:
             want = as_current(queued, object_info)
         else:
             stem = label.split(" ", 1)[1]
-            want = {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in json.loads(
-                (PACK_ROOT / "example_workflows" / "api" / f"{stem}.json").read_text(encoding="utf-8")).items()}
+            want = as_saved_before(json.loads(
+                (PACK_ROOT / "example_workflows" / "api" / f"{stem}.json").read_text(encoding="utf-8")))
         assert page == want, f"{label}: the page queues another prompt"
 
     assert not _console_problems(result), _console_problems(result)

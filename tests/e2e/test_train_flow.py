@@ -2,7 +2,7 @@
 
 * the main job, ``example_workflows/api/Train a LoRA from an image folder.json`` as shipped (the API twin of the UI
   template):
-  folder → Encode Dataset → Train LoRA (30 steps on 4 images) → Save LoRA Weights + Plot Loss Graph, then Load
+  folder → Encode Dataset → Train LoRA (30 steps on 4 images) → Save LoRA (Stream Cache) + Plot Loss Graph, then Load
   LoRA with the saved file → KSampler → VAE Decode → Save Image; the loss falls; progress reaches the websocket;
 * ``example_workflows/api/Encode a folder into a cache then train from it.json``: Encode → Save Streamable Cache,
   then, in a second prompt,
@@ -71,11 +71,16 @@ def test_full_flow_trains_saves_and_samples(full_flow: ExampleRun, comfy_server:
     assert prompt[lora_loader]["inputs"]["lora_name"] == saved
     assert saved.startswith(f"streamcache_example_{STEPS}_steps_")
     path = comfy_server.output_dir / "loras" / saved
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     weights = load_file(str(path))  # the LoRA file loads
     assert any("lora_up" in k for k in weights) and any("lora_down" in k for k in weights), sorted(weights)[:5]
     assert all(bool(v.float().isfinite().all()) for v in weights.values())
+    with safe_open(str(path), "pt") as f:  # saved by Save LoRA (Stream Cache): with its training's metadata
+        meta = f.metadata()
+    assert meta["ss_steps"] == str(STEPS), sorted(meta)
+    assert json.loads(meta["ss_tag_frequency"])["5_pattern"]["a box"] == 1  # the example folder's kohya subfolder
     if full_flow.results[1].events:
         assert lora_loader in {e["node"] for e in full_flow.results[1].events_of("executing") if e.get("node")}
 

@@ -35,6 +35,22 @@ are sentences."""
 SAVE_THEN_TRAIN_TEMPLATE = "Encode a folder into a cache then train from it"
 """The example that saves a cache with Save Streamable Cache and trains from it with Load Lazy Cache."""
 LORA_LOADERS = ("LoraLoader", "LoraLoaderModelOnly")
+LORA_SAVERS = ("SaveLoRA", "StreamCache_SaveLoRA")
+"""ComfyUI's Save LoRA Weights and ours: a prompt with one of them and a LoRA loader samples with the LoRA it trains."""
+
+
+def as_saved_before(prompt: dict[str, Any]) -> dict[str, Any]:
+    """The current templates' prompt with ComfyUI's Save LoRA Weights where they now save with Save LoRA (Stream
+    Cache): the templates changed node there (the LoRA file gets its training metadata, under the same name), while
+    a workflow saved before keeps the node it has, which still runs. Everything else must be equal."""
+    out: dict[str, Any] = {}
+    for key, node in prompt.items():
+        if node["class_type"] == "StreamCache_SaveLoRA":
+            inputs = node["inputs"]
+            node = {"class_type": "SaveLoRA",
+                    "inputs": {"lora": inputs["lora"], "prefix": inputs["save_prefix"], "steps": inputs["steps"]}}
+        out[key] = {"class_type": node["class_type"], "inputs": node["inputs"]}
+    return out
 
 
 def make_example_folder(input_dir: Any) -> Any:
@@ -127,7 +143,7 @@ def _links(node: dict[str, Any]) -> list[str]:
 
 def _lora_branches(prompt: dict[str, Any]) -> list[str]:
     """Sink nodes fed by a Load LoRA node, when the prompt also saves a LoRA (they sample with the new file)."""
-    if not any(n.get("class_type") == "SaveLoRA" for n in prompt.values()):
+    if not any(n.get("class_type") in LORA_SAVERS for n in prompt.values()):
         return []
     linked = {src for n in prompt.values() for src in _links(n)}
     late = []
