@@ -130,6 +130,8 @@ def training_metadata(*, arch: Architecture, v_prediction: bool, settings: Mappi
         "ss_loss_type": _LOSS_TYPES.get(str(s.get("loss_function")), str(s.get("loss_function")).lower()),
         "ss_noise_offset": str(s.get("noise_offset", 0.0)),
         "ss_ip_noise_gamma": str(s.get("ip_noise_gamma", 0.0)),
+        "ss_noise_offset_random_strength": _flag(bool(s.get("noise_offset_random_strength"))),
+        "ss_ip_noise_gamma_random_strength": _flag(bool(s.get("ip_noise_gamma_random_strength"))),
         "ss_v_pred_like_loss": str(s.get("v_pred_like_loss", 0.0)),
         "ss_min_snr_gamma": str(s.get("min_snr_gamma", 0.0)),
         "ss_max_grad_norm": str(s.get("max_grad_norm", 0.0)),

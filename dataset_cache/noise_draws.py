@@ -24,6 +24,10 @@ a run stays reproducible and a continued run draws what the uninterrupted one di
   Diffusion Models"): the model's input is noised with the noise plus ``gamma`` times more Gaussian noise
   (:func:`draw_perturbation`), its target stays that of the noise alone, so training sees inputs as imperfect as
   the ones its own sampling steps will give it.
+
+kohya's ``--noise_offset_random_strength`` and ``--ip_noise_gamma_random_strength`` scale the offset and the
+perturbation of each row by a uniform draw (:func:`random_strengths`), so training sees every strength up to the one
+set.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from .checks import check_number
 
 __all__ = ["MAX_IP_NOISE_GAMMA", "MAX_MULTIRES_ITERATIONS", "MAX_NOISE_OFFSET", "MAX_TIMESTEP", "PERCENT_EDGE",
            "TIMESTEP_SAMPLINGS", "check_ip_noise_gamma", "check_multires", "check_noise_settings",
-           "check_timestep_range", "draw_noise", "draw_percents", "draw_perturbation", "offset_noise", "percent_span",
-           "pyramid_noise"]
+           "check_random_strength", "check_timestep_range", "draw_noise", "draw_percents", "draw_perturbation",
+           "offset_noise", "percent_span", "pyramid_noise", "random_strengths"]
 
 TIMESTEP_SAMPLINGS = ("uniform", "logit-normal")
 """How a row's timestep percent is drawn: uniformly (ComfyUI's own trainer), or ``sigmoid`` of a standard normal."""
@@ -159,13 +163,26 @@ def draw_percents(generator: torch.Generator, rows: int, sampling: str, edge: fl
     return u.clamp(edge, 1 - edge)
 
 
-def offset_noise(noise: torch.Tensor, generator: torch.Generator, offset: float) -> torch.Tensor:
+def offset_noise(noise: torch.Tensor, generator: torch.Generator, offset: float,
+                 random_strength: bool = False) -> torch.Tensor:
     """``noise`` (rows, channels, ...) plus ``offset`` times one standard normal value per row and channel, drawn from
-    ``generator`` after the noise; ``noise`` itself (nothing drawn) when ``offset`` is 0."""
+    ``generator`` after the noise; ``noise`` itself (nothing drawn) when ``offset`` is 0.
+
+    With ``random_strength`` (kohya's ``--noise_offset_random_strength``) each row's offset is ``offset`` times a
+    uniform draw in ``[0, 1)``, drawn after the shifts (:func:`random_strengths`)."""
     if offset == 0:
         return noise
     shift = torch.randn(noise.shape[:2], generator=generator, dtype=noise.dtype) * offset
+    if random_strength:
+        shift *= random_strengths(noise.shape[0], generator, noise.dtype).reshape(-1, 1)
     return noise + shift.reshape(*noise.shape[:2], *(1,) * (noise.ndim - 2))
+
+
+def random_strengths(rows: int, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One uniform strength in ``[0, 1)`` per row, from ``generator``: kohya's ``*_random_strength`` settings scale a
+    noise offset or an input perturbation by such a draw. kohya draws one per batch; one per row keeps a row's
+    noise independent of the rows batched with it, with the same distribution per row."""
+    return torch.rand(rows, generator=generator, dtype=dtype)
 
 
 def pyramid_noise(noise: torch.Tensor, generator: torch.Generator, iterations: int,
@@ -198,17 +215,38 @@ def pyramid_noise(noise: torch.Tensor, generator: torch.Generator, iterations: i
 
 
 def draw_noise(shape: tuple[int, ...], generator: torch.Generator, offset: float, iterations: int,
-               discount: float) -> torch.Tensor:
-    """A batch's noise (fp32, CPU): Gaussian noise of ``shape``, then its offset (:func:`offset_noise`), then its
-    multi-resolution levels (:func:`pyramid_noise`), each drawn from ``generator`` in that order; plain noise (the
-    one draw) with neither."""
-    noise = offset_noise(torch.randn(shape, generator=generator, dtype=torch.float32), generator, offset)
+               discount: float, offset_random_strength: bool = False) -> torch.Tensor:
+    """A batch's noise (fp32, CPU): Gaussian noise of ``shape``, then its offset (:func:`offset_noise`, its strength
+    random per row with ``offset_random_strength``), then its multi-resolution levels (:func:`pyramid_noise`), each
+    drawn from ``generator`` in that order; plain noise (the one draw) with neither."""
+    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+    noise = offset_noise(noise, generator, offset, offset_random_strength)
     return pyramid_noise(noise, generator, iterations, discount)
 
 
-def draw_perturbation(shape: tuple[int, ...], generator: torch.Generator, gamma: float) -> torch.Tensor | None:
+def draw_perturbation(shape: tuple[int, ...], generator: torch.Generator, gamma: float,
+                      random_strength: bool = False) -> torch.Tensor | None:
     """The input perturbation of a batch (fp32, CPU): ``gamma`` times Gaussian noise of ``shape``, drawn from
-    ``generator`` after the batch's noise; ``None`` (and no draw: the batch's other draws as before) at 0."""
+    ``generator`` after the batch's noise; ``None`` (and no draw: the batch's other draws as before) at 0. With
+    ``random_strength`` (kohya's ``--ip_noise_gamma_random_strength``) each row's gamma is ``gamma`` times a uniform
+    draw in ``[0, 1)``, drawn after the noise (:func:`random_strengths`)."""
     if gamma <= 0.0:
         return None
-    return torch.randn(shape, generator=generator, dtype=torch.float32).mul_(gamma)
+    drawn = torch.randn(shape, generator=generator, dtype=torch.float32).mul_(gamma)
+    if random_strength:
+        drawn *= random_strengths(shape[0], generator).reshape(-1, *(1,) * (len(shape) - 1))
+    return drawn
+
+
+def check_random_strength(name: str, enabled: object, base: str, value: float) -> None:
+    """Refuse ``name`` (a ``*_random_strength`` switch) on while the setting it scales, ``base``, is 0: the run
+    would draw strengths for nothing, and the user most likely meant to set ``base`` too.
+
+    Raises:
+        ValueError: naming both settings.
+    """
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{name} must be true or false, got {enabled!r:.40}")
+    if enabled and value <= 0.0:
+        raise ValueError(f"{name} scales {base} by a random strength per image, but {base} is 0; set {base} "
+                         f"(e.g. 0.1) or turn {name} off")

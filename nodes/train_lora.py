@@ -292,6 +292,8 @@ class TrainLoRA(io.ComfyNode):
         optimizer_args: str = "",
         ip_noise_gamma: float = 0.0,
         v_pred_like_loss: float = 0.0,
+        noise_offset_random_strength: bool = False,
+        ip_noise_gamma_random_strength: bool = False,
     ) -> io.NodeOutput:
         settings = TrainSettings(
             steps=steps, batch_size=batch_size, grad_accumulation_steps=grad_accumulation_steps,
@@ -319,6 +321,8 @@ class TrainLoRA(io.ComfyNode):
             module_dropout=round(float(module_dropout), 4),
             optimizer_args="" if optimizer_args is None else optimizer_args,
             ip_noise_gamma=round(float(ip_noise_gamma), 4), v_pred_like_loss=round(float(v_pred_like_loss), 4),
+            noise_offset_random_strength=bool(noise_offset_random_strength),
+            ip_noise_gamma_random_strength=bool(ip_noise_gamma_random_strength),
         )
         settings.validate()  # before opening anything: a typo fails fast
         _check_datasets(dataset, reg_dataset, val_dataset)

@@ -369,4 +369,12 @@ def _option_inputs() -> list[io.Input]:
                        tooltip="kohya's v_pred_like_loss: a noise-prediction model's (SD1.5, SDXL) loss plus this "
                        "times the v loss it implies, which weighs the noisiest levels up as training v would. Needs "
                        "loss_target prediction. 0: none; about 0.1 in kohya's guides."),
+        io.Boolean.Input("noise_offset_random_strength", default=False, optional=True, advanced=True,
+                         tooltip="kohya's noise_offset_random_strength: each training image's noise offset is "
+                         "noise_offset times a random strength from 0 to 1, so training sees every offset up to the "
+                         "one set. Needs noise_offset. Off: noise_offset as set."),
+        io.Boolean.Input("ip_noise_gamma_random_strength", default=False, optional=True, advanced=True,
+                         tooltip="kohya's ip_noise_gamma_random_strength: each training image's input perturbation "
+                         "is ip_noise_gamma times a random strength from 0 to 1. Needs ip_noise_gamma. Off: "
+                         "ip_noise_gamma as set."),
     ]

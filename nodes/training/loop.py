@@ -395,8 +395,9 @@ class StepLoop:
         one: drawn for the global batch from a generator of its own, so the other draws are those of a run
         without it."""
         rows = share_of(plan, shape[0])[0]
-        drawn = draw_perturbation((rows, *shape[1:]), seeded_generator(self.settings.seed, index, "perturbation"),
-                                  self.settings.ip_noise_gamma)
+        s = self.settings
+        drawn = draw_perturbation((rows, *shape[1:]), seeded_generator(s.seed, index, "perturbation"),
+                                  s.ip_noise_gamma, s.ip_noise_gamma_random_strength)
         return None if drawn is None else _own_rows(plan, shape[0], drawn)
 
     def _fwd_bwd(self, batch: Batch, index: int) -> torch.Tensor:
@@ -463,8 +464,8 @@ class StepLoop:
         return torch.cat(parts)[torch.argsort(order)]
 
     def _draw(self, shape: tuple[int, ...], index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmas (one per row) and noise of batch ``index``, on the CPU (``timestep_sampling``, ``noise_offset`` and
-        the multi-resolution noise: :mod:`dataset_cache.noise_draws`).
+        """Sigmas (one per row) and noise of batch ``index``, on the CPU (``timestep_sampling``, ``noise_offset``
+        (with its random strength) and the multi-resolution noise: :mod:`dataset_cache.noise_draws`).
 
         They depend on the seed and the batch number alone, so a run is reproducible and a continued run draws what
         an uninterrupted one would; the parity test with ComfyUI's trainer replaces this one method.
@@ -472,7 +473,8 @@ class StepLoop:
         s = self.settings
         g = seeded_generator(s.seed, index, "noise")
         sigma = self.sigmas(draw_percents(g, shape[0], s.timestep_sampling, span=self.percent_span))
-        return sigma, draw_noise(shape, g, s.noise_offset, s.multires_noise_iterations, s.multires_noise_discount)
+        return sigma, draw_noise(shape, g, s.noise_offset, s.multires_noise_iterations, s.multires_noise_discount,
+                                 s.noise_offset_random_strength)
 
     def timestep_at(self, percent: float) -> float:
         """The timestep of a percent of the model's schedule on the 0-1000 scale kohya and musubi-tuner use: a flow

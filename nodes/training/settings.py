@@ -23,7 +23,7 @@ from .optimizers import check_args
 from .samples import check_sampler
 from ...dataset_cache.noise_draws import (MAX_MULTIRES_ITERATIONS, MAX_NOISE_OFFSET, MAX_TIMESTEP, TIMESTEP_SAMPLINGS,
                                           check_ip_noise_gamma, check_multires, check_noise_settings,
-                                          check_timestep_range)
+                                          check_random_strength, check_timestep_range)
 
 __all__ = ["CHECKPOINT_MODES", "LORA_DTYPES", "LOSS_FUNCTIONS", "LR_SCHEDULES", "MAX_NOISE_OFFSET", "MAX_REG_RATIO",
            "MAX_REG_WEIGHT", "MAX_SEED", "MAX_TIMESTEP", "MAX_WARMUP_STEPS", "MAX_GRAD_NORM", "MAX_EMA_DECAY",
@@ -98,6 +98,8 @@ class TrainSettings:
     own settings as kohya's ``optimizer_args`` (:mod:`dataset_cache.optimizer_args`; empty: its defaults).
     ``ip_noise_gamma`` perturbs each training batch's input noise (kohya's input perturbation; 0: none);
     ``v_pred_like_loss`` adds a noise-prediction model's implied v loss (kohya's; 0: none).
+    ``noise_offset_random_strength`` and ``ip_noise_gamma_random_strength`` draw each image's offset and
+    perturbation strength uniformly up to the one set (kohya's; off: as set).
     ``devices`` says where to train (``None``: this process's device alone, as before; ``"auto"``, ``"0,1"``,
     ``(0, 1)`` or ``"cpu:N"``: see :mod:`.distributed`), each device taking ``batch_size`` rows of every step.
     """
@@ -193,6 +195,9 @@ class TrainSettings:
     ip_noise_gamma: float = 0.0
     # kohya's v_pred_like_loss: a noise-prediction model's loss plus this times the v loss it implies (0: none)
     v_pred_like_loss: float = 0.0
+    # kohya's *_random_strength: each image's noise offset / input perturbation times a uniform draw; off: as set
+    noise_offset_random_strength: bool = False
+    ip_noise_gamma_random_strength: bool = False
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option and the accepted values."""
@@ -229,8 +234,7 @@ class TrainSettings:
         if self.warmup_steps > MAX_WARMUP_STEPS:
             raise ValueError(f"warmup_steps must be at most {MAX_WARMUP_STEPS}, got {self.warmup_steps}")
         check_save_prefix(self.save_prefix)
-        check_noise_settings(self.timestep_sampling, self.noise_offset)
-        check_multires(self.multires_noise_iterations, self.multires_noise_discount)
+        self._check_noise()
         check_sampling(self.sample_count, self.sample_every, self.sample_steps, self.sample_cfg)
         check_sampler(self.sample_sampler, self.sample_scheduler)
         check_sample_size(self.sample_width, self.sample_height)
@@ -252,7 +256,17 @@ class TrainSettings:
                              "is no scale (ComfyUI sets it when it makes the adapter): leave lora_alpha at 1")
         self._check_dropout()
         check_args(self.optimizer, self.optimizer_args)
+
+    def _check_noise(self) -> None:
+        """What a batch is noised with: the timesteps' distribution, the noise offset, multi-resolution noise and the
+        input perturbation, each with its range, and a random strength only with what it scales."""
+        check_noise_settings(self.timestep_sampling, self.noise_offset)
+        check_multires(self.multires_noise_iterations, self.multires_noise_discount)
         check_ip_noise_gamma(self.ip_noise_gamma)
+        check_random_strength("noise_offset_random_strength", self.noise_offset_random_strength, "noise_offset",
+                              self.noise_offset)
+        check_random_strength("ip_noise_gamma_random_strength", self.ip_noise_gamma_random_strength,
+                              "ip_noise_gamma", self.ip_noise_gamma)
 
     def _check_loss_weights(self) -> None:
         """The loss weights' settings in range, and those defined on the loss on the model's prediction (kohya's

@@ -1,7 +1,9 @@
 """Train LoRA's ip_noise_gamma (kohya's input perturbation) on the real ComfyUI, CPU, tiny SD1.5 (an ε model,
 ``x_t = x0 + σ·noise``): the model's input carries γ times more noise than the target is made of, the target is the
 clean latent for the clean-latent loss and kohya's ε target for the prediction loss, the validation loss is
-measured without it, a continued run draws what the run that never stopped drew, bad values are refused by name."""
+measured without it, a continued run draws what the run that never stopped drew, bad values are refused by name;
+with ``ip_noise_gamma_random_strength`` (and ``noise_offset_random_strength``, kohya's) each image's strength is a
+uniform draw up to the one set."""
 
 from __future__ import annotations
 
@@ -132,3 +134,54 @@ def test_validation_continuation_refusals_and_metadata(train_node: type, models:
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"ip_noise_gamma must be a number from 0 \(no perturbation\) to 1"):
             train(train_node, models[0], six_images, ip_noise_gamma=bad)
+
+
+def _row_scale(scaled: torch.Tensor, plain: torch.Tensor) -> torch.Tensor:
+    """Per row, the factor ``u`` that best gives ``scaled`` from ``plain`` (least squares), after checking that one
+    factor gives the whole row: the residual is the rounding of recovering the perturbation from the input (about
+    1e-5 absolute on values of size 0.1, so 1e-3 of the row's norm is ample)."""
+    s, p = scaled.flatten(1), plain.flatten(1)
+    u = (s * p).sum(1) / (p * p).sum(1)
+    residual = (s - u[:, None] * p).norm(dim=1) / p.norm(dim=1)
+    assert float(residual.max()) < 1e-3, residual
+    return u
+
+
+def test_a_random_strength_scales_each_images_perturbation_by_its_own_uniform(
+        train_node: type, models: tuple, six_images: Any, seen: list) -> None:
+    """``ip_noise_gamma_random_strength``: the perturbation drawn without it, each image's times one factor in
+    [0, 1) (kohya's: one per batch; here one per image, the same distribution for each), the factors differing."""
+    train(train_node, models[0], six_images, ip_noise_gamma=GAMMA, steps=2)
+    plain = [_extra(c) for c in seen]
+    seen.clear()
+    train(train_node, models[0], six_images, ip_noise_gamma=GAMMA, ip_noise_gamma_random_strength=True, steps=2)
+    factors = torch.cat([_row_scale(_extra(c), p) for c, p in zip(seen, plain, strict=True)])
+    assert len(factors) == 4 and float(factors.min()) >= 0 and float(factors.max()) < 1 + 1e-3
+    assert float(factors.std()) > 0.01, factors  # each image its own strength
+
+
+def test_random_strengths_continue_exactly_need_their_setting_and_are_in_the_metadata(
+        train_node: type, models: tuple, six_images: Any, lora_folder: Path) -> None:
+    """Both random strengths on: 2 steps, saved, 2 more == 4 at once, bit for bit (the strengths come from each
+    batch's own generators); either without the setting it scales is refused by name before anything loads; the
+    LoRA file names them as kohya does."""
+    import folder_paths
+    from comfy_extras.nodes_train import SaveLoRA
+
+    opts = {"noise_offset": 0.1, "noise_offset_random_strength": True, "ip_noise_gamma": GAMMA,
+            "ip_noise_gamma_random_strength": True}
+    whole = train(train_node, models[0], six_images, steps=4, **opts).result
+    first = train(train_node, models[0], six_images, steps=2, **opts).result
+    before = set(folder_paths.get_filename_list("loras"))
+    SaveLoRA.execute(first[0], "loras/ip_random", first[2])
+    (name,) = set(folder_paths.get_filename_list("loras")) - before
+    rest = train(train_node, models[0], six_images, steps=2, existing_lora=name, **opts).result
+    assert first[1]["loss"] + rest[1]["loss"] == whole[1]["loss"]
+    assert all(torch.equal(rest[0][k], whole[0][k]) for k in whole[0])
+    assert whole[0].metadata["ss_noise_offset_random_strength"] == "True"
+    assert whole[0].metadata["ss_ip_noise_gamma_random_strength"] == "True"
+    for switch, base in (("noise_offset_random_strength", "noise_offset"),
+                         ("ip_noise_gamma_random_strength", "ip_noise_gamma")):
+        with pytest.raises(ValueError, match=rf"{switch} scales {base} by a random strength per image, but {base} "
+                                             rf"is 0; set {base} \(e.g. 0.1\) or turn {switch} off"):
+            train(train_node, "not a model: refused before it is used", six_images, **{switch: True})

@@ -50,7 +50,8 @@ FAST = {  # the options every run shares unless a test says otherwise
     "sample_sampler": "euler", "sample_scheduler": "simple", "scale_v_pred_loss": False, "sample_width": 0,
     "sample_height": 0, "sample_clip": None, "sample_texts": "",
     "sample_seed": -1, "network_dropout": 0.0, "rank_dropout": 0.0, "module_dropout": 0.0, "optimizer_args": "",
-    "ip_noise_gamma": 0.0, "v_pred_like_loss": 0.0,
+    "ip_noise_gamma": 0.0, "v_pred_like_loss": 0.0, "noise_offset_random_strength": False,
+    "ip_noise_gamma_random_strength": False,
 }
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2  # (height, width)
 
@@ -148,7 +149,8 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
                                                            "sample_width", "sample_height", "sample_texts",
                                                            "sample_seed", "network_dropout", "rank_dropout",
                                                            "module_dropout", "optimizer_args", "ip_noise_gamma",
-                                                           "v_pred_like_loss"}
+                                                           "v_pred_like_loss", "noise_offset_random_strength",
+                                                           "ip_noise_gamma_random_strength"}
     # added after 0.1.0: optional with the behaviour of before, so saved workflows and API prompts run unchanged
     for name in ("quantized_backward", "bypass_mode"):
         assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
@@ -212,6 +214,9 @@ def test_schema_matches_the_builtin_options(node: type) -> None:
     # a prompt without it weighs the loss as before
     assert inputs["v_pred_like_loss"].optional and inputs["v_pred_like_loss"].default == 0.0
     assert "v_pred_like_loss" in info["input"]["optional"]
+    # a prompt without them noises with the offset and perturbation as set, as before
+    for name in ("noise_offset_random_strength", "ip_noise_gamma_random_strength"):
+        assert inputs[name].optional and inputs[name].default is False and name in info["input"]["optional"]
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -864,6 +869,28 @@ def test_a_noise_offset_shifts_each_row_and_channel_of_the_drawn_noise(pack: Mod
     shift = (draws[0.2][1] - draws[0.0][1]).reshape(2, 4, -1)
     assert float((shift - shift[..., :1]).abs().max()) <= 1e-6  # rounding of noise + s - noise: ulps of |noise| < 8
     assert float(shift[..., 0].abs().min()) > 0
+
+
+def test_a_random_strength_scales_each_rows_offset_by_its_own_uniform(pack: ModuleType, models: tuple) -> None:
+    """The trainer's own draw with noise_offset_random_strength: the sigmas and plain noise of the draw without it,
+    each row's shifts those of the plain offset times one factor in [0, 1) (the same for every channel of the row,
+    to the rounding of noise + s - noise: 1e-6), the rows' factors differing."""
+    loop = _module(pack, "nodes.training.loop")
+    settings = _module(pack, "nodes.training.settings")
+    draws = {}
+    for offset, random in ((0.0, False), (0.2, False), (0.2, True)):
+        chosen = settings.TrainSettings(seed=3, noise_offset=offset, noise_offset_random_strength=random)
+        stand_in = types.SimpleNamespace(settings=chosen, _sampling_cpu=models[0].model.model_sampling,
+                                         percent_span=(0.0, 1.0))
+        stand_in.sigmas = types.MethodType(loop.StepLoop.sigmas, stand_in)
+        draws[offset, random] = loop.StepLoop._draw(stand_in, (4, 4, 8, 8), 7)
+    assert torch.equal(draws[0.0, False][0], draws[0.2, True][0])
+    plain = (draws[0.2, False][1] - draws[0.0, False][1]).reshape(4, 4, -1)[..., 0]
+    scaled = (draws[0.2, True][1] - draws[0.0, False][1]).reshape(4, 4, -1)
+    assert float((scaled - scaled[..., :1]).abs().max()) <= 1e-6
+    factors = (scaled[..., 0] * plain).sum(1) / (plain * plain).sum(1)
+    torch.testing.assert_close(scaled[..., 0], factors[:, None] * plain, rtol=0, atol=1e-6)
+    assert float(factors.min()) >= 0 and float(factors.max()) < 1 + 1e-5 and float(factors.std()) > 0.01
 
 
 def _drawn_timesteps(pack: ModuleType, patcher: Any, shape: tuple[int, ...], batches: int,

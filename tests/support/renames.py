@@ -28,7 +28,8 @@ ADDED = {
                               "debiased_estimation", "sample_sampler", "sample_scheduler",
                               "scale_v_pred_loss", "sample_width", "sample_height",
                               "sample_texts", "sample_seed", "network_dropout", "rank_dropout", "module_dropout",
-                              "optimizer_args", "ip_noise_gamma", "v_pred_like_loss"),
+                              "optimizer_args", "ip_noise_gamma", "v_pred_like_loss", "noise_offset_random_strength",
+                              "ip_noise_gamma_random_strength"),
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
                                   "keep_tokens", "empty_caption", "masks", "missing_caption",
                                   "extra_resolutions", "tag_dropout", "wildcards", "clips_per_video",
@@ -51,6 +52,7 @@ off: no debiasing weight; ``sample_sampler`` 'euler' and
 ``sample_seed`` -1: the samples' noise from the run's seed, as before; ``network_dropout``, ``rank_dropout`` and
 ``module_dropout`` 0: no dropout in the adapters; ``optimizer_args`` empty: the optimizer's defaults;
 ``ip_noise_gamma`` 0: no input perturbation; ``v_pred_like_loss`` 0: no v-like loss;
+``noise_offset_random_strength`` and ``ip_noise_gamma_random_strength`` off: the offset and perturbation as set;
 ``missing_caption`` 'empty': a source without a caption file trains with the empty prompt; ``extra_resolutions``
 empty: one resolution; ``tag_dropout`` 0: every tag in; ``wildcards`` off: braces encoded as written;
 ``clips_per_video`` 1: one clip per video; ``keep_tokens_separator`` empty: none; ``caption_extension`` '.txt': the

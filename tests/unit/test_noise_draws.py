@@ -12,7 +12,8 @@ import torch
 
 from dataset_cache.noise_draws import (
     MAX_MULTIRES_ITERATIONS, MAX_TIMESTEP, PERCENT_EDGE, TIMESTEP_SAMPLINGS, check_multires, check_noise_settings,
-    check_timestep_range, draw_percents, offset_noise, percent_span, pyramid_noise,
+    check_random_strength, check_timestep_range, draw_noise, draw_percents, draw_perturbation, offset_noise,
+    percent_span, pyramid_noise,
 )
 
 EDGE = 1e-5
@@ -212,3 +213,76 @@ def test_multires_settings_accept_their_ranges(iterations: int, discount: float)
 def test_multires_settings_refuse_other_values_naming_the_field(iterations: Any, discount: Any, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         check_multires(iterations, discount)
+
+
+# ------------------------------------------------------------------------------------ random strengths (kohya's)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 8, 6), (2, 16, 3, 4, 4)], ids=["image", "video"])
+def test_a_random_strength_offset_scales_each_rows_shifts_by_a_uniform_drawn_after_them(shape: tuple[int, ...]
+                                                                                       ) -> None:
+    """kohya's --noise_offset_random_strength: the shifts of the plain offset, each row's times one uniform draw in
+    [0, 1) taken from the generator right after them (here one per row where kohya takes one per batch)."""
+    g = _gen()
+    noise = torch.randn(shape, generator=g)
+    shifted = offset_noise(noise, g, 0.1, random_strength=True)
+    after = _after_noise(shape)
+    shifts = 0.1 * torch.randn(shape[:2], generator=after)
+    strengths = torch.rand(shape[0], generator=after)
+    expected = shifts * strengths.reshape(-1, 1)
+    per_channel = (shifted - noise).reshape(*shape[:2], -1)
+    assert torch.allclose(per_channel, expected.unsqueeze(-1).expand_as(per_channel), rtol=0,
+                          atol=4 * torch.finfo(torch.float32).eps * float(noise.abs().max()))
+    assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=after))  # nothing else drawn
+    assert offset_noise(noise, _gen(), 0.0, random_strength=True) is noise  # no offset: no strength either
+
+
+def test_the_offsets_strengths_are_uniform_up_to_the_offset() -> None:
+    """Over many rows each row's shift divided by its standard-normal draw is uniform on [0, offset): mean offset/2
+    (standard error 0.29·offset/sqrt(N) = 0.0002 at 0.3), all inside the interval."""
+    rows = 20_000
+    g = _gen()
+    noise = torch.zeros(rows, 1, 1, 1)
+    shifted = offset_noise(noise, g, 0.3, random_strength=True).reshape(rows)
+    plain = 0.3 * torch.randn(rows, 1, generator=_gen()).reshape(rows)  # the shifts, drawn first (no noise here)
+    strength = shifted / plain  # exact up to rounding: both are 0.3 * n * u and 0.3 * n
+    assert float(strength.min()) >= 0 and float(strength.max()) < 1 + 1e-6
+    assert abs(float(strength.mean()) - 0.5) < 0.01
+
+
+def test_a_random_strength_perturbation_scales_each_row_by_its_own_uniform() -> None:
+    """kohya's --ip_noise_gamma_random_strength: gamma times the same Gaussian draw, each row's times a uniform in
+    [0, 1) drawn after it; off, the plain perturbation and nothing more drawn; at gamma 0 nothing at all."""
+    shape = (4, 16, 2, 6, 6)
+    plain_g, random_g = _gen(), _gen()
+    plain = draw_perturbation(shape, plain_g, 0.1)
+    scaled = draw_perturbation(shape, random_g, 0.1, random_strength=True)
+    assert plain is not None and scaled is not None
+    strengths = torch.rand(shape[0], generator=plain_g)  # the draw that follows the plain one
+    assert torch.equal(scaled, plain * strengths.reshape(-1, 1, 1, 1, 1))
+    assert torch.equal(torch.rand(3, generator=plain_g), torch.rand(3, generator=random_g))
+    untouched = _gen()
+    assert draw_perturbation(shape, untouched, 0.0, random_strength=True) is None
+    assert torch.equal(torch.rand(3, generator=untouched), torch.rand(3, generator=_gen()))
+
+
+def test_draw_noise_passes_the_offsets_random_strength_on_and_keeps_the_plain_draws_without_it() -> None:
+    shape = (2, 4, 8, 8)
+    assert torch.equal(draw_noise(shape, _gen(), 0.1, 0, 0.3), draw_noise(shape, _gen(), 0.1, 0, 0.3, False))
+    g = _gen()
+    noise = torch.randn(shape, generator=g)
+    expected = offset_noise(noise, g, 0.1, random_strength=True)
+    assert torch.equal(draw_noise(shape, _gen(), 0.1, 0, 0.3, offset_random_strength=True), expected)
+
+
+@pytest.mark.parametrize(("enabled", "value", "message"), [
+    (True, 0.0, "noise_offset_random_strength scales noise_offset by a random strength per image, but noise_offset "
+                "is 0; set noise_offset (e.g. 0.1) or turn noise_offset_random_strength off"),
+    (1, 0.1, "noise_offset_random_strength must be true or false, got 1"),
+])
+def test_a_random_strength_without_what_it_scales_is_refused_naming_both(enabled: Any, value: float,
+                                                                         message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_random_strength("noise_offset_random_strength", enabled, "noise_offset", value)
+    check_random_strength("noise_offset_random_strength", False, "noise_offset", 0.0)
+    check_random_strength("noise_offset_random_strength", True, "noise_offset", 0.05)
