@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .fp32_state import Fp32State
+
 __all__ = ["Adafactor", "GROUP_STATE", "factored_shapes"]
 
 GROUP_STATE = ("step",)
@@ -35,7 +37,7 @@ def factored_shapes(shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
     return {"exp_avg_sq": shape}
 
 
-class Adafactor(torch.optim.Optimizer):
+class Adafactor(Fp32State):
     """``transformers.optimization.Adafactor``'s step, with its arguments and defaults.
 
     Per step ``t`` and tensor ``p`` with gradient ``g`` (fp32): ``ρ = lr``, or with ``relative_step``
@@ -46,7 +48,8 @@ class Adafactor(torch.optim.Optimizer):
     is the update; ``p ← p − α·weight_decay·p − u``.
 
     State: per tensor ``exp_avg_sq_row`` and ``exp_avg_sq_col`` (a matrix) or ``exp_avg_sq``, ``exp_avg`` with
-    ``beta1``, fp32; the step count in the parameter group (:data:`GROUP_STATE`).
+    ``beta1``, fp32 (also after ``load_state_dict``: :class:`~.fp32_state.Fp32State`); the step count in the
+    parameter group (:data:`GROUP_STATE`).
     """
 
     def __init__(self, params: Iterable[Any], lr: float | None = None, eps: tuple[float, float] = (1e-30, 1e-3),

@@ -119,22 +119,24 @@ def _train(node: type, model: Any, dataset: Any, **options: Any) -> Any:
     return train(node, model, dataset, BASE, **options)
 
 
-@pytest.mark.parametrize("args", ["", "beta1=0.9 scale_parameter=True"])
+@pytest.mark.parametrize(("args", "lora_dtype"), [("", "fp32"), ("beta1=0.9 scale_parameter=True", "fp32"),
+                                                  ("beta1=0.9", "bf16")])
 def test_train_lora_with_adafactor_continues_bit_for_bit(train_node: type, models: tuple, six_images: Any,
-                                                         lora_folder: Path, args: str) -> None:
+                                                         lora_folder: Path, args: str, lora_dtype: str) -> None:
     """kohya's settings by default (learning_rate is the step size), or with a first moment and scaled steps: 3
     steps, Save LoRA Weights, 3 more from the file == 6 at once, bit for bit (the factored moments come back from
-    the training state, the step count from its parameter group)."""
+    the training state, the step count from its parameter group). A bf16 LoRA's moments are fp32 and come back fp32
+    (torch's load_state_dict rounded them to bf16 once, and every later step then kept them in bf16)."""
     import folder_paths
     from comfy_extras.nodes_train import SaveLoRA
 
-    whole = _train(train_node, models[0], six_images, steps=6, optimizer_args=args).result
-    first = _train(train_node, models[0], six_images, optimizer_args=args)
+    whole = _train(train_node, models[0], six_images, steps=6, optimizer_args=args, lora_dtype=lora_dtype).result
+    first = _train(train_node, models[0], six_images, optimizer_args=args, lora_dtype=lora_dtype)
     assert "training state saved as" in summary(first)
     before = set(folder_paths.get_filename_list("loras"))
     SaveLoRA.execute(first.result[0], "loras/adafactor", first.result[2])
     (name,) = set(folder_paths.get_filename_list("loras")) - before
-    rest = _train(train_node, models[0], six_images, existing_lora=name, optimizer_args=args)
+    rest = _train(train_node, models[0], six_images, existing_lora=name, optimizer_args=args, lora_dtype=lora_dtype)
     assert "Adafactor state restored" in summary(rest) and "NOTE" not in summary(rest)
     assert first.result[1]["loss"] + rest.result[1]["loss"] == whole[1]["loss"]
     assert all(torch.equal(rest.result[0][k], whole[0][k]) for k in whole[0])
