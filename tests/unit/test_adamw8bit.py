@@ -1,0 +1,200 @@
+"""``dataset_cache.adamw8bit``: bitsandbytes' AdamW8bit step, checked bit for bit against steps bitsandbytes took on
+the CPU with its PyTorch quantizer (``tests/unit/data/adamw8bit-reference-v1.safetensors``, written by
+``scripts/adamw8bit_reference.py``), and the properties a run needs: nearest rounding, chunks that change nothing,
+per-tensor step counts, no value read back, fp32 state kept fp32 when a run continues."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dataset_cache import adamw8bit
+from dataset_cache.adamw8bit import BLOCK, AdamW8bit, dynamic_code, moment_shapes
+
+REFERENCE = Path(__file__).parent / "data" / "adamw8bit-reference-v1.safetensors"
+SLOT_NAMES = {"state1": "exp_avg_q", "state2": "exp_avg_sq_q", "absmax1": "exp_avg_absmax",
+              "absmax2": "exp_avg_sq_absmax"}
+"""bitsandbytes' slot names -> ours (an fp32 tensor's state1/state2 are our exp_avg/exp_avg_sq)."""
+
+
+def _reference() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(REFERENCE), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("run", ["defaults", "decay"])
+def test_each_step_is_bitsandbytes(run: str, dtype: torch.dtype) -> None:
+    """Three steps over 8-bit tensors of whole and partial blocks, a small tensor with fp32 moments and a vector: the
+    weights, the moments' code indices and block scales, and the small tensors' moments equal bitsandbytes' bit for
+    bit (fp32 and bf16 weights)."""
+    tensors, meta = _reference()
+    shapes, steps, settings = json.loads(meta["shapes"]), int(meta["steps"]), json.loads(meta["runs"])[run]
+    params = [torch.nn.Parameter(tensors[f"start/{i}"].to(dtype, copy=True)) for i in range(len(shapes))]
+    optimizer = AdamW8bit(params, **{**settings, "betas": tuple(settings.get("betas", (0.9, 0.999)))})
+    for t in range(steps):
+        for i, p in enumerate(params):
+            p.grad = tensors[f"grad/{t}/{i}"].to(dtype)
+        optimizer.step()
+    name = f"{run}/{str(dtype).removeprefix('torch.')}"
+    for i, p in enumerate(params):
+        assert torch.equal(p.detach(), tensors[f"{name}/param/{i}"]), (name, shapes[i])
+        state = optimizer.state[p]
+        small = "exp_avg" in state
+        for theirs in ("state1", "state2") if small else SLOT_NAMES:
+            ours = {"state1": "exp_avg", "state2": "exp_avg_sq"}[theirs] if small else SLOT_NAMES[theirs]
+            assert torch.equal(state[ours], tensors[f"{name}/{theirs}/{i}"]), (name, shapes[i], ours)
+        assert state["step"] == steps
+
+
+def test_the_codes_are_dynamic_tree_codes() -> None:
+    """256 ascending values each; signed: 127 negative, 0, 127 positive below 1, and 1; unsigned: 0, 254 values in
+    (0, 1), and 1; each decade 10⁻⁶..1 holds twice the values of the one below (Dettmers' dynamic tree code)."""
+    for signed in (True, False):
+        code = dynamic_code(signed)
+        assert code.shape == (BLOCK,) and bool((code[1:] > code[:-1]).all())
+        assert float(code[-1]) == 1.0 and 0.0 in code.tolist()
+        positive = code[(code > 0) & (code < 1)]
+        assert len(positive) == (127 if signed else 254)
+        counts = [int(((positive >= 10.0 ** (k - 7)) & (positive < 10.0 ** (k - 6))).sum()) for k in range(1, 7)]
+        assert all(b == 2 * a for a, b in zip(counts, counts[1:])), counts
+        if signed:
+            assert torch.equal(code[:127], -positive.flip(0))
+
+
+def test_a_moment_is_rounded_to_the_nearest_code_value() -> None:
+    """Quantizing blocks of values spread over many magnitudes gives, for every value, the code index nearest to it
+    over its block's largest magnitude (checked against all 256 codes: the index, or one equally near)."""
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(8, BLOCK, generator=g) * torch.logspace(-6, 0, 8).unsqueeze(1)
+    values[2, 5:] = 0.0
+    layout = adamw8bit._Layout([torch.zeros(8 * BLOCK)])
+    for code, moment in ((dynamic_code(True), values), (dynamic_code(False), values.abs())):
+        indices, scales = layout.quantize(moment, (code[:-1] + code[1:]) / 2)
+        scaled = moment / moment.abs().amax(1, keepdim=True)
+        distance = (scaled.reshape(-1, 1) - code).abs()
+        chosen = distance.gather(1, indices.long().unsqueeze(1)).squeeze(1)
+        assert torch.equal(chosen, distance.min(1).values)
+        assert torch.equal(scales, moment.abs().amax(1))
+
+
+def test_a_partial_block_is_divided_by_its_scale_and_a_whole_one_multiplied_by_its_inverse() -> None:
+    """bitsandbytes' PyTorch quantizer scales a tensor's last, partial block by division and the others by the
+    inverse's product, which can put a value on either side of a midpoint: here one (found by search, 0.7 the block's
+    largest magnitude) whose two roundings differ, quantized in a partial and in a whole block."""
+    code = dynamic_code(True)
+    bounds = (code[:-1] + code[1:]) / 2
+    largest, value = torch.tensor(0.7), torch.tensor(-0.6606249809265137)
+    divided = int(torch.bucketize((value / largest).reshape(1), bounds))
+    multiplied = int(torch.bucketize((value * (1.0 / largest)).reshape(1), bounds))
+    assert divided != multiplied
+    for size, want in ((2, divided), (BLOCK, multiplied)):
+        moment = torch.zeros(1, BLOCK)
+        moment[0, :2] = torch.stack([largest, value])
+        indices, _ = adamw8bit._Layout([torch.zeros(size)]).quantize(moment, bounds)
+        assert int(indices[1]) == want, size
+
+
+def test_the_state_shapes_and_kinds_follow_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor of 4,096 elements or more keeps uint8 indices and a scale per block of 256 (the last partial); a
+    smaller one fp32 moments; no step reads a value back to the host (a dispatch mode counts ``.item()``-like ops)."""
+    shapes = [(64, 64), (70, 61), (63, 64), (5,)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    optimizer = AdamW8bit(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+
+    class Reads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            Reads.reads += "_local_scalar_dense" in str(func)
+            return func(*args, **(kwargs or {}))
+
+    optimizer.step()  # the first step makes the layout (its mask copied to the device once)
+    with Reads():
+        optimizer.step()
+    assert Reads.reads == 0
+    assert moment_shapes((70, 61)) == {"exp_avg_q": (70, 61), "exp_avg_absmax": (17,), "exp_avg_sq_q": (70, 61),
+                                       "exp_avg_sq_absmax": (17,)}
+    for p, shape in zip(params, shapes):
+        state = optimizer.state[p]
+        assert {k: tuple(v.shape) for k, v in state.items() if k != "step"} == moment_shapes(shape)
+        assert all(v.dtype == (torch.uint8 if k.endswith("_q") else torch.float32)
+                   for k, v in state.items() if k != "step")
+        assert state["step"] == 2
+
+
+def test_chunks_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors updated a few per chunk (a chunk of 2,048 elements) end bit for bit where one chunk takes them."""
+    def run() -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((40, 128), (33, 129), (4096,))]
+        optimizer = AdamW8bit(params, lr=1e-2)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            optimizer.step()
+        return [p.detach() for p in params]
+
+    whole = run()
+    monkeypatch.setattr(adamw8bit, "CHUNK", 2048)
+    assert all(torch.equal(a, b) for a, b in zip(whole, run()))
+
+
+def test_a_tensor_without_a_gradient_keeps_its_step_count() -> None:
+    """bitsandbytes counts steps per tensor: one left out of a step (no gradient) is not moved and its bias
+    corrections then follow its own count; the others' update is the same as without it."""
+    g = torch.Generator().manual_seed(6)
+    start = [torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)]
+    grads = [torch.randn(64, 64, generator=g) for _ in range(2)]
+    both = [torch.nn.Parameter(s.clone()) for s in start]
+    alone = torch.nn.Parameter(start[0].clone())
+    optimizer, single = AdamW8bit(both), AdamW8bit([alone])
+    for step, grad in enumerate(grads):
+        both[0].grad, alone.grad = grad.clone(), grad.clone()
+        both[1].grad = grad.clone() if step == 1 else None
+        optimizer.step()
+        single.step()
+    assert torch.equal(both[0], alone)
+    assert optimizer.state[both[0]]["step"] == 2 and optimizer.state[both[1]]["step"] == 1
+
+
+def test_a_continued_bf16_run_steps_as_the_uninterrupted_one() -> None:
+    """The state saved after two steps and loaded into a new optimizer (code indices uint8, scales and small moments
+    fp32, as saved) gives the same third step, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    starts = [torch.randn(s, generator=g).to(torch.bfloat16) for s in ((64, 96), (12, 12))]
+    grads = [[torch.randn(s.shape, generator=g).to(torch.bfloat16) for s in starts] for _ in range(3)]
+    whole = [torch.nn.Parameter(s.clone()) for s in starts]
+    optimizer = AdamW8bit(whole, lr=0.05)
+    for step in grads[:2]:
+        for p, grad in zip(whole, step):
+            p.grad = grad.clone()
+        optimizer.step()
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in whole]
+    other = AdamW8bit(resumed, lr=0.05)
+    other.load_state_dict(optimizer.state_dict())
+    assert {k: v.dtype for k, v in other.state[resumed[1]].items() if k != "step"} == {
+        "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+    for params, opt in ((whole, optimizer), (resumed, other)):
+        for p, grad in zip(params, grads[2]):
+            p.grad = grad.clone()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed))
+
+
+@pytest.mark.parametrize(("settings", "name"), [({"lr": -1.0}, "lr"), ({"betas": (1.0, 0.999)}, "betas[0]"),
+                                               ({"betas": (0.9, float("nan"))}, "betas[1]"), ({"eps": -1.0}, "eps"),
+                                               ({"weight_decay": -0.1}, "weight_decay"),
+                                               ({"min_8bit_size": 0}, "min_8bit_size")])
+def test_bad_settings_are_refused_by_name(settings: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"AdamW8bit: invalid {name} ")):
+        AdamW8bit([torch.nn.Parameter(torch.zeros(3))], **settings)
