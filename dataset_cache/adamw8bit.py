@@ -8,7 +8,8 @@ elements (the block's largest magnitude); a smaller tensor keeps fp32 moments. E
 bitsandbytes' AdamW step of its CPU backend, and quantizes to the nearest code value, as bitsandbytes' PyTorch
 quantizer does (its compiled kernels find a code by a binary search that lands on another one for about 0.15% of
 values). The 8-bit tensors are updated together, in chunks laid out block after block, so a step is some forty
-operations per chunk, whatever the number of tensors.
+operations per chunk, whatever the number of tensors, and one view per tensor (its gradient's; the flat views of
+weights and moments are kept between steps).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class AdamW8bit(Fp32State):
                  eps: float = 1e-8, weight_decay: float = 1e-2, min_8bit_size: int = MIN_8BIT_SIZE) -> None:
         checks = (("lr", lr, lr >= 0), ("betas[0]", betas[0], 0 <= betas[0] < 1),
                   ("betas[1]", betas[1], 0 <= betas[1] < 1), ("eps", eps, eps >= 0),
-                  ("weight_decay", weight_decay, weight_decay >= 0), ("min_8bit_size", min_8bit_size,
-                                                                      min_8bit_size >= 1))
+                  ("weight_decay", weight_decay, weight_decay >= 0),
+                  ("min_8bit_size", min_8bit_size, min_8bit_size >= 1 and float(min_8bit_size).is_integer()))
         for name, value, ok in checks:
             if not ok or value != value:
                 raise ValueError(f"AdamW8bit: invalid {name} {value!r}")
@@ -94,6 +95,7 @@ class AdamW8bit(Fp32State):
                                   "min_8bit_size": int(min_8bit_size)})
         self._codes: dict[torch.device, _Codes] = {}
         self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self._views: dict[tuple[Any, ...], _Views] = {}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -106,6 +108,8 @@ class AdamW8bit(Fp32State):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if not p.is_contiguous():  # its flat view is written through, as bitsandbytes makes it contiguous
+                    p.data = p.data.contiguous()
                 state = self._state(p, group["min_8bit_size"])
                 state["step"] = int(state["step"]) + 1
                 by_kind.setdefault(("exp_avg_q" in state, state["step"], p.device), []).append(p)
@@ -137,24 +141,31 @@ class AdamW8bit(Fp32State):
         return self._codes[device]
 
     def _step_small(self, group: dict[str, Any], params: list[torch.Tensor], t: int) -> None:
-        """bitsandbytes' fp32-state AdamW step of tensors below ``min_8bit_size``, as multi-tensor operations."""
+        """bitsandbytes' fp32-state AdamW step of tensors below ``min_8bit_size``, on their values laid out one after
+        another (a bf16 LoRA's scalars and vectors would otherwise take two casts each)."""
         beta1, beta2 = group["betas"]
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
-        grads = [_float(p.grad) for p in params if p.grad is not None]
-        values = [_float(p) for p in params]
-        m = [self.state[p]["exp_avg"] for p in params]
-        v = [self.state[p]["exp_avg_sq"] for p in params]
-        torch._foreach_mul_(m, beta1)
-        torch._foreach_add_(m, grads, alpha=1.0 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, grads, grads, value=1.0 - beta2)
+        views = self._views_of(("small", *(id(p) for p in params)))
+        states = [self.state[p] for p in params]
+        targets = {"value": views.of("value", params), "exp_avg": views.of("exp_avg", [s["exp_avg"] for s in states]),
+                   "exp_avg_sq": views.of("exp_avg_sq", [s["exp_avg_sq"] for s in states])}
+        grad = _float(torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]))
+        value = _float(torch.cat(targets["value"]))
+        m, v = torch.cat(targets["exp_avg"]), torch.cat(targets["exp_avg_sq"])
+        m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         c1, c2 = 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)
         if decay > 0.0:
-            torch._foreach_mul_(values, 1.0 - lr * decay)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_add_(denom, eps * c2)
-        torch._foreach_add_(values, torch._foreach_div(m, denom), alpha=-lr * c2 / c1)
-        _write_back(params, values)
+            value.mul_(1.0 - lr * decay)
+        value.add_(m / (v.sqrt() + eps * c2), alpha=-lr * c2 / c1)
+        sizes = [p.numel() for p in params]
+        for flat, role in ((m, "exp_avg"), (v, "exp_avg_sq"), (value, "value")):
+            torch._foreach_copy_(targets[role], list(flat.split(sizes)))
+
+    def _views_of(self, key: tuple[Any, ...]) -> _Views:
+        if key not in self._views:
+            self._views[key] = _Views()
+        return self._views[key]
 
     def _step_quantized(self, group: dict[str, Any], params: list[torch.Tensor], t: int, codes: _Codes) -> None:
         """bitsandbytes' 8-bit AdamW step of ``params`` laid out block after block (each tensor padded to whole
@@ -166,12 +177,14 @@ class AdamW8bit(Fp32State):
             self._layouts[key] = _Layout(params)
         layout = self._layouts[key]
         states = [self.state[p] for p in params]
-        m = layout.dequantize([s["exp_avg_q"] for s in states], [s["exp_avg_absmax"] for s in states],
-                              codes.signed, codes.signed_zero)
-        v = layout.dequantize([s["exp_avg_sq_q"] for s in states], [s["exp_avg_sq_absmax"] for s in states],
-                              codes.unsigned, codes.unsigned_zero)
-        grad = layout.gather([p.grad for p in params if p.grad is not None])
-        value = layout.gather(params)
+        flat = {role: layout.views.of(role, [s[role] for s in states]) for role in ("exp_avg_q", "exp_avg_sq_q")}
+        flat["value"] = layout.views.of("value", params)
+        m = layout.dequantize(flat["exp_avg_q"], [s["exp_avg_absmax"] for s in states], codes.signed,
+                              codes.signed_zero)
+        v = layout.dequantize(flat["exp_avg_sq_q"], [s["exp_avg_sq_absmax"] for s in states], codes.unsigned,
+                              codes.unsigned_zero)
+        grad = layout.gather([p.grad.reshape(-1) for p in params if p.grad is not None])
+        value = layout.gather(flat["value"])
         m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         del grad
@@ -181,12 +194,30 @@ class AdamW8bit(Fp32State):
             value.mul_(1.0 - lr * decay)
         value.addcdiv_(m, denom, value=-lr / c1)
         del denom
-        layout.scatter(value, params)
+        layout.scatter(value, flat["value"])
         for moment, q, scale, code in ((m, "exp_avg_q", "exp_avg_absmax", codes.signed_bounds),
                                        (v, "exp_avg_sq_q", "exp_avg_sq_absmax", codes.unsigned_bounds)):
             indices, scales = layout.quantize(moment, code)
-            layout.scatter(indices, [s[q] for s in states])
+            layout.scatter(indices, flat[q])
             torch._foreach_copy_([s[scale] for s in states], list(scales.split(layout.blocks)))
+
+
+class _Views:
+    """1-D views of persistent tensors (a chunk's weights, their moments), made again only when one's storage
+    changed (a state loaded, a weight's data replaced; a cached view keeps its old storage alive, so a new one never
+    has its address): a view per tensor and step would be most of the ops a step dispatches."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+
+    def of(self, role: str, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` as 1-D views (each must be contiguous: the views are written through)."""
+        addresses = [t.data_ptr() for t in tensors]
+        cached = self._cache.get(role)
+        if cached is None or cached[0] != addresses:
+            cached = (addresses, [t.view(-1) for t in tensors])
+            self._cache[role] = cached
+        return cached[1]
 
 
 class _Layout:
@@ -201,6 +232,14 @@ class _Layout:
         partial = torch.tensor([i == b - 1 and pad > 0 for b, pad in zip(self.blocks, self.pads) for i in range(b)])
         self.partial = partial.to(self.device).unsqueeze(1)
         """Per block: a tensor's last block that its elements do not fill."""
+        self.pieces: list[int] = []
+        """How a laid-out buffer splits: each tensor's elements, then its padding where it has some."""
+        self.own: list[int] = []
+        """Which of those pieces are the tensors'."""
+        for n, pad in zip(self.sizes, self.pads):
+            self.own.append(len(self.pieces))
+            self.pieces += [n, pad] if pad else [n]
+        self.views = _Views()
 
     def _cat(self, flats: Iterable[torch.Tensor], pad_value: float | int, dtype: torch.dtype) -> torch.Tensor:
         """``flats`` one after another, each followed by its padding of ``pad_value``."""
@@ -212,15 +251,15 @@ class _Layout:
                 parts.append(pad[:gap])
         return torch.cat(parts)
 
-    def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``tensors`` (the chunk's values or gradients) in fp32, padded with zeros: ``(blocks, BLOCK)``."""
-        flat = self._cat((t.reshape(-1) for t in tensors), 0.0, tensors[0].dtype)
-        return _float(flat).view(-1, BLOCK)
+    def gather(self, flats: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``flats`` (the chunk's values or gradients, 1-D) in fp32, padded with zeros: ``(blocks, BLOCK)``."""
+        return _float(self._cat(flats, 0.0, flats[0].dtype)).view(-1, BLOCK)
 
     def dequantize(self, indices: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], code: torch.Tensor,
                    zero: int) -> torch.Tensor:
-        """A moment in fp32, ``(blocks, BLOCK)``: each index's code value times its block's scale (padding: 0)."""
-        flat = self._cat((q.reshape(-1) for q in indices), zero, torch.uint8)
+        """A moment in fp32, ``(blocks, BLOCK)``: each index's code value (``indices``: 1-D) times its block's scale
+        (padding: 0)."""
+        flat = self._cat(indices, zero, torch.uint8)
         return code[flat.long()].view(-1, BLOCK) * torch.cat(list(scales)).unsqueeze(1)
 
     def quantize(self, moment: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,9 +273,9 @@ class _Layout:
         return indices, torch.where(self.partial, floor, largest).squeeze(1)
 
     def scatter(self, flat: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
-        """Copy ``flat`` (laid out as this layout) into ``into``, the padding dropped."""
-        pieces = flat.reshape(-1).split([n + pad for n, pad in zip(self.sizes, self.pads)])
-        torch._foreach_copy_(list(into), [piece[:n].view(t.shape) for piece, n, t in zip(pieces, self.sizes, into)])
+        """Copy ``flat`` (laid out as this layout) into ``into`` (1-D views), the padding dropped."""
+        pieces = flat.reshape(-1).split(self.pieces)
+        torch._foreach_copy_(list(into), [pieces[i] for i in self.own])
 
 
 def _chunks(params: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
@@ -259,8 +298,3 @@ def _float(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _write_back(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """Copy fp32 working ``values`` into ``params`` of another dtype (fp32 ones were updated in place)."""
-    pairs = [(p, v) for p, v in zip(params, values) if p is not v]
-    if pairs:
-        torch._foreach_copy_([p for p, _ in pairs], [v for _, v in pairs])

@@ -40,6 +40,7 @@ import torch
 import xxhash
 
 from .adafactor import factored_shapes
+from .adamw8bit import BLOCK, QUANTIZED_SLOTS
 from .errors import CacheError
 from .format.durable import atomic_write
 from .lr_schedule import LR_SCHEDULES, LrSchedule
@@ -82,10 +83,13 @@ OPTIMIZER_SLOTS: Mapping[str, frozenset[str]] = {
     "Prodigy": frozenset({"step", "exp_avg", "exp_avg_sq", "s", "p0"}),
     "Lion": frozenset({"exp_avg"}),
     "Adafactor": frozenset({"exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg"}),
+    "AdamW8bit": frozenset({"step", "exp_avg", "exp_avg_sq", *QUANTIZED_SLOTS}),
 }
-"""Per optimizer (the names ComfyUI's ``_create_optimizer`` knows, Prodigy, Lion and Adafactor), the per-parameter
-state it keeps; a file naming another slot is refused. ``step`` is a scalar; Adafactor's factored second moments have
-the shapes :func:`~dataset_cache.adafactor.factored_shapes` gives; every other slot has its parameter's shape."""
+"""Per optimizer (the names ComfyUI's ``_create_optimizer`` knows, Prodigy, Lion, Adafactor and AdamW8bit), the
+per-parameter state it keeps; a file naming another slot is refused. ``step`` is a scalar; Adafactor's factored
+second moments have the shapes :func:`~dataset_cache.adafactor.factored_shapes` gives; AdamW8bit's block scales
+(``*_absmax``) one value per block of 256 elements and its code indices (``*_q``) are uint8
+(:func:`~dataset_cache.adamw8bit.moment_shapes`); every other slot has its parameter's shape."""
 AVERAGE_SLOTS = ("weights", "average")
 """The slots of a run that averaged its weights (``ema_decay``), whatever its optimizer: ``weights`` the trained
 values of the parameter (the LoRA file holds their average), ``average`` that average in fp32."""
@@ -246,8 +250,8 @@ def check_fits(state: TrainState, optimizer: str, params: Mapping[str, torch.Ten
             if tuple(value.shape) != want:
                 return (f"its {slot} of {name!r:.120} has shape {list(value.shape)}, the parameter "
                         f"{list(param.shape)}" + ("" if want == tuple(param.shape) else f" (needing {list(want)})"))
-            if not value.is_floating_point():
-                return f"its {slot} of {name!r:.120} is {value.dtype}, not floating point"
+            if value.dtype != _slot_dtype(slot, value):
+                return f"its {slot} of {name!r:.120} is {value.dtype}, not {_slot_kind(slot)}"
     return None
 
 
@@ -255,7 +259,21 @@ def _slot_shape(optimizer: str, slot: str, shape: tuple[int, ...]) -> tuple[int,
     """The shape ``optimizer``'s ``slot`` has for a parameter of ``shape``."""
     if optimizer == "Adafactor" and slot.startswith("exp_avg_sq"):
         return factored_shapes(shape).get(slot, (-1,))  # a matrix's "exp_avg_sq", a vector's row: never fits
+    if optimizer == "AdamW8bit" and slot.endswith("_absmax"):
+        return (-(-math.prod(shape) // BLOCK),)
     return shape
+
+
+def _slot_kind(slot: str) -> str:
+    """What a slot's values must be: AdamW8bit's code indices bytes, every other slot floating point."""
+    return "uint8 (code indices)" if slot.endswith("_q") else "floating point"
+
+
+def _slot_dtype(slot: str, value: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``value`` must have as ``slot`` (its own when it is floating point and may be), else ``None``."""
+    if slot.endswith("_q"):
+        return torch.uint8
+    return value.dtype if value.is_floating_point() else None
 
 
 def check_average_fits(state: TrainState, params: Mapping[str, torch.Tensor]) -> str | None:
@@ -408,8 +426,11 @@ def _metadata(path: str | os.PathLike[str], text: str | None) -> dict[str, Any]:
 
 
 def _check_value(path: str | os.PathLike[str], key: str, slot: str, value: torch.Tensor) -> None:
-    if not (value.is_floating_point() or (slot == "step" and value.dtype in (torch.int64, torch.int32))):
-        raise TrainStateError(path, f"tensor {key!r:.120} is {value.dtype}, not floating point")
+    if slot == "step":
+        if value.dtype not in (torch.int64, torch.int32) and not value.is_floating_point():
+            raise TrainStateError(path, f"tensor {key!r:.120} is {value.dtype}, not a number")
+    elif value.dtype != _slot_dtype(slot, value):
+        raise TrainStateError(path, f"tensor {key!r:.120} is {value.dtype}, not {_slot_kind(slot)}")
     if slot == "step":
         if value.numel() != 1:
             raise TrainStateError(path, f"tensor {key!r:.120} is a step count of shape {list(value.shape)}, not a "

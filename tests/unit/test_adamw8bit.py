@@ -149,6 +149,26 @@ def test_chunks_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(torch.equal(a, b) for a, b in zip(whole, run()))
 
 
+def test_a_weight_whose_data_is_replaced_is_still_updated() -> None:
+    """The step keeps flat views of the weights and moments between steps; a weight given new storage (``.data``
+    replaced, as some code swapping weights does) is written, not its old storage: the run equals one without the
+    swap."""
+    def run(swap: bool) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(9)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((64, 80), (3, 3))]
+        optimizer = AdamW8bit(params, lr=1e-2)
+        for step in range(3):
+            if swap and step == 2:
+                for p in params:
+                    p.data = p.data.clone()
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            optimizer.step()
+        return [p.detach().clone() for p in params]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
 def test_a_tensor_without_a_gradient_keeps_its_step_count() -> None:
     """bitsandbytes counts steps per tensor: one left out of a step (no gradient) is not moved and its bias
     corrections then follow its own count; the others' update is the same as without it."""
@@ -194,7 +214,8 @@ def test_a_continued_bf16_run_steps_as_the_uninterrupted_one() -> None:
 @pytest.mark.parametrize(("settings", "name"), [({"lr": -1.0}, "lr"), ({"betas": (1.0, 0.999)}, "betas[0]"),
                                                ({"betas": (0.9, float("nan"))}, "betas[1]"), ({"eps": -1.0}, "eps"),
                                                ({"weight_decay": -0.1}, "weight_decay"),
-                                               ({"min_8bit_size": 0}, "min_8bit_size")])
+                                               ({"min_8bit_size": 0}, "min_8bit_size"),
+                                               ({"min_8bit_size": 100.5}, "min_8bit_size")])
 def test_bad_settings_are_refused_by_name(settings: dict[str, Any], name: str) -> None:
     with pytest.raises(ValueError, match=re.escape(f"AdamW8bit: invalid {name} ")):
         AdamW8bit([torch.nn.Parameter(torch.zeros(3))], **settings)

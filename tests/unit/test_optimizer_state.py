@@ -173,7 +173,7 @@ def test_nan_and_infinite_values_are_refused(saved, value: float) -> None:
     (lambda m: m.pop("sampler"), "its metadata has no 'sampler'"),
     (lambda m: m.update(batches=-1), "its metadata's batches is not valid"),
     (lambda m: m.update(steps=2.5), "its metadata's steps is not valid"),
-    (lambda m: m.update(optimizer="AdamW8bit"), "its metadata's optimizer is not valid"),
+    (lambda m: m.update(optimizer="PagedAdEMAMix8bit"), "its metadata's optimizer is not valid"),
     (lambda m: m.update(format="other"), "is not a StreamCache training state"),
     (lambda m: m.update(version=2), "has version 2; this version reads 1"),
     (lambda m: m.update(lora_digest="0" * 32), "was written for another LoRA"),
@@ -443,3 +443,42 @@ def test_adafactors_factored_moments_fit_by_their_own_shapes(tmp_path: Path) -> 
     wrong["diffusion_model.b.lora_up.weight"] = {"exp_avg_sq": torch.zeros(6, 2)}
     assert "its exp_avg_sq of 'diffusion_model.b.lora_up.weight' has shape [6, 2]" in str(
         check_fits(dataclasses.replace(state, slots=wrong), "Adafactor", first))
+
+
+def test_adamw8bits_code_indices_and_block_scales_fit_and_continue(tmp_path: Path) -> None:
+    """AdamW8bit (``min_8bit_size`` 8: the 6×2 up and 2×5 down keep 8-bit moments, the alpha fp32 ones): uint8 code
+    indices of the parameter's shape and one fp32 scale per block fit, are written and read back as they were, and
+    3 + 3 steps equal 6 bit for bit; a scale list of another length, float indices or a uint8 moment are named."""
+    from dataset_cache.adamw8bit import AdamW8bit
+
+    straight = _params()
+    _steps(AdamW8bit(straight.values(), lr=0.01, min_8bit_size=8), straight, 0, 6)
+    first = _params()
+    opt = AdamW8bit(first.values(), lr=0.01, min_8bit_size=8)
+    _steps(opt, first, 0, 3)
+    state = _state(first, opt, "AdamW8bit")
+    up = "diffusion_model.b.lora_up.weight"
+    assert {k: (v.dtype, list(v.shape)) for k, v in state.slots[up].items()} == {
+        "step": (torch.int64, []), "exp_avg_q": (torch.uint8, [6, 2]), "exp_avg_absmax": (torch.float32, [1]),
+        "exp_avg_sq_q": (torch.uint8, [6, 2]), "exp_avg_sq_absmax": (torch.float32, [1])}
+    assert set(state.slots["diffusion_model.a.alpha"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert check_fits(state, "AdamW8bit", first) is None
+    path = tmp_path / f"{state.lora_digest}.safetensors"
+    write_train_state(path, state)
+    back = read_train_state(path, digest=state.lora_digest, max_bytes=BIG)
+    assert all(torch.equal(back.slots[n][s], v) for n, slots in state.slots.items() for s, v in slots.items())
+    rest = {k: torch.nn.Parameter(v.detach().clone()) for k, v in first.items()}
+    opt = AdamW8bit(rest.values(), lr=0.01, min_8bit_size=8)
+    opt.load_state_dict(optimizer_state_dict(back, list(rest), opt.state_dict()))
+    _steps(opt, rest, 3, 3)
+    assert all(torch.equal(rest[k], straight[k]) for k in straight)
+    for slot, value, why in (("exp_avg_absmax", torch.zeros(2), "has shape [2], the parameter [6, 2] (needing [1])"),
+                             ("exp_avg_q", torch.zeros(6, 2), "is torch.float32, not uint8 (code indices)")):
+        wrong = {**state.slots, up: {**state.slots[up], slot: value}}
+        assert check_fits(dataclasses.replace(state, slots=wrong), "AdamW8bit", first) == (
+            f"its {slot} of '{up}' {why}")
+    wrong = {**state.slots, up: {**state.slots[up], "exp_avg_q": torch.zeros(6, 2)}}
+    write_train_state(path, dataclasses.replace(state, slots=wrong))
+    with pytest.raises(TrainStateError, match=r"tensor 'exp_avg_q/diffusion_model.b.lora_up.weight' is "
+                                              r"torch.float32, not uint8 \(code indices\)"):
+        read_train_state(path, digest=state.lora_digest, max_bytes=BIG)
