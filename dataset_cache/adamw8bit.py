@@ -15,6 +15,7 @@ weights and moments are kept between steps).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ MIN_8BIT_SIZE = 4096
 """Tensors with fewer elements keep fp32 moments (bitsandbytes' ``min_8bit_size``)."""
 CHUNK = 1 << 22
 """Elements updated at once (padded to whole blocks): bounds the step's fp32 scratch to about 100 MB."""
+KEPT_LAYOUTS = 8
+"""Layouts (with their views of weights and moments) kept between steps."""
 QUANTIZED_SLOTS = ("exp_avg_q", "exp_avg_absmax", "exp_avg_sq_q", "exp_avg_sq_absmax")
 """The state of an 8-bit tensor: each moment's code indices (uint8, the tensor's shape) and block scales (fp32)."""
 
@@ -94,8 +97,9 @@ class AdamW8bit(Fp32State):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                                   "min_8bit_size": int(min_8bit_size)})
         self._codes: dict[torch.device, _Codes] = {}
-        self._layouts: dict[tuple[int, ...], _Layout] = {}
-        self._views: dict[tuple[Any, ...], _Views] = {}
+        self._layouts: OrderedDict[tuple[Any, ...], _Layout] = OrderedDict()
+        """The layouts of the last :data:`KEPT_LAYOUTS` sets of tensors stepped together (a run whose layers skip
+        batches, ``module_dropout``, steps other sets)."""
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -145,7 +149,7 @@ class AdamW8bit(Fp32State):
         another (a bf16 LoRA's scalars and vectors would otherwise take two casts each)."""
         beta1, beta2 = group["betas"]
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
-        views = self._views_of(("small", *(id(p) for p in params)))
+        views = self._layout(("small", *(id(p) for p in params)), params, blocks=False).views
         states = [self.state[p] for p in params]
         targets = {"value": views.of("value", params), "exp_avg": views.of("exp_avg", [s["exp_avg"] for s in states]),
                    "exp_avg_sq": views.of("exp_avg_sq", [s["exp_avg_sq"] for s in states])}
@@ -162,20 +166,22 @@ class AdamW8bit(Fp32State):
         for flat, role in ((m, "exp_avg"), (v, "exp_avg_sq"), (value, "value")):
             torch._foreach_copy_(targets[role], list(flat.split(sizes)))
 
-    def _views_of(self, key: tuple[Any, ...]) -> _Views:
-        if key not in self._views:
-            self._views[key] = _Views()
-        return self._views[key]
+    def _layout(self, key: tuple[Any, ...], params: list[torch.Tensor], blocks: bool = True) -> _Layout:
+        """The layout of ``params`` stepped together, kept for the next steps (the least recently used dropped)."""
+        if key in self._layouts:
+            self._layouts.move_to_end(key)
+        else:
+            self._layouts[key] = _Layout(params, blocks)
+            while len(self._layouts) > KEPT_LAYOUTS:
+                self._layouts.popitem(last=False)
+        return self._layouts[key]
 
     def _step_quantized(self, group: dict[str, Any], params: list[torch.Tensor], t: int, codes: _Codes) -> None:
         """bitsandbytes' 8-bit AdamW step of ``params`` laid out block after block (each tensor padded to whole
         blocks with zeros, which change no block's scale and are dropped after)."""
         beta1, beta2 = group["betas"]
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
-        key = tuple(id(p) for p in params)
-        if key not in self._layouts:  # made once: its mask is copied to the device, which would wait for it
-            self._layouts[key] = _Layout(params)
-        layout = self._layouts[key]
+        layout = self._layout(tuple(id(p) for p in params), params)
         states = [self.state[p] for p in params]
         flat = {role: layout.views.of(role, [s[role] for s in states]) for role in ("exp_avg_q", "exp_avg_sq_q")}
         flat["value"] = layout.views.of("value", params)
@@ -222,15 +228,19 @@ class _Views:
 
 class _Layout:
     """Tensors laid out one after another, each padded to whole blocks: a chunk's moments, gradients and values as
-    ``(blocks, BLOCK)`` fp32 buffers."""
+    ``(blocks, BLOCK)`` fp32 buffers; for the small tensors (``blocks=False``) only their kept views."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], blocks: bool = True) -> None:
         self.sizes = [p.numel() for p in params]
+        self.views = _Views()
+        if not blocks:  # the small tensors: their views alone
+            return
         self.blocks = [-(-n // BLOCK) for n in self.sizes]
         self.pads = [b * BLOCK - n for n, b in zip(self.sizes, self.blocks)]
         self.device = params[0].device
-        partial = torch.tensor([i == b - 1 and pad > 0 for b, pad in zip(self.blocks, self.pads) for i in range(b)])
-        self.partial = partial.to(self.device).unsqueeze(1)
+        partial = torch.tensor([i == b - 1 and pad > 0 for b, pad in zip(self.blocks, self.pads) for i in range(b)],
+                               pin_memory=self.device.type == "cuda")
+        self.partial = partial.to(self.device, non_blocking=True).unsqueeze(1)  # pinned: the step does not wait
         """Per block: a tensor's last block that its elements do not fill."""
         self.pieces: list[int] = []
         """How a laid-out buffer splits: each tensor's elements, then its padding where it has some."""
@@ -239,7 +249,6 @@ class _Layout:
         for n, pad in zip(self.sizes, self.pads):
             self.own.append(len(self.pieces))
             self.pieces += [n, pad] if pad else [n]
-        self.views = _Views()
 
     def _cat(self, flats: Iterable[torch.Tensor], pad_value: float | int, dtype: torch.dtype) -> torch.Tensor:
         """``flats`` one after another, each followed by its padding of ``pad_value``."""

@@ -187,6 +187,28 @@ def test_a_tensor_without_a_gradient_keeps_its_step_count() -> None:
     assert optimizer.state[both[0]]["step"] == 2 and optimizer.state[both[1]]["step"] == 1
 
 
+def test_steps_of_changing_sets_of_tensors_keep_few_layouts_and_change_nothing(monkeypatch: pytest.MonkeyPatch
+                                                                               ) -> None:
+    """A run whose layers skip batches (``module_dropout``) steps another set of tensors each time: at most
+    ``KEPT_LAYOUTS`` layouts are kept, and the weights equal those of a run that lays them out anew every step."""
+    def run() -> tuple[list[torch.Tensor], int]:
+        g = torch.Generator().manual_seed(10)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((40, 128), (33, 129), (9, 9), (6,))]
+        optimizer = AdamW8bit(params, lr=1e-2)
+        for step in range(12):
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=g) if (step >> i) & 1 or i == step % 4 else None
+            optimizer.step()
+        return [p.detach().clone() for p in params], len(optimizer._layouts)
+
+    results = {}
+    for limit in (100, 2, 1):  # never dropped; dropped and made again; made anew every step
+        monkeypatch.setattr(adamw8bit, "KEPT_LAYOUTS", limit)
+        results[limit], count = run()
+        assert count == min(limit, 5)  # 12 steps stepping 5 sets (8-bit and small tensors apart)
+    assert all(torch.equal(a, b) for limit in (2, 1) for a, b in zip(results[100], results[limit]))
+
+
 def test_a_continued_bf16_run_steps_as_the_uninterrupted_one() -> None:
     """The state saved after two steps and loaded into a new optimizer (code indices uint8, scales and small moments
     fp32, as saved) gives the same third step, bit for bit."""
