@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .fp32_state import Fp32State
+from .optimizer_closure import closure_loss
 
 __all__ = ["Adafactor", "GROUP_STATE", "factored_shapes"]
 
@@ -77,10 +78,7 @@ class Adafactor(Fp32State):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .fp32_state import Fp32State
+from .optimizer_closure import closure_loss
 
 __all__ = ["AdamW8bit", "BLOCK", "MIN_8BIT_SIZE", "QUANTIZED_SLOTS", "dynamic_code", "moment_shapes"]
 
@@ -103,10 +104,7 @@ class AdamW8bit(Fp32State):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             by_kind: dict[tuple[bool, int, torch.device], list[torch.Tensor]] = {}
             for p in group["params"]:

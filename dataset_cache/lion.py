@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .optimizer_closure import closure_loss
+
 __all__ = ["Lion"]
 
 
@@ -38,10 +40,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:

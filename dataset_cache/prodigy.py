@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .optimizer_closure import closure_loss
+
 __all__ = ["Prodigy", "GROUP_STATE"]
 
 GROUP_STATE = ("d", "d_max", "d_numerator", "k")
@@ -130,10 +132,7 @@ class Prodigy(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One step: the moving averages, a new estimate of the step size ``d``, then Adam's update with it."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         first = self.param_groups[0]
         beta1, beta2, beta3 = _betas(first)
         k, d, d_max, d0 = first["k"], first["d"], first["d_max"], first["d0"]
