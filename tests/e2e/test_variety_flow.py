@@ -58,7 +58,7 @@ def _prompt() -> dict[str, Any]:
     prompt["16"] = reg
     prompt["5"]["inputs"].update(steps=STEPS, caption_dropout=0.1, reg_dataset=["16", 0], reg_ratio=0.5,
                                  reg_weight=0.5, masked_loss=True, unmasked_weight=0.1)
-    prompt["6"]["inputs"]["prefix"] = "loras/e2e_variety"
+    prompt["6"]["inputs"]["save_prefix"] = "loras/e2e_variety"
     prompt["14"]["inputs"]["filename_prefix"] = "e2e_variety"
     return prompt
 
