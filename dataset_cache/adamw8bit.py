@@ -199,6 +199,7 @@ class AdamW8bit(Fp32State):
         value.addcdiv_(m, denom, value=-lr / c1)
         del denom
         layout.scatter(value, flat["value"])
+        del value  # the quantization's scratch below is the step's peak
         for moment, q, scale, code in ((m, "exp_avg_q", "exp_avg_absmax", codes.signed_bounds),
                                        (v, "exp_avg_sq_q", "exp_avg_sq_absmax", codes.unsigned_bounds)):
             indices, scales = layout.quantize(moment, code)
