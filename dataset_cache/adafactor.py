@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .fp32_state import Fp32State
+from .fp32_state import Fp32State, as_fp32
 from .optimizer_closure import closure_loss
 
 __all__ = ["Adafactor", "GROUP_STATE", "factored_shapes"]
@@ -94,8 +94,8 @@ class Adafactor(Fp32State):
         """One step of ``params`` (all matrices, or all not), in fp32 (a bf16 tensor through an fp32 copy)."""
         t = group["step"]
         eps1, eps2 = group["eps"]
-        grads = [_float(p.grad) for p in params if p.grad is not None]
-        values = [_float(p) for p in params]
+        grads = [as_fp32(p.grad) for p in params if p.grad is not None]
+        values = [as_fp32(p) for p in params]
         beta2t = 1.0 - math.pow(t, group["decay_rate"])
         squared = list(torch._foreach_mul(grads, grads))
         torch._foreach_add_(squared, eps1)
@@ -164,10 +164,6 @@ class Adafactor(Fp32State):
             state[name] = torch.zeros(shape, dtype=torch.float32, device=p.device)
         return state[name]
 
-
-def _float(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in fp32: itself, or an fp32 copy (transformers' ``.float()`` of a bf16 or fp16 tensor)."""
-    return t if t.dtype == torch.float32 else t.float()
 
 
 def _rms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

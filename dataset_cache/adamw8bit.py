@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .fp32_state import Fp32State
+from .fp32_state import Fp32State, as_fp32
 from .optimizer_closure import closure_loss
 
 __all__ = ["AdamW8bit", "BLOCK", "MIN_8BIT_SIZE", "QUANTIZED_SLOTS", "dynamic_code", "moment_shapes"]
@@ -67,11 +67,11 @@ class _Codes:
     """A device's two codes, their midpoints (what a value is rounded by) and the index of 0 in each."""
 
     def __init__(self, device: torch.device) -> None:
-        self.signed, self.unsigned = (dynamic_code(s).to(device) for s in (True, False))
+        signed, unsigned = dynamic_code(True), dynamic_code(False)
+        self.signed_zero, self.unsigned_zero = (int(torch.nonzero(code == 0)[0]) for code in (signed, unsigned))
+        self.signed, self.unsigned = signed.to(device), unsigned.to(device)
         self.signed_bounds = (self.signed[:-1] + self.signed[1:]) / 2
         self.unsigned_bounds = (self.unsigned[:-1] + self.unsigned[1:]) / 2
-        self.signed_zero = int(torch.nonzero(dynamic_code(True) == 0)[0])
-        self.unsigned_zero = int(torch.nonzero(dynamic_code(False) == 0)[0])
 
 
 class AdamW8bit(Fp32State):
@@ -151,8 +151,8 @@ class AdamW8bit(Fp32State):
         states = [self.state[p] for p in params]
         targets = {"value": views.of("value", params), "exp_avg": views.of("exp_avg", [s["exp_avg"] for s in states]),
                    "exp_avg_sq": views.of("exp_avg_sq", [s["exp_avg_sq"] for s in states])}
-        grad = _float(torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]))
-        value = _float(torch.cat(targets["value"]))
+        grad = as_fp32(torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]))
+        value = as_fp32(torch.cat(targets["value"]))
         m, v = torch.cat(targets["exp_avg"]), torch.cat(targets["exp_avg_sq"])
         m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
@@ -261,7 +261,7 @@ class _Layout:
 
     def gather(self, flats: Sequence[torch.Tensor]) -> torch.Tensor:
         """``flats`` (the chunk's values or gradients, 1-D) in fp32, padded with zeros: ``(blocks, BLOCK)``."""
-        return _float(self._cat(flats, 0.0, flats[0].dtype)).view(-1, BLOCK)
+        return as_fp32(self._cat(flats, 0.0, flats[0].dtype)).view(-1, BLOCK)
 
     def dequantize(self, indices: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], code: torch.Tensor,
                    zero: int) -> torch.Tensor:
@@ -299,10 +299,3 @@ def _chunks(params: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
         size += n
     if chunk:
         yield chunk
-
-
-def _float(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in fp32: itself, or an fp32 copy."""
-    return t if t.dtype == torch.float32 else t.float()
-
-

@@ -250,7 +250,7 @@ def check_fits(state: TrainState, optimizer: str, params: Mapping[str, torch.Ten
             if tuple(value.shape) != want:
                 return (f"its {slot} of {name!r:.120} has shape {list(value.shape)}, the parameter "
                         f"{list(param.shape)}" + ("" if want == tuple(param.shape) else f" (needing {list(want)})"))
-            if value.dtype != _slot_dtype(slot, value):
+            if not _kind_fits(slot, value):
                 return f"its {slot} of {name!r:.120} is {value.dtype}, not {_slot_kind(slot)}"
     return None
 
@@ -269,11 +269,9 @@ def _slot_kind(slot: str) -> str:
     return "uint8 (code indices)" if slot.endswith("_q") else "floating point"
 
 
-def _slot_dtype(slot: str, value: torch.Tensor) -> torch.dtype | None:
-    """The dtype ``value`` must have as ``slot`` (its own when it is floating point and may be), else ``None``."""
-    if slot.endswith("_q"):
-        return torch.uint8
-    return value.dtype if value.is_floating_point() else None
+def _kind_fits(slot: str, value: torch.Tensor) -> bool:
+    """Whether ``value`` is of :func:`_slot_kind`'s kind."""
+    return value.dtype == torch.uint8 if slot.endswith("_q") else value.is_floating_point()
 
 
 def check_average_fits(state: TrainState, params: Mapping[str, torch.Tensor]) -> str | None:
@@ -426,20 +424,19 @@ def _metadata(path: str | os.PathLike[str], text: str | None) -> dict[str, Any]:
 
 
 def _check_value(path: str | os.PathLike[str], key: str, slot: str, value: torch.Tensor) -> None:
-    if slot == "step":
-        if value.dtype not in (torch.int64, torch.int32) and not value.is_floating_point():
-            raise TrainStateError(path, f"tensor {key!r:.120} is {value.dtype}, not a number")
-    elif value.dtype != _slot_dtype(slot, value):
-        raise TrainStateError(path, f"tensor {key!r:.120} is {value.dtype}, not {_slot_kind(slot)}")
-    if slot == "step":
-        if value.numel() != 1:
-            raise TrainStateError(path, f"tensor {key!r:.120} is a step count of shape {list(value.shape)}, not a "
-                                        "scalar")
-        step = float(value.reshape(()).item())
-        if not (math.isfinite(step) and 0 <= step <= _MAX_COUNT and step == int(step)):
-            raise TrainStateError(path, f"tensor {key!r:.120} is not a step count ({step})")
-    elif not bool(torch.isfinite(value).all()):
-        raise TrainStateError(path, f"tensor {key!r:.120} holds NaN or infinite values")
+    if slot != "step":
+        if not _kind_fits(slot, value):
+            raise TrainStateError(path, f"tensor {key!r:.120} is {value.dtype}, not {_slot_kind(slot)}")
+        if not bool(torch.isfinite(value).all()):
+            raise TrainStateError(path, f"tensor {key!r:.120} holds NaN or infinite values")
+        return
+    if value.dtype not in (torch.int64, torch.int32) and not value.is_floating_point():
+        raise TrainStateError(path, f"tensor {key!r:.120} is {value.dtype}, not a number")
+    if value.numel() != 1:
+        raise TrainStateError(path, f"tensor {key!r:.120} is a step count of shape {list(value.shape)}, not a scalar")
+    step = float(value.reshape(()).item())
+    if not (math.isfinite(step) and 0 <= step <= _MAX_COUNT and step == int(step)):
+        raise TrainStateError(path, f"tensor {key!r:.120} is not a step count ({step})")
 
 
 def _groups(path: str | os.PathLike[str], groups: list[Any]) -> tuple[dict[str, Any], ...]:

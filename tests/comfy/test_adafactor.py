@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.train_options import SHORT_RUN, summary, train
+from support.train_options import SHORT_RUN, save_lora, summary, train
 
 SHAPES = [(32, 4), (4, 48), (8, 4, 3, 3), (32,), ()]
 """A LoRA's up and down, a convolution's down as a 4-D kernel, a norm's diff, an alpha."""
@@ -127,15 +127,10 @@ def test_train_lora_with_adafactor_continues_bit_for_bit(train_node: type, model
     steps, Save LoRA Weights, 3 more from the file == 6 at once, bit for bit (the factored moments come back from
     the training state, the step count from its parameter group). A bf16 LoRA's moments are fp32 and come back fp32
     (torch's load_state_dict rounded them to bf16 once, and every later step then kept them in bf16)."""
-    import folder_paths
-    from comfy_extras.nodes_train import SaveLoRA
-
     whole = _train(train_node, models[0], six_images, steps=6, optimizer_args=args, lora_dtype=lora_dtype).result
     first = _train(train_node, models[0], six_images, optimizer_args=args, lora_dtype=lora_dtype)
     assert "training state saved as" in summary(first)
-    before = set(folder_paths.get_filename_list("loras"))
-    SaveLoRA.execute(first.result[0], "loras/adafactor", first.result[2])
-    (name,) = set(folder_paths.get_filename_list("loras")) - before
+    name = save_lora(first.result[0], first.result[2], "loras/adafactor")
     rest = _train(train_node, models[0], six_images, existing_lora=name, optimizer_args=args, lora_dtype=lora_dtype)
     assert "Adafactor state restored" in summary(rest) and "NOTE" not in summary(rest)
     assert first.result[1]["loss"] + rest.result[1]["loss"] == whole[1]["loss"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.train_options import SHORT_RUN, summary, train
+from support.train_options import SHORT_RUN, save_lora, summary, train
 
 BASE = {**SHORT_RUN, "optimizer": "AdamW8bit", "learning_rate": 1e-3}
 EIGHT_BIT = "min_8bit_size=128"
@@ -57,16 +57,11 @@ def test_train_lora_with_adamw8bit_continues_bit_for_bit(train_node: type, model
     """3 steps, Save LoRA Weights, 3 more from the file == 6 at once, bit for bit: the code indices, block scales,
     fp32 moments and per-tensor step counts come back from the training state (a bf16 LoRA's scales and moments as
     fp32)."""
-    import folder_paths
-    from comfy_extras.nodes_train import SaveLoRA
-
     opts = {"optimizer_args": EIGHT_BIT, "lora_dtype": lora_dtype}
     whole = _train(train_node, models[0], six_images, steps=6, **opts).result
     first = _train(train_node, models[0], six_images, **opts)
     assert "training state saved as" in summary(first)
-    before = set(folder_paths.get_filename_list("loras"))
-    SaveLoRA.execute(first.result[0], "loras/adamw8bit", first.result[2])
-    (name,) = set(folder_paths.get_filename_list("loras")) - before
+    name = save_lora(first.result[0], first.result[2], "loras/adamw8bit")
     rest = _train(train_node, models[0], six_images, existing_lora=name, **opts)
     assert "AdamW8bit state restored" in summary(rest) and "NOTE" not in summary(rest)
     assert first.result[1]["loss"] + rest.result[1]["loss"] == whole[1]["loss"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.train_options import train
+from support.train_options import save_lora, train
 
 GAMMA = 0.1
 
@@ -115,18 +115,13 @@ def test_validation_continuation_refusals_and_metadata(train_node: type, models:
     """The validation loss before the first step is the same with and without the perturbation (measured without
     it); 2 steps, Save LoRA Weights, 2 more == 4 at once, bit for bit; out-of-range values refused by name; the
     LoRA file says the setting as kohya does."""
-    import folder_paths
-    from comfy_extras.nodes_train import SaveLoRA
-
     split = {"val_split": 0.34, "steps": 2}
     plain = train(train_node, models[0], six_images, **split).result[1]["val_loss"]
     perturbed = train(train_node, models[0], six_images, ip_noise_gamma=GAMMA, **split).result[1]["val_loss"]
     assert plain[0] == perturbed[0] and plain[-1] != perturbed[-1]  # the first the same LoRA, the last not
     whole = train(train_node, models[0], six_images, steps=4, ip_noise_gamma=GAMMA).result
     first = train(train_node, models[0], six_images, steps=2, ip_noise_gamma=GAMMA).result
-    before = set(folder_paths.get_filename_list("loras"))
-    SaveLoRA.execute(first[0], "loras/ip", first[2])
-    (name,) = set(folder_paths.get_filename_list("loras")) - before
+    name = save_lora(first[0], first[2], "loras/ip")
     rest = train(train_node, models[0], six_images, steps=2, ip_noise_gamma=GAMMA, existing_lora=name).result
     assert first[1]["loss"] + rest[1]["loss"] == whole[1]["loss"]
     assert all(torch.equal(rest[0][k], whole[0][k]) for k in whole[0])
@@ -165,16 +160,11 @@ def test_random_strengths_continue_exactly_need_their_setting_and_are_in_the_met
     """Both random strengths on: 2 steps, saved, 2 more == 4 at once, bit for bit (the strengths come from each
     batch's own generators); either without the setting it scales is refused by name before anything loads; the
     LoRA file names them as kohya does."""
-    import folder_paths
-    from comfy_extras.nodes_train import SaveLoRA
-
     opts = {"noise_offset": 0.1, "noise_offset_random_strength": True, "ip_noise_gamma": GAMMA,
             "ip_noise_gamma_random_strength": True}
     whole = train(train_node, models[0], six_images, steps=4, **opts).result
     first = train(train_node, models[0], six_images, steps=2, **opts).result
-    before = set(folder_paths.get_filename_list("loras"))
-    SaveLoRA.execute(first[0], "loras/ip_random", first[2])
-    (name,) = set(folder_paths.get_filename_list("loras")) - before
+    name = save_lora(first[0], first[2], "loras/ip_random")
     rest = train(train_node, models[0], six_images, steps=2, existing_lora=name, **opts).result
     assert first[1]["loss"] + rest[1]["loss"] == whole[1]["loss"]
     assert all(torch.equal(rest[0][k], whole[0][k]) for k in whole[0])

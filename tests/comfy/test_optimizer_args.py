@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.train_options import train
+from support.train_options import save_lora, train
 
 
 
@@ -106,15 +106,10 @@ def test_a_continued_run_keeps_its_state_under_the_settings_and_starts_fresh_whe
     """3 steps, Save LoRA Weights, 3 more with the same settings == 6 at once, bit for bit (the moments come back
     from the training state; the settings are this run's input). Continuing with ``amsgrad`` on, whose AdamW keeps
     one more slot, would fail at its first step with the saved state: it starts fresh instead and says so."""
-    import folder_paths
-    from comfy_extras.nodes_train import SaveLoRA
-
     args = {"optimizer_args": "weight_decay=0.1 betas=0.8,0.9"}
     whole = train(train_node, models[0], six_images, steps=6, **args).result
     first = train(train_node, models[0], six_images, steps=3, **args).result
-    before = set(folder_paths.get_filename_list("loras"))
-    SaveLoRA.execute(first[0], "loras/args", first[2])
-    (name,) = set(folder_paths.get_filename_list("loras")) - before
+    name = save_lora(first[0], first[2], "loras/args")
     rest = train(train_node, models[0], six_images, steps=3, existing_lora=name, **args).result
     assert first[1]["loss"] + rest[1]["loss"] == whole[1]["loss"] and _equal(rest[0], whole[0])
     changed = train(train_node, models[0], six_images, steps=1, existing_lora=name,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.train_options import SHORT_RUN, train
+from support.train_options import SHORT_RUN, save_lora, train
 
 WEIGHTS = {"rank_dropout": 0.5, "module_dropout": 0.3}  # what acts where the adapters change the weights
 HIDDEN = {"network_dropout": 0.3, "rank_dropout": 0.5, "module_dropout": 0.3, "bypass_mode": True}  # beside them
@@ -102,14 +102,9 @@ def test_a_continued_run_draws_the_masks_of_the_run_that_never_stopped(train_nod
                                                                       lora_folder: Path) -> None:
     """2 steps, saved by Save LoRA Weights, 2 more from the file == 4 steps at once, bit for bit: the masks come
     from the batch's global number, as the noise does."""
-    from comfy_extras.nodes_train import SaveLoRA
-    import folder_paths
-
     whole = _train(train_node, models[0], six_images, **HIDDEN).result
     first = _train(train_node, models[0], six_images, **HIDDEN, steps=2).result
-    before = set(folder_paths.get_filename_list("loras"))
-    SaveLoRA.execute(first[0], "loras/dropout", first[2])
-    (name,) = set(folder_paths.get_filename_list("loras")) - before
+    name = save_lora(first[0], first[2], "loras/dropout")
     rest = _train(train_node, models[0], six_images, **HIDDEN, steps=2, existing_lora=name).result
     assert rest[2] == 4
     assert first[1]["loss"] + rest[1]["loss"] == whole[1]["loss"]

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from support.encoded import write_comfy_encoded
+from support.train_options import save_lora
 
 REQUIRED = {  # the node's required inputs; every optional one keeps its default unless a test says otherwise
     "batch_size": 2, "grad_accumulation_steps": 1, "steps": 2, "learning_rate": 3e-3, "rank": 4,
@@ -95,17 +96,6 @@ def test_a_choice_of_no_layer_or_a_bad_pattern_is_refused_before_training(node: 
         _train(node, models[0], dataset, steps=1, train_layers="attn2, -")
 
 
-def _save_lora(lora: dict[str, torch.Tensor], steps: int, prefix: str) -> str:
-    """Save with ComfyUI's own Save LoRA Weights node; return the name ``existing_lora`` lists."""
-    import folder_paths
-    from comfy_extras.nodes_train import SaveLoRA
-
-    before = set(folder_paths.get_filename_list("loras"))
-    SaveLoRA.execute(lora, prefix, steps)
-    (name,) = set(folder_paths.get_filename_list("loras")) - before
-    return str(name)
-
-
 def test_a_lora_of_chosen_layers_continues_exactly_and_one_of_more_layers_is_not_cut(
         node: type, models: tuple, dataset: Any, lora_folder: Path) -> None:
     """2 steps of the cross-attention, Save LoRA Weights, 2 more with the same train_layers == 4 at once, bit for bit
@@ -113,13 +103,13 @@ def test_a_lora_of_chosen_layers_continues_exactly_and_one_of_more_layers_is_not
     train_layers 'attn2' would output a LoRA without its other layers: refused, naming both inputs."""
     whole = _train(node, models[0], dataset, steps=4, train_layers="attn2").result
     first = _train(node, models[0], dataset, steps=2, train_layers="attn2").result
-    name = _save_lora(first[0], first[2], "loras/attn2")
+    name = save_lora(first[0], first[2], "loras/attn2")
     rest = _train(node, models[0], dataset, steps=2, train_layers="attn2", existing_lora=name).result
     assert rest[2] == 4 and first[1]["loss"] + rest[1]["loss"] == whole[1]["loss"]
     assert set(rest[0]) == set(whole[0]) and all(torch.equal(rest[0][k], whole[0][k]) for k in whole[0])
 
     full = _train(node, models[0], dataset, steps=1).result
-    every = _save_lora(full[0], full[2], "loras/every")
+    every = save_lora(full[0], full[2], "loras/every")
     with pytest.raises(ValueError, match=rf"existing_lora '{every}' has weights for \d+ layer\(s\) train_layers "
                                          r"'attn2' leaves out \(such as 'diffusion_model\..*'\): the LoRA this run "
                                          "outputs would lose them"):

@@ -31,6 +31,7 @@ import pytest
 import torch
 from support.encoded import key as _key
 from support.encoded import write_comfy_encoded
+from support.train_options import save_lora
 
 STEPS = 20
 FAST = {  # the options every run shares unless a test says otherwise
@@ -490,17 +491,6 @@ def test_continuing_a_lora_reproduces_an_uninterrupted_run(node: type, models: t
     assert fresh[1]["loss"] != pytest.approx(rest[1]["loss"], rel=1e-4)
 
 
-def _save_lora(lora: dict[str, torch.Tensor], steps: int | None, prefix: str = "loras/half") -> str:
-    """Save with ComfyUI's own Save LoRA Weights node; return the file name Load LoRA / existing_lora list."""
-    import folder_paths
-    from comfy_extras.nodes_train import SaveLoRA
-
-    before = set(folder_paths.get_filename_list("loras"))
-    SaveLoRA.execute(lora, prefix, steps)
-    (name,) = set(folder_paths.get_filename_list("loras")) - before
-    return name
-
-
 def _summary(out: Any) -> str:
     (text,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
     return text
@@ -517,7 +507,7 @@ def test_continuing_a_lora_with_its_training_state_equals_one_run_bit_for_bit(
     whole = _train(node, models[0], dataset, steps=6, **opts).result
     first = _train(node, models[0], dataset, steps=3, **opts)
     assert "training state saved as streamcache_train_state/" in _summary(first)
-    name = _save_lora(first.result[0], first.result[2])
+    name = save_lora(first.result[0], first.result[2], "loras/half")
     rest = _train(node, models[0], dataset, steps=3, existing_lora=name, **opts)
     lora, losses, steps = rest.result[:3]
     assert steps == 6
@@ -545,7 +535,7 @@ def test_lora_alpha_scales_the_new_adapters_and_a_continued_lora_keeps_its_own(
     assert all(torch.equal(lora[k], one[k]) for k in lora if not k.endswith(("lora_down.weight", ".alpha")))
     alphas = [k for k in lora if k.endswith(".alpha")]
     assert alphas and all(float(lora[k]) == 16.0 for k in alphas) and all(float(one[k]) == 1.0 for k in alphas)
-    name = _save_lora(lora, sixteen.result[2])
+    name = save_lora(lora, sixteen.result[2], "loras/half")
     continued = _train(node, models[0], dataset, lora_alpha=4.0, existing_lora=name, **sgd)
     # ComfyUI's adapters train their alpha too (every adapter parameter requires a gradient): a step moves it by
     # a small amount from where it starts, 16 when kept, 4 had lora_alpha replaced it
@@ -597,7 +587,7 @@ def test_a_lora_without_a_training_state_continues_as_before_and_says_the_optimi
     first = _train(node, models[0], dataset, steps=2)
     for state in (lora_folder / "streamcache_train_state").iterdir():
         state.unlink()
-    name = _save_lora(first.result[0], 2)
+    name = save_lora(first.result[0], 2, "loras/half")
     out = _train(node, models[0], dataset, steps=1, existing_lora=name)
     assert out.result[2] == 3
     assert (f"NOTE: existing_lora {name!r}: it has no saved training state (trained before Train LoRA saved one, "
@@ -605,7 +595,7 @@ def test_a_lora_without_a_training_state_continues_as_before_and_says_the_optimi
             "fresh") in _summary(out)
     for state in (lora_folder / "streamcache_train_state").iterdir():
         state.unlink()
-    unnamed = _save_lora(first.result[0], None, prefix="loras/renamed")
+    unnamed = save_lora(first.result[0], None, "loras/renamed")
     out = _train(node, models[0], dataset, steps=1, existing_lora=unnamed)
     assert out.result[2] == 1
     assert "its name carries no step count (Save LoRA Weights names files <prefix>_<steps>_steps_<counter>_): the " \
@@ -620,7 +610,7 @@ def test_a_training_state_that_does_not_fit_is_named_and_the_optimizer_starts_fr
     from safetensors.torch import load_file, save_file
 
     first = _train(node, models[0], dataset, steps=2)
-    name = _save_lora(first.result[0], 2)
+    name = save_lora(first.result[0], 2, "loras/half")
     (path,) = (lora_folder / "streamcache_train_state").iterdir()
     tensors = load_file(str(path))
     with safe_open(str(path), "pt") as f:
@@ -679,7 +669,8 @@ def test_a_save_of_the_last_step_is_the_runs_state_written_once(node: type, mode
     out = _train(node, models[0], dataset, steps=2, save_every=2, **_CONTINUED)
     assert "training state saved as" not in _summary(out) and len(list((lora_folder / "streamcache_train_state"
                                                                          ).iterdir())) == 1
-    rest = _train(node, models[0], dataset, steps=2, existing_lora=_save_lora(out.result[0], 2), **_CONTINUED)
+    rest = _train(node, models[0], dataset, steps=2, existing_lora=save_lora(out.result[0], 2, "loras/half"),
+                  **_CONTINUED)
     assert rest.result[1]["loss"] == whole_run[1]["loss"][2:]
     assert all(torch.equal(rest.result[0][k], whole_run[0][k]) for k in whole_run[0])
 
@@ -1190,7 +1181,7 @@ def test_the_lora_of_an_averaging_run_is_the_average_of_its_steps(node: type, mo
     runs without it give those steps' weights."""
     opts = {"optimizer": "SGD", "learning_rate": 0.02}
     start = _train(node, models[0], dataset, steps=1, **opts).result[0]
-    name = _save_lora(start, 1, "loras/start")
+    name = save_lora(start, 1, "loras/start")
     one = _train(node, models[0], dataset, steps=1, existing_lora=name, **opts).result[0]
     two = _train(node, models[0], dataset, steps=2, existing_lora=name, **opts).result[0]
     averaged = _train(node, models[0], dataset, steps=2, existing_lora=name, ema_decay=0.9, **opts)

@@ -1,6 +1,7 @@
 """The Train LoRA options the short runs of the feature tests share (``tests/comfy/test_train_dropout.py``,
-``test_optimizer_args.py``, ``test_input_perturbation.py``, ``test_adafactor.py``): fp32 (bf16 convolutions are
-emulated on CPUs without AVX512-BF16), batch 2, rank 4, no checkpointing, every later input at its default."""
+``test_optimizer_args.py``, ``test_input_perturbation.py``, ``test_adafactor.py``, ``test_adamw8bit.py``): fp32 (bf16
+convolutions are emulated on CPUs without AVX512-BF16), batch 2, rank 4, no checkpointing, every later input at its
+default; and the Save LoRA Weights step between a run and its continuation (:func:`save_lora`)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,15 @@ def summary(out: Any) -> str:
     """The node's text output (its summary)."""
     (text,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
     return text
+
+
+def save_lora(lora: dict[str, torch.Tensor], steps: int | None, prefix: str) -> str:
+    """Save ``lora`` with ComfyUI's own Save LoRA Weights node, as a user does between two runs; return the one new
+    name ComfyUI's LoRA list shows (what ``existing_lora`` takes)."""
+    import folder_paths
+    from comfy_extras.nodes_train import SaveLoRA
+
+    before = set(folder_paths.get_filename_list("loras"))
+    SaveLoRA.execute(lora, prefix, steps)
+    (name,) = set(folder_paths.get_filename_list("loras")) - before
+    return str(name)
