@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .fp32_state import Fp32State, as_fp32
+from .fp32_state import Fp32State, fp32_copies
 from .optimizer_closure import closure_loss
 
 __all__ = ["Adafactor", "GROUP_STATE", "factored_shapes"]
@@ -94,8 +94,8 @@ class Adafactor(Fp32State):
         """One step of ``params`` (all matrices, or all not), in fp32 (a bf16 tensor through an fp32 copy)."""
         t = group["step"]
         eps1, eps2 = group["eps"]
-        grads = [as_fp32(p.grad) for p in params if p.grad is not None]
-        values = [as_fp32(p) for p in params]
+        grads = fp32_copies([p.grad for p in params if p.grad is not None])
+        values = fp32_copies(params)
         beta2t = 1.0 - math.pow(t, group["decay_rate"])
         squared = list(torch._foreach_mul(grads, grads))
         torch._foreach_add_(squared, eps1)
@@ -120,9 +120,9 @@ class Adafactor(Fp32State):
             decays = torch._foreach_mul(values, step_sizes)
             torch._foreach_add_(values, decays, alpha=-group["weight_decay"])
         torch._foreach_sub_(values, updates)
-        for p, value in zip(params, values):
-            if value is not p:
-                p.copy_(value)
+        copied = [i for i, (p, value) in enumerate(zip(params, values)) if value is not p]
+        if copied:
+            torch._foreach_copy_([params[i] for i in copied], [values[i] for i in copied])
 
     def _factored(self, params: list[torch.Tensor], grads: list[torch.Tensor], squared: list[torch.Tensor],
                   beta2t: float) -> list[torch.Tensor]:

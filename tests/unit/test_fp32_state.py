@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from dataset_cache.adafactor import Adafactor
+from dataset_cache.fp32_state import fp32_copies
 
 
 LR = 0.05
@@ -52,3 +53,25 @@ def test_a_continued_bf16_run_steps_as_the_one_that_never_stopped() -> None:
             param.grad = grad.clone()
             opt.step()
     assert torch.equal(whole, halted)
+
+
+def test_fp32_copies_are_each_tensors_fp32_value_and_leave_fp32_ones_themselves() -> None:
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(4, 3, generator=g).to(torch.bfloat16), torch.randn(5, generator=g),
+               torch.randn(2, 2, 2, generator=g).to(torch.float16), torch.randn(1, generator=g).to(torch.bfloat16)]
+    copies = fp32_copies(tensors)
+    assert copies[1] is tensors[1]
+    for t, c in zip(tensors, copies):
+        assert c.dtype == torch.float32 and c.shape == t.shape
+        assert torch.equal(c, t.float())
+    copies[0].add_(1.0)  # a copy: writing it leaves the tensor alone, and its neighbours in the buffer
+    assert torch.equal(tensors[0].float() + 1.0, copies[0])
+    assert torch.equal(copies[2], tensors[2].float()) and torch.equal(copies[3], tensors[3].float())
+    assert fp32_copies([tensors[1]])[0] is tensors[1]
+    assert fp32_copies([]) == []
+
+
+def test_the_copies_are_views_of_one_buffer() -> None:
+    tensors = [torch.ones(3, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.bfloat16)]
+    first, second = fp32_copies(tensors)
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
