@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bench.bench_step_extras import lora_params, lora_sizes, optimizer_rows, print_optimizer_table
+from bench.bench_step_extras import optimizer_rows, optimizer_state_bytes, print_optimizer_table, print_state_table
 from dataset_cache.adamw8bit import AdamW8bit
 
 __all__ = ["measure", "main", "state_bytes"]
@@ -43,29 +43,18 @@ def measure(n: int, repeat: int) -> list[tuple[str, str, int, int, float]]:
     return optimizer_rows(_optimizers(), n, repeat)
 
 
+MAKERS = {"ours": lambda p: AdamW8bit(p), "AdamW": lambda p: torch.optim.AdamW(p, foreach=True)}
+
+
 def state_bytes(n: int, dtype: torch.dtype) -> dict[str, int]:
     """The bytes of state ours and torch's AdamW keep for ``n`` LoRA-like tensors after a step (the step counts
     left out)."""
-    out = {}
-    for what, make in (("ours", lambda p: AdamW8bit(p)), ("AdamW", lambda p: torch.optim.AdamW(p, foreach=True))):
-        params = lora_params(n, dtype)
-        optimizer = make(params)
-        optimizer.step()
-        out[what] = sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items()
-                        if k != "step" and isinstance(v, torch.Tensor))
-    return out
+    return optimizer_state_bytes(MAKERS, n, dtype)
 
 
 def main(argv: list[str] | None = None) -> None:
     print_optimizer_table(argv, __doc__.split("\n\n")[0], measure)
-    loras, _ = lora_sizes(argv, __doc__.split("\n\n")[0], 10)
-    print("\n| LoRA (tensors) | dtype | state bytes, ours | state bytes, AdamW | ours / AdamW |")
-    print("|---|---|---:|---:|---:|")
-    for model, n in loras.items():
-        for dtype in (torch.float32, torch.bfloat16):
-            got = state_bytes(n, dtype)
-            print(f"| {model} ({n:,}) | {str(dtype).removeprefix('torch.')} | {got['ours']:,} | {got['AdamW']:,} | "
-                  f"{got['ours'] / got['AdamW']:.2f} |")
+    print_state_table(argv, __doc__.split("\n\n")[0], "ours", "AdamW", MAKERS)
     sys.stdout.flush()
 
 

@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dataset_cache.ema import WeightAverage
 from dataset_cache.grad_clip import clip_gradients
 
-__all__ = ["LORAS", "count", "count_ops", "lora_params", "lora_sizes", "measure", "main"]
+__all__ = ["LORAS", "count", "count_ops", "lora_params", "lora_sizes", "measure", "main", "optimizer_state_bytes",
+           "print_state_table"]
 
 LORAS = {"SD1.5": 1244, "SDXL": 3265}
 """LoRA parameter tensors of a rank-16 LoRA with ComfyUI's adapters (ups, downs, alphas, norm and bias diffs), as
@@ -109,6 +110,33 @@ def optimizer_rows(optimizers: dict[str, Callable[[list[torch.nn.Parameter]], to
             ops, reads = count(opt.step)
             rows.append((what, name, ops, reads, statistics.median(times)))
     return rows
+
+
+def optimizer_state_bytes(makers: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]], n: int,
+                          dtype: torch.dtype) -> dict[str, int]:
+    """The bytes of state each of ``makers`` keeps for ``n`` LoRA-like tensors after a step (step counts left
+    out)."""
+    out = {}
+    for what, make in makers.items():
+        params = lora_params(n, dtype)
+        optimizer = make(params)
+        optimizer.step()
+        out[what] = sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items()
+                        if k != "step" and isinstance(v, torch.Tensor))
+    return out
+
+
+def print_state_table(argv: list[str] | None, description: str, ours: str, other: str,
+                      makers: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]) -> None:
+    """A Markdown table of the state bytes ``makers[ours]`` and ``makers[other]`` keep, per LoRA and dtype."""
+    loras, _ = lora_sizes(argv, description, 10)
+    print(f"\n| LoRA (tensors) | dtype | state bytes, {ours} | state bytes, {other} | {ours} / {other} |")
+    print("|---|---|---:|---:|---:|")
+    for model, n in loras.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            got = optimizer_state_bytes(makers, n, dtype)
+            print(f"| {model} ({n:,}) | {str(dtype).removeprefix('torch.')} | {got[ours]:,} | {got[other]:,} | "
+                  f"{got[ours] / got[other]:.2f} |")
 
 
 def print_optimizer_table(argv: list[str] | None, description: str,

@@ -1,6 +1,6 @@
 """``dataset_cache.adamw8bit``: bitsandbytes' AdamW8bit step, checked bit for bit against steps bitsandbytes took on
 the CPU with its PyTorch quantizer (``tests/unit/data/adamw8bit-reference-v1.safetensors``, written by
-``scripts/adamw8bit_reference.py``), and the properties a run needs: nearest rounding, chunks that change nothing,
+``scripts/bnb8bit_reference.py``), and the properties a run needs: chunks that change nothing, layouts kept,
 per-tensor step counts, no value read back, fp32 state kept fp32 when a run continues."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from bench.bench_step_extras import count
-from dataset_cache import adamw8bit
-from dataset_cache.adamw8bit import BLOCK, AdamW8bit, dynamic_code, moment_shapes
+from dataset_cache import blockwise8bit
+from dataset_cache.adamw8bit import AdamW8bit, moment_shapes
 
 REFERENCE = Path(__file__).parent / "data" / "adamw8bit-reference-v1.safetensors"
 SLOT_NAMES = {"state1": "exp_avg_q", "state2": "exp_avg_sq_q", "absmax1": "exp_avg_absmax",
@@ -54,54 +54,6 @@ def test_each_step_is_bitsandbytes(run: str, dtype: torch.dtype) -> None:
         assert state["step"] == steps
 
 
-def test_the_codes_are_dynamic_tree_codes() -> None:
-    """256 ascending values each; signed: 127 negative, 0, 127 positive below 1, and 1; unsigned: 0, 254 values in
-    (0, 1), and 1; each decade 10⁻⁶..1 holds twice the values of the one below (Dettmers' dynamic tree code)."""
-    for signed in (True, False):
-        code = dynamic_code(signed)
-        assert code.shape == (BLOCK,) and bool((code[1:] > code[:-1]).all())
-        assert float(code[-1]) == 1.0 and 0.0 in code.tolist()
-        positive = code[(code > 0) & (code < 1)]
-        assert len(positive) == (127 if signed else 254)
-        counts = [int(((positive >= 10.0 ** (k - 7)) & (positive < 10.0 ** (k - 6))).sum()) for k in range(1, 7)]
-        assert all(b == 2 * a for a, b in zip(counts, counts[1:])), counts
-        if signed:
-            assert torch.equal(code[:127], -positive.flip(0))
-
-
-def test_a_moment_is_rounded_to_the_nearest_code_value() -> None:
-    """Quantizing blocks of values spread over many magnitudes gives, for every value, the code index nearest to it
-    over its block's largest magnitude (checked against all 256 codes: the index, or one equally near)."""
-    g = torch.Generator().manual_seed(3)
-    values = torch.randn(8, BLOCK, generator=g) * torch.logspace(-6, 0, 8).unsqueeze(1)
-    values[2, 5:] = 0.0
-    layout = adamw8bit._Layout([torch.zeros(8 * BLOCK)])
-    for code, moment in ((dynamic_code(True), values), (dynamic_code(False), values.abs())):
-        indices, scales = layout.quantize(moment, (code[:-1] + code[1:]) / 2)
-        scaled = moment / moment.abs().amax(1, keepdim=True)
-        distance = (scaled.reshape(-1, 1) - code).abs()
-        chosen = distance.gather(1, indices.long().unsqueeze(1)).squeeze(1)
-        assert torch.equal(chosen, distance.min(1).values)
-        assert torch.equal(scales, moment.abs().amax(1))
-
-
-def test_a_partial_block_is_divided_by_its_scale_and_a_whole_one_multiplied_by_its_inverse() -> None:
-    """bitsandbytes' PyTorch quantizer scales a tensor's last, partial block by division and the others by the
-    inverse's product, which can put a value on either side of a midpoint: here one (found by search, 0.7 the block's
-    largest magnitude) whose two roundings differ, quantized in a partial and in a whole block."""
-    code = dynamic_code(True)
-    bounds = (code[:-1] + code[1:]) / 2
-    largest, value = torch.tensor(0.7), torch.tensor(-0.6606249809265137)
-    divided = int(torch.bucketize((value / largest).reshape(1), bounds))
-    multiplied = int(torch.bucketize((value * (1.0 / largest)).reshape(1), bounds))
-    assert divided != multiplied
-    for size, want in ((2, divided), (BLOCK, multiplied)):
-        moment = torch.zeros(1, BLOCK)
-        moment[0, :2] = torch.stack([largest, value])
-        indices, _ = adamw8bit._Layout([torch.zeros(size)]).quantize(moment, bounds)
-        assert int(indices[1]) == want, size
-
-
 def test_the_state_shapes_and_kinds_follow_the_size() -> None:
     """A tensor of 4,096 elements or more keeps uint8 indices and a scale per block of 256 (the last partial); a
     smaller one fp32 moments; no step reads a value back to the host (counted as the step benchmarks count)."""
@@ -135,7 +87,7 @@ def test_chunks_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
         return [p.detach() for p in params]
 
     whole = run()
-    monkeypatch.setattr(adamw8bit, "CHUNK", 2048)
+    monkeypatch.setattr(blockwise8bit, "CHUNK", 2048)
     assert all(torch.equal(a, b) for a, b in zip(whole, run()))
 
 
@@ -193,7 +145,7 @@ def test_steps_of_changing_sets_of_tensors_keep_few_layouts_and_change_nothing(m
 
     results = {}
     for limit in (100, 2, 1):  # never dropped; dropped and made again; made anew every step
-        monkeypatch.setattr(adamw8bit, "KEPT_LAYOUTS", limit)
+        monkeypatch.setattr(blockwise8bit, "KEPT_LAYOUTS", limit)
         results[limit], count = run()
         assert count == min(limit, 5)  # 12 steps stepping 5 sets (8-bit and small tensors apart)
     assert all(torch.equal(a, b) for limit in (2, 1) for a, b in zip(results[100], results[limit]))

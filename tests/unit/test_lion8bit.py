@@ -1,0 +1,147 @@
+"""``dataset_cache.lion8bit``: bitsandbytes' Lion8bit step, checked bit for bit against steps bitsandbytes took on
+the CPU with its PyTorch quantizer (``tests/unit/data/lion8bit-reference-v1.safetensors``, written by
+``scripts/bnb8bit_reference.py``); with every moment fp32 it is our Lion; its state's slots and kinds, chunks that
+change nothing, no value read back, a continued bf16 run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from bench.bench_step_extras import count
+from dataset_cache import blockwise8bit
+from dataset_cache.lion import Lion
+from dataset_cache.lion8bit import QUANTIZED_SLOTS, Lion8bit
+
+REFERENCE = Path(__file__).parent / "data" / "lion8bit-reference-v1.safetensors"
+SLOT_NAMES = {"state1": "exp_avg_q", "absmax1": "exp_avg_absmax"}
+"""bitsandbytes' slot names -> ours (an fp32 tensor's state1 is our exp_avg)."""
+
+
+def _reference() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(REFERENCE), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("run", ["defaults", "decay"])
+def test_each_step_is_bitsandbytes(run: str, dtype: torch.dtype) -> None:
+    """Three steps over 8-bit tensors of whole and partial blocks, a small tensor with an fp32 moment and a vector:
+    the weights, the moment's code indices and block scales, and the small tensors' moments equal bitsandbytes' bit
+    for bit (fp32 and bf16 weights)."""
+    tensors, meta = _reference()
+    shapes, steps, settings = json.loads(meta["shapes"]), int(meta["steps"]), json.loads(meta["runs"])[run]
+    params = [torch.nn.Parameter(tensors[f"start/{i}"].to(dtype, copy=True)) for i in range(len(shapes))]
+    optimizer = Lion8bit(params, **{**settings, "betas": tuple(settings.get("betas", (0.9, 0.99)))})
+    for t in range(steps):
+        for i, p in enumerate(params):
+            p.grad = tensors[f"grad/{t}/{i}"].to(dtype)
+        optimizer.step()
+    name = f"{run}/{str(dtype).removeprefix('torch.')}"
+    moved = 0
+    for i, p in enumerate(params):
+        assert torch.equal(p.detach(), tensors[f"{name}/param/{i}"]), (name, shapes[i])
+        moved += int((p.detach() != tensors[f"start/{i}"].to(dtype)).sum())
+        state = optimizer.state[p]
+        small = "exp_avg" in state
+        for theirs in ("state1",) if small else SLOT_NAMES:
+            ours = "exp_avg" if small else SLOT_NAMES[theirs]
+            assert torch.equal(state[ours], tensors[f"{name}/{theirs}/{i}"]), (name, shapes[i], ours)
+        assert state["step"] == steps
+    assert moved > sum(torch.Size(s).numel() for s in shapes) // 2  # the steps moved the weights
+
+
+def test_with_every_moment_fp32_it_is_our_lion() -> None:
+    """bitsandbytes' Lion arithmetic on fp32 moments (``min_8bit_size`` above every tensor) is Lion's (lion-pytorch's,
+    :class:`~dataset_cache.lion.Lion`): the same weights and moments bit for bit, with weight decay."""
+    g = torch.Generator().manual_seed(4)
+    starts = [torch.randn(s, generator=g) for s in ((64, 80), (7,))]
+    grads = [[torch.randn(s.shape, generator=g) for s in starts] for _ in range(4)]
+    ours = [torch.nn.Parameter(s.clone()) for s in starts]
+    theirs = [torch.nn.Parameter(s.clone()) for s in starts]
+    settings = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1}
+    eight, lion = Lion8bit(ours, min_8bit_size=1 << 30, **settings), Lion(theirs, **settings)
+    for step in grads:
+        for params, opt in ((ours, eight), (theirs, lion)):
+            for p, grad in zip(params, step):
+                p.grad = grad.clone()
+            opt.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+        assert torch.equal(eight.state[a]["exp_avg"], lion.state[b]["exp_avg"])
+
+
+def test_the_state_slots_kinds_and_reads() -> None:
+    """A tensor of 4,096 elements or more keeps its moment as uint8 indices and a scale per block of 256 (the last
+    partial); a smaller one an fp32 moment; a step count each; no step reads a value back to the host."""
+    shapes = [(64, 64), (70, 61), (5,)]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in shapes]
+    optimizer = Lion8bit(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert count(optimizer.step)[1] == 0
+    assert QUANTIZED_SLOTS == ("exp_avg_q", "exp_avg_absmax")
+    want = [{"exp_avg_q": ((64, 64), torch.uint8), "exp_avg_absmax": ((16,), torch.float32)},
+            {"exp_avg_q": ((70, 61), torch.uint8), "exp_avg_absmax": ((17,), torch.float32)},
+            {"exp_avg": ((5,), torch.float32)}]
+    for p, slots in zip(params, want):
+        state = optimizer.state[p]
+        assert {k: (tuple(v.shape), v.dtype) for k, v in state.items() if k != "step"} == slots
+        assert state["step"] == 2
+
+
+def test_chunks_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors updated a few per chunk (a chunk of 2,048 elements) end bit for bit where one chunk takes them."""
+    def run() -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((40, 128), (33, 129), (4096,))]
+        optimizer = Lion8bit(params, lr=1e-2, weight_decay=0.1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            optimizer.step()
+        return [p.detach() for p in params]
+
+    whole = run()
+    monkeypatch.setattr(blockwise8bit, "CHUNK", 2048)
+    assert all(torch.equal(a, b) for a, b in zip(whole, run()))
+
+
+def test_a_continued_bf16_run_steps_as_the_uninterrupted_one() -> None:
+    """The state saved after two steps and loaded into a new optimizer (code indices uint8, scales and the small
+    moment fp32, as saved) gives the same third step, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    starts = [torch.randn(s, generator=g).to(torch.bfloat16) for s in ((64, 96), (12, 12))]
+    grads = [[torch.randn(s.shape, generator=g).to(torch.bfloat16) for s in starts] for _ in range(3)]
+    whole = [torch.nn.Parameter(s.clone()) for s in starts]
+    optimizer = Lion8bit(whole, lr=0.01)
+    for step in grads[:2]:
+        for p, grad in zip(whole, step):
+            p.grad = grad.clone()
+        optimizer.step()
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in whole]
+    other = Lion8bit(resumed, lr=0.01)
+    other.load_state_dict(optimizer.state_dict())
+    assert other.state[resumed[1]]["exp_avg"].dtype == torch.float32
+    assert other.state[resumed[0]]["exp_avg_absmax"].dtype == torch.float32
+    for params, opt in ((whole, optimizer), (resumed, other)):
+        for p, grad in zip(params, grads[2]):
+            p.grad = grad.clone()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed))
+
+
+@pytest.mark.parametrize(("settings", "name"), [({"lr": -1.0}, "lr"), ({"betas": (1.0, 0.99)}, "betas[0]"),
+                                               ({"betas": (0.9, float("nan"))}, "betas[1]"),
+                                               ({"weight_decay": -0.1}, "weight_decay"),
+                                               ({"min_8bit_size": 0}, "min_8bit_size")])
+def test_bad_settings_are_refused_by_name(settings: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"Lion8bit: invalid {name} ")):
+        Lion8bit([torch.nn.Parameter(torch.zeros(3))], **settings)
