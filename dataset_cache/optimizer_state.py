@@ -40,7 +40,9 @@ import torch
 import xxhash
 
 from .adafactor import factored_shapes
-from .adamw8bit import BLOCK, QUANTIZED_SLOTS
+from .adamw8bit import QUANTIZED_SLOTS
+from .lion8bit import QUANTIZED_SLOTS as LION8BIT_SLOTS
+from .blockwise8bit import BLOCK
 from .errors import CacheError
 from .format.durable import atomic_write
 from .lr_schedule import LR_SCHEDULES, LrSchedule
@@ -84,12 +86,14 @@ OPTIMIZER_SLOTS: Mapping[str, frozenset[str]] = {
     "Lion": frozenset({"exp_avg"}),
     "Adafactor": frozenset({"exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg"}),
     "AdamW8bit": frozenset({"step", "exp_avg", "exp_avg_sq", *QUANTIZED_SLOTS}),
+    "Lion8bit": frozenset({"step", "exp_avg", *LION8BIT_SLOTS}),
 }
-"""Per optimizer (the names ComfyUI's ``_create_optimizer`` knows, Prodigy, Lion, Adafactor and AdamW8bit), the
-per-parameter state it keeps; a file naming another slot is refused. ``step`` is a scalar; Adafactor's factored
-second moments have the shapes :func:`~dataset_cache.adafactor.factored_shapes` gives; AdamW8bit's block scales
-(``*_absmax``) one value per block of 256 elements and its code indices (``*_q``) are uint8
-(:func:`~dataset_cache.adamw8bit.moment_shapes`); every other slot has its parameter's shape."""
+"""Per optimizer (the names ComfyUI's ``_create_optimizer`` knows, Prodigy, Lion, Adafactor, AdamW8bit and
+Lion8bit), the per-parameter state it keeps; a file naming another slot is refused. ``step`` is a scalar;
+Adafactor's factored second moments have the shapes :func:`~dataset_cache.adafactor.factored_shapes` gives;
+AdamW8bit's and Lion8bit's block scales (``*_absmax``) one value per block of 256 elements and their code indices
+(``*_q``) are uint8 (:func:`~dataset_cache.blockwise8bit.moment_shapes`); every other slot has its parameter's
+shape."""
 AVERAGE_SLOTS = ("weights", "average")
 """The slots of a run that averaged its weights (``ema_decay``), whatever its optimizer: ``weights`` the trained
 values of the parameter (the LoRA file holds their average), ``average`` that average in fp32."""
@@ -259,13 +263,13 @@ def _slot_shape(optimizer: str, slot: str, shape: tuple[int, ...]) -> tuple[int,
     """The shape ``optimizer``'s ``slot`` has for a parameter of ``shape``."""
     if optimizer == "Adafactor" and slot.startswith("exp_avg_sq"):
         return factored_shapes(shape).get(slot, (-1,))  # a matrix's "exp_avg_sq", a vector's row: never fits
-    if optimizer == "AdamW8bit" and slot.endswith("_absmax"):
+    if optimizer in ("AdamW8bit", "Lion8bit") and slot.endswith("_absmax"):
         return (-(-math.prod(shape) // BLOCK),)
     return shape
 
 
 def _slot_kind(slot: str) -> str:
-    """What a slot's values must be: AdamW8bit's code indices bytes, every other slot floating point."""
+    """What a slot's values must be: the 8-bit optimizers' code indices bytes, every other slot floating point."""
     return "uint8 (code indices)" if slot.endswith("_q") else "floating point"
 
 

@@ -66,8 +66,9 @@ def _builtin_inputs() -> list[io.Input]:
         io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
                        tooltip="The optimizer that updates the LoRA weights: ComfyUI's four, Prodigy (finds its "
                        "own step size: set learning_rate 1.0), Lion (one step size per weight: rates 3-10x "
-                       "below AdamW's), Adafactor (kohya's and FluxGym's Flux optimizer, with their settings) or "
-                       "AdamW8bit (bitsandbytes' 8-bit AdamW, kohya's and ai-toolkit's default; no package needed)."),
+                       "below AdamW's), Adafactor (kohya's and FluxGym's Flux optimizer, with their settings), "
+                       "AdamW8bit (bitsandbytes' 8-bit AdamW, kohya's and ai-toolkit's default) or Lion8bit "
+                       "(bitsandbytes' Lion with a one-byte moment); no package needed."),
         io.Combo.Input("loss_function", options=list(LOSS_FUNCTIONS), default="MSE",
                        tooltip="How the denoised prediction is compared with the clean latent."),
         io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF,

@@ -3,7 +3,8 @@
 :class:`~dataset_cache.lion.Lion` for ``Lion``, with the ``lion-pytorch`` package's defaults (kohya's, when its
 config sets no optimizer arguments), :class:`~dataset_cache.adafactor.Adafactor` for ``Adafactor``, with the
 settings kohya's and FluxGym's recipes give it (:data:`ADAFACTOR_SETTINGS`), and
-:class:`~dataset_cache.adamw8bit.AdamW8bit` for ``AdamW8bit`` (bitsandbytes' defaults, kohya's and ai-toolkit's)."""
+:class:`~dataset_cache.adamw8bit.AdamW8bit` for ``AdamW8bit`` and :class:`~dataset_cache.lion8bit.Lion8bit` for
+``Lion8bit`` (bitsandbytes' defaults, kohya's and ai-toolkit's)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ...dataset_cache.adafactor import GROUP_STATE as ADAFACTOR_GROUP_STATE
 from ...dataset_cache.adafactor import Adafactor
 from ...dataset_cache.adamw8bit import AdamW8bit
 from ...dataset_cache.lion import Lion
+from ...dataset_cache.lion8bit import Lion8bit
 from ...dataset_cache.optimizer_args import check_optimizer_args, format_optimizer_args, parse_optimizer_args
 from ...dataset_cache.prodigy import GROUP_STATE, Prodigy
 
@@ -26,7 +28,8 @@ __all__ = ["ADAFACTOR_SETTINGS", "OPTIMIZER_CLASSES", "PRODIGY_SETTINGS", "check
 
 OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD, "RMSprop": torch.optim.RMSprop,
-    "Prodigy": Prodigy, "Lion": Lion, "Adafactor": Adafactor, "AdamW8bit": AdamW8bit}
+    "Prodigy": Prodigy, "Lion": Lion, "Adafactor": Adafactor, "AdamW8bit": AdamW8bit,
+    "Lion8bit": Lion8bit}
 """The class each ``optimizer`` name makes (ComfyUI's ``_create_optimizer`` for the first four): what
 ``optimizer_args`` is checked against."""
 
@@ -42,7 +45,7 @@ ADAFACTOR_SETTINGS = {"scale_parameter": False, "relative_step": False, "warmup_
 its own step size (``learning_rate`` then has no effect; the summary says so)."""
 
 
-OURS = ("Prodigy", "Lion", "Adafactor", "AdamW8bit")
+OURS = ("Prodigy", "Lion", "Adafactor", "AdamW8bit", "Lion8bit")
 """The optimizers this pack makes itself (the others are ComfyUI's ``_create_optimizer``'s)."""
 
 
@@ -58,7 +61,7 @@ def _own_kwargs(name: str, rate: float, warmup_steps: int, args: dict[str, Any])
 
 def create_optimizer(train: ModuleType, settings: Any, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     """The run's optimizer over ``params`` at ``settings.learning_rate``: ComfyUI's ``_create_optimizer`` for its
-    names, ours (:data:`OURS`: Prodigy with :data:`PRODIGY_SETTINGS`, Lion, Adafactor, AdamW8bit) otherwise;
+    names, ours (:data:`OURS`: Prodigy with :data:`PRODIGY_SETTINGS`, Lion, Adafactor, AdamW8bit, Lion8bit) otherwise;
     ``settings.optimizer_args`` over their defaults
     (for ComfyUI's, its optimizer made again with its own defaults and them, so its class stays ComfyUI's choice)."""
     args = parse_optimizer_args(settings.optimizer_args)

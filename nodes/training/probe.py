@@ -33,10 +33,12 @@ __all__ = ["OPTIMIZER_STATES", "PROBES", "ProbeResult", "clear_probe_cache", "fp
 
 log = logging.getLogger("streamcache.train")
 
-OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "RMSprop": 1, "SGD": 0, "Prodigy": 4, "AdamW8bit": 1}
+OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "RMSprop": 1, "SGD": 0, "Prodigy": 4, "AdamW8bit": 1,
+                    "Lion8bit": 1}
 """Tensors the optimizer keeps per trained parameter (ComfyUI's optimizers with their default settings; Prodigy:
 its two moments, its gradient sum and the starting weights; AdamW8bit: two bytes per weight, a bf16 LoRA's size,
-besides a step's fp32 scratch of at most about 100 MB, :data:`~dataset_cache.adamw8bit.CHUNK`)."""
+besides a step's fp32 scratch of at most about 100 MB, :data:`~dataset_cache.blockwise8bit.CHUNK`; Lion8bit: one
+byte per weight, counted as AdamW8bit's for its scratch)."""
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -46,7 +46,7 @@ log = logging.getLogger("streamcache.train")
 STATE_FOLDER = "streamcache_train_state"
 """The folder of training states in ComfyUI's output directory (beside ``loras/``, where Save LoRA writes)."""
 
-_STATEFUL = ("AdamW", "Adam", "RMSprop", "Prodigy", "Lion", "Adafactor", "AdamW8bit")
+_STATEFUL = ("AdamW", "Adam", "RMSprop", "Prodigy", "Lion", "Adafactor", "AdamW8bit", "Lion8bit")
 """Optimizers whose state a continued run loses without the state file (ComfyUI's SGD has no momentum, unless its
 ``optimizer_args`` give it one)."""
 

@@ -36,9 +36,10 @@ MAX_LORA_ALPHA = 4096.0
 """The largest ``lora_alpha``: past it the scale ``alpha / rank`` would turn a LoRA of any rank into noise."""
 ALPHA_ALGORITHMS = ("LoRA", "LoHa", "LoKr")
 """The adapters whose ``alpha`` scales their difference by ``alpha / rank`` (OFT's is a constraint, fixed when made)."""
-OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop", "Prodigy", "Lion", "Adafactor", "AdamW8bit")
-"""The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node), then Prodigy and Lion
-(:mod:`dataset_cache.prodigy`, :mod:`dataset_cache.lion`, made by :mod:`.optimizers`)."""
+OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop", "Prodigy", "Lion", "Adafactor", "AdamW8bit", "Lion8bit")
+"""The optimizers ComfyUI's ``_create_optimizer`` knows (same names as the built-in node), then ours
+(:mod:`dataset_cache.prodigy`, :mod:`dataset_cache.lion`, :mod:`dataset_cache.adafactor`,
+:mod:`dataset_cache.adamw8bit`, :mod:`dataset_cache.lion8bit`, made by :mod:`.optimizers`)."""
 LOSS_FUNCTIONS = ("MSE", "L1", "Huber", "SmoothL1")
 """The losses ComfyUI's ``_create_loss_function`` knows."""
 TRAINING_DTYPES = ("bf16", "fp32", "none")

@@ -482,3 +482,39 @@ def test_adamw8bits_code_indices_and_block_scales_fit_and_continue(tmp_path: Pat
     with pytest.raises(TrainStateError, match=r"tensor 'exp_avg_q/diffusion_model.b.lora_up.weight' is "
                                               r"torch.float32, not uint8 \(code indices\)"):
         read_train_state(path, digest=state.lora_digest, max_bytes=BIG)
+
+
+def test_lion8bits_one_moment_fits_and_continues_and_adamw8bits_second_is_refused(tmp_path: Path) -> None:
+    """Lion8bit (``min_8bit_size`` 8) keeps one moment: uint8 code indices and a scale per block, fp32 below the
+    size; written and read back, 3 + 3 steps equal 6 bit for bit; a scale list of another length is named, and
+    AdamW8bit's second moment is not a Lion8bit slot."""
+    from dataset_cache.lion8bit import Lion8bit
+
+    straight = _params()
+    _steps(Lion8bit(straight.values(), lr=0.01, min_8bit_size=8), straight, 0, 6)
+    first = _params()
+    opt = Lion8bit(first.values(), lr=0.01, min_8bit_size=8)
+    _steps(opt, first, 0, 3)
+    state = _state(first, opt, "Lion8bit")
+    up = "diffusion_model.b.lora_up.weight"
+    assert {k: (v.dtype, list(v.shape)) for k, v in state.slots[up].items()} == {
+        "step": (torch.int64, []), "exp_avg_q": (torch.uint8, [6, 2]), "exp_avg_absmax": (torch.float32, [1])}
+    assert set(state.slots["diffusion_model.a.alpha"]) == {"step", "exp_avg"}
+    assert check_fits(state, "Lion8bit", first) is None
+    path = tmp_path / f"{state.lora_digest}.safetensors"
+    write_train_state(path, state)
+    back = read_train_state(path, digest=state.lora_digest, max_bytes=BIG)
+    rest = {k: torch.nn.Parameter(v.detach().clone()) for k, v in first.items()}
+    opt = Lion8bit(rest.values(), lr=0.01, min_8bit_size=8)
+    opt.load_state_dict(optimizer_state_dict(back, list(rest), opt.state_dict()))
+    _steps(opt, rest, 3, 3)
+    assert all(torch.equal(rest[k], straight[k]) for k in straight)
+    wrong = {**state.slots, up: {**state.slots[up], "exp_avg_absmax": torch.zeros(3)}}
+    assert check_fits(dataclasses.replace(state, slots=wrong), "Lion8bit", first) == (
+        f"its exp_avg_absmax of '{up}' has shape [3], the parameter [6, 2] (needing [1])")
+    wrong = {**state.slots, up: {**state.slots[up], "exp_avg_sq_q": torch.zeros(6, 2, dtype=torch.uint8)}}
+    write_train_state(path, dataclasses.replace(state, slots=wrong))
+    with pytest.raises(TrainStateError, match=r"tensor 'exp_avg_sq_q/diffusion_model.b.lora_up.weight' is not "
+                                              r"<slot>/<parameter> with a slot of Lion8bit \(exp_avg, exp_avg_absmax, "
+                                              r"exp_avg_q, step\)"):
+        read_train_state(path, digest=state.lora_digest, max_bytes=BIG)
