@@ -12,7 +12,8 @@ machine has one GPU); then Qwen-Image and Lumina 2.
 
 A **group** is what must come from one run, side by side: a family/batch row's three arms (``sd15/b1``), a capped
 family's capped and uncapped arms (``cap/flux``), a family's checkpointing arms (``ckpt/sdxl``: exact, fast, kept), a
-family's option arms (``options/sd15``: plain, clip, ema, snr, all, layers, prodigy, adafactor, dropout), one
+family's option arms (``options/sd15``: plain, clip, ema, snr, all, layers, prodigy, adafactor, lion, adamw8bit,
+lion8bit, dropout), one
 multi-GPU family
 (``devices/sdxl``), one encode row (``encode/flux``), one profile (its own id). Runs accumulate by group
 (:mod:`bench.gpu_ledger`).
@@ -25,8 +26,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["ArmPlan", "GroupPlan", "BATCHES", "REQUIRED", "EXTRA", "CAPS", "CKPT_ARMS", "CKPT_MODES", "STEP_OPTIONS",
-           "STEP_OPTION_ARMS", "LAYER_CHOICES", "plan_family", "plan_caps", "plan_ckpt_modes", "plan_step_options",
-           "plan_devices", "plan_groups", "select", "matches", "choose_depth", "group_key", "expected_ids", "rounds"]
+           "STEP_OPTION_ARMS", "OPTIMIZER_ARM_FAMILIES", "LAYER_CHOICES", "plan_family", "plan_caps", "plan_ckpt_modes",
+           "plan_step_options", "plan_devices", "plan_groups", "select", "matches", "choose_depth", "group_key",
+           "expected_ids", "rounds"]
 
 REQUIRED = ("sd15", "sdxl", "flux", "wan21")
 EXTRA = ("lumina2", "qwen_image")
@@ -68,14 +70,21 @@ STEP_OPTION_ARMS: dict[str, dict[str, float | str]] = {
     "layers": {"train_layers": ""},
     "prodigy": {"optimizer": "Prodigy", "learning_rate": 1.0},
     "adafactor": {"optimizer": "Adafactor"},
+    "lion": {"optimizer": "Lion", "learning_rate": 1e-4},
+    "adamw8bit": {"optimizer": "AdamW8bit"},
+    "lion8bit": {"optimizer": "Lion8bit", "learning_rate": 1e-4},
     "dropout": {"rank_dropout": 0.1, "module_dropout": 0.1}}
 """Ours without the step's options (``plain``, the reference), with each alone, with all three, with adapters on
 part of the layers only (``layers``: the family's :data:`LAYER_CHOICES` piece) and with the Prodigy optimizer: what
 gradient clipping (the norm is measured every step anyway), the weights' average and Min-SNR weighting cost on the
 device (``bench/bench_step_extras.py`` counts their ops on the CPU), what training the attention alone saves, and
 what Prodigy's step costs against AdamW's (``bench/bench_prodigy.py`` counts its ops and reads on the CPU), what
-Adafactor's does (``bench/bench_adafactor.py``), and what kohya's rank and module dropout add (``scripts/bench-comfy
-dropout`` counts their ops)."""
+Adafactor's, Lion's and the 8-bit optimizers' do (``bench/bench_adafactor.py``, ``bench/bench_lion.py``,
+``bench/bench_adamw8bit.py``), and what kohya's rank and module dropout add (``scripts/bench-comfy dropout`` counts
+their ops). Lion's arms step at 1e-4, a Lion rate (the step's time does not depend on it)."""
+OPTIMIZER_ARM_FAMILIES = {"lion": ("sd15", "sdxl"), "adamw8bit": ("sd15", "sdxl"), "lion8bit": ("sd15", "sdxl")}
+"""The option arms measured on some families only: what an optimizer's step costs depends on the LoRA's tensors,
+not on the model, and three more arms would take Flux's group past one device call (~680 s on an H100)."""
 LAYER_CHOICES = {"sd15": "attn", "sdxl": "attn", "flux": "double_blocks"}
 """``train_layers`` of each family's ``layers`` arm (``bench/train_layers.py`` counts what each trains)."""
 
@@ -209,8 +218,8 @@ def plan_ckpt_modes(params_b: Mapping[str, float] | None = None) -> list[ArmPlan
 
 
 def plan_step_options(params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:
-    """Ours with each of :data:`STEP_OPTION_ARMS` (``plain`` the reference) per family of :data:`STEP_OPTIONS`, at
-    batch 1 and the default memory plan."""
+    """Ours with each of :data:`STEP_OPTION_ARMS` (``plain`` the reference) per family of :data:`STEP_OPTIONS` (the
+    arms of :data:`OPTIMIZER_ARM_FAMILIES` on their families only), at batch 1 and the default memory plan."""
     from .gpu_budget import arm_setup_s, est_step_s
 
     params_b = params_b or {}
@@ -218,7 +227,8 @@ def plan_step_options(params_b: Mapping[str, float] | None = None) -> list[ArmPl
                     extra={"train_layers": LAYER_CHOICES[family]} if mode == "layers" else dict(extra),
                     est_step_s=est_step_s(family, 1, "ours"), group="options",
                     setup_s=arm_setup_s(family, "ours", params_b.get(family, 0.0)))
-            for family in STEP_OPTIONS for mode, extra in STEP_OPTION_ARMS.items()]
+            for family in STEP_OPTIONS for mode, extra in STEP_OPTION_ARMS.items()
+            if family in OPTIMIZER_ARM_FAMILIES.get(mode, STEP_OPTIONS)]
 
 
 def plan_devices(count: int, params_b: Mapping[str, float] | None = None) -> list[ArmPlan]:

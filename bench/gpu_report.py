@@ -436,7 +436,7 @@ def render(runs: Ledger | GpuRun, families: dict[str, FamilySpec] | None = None,
                         reference="exact", versus="exact", cap_column=False)]
     o += ["", *_grouped(shown, "options/",
                         "### G7. The step's options: gradient clipping, the weights' average, Min-SNR, part of the "
-                        "layers, Prodigy, Adafactor, dropout",
+                        "layers, Prodigy, Adafactor, Lion, the 8-bit optimizers, dropout",
                         "Ours at batch 1 (`memory` = auto) without the step's options (`plain`; the gradient norm is "
                         "measured every step all the same) and with each: `clip` = `max_grad_norm` 1, `ema` = "
                         "`ema_decay` 0.999 (an fp32 average of the bf16 LoRA, updated every step), `snr` = "
@@ -444,10 +444,13 @@ def render(runs: Ledger | GpuRun, families: dict[str, FamilySpec] | None = None,
                         "(`train_layers` `attn` for SD1.5 and SDXL, `double_blocks` for Flux: "
                         "`bench/train_layers.py` counts what each trains); `prodigy` = `optimizer` Prodigy at "
                         "`learning_rate` 1 (plain: AdamW); `adafactor` = `optimizer` Adafactor (kohya's settings); "
+                        "`lion`, `adamw8bit`, `lion8bit` = `optimizer` Lion, AdamW8bit, Lion8bit (bitsandbytes' "
+                        "8-bit optimizers in PyTorch; the Lions at `learning_rate` 1e-4); "
                         "`dropout` = `rank_dropout` and `module_dropout` 0.1. Speed against plain (same run); "
                         "losses compared step by step (the average does not change the training's losses; "
                         "clipping, Min-SNR, another LoRA, another optimizer and dropout do). "
-                        "`bench/bench_step_extras.py`, `bench/bench_prodigy.py`, `bench/bench_adafactor.py` and "
+                        "`bench/bench_step_extras.py`, `bench/bench_prodigy.py`, `bench/bench_adafactor.py`, "
+                        "`bench/bench_lion.py`, `bench/bench_adamw8bit.py` and "
                         "`scripts/bench-comfy dropout` count the ops each adds on the CPU.",
                         reference="plain", versus="plain", cap_column=False)]
     prof = _profile(shown)

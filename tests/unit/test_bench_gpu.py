@@ -62,7 +62,12 @@ def test_the_option_arms_are_ours_without_and_with_each_extra_at_batch_one() -> 
         ("options/sd15-layers/ours", {"train_layers": "attn"}, 1, "ours"),
         ("options/sd15-prodigy/ours", {"optimizer": "Prodigy", "learning_rate": 1.0}, 1, "ours"),
         ("options/sd15-adafactor/ours", {"optimizer": "Adafactor"}, 1, "ours"),
+        ("options/sd15-lion/ours", {"optimizer": "Lion", "learning_rate": 1e-4}, 1, "ours"),
+        ("options/sd15-adamw8bit/ours", {"optimizer": "AdamW8bit"}, 1, "ours"),
+        ("options/sd15-lion8bit/ours", {"optimizer": "Lion8bit", "learning_rate": 1e-4}, 1, "ours"),
         ("options/sd15-dropout/ours", {"rank_dropout": 0.1, "module_dropout": 0.1}, 1, "ours")]
+    flux = {a.id.split("/")[1].removeprefix("flux-") for a in plan_step_options() if a.family == "flux"}
+    assert flux == set(STEP_OPTION_ARMS) - {"lion", "adamw8bit", "lion8bit"}  # one device call's worth
     assert next(a.extra for a in plan_step_options() if a.id == "options/flux-layers/ours") == {
         "train_layers": "double_blocks"}
     assert {a.family for a in plan_step_options()} == {"sd15", "sdxl", "flux"}
@@ -243,7 +248,7 @@ def test_the_option_arms_are_shown_against_plain_in_their_own_section(run: GpuRu
     text = render(run)
     lines = text.splitlines()
     g7 = lines.index("### G7. The step's options: gradient clipping, the weights' average, Min-SNR, part of the "
-                     "layers, Prodigy, Adafactor, dropout")
+                     "layers, Prodigy, Adafactor, Lion, the 8-bit optimizers, dropout")
     rows = [x for x in lines[g7:] if x.startswith("| `options/sd15-")]
     # speed against plain (0.40 / 0.41); the average leaves the losses as they are, Min-SNR weighs them
     assert rows == ["| `options/sd15-plain/ours` | R1 | 0.400 | — | 6.0 | 4.0 | — |",
@@ -347,3 +352,18 @@ def test_the_device_line_names_a_cuda_device_and_its_versions(monkeypatch: pytes
         ("cuda", "NVIDIA H100 80GB HBM3", 80.0, 2, "13.0", "91900")
     assert (cpu.kind, cpu.count, cpu.cuda, cpu.cudnn) == ("cpu", 1, "", "") and cpu.name.startswith("CPU stand-in")
     assert (cuda.torch, cuda.comfyui, cuda.python, cuda.host) == (cpu.torch, "0.28.0", cpu.python, cpu.host)
+
+
+def test_each_option_group_fits_one_device_call_on_an_h100() -> None:
+    """A device call runs at most 600 s and the prepared commands give the benchmark 555 of them: each family's
+    option arms must fit that, as the run's own budget estimates them on an H100 (20 measured steps per arm)."""
+    from bench.gpu_budget import forecast
+    from bench.gpu_models import FULL_FAMILIES
+    from bench.gpu_plan import plan_groups
+
+    params = {name: spec.params_b for name, spec in FULL_FAMILIES.items()}
+    groups = [g for g in plan_groups(params, {}, 79.2) if g.section == "options"]
+    assert {g.key for g in groups} == {"options/sd15", "options/sdxl", "options/flux"}
+    for group in groups:
+        (plan,) = forecast([group], Budget(10_000, speed=1.1), 20)
+        assert plan.seconds <= 555, (group.key, plan.seconds)
