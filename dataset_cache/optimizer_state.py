@@ -13,9 +13,9 @@ hyperparameters, and their parameters by name), the counts, the sampler's state 
 
 Name: the LoRA file is written by another node (ComfyUI's "Save LoRA Weights", with a counter in its name), so
 the file is named by the content digest of the LoRA's tensors (:func:`lora_digest`), which the LoRA gives again
-wherever it is copied or however it is renamed. :class:`TrainStateStore` keeps the files in one folder, writes
-them atomically and keeps the folder bounded (the least recently used go first, and only files of its own name
-pattern; see :meth:`TrainStateStore.prune`).
+wherever it is copied or however it is renamed. :class:`~.train_state_store.TrainStateStore` keeps the files in one
+folder, writes them atomically and keeps the folder bounded (the least recently used go first, and only files of its
+own name pattern; see :meth:`~.train_state_store.TrainStateStore.prune`).
 
 Reading trusts nothing: the header's offsets and sizes are checked against the file (``format.safetensors_io``),
 the metadata's fields and types, the digest against the LoRA asked for, every value for NaN and infinity, and
@@ -29,8 +29,6 @@ import json
 import math
 import os
 import re
-import stat
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,13 +55,10 @@ from .format.safetensors_io import (
 
 __all__ = [
     "AVERAGE_SLOTS",
-    "MAX_STATE_FILES",
-    "MAX_STATE_FOLDER_BYTES",
     "METADATA_KEY",
     "OPTIMIZER_SLOTS",
     "TrainState",
     "TrainStateError",
-    "TrainStateStore",
     "capture_optimizer",
     "check_fits",
     "lora_digest",
@@ -98,15 +93,7 @@ AVERAGE_SLOTS = ("weights", "average")
 """The slots of a run that averaged its weights (``ema_decay``), whatever its optimizer: ``weights`` the trained
 values of the parameter (the LoRA file holds their average), ``average`` that average in fp32."""
 
-MAX_STATE_FILES = 32
-"""State files the folder keeps (the least recently written or used beyond this are removed)."""
-MAX_STATE_FOLDER_BYTES = 16 << 30
-"""Bytes the folder keeps: an AdamW state is twice its LoRA (two moments), so a rank-64 Flux LoRA's is ~1.2 GB."""
 _MAX_COUNT = 1 << 53
-_ORPHAN_SECONDS = 3600.0
-"""A temp file of an interrupted write older than this is an orphan (a write takes seconds)."""
-_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
-_TEMP = re.compile(r"\.[0-9a-f]{32}\.safetensors\.[0-9a-f]{16}\.tmp")
 
 
 class TrainStateError(CacheError, ValueError):
@@ -455,105 +442,3 @@ def _groups(path: str | os.PathLike[str], groups: list[Any]) -> tuple[dict[str, 
         seen.update(params)
         out.append(group)
     return tuple(out)
-
-
-class TrainStateStore:
-    """The folder of training states: ``<digest>.safetensors`` files, written atomically, bounded in count and bytes.
-
-    Nothing else in the folder is ever touched: only regular files of that exact name pattern (and temp files of an
-    interrupted write of one, once they are an hour old) are counted and removed.
-    """
-
-    def __init__(self, folder: str | os.PathLike[str], *, max_files: int = MAX_STATE_FILES,
-                 max_bytes: int = MAX_STATE_FOLDER_BYTES) -> None:
-        self.folder = Path(os.path.abspath(folder))
-        self.max_files = max_files
-        self.max_bytes = max_bytes
-
-    def path_for(self, digest: str) -> Path:
-        """Where the state of the LoRA of ``digest`` is (or would be) kept."""
-        if not re.fullmatch(r"[0-9a-f]{32}", digest):
-            raise ValueError(f"not a LoRA digest: {digest!r:.40}")
-        return self.folder / f"{digest}.safetensors"
-
-    def find(self, digest: str) -> Path | None:
-        """The state file of the LoRA of ``digest``, or ``None`` when there is none (a link counts as none)."""
-        path = self.path_for(digest)
-        try:
-            return path if stat.S_ISREG(os.lstat(path).st_mode) else None
-        except OSError:
-            return None
-
-    def touch(self, path: Path) -> None:
-        """Mark a state as just used, so pruning keeps it longest (best effort)."""
-        try:
-            os.utime(path)
-        except OSError:
-            pass
-
-    def save(self, state: TrainState) -> tuple[Path, list[str]]:
-        """Write ``state`` as its LoRA's state file; return the path and the names of the files pruned.
-
-        Raises:
-            OSError: the folder is a link, cannot be created, or the file cannot be written (naming it).
-        """
-        if os.path.islink(self.folder):
-            raise OSError(None, "the training state folder is a symbolic link; it is not written through",
-                          str(self.folder))
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.path_for(state.lora_digest)
-        write_train_state(path, state)
-        return path, self.prune(keep=path)
-
-    def prune(self, *, keep: Path | None = None) -> list[str]:
-        """Remove the least recently written or used states beyond :attr:`max_files` or :attr:`max_bytes`
-        (``keep`` stays whatever its size), and temp files of interrupted writes older than an hour; return the
-        names removed."""
-        try:
-            entries = list(os.scandir(self.folder))
-        except OSError:
-            return []
-        states, removed = [], []
-        now = time.time()
-        for entry in entries:
-            try:
-                info = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if not stat.S_ISREG(info.st_mode):
-                continue
-            if _NAME.fullmatch(entry.name):
-                states.append((info.st_mtime, entry.name, info.st_size))
-            elif _TEMP.fullmatch(entry.name) and now - info.st_mtime > _ORPHAN_SECONDS and self._remove(entry.name):
-                removed.append(entry.name)
-        states.sort(reverse=True)
-        kept, total = 0, 0
-        for _mtime, name, size in states:
-            if keep is not None and name == keep.name:
-                kept, total = kept + 1, total + size
-                continue
-            if kept + 1 > self.max_files or total + size > self.max_bytes:
-                if self._remove(name):
-                    removed.append(name)
-                continue
-            kept, total = kept + 1, total + size
-        return removed
-
-    def remove(self, path: Path) -> bool:
-        """Remove the state file ``path`` of this folder (a regular file named as a state; anything else is left
-        alone): for a state its writer has superseded. Whether it was removed."""
-        if path.parent != self.folder or not _NAME.fullmatch(path.name):
-            return False
-        try:
-            if not stat.S_ISREG(os.lstat(path).st_mode):
-                return False
-        except OSError:
-            return False
-        return self._remove(path.name)
-
-    def _remove(self, name: str) -> bool:
-        try:
-            os.unlink(self.folder / name)
-            return True
-        except OSError:
-            return False

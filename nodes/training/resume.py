@@ -28,7 +28,6 @@ from ...dataset_cache.optimizer_state import (
     OPTIMIZER_SLOTS,
     TrainState,
     TrainStateError,
-    TrainStateStore,
     capture_optimizer,
     check_average_fits,
     check_fits,
@@ -37,6 +36,7 @@ from ...dataset_cache.optimizer_state import (
     read_train_state,
 )
 from ...dataset_cache.sampler import BatchPlan, BucketSampler
+from ...dataset_cache.train_state_store import TrainStateStore
 from .optimizers import group_state, slots_differ
 
 __all__ = ["STATE_FOLDER", "Start", "capture_state", "resume_run", "save_state", "state_store"]

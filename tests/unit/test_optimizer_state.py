@@ -18,7 +18,6 @@ from dataset_cache.optimizer_state import (
     METADATA_KEY,
     TrainState,
     TrainStateError,
-    TrainStateStore,
     capture_optimizer,
     check_average_fits,
     check_fits,
@@ -27,6 +26,7 @@ from dataset_cache.optimizer_state import (
     read_train_state,
     write_train_state,
 )
+from dataset_cache.train_state_store import TrainStateStore
 
 BIG = 1 << 30
 
