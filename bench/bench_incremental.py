@@ -45,7 +45,7 @@ import torch
 from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_settings import EncodeSettings
 from dataset_cache.encode_plan import plan_encode, sources_record_path
 from dataset_cache.encode_run import run_encode
 from dataset_cache.sources import validate_sources

@@ -27,7 +27,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_jobs import EncodePlan, EncodeSettings
+from dataset_cache.encode_jobs import EncodePlan
+from dataset_cache.encode_settings import EncodeSettings
 from dataset_cache.encode_plan import plan_encode
 from dataset_cache.imaging import load_image, load_mask
 

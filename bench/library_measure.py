@@ -127,7 +127,7 @@ def incremental_bench(work: Path, n: int, runs: int) -> IncrementalFigures | str
     re-planning the unchanged folder takes; a string saying why when it fails (the other tables still run)."""
     try:
         from dataset_cache.buckets import BucketConfig
-        from dataset_cache.encode_jobs import EncodeSettings
+        from dataset_cache.encode_settings import EncodeSettings
         from dataset_cache.encode_plan import plan_encode, sources_record_path
         from dataset_cache.encode_run import run_encode
         from dataset_cache.sources import validate_sources

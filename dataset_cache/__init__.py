@@ -35,7 +35,8 @@ from .format.layout import is_cache_folder
 from .format.dataset_file import check_dataset_name
 from .format.manifest import CacheState, read_state
 from .frames import FrameSettings
-from .encode_jobs import EncodePlan, EncodeSettings
+from .encode_jobs import EncodePlan
+from .encode_settings import EncodeSettings
 from .encode_plan import plan_encode
 from .encode_report import EncodeReport
 from .encode_run import run_encode

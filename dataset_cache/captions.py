@@ -20,7 +20,7 @@ from .caption_wildcards import expand_wildcards, wildcard_count
 from .keys import PlanKeys
 
 if TYPE_CHECKING:  # encode_jobs imports this module's limits and shuffles
-    from .encode_jobs import EncodeSettings
+    from .encode_settings import EncodeSettings
 
 __all__ = [
     "MAX_CAPTION_CHARS",

@@ -15,7 +15,8 @@ from .buckets import CropPlan, crop_plans
 from .captions import caption_keys, too_many_variants
 from .dataset import Sample
 from .errors import SourceFailure
-from .encode_jobs import ClipJob, EncodeSettings, LatentJob, Planned
+from .encode_jobs import ClipJob, LatentJob, Planned
+from .encode_settings import EncodeSettings
 from .frames import MAX_CLIP_PIXEL_BYTES, FrameSettings, clip_key_fields, legacy_clip_key_fields
 from .keys import hash_bytes, latent_key
 from .scan import SourceClip

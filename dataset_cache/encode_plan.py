@@ -56,7 +56,8 @@ from .captions import caption_keys, caption_notes, separator_notes, shuffle_note
 from .missing_captions import fill_missing_captions
 from .clip_plan import clip_notes, plan_clips
 from .dataset import Sample, check_epoch_size
-from .encode_jobs import EncodePlan, EncodeSettings, LatentJob, MaskJob, Planned, caption_example
+from .encode_jobs import EncodePlan, LatentJob, MaskJob, Planned, caption_example
+from .encode_settings import EncodeSettings
 from .errors import CacheError, CacheNotFoundError, DatasetFolderError, SourceFailure
 from .format.dataset_file import check_dataset_name
 from .format.layout import MANIFEST, check_new_cache_location, check_no_links, is_regular_file

@@ -11,7 +11,8 @@ import functools
 from collections.abc import Sequence
 
 from .buckets import CropPlan
-from .encode_jobs import EncodeSettings, MaskJob
+from .encode_jobs import MaskJob
+from .encode_settings import EncodeSettings
 from .errors import SourceError, SourceFailure
 from .imaging import has_alpha, mask_aspect_problem, read_image_size
 from .keys import content_key, mask_key

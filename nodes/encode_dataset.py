@@ -32,7 +32,8 @@ from comfy_api.latest import io
 
 from ..dataset_cache.buckets import CROP_MODES, FLIP_MODES, BucketConfig
 from ..dataset_cache.captions import MAX_SHUFFLE_VARIANTS, MAX_TAG_DROPOUT
-from ..dataset_cache.encode_jobs import FAILURE_POLICIES, MAX_EXTRA_RESOLUTIONS, EncodePlan, EncodeSettings
+from ..dataset_cache.encode_jobs import EncodePlan
+from ..dataset_cache.encode_settings import FAILURE_POLICIES, MAX_EXTRA_RESOLUTIONS, EncodeSettings
 from ..dataset_cache.encode_plan import plan_encode
 from ..dataset_cache.imaging import MASK_MODES
 from ..dataset_cache.listing import CAPTION_EXTENSION, check_caption_extension

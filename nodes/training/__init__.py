@@ -18,25 +18,25 @@ losses and model loading, taken from the live ``nodes_train`` module (see
 size; each block of the model is its own gradient checkpoint, and the memory plan streams blocks' weights when
 the model does not fit (``memory``).
 
-Modules: ``settings`` (the options), ``run`` (``train_lora`` as its steps), ``loop`` (the step loop), ``loss`` (the
-batch's loss and its weights), ``conditioning`` (per-row conditionings, the model call), ``report`` (step and run
-reports), ``comfy_parts`` (the ComfyUI functions driven), ``memory`` (the memory plan's step: budget, plan, putting
-it in place), ``blocks`` (a model's blocks), ``probe`` (what a run's forward keeps, measured on fake tensors),
-``resume`` (continuing a LoRA exactly), ``saves`` (the LoRA saved during a run), ``lora_files`` (the LoRAs
-``existing_lora`` offers), ``layers`` (the layers ``train_layers`` gives adapters). Only the execution thread calls
-ComfyUI's progress and interrupt functions; the loader's threads only read.
+Modules: ``settings`` (the options), ``run`` (``train_lora`` as its steps), ``loop`` (the step loop), ``step_losses``
+(its losses read back, checked and tallied), ``loss`` (the batch's loss and its weights), ``conditioning`` (per-row
+conditionings, the model call), ``report`` (step and run reports), ``comfy_parts`` (the ComfyUI functions driven),
+``memory`` (the memory plan's step: budget, plan, putting it in place), ``blocks`` (a model's blocks), ``probe`` (what a
+run's forward keeps, measured on fake tensors), ``resume`` (continuing a LoRA exactly), ``saves`` (the LoRA saved during
+a run), ``lora_files`` (the LoRAs ``existing_lora`` offers), ``layers`` (the layers ``train_layers`` gives adapters).
+Only the execution thread calls ComfyUI's progress and interrupt functions; the loader's threads only read.
 """
 
 from __future__ import annotations
 
 from .comfy_parts import nodes_train_module
-from .loop import NonFiniteLossError
 from .report import RowCounts, StepReport, TrainResult
 from .run import train_lora
 from .settings import (CHECKPOINT_MODES, DEFAULT_SAVE_PREFIX, LOSS_FUNCTIONS, LOSS_TARGETS, LR_SCHEDULES,
                        MAX_EMA_DECAY, MAX_GRAD_NORM, MAX_LORA_ALPHA, MAX_MIN_SNR_GAMMA, MAX_MULTIRES_ITERATIONS,
                        MAX_NOISE_OFFSET, MAX_REG_RATIO, MAX_REG_WEIGHT, MAX_SEED, MAX_TIMESTEP, MAX_WARMUP_STEPS,
                        OPTIMIZERS, TIMESTEP_SAMPLINGS, TrainSettings)
+from .step_losses import NonFiniteLossError
 
 __all__ = [
     "CHECKPOINT_MODES",

@@ -6,10 +6,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,19 +26,16 @@ from ...dataset_cache.noise_draws import draw_noise, draw_percents, draw_perturb
 from ...dataset_cache.sampler import BatchPlan
 from ...dataset_cache.seeding import derive_seed, seeded_generator
 from ...dataset_cache.sharding import share_of
-from ...dataset_cache.trainable import non_finite_entries
 from .dropout import AdapterDropout
 from .conditioning import Conditioner, ModelCall
 from .loss import WeightedLoss
 from .report import Startup, StepReport
 from .settings import TrainSettings
+from .step_losses import Done, LaggedLosses, NonFiniteLossError, Tally, finite_losses
 
-__all__ = ["NonFiniteLossError", "StepLoop"]
+__all__ = ["StepLoop"]
 
 log = logging.getLogger("streamcache.train")
-
-_SMOOTHING = 0.1
-"""Weight of the newest loss in the exponential moving average reported as ``loss_smooth``."""
 
 
 def _checked_by_the_ranks() -> None:
@@ -59,116 +55,6 @@ def _own_rows(plan: BatchPlan, count: int, drawn: torch.Tensor) -> torch.Tensor:
     process, else a copy of its slice (the draw itself is not kept)."""
     rows, first = share_of(plan, count)
     return drawn if (first, count) == (0, rows) else drawn[first:first + count].clone()
-
-
-class NonFiniteLossError(ValueError):
-    """Training stopped at a NaN or infinite loss: every later step would only spread it into the LoRA."""
-
-    def __init__(self, step: int, loss: float, batch: Batch) -> None:
-        plan = batch.plan
-        bad = non_finite_entries(plan.latent_keys, batch.latents, plan.caption_keys, batch.conditioning)
-        cause = (f"these entries hold NaN or infinite values: {', '.join(bad[:4])}"
-                 f"{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}; the cache's checksums cannot catch values "
-                 "that were stored that way: re-encode those images and captions" if bad else
-                 "the batch's values are finite, so the model diverged: lower the learning rate, or train in "
-                 "bf16/fp32 rather than fp16")
-        super().__init__(f"training stopped at step {step}: the loss is {loss} (batch {plan.index} of epoch "
-                         f"{plan.epoch}, latents {', '.join(plan.latent_keys[:4])}"
-                         f"{' ...' if len(plan.latent_keys) > 4 else ''}); {cause}. No LoRA was written from this "
-                         "step on")
-        self.step = step
-        self.entries = bad
-
-
-def _finite(step: int, losses: Sequence[torch.Tensor | float], batches: Sequence[Batch]) -> list[float]:
-    """The losses of step ``step`` (0-based) as floats; a non-finite one raises, naming its batch."""
-    values = [float(v) for v in losses]
-    for value, batch in zip(values, batches):
-        if not math.isfinite(value):
-            raise NonFiniteLossError(step + 1, value, batch)
-    return values
-
-
-class _Done(NamedTuple):
-    """A step's values read back from the device: its losses (one per accumulated batch), its batches, and the
-    global norm of its gradients before clipping (``None`` for a step cut short before its optimizer step)."""
-
-    step: int
-    losses: list[float]
-    batches: list[Batch]
-    grad_norm: float | None
-
-
-class _LaggedLosses:
-    """Each step's losses and gradient norm copied from the device as the step's last work, read when the next step
-    has been queued: the training thread then never waits for the device to drain its queue just to learn a loss
-    (on CUDA the copy goes into pinned memory after the step's work, and an event says when it arrived). Two pinned
-    buffers, made at the first step and used in turn (allocating pinned memory is slow and may synchronize)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._held: tuple[int, torch.Tensor, Any, list[Batch], bool] | None = None
-        self._host: list[torch.Tensor] = []
-        self._turn = 0
-
-    def swap(self, step: int | None, losses: list[torch.Tensor], batches: list[Batch],
-             grad_norm: torch.Tensor | None = None) -> _Done | None:
-        """Hold step ``step``'s losses and gradient norm (``step`` ``None``: none, the run ended) and return the
-        step held before, read."""
-        held, self._held = self._held, None
-        if step is not None and losses:
-            values = torch.stack([v.detach().reshape(()).float().to(losses[0].device)
-                                  for v in [*losses, *([grad_norm] if grad_norm is not None else [])]])
-            event = None
-            if self.cuda and values.is_cuda:
-                if not self._host or self._host[0].shape != values.shape:
-                    self._host = [torch.empty(values.shape, dtype=values.dtype, pin_memory=True) for _ in range(2)]
-                host = self._host[self._turn]  # the other one holds the step being read below
-                self._turn ^= 1
-                host.copy_(values, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                values = host
-            self._held = (step, values, event, batches, grad_norm is not None)
-        if held is None:
-            return None
-        done_step, done_values, done_event, done_batches, has_norm = held
-        if done_event is not None:
-            done_event.synchronize()
-        read = done_values.tolist()
-        return _Done(done_step, read[:-1] if has_norm else read, done_batches, read[-1] if has_norm else None)
-
-
-class _Tally:
-    """The run's losses, their moving average, rows and waits, and the per-step report (progress bar, callback)."""
-
-    def __init__(self, steps: int, on_step: Callable[[StepReport], None] | None,
-                 rate: Callable[[int], float] | None = None, validation: Any = None) -> None:
-        self.steps = steps
-        self.on_step = on_step
-        self.rate = rate  # the learning rate of a step of the run (its number from 0), for the report
-        self.validation = validation  # its latest (step, loss), for the report
-        self.pbar = comfy.utils.ProgressBar(steps)
-        self.losses: list[float] = []
-        self.grad_norms: list[float] = []  # one per step whose optimizer step ran, before clipping
-        self.smooth: float | None = None
-        self.rows = 0
-        self.wait = 0.0
-        self.t0 = time.perf_counter()
-
-    def add(self, step: int, loss: float, batch: Batch, grad_norm: float | None = None) -> None:
-        self.losses.append(loss)
-        if grad_norm is not None:
-            self.grad_norms.append(grad_norm)
-        self.smooth = loss if self.smooth is None else (1 - _SMOOTHING) * self.smooth + _SMOOTHING * loss
-        self.pbar.update(1)  # ComfyUI's progress hook also checks the interrupt flag
-        if self.on_step is not None:
-            elapsed = time.perf_counter() - self.t0
-            val_step, val_loss = (self.validation.latest if self.validation is not None else None) or (None, None)
-            self.on_step(StepReport(step + 1, self.steps, loss, self.smooth, self.rows / elapsed if elapsed else 0.0,
-                                    100.0 * self.wait / elapsed if elapsed else 0.0, batch.plan.epoch,
-                                    elapsed, self.wait, self.rate(step) if self.rate is not None else None,
-                                    val_step, val_loss, grad_norm))
 
 
 class StepLoop:
@@ -232,7 +118,7 @@ class StepLoop:
         """Return (loss per optimizer step, seconds, batch rows trained, seconds spent waiting for batches); each
         step's gradient norm before clipping is in :attr:`grad_norms` (also after an error: the steps reported).
 
-        One process reads each step's loss from the device a step later (:class:`_LaggedLosses`): reading it at once
+        One process reads each step's loss from the device a step later (:class:`LaggedLosses`): reading it at once
         would make the training thread wait for the device to finish the step, and the device then idle while the
         thread prepares the next one (its conditionings, the model call's Python). The loss curve, the progress and
         a non-finite loss's error (naming its own step and batch) come one step later; the results are the same.
@@ -244,9 +130,9 @@ class StepLoop:
         throw_if_interrupted = comfy.model_management.throw_exception_if_processing_interrupted
         if self.world is not None:  # every rank stops at the same step: agreed in world.agree below
             throw_if_interrupted = _checked_by_the_ranks
-        tally = _Tally(s.steps, on_step, self._rate if self.schedule is not None else None, self.validation)
+        tally = Tally(s.steps, on_step, self._rate if self.schedule is not None else None, self.validation)
         self.grad_norms = tally.grad_norms
-        lagged = _LaggedLosses(self.device)
+        lagged = LaggedLosses(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         try:
             if self.validation is not None:  # the curve's first point: the LoRA the run starts from
@@ -270,7 +156,7 @@ class StepLoop:
         self._report(lagged.swap(None, [], []), tally)
         return tally.losses, time.perf_counter() - tally.t0, tally.rows, tally.wait
 
-    def _step(self, step: int, batches: Any, tally: _Tally, lagged: _LaggedLosses,
+    def _step(self, step: int, batches: Any, tally: Tally, lagged: LaggedLosses,
               throw_if_interrupted: Callable[[], None]) -> None:
         """One optimizer step: its batches forward and backward, the optimizer, the report of a finished step."""
         s = self.settings
@@ -293,7 +179,7 @@ class StepLoop:
                 stopping = True  # several ranks: all stop after this step's exchanges, none is left waiting
                 break
             if self.world is not None:
-                _finite(step, [loss], [batch])  # this rank stops at once with its own message
+                finite_losses(step, [loss], [batch])  # this rank stops at once with its own message
             step_losses.append(loss)
             step_batches.append(batch)
             tally.rows += share_of(batch.plan, batch.latents.shape[0])[0]  # one rank of several: the global's
@@ -343,7 +229,7 @@ class StepLoop:
         self._saved_at = self.completed
         self.save(self.completed, self._last_plan, stopped_by)
 
-    def _save_on_stop(self, error: BaseException, lagged: _LaggedLosses) -> None:
+    def _save_on_stop(self, error: BaseException, lagged: LaggedLosses) -> None:
         """A run stopping early (Cancel, an error) saves what its completed steps trained: not when nothing new was
         trained since the last save, an optimizer step was cut short, a loss was not finite, or the process is
         being stopped (Ctrl+C). A failed save is logged and never hides ``error``."""
@@ -354,17 +240,17 @@ class StepLoop:
         try:
             done = lagged.swap(None, [], []) if self.world is None else None
             if done is not None:
-                _finite(done.step, done.losses, done.batches)
+                finite_losses(done.step, done.losses, done.batches)
             self._save(error)
         except Exception as exc:  # the run's own error follows; this one is only said
             log.warning("Train LoRA: the LoRA trained before the run stopped was not saved: %s", exc)
 
-    def _report(self, done: _Done | None, tally: _Tally) -> None:
+    def _report(self, done: Done | None, tally: Tally) -> None:
         """A step's losses read back from the device: checked, averaged over its batches, reported with its
         gradient norm."""
         if done is None:
             return
-        _finite(done.step, done.losses, done.batches)
+        finite_losses(done.step, done.losses, done.batches)
         tally.add(done.step, sum(done.losses) / self.settings.grad_accumulation_steps, done.batches[-1],
                   done.grad_norm)
 

@@ -1841,7 +1841,7 @@ def test_a_steps_losses_are_read_once_the_next_step_is_queued(pack: ModuleType) 
     """The loop's lagged losses: a step's values come back at the next step's swap, each with its own step and
     batches and the gradient norm of its optimizer step (``None``: a step cut short), and the last ones when the run
     ends (swap with None); nothing is held after that."""
-    lagged = _module(pack, "nodes.training.loop")._LaggedLosses(torch.device("cpu"))
+    lagged = _module(pack, "nodes.training.step_losses").LaggedLosses(torch.device("cpu"))
     first, second = object(), object()
     assert lagged.swap(0, [torch.tensor(1.5), torch.tensor(2.5)], [first, first], torch.tensor(0.25)) is None
     assert lagged.swap(1, [torch.tensor(3.0, dtype=torch.bfloat16)], [second]) == (0, [1.5, 2.5], [first, first], 0.25)
@@ -1882,7 +1882,7 @@ def test_reading_a_steps_loss_does_not_wait_for_the_next_steps_work(pack: Module
     the training thread can queue step 2 meanwhile; the value is the one computed. One warm-up run first: the
     first launch of a kernel loads it, and loading a kernel synchronizes the device (CUDA's lazy loading, measured
     on an H200), which a training run pays once and this test must not count."""
-    lagged_type = _module(pack, "nodes.training.loop")._LaggedLosses
+    lagged_type = _module(pack, "nodes.training.step_losses").LaggedLosses
     loss = (torch.arange(4, device="cuda", dtype=torch.float32) ** 2).mean()
     warm = lagged_type(torch.device("cuda"))
     for step in (0, 1, None):

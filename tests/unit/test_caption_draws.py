@@ -25,7 +25,7 @@ from PIL import Image
 from dataset_cache.buckets import BucketConfig
 from dataset_cache.caption_wildcards import expand_wildcards, has_wildcards, wildcard_count, wildcard_notes
 from dataset_cache.captions import MAX_CAPTION_VARIANTS, MAX_TAG_DROPOUT, drop_tags, shuffle_tags
-from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_settings import EncodeSettings
 from dataset_cache.encode_plan import plan_encode
 from dataset_cache.encode_run import run_encode
 from dataset_cache.errors import DatasetFolderError

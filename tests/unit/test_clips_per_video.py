@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_settings import EncodeSettings
 from dataset_cache.encode_plan import _output_settings, plan_encode
 from dataset_cache.encode_run import run_encode
 from dataset_cache.format.reader import open_cache

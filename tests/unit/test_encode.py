@@ -29,7 +29,7 @@ from dataset_cache.errors import CacheLinkError, DatasetFolderError, SourceError
 from dataset_cache.format.layout import CacheNestingError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.format.writer import CacheWriter
-from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_settings import EncodeSettings
 from dataset_cache.encode_plan import plan_encode, sources_record_path
 from dataset_cache.encode_run import run_encode
 from dataset_cache.lock import WRITE_LOCK, CacheLock

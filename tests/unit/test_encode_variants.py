@@ -21,7 +21,7 @@ from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
 from dataset_cache.captions import shuffle_tags, tag_orders
-from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_settings import EncodeSettings
 from dataset_cache.encode_plan import plan_encode, samples_digest
 from dataset_cache.encode_run import run_encode
 from dataset_cache.errors import DatasetFolderError, SourceError

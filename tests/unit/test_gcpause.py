@@ -80,7 +80,7 @@ def test_validation_and_opening_leave_the_collector_as_they_found_it(tmp_path):
 def test_an_encode_plan_runs_paused_and_restores_the_collector(tmp_path, monkeypatch):
     from dataset_cache import sources
     from dataset_cache.buckets import BucketConfig
-    from dataset_cache.encode_jobs import EncodeSettings
+    from dataset_cache.encode_settings import EncodeSettings
     from dataset_cache.encode_plan import plan_encode
     from PIL import Image
 

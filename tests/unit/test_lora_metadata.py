@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_settings import EncodeSettings
 from dataset_cache.encode_plan import plan_encode
 from dataset_cache.encode_run import run_encode
 from dataset_cache.format.reader import open_cache

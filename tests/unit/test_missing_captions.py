@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_settings import EncodeSettings
 from dataset_cache.encode_plan import plan_encode
 from dataset_cache.encode_run import run_encode
 from dataset_cache.errors import DatasetFolderError

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from dataset_cache.buckets import BucketConfig
-from dataset_cache.encode_jobs import EncodeSettings
+from dataset_cache.encode_settings import EncodeSettings
 from dataset_cache.errors import DatasetFolderError, SourceError
 from dataset_cache.format.reader import open_cache
 from dataset_cache.encode_plan import plan_encode
