@@ -75,3 +75,11 @@ def test_the_copies_are_views_of_one_buffer() -> None:
     tensors = [torch.ones(3, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.bfloat16)]
     first, second = fp32_copies(tensors)
     assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+
+
+def test_tensors_on_several_devices_are_copied_one_by_one() -> None:
+    """One buffer lives on one device: a list that spans two is copied tensor by tensor, each on its own device."""
+    tensors = [torch.ones(3, dtype=torch.bfloat16), torch.empty(2, dtype=torch.bfloat16, device="meta")]
+    on_cpu, on_meta = fp32_copies(tensors)
+    assert (on_cpu.device.type, on_meta.device.type) == ("cpu", "meta")
+    assert on_cpu.dtype == on_meta.dtype == torch.float32 and torch.equal(on_cpu, torch.ones(3))

@@ -15,7 +15,6 @@ import torch
 from safetensors import safe_open
 
 from bench.bench_step_extras import count
-from dataset_cache import blockwise8bit
 from dataset_cache.lion import Lion
 from dataset_cache.lion8bit import QUANTIZED_SLOTS, Lion8bit
 
@@ -95,47 +94,6 @@ def test_the_state_slots_kinds_and_reads() -> None:
         state = optimizer.state[p]
         assert {k: (tuple(v.shape), v.dtype) for k, v in state.items() if k != "step"} == slots
         assert state["step"] == 2
-
-
-def test_chunks_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tensors updated a few per chunk (a chunk of 2,048 elements) end bit for bit where one chunk takes them."""
-    def run() -> list[torch.Tensor]:
-        g = torch.Generator().manual_seed(5)
-        params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((40, 128), (33, 129), (4096,))]
-        optimizer = Lion8bit(params, lr=1e-2, weight_decay=0.1)
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=g)
-            optimizer.step()
-        return [p.detach() for p in params]
-
-    whole = run()
-    monkeypatch.setattr(blockwise8bit, "CHUNK", 2048)
-    assert all(torch.equal(a, b) for a, b in zip(whole, run()))
-
-
-def test_a_continued_bf16_run_steps_as_the_uninterrupted_one() -> None:
-    """The state saved after two steps and loaded into a new optimizer (code indices uint8, scales and the small
-    moment fp32, as saved) gives the same third step, bit for bit."""
-    g = torch.Generator().manual_seed(7)
-    starts = [torch.randn(s, generator=g).to(torch.bfloat16) for s in ((64, 96), (12, 12))]
-    grads = [[torch.randn(s.shape, generator=g).to(torch.bfloat16) for s in starts] for _ in range(3)]
-    whole = [torch.nn.Parameter(s.clone()) for s in starts]
-    optimizer = Lion8bit(whole, lr=0.01)
-    for step in grads[:2]:
-        for p, grad in zip(whole, step):
-            p.grad = grad.clone()
-        optimizer.step()
-    resumed = [torch.nn.Parameter(p.detach().clone()) for p in whole]
-    other = Lion8bit(resumed, lr=0.01)
-    other.load_state_dict(optimizer.state_dict())
-    assert other.state[resumed[1]]["exp_avg"].dtype == torch.float32
-    assert other.state[resumed[0]]["exp_avg_absmax"].dtype == torch.float32
-    for params, opt in ((whole, optimizer), (resumed, other)):
-        for p, grad in zip(params, grads[2]):
-            p.grad = grad.clone()
-        opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(whole, resumed))
 
 
 @pytest.mark.parametrize(("settings", "name"), [({"lr": -1.0}, "lr"), ({"betas": (1.0, 0.99)}, "betas[0]"),

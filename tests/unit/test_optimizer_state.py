@@ -448,7 +448,8 @@ def test_adafactors_factored_moments_fit_by_their_own_shapes(tmp_path: Path) -> 
 def test_adamw8bits_code_indices_and_block_scales_fit_and_continue(tmp_path: Path) -> None:
     """AdamW8bit (``min_8bit_size`` 8: the 6×2 up and 2×5 down keep 8-bit moments, the alpha fp32 ones): uint8 code
     indices of the parameter's shape and one fp32 scale per block fit, are written and read back as they were, and
-    3 + 3 steps equal 6 bit for bit; a scale list of another length, float indices or a uint8 moment are named."""
+    3 + 3 steps equal 6 bit for bit, the continued run's state as fit to continue (its indices uint8); a scale list
+    of another length, float indices or a uint8 moment are named."""
     from dataset_cache.adamw8bit import AdamW8bit
 
     straight = _params()
@@ -472,6 +473,8 @@ def test_adamw8bits_code_indices_and_block_scales_fit_and_continue(tmp_path: Pat
     opt.load_state_dict(optimizer_state_dict(back, list(rest), opt.state_dict()))
     _steps(opt, rest, 3, 3)
     assert all(torch.equal(rest[k], straight[k]) for k in straight)
+    again = _state(rest, opt, "AdamW8bit")  # continued once more: the indices came back uint8, not as numbers
+    assert again.slots[up]["exp_avg_q"].dtype == torch.uint8 and check_fits(again, "AdamW8bit", rest) is None
     for slot, value, why in (("exp_avg_absmax", torch.zeros(2), "has shape [2], the parameter [6, 2] (needing [1])"),
                              ("exp_avg_q", torch.zeros(6, 2), "is torch.float32, not uint8 (code indices)")):
         wrong = {**state.slots, up: {**state.slots[up], slot: value}}
@@ -486,7 +489,8 @@ def test_adamw8bits_code_indices_and_block_scales_fit_and_continue(tmp_path: Pat
 
 def test_lion8bits_one_moment_fits_and_continues_and_adamw8bits_second_is_refused(tmp_path: Path) -> None:
     """Lion8bit (``min_8bit_size`` 8) keeps one moment: uint8 code indices and a scale per block, fp32 below the
-    size; written and read back, 3 + 3 steps equal 6 bit for bit; a scale list of another length is named, and
+    size; written and read back, 3 + 3 steps equal 6 bit for bit, and the continued run's state is as fit to
+    continue (its indices uint8); a scale list of another length is named, and
     AdamW8bit's second moment is not a Lion8bit slot."""
     from dataset_cache.lion8bit import Lion8bit
 
@@ -509,6 +513,8 @@ def test_lion8bits_one_moment_fits_and_continues_and_adamw8bits_second_is_refuse
     opt.load_state_dict(optimizer_state_dict(back, list(rest), opt.state_dict()))
     _steps(opt, rest, 3, 3)
     assert all(torch.equal(rest[k], straight[k]) for k in straight)
+    again = _state(rest, opt, "Lion8bit")  # continued once more: the indices came back uint8, not as numbers
+    assert again.slots[up]["exp_avg_q"].dtype == torch.uint8 and check_fits(again, "Lion8bit", rest) is None
     wrong = {**state.slots, up: {**state.slots[up], "exp_avg_absmax": torch.zeros(3)}}
     assert check_fits(dataclasses.replace(state, slots=wrong), "Lion8bit", first) == (
         f"its exp_avg_absmax of '{up}' has shape [3], the parameter [6, 2] (needing [1])")
