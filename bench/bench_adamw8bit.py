@@ -21,7 +21,7 @@ import torch
 from bench.bench_step_extras import optimizer_rows, optimizer_state_bytes, print_optimizer_table, print_state_table
 from dataset_cache.adamw8bit import AdamW8bit
 
-__all__ = ["measure", "main", "state_bytes"]
+__all__ = ["MAKERS", "measure", "main", "state_bytes"]
 
 
 def _optimizers() -> dict[str, Any]:
@@ -44,6 +44,7 @@ def measure(n: int, repeat: int) -> list[tuple[str, str, int, int, float]]:
 
 
 MAKERS = {"ours": lambda p: AdamW8bit(p), "AdamW": lambda p: torch.optim.AdamW(p, foreach=True)}
+"""The state table's optimizers (torch's AdamW keeps its moments in the weights' dtype)."""
 
 
 def state_bytes(n: int, dtype: torch.dtype) -> dict[str, int]:

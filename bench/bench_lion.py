@@ -19,7 +19,7 @@ from bench.bench_step_extras import optimizer_rows, print_optimizer_table, print
 from dataset_cache.lion import Lion
 from dataset_cache.lion8bit import Lion8bit
 
-__all__ = ["measure", "main"]
+__all__ = ["MAKERS", "measure", "main"]
 
 
 def _optimizers() -> dict[str, Any]:

@@ -28,7 +28,7 @@ class Lion8bit(Blockwise8bit):
     Per tensor ``p`` with gradient ``g`` (fp32): ``p ← p·(1 − lr·weight_decay)``,
     ``p ← p − lr·sign(β1·m + (1 − β1)·g)``, then ``m ← β2·m + (1 − β2)·g``, quantized back for an 8-bit tensor.
     (:class:`~.lion.Lion`'s arithmetic; bitsandbytes computes the 8-bit tensors' ``β1·m + (1 − β1)·g`` as two
-    products added, the small ones' as one multiply-add, and so does this.)
+    products added and the small ones' as ``β1·m`` plus ``g`` scaled in the add, and so does this.)
 
     State per tensor: ``step`` (an int, as bitsandbytes keeps; Lion's step does not use it) and
     :data:`QUANTIZED_SLOTS` or an fp32 ``exp_avg``; the block scales and small moments stay fp32 across
