@@ -31,7 +31,8 @@ class TrainStateStore:
     """The folder of training states: ``<digest>.safetensors`` files, written atomically, bounded in count and bytes.
 
     Nothing else in the folder is ever touched: only regular files of that exact name pattern (and temp files of an
-    interrupted write of one, once they are an hour old) are counted and removed.
+    interrupted write of one, once they are an hour old) are counted and removed, never through a link (a linked
+    folder is neither written nor pruned, a linked file never removed).
     """
 
     def __init__(self, folder: str | os.PathLike[str], *, max_files: int = MAX_STATE_FILES,
@@ -78,7 +79,9 @@ class TrainStateStore:
     def prune(self, *, keep: Path | None = None) -> list[str]:
         """Remove the least recently written or used states beyond :attr:`max_files` or :attr:`max_bytes`
         (``keep`` stays whatever its size), and temp files of interrupted writes older than an hour; return the
-        names removed."""
+        names removed. A folder that is a link is left alone: what it points to is not the store's."""
+        if os.path.islink(self.folder):
+            return []
         try:
             entries = list(os.scandir(self.folder))
         except OSError:
@@ -111,8 +114,9 @@ class TrainStateStore:
 
     def remove(self, path: Path) -> bool:
         """Remove the state file ``path`` of this folder (a regular file named as a state; anything else is left
-        alone): for a state its writer has superseded. Whether it was removed."""
-        if path.parent != self.folder or not _NAME.fullmatch(path.name):
+        alone, and nothing when the folder is a link): for a state its writer has superseded. Whether it was
+        removed."""
+        if path.parent != self.folder or not _NAME.fullmatch(path.name) or os.path.islink(self.folder):
             return False
         try:
             if not stat.S_ISREG(os.lstat(path).st_mode):

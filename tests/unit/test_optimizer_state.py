@@ -410,6 +410,31 @@ def test_the_store_stays_bounded_and_removes_only_its_own_files(tmp_path: Path) 
     assert path.exists() and len(pruned) == 3  # only the one just written fits the bytes
 
 
+def test_nothing_is_removed_through_a_link(tmp_path: Path) -> None:
+    """Pruning and removing never reach past a link: a folder that is a link to another (a user's folder of states)
+    is neither pruned nor removed from, however far over its bounds; in the store's own folder a link named as a
+    state is not counted or removed, and what it points to (outside the folder) stays. A file the store cannot
+    read is not its business: only names and ``lstat`` decide, no file is opened."""
+    real = tmp_path / "real"
+    real.mkdir()
+    states = [real / (f"{i:032x}" + ".safetensors") for i in range(3)]
+    for i, path in enumerate(states):
+        path.write_bytes(b"x" * 10)
+        os.utime(path, (1000 + i, 1000 + i))
+    (tmp_path / "linked").symlink_to(real)
+    linked = TrainStateStore(tmp_path / "linked", max_files=1, max_bytes=1)
+    assert linked.prune() == [] and linked.remove(linked.path_for(f"{0:032x}")) is False
+    assert all(p.exists() for p in states)
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(b"kept")
+    own = tmp_path / "own"
+    own.mkdir()
+    link = own / ("f" * 32 + ".safetensors")
+    link.symlink_to(outside)
+    assert TrainStateStore(own, max_files=0, max_bytes=0).prune() == []
+    assert link.is_symlink() and outside.read_bytes() == b"kept"
+
+
 def test_adafactors_factored_moments_fit_by_their_own_shapes(tmp_path: Path) -> None:
     """A matrix's Adafactor state is its row and column means (shapes [6] and [2] for a 6×2 up), which fit; a state
     whose row mean has another length, or a vector's moment where a matrix's row is expected, does not. Written,
