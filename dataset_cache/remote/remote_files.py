@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import CacheCorruptError, CacheReplacedError
 from ..format.layout import MANIFEST
@@ -55,11 +55,23 @@ class RemoteShard:
     etag: str | None = None
 
 
+class ManifestVersion(NamedTuple):
+    """Which manifest of a cache a reader opened: its ETag (``None`` from a server that sends none) and its size.
+    Another process opens the same version with it (``open_remote_cache(..., version=...)``)."""
+
+    etag: str | None
+    size: int
+
+
 class ManifestPin:
     """The manifest a reader opened, by its ETag: :meth:`check` raises when the cache's manifest is another now."""
 
     def __init__(self, client: ObjectClient, etag: str | None, size: int) -> None:
         self.client, self.etag, self.size = client, etag, size
+
+    @property
+    def version(self) -> ManifestVersion:
+        return ManifestVersion(self.etag, self.size)
 
     def check(self) -> None:
         """Raises:

@@ -36,10 +36,10 @@ from ..gcpause import gc_paused
 from ..hashing import checksum64
 from .client import ObjectClient, RemoteOptions, default_fetch_dir
 from .fetch_cache import FetchCache, header_name
-from .remote_files import ManifestPin, RemoteShard, RemoteShardFiles
+from .remote_files import ManifestPin, ManifestVersion, RemoteShard, RemoteShardFiles
 from .urls import CacheURL, parse_cache_url
 
-__all__ = ["open_remote_cache", "RemoteCacheReader"]
+__all__ = ["open_remote_cache", "ManifestVersion", "RemoteCacheReader"]
 
 _OPEN_RETRIES = 3
 _HEADER_GUESS = 64 << 10
@@ -48,16 +48,20 @@ _HEADER_GUESS = 64 << 10
 
 
 def open_remote_cache(url: str, *, verify: bool = True, strict: bool = True,
-                      options: RemoteOptions | None = None) -> RemoteCacheReader:
+                      options: RemoteOptions | None = None,
+                      version: ManifestVersion | None = None) -> RemoteCacheReader:
     """Open the cache at ``url`` (``s3://``, ``gs://``, ``az://``, ``https://``): manifest, journal, headers.
 
     Args: as :func:`dataset_cache.format.reader.open_cache`; ``options`` sets the fetch cache, the request sizes,
-    the retries and the timeouts (:class:`~.client.RemoteOptions`).
+    the retries and the timeouts (:class:`~.client.RemoteOptions`); ``version``, another reader's
+    :attr:`RemoteCacheReader.version`, is the manifest this open must find (the ranks of one run read one version:
+    a cache published again meanwhile is refused, not read).
 
     Raises:
         ValueError: a bad URL. CacheNotFoundError: no manifest at the URL. CacheFormatError, CacheCorruptError
         (naming the object's URL). RemoteUnreachableError: the store could not be reached (naming the URL).
-        CacheReplacedError: the cache kept changing while it was opened. RemoteExtraMissingError.
+        CacheReplacedError: the cache kept changing while it was opened, or is not ``version``.
+        RemoteExtraMissingError.
     """
     cache_url = parse_cache_url(url)
     options = options or RemoteOptions()
@@ -65,21 +69,29 @@ def open_remote_cache(url: str, *, verify: bool = True, strict: bool = True,
     fetch = FetchCache(options.fetch_dir or default_fetch_dir(), options.fetch_bytes)
     for attempt in range(_OPEN_RETRIES):
         try:
-            return _open_once(client, fetch, verify, strict)
+            return _open_once(client, fetch, verify, strict, version)
         except CacheReplacedError:
-            if attempt + 1 == _OPEN_RETRIES:
+            if attempt + 1 == _OPEN_RETRIES or version is not None:  # a pinned version cannot come back
                 raise
     raise AssertionError("unreachable")
 
 
-def _open_once(client: ObjectClient, fetch: FetchCache, verify: bool, strict: bool) -> RemoteCacheReader:
+def _open_once(client: ObjectClient, fetch: FetchCache, verify: bool, strict: bool,
+               version: ManifestVersion | None) -> RemoteCacheReader:
     url = client.url
     try:
         got = client.get(MANIFEST)
     except FileNotFoundError:
+        if version is not None:
+            raise CacheReplacedError(url / MANIFEST, "the manifest was removed since this run opened the "
+                                                     "cache") from None
         raise CacheNotFoundError(f"{url}: no cache here ({MANIFEST} is missing); publish one with "
                                  f"`python -m dataset_cache push CACHE {url}`") from None
     pin = ManifestPin(client, got.etag, got.size)
+    if version is not None and pin.version != version:
+        raise CacheReplacedError(url / MANIFEST, f"the cache was published again since this run opened it (ETag "
+                                                 f"{version.etag} then, {got.etag} now): run again to train on "
+                                                 "the new version")
     with gc_paused():
         state = parse_manifest(url, str(url / MANIFEST), bytes(got.data))
         try:
@@ -192,6 +204,18 @@ class RemoteCacheReader(CacheReader):
         super().__init__(state, shards, verify=verify, problems=problems, files=files)
         self.client = client
         self.files = files
+
+    @property
+    def version(self) -> ManifestVersion:
+        """The manifest this reader opened (another process opens the same with it)."""
+        pin = self.files.pin
+        assert pin is not None  # always set by open_remote_cache
+        return pin.version
+
+    @property
+    def options(self) -> RemoteOptions:
+        """How this reader fetches (another process fetches the same way, into the same fetch cache)."""
+        return self.client.options
 
     def _load_dataset(self, info: DatasetInfo) -> list[Sample]:
         where = self.client.where(info.file)

@@ -31,13 +31,13 @@ import folder_paths
 
 from ...dataset_cache.collective import Collective, backend_for, collective_timeout, host_store
 from ...dataset_cache.devices import AUTO, DevicePlan, parse_devices
-from ...dataset_cache.multi_reader import MultiCacheReader
+from ...dataset_cache.reopen import CacheAddress, addresses_of
 from ...dataset_cache.workers import GRACE_S, WorkerPool
 from .model_spec import build_spec
 from .report import RowCounts
 from .settings import TrainSettings
 
-__all__ = ["COMFYUI_ENV", "PACK_ENV", "PACK_MODULE_ENV", "Team", "WorkerJob", "plan_team", "reader_roots"]
+__all__ = ["COMFYUI_ENV", "PACK_ENV", "PACK_MODULE_ENV", "Team", "WorkerJob", "plan_team", "reader_addresses"]
 
 log = logging.getLogger("streamcache.train")
 
@@ -61,27 +61,23 @@ class WorkerJob:
     port: int
     timeout_s: float
     model: bytes
-    roots: tuple[str, ...]
+    caches: tuple[CacheAddress, ...]
     samples: Any
     reg: Any
     reg_name: str
     settings: TrainSettings
 
 
-def reader_roots(reader: Any) -> tuple[str, ...]:
-    """The cache folders a worker opens to read what ``reader`` reads.
+def reader_addresses(reader: Any) -> tuple[CacheAddress, ...]:
+    """How a worker opens what ``reader`` reads (:func:`~dataset_cache.reopen.addresses_of`).
 
     Raises:
-        ValueError: a reader of another kind (not a local cache), which a worker could not open again.
+        ValueError: a reader a worker could not open again, naming it and what to do.
     """
-    if isinstance(reader, MultiCacheReader):
-        return reader.roots
-    root = getattr(reader, "root", None)
-    if isinstance(root, (str, os.PathLike)):
-        return (str(root),)
-    raise ValueError(f"training on several devices reads local caches only; this dataset is read through a "
-                     f"{type(reader).__name__}, which the worker processes cannot open: train on one device "
-                     "(devices '0')")
+    try:
+        return addresses_of(reader)
+    except ValueError as exc:
+        raise ValueError(f"training on several devices: {exc}; train on one device (devices '0')") from None
 
 
 def _home(model: Any) -> torch.device:
@@ -110,14 +106,14 @@ def plan_team(devices: str | Sequence[int] | None, model: Any, reader: Any = Non
     if plan.size == 1:
         return Team(None)
     try:
-        spec, roots = build_spec(model), reader_roots(reader)
+        spec, caches = build_spec(model), reader_addresses(reader)
     except ValueError as exc:
         if not (isinstance(devices, str) and devices.strip().lower() in ("", AUTO)):
             raise
         note = f"devices 'auto' trained on one device, not on {plan.describe()}: {exc}"
         log.warning("Train LoRA: %s", note)
         return Team(None, notes=[note])
-    return Team(plan, spec=spec, roots=roots)
+    return Team(plan, spec=spec, caches=caches)
 
 
 class Team:
@@ -128,11 +124,11 @@ class Team:
     """
 
     def __init__(self, plan: DevicePlan | None, collective: Collective | None = None, *, spec: bytes = b"",
-                 roots: tuple[str, ...] = (), notes: Sequence[str] = ()) -> None:
+                 caches: tuple[CacheAddress, ...] = (), notes: Sequence[str] = ()) -> None:
         self.plan = plan
         self.collective = collective
         self.spec = spec
-        self.roots = roots
+        self.caches = caches
         self.notes = list(notes)
         """What the run had to change (``auto`` on one device), for the node's summary."""
         self.pool: WorkerPool | None = None
@@ -163,7 +159,7 @@ class Team:
         collective = Collective(0, plan.size, _home(model), backend, check=pool.check, stop_requested=interrupted,
                                 on_stop=_interrupted)
         bootstrap = _bootstrap()
-        jobs = {rank: pickle.dumps(WorkerJob(rank, plan.size, backend, store.port, timeout_s, self.spec, self.roots,
+        jobs = {rank: pickle.dumps(WorkerJob(rank, plan.size, backend, store.port, timeout_s, self.spec, self.caches,
                                              samples, reg, reg_name, settings), protocol=pickle.HIGHEST_PROTOCOL)
                 for rank in range(1, plan.size)}
         log.info("Train LoRA: %d ranks on %s (%s)", plan.size, plan.describe(), backend)

@@ -19,8 +19,8 @@ import torch
 import comfy.model_management
 
 from ...dataset_cache.collective import Collective, RunStopped, join_store
-from ...dataset_cache.format import open_cache
 from ...dataset_cache.multi_reader import MultiCacheReader
+from ...dataset_cache.reopen import reopen
 from ...dataset_cache.workers import WorkerLink
 from .distributed import WorkerJob, cpu_threads
 from .model_spec import rebuild
@@ -47,8 +47,8 @@ def main(link: WorkerLink, payload: bytes) -> int:
         collective.start(join_store(job.port, job.size), job.timeout_s)
         log.info("joined %d ranks on %s (pid %d)", job.size, device, os.getpid())
         model = rebuild(job.model)
-        for root in job.roots:
-            readers.append(open_cache(root))
+        for address in job.caches:
+            readers.append(reopen(address))
         reader = readers[0] if len(readers) == 1 else MultiCacheReader(readers)
         train_lora(model, reader, job.samples, job.settings, reg=job.reg, reg_name=job.reg_name, world=collective)
         code = 0

@@ -1,5 +1,6 @@
 """A cache in a bucket through the real nodes, in-process: ``remote.json`` lists it, Load Lazy Cache opens it, Train
-LoRA trains 3 steps from it (the same LoRA as from the local copy), Save Streamable Cache publishes to it.
+LoRA trains 3 steps from it (the same LoRA as from the local copy; on two CPU ranks too, both fetching into the one
+fetch cache), Save Streamable Cache publishes to it.
 
 The bucket is moto's S3 server on 127.0.0.1 (``support.s3server``); skipped with one line without moto/obstore.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -15,6 +18,7 @@ from types import ModuleType
 import pytest
 import torch
 from support.encoded import write_comfy_encoded
+from support.processes import PROC_READABLE, wait_gone
 from support.s3server import S3Server, start_s3
 
 BUCKET = "team"
@@ -103,6 +107,38 @@ def test_load_lazy_cache_opens_a_bucket_and_train_lora_trains_from_it(pack: Modu
     s3.clear()
     with torch.inference_mode():  # a second run: every shard byte is on the local disk already
         train.execute(models[0], handle, **TRAIN)
+    assert not [r for r in s3.seen("GET", ".safetensors") if r.range]
+
+
+@pytest.mark.skipif(not PROC_READABLE, reason="the no-orphan check reads /proc (Linux)")
+def test_two_ranks_train_from_a_bucket_what_they_train_from_the_disk_through_one_fetch_cache(
+        pack: ModuleType, models: tuple, remote: str, local_cache: Path, s3: S3Server, cache_root: Path,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    train = _module(pack, "nodes.train_lora").TrainLoRA
+    handles = _module(pack, "nodes.handles")
+    bucket, disk = handles.StreamDatasetHandle(remote, "train"), handles.StreamDatasetHandle(str(local_cache), "train")
+    # where a process without the run's fetch settings keeps its blocks (the library's default; the worker inherits
+    # the variable): it must stay empty
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    default = tmp_path / "xdg"
+    shutil.rmtree(cache_root / ".fetched", ignore_errors=True)  # nothing fetched yet: both ranks fetch
+    s3.clear()
+    options = {**TRAIN, "batch_size": 1, "devices": "cpu:2"}
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        from_bucket = train.execute(models[0], bucket, **options).result
+    assert wait_gone(os.getpid(), timeout=30) == []
+    assert s3.seen("GET", ".safetensors") and any((cache_root / ".fetched").rglob("*.blk"))
+    assert not default.exists()  # the worker fetched into the run's fetch cache, not into a folder of its own
+    with torch.inference_mode():
+        from_disk = train.execute(models[0], disk, **options).result
+    # the same rows on each rank, the same seed: the same computation, so the same LoRA exactly
+    assert from_bucket[0].keys() == from_disk[0].keys()
+    assert all(torch.equal(from_bucket[0][k], from_disk[0][k]) for k in from_bucket[0])
+    assert from_bucket[1]["loss"] == from_disk[1]["loss"] and from_bucket[2] == 3
+
+    s3.clear()
+    with torch.inference_mode():  # again: every rank reads every block from the one fetch cache
+        train.execute(models[0], bucket, **options)
     assert not [r for r in s3.seen("GET", ".safetensors") if r.range]
 
 
