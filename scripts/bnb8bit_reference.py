@@ -12,6 +12,11 @@ nearest; its PyTorch quantizer, which bitsandbytes uses where the library is mis
 does. So the package is copied to a temporary folder without its compiled libraries and imported from there. The
 starting weights and the gradients are bf16 values (exact in fp32), stored with the results, so the test needs
 neither bitsandbytes nor a random generator that is the same on every CPU.
+
+Everything runs on ATen's baseline x86-64 kernels (``ATEN_CPU_CAPABILITY=default``, set here before torch is
+imported), as the tests' replay does: the kernels ATen picks for a CPU (AVX2, AVX-512) round some multiply-adds
+differently from one CPU to another, the baseline ones round every operation once on every x86-64 CPU
+(``tests/support/bnb_reference.py`` has the measurements).
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+os.environ["ATEN_CPU_CAPABILITY"] = "default"  # before torch is imported: it reads it once
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "unit" / "data"
 SHAPES = ((24, 256), (70, 61), (16, 32), (8,))
@@ -101,8 +109,11 @@ def _record(bnb: Any, optimizer: str, out: Path) -> None:
                 for slot, value in stepper.state[p].items():
                     if isinstance(value, torch.Tensor) and not slot.startswith("qmap"):
                         tensors[f"{name}/{slot}/{i}"] = value.clone()
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "DEFAULT":
+        raise SystemExit(f"torch runs on its {capability} kernels, not the baseline ones: was it imported earlier?")
     meta = {"bitsandbytes": bnb.__version__, "torch": torch.__version__, "steps": str(STEPS),
-            "shapes": json.dumps(SHAPES), "runs": json.dumps(RUNS[optimizer])}
+            "shapes": json.dumps(SHAPES), "runs": json.dumps(RUNS[optimizer]), "cpu_capability": capability}
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata=meta)
     print(f"wrote {out} ({out.stat().st_size:,} bytes): bitsandbytes {meta['bitsandbytes']}, torch {meta['torch']}")

@@ -1,7 +1,9 @@
 """``dataset_cache.adamw8bit``: bitsandbytes' AdamW8bit step, checked bit for bit against steps bitsandbytes took on
-the CPU with its PyTorch quantizer (``tests/unit/data/adamw8bit-reference-v1.safetensors``, written by
-``scripts/bnb8bit_reference.py``), and the properties a run needs: chunks that change nothing, layouts kept,
-per-tensor step counts, no value read back, fp32 state kept fp32 when a run continues."""
+the CPU with its PyTorch quantizer, both on ATen's baseline kernels
+(``tests/unit/data/adamw8bit-reference-v1.safetensors``,
+written by ``scripts/bnb8bit_reference.py``; ``tests/support/bnb_reference.py`` says why those kernels), and the
+properties a run needs: chunks that change nothing, layouts kept, per-tensor step counts, no value read back, fp32
+state kept fp32 when a run continues."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """``dataset_cache.lion8bit``: bitsandbytes' Lion8bit step, checked bit for bit against steps bitsandbytes took on
-the CPU with its PyTorch quantizer (``tests/unit/data/lion8bit-reference-v1.safetensors``, written by
-``scripts/bnb8bit_reference.py``); with every moment fp32 it is our Lion; its state's slots and kinds, chunks that
-change nothing, no value read back, a continued bf16 run."""
+the CPU with its PyTorch quantizer, both on ATen's baseline kernels
+(``tests/unit/data/lion8bit-reference-v1.safetensors``,
+written by ``scripts/bnb8bit_reference.py``); with every moment fp32 it is our Lion; its state's slots and kinds,
+chunks that change nothing, no value read back, a continued bf16 run."""
 
 from __future__ import annotations
 
