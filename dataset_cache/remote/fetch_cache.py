@@ -7,7 +7,8 @@ another name, and every row read from a block is checked against its checksum an
 temporary name and renamed, so a reader never sees half of one. The folder is bounded: past ``max_bytes`` the
 least recently used blocks are deleted, and only files this module names (``<16 hex>-<size>-<block size>-<n>.blk``,
 ``<16 hex>-<size>.hdr`` and its own temporary files), regular files, never through a link, inside the folder:
-nothing else there or outside it is ever deleted.
+nothing else there or outside it is ever deleted. Nothing is read or written through a link either (a sub-folder
+that is one holds nothing of the cache's), and a folder deleted while in use is made again by the next write.
 """
 
 from __future__ import annotations
@@ -63,25 +64,55 @@ class FetchCache:
         self._total: int | None = None  # bytes kept, counted on the first write
         self._warned = False
         if self.enabled:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            st = os.lstat(self.folder)
-            if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-                raise ValueError(f"{self.folder}: the fetch cache must be a folder, not a link or a file")
+            self._make_folder()
+
+    def _make_folder(self) -> None:
+        """Make the folder (again, when it was deleted while in use), never through a link.
+
+        Raises:
+            ValueError: it is a link or a file. OSError: it cannot be made.
+        """
+        self.folder.mkdir(parents=True, exist_ok=True)
+        st = os.lstat(self.folder)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"{self.folder}: the fetch cache must be a folder, not a link or a file")
 
     @property
     def enabled(self) -> bool:
         """Whether anything is kept (a bound of 0 keeps nothing)."""
         return self.max_bytes > 0
 
-    def _path(self, name: str) -> Path:
-        return self.folder / name[:2] / name
+    def _path(self, name: str) -> Path | None:
+        """Where the file ``name`` is kept, or ``None`` when its sub-folder is not a folder of ours (missing, or a
+        link: a block is never read or written through one)."""
+        sub = self.folder / name[:2]
+        try:
+            st = os.lstat(sub)
+        except OSError:
+            return None
+        return sub / name if stat.S_ISDIR(st.st_mode) else None
+
+    def _path_to_write(self, name: str) -> Path | None:
+        """:meth:`_path`, making the sub-folder (and the folder, deleted while in use) when missing."""
+        path = self._path(name)
+        if path is not None:
+            return path
+        sub = self.folder / name[:2]
+        try:
+            if not self.folder.is_dir():
+                self._make_folder()
+            sub.mkdir(exist_ok=True)
+        except (OSError, ValueError):
+            return None
+        return self._path(name)
 
     def has(self, name: str, nbytes: int) -> bool:
         """Whether the block ``name`` is kept whole (``nbytes`` long)."""
-        if not self.enabled:
+        path = self._path(name) if self.enabled else None
+        if path is None:
             return False
         try:
-            st = os.lstat(self._path(name))
+            st = os.lstat(path)
         except OSError:
             return False
         return stat.S_ISREG(st.st_mode) and st.st_size == nbytes
@@ -89,10 +120,11 @@ class FetchCache:
     def read_into(self, name: str, nbytes: int, offset: int, view: memoryview) -> bool:
         """Fill ``view`` from the block ``name`` (``nbytes`` long) at ``offset``; ``False`` when it is not kept
         whole (evicted meanwhile, or cut short), so the caller fetches it again."""
-        if not self.enabled:
+        path = self._path(name) if self.enabled else None
+        if path is None:
             return False
         try:
-            fd = os.open(self._path(name), os.O_RDONLY | NOFOLLOW | getattr(os, "O_BINARY", 0))
+            fd = os.open(path, os.O_RDONLY | NOFOLLOW | getattr(os, "O_BINARY", 0))
         except OSError:
             return False
         try:
@@ -116,10 +148,11 @@ class FetchCache:
 
     def get(self, name: str, limit: int) -> bytes | None:
         """The whole kept file ``name`` (at most ``limit`` bytes; a header), or ``None``."""
-        if not self.enabled:
+        path = self._path(name) if self.enabled else None
+        if path is None:
             return None
         try:
-            fd = os.open(self._path(name), os.O_RDONLY | NOFOLLOW | getattr(os, "O_BINARY", 0))
+            fd = os.open(path, os.O_RDONLY | NOFOLLOW | getattr(os, "O_BINARY", 0))
         except OSError:
             return None
         try:
@@ -140,10 +173,12 @@ class FetchCache:
         full disk: reads go on from the network, and a warning says so once)."""
         if not self.enabled or not _BLOCK_RE.fullmatch(name):
             return False
-        path = self._path(name)
+        path = self._path_to_write(name)
+        if path is None:
+            self._warn(f"{self.folder / name[:2]} is not a folder of the fetch cache (a link, or it cannot be made)")
+            return False
         tmp = path.parent / f".{name}.{secrets.token_hex(8)}.tmp"
         try:
-            path.parent.mkdir(exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | getattr(os, "O_BINARY", 0), 0o644)
             try:
                 view = memoryview(data)
@@ -157,17 +192,21 @@ class FetchCache:
                 os.unlink(tmp)
             except OSError:
                 pass
-            if not self._warned:
-                self._warned = True
-                log.warning("cannot keep fetched bytes in %s (%s); reads go on from the network", self.folder, exc)
+            self._warn(str(exc))
             return False
         self._added(len(data))
         return True
 
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("cannot keep fetched bytes in %s (%s); reads go on from the network", self.folder, why)
+
     def discard(self, name: str) -> None:
         """Forget a block (its rows failed their checksums: fetch it again next time)."""
-        if _BLOCK_RE.fullmatch(name):
-            _remove_regular(self._path(name))
+        path = self._path(name) if _BLOCK_RE.fullmatch(name) else None
+        if path is not None:
+            _remove_regular(path)
 
     def _added(self, nbytes: int) -> None:
         with self._lock:

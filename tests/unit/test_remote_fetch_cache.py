@@ -1,9 +1,11 @@
 """The local disk cache of fetched blocks (dataset_cache.remote.fetch_cache): content names, whole writes, the
-bound, and nothing deleted that it did not name."""
+bound, nothing deleted that it did not name, nothing read or written through a link, and a folder deleted while in use
+made again."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,22 @@ def test_a_linked_folder_is_refused_and_links_inside_are_not_followed(tmp_path: 
     for i in range(1, 4):
         cache.put(block_name("1123456789abcdef-1048576", 4096, i), b"z" * 4096)
     assert victim.exists()
+    # nothing is read, written or deleted through the linked sub-folder
+    assert not cache.has(victim.name, 4096) and cache.get(victim.name, 1 << 20) is None
+    assert not cache.read_into(victim.name, 4096, 0, memoryview(bytearray(8)))
+    assert not cache.put(block_name(KEY, 4096, 1), b"w" * 4096)
+    cache.discard(victim.name)
+    assert sorted(p.name for p in target.iterdir()) == [victim.name]
+
+
+def test_a_folder_deleted_while_in_use_is_made_again(tmp_path: Path) -> None:
+    folder = tmp_path / "f"
+    cache = FetchCache(folder, 1 << 20)
+    assert cache.put(block_name(KEY, 4096, 0), b"a" * 4096)
+    shutil.rmtree(folder)  # the user freed the disk while ComfyUI runs
+    assert not cache.has(block_name(KEY, 4096, 0), 4096)
+    assert cache.put(block_name(KEY, 4096, 1), b"b" * 4096)  # kept again, not "reads go on from the network"
+    assert cache.has(block_name(KEY, 4096, 1), 4096) and _kept(folder) == [folder / "01" / block_name(KEY, 4096, 1)]
 
 
 def test_a_bound_of_zero_keeps_nothing(tmp_path: Path) -> None:
