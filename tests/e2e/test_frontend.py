@@ -14,6 +14,10 @@ with ``app.queuePrompt`` and samples the Train LoRA panel while training runs. C
 * every figure is also plain node output in ``/history``;
 * no console error or page error mentions streamcache.
 
+``frontend/layout.mjs`` adds every node fresh and loads workflows saved by earlier versions;
+``frontend/templates.mjs`` loads every template with the classic canvas renderer and with Vue nodes and measures
+where each node is drawn (none over another, none out of its group).
+
 Screenshots go to ``tests/e2e/frontend/artifacts/`` (git-ignored; ``STREAMCACHE_ARTIFACTS`` overrides); their
 paths are printed.
 Skipped with one line when Chromium, Node or ``playwright-core`` is missing (``scripts/bootstrap`` installs
@@ -446,4 +450,57 @@ def test_every_node_fresh_and_old_workflows_in_the_real_front_end(browser_tools:
                 (PACK_ROOT / "example_workflows" / "api" / f"{stem}.json").read_text(encoding="utf-8")))
         assert page == want, f"{label}: the page queues another prompt"
 
+    assert not _console_problems(result), _console_problems(result)
+
+
+# ------------------------------------------------------------------------------------------------ the templates
+
+TEMPLATES_DRIVER = FRONTEND / "templates.mjs"
+
+
+def _intersect(a: list[float], b: list[float]) -> bool:
+    """Whether two ``[x0, y0, x1, y1]`` boxes share more than a touching edge (half a canvas unit: the renderers'
+    rounding)."""
+    return a[0] < b[2] - 0.5 and b[0] < a[2] - 0.5 and a[1] < b[3] - 0.5 and b[1] < a[3] - 0.5
+
+
+def _inside(inner: list[float], outer: list[float]) -> bool:
+    return (outer[0] <= inner[0] + 0.5 and outer[1] <= inner[1] + 0.5 and inner[2] <= outer[2] + 0.5
+            and inner[3] <= outer[3] + 0.5)
+
+
+def test_templates_lay_out_without_overlaps_in_both_renderers(browser_tools: str, comfy_server: ComfyServer,
+                                                               client: ComfyClient) -> None:
+    """Each template as the front end draws it — the classic canvas (every widget drawn, so Train LoRA is some
+    2,000 units tall whatever size the file says) and Vue nodes — has no node over another, every node inside the
+    group it is placed in, and no group over another; the renderer setting is put back afterwards."""
+    templates = sorted((PACK_ROOT / "example_workflows").glob("*.json"))
+    workflows = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in templates}
+    setting = f"{comfy_server.url}/api/settings/Comfy.VueNodes.Enabled"
+    with urllib.request.urlopen(setting, timeout=30) as resp:
+        before = resp.read()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    config = {"url": comfy_server.url, "chromium": browser_tools, "out": str(ARTIFACTS), "workflows": workflows}
+    proc = subprocess.run(["node", str(TEMPLATES_DRIVER), json.dumps(config)], cwd=FRONTEND, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"templates.mjs failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not result.get("error"), f"templates.mjs: {result['error']}"
+    with urllib.request.urlopen(setting, timeout=30) as resp:
+        assert resp.read() == before  # the other front-end tests see the renderer they saw before
+    sys.stderr.write(f"\n[frontend] templates in both renderers: {ARTIFACTS}/template-*.png\n")
+
+    assert sorted(result["layouts"]) == sorted(f"{name} | {mode}" for name in workflows for mode in ("classic", "vue"))
+    for label, laid in result["layouts"].items():
+        assert laid["vue"] == label.endswith("| vue"), f"{label}: the renderer setting did not take"
+        nodes, groups = laid["nodes"], laid["groups"]
+        assert len(nodes) == len(workflows[label.split(" | ")[0]]["nodes"])
+        assert all(n["box"] for n in nodes), f"{label}: a node was not drawn: {nodes}"
+        over = [f"{a['title']} / {b['title']}" for i, a in enumerate(nodes) for b in nodes[i + 1:]
+                if _intersect(a["box"], b["box"])]
+        assert not over, f"{label}: nodes drawn over each other: {over}"
+        outside = [f"{n['title']} {[round(v) for v in n['box']]} past {g['title']!r} {g['box']}"
+                   for n in nodes for g in groups if _intersect(n["box"], g["box"]) and not _inside(n["box"], g["box"])]
+        assert not outside, f"{label}: nodes running out of their group: {outside}"
+        assert not [1 for i, a in enumerate(groups) for b in groups[i + 1:] if _intersect(a["box"], b["box"])], label
     assert not _console_problems(result), _console_problems(result)
