@@ -70,6 +70,8 @@ class RemoteOptions:
         retries, backoff_s, max_backoff_s, retry_timeout_s: obstore's retries of server errors, dropped
             connections and timeouts (exponential backoff with jitter).
         connect_timeout_s, timeout_s: per request; ``None`` keeps obstore's defaults (5 s and 30 s).
+        claim_wait_s: how long a process waits for a block another process sharing the fetch cache is fetching
+            (the ranks of a run on several devices) before fetching it too; a claim older than this is taken over.
     """
 
     fetch_dir: Path | None = None
@@ -83,6 +85,7 @@ class RemoteOptions:
     retry_timeout_s: float = 120.0
     connect_timeout_s: float | None = None
     timeout_s: float | None = None
+    claim_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.block_bytes < 4096 or self.request_bytes < self.block_bytes:

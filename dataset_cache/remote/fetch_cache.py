@@ -9,6 +9,10 @@ least recently used blocks are deleted, and only files this module names (``<16 
 ``<16 hex>-<size>.hdr`` and its own temporary files), regular files, never through a link, inside the folder:
 nothing else there or outside it is ever deleted. Nothing is read or written through a link either (a sub-folder
 that is one holds nothing of the cache's), and a folder deleted while in use is made again by the next write.
+
+Processes sharing the folder (the ranks of a run on several devices) fetch a block once: a process about to fetch
+one claims it (``.<name>.claim``, made only if absent), and another that wants it meanwhile waits for the block
+instead of fetching it too; a claim older than the wait is taken over (its process died or stalled).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ log = logging.getLogger("dataset_cache.remote.fetch_cache")
 _NAME = r"[0-9a-f]{16}-[0-9]{1,20}(?:-[0-9]{1,12}-[0-9]{1,12}\.blk|\.hdr)"
 _BLOCK_RE = re.compile(_NAME)
 _TEMP_RE = re.compile(rf"\.{_NAME}\.[0-9a-f]{{16}}\.tmp")
+_CLAIM_RE = re.compile(rf"\.{_NAME}\.claim")
 _STALE_TEMP_S = 3600.0  # a temporary file this old was left by a process that died while writing it
 _TOUCH_S = 600.0  # a read refreshes a block's time (its place in the eviction order) at most this often
 _KEEP_AFTER_EVICTION = 0.9  # evict down to 90% of the bound, so a full cache does not scan on every write
@@ -202,6 +207,51 @@ class FetchCache:
             self._warned = True
             log.warning("cannot keep fetched bytes in %s (%s); reads go on from the network", self.folder, why)
 
+    # ------------------------------------------------------------------ claims: one process fetches a block
+    def claim(self, name: str, stale_s: float) -> bool:
+        """Say that this process fetches the block ``name`` now (a claim file beside it, made only if absent);
+        ``False`` when another process said so less than ``stale_s`` seconds ago: wait for its block
+        (:meth:`claimed`, :meth:`has`) rather than fetching it too. An older claim was left by a process that died
+        or stalled, and is taken over. ``True`` also when nothing is kept (there is nothing to share)."""
+        path = self._claim_path(name, make=True)
+        if path is None:
+            return True
+        for _ in range(2):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644))
+                return True
+            except FileExistsError:
+                try:
+                    age = time.time() - os.lstat(path).st_mtime
+                except OSError:
+                    continue  # released meanwhile: try again
+                if age < stale_s:
+                    return False
+                _remove_regular(path)
+            except OSError:
+                return True  # claims cannot be made here (a read-only folder): fetch, as without them
+        return True
+
+    def claimed(self, name: str, stale_s: float) -> bool:
+        """Whether a process claimed the block ``name`` less than ``stale_s`` seconds ago."""
+        path = self._claim_path(name)
+        try:
+            return path is not None and time.time() - os.lstat(path).st_mtime < stale_s
+        except OSError:
+            return False
+
+    def release(self, name: str) -> None:
+        """Withdraw this process's claim on the block ``name`` (after keeping it, or failing to fetch it)."""
+        path = self._claim_path(name)
+        if path is not None:
+            _remove_regular(path)
+
+    def _claim_path(self, name: str, *, make: bool = False) -> Path | None:
+        if not self.enabled or not _BLOCK_RE.fullmatch(name):
+            return None
+        path = self._path_to_write(name) if make else self._path(name)
+        return None if path is None else path.parent / f".{name}.claim"
+
     def discard(self, name: str) -> None:
         """Forget a block (its rows failed their checksums: fetch it again next time)."""
         path = self._path(name) if _BLOCK_RE.fullmatch(name) else None
@@ -238,7 +288,8 @@ class FetchCache:
                             continue
                         if _BLOCK_RE.fullmatch(e.name):
                             found.append((st.st_mtime, st.st_size, Path(e.path)))
-                        elif _TEMP_RE.fullmatch(e.name) and now - st.st_mtime > _STALE_TEMP_S:
+                        elif (_TEMP_RE.fullmatch(e.name) or _CLAIM_RE.fullmatch(e.name)) and \
+                                now - st.st_mtime > _STALE_TEMP_S:
                             _remove_regular(Path(e.path))
             except OSError:
                 continue

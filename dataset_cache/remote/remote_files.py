@@ -12,11 +12,16 @@ Every GET of a shard carries ``If-Match`` with the ETag the shard had when first
 size against the manifest; every read that goes to the network also checks that the manifest is still the one the
 reader opened (:class:`ManifestPin`). A cache replaced mid-run therefore stops the read with a
 ``CacheReplacedError`` that names it, and no batch ever holds bytes of two versions.
+
+Processes sharing a fetch cache (the ranks of a run on several devices) claim each block before fetching it
+(:meth:`~.fetch_cache.FetchCache.claim`); a block another process claimed is awaited in the fetch cache instead of
+fetched again, so N ranks reading the same blocks fetch each once.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -32,6 +37,8 @@ from .fetch_cache import FetchCache, block_name
 
 __all__ = ["RemoteShard", "ManifestPin", "RemoteShardFiles"]
 
+_CLAIM_POLL_S = 0.01
+"""How often a process waiting for a block another process claimed looks for it in the fetch cache."""
 _KEEP_UNSTORED = 64
 """Fetches whose blocks could not be kept on disk (no fetch cache, a full disk) stay in memory until a read uses
 them, at most this many: an announced batch's bytes are not fetched twice."""
@@ -91,15 +98,18 @@ class ManifestPin:
 
 
 class _Fetch:
-    """One GET in flight or done: blocks ``first .. first + count - 1`` of shard ``shard``."""
+    """One GET in flight or done: blocks ``first .. first + count - 1`` of shard ``shard``; or (``waits``) one block
+    another process claimed, awaited in the fetch cache."""
 
-    __slots__ = ("shard", "first", "count", "future", "check", "stored")
+    __slots__ = ("shard", "first", "count", "future", "check", "stored", "claimed", "waits")
 
-    def __init__(self, shard: int, first: int, count: int) -> None:
+    def __init__(self, shard: int, first: int, count: int, *, claimed: bool = False, waits: bool = False) -> None:
         self.shard, self.first, self.count = shard, first, count
         self.future: Future[Any] = Future()
         self.check: Future[Any] | None = None
         self.stored = False
+        self.claimed = claimed  # its blocks' claims are this process's, withdrawn when it settles
+        self.waits = waits
 
     def result(self) -> memoryview:
         """The fetched bytes (re-raising the fetch's error, or the manifest check's)."""
@@ -125,6 +135,7 @@ class RemoteShardFiles:
         opts = client.options
         self.block = opts.block_bytes
         self.max_blocks = max(1, opts.request_bytes // opts.block_bytes)
+        self.claim_wait_s = opts.claim_wait_s
         self._lock = threading.Lock()
         self._inflight: dict[tuple[int, int], _Fetch] = {}
         self._unstored: OrderedDict[int, _Fetch] = OrderedDict()
@@ -204,6 +215,7 @@ class RemoteShardFiles:
                          for k in range(begin // b, (end - 1) // b + 1)})
         out: dict[tuple[int, int], _Fetch | None] = {}
         missing: list[tuple[int, int]] = []
+        waits: list[_Fetch] = []
         with self._lock:
             for sk in needed:
                 fetch = self._inflight.get(sk)
@@ -211,6 +223,9 @@ class RemoteShardFiles:
                     out[sk] = fetch
                 elif self.shards[sk[0]].key is not None and self.cache.has(self._name(*sk), self._nbytes(*sk)):
                     out[sk] = None
+                elif self._claimed_elsewhere(*sk):
+                    waits.append(self._register(sk[0], [sk[1]], waits=True))
+                    out[sk] = waits[-1]
                 else:
                     missing.append(sk)
             started: list[_Fetch] = []
@@ -231,16 +246,27 @@ class RemoteShardFiles:
             for fetch in started:
                 fetch.check = check
                 self._launch(fetch)
+        for fetch in waits:
+            self._launch(fetch)
         return out
 
-    def _register(self, s: int, blocks: list[int]) -> _Fetch:
-        """Enter the GET of ``blocks`` (consecutive) of shard ``s`` in the in-flight table (lock held); the caller
-        launches it once the lock is released."""
-        fetch = _Fetch(s, blocks[0], len(blocks))
+    def _claimed_elsewhere(self, s: int, k: int) -> bool:
+        """Claim block ``k`` of shard ``s`` for this process's fetch (lock held); ``True`` when another process
+        sharing the fetch cache is fetching it, so this one waits for it instead."""
+        if self.shards[s].key is None or not self.cache.enabled:
+            return False
+        return not self.cache.claim(self._name(s, k), self.claim_wait_s)
+
+    def _register(self, s: int, blocks: list[int], *, waits: bool = False) -> _Fetch:
+        """Enter the GET of ``blocks`` (consecutive) of shard ``s`` — or, ``waits``, the wait for one block another
+        process claimed — in the in-flight table (lock held); the caller launches it once the lock is released."""
+        claimed = not waits and self.shards[s].key is not None and self.cache.enabled
+        fetch = _Fetch(s, blocks[0], len(blocks), claimed=claimed, waits=waits)
         fetch.future.add_done_callback(lambda _f: self._settle(fetch))  # pending: never called here
         for k in blocks:
             self._inflight[(s, k)] = fetch
-        self.requests += 1
+        if not waits:
+            self.requests += 1
         return fetch
 
     def _launch(self, fetch: _Fetch) -> None:
@@ -259,11 +285,41 @@ class RemoteShardFiles:
         if not future.set_running_or_notify_cancel():  # cancelled by close() before it started
             return
         try:
-            data = self._get(fetch)
+            data = self._await(fetch) if fetch.waits else self._get(fetch)
         except BaseException as exc:
+            self._withdraw(fetch)
             future.set_exception(exc)
         else:
+            self._withdraw(fetch)  # kept: the waiting processes find the block before the claim is gone
             future.set_result(data)
+
+    def _withdraw(self, fetch: _Fetch) -> None:
+        """Withdraw this process's claims on the fetch's blocks (once), so other processes may fetch them."""
+        if fetch.claimed:
+            fetch.claimed = False
+            for k in range(fetch.first, fetch.first + fetch.count):
+                self.cache.release(self._name(fetch.shard, k))
+
+    def _await(self, fetch: _Fetch) -> memoryview:
+        """The block another process claimed, read from the fetch cache once it is kept there; fetched here after
+        all when that process withdrew its claim without keeping it, or kept it past ``claim_wait_s``."""
+        name, nbytes = self._name(fetch.shard, fetch.first), self._nbytes(fetch.shard, fetch.first)
+        deadline = time.monotonic() + self.claim_wait_s
+        while True:
+            data = self.cache.get(name, nbytes)
+            if data is not None and len(data) == nbytes:
+                fetch.stored = True
+                return memoryview(data)
+            if time.monotonic() > deadline or not self.cache.claimed(name, self.claim_wait_s):
+                break
+            time.sleep(_CLAIM_POLL_S)
+        data = self.cache.get(name, nbytes)  # kept just as the claim was withdrawn
+        if data is not None and len(data) == nbytes:
+            fetch.stored = True
+            return memoryview(data)
+        with self._lock:
+            self.requests += 1
+        return self._get(fetch)
 
     def _refetch(self, s: int, k: int) -> _Fetch:
         """The fetch of one block that was found kept and is gone now (or whose fetch was cancelled)."""
@@ -339,6 +395,8 @@ class RemoteShardFiles:
         in-flight table; the others stay until a read uses them (:meth:`_release`), at most ``_KEEP_UNSTORED``."""
         future = fetch.future
         failed = future.cancelled() or future.exception() is not None
+        if future.cancelled():  # never ran: its claims are withdrawn here
+            self._withdraw(fetch)
         with self._lock:
             if failed or fetch.stored:
                 self._forget(fetch)

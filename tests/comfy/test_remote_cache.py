@@ -1,6 +1,6 @@
 """A cache in a bucket through the real nodes, in-process: ``remote.json`` lists it, Load Lazy Cache opens it, Train
-LoRA trains 3 steps from it (the same LoRA as from the local copy; on two CPU ranks too, both fetching into the one
-fetch cache), Save Streamable Cache publishes to it.
+LoRA trains 3 steps from it (the same LoRA as from the local copy; on two CPU ranks too, sharing one fetch cache
+and fetching each block once), Save Streamable Cache publishes to it.
 
 The bucket is moto's S3 server on 127.0.0.1 (``support.s3server``); skipped with one line without moto/obstore.
 """
@@ -127,7 +127,9 @@ def test_two_ranks_train_from_a_bucket_what_they_train_from_the_disk_through_one
     with torch.inference_mode():  # as ComfyUI runs nodes
         from_bucket = train.execute(models[0], bucket, **options).result
     assert wait_gone(os.getpid(), timeout=30) == []
-    assert s3.seen("GET", ".safetensors") and any((cache_root / ".fetched").rglob("*.blk"))
+    gets = [(r.path, r.range) for r in s3.seen("GET", ".safetensors")]
+    assert gets and any((cache_root / ".fetched").rglob("*.blk"))
+    assert len(gets) == len(set(gets)), f"two ranks fetched the same bytes: {sorted(gets)}"  # claims: once each
     assert not default.exists()  # the worker fetched into the run's fetch cache, not into a folder of its own
     with torch.inference_mode():
         from_disk = train.execute(models[0], disk, **options).result
