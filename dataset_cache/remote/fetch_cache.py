@@ -104,8 +104,7 @@ class FetchCache:
             return path
         sub = self.folder / name[:2]
         try:
-            if not self.folder.is_dir():
-                self._make_folder()
+            self._make_folder()  # deleted while in use, or replaced by a link (refused)
             sub.mkdir(exist_ok=True)
         except (OSError, ValueError):
             return None

@@ -87,6 +87,13 @@ def test_a_folder_deleted_while_in_use_is_made_again(tmp_path: Path) -> None:
     assert not cache.has(block_name(KEY, 4096, 0), 4096)
     assert cache.put(block_name(KEY, 4096, 1), b"b" * 4096)  # kept again, not "reads go on from the network"
     assert cache.has(block_name(KEY, 4096, 1), 4096) and _kept(folder) == [folder / "01" / block_name(KEY, 4096, 1)]
+    shutil.rmtree(folder)
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    folder.symlink_to(target)  # replaced by a link while in use: nothing is written through it
+    assert not cache.put(block_name(KEY, 4096, 2), b"c" * 4096)
+    assert cache.claim(block_name(KEY, 4096, 3), 60.0)  # no claim can be made there: fetch, as without claims
+    assert list(target.iterdir()) == []
 
 
 def test_a_bound_of_zero_keeps_nothing(tmp_path: Path) -> None:
