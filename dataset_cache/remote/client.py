@@ -71,7 +71,8 @@ class RemoteOptions:
             connections and timeouts (exponential backoff with jitter).
         connect_timeout_s, timeout_s: per request; ``None`` keeps obstore's defaults (5 s and 30 s).
         claim_wait_s: how long a process waits for a block another process sharing the fetch cache is fetching
-            (the ranks of a run on several devices) before fetching it too; a claim older than this is taken over.
+            (the ranks of a run on several devices) before fetching it too; a claim older than this is taken over,
+            so 0 fetches every block this process wants itself.
     """
 
     fetch_dir: Path | None = None

@@ -142,6 +142,7 @@ class RemoteShardFiles:
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(opts.requests_in_flight,
                                                                    thread_name_prefix="streamcache-fetch")
         self.requests = 0  # GETs of shard bytes sent (for the benchmark and the tests)
+        self.fetched_bytes = 0  # shard bytes those GETs brought
 
     # ----------------------------------------------------------------------------------------- the file source
     def read(self, ranges: Sequence[FileRange], mv: memoryview, *, announced: bool = False) -> None:
@@ -370,6 +371,8 @@ class RemoteShardFiles:
             raise CacheCorruptError(where, f"the object is {got.size} bytes but the manifest says {sh.size} "
                                            "(truncated or replaced)")
         data = memoryview(got.data).cast("B")
+        with self._lock:
+            self.fetched_bytes += len(data)
         if len(data) != end - begin:
             raise CacheCorruptError(where, f"asked for bytes {begin}-{end}, the server sent {len(data)} bytes")
         if sh.etag is None and got.etag:
