@@ -60,9 +60,15 @@ def _shard_gets(s3: S3Server) -> list[tuple[str, str]]:
     return [(r.path, r.range or "") for r in s3.seen("GET", ".safetensors")]
 
 
-def _claim_file(reader: CacheReader, fetch_dir: Path, k: int) -> Path:
+def _claimed_elsewhere(reader: CacheReader, fetch_dir: Path, k: int, age_s: float = 0.0) -> Path:
+    """Claim block ``k`` of the first shard as another process would (``age_s`` seconds ago); the claim file."""
     name = block_name(reader.files.shards[0].key, BLOCK, k)  # type: ignore[attr-defined]
-    return fetch_dir / name[:2] / f".{name}.claim"
+    claim = fetch_dir / name[:2] / f".{name}.claim"
+    claim.parent.mkdir(parents=True, exist_ok=True)
+    claim.touch()
+    if age_s:
+        os.utime(claim, (time.time() - age_s, time.time() - age_s))
+    return claim
 
 
 def _values(reader: CacheReader, keys: list[str]) -> list[torch.Tensor]:
@@ -118,9 +124,7 @@ def test_a_claim_never_delivered_delays_the_read_by_the_wait_only(published: tup
     shared = tmp_path / "fetched"
     with _open(url, shared, claim_wait_s=0.5) as reader:
         keys = _keys_of_block(reader, 1)
-        claim = _claim_file(reader, shared, 1)
-        claim.parent.mkdir(parents=True, exist_ok=True)
-        claim.touch()  # another process claimed block 1, then stalled
+        _claimed_elsewhere(reader, shared, 1)  # another process claimed block 1, then stalled
         s3.clear()
         t0 = time.monotonic()
         values = _values(reader, keys)
@@ -135,9 +139,7 @@ def test_a_withdrawn_claim_ends_the_wait_at_once(published: tuple[Path, str], s3
     shared = tmp_path / "fetched"
     with _open(url, shared, claim_wait_s=30.0) as reader:
         keys = _keys_of_block(reader, 1)
-        claim = _claim_file(reader, shared, 1)
-        claim.parent.mkdir(parents=True, exist_ok=True)
-        claim.touch()
+        claim = _claimed_elsewhere(reader, shared, 1)
         threading.Timer(0.3, claim.unlink).start()  # its fetch failed: the claim goes, no block kept
         t0 = time.monotonic()
         _values(reader, keys)
@@ -153,9 +155,7 @@ def test_a_block_kept_by_the_claiming_process_is_read_from_the_disk(published: t
         other.read(keys)  # block 1 fetched into another folder: the bytes the claiming process will keep
         name = block_name(reader.files.shards[0].key, BLOCK, 1)  # type: ignore[attr-defined]
         block = (elsewhere / name[:2] / name).read_bytes()
-        claim = _claim_file(reader, shared, 1)
-        claim.parent.mkdir(parents=True, exist_ok=True)
-        claim.touch()
+        claim = _claimed_elsewhere(reader, shared, 1)
         s3.clear()
 
         def deliver() -> None:  # what the claiming process does: keep the block, then withdraw its claim
@@ -177,10 +177,7 @@ def test_a_stale_claim_is_taken_over_without_waiting(published: tuple[Path, str]
     shared = tmp_path / "fetched"
     with _open(url, shared, claim_wait_s=30.0) as reader:
         keys = _keys_of_block(reader, 1)
-        claim = _claim_file(reader, shared, 1)
-        claim.parent.mkdir(parents=True, exist_ok=True)
-        claim.touch()
-        os.utime(claim, (time.time() - 60, time.time() - 60))  # left by a process that died a minute ago
+        claim = _claimed_elsewhere(reader, shared, 1, age_s=60.0)  # left by a process that died a minute ago
         s3.clear()
         t0 = time.monotonic()
         _values(reader, keys)
