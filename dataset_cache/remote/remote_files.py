@@ -234,11 +234,11 @@ class RemoteShardFiles:
                 run: list[int] = []
                 for _, k in group:
                     if run and (k != run[-1] + 1 or len(run) >= self.max_blocks):
-                        started.append(self._register(s, run))
+                        started.append(self._register(s, run, claimed=True))
                         run = []
                     run.append(k)
                 if run:
-                    started.append(self._register(s, run))
+                    started.append(self._register(s, run, claimed=True))
             for fetch in started:
                 for k in range(fetch.first, fetch.first + fetch.count):
                     out[(fetch.shard, k)] = fetch
@@ -258,10 +258,10 @@ class RemoteShardFiles:
             return False
         return not self.cache.claim(self._name(s, k), self.claim_wait_s)
 
-    def _register(self, s: int, blocks: list[int], *, waits: bool = False) -> _Fetch:
-        """Enter the GET of ``blocks`` (consecutive) of shard ``s`` — or, ``waits``, the wait for one block another
-        process claimed — in the in-flight table (lock held); the caller launches it once the lock is released."""
-        claimed = not waits and self.shards[s].key is not None and self.cache.enabled
+    def _register(self, s: int, blocks: list[int], *, claimed: bool = False, waits: bool = False) -> _Fetch:
+        """Enter the GET of ``blocks`` (consecutive) of shard ``s`` (``claimed``: their claims are this process's,
+        made by :meth:`_claimed_elsewhere`) — or, ``waits``, the wait for one block another process claimed — in the
+        in-flight table (lock held); the caller launches it once the lock is released."""
         fetch = _Fetch(s, blocks[0], len(blocks), claimed=claimed, waits=waits)
         fetch.future.add_done_callback(lambda _f: self._settle(fetch))  # pending: never called here
         for k in blocks:

@@ -183,3 +183,15 @@ def test_a_stale_claim_is_taken_over_without_waiting(published: tuple[Path, str]
         _values(reader, keys)
         assert time.monotonic() - t0 < 10.0 and len(_shard_gets(s3)) == 1
         assert not claim.exists()  # taken over, then withdrawn before the read returned
+
+
+def test_a_block_fetched_again_withdraws_no_claim_it_did_not_make(published: tuple[Path, str], s3: S3Server,
+                                                                  tmp_path: Path) -> None:
+    """A block found kept and gone before it was read is fetched again without a claim; another process's claim on
+    it stays (withdrawing it would let a third process fetch the block too)."""
+    _, url = published
+    shared = tmp_path / "fetched"
+    with _open(url, shared) as reader:
+        claim = _claimed_elsewhere(reader, shared, 1)
+        reader.files._refetch(0, 1).result()  # type: ignore[attr-defined]
+        assert claim.exists()
