@@ -307,17 +307,15 @@ class RemoteShardFiles:
         name, nbytes = self._name(fetch.shard, fetch.first), self._nbytes(fetch.shard, fetch.first)
         deadline = time.monotonic() + self.claim_wait_s
         while True:
+            # the claim is looked at before the block: a claim withdrawn once its block was kept finds the block
+            waiting = time.monotonic() <= deadline and self.cache.claimed(name, self.claim_wait_s)
             data = self.cache.get(name, nbytes)
             if data is not None and len(data) == nbytes:
                 fetch.stored = True
                 return memoryview(data)
-            if time.monotonic() > deadline or not self.cache.claimed(name, self.claim_wait_s):
+            if not waiting:
                 break
             time.sleep(_CLAIM_POLL_S)
-        data = self.cache.get(name, nbytes)  # kept just as the claim was withdrawn
-        if data is not None and len(data) == nbytes:
-            fetch.stored = True
-            return memoryview(data)
         with self._lock:
             self.requests += 1
         return self._get(fetch)
