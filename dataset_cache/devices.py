@@ -3,12 +3,14 @@
 Rank 0 is always the calling process's own device (in ComfyUI, the one its models load to): the run's result is
 made there, and ComfyUI's progress and Cancel live in that process. The other ranks are worker processes, one per
 further device. ``cpu:N`` runs N ranks on the CPU: it exists so the same multi-process code path can be tested on a
-machine without GPUs (gloo, 2 processes); it is not a way to train faster.
+machine without GPUs (gloo, 2 processes); it is not a way to train faster. ``+ N remote`` after the local devices
+adds N ranks that join from other machines (``nodes/training/join.py``), one per device there.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,17 +31,34 @@ class DevicePlan:
 
     kind: str
     indices: tuple[int, ...]
+    remote: int = 0
+    """Ranks that join from other machines, after the local ones (``+ N remote``)."""
 
     @property
     def size(self) -> int:
         """Number of ranks (1: train in this process alone, as without the setting)."""
+        return len(self.indices) + self.remote
+
+    @property
+    def local(self) -> int:
+        """Ranks on this machine (rank 0 and the worker processes it starts)."""
         return len(self.indices)
 
     def describe(self) -> str:
-        """``"cuda:0, cuda:1"`` or ``"2 CPU processes"``, for messages."""
-        if self.kind == "cpu" and self.size > 1:
-            return f"{self.size} CPU processes"
-        return ", ".join(f"{self.kind}:{i}" for i in self.indices)
+        """``"cuda:0, cuda:1"``, ``"2 CPU processes"`` or ``"cuda:0 and 2 ranks on other machines"``, for
+        messages."""
+        if self.kind == "cpu" and self.local > 1:
+            here = f"{self.local} CPU processes"
+        else:
+            here = ", ".join(f"{self.kind}:{i}" for i in self.indices)
+        if self.remote:
+            return f"{here} and {self.remote} rank{'s' if self.remote > 1 else ''} on other machines"
+        return here
+
+
+_REMOTE = re.compile(r"^(?P<local>[^+]*?)\s*\+\s*(?P<count>[^+]*?)\s*remote\s*$", re.IGNORECASE)
+MAX_REMOTE = 64
+"""The most ranks ``+ N remote`` may ask for."""
 
 
 def parse_devices(spec: str | Sequence[int] | None, *, home: str, home_index: int | None,
@@ -49,7 +68,8 @@ def parse_devices(spec: str | Sequence[int] | None, *, home: str, home_index: in
     Args:
         spec: ``None``/``"auto"``/``""`` (see :data:`AUTO`); a list of CUDA device indices (``"0,1"``,
             ``"cuda:0, cuda:2"`` or a sequence of ints) that must include the home device; ``"cpu"`` or ``"cpu:N"``
-            (N CPU ranks, for tests).
+            (N CPU ranks, for tests); any of these text forms followed by ``+ N remote`` (N more ranks joining
+            from other machines).
         home: the device type of rank 0 (the calling process's training device).
         home_index: its index (``None``: the current CUDA device, given as 0).
         cuda_count: how many CUDA devices this process sees.
@@ -58,6 +78,19 @@ def parse_devices(spec: str | Sequence[int] | None, *, home: str, home_index: in
         ValueError: a malformed list, an index past the visible devices, a repeated index, a list without the home
             device, CUDA indices on a non-CUDA home, ``cpu:N`` on a GPU home or with N past the CPU count.
     """
+    if isinstance(spec, str) and (found := _REMOTE.match(spec.strip())):
+        count = found["count"]
+        if not count.isdigit() or not 1 <= int(count) <= MAX_REMOTE:
+            raise ValueError(f"devices {spec!r}: write '+ N remote' with N from 1 to {MAX_REMOTE}, the number of "
+                             "ranks that join from other machines (e.g. '0 + 2 remote')")
+        local = parse_devices(found["local"], home=home, home_index=home_index, cuda_count=cuda_count)
+        if local.kind not in ("cuda", "cpu"):
+            raise ValueError(f"devices {spec!r}: this ComfyUI trains on {local.kind}; ranks on other machines "
+                             "join CUDA or CPU runs only")
+        return DevicePlan(local.kind, local.indices, int(count))
+    if isinstance(spec, str) and "+" in spec:
+        raise ValueError(f"devices {spec!r}: after '+', write 'N remote' (N ranks joining from other machines, "
+                         "e.g. '0 + 2 remote')")
     here = home_index or 0
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("", AUTO)):
         if home == "cuda" and cuda_count > 1:

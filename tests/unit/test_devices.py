@@ -63,3 +63,34 @@ def test_cpu_ranks_for_tests():
         parse_devices("cpu:two", **cpu)
     with pytest.raises(ValueError, match="for testing on a ComfyUI started with --cpu"):
         parse_devices("cpu:2", home="cuda", home_index=0, cuda_count=2)
+
+
+def test_ranks_joining_from_other_machines_follow_the_local_ones():
+    cpu = dict(home="cpu", home_index=None, cuda_count=0)
+    assert cuda("0,1 + 2 remote") == DevicePlan("cuda", (0, 1), 2)
+    assert cuda("auto+1 REMOTE", home_index=2) == DevicePlan("cuda", (2, 0, 1, 3), 1)
+    assert cuda(" + 3 remote", count=1) == DevicePlan("cuda", (0,), 3)  # nothing before '+': auto
+    plan = parse_devices("cpu:1 + 1 remote", **cpu)
+    assert plan == DevicePlan("cpu", (0,), 1) and (plan.size, plan.local) == (2, 1)
+    assert plan.describe() == "cpu:0 and 1 rank on other machines"
+    assert parse_devices("cpu:2 + 2 remote", **cpu).describe() == "2 CPU processes and 2 ranks on other machines"
+    assert cuda("0").remote == 0
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("0 + remote", "'\\+ N remote' with N from 1 to 64"),
+    ("0 + 0 remote", "with N from 1 to 64"),
+    ("0 + 65 remote", "with N from 1 to 64"),
+    ("0 + two remote", "with N from 1 to 64"),
+    ("0 + 2", "after '\\+', write 'N remote'"),
+    ("0 + 1 remote + 1 remote", "after '\\+', write 'N remote'"),
+    ("0,9 + 1 remote", "no CUDA device 9"),
+])
+def test_bad_remote_counts_are_named(spec, message):
+    with pytest.raises(ValueError, match=message):
+        cuda(spec)
+
+
+def test_remote_ranks_join_cuda_or_cpu_runs_only():
+    with pytest.raises(ValueError, match="trains on mps; ranks on other machines join CUDA or CPU runs only"):
+        parse_devices("auto + 1 remote", home="mps", home_index=None, cuda_count=0)
