@@ -74,9 +74,11 @@ def host_store(world_size: int, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> dist
                          wait_for_workers=False)
 
 
-def join_store(port: int, world_size: int, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> dist.TCPStore:
-    """A worker's client of rank 0's store."""
-    return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
+def join_store(port: int, world_size: int, timeout_s: float = RENDEZVOUS_TIMEOUT_S, *,
+               host: str = "127.0.0.1") -> dist.TCPStore:
+    """A worker's client of rank 0's store (``host``: rank 0's machine, for a rank joining from another; the store
+    listens on every interface of it)."""
+    return dist.TCPStore(host, port, world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _no_check(wait_s: float) -> None:

@@ -13,6 +13,12 @@ exit (a signal by name), which the collectives raise in rank 0 at once (:class:`
 ``check``). :meth:`WorkerPool.close` ends every worker: the control connection is closed, which makes a worker's
 own watch thread exit it at once (a worker never outlives rank 0, even one blocked inside a collective), then
 ``terminate`` and ``kill`` for a worker that is still there after a grace period; every process is waited for.
+
+Ranks on other machines (``remote``) are not started here: a join process there (``nodes/training/join.py``)
+connects to the same listener, bound then to an address other machines reach, with the key the user gave both
+sides (the handshake authenticates both ends before anything is unpickled: a peer without the key is refused and
+the listener goes on waiting). Each is given the next free remote rank. Such a rank ends with its connection: rank 0
+cannot kill a process on another machine, and closing the connection ends it there as it ends a local worker.
 """
 
 from __future__ import annotations
@@ -27,11 +33,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ADDRESS_ENV", "KEY_ENV", "RANK_ENV", "WorkerFailedError", "WorkerLink", "WorkerPool", "connect"]
+__all__ = ["ADDRESS_ENV", "KEY_ENV", "RANK_ENV", "WorkerFailedError", "WorkerLink", "WorkerPool", "connect", "join"]
 
 log = logging.getLogger("dataset_cache.workers")
 
@@ -77,12 +84,19 @@ def describe_exit(code: int | None) -> str:
 
 
 class _Worker:
-    def __init__(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, rank: int, proc: subprocess.Popen[bytes] | None) -> None:
         self.rank = rank
         self.proc = proc
+        """The local process (``None``: a rank joining from another machine)."""
+        self.where = ""
+        """A remote rank's machine, as it said and as it connected (``"gpu-box-2 at 10.0.0.7"``)."""
         self.conn: Connection | None = None
         self.state = "starting"  # starting → connected → ready → done | stopped | error | lost
         self.thread: threading.Thread | None = None
+
+    def describe(self) -> str:
+        """``"the worker (pid 123)"`` or ``"the rank on gpu-box-2 at 10.0.0.7"``, for messages."""
+        return f"the worker (pid {self.proc.pid})" if self.proc is not None else f"the rank on {self.where}"
 
 
 class WorkerPool:
@@ -93,14 +107,22 @@ class WorkerPool:
         ranks: the workers' ranks (1 .. N-1).
         env: extra environment of each worker, by rank (e.g. ``CUDA_VISIBLE_DEVICES``).
         python: the interpreter (this one's by default).
+        remote: the ranks that join from other machines (started there, not here).
+        address: where the listener listens (``127.0.0.1`` at a port the system picks unless ranks join from
+            other machines).
+        key: the key every connection must know (random unless ranks join from other machines).
     """
 
     def __init__(self, entry: Path, ranks: Sequence[int], env: Callable[[int], Mapping[str, str]], *,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, remote: Sequence[int] = (),
+                 address: tuple[str, int] = ("127.0.0.1", 0), key: bytes | None = None) -> None:
         self.entry = Path(entry)
         self.ranks = list(ranks)
+        self.remote = list(remote)
         self.env = env
         self.python = python
+        self.bind = address
+        self.key = key
         self._workers: dict[int, _Worker] = {}
         self._cond = threading.Condition()
         self._failure: WorkerFailedError | None = None
@@ -111,39 +133,64 @@ class WorkerPool:
     # ------------------------------------------------------------------------------------------ start
     def start(self, payloads: Callable[[int], Sequence[bytes]]) -> None:
         """Start every worker; each receives ``payloads(rank)`` (in order) once it has connected."""
-        key = secrets.token_bytes(32)
-        self._listener = Listener(("127.0.0.1", 0), authkey=key)
+        key = self.key or secrets.token_bytes(32)
+        try:
+            self._listener = Listener(self.bind, authkey=key)
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen for the training's ranks at {self.bind[0]}:{self.bind[1]} ({exc}): "
+                               "pick another address or port") from exc
         host, port = self._listener.address
+        if host in ("0.0.0.0", "::", ""):  # listening everywhere: local workers come over the loopback
+            host = "127.0.0.1"
+        for rank in self.remote:
+            self._workers[rank] = _Worker(rank, None)
         for rank in self.ranks:
             env = {**os.environ, **self.env(rank), ADDRESS_ENV: f"{host}:{port}", KEY_ENV: key.hex(),
                    RANK_ENV: str(rank)}
             proc = subprocess.Popen([self.python, str(self.entry)], env=env, stdin=subprocess.DEVNULL)
             self._workers[rank] = _Worker(rank, proc)
             log.info("started worker rank %d (pid %d)", rank, proc.pid)
+        if self.remote:
+            log.info("waiting for %d rank(s) to join from other machines at %s:%d", len(self.remote), *self.bind)
         self._acceptor = threading.Thread(target=self._accept, args=(payloads,), name="streamcache-ddp-accept",
                                           daemon=True)
         self._acceptor.start()
 
     @property
     def pids(self) -> dict[int, int]:
-        """Rank → process id of every worker started."""
-        return {r: w.proc.pid for r, w in self._workers.items()}
+        """Rank → process id of every worker started here."""
+        return {r: w.proc.pid for r, w in self._workers.items() if w.proc is not None}
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where the listener listens (the port the system picked, once started)."""
+        listener = self._listener
+        return tuple(listener.address) if listener is not None else self.bind
 
     def _accept(self, payloads: Callable[[int], Sequence[bytes]]) -> None:
         listener = self._listener
         assert listener is not None
-        for _ in self.ranks:
+        while True:  # until close(): a connection after every rank has joined is turned away, not left hanging
+            with self._cond:
+                if self._closing:
+                    return
             try:
                 conn = listener.accept()
-                kind, rank = conn.recv()
-            except Exception:  # closed while waiting (close(), a failure), or a client that did not say hello
+            except (AuthenticationError, EOFError, ConnectionError, TimeoutError) as exc:
+                if self._closing:
+                    return
+                log.warning("refused a connection to the training listener (%s): it did not know the key",
+                            type(exc).__name__)
+                continue
+            except Exception:  # closed while waiting (close(), a failure)
                 if not self._closing:
                     log.debug("worker listener stopped", exc_info=True)
                 return
-            worker = self._workers.get(rank) if kind == "hello" else None
-            if worker is None or worker.conn is not None:
+            worker = self._claim(conn, listener.last_accepted)
+            if worker is None:
                 conn.close()
                 continue
+            rank = worker.rank
             try:
                 for payload in payloads(rank):
                     conn.send_bytes(payload)
@@ -156,6 +203,32 @@ class WorkerPool:
             worker.thread = threading.Thread(target=self._watch, args=(worker,), name=f"streamcache-ddp-{rank}",
                                              daemon=True)
             worker.thread.start()
+
+    def _claim(self, conn: Connection, peer: Any) -> _Worker | None:
+        """The slot an authenticated connection takes by its hello: ``("hello", rank)`` a local worker's own,
+        ``("join", machine)`` the next free remote rank; ``None`` for anything else."""
+        try:
+            hello = conn.recv() if conn.poll(30.0) else None
+        except Exception:
+            return None
+        if not (isinstance(hello, tuple) and len(hello) == 2):
+            return None
+        kind, detail = hello
+        with self._cond:
+            if kind == "hello":
+                worker = self._workers.get(detail) if isinstance(detail, int) else None
+                return worker if worker is not None and worker.proc is not None and worker.conn is None else None
+            if kind == "join":
+                free = [w for w in self._workers.values() if w.proc is None and w.conn is None and not w.where]
+                if not free:
+                    log.warning("refused a rank joining from %s: every remote rank has joined", detail)
+                    return None
+                worker = min(free, key=lambda w: w.rank)
+                host = peer[0] if isinstance(peer, tuple) and peer else peer
+                worker.where = f"{str(detail)[:100]} at {host}"
+                log.info("rank %d joins from %s", worker.rank, worker.where)
+                return worker
+        return None
 
     def _watch(self, worker: _Worker) -> None:
         conn = worker.conn
@@ -176,21 +249,24 @@ class WorkerPool:
                     self._fail(WorkerFailedError(worker.rank, str(message[1]),
                                                  str(message[2]) if len(message) > 2 else ""))
                 self._cond.notify_all()
-        try:
-            code = worker.proc.wait(timeout=GRACE_S)
-        except subprocess.TimeoutExpired:
-            code = None
-        log.info("worker rank %d (pid %d) ended: %s, %s", worker.rank, worker.proc.pid, worker.state,
-                 describe_exit(code))
+        code: int | None = None
+        if worker.proc is not None:
+            try:
+                code = worker.proc.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                code = None
+            ended = describe_exit(code)
+        else:
+            ended = ("ended its connection (the machine is unreachable, or its join process ended: its output is "
+                     "in that machine's console)")
+        log.info("rank %d (%s) ended: %s, %s", worker.rank, worker.describe(), worker.state, ended)
         with self._cond:
             if worker.state not in ("done", "stopped", "error"):
                 worker.state = "lost"
                 if not self._closing:
-                    self._fail(WorkerFailedError(worker.rank, f"the worker (pid {worker.proc.pid}) "
-                                                 f"{describe_exit(code)}"))
+                    self._fail(WorkerFailedError(worker.rank, f"{worker.describe()} {ended}"))
             elif code and worker.state != "error" and not self._closing:
-                self._fail(WorkerFailedError(worker.rank, f"the worker (pid {worker.proc.pid}) "
-                                             f"{describe_exit(code)} after it finished"))
+                self._fail(WorkerFailedError(worker.rank, f"{worker.describe()} {ended} after it finished"))
             self._cond.notify_all()
 
     def _fail(self, error: WorkerFailedError) -> None:
@@ -213,7 +289,8 @@ class WorkerPool:
 
     def _check_unconnected(self) -> None:
         for worker in self._workers.values():
-            if worker.conn is None and worker.proc.poll() is not None and not self._closing:
+            if worker.conn is None and worker.proc is not None and worker.proc.poll() is not None \
+                    and not self._closing:
                 self._fail(WorkerFailedError(worker.rank, f"the worker (pid {worker.proc.pid}) "
                                              f"{describe_exit(worker.proc.returncode)} before it connected (its "
                                              "output is in ComfyUI's console)"))
@@ -233,6 +310,14 @@ class WorkerPool:
                 on_stop()
                 raise RuntimeError("stopped while the workers were starting")
             if time.monotonic() > deadline:
+                absent = [r for r in waiting if self._workers[r].proc is None and self._workers[r].conn is None]
+                if absent:
+                    host, port = self.bind[0], self.address[1]
+                    raise WorkerFailedError(absent[0], f"{len(absent)} of {len(self.remote)} ranks from other "
+                                            f"machines did not join within {timeout_s:.0f} s: start the join "
+                                            f"command on each (scripts/join-training --main <this machine>:{port}, "
+                                            "with the same STREAMCACHE_JOIN_KEY), and check that they reach "
+                                            f"this machine at port {port} (listening on {host})")
                 raise WorkerFailedError(waiting[0], f"the worker did not start within {timeout_s:.0f} s; "
                                         "see its output in ComfyUI's console")
 
@@ -273,9 +358,10 @@ class WorkerPool:
                 except (OSError, ValueError):
                     pass
                 worker.conn.close()
-        _wait_all([w.proc for w in self._workers.values()], GRACE_S)
+        procs = [w.proc for w in self._workers.values() if w.proc is not None]
+        _wait_all(procs, GRACE_S)
         for action in ("terminate", "kill"):
-            alive = [w.proc for w in self._workers.values() if w.proc.poll() is None]
+            alive = [proc for proc in procs if proc.poll() is None]
             if not alive:
                 break
             for proc in alive:
@@ -362,3 +448,20 @@ def connect(environ: Mapping[str, str] = os.environ) -> WorkerLink:
     conn = Client((host, int(port)), authkey=key)
     conn.send(("hello", rank))
     return WorkerLink(conn, rank)
+
+
+def join(host: str, port: int, key: bytes, machine: str) -> WorkerLink:
+    """Join a run from another machine: connect to rank 0's listener at ``host:port`` with ``key`` and say which
+    ``machine`` this is; rank 0 assigns the rank (in the job it sends; :attr:`WorkerLink.rank` is -1 until then).
+
+    Raises:
+        ConnectionRefusedError: nothing listens there (no run is waiting for ranks yet).
+        PermissionError: the listener does not know ``key`` (or this side does not know its key).
+    """
+    try:
+        conn = Client((host, port), authkey=key)
+    except AuthenticationError as exc:
+        raise PermissionError(f"the training listener at {host}:{port} and this machine have different keys "
+                              "(STREAMCACHE_JOIN_KEY): set the same key on both") from exc
+    conn.send(("join", machine))
+    return WorkerLink(conn, -1)
