@@ -167,7 +167,8 @@ def _step_inputs() -> list[io.Input]:
                         "'0,1' trains on those GPUs (it must include ComfyUI's own). Several GPUs train "
                         "data-parallel: each takes batch_size images per step (the global batch is "
                         "batch_size × GPUs), one worker process per extra GPU loads its own copy of the "
-                        "model. 'cpu:2' runs 2 CPU processes (for tests)."),
+                        "model. '0,1 + 2 remote' adds 2 ranks joining from other machines (README: Several "
+                        "machines). 'cpu:2' runs 2 CPU processes (for tests)."),
         # last: saved workflows keep their widget values in order
         io.Combo.Input("checkpoint_mode", options=list(CHECKPOINT_MODES), default="exact", optional=True,
                        advanced=True,

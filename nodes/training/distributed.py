@@ -9,6 +9,10 @@ one-process trainer with a :class:`~dataset_cache.collective.Collective`: the sa
 gradients averaged before each optimizer step, the loss averaged, a stop agreed at a step boundary, the adapters'
 first weights taken from rank 0, and rank 0's LoRA returned. docs/ARCHITECTURE.md ("Training on several devices")
 has the reasons.
+
+``+ N remote`` ranks are not started here: rank 0 listens at ``$STREAMCACHE_JOIN_ADDRESS`` for N join processes
+started on other machines (``join.py``) that know ``$STREAMCACHE_JOIN_KEY``, and sends each the job with what it
+needs to find the model files and caches in its own folders (``machines.py``).
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ import folder_paths
 from ...dataset_cache.collective import Collective, backend_for, collective_timeout, host_store
 from ...dataset_cache.devices import AUTO, DevicePlan, parse_devices
 from ...dataset_cache.reopen import CacheAddress, addresses_of
-from ...dataset_cache.workers import GRACE_S, WorkerPool
-from .model_spec import build_spec
+from ...dataset_cache.workers import GRACE_S, START_TIMEOUT_S, WorkerPool
+from .machines import Elsewhere, elsewhere
+from .model_spec import build_spec, recipe_args
 from .report import RowCounts
 from .settings import TrainSettings
 
-__all__ = ["COMFYUI_ENV", "PACK_ENV", "PACK_MODULE_ENV", "Team", "WorkerJob", "plan_team", "reader_addresses"]
+__all__ = ["COMFYUI_ENV", "JOIN_ADDRESS_ENV", "JOIN_KEY_ENV", "JOIN_TIMEOUT_ENV", "PACK_ENV", "PACK_MODULE_ENV",
+           "JoinSettings", "Team", "WorkerJob", "join_settings", "plan_team", "reader_addresses"]
 
 log = logging.getLogger("streamcache.train")
 
@@ -49,6 +55,53 @@ PACK_MODULE_ENV = "STREAMCACHE_PACK_MODULE"
 _PACK_MODULE = __name__.rsplit(".nodes.training.", 1)[0]
 """The name ComfyUI imported this pack under (a worker imports it under the same name, so pickles resolve)."""
 _PACK_ROOT = Path(__file__).resolve().parents[2]
+JOIN_ADDRESS_ENV = "STREAMCACHE_JOIN_ADDRESS"
+JOIN_KEY_ENV = "STREAMCACHE_JOIN_KEY"
+JOIN_TIMEOUT_ENV = "STREAMCACHE_JOIN_TIMEOUT_S"
+DEFAULT_JOIN_PORT = 29440
+MIN_KEY_CHARS = 16
+
+
+@dataclass(frozen=True)
+class JoinSettings:
+    """Where rank 0 waits for ranks from other machines, with which key, for how long."""
+
+    host: str
+    port: int
+    key: bytes
+    timeout_s: float
+
+
+def join_settings(environ: Mapping[str, str] = os.environ) -> JoinSettings:
+    """Read ``$STREAMCACHE_JOIN_ADDRESS`` (``host:port`` or ``port``; every interface at port 29440 by default),
+    ``$STREAMCACHE_JOIN_KEY`` (required: at least 16 characters, the same on every machine) and
+    ``$STREAMCACHE_JOIN_TIMEOUT_S`` (how long to wait for them; 600 s).
+
+    Raises:
+        ValueError: a missing or short key, a malformed address or timeout, naming the variable.
+    """
+    key = environ.get(JOIN_KEY_ENV, "")
+    if len(key) < MIN_KEY_CHARS:
+        raise ValueError(f"devices '+ N remote': set {JOIN_KEY_ENV} to the same secret of at least {MIN_KEY_CHARS} "
+                         "characters in the environment of this ComfyUI and of the join command on every other "
+                         "machine (a process that does not know it cannot join the run)")
+    raw = environ.get(JOIN_ADDRESS_ENV, "").strip() or str(DEFAULT_JOIN_PORT)
+    host, _, port_text = raw.rpartition(":")
+    try:
+        port = int(port_text)
+        if not 0 <= port <= 65535:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{JOIN_ADDRESS_ENV}={raw!r}: write host:port or a port, e.g. 0.0.0.0:{DEFAULT_JOIN_PORT}") \
+            from None
+    raw_timeout = environ.get(JOIN_TIMEOUT_ENV, "")
+    try:
+        timeout_s = float(raw_timeout) if raw_timeout else START_TIMEOUT_S
+        if not timeout_s > 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{JOIN_TIMEOUT_ENV}={raw_timeout!r}: write a positive number of seconds") from None
+    return JoinSettings(host.strip("[]") or "0.0.0.0", port, key.encode(), timeout_s)
 
 
 @dataclass(frozen=True)
@@ -66,6 +119,8 @@ class WorkerJob:
     reg: Any
     reg_name: str
     settings: TrainSettings
+    elsewhere: Elsewhere | None = None
+    """For a rank on another machine: how it finds the model files and caches there (``None``: a local worker)."""
 
 
 def reader_addresses(reader: Any) -> tuple[CacheAddress, ...]:
@@ -113,7 +168,14 @@ def plan_team(devices: str | Sequence[int] | None, model: Any, reader: Any = Non
         note = f"devices 'auto' trained on one device, not on {plan.describe()}: {exc}"
         log.warning("Train LoRA: %s", note)
         return Team(None, notes=[note])
-    return Team(plan, spec=spec, caches=caches)
+    if not plan.remote:
+        return Team(plan, spec=spec, caches=caches)
+    joining = join_settings()
+    try:
+        away = elsewhere(recipe_args(model), caches)
+    except ValueError as exc:
+        raise ValueError(f"training with ranks on other machines: {exc}") from None
+    return Team(plan, spec=spec, caches=caches, joining=joining, away=away)
 
 
 class Team:
@@ -124,11 +186,15 @@ class Team:
     """
 
     def __init__(self, plan: DevicePlan | None, collective: Collective | None = None, *, spec: bytes = b"",
-                 caches: tuple[CacheAddress, ...] = (), notes: Sequence[str] = ()) -> None:
+                 caches: tuple[CacheAddress, ...] = (), notes: Sequence[str] = (), joining: JoinSettings | None = None,
+                 away: Elsewhere | None = None) -> None:
         self.plan = plan
         self.collective = collective
         self.spec = spec
         self.caches = caches
+        self.joining = joining
+        self.away = away
+        """What ranks on other machines need to find the model files and caches there."""
         self.notes = list(notes)
         """What the run had to change (``auto`` on one device), for the node's summary."""
         self.pool: WorkerPool | None = None
@@ -154,13 +220,18 @@ class Team:
         backend = backend_for(plan.kind)
         timeout_s = collective_timeout()
         store = host_store(plan.size)
-        pool = WorkerPool(ENTRY, range(1, plan.size), lambda rank: _worker_env(plan, rank))
+        joining = self.joining
+        remote = range(plan.local, plan.size)
+        pool = WorkerPool(ENTRY, range(1, plan.local), lambda rank: _worker_env(plan, rank), remote=remote,
+                          **({"address": (joining.host, joining.port), "key": joining.key} if joining else {}))
         interrupted = comfy.model_management.processing_interrupted
         collective = Collective(0, plan.size, _home(model), backend, check=pool.check, stop_requested=interrupted,
                                 on_stop=_interrupted)
         bootstrap = _bootstrap()
         jobs = {rank: pickle.dumps(WorkerJob(rank, plan.size, backend, store.port, timeout_s, self.spec, self.caches,
-                                             samples, reg, reg_name, settings), protocol=pickle.HIGHEST_PROTOCOL)
+                                             samples, reg, reg_name, settings,
+                                             self.away if rank in remote else None),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
                 for rank in range(1, plan.size)}
         log.info("Train LoRA: %d ranks on %s (%s)", plan.size, plan.describe(), backend)
         finished = False
@@ -170,7 +241,7 @@ class Team:
             torch.set_num_threads(cpu_threads(plan.size))
         try:
             pool.start(lambda rank: (bootstrap, jobs[rank]))
-            pool.wait_ready(interrupted, _interrupted)
+            pool.wait_ready(interrupted, _interrupted, *([joining.timeout_s] if joining else []))
             collective.start(store, timeout_s)
             self.collective = collective
             try:
@@ -262,11 +333,12 @@ def _worker_env(plan: DevicePlan, rank: int) -> dict[str, str]:
 def _bootstrap() -> bytes:
     """ComfyUI's settings, for a worker to set before it imports ComfyUI's model code: the command-line options
     (dtypes, memory modes, ``--cpu``), the model folders (``existing_lora`` is found by name) and the output folder
-    (where the training state of an existing LoRA is)."""
+    (where the training state of an existing LoRA is); and the name this pack is imported under (a rank on another
+    machine imports it under the same one, so the job's pickles resolve)."""
     args = dict(vars(comfy.cli_args.args))
     args.update(cuda_device=None, default_device=None)  # the worker's one device is chosen by its environment
     folders = {name: (list(paths), set(exts)) for name, (paths, exts) in folder_paths.folder_names_and_paths.items()}
     places = {"output": folder_paths.get_output_directory(), "input": folder_paths.get_input_directory(),
               "temp": folder_paths.get_temp_directory()}
-    return pickle.dumps({"args": args, "folders": folders, "models_dir": folder_paths.models_dir, "places": places},
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps({"args": args, "folders": folders, "models_dir": folder_paths.models_dir, "places": places,
+                         "pack": _PACK_MODULE}, protocol=pickle.HIGHEST_PROTOCOL)

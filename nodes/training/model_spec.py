@@ -19,13 +19,14 @@ from __future__ import annotations
 import io
 import pickle
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ...dataset_cache.units import format_bytes
 
-__all__ = ["build_spec", "rebuild"]
+__all__ = ["build_spec", "rebuild", "recipe_args"]
 
 _SENT = ("patches", "patches_uuid", "object_patches", "weight_wrapper_patches", "model_options", "force_cast_weights",
          "wrappers", "callbacks", "attachments")
@@ -163,15 +164,24 @@ def _kind(value: Any) -> str:
     return f"{name or kind.__qualname__} from {getattr(value, '__module__', None) or kind.__module__}"
 
 
-def rebuild(spec: bytes) -> Any:
+def recipe_args(model: Any) -> tuple[Any, ...]:
+    """The arguments of ``model``'s loader recipe (file paths among them), ``()`` without one."""
+    recipe = getattr(model, "cached_patcher_init", None)
+    return tuple(recipe[1]) if recipe is not None else ()
+
+
+def rebuild(spec: bytes, locate: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None) -> Any:
     """The worker's model from :func:`build_spec`'s bytes: the loader's function run on the same file (a plain,
-    non-dynamic ``ModelPatcher``, as ``clone(force_deepcopy=True)`` makes), with the sent state set on it.
+    non-dynamic ``ModelPatcher``, as ``clone(force_deepcopy=True)`` makes), with the sent state set on it;
+    ``locate`` gives the loader's arguments on this machine (another machine's paths, see ``machines.py``).
 
     The trainer clones what it gets with ``force_deepcopy=True``, which would load the file a second time; the
     returned patcher's recipe therefore hands out this already loaded model (once).
     """
     loaded = pickle.loads(spec)
     function, args, *index = loaded["recipe"]
+    if locate is not None:
+        args = locate(tuple(args))
     made = function(*args, disable_dynamic=True)
     model = made[index[0]] if index else made
     for name, value in loaded["state"].items():

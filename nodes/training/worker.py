@@ -1,9 +1,10 @@
 """A worker process's share of a run: join the ranks, rebuild the model, open the caches, train, report.
 
 Runs in the process ``worker_entry.py`` prepared (ComfyUI's options and folders already those of rank 0's
-ComfyUI). The training is :func:`~.run.train_lora` itself, with this rank's collective: the same code path as
-rank 0's, batches of this rank's rows. Whatever happens is reported to rank 0 over the control link (``done``,
-``stopped``, or ``error`` with the traceback) before the process ends.
+ComfyUI), or ``join.py`` on another machine (its own folders, where it first finds the model files and caches
+rank 0 named, ``machines.py``). The training is :func:`~.run.train_lora` itself, with this rank's collective: the
+same code path as rank 0's, batches of this rank's rows. Whatever happens is reported to rank 0 over the control
+link (``done``, ``stopped``, or ``error`` with the traceback) before the process ends.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from ...dataset_cache.collective import Collective, RunStopped, join_store
 from ...dataset_cache.multi_reader import MultiCacheReader
 from ...dataset_cache.reopen import reopen
 from ...dataset_cache.workers import WorkerLink
+from ..paths import remote_options
 from .distributed import WorkerJob, cpu_threads
+from .machines import Elsewhere, local_model_paths, open_named, replace_paths
 from .model_spec import rebuild
 from .run import train_lora
 
@@ -31,8 +34,9 @@ __all__ = ["main"]
 log = logging.getLogger("streamcache.train")
 
 
-def main(link: WorkerLink, payload: bytes) -> int:
-    """Run the job in ``payload`` (a pickled :class:`~.distributed.WorkerJob`); returns the exit code."""
+def main(link: WorkerLink, payload: bytes, host: str = "127.0.0.1") -> int:
+    """Run the job in ``payload`` (a pickled :class:`~.distributed.WorkerJob`; ``host``: rank 0's machine);
+    returns the exit code."""
     job: WorkerJob = pickle.loads(payload)
     logging.basicConfig(level=logging.INFO, format=f"[Train LoRA rank {job.rank}] %(levelname)s %(name)s: "
                         "%(message)s")
@@ -43,12 +47,21 @@ def main(link: WorkerLink, payload: bytes) -> int:
     readers: list[Any] = []
     code = 1
     try:
+        if job.backend == "nccl" and device.type != "cuda":  # a machine joining a GPU run without a GPU
+            raise RuntimeError(f"rank 0 trains on CUDA GPUs (NCCL) and this rank's device is {device}: join from "
+                               "a machine with a CUDA GPU (and without --cpu)")
+        away = job.elsewhere
+        paths = local_model_paths(away.files) if away is not None else {}  # before meeting: a missing file fails fast
+        if away is not None:
+            readers.extend(_open_here(away))
         link.send("ready")
-        collective.start(join_store(job.port, job.size), job.timeout_s)
+        collective.start(join_store(job.port, job.size, host=host), job.timeout_s)
         log.info("joined %d ranks on %s (pid %d)", job.size, device, os.getpid())
-        model = rebuild(job.model)
-        for address in job.caches:
-            readers.append(reopen(address))
+        if away is None:
+            model = rebuild(job.model)
+            readers.extend(reopen(address) for address in job.caches)
+        else:
+            model = rebuild(job.model, lambda args: replace_paths(args, paths, away.folders))
         reader = readers[0] if len(readers) == 1 else MultiCacheReader(readers)
         train_lora(model, reader, job.samples, job.settings, reg=job.reg, reg_name=job.reg_name, world=collective)
         code = 0
@@ -63,3 +76,17 @@ def main(link: WorkerLink, payload: bytes) -> int:
             reader.close()
         collective.close(failed=code != 0)
     return code
+
+
+def _open_here(away: Elsewhere) -> list[Any]:
+    """On another machine: rank 0's caches found in this one's folders (or buckets, into its own fetch folder)."""
+    fetch_dir = remote_options().fetch_dir
+    readers: list[Any] = []
+    try:
+        for cache in away.caches:
+            readers.append(open_named(cache, fetch_dir))
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+    return readers

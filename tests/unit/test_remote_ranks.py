@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -168,3 +169,15 @@ def test_a_port_in_use_is_named(pool_of):
         other.start(lambda rank: [])
     other.close()
 
+
+@pytest.mark.parametrize("args,env,code,message", [
+    (["--main", "10.0.0.5"], {"STREAMCACHE_JOIN_KEY": "k" * 16}, 2, "--main '10.0.0.5': write HOST:PORT"),
+    (["--main", "10.0.0.5:29440"], {}, 2, "set STREAMCACHE_JOIN_KEY to the key of rank 0's ComfyUI"),
+    (["--main", "10.0.0.5:29440", "--comfyui", str(ROOT)], {"STREAMCACHE_JOIN_KEY": "k" * 16}, 1,
+     f"{re.escape(str(ROOT))} is not a ComfyUI folder \\(no folder_paths.py\\): give --comfyui"),
+])
+def test_the_join_command_names_what_is_missing_before_it_connects(args, env, code, message):
+    clean = {k: v for k, v in os.environ.items() if k != "STREAMCACHE_JOIN_KEY"}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "join-training"), *args], env={**clean, **env},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == code and re.search(message, done.stderr), done.stderr

@@ -1,0 +1,197 @@
+"""What a rank on another machine needs from rank 0, and how it finds the same things there.
+
+A local worker shares rank 0's disk: it loads the model from the same path and opens the caches by their folders.
+Another machine has its own ComfyUI, with its own folders. So rank 0 names each model file by its ComfyUI folder
+kind and name (``diffusion_models``, ``flux1-dev.safetensors``) with its size and a hash of its first and last MiB,
+and each local cache by its name in the ``streamcache`` folders with a fingerprint of what it holds; the other
+machine looks both up in its own folders and refuses, by name, a file or cache it lacks or holds in another
+version (training on different weights or rows would not fail: it would average gradients of different runs).
+A cache in a bucket is opened there by its URL, at rank 0's version, with that machine's own fetch folder.
+
+(ComfyUI's options that change what the model computes are rank 0's on every rank: ``join_entry.py``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+import folder_paths
+
+from ...dataset_cache.format.reader import CacheReader
+from ...dataset_cache.reopen import CacheAddress, reopen
+from ..paths import cache_roots, resolve_cache
+
+__all__ = ["Elsewhere", "ModelFile", "NamedCache", "cache_fingerprint", "elsewhere",
+           "local_model_paths", "open_named", "replace_paths"]
+
+_EDGE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A model file of rank 0's, as another machine finds it: by ComfyUI folder kind and name, checked by size
+    and the hash of its first and last MiB (a whole hash of a 20 GB file would take minutes on every start)."""
+
+    path: str
+    kind: str
+    name: str
+    size: int
+    edges: str
+
+
+@dataclass(frozen=True)
+class NamedCache:
+    """A cache of rank 0's, as another machine finds it: its name in the ``streamcache`` folders and the
+    fingerprint of what it holds (``None`` name: a cache in a bucket, opened by its address)."""
+
+    address: CacheAddress
+    name: str | None
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """The part of a job only a rank on another machine needs."""
+
+    files: tuple[ModelFile, ...]
+    caches: tuple[NamedCache, ...]
+    folders: dict[str, list[str]]
+    """Rank 0's folder list of each kind a loader argument equals (``embedding_directory``), mapped to this
+    machine's."""
+
+
+def _edges(path: Path, size: int) -> str:
+    h = xxhash.xxh3_128()
+    with path.open("rb") as f:
+        h.update(f.read(_EDGE_BYTES))
+        if size > _EDGE_BYTES:
+            f.seek(max(_EDGE_BYTES, size - _EDGE_BYTES))
+            h.update(f.read(_EDGE_BYTES))
+    return h.hexdigest()
+
+
+def _kind_of(path: str) -> tuple[str, str] | None:
+    """The folder kind and name rank 0's ComfyUI lists ``path`` under (the first kind that does)."""
+    real = os.path.realpath(path)
+    for kind, (folders, _) in folder_paths.folder_names_and_paths.items():
+        for folder in folders:
+            root = os.path.realpath(folder)
+            if real.startswith(root.rstrip(os.sep) + os.sep):
+                return kind, os.path.relpath(real, root).replace(os.sep, "/")
+    return None
+
+
+def elsewhere(recipe_args: Iterable[Any], addresses: Iterable[CacheAddress]) -> Elsewhere:
+    """Rank 0's side: the model files among a loader recipe's arguments and the caches, named for another machine.
+
+    Raises:
+        ValueError: a model file or a cache folder outside ComfyUI's folders (another machine could not find it
+            by name), naming it.
+    """
+    files, folders = [], {}
+    for arg in recipe_args:
+        if isinstance(arg, str) and os.path.isfile(arg):
+            found = _kind_of(arg)
+            if found is None:
+                raise ValueError(f"the model file {arg} is in none of ComfyUI's model folders, so a rank on another "
+                                 "machine cannot find it by name; move it into one (e.g. models/diffusion_models)")
+            size = os.path.getsize(arg)
+            files.append(ModelFile(arg, found[0], found[1], size, _edges(Path(arg), size)))
+        elif isinstance(arg, list) and arg and all(isinstance(a, str) for a in arg):
+            for kind, (paths, _) in folder_paths.folder_names_and_paths.items():
+                if list(paths) == arg:
+                    folders[kind] = list(arg)
+                    break
+    return Elsewhere(tuple(files), tuple(_named(a) for a in addresses), folders)
+
+
+def _named(address: CacheAddress) -> NamedCache:
+    if address.version is not None:
+        return NamedCache(address, None, "")
+    root = Path(address.root).resolve()
+    for base in cache_roots():
+        if root.is_relative_to(base.resolve()):
+            name = root.relative_to(base.resolve()).as_posix()
+            with reopen(address) as reader:
+                return NamedCache(address, name, cache_fingerprint(reader))
+    raise ValueError(f"the cache {address.root} is in none of the streamcache folders, so a rank on another machine "
+                     "cannot find it by name; keep it in models/streamcache (or a folder extra_model_paths.yaml "
+                     "lists as streamcache)")
+
+
+def cache_fingerprint(reader: CacheReader) -> str:
+    """What a cache trains, as a hash: each dataset's samples (entry keys, repeats, mirrors, masks, empty captions)
+    and each shard's entries with their rows' stored checksums. Two copies of a cache fingerprint alike; a cache
+    whose samples or stored tensors differ does not (keys alone would not tell: a cache written by other tools
+    need not derive its keys from the content)."""
+    h = xxhash.xxh3_128()
+    for name in sorted(reader.datasets()):
+        rows = [[s.latent, list(s.captions), s.repeats, s.mirror, s.mask, s.empty_caption]
+                for s in reader.dataset(name)]
+        h.update(json.dumps([name, rows]).encode())
+    for shard in sorted(reader.shards, key=lambda s: s.keys):
+        h.update(json.dumps([shard.keys, shard.skeletons]).encode())
+        for column in shard.columns:
+            h.update(column.checksums.encode())
+    return h.hexdigest()
+
+
+def local_model_paths(files: Iterable[ModelFile]) -> dict[str, str]:
+    """This machine's path of each of rank 0's model files (rank 0's path → here).
+
+    Raises:
+        FileNotFoundError: a file this machine's ComfyUI does not list, naming it and its folder kind.
+        ValueError: a file of that name in another version (size or hash), naming both paths.
+    """
+    out = {}
+    for file in files:
+        here = folder_paths.get_full_path(file.kind, file.name)
+        if here is None:
+            raise FileNotFoundError(f"this machine has no {file.kind} model named {file.name!r} (rank 0 trains "
+                                    f"{file.path}): copy it into this ComfyUI's models/{file.kind} folder")
+        size = os.path.getsize(here)
+        if size != file.size or _edges(Path(here), size) != file.edges:
+            raise ValueError(f"this machine's {file.kind} model {here} is not rank 0's {file.path} (another size or "
+                             f"content: {size} bytes, rank 0's {file.size}): copy rank 0's file here")
+        out[file.path] = here
+    return out
+
+
+def replace_paths(args: tuple[Any, ...], paths: Mapping[str, str], folders: Mapping[str, list[str]]) -> tuple[Any, ...]:
+    """A loader recipe's arguments with rank 0's paths replaced by this machine's (files by ``paths``, folder
+    lists by the kinds in ``folders``)."""
+    lists = {tuple(v): list(folder_paths.get_folder_paths(k)) for k, v in folders.items()}
+    return tuple(paths.get(a, a) if isinstance(a, str) else lists.get(tuple(a), a) if isinstance(a, list) else a
+                 for a in args)
+
+
+def open_named(cache: NamedCache, fetch_dir: Path | None) -> CacheReader:
+    """Open one of rank 0's caches on this machine: a bucket's at rank 0's version into this machine's
+    ``fetch_dir``; a folder by its name here, refused unless it holds what rank 0's holds.
+
+    Raises:
+        FileNotFoundError: no cache of that name here.
+        ValueError: the cache here holds something else, naming it and what to do.
+    """
+    address = cache.address
+    if cache.name is None:
+        options = dataclasses.replace(address.remote, fetch_dir=fetch_dir) if address.remote is not None else None
+        return reopen(dataclasses.replace(address, remote=options))
+    root = resolve_cache(cache.name)
+    if not root.is_dir():
+        raise FileNotFoundError(f"this machine has no cache named {cache.name!r} in its streamcache folders "
+                                f"({', '.join(str(r) for r in cache_roots())}): copy rank 0's {address.root} there")
+    reader = reopen(CacheAddress(str(root)))
+    if cache_fingerprint(reader) != cache.fingerprint:
+        reader.close()
+        raise ValueError(f"this machine's cache {root} is not what rank 0 trains from ({address.root}): it holds "
+                         "other entries or datasets; copy rank 0's cache again")
+    return reader

@@ -1,0 +1,198 @@
+"""Train LoRA with a rank on another machine (``devices="cpu:1 + 1 remote"``): the real ComfyUI is rank 0 in this
+process, and ``scripts/join-training`` joins from "another machine" — a second ComfyUI setup of its own (its own
+``--base-directory`` holding copies of the model file and of the cache), over the loopback.
+
+The same rows, seed and thread counts as ``devices="cpu:2"`` (a local worker): the same computation, so the
+same LoRA and losses exactly. And what the other machine lacks or holds in another version — the key, the model
+file, the cache — ends the run with an error naming it, never a run on other weights or rows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from support.comfy_env import ComfyInstall
+from support.encoded import write_comfy_encoded
+from support.processes import PROC_READABLE, wait_gone
+from support.tiny_models import TinyModels
+
+ROOT = Path(__file__).resolve().parents[2]
+JOIN = ROOT / "scripts" / "join-training"
+KEY = "a key of at least sixteen characters"
+OPTIONS = {
+    "batch_size": 1, "grad_accumulation_steps": 1, "steps": 3, "learning_rate": 0.05, "rank": 4,
+    "optimizer": "SGD", "loss_function": "MSE", "seed": 11, "training_dtype": "fp32", "lora_dtype": "fp32",
+    "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
+    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0,
+}
+SIZES = [(64, 64)] * 4 + [(64, 96)] * 2
+NAME = "remote_ranks/people"
+
+pytestmark = pytest.mark.skipif(not PROC_READABLE, reason="the no-orphan checks read /proc (Linux)")
+
+
+def _module(pack: ModuleType, name: str) -> ModuleType:
+    return importlib.import_module(f"{pack.__name__}.{name}")
+
+
+@pytest.fixture(scope="module")
+def cache(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, cache_root: Path) -> Path:
+    """The run's cache, in rank 0's streamcache folder (another machine finds it by its name there)."""
+    root = cache_root / NAME
+    shutil.rmtree(root, ignore_errors=True)
+    write_comfy_encoded(pack, comfy_nodes, models[1], models[2], root, SIZES, seed=1)
+    return root
+
+
+@pytest.fixture
+def other(tmp_path: Path, tiny_models: TinyModels, cache: Path) -> Path:
+    """The other machine's ComfyUI base folder, with copies of the model file and of the cache."""
+    base = tmp_path / "other"
+    unet = base / "models" / "diffusion_models"
+    unet.mkdir(parents=True)
+    shutil.copy(tiny_models.unet, unet / tiny_models.name("unet"))
+    shutil.copytree(cache, base / "models" / "streamcache" / NAME)
+    return base
+
+
+@pytest.fixture
+def listening(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Rank 0's join settings: the loopback at a free port, the key, a wait that fails a test quickly."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("STREAMCACHE_JOIN_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.setenv("STREAMCACHE_JOIN_KEY", KEY)
+    monkeypatch.setenv("STREAMCACHE_JOIN_TIMEOUT_S", "240")
+    return port
+
+
+@pytest.fixture
+def joiners(comfy_install: ComfyInstall, tmp_path: Path) -> Iterator[Any]:
+    """Start ``scripts/join-training`` as the other machine would (its output in a file); every one is ended."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def join(base: Path, port: int, key: str = KEY, wait_s: int = 240) -> tuple[subprocess.Popen[bytes], Path]:
+        log = tmp_path / f"join-{len(started)}.log"
+        env = {**os.environ, "STREAMCACHE_JOIN_KEY": key}
+        env.pop("STREAMCACHE_JOIN_ADDRESS", None)
+        with log.open("wb") as out:
+            command = [sys.executable, str(JOIN), "--main", f"127.0.0.1:{port}", "--comfyui", str(comfy_install.path),
+                       "--wait", str(wait_s), "--", "--base-directory", str(base)]
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=base)
+        started.append(proc)
+        return proc, log
+
+    yield join
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def _train(pack: ModuleType, model: Any, cache: Path, **options: Any) -> Any:
+    train = _module(pack, "nodes.train_lora").TrainLoRA
+    dataset = _module(pack, "nodes.handles").StreamDatasetHandle(str(cache), "train")
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        return train.execute(model, dataset, **{**OPTIONS, **options})
+
+
+def _ended(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, str]:
+    code = proc.wait(timeout=120)
+    return code, log.read_text(errors="replace")
+
+
+def test_a_rank_on_another_machine_trains_what_a_local_worker_trains(pack: ModuleType, models: tuple, cache: Path,
+                                                                      other: Path, listening: int,
+                                                                      joiners: Any) -> None:
+    local = _train(pack, models[0], cache, devices="cpu:2").result
+    proc, log = joiners(other, listening)
+    joined = _train(pack, models[0], cache, devices="cpu:1 + 1 remote").result
+    code, output = _ended(proc, log)
+    assert code == 0, output
+    assert "joined the run at 127.0.0.1" in output
+    assert joined[0].keys() == local[0].keys()
+    assert all(torch.equal(joined[0][k], local[0][k]) for k in local[0])
+    assert joined[1]["loss"] == local[1]["loss"] and joined[2] == 3
+    assert wait_gone(os.getpid(), timeout=30) == [] and not torch.distributed.is_initialized()
+
+
+def test_a_machine_without_the_model_file_is_named(pack: ModuleType, models: tuple, cache: Path, other: Path,
+                                                   listening: int, joiners: Any, tiny_models: TinyModels) -> None:
+    (other / "models" / "diffusion_models" / tiny_models.name("unet")).unlink()
+    proc, log = joiners(other, listening)
+    with pytest.raises(Exception, match=f"failed on rank 1: FileNotFoundError: this machine has no diffusion_models "
+                       f"model named '{tiny_models.name('unet')}'"):
+        _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
+    assert _ended(proc, log)[0] != 0
+    assert wait_gone(os.getpid(), timeout=30) == [] and not torch.distributed.is_initialized()
+
+
+def test_a_machine_with_another_model_file_or_cache_of_that_name_is_named(
+        pack: ModuleType, comfy_nodes: ModuleType, models: tuple, cache: Path, other: Path, listening: int,
+        joiners: Any, tiny_models: TinyModels) -> None:
+    copy = other / "models" / "diffusion_models" / tiny_models.name("unet")
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 0xFF  # the same name and size, another last weight
+    copy.write_bytes(bytes(data))
+    proc, log = joiners(other, listening)
+    with pytest.raises(Exception, match="failed on rank 1: ValueError: this machine's diffusion_models model .* is "
+                       "not rank 0's"):
+        _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
+    _ended(proc, log)
+
+    shutil.copy(tiny_models.unet, copy)
+    there = other / "models" / "streamcache" / NAME
+    shutil.rmtree(there)
+    write_comfy_encoded(pack, comfy_nodes, models[1], models[2], there, SIZES, seed=2)  # other images
+    proc, log = joiners(other, listening)
+    with pytest.raises(Exception, match="failed on rank 1: ValueError: this machine's cache .* is not what rank 0 "
+                       "trains from"):
+        _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
+    _ended(proc, log)
+    assert wait_gone(os.getpid(), timeout=30) == [] and not torch.distributed.is_initialized()
+
+
+def test_a_joiner_with_another_key_is_refused_and_the_run_names_who_did_not_join(
+        pack: ModuleType, models: tuple, cache: Path, other: Path, listening: int, joiners: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMCACHE_JOIN_TIMEOUT_S", "20")
+    proc, log = joiners(other, listening, key="another key of sixteen characters")
+    with pytest.raises(Exception, match=f"1 of 1 ranks from other machines did not join within 20 s.*port "
+                       f"{listening}"):
+        _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
+    code, output = _ended(proc, log)
+    assert code != 0 and "different keys (STREAMCACHE_JOIN_KEY)" in output
+
+
+def test_ranks_on_other_machines_need_a_key_and_caches_by_name(pack: ModuleType, models: tuple, cache: Path,
+                                                               tmp_path: Path, listening: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMCACHE_JOIN_KEY", "short")
+    with pytest.raises(ValueError, match="set STREAMCACHE_JOIN_KEY to the same secret of at least 16 characters"):
+        _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
+    monkeypatch.setenv("STREAMCACHE_JOIN_KEY", KEY)
+    outside = tmp_path / "outside"
+    shutil.copytree(cache, outside)
+    with pytest.raises(ValueError, match=f"the cache {outside} is in none of the streamcache folders"):
+        _train(pack, models[0], outside, devices="cpu:1 + 1 remote")
+    assert wait_gone(os.getpid(), timeout=30) == []
+
+
+def test_a_join_command_waits_for_a_run_and_then_says_none_came(other: Path, listening: int, joiners: Any) -> None:
+    proc, log = joiners(other, listening, wait_s=3)
+    code, output = _ended(proc, log)
+    assert code == 1, output
+    assert f"waiting for a run at 127.0.0.1:{listening}" in output
+    assert f"no run listened at 127.0.0.1:{listening} within 3 s" in output
