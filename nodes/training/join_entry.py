@@ -2,11 +2,12 @@
 
 Run by path with ComfyUI's Python (``scripts/join-training`` does), never imported: like ``worker_entry.py`` it
 takes its own folder off ``sys.path`` first. Then: this machine's ComfyUI options are read (those after ``--``:
-``--base-directory``, ``--extra-model-paths-config``, ``--cuda-device``, ``--cpu``...) and its folders set up as
+``--base-directory``, ``--extra-model-paths-config``, ``--cuda-device``, ``--lowvram``...) and its folders set up as
 its ComfyUI sets them (``extra_model_paths.yaml``); rank 0 is connected with ``$STREAMCACHE_JOIN_KEY`` (tried
 again every 2 s until a run listens, for ``--wait`` seconds); rank 0's options that change what the model
 computes replace this machine's (:data:`CARRIED`); the pack is registered under the name rank 0 imported it as;
 and ``worker.py`` runs the job, finding the model files and caches in this machine's folders (``machines.py``).
+``--repeat`` joins run after run, each in a fresh interpreter.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import os
 import pickle
 import re
 import socket
+import subprocess
 import sys
 import time
 from types import ModuleType
@@ -39,13 +41,15 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="join-training", description="Join a Train LoRA run whose devices end in '+ N remote' as one of its "
         "ranks, on this machine's device. Anything after '--' is this machine's ComfyUI options (--base-directory, "
-        "--extra-model-paths-config, --cuda-device N, --cpu, ...).")
+        "--extra-model-paths-config, --cuda-device N, --lowvram, ...).")
     parser.add_argument("--main", required=True, metavar="HOST:PORT",
                         help="rank 0's machine and the port of its STREAMCACHE_JOIN_ADDRESS (29440 by default)")
     parser.add_argument("--comfyui", metavar="FOLDER", help="this machine's ComfyUI folder (default: the one this "
                         "pack is installed in)")
     parser.add_argument("--wait", type=float, default=3600.0, metavar="SECONDS",
                         help="how long to wait for a run to start listening (default 3600)")
+    parser.add_argument("--repeat", action="store_true",
+                        help="join run after run (each in a fresh process) until stopped with Ctrl+C")
     own, _, comfy = _split(argv)
     args = parser.parse_args(own)
     args.comfy_args = comfy
@@ -114,8 +118,9 @@ def _connect(workers: ModuleType, host: str, port: int, key: bytes, wait_s: floa
     while True:
         try:
             return workers.join(host, port, key, socket.gethostname())
-        except PermissionError as exc:
-            raise SystemExit(f"join-training: {exc}") from None
+        except PermissionError as exc:  # exit 2: --repeat does not try again with the same key
+            print(f"join-training: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
         except OSError as exc:  # refused, unreachable, a name not resolved yet: no run listens there yet
             if time.monotonic() >= deadline:
                 raise SystemExit(f"join-training: no run listened at {host}:{port} within {wait_s:.0f} s ({exc}); "
@@ -133,12 +138,30 @@ def _register_package(name: str, folder: str) -> None:
     sys.modules[name] = importlib.util.module_from_spec(spec)
 
 
+def _repeat(argv: list[str]) -> int:
+    """Join run after run, each in a fresh interpreter (a run leaves CUDA and ``torch.distributed`` state behind)."""
+    own, dash, comfy = _split(argv)
+    once = [sys.executable, os.path.abspath(__file__), *[a for a in own if a != "--repeat"], *([dash] if dash else []),
+            *comfy]
+    try:
+        while True:
+            code = subprocess.call(once)
+            if code == 2:  # the arguments or the key: the next try would fail alike
+                return code
+            print(f"join-training: that run ended (exit code {code}); joining the next one", file=sys.stderr,
+                  flush=True)
+    except KeyboardInterrupt:
+        return 130
+
+
 def main(argv: list[str]) -> int:
     options = _arguments(argv)
     key = os.environ.get(KEY_ENV, "")
     if not key:
         print(f"join-training: set {KEY_ENV} to the key of rank 0's ComfyUI", file=sys.stderr)
         return 2
+    if options.repeat:
+        return _repeat(argv)
     args = _own_comfyui(_comfyui_folder(options.comfyui), options.comfy_args)
     workers = _standalone_workers()
     link = _connect(workers, options.host, options.port, key.encode(), options.wait)

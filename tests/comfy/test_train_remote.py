@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -83,13 +84,14 @@ def joiners(comfy_install: ComfyInstall, tmp_path: Path) -> Iterator[Any]:
     """Start ``scripts/join-training`` as the other machine would (its output in a file); every one is ended."""
     started: list[subprocess.Popen[bytes]] = []
 
-    def join(base: Path, port: int, key: str = KEY, wait_s: int = 240) -> tuple[subprocess.Popen[bytes], Path]:
+    def join(base: Path, port: int, key: str = KEY, wait_s: int = 240,
+             repeat: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
         log = tmp_path / f"join-{len(started)}.log"
         env = {**os.environ, "STREAMCACHE_JOIN_KEY": key}
         env.pop("STREAMCACHE_JOIN_ADDRESS", None)
         with log.open("wb") as out:
             command = [sys.executable, str(JOIN), "--main", f"127.0.0.1:{port}", "--comfyui", str(comfy_install.path),
-                       "--wait", str(wait_s), "--", "--base-directory", str(base)]
+                       "--wait", str(wait_s), *(["--repeat"] if repeat else []), "--", "--base-directory", str(base)]
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=base)
         started.append(proc)
         return proc, log
@@ -116,16 +118,20 @@ def _ended(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, str]:
 def test_a_rank_on_another_machine_trains_what_a_local_worker_trains(pack: ModuleType, models: tuple, cache: Path,
                                                                       other: Path, listening: int,
                                                                       joiners: Any) -> None:
+    """Twice, through one ``--repeat`` join command (a fresh process for each run), which Ctrl+C ends."""
     local = _train(pack, models[0], cache, devices="cpu:2").result
-    proc, log = joiners(other, listening)
-    joined = _train(pack, models[0], cache, devices="cpu:1 + 1 remote").result
+    proc, log = joiners(other, listening, repeat=True)
+    for _ in range(2):
+        joined = _train(pack, models[0], cache, devices="cpu:1 + 1 remote").result
+        assert joined[0].keys() == local[0].keys()
+        assert all(torch.equal(joined[0][k], local[0][k]) for k in local[0])
+        assert joined[1]["loss"] == local[1]["loss"] and joined[2] == 3
+        assert wait_gone(os.getpid(), timeout=30) == [] and not torch.distributed.is_initialized()
+    proc.send_signal(signal.SIGINT)
     code, output = _ended(proc, log)
-    assert code == 0, output
-    assert "joined the run at 127.0.0.1" in output
-    assert joined[0].keys() == local[0].keys()
-    assert all(torch.equal(joined[0][k], local[0][k]) for k in local[0])
-    assert joined[1]["loss"] == local[1]["loss"] and joined[2] == 3
-    assert wait_gone(os.getpid(), timeout=30) == [] and not torch.distributed.is_initialized()
+    assert code == 130, output
+    assert output.count("joined the run at 127.0.0.1") == 2
+    assert "that run ended (exit code 0); joining the next one" in output
 
 
 def test_a_machine_without_the_model_file_is_named(pack: ModuleType, models: tuple, cache: Path, other: Path,
