@@ -140,8 +140,7 @@ class WorkerPool:
             raise RuntimeError(f"cannot listen for the training's ranks at {self.bind[0]}:{self.bind[1]} ({exc}): "
                                "pick another address or port") from exc
         host, port = self._listener.address
-        if host in ("0.0.0.0", "::", ""):  # listening everywhere: local workers come over the loopback
-            host = "127.0.0.1"
+        host = _loopback_for(host)  # listening everywhere: local workers come over the loopback
         for rank in self.remote:
             self._workers[rank] = _Worker(rank, None)
         for rank in self.ranks:
@@ -375,10 +374,17 @@ class WorkerPool:
             self._acceptor.join(timeout=GRACE_S)
 
 
+def _loopback_for(host: str) -> str:
+    """How this machine reaches a listener bound to ``host``: the loopback for every interface (connecting to
+    ``0.0.0.0`` works on Linux only), else ``host`` itself."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
 def _wake(listener: Listener) -> None:
     """End a pending ``accept()`` (closing the listener does not): a connection that fails its handshake."""
+    host, port = listener.address
     try:
-        with socket.create_connection(listener.address, timeout=1.0):
+        with socket.create_connection((_loopback_for(host), port), timeout=1.0):
             pass
     except OSError:
         pass

@@ -181,3 +181,17 @@ def test_the_join_command_names_what_is_missing_before_it_connects(args, env, co
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "join-training"), *args], env={**clean, **env},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == code and re.search(message, done.stderr), done.stderr
+
+
+def test_a_pool_listening_on_every_interface_serves_local_and_remote_ranks_and_closes(scripts):
+    pool = WorkerPool(scripts[1], [1], lambda rank: {}, remote=[2], address=("0.0.0.0", 0), key=KEY)
+    try:
+        pool.start(lambda rank: [pickle.dumps({"rank": rank})])
+        remote = joiner(scripts, pool, "box-b", "stay")  # over the loopback, as another machine over the network
+        _wait_ready(pool)
+    finally:
+        started = time.monotonic()
+        pool.close()  # wakes the listener's accept (bound to 0.0.0.0) and ends the joined process
+    assert time.monotonic() - started < 15
+    remote.communicate(timeout=60)
+    assert remote.returncode == 3
