@@ -191,7 +191,16 @@ class WorkerPool:
                 continue
             rank = worker.rank
             try:
-                for payload in payloads(rank):
+                made = list(payloads(rank))
+            except Exception as exc:  # rank 0's own failure to make the job: the run cannot go on
+                with self._cond:
+                    self._fail(WorkerFailedError(rank, f"rank 0 could not make its job ({type(exc).__name__}: "
+                                                 f"{exc})"))
+                    self._cond.notify_all()
+                conn.close()
+                continue
+            try:
+                for payload in made:
                     conn.send_bytes(payload)
             except Exception as exc:  # e.g. the worker died meanwhile: its watch thread reports how
                 log.debug("could not send rank %d its payload: %r", rank, exc)

@@ -37,7 +37,7 @@ from ...dataset_cache.collective import Collective, backend_for, collective_time
 from ...dataset_cache.devices import AUTO, DevicePlan, parse_devices
 from ...dataset_cache.reopen import CacheAddress, addresses_of
 from ...dataset_cache.workers import GRACE_S, START_TIMEOUT_S, WorkerPool
-from .machines import Elsewhere, elsewhere
+from .machines import Elsewhere, elsewhere, existing_lora
 from .model_spec import build_spec, recipe_args
 from .report import RowCounts
 from .settings import TrainSettings
@@ -228,11 +228,15 @@ class Team:
         collective = Collective(0, plan.size, _home(model), backend, check=pool.check, stop_requested=interrupted,
                                 on_stop=_interrupted)
         bootstrap = _bootstrap()
-        jobs = {rank: pickle.dumps(WorkerJob(rank, plan.size, backend, store.port, timeout_s, self.spec, self.caches,
-                                             samples, reg, reg_name, settings,
-                                             self.away if rank in remote else None),
-                                   protocol=pickle.HIGHEST_PROTOCOL)
-                for rank in range(1, plan.size)}
+        away = self.away
+        if away is not None:  # a rank on another machine continues rank 0's existing LoRA, sent with its job
+            away = dataclasses.replace(away, existing=existing_lora(settings.existing_lora))
+
+        def job(rank: int) -> bytes:  # pickled as each rank connects: one job's bytes held at a time
+            return pickle.dumps(WorkerJob(rank, plan.size, backend, store.port, timeout_s, self.spec, self.caches,
+                                          samples, reg, reg_name, settings, away if rank in remote else None),
+                                protocol=pickle.HIGHEST_PROTOCOL)
+
         log.info("Train LoRA: %d ranks on %s (%s)", plan.size, plan.describe(), backend)
         finished = False
         self.pool = pool
@@ -240,7 +244,7 @@ class Team:
         if plan.kind == "cpu":  # CPU ranks share the cores rather than each taking them all
             torch.set_num_threads(cpu_threads(plan.size))
         try:
-            pool.start(lambda rank: (bootstrap, jobs[rank]))
+            pool.start(lambda rank: (bootstrap, job(rank)))
             pool.wait_ready(interrupted, _interrupted, *([joining.timeout_s] if joining else []))
             collective.start(store, timeout_s)
             self.collective = collective

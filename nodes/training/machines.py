@@ -6,30 +6,40 @@ kind and name (``diffusion_models``, ``flux1-dev.safetensors``) with its size an
 and each local cache by its name in the ``streamcache`` folders with a fingerprint of what it holds; the other
 machine looks both up in its own folders and refuses, by name, a file or cache it lacks or holds in another
 version (training on different weights or rows would not fail: it would average gradients of different runs).
-A cache in a bucket is opened there by its URL, at rank 0's version, with that machine's own fetch folder.
+A cache in a bucket is opened there by its URL, at rank 0's version, with that machine's own fetch folder. An
+``existing_lora`` and its training state travel with the job: that machine trains from rank 0's, placed in a
+folder of the run's own, without a copy by hand.
 
 (ComfyUI's options that change what the model computes are rank 0's on every rank: ``join_entry.py``.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import safetensors.torch
 import xxhash
 
 import folder_paths
 
 from ...dataset_cache.format.reader import CacheReader
+from ...dataset_cache.optimizer_state import lora_digest
 from ...dataset_cache.reopen import CacheAddress, reopen
 from ..paths import cache_roots, resolve_cache
+from .lora_files import NONE, OUTPUT_SUFFIX, lora_path
+from .resume import STATE_FOLDER, state_store
 
-__all__ = ["Elsewhere", "ModelFile", "NamedCache", "cache_fingerprint", "elsewhere",
+__all__ = ["Elsewhere", "ExistingLora", "ModelFile", "NamedCache", "cache_fingerprint", "elsewhere", "existing_lora",
+           "existing_placed",
            "local_model_paths", "open_named", "replace_paths"]
 
 _EDGE_BYTES = 1 << 20
@@ -58,6 +68,16 @@ class NamedCache:
 
 
 @dataclass(frozen=True)
+class ExistingLora:
+    """Rank 0's ``existing_lora`` file and its training state file (``None``: it has none), by name and bytes."""
+
+    name: str
+    lora: bytes
+    state_name: str | None = None
+    state: bytes | None = None
+
+
+@dataclass(frozen=True)
 class Elsewhere:
     """The part of a job only a rank on another machine needs."""
 
@@ -66,6 +86,7 @@ class Elsewhere:
     folders: dict[str, list[str]]
     """Rank 0's folder list of each kind a loader argument equals (``embedding_directory``), mapped to this
     machine's."""
+    existing: ExistingLora | None = None
 
 
 def _edges(path: Path, size: int) -> str:
@@ -195,3 +216,59 @@ def open_named(cache: NamedCache, fetch_dir: Path | None) -> CacheReader:
         raise ValueError(f"this machine's cache {root} is not what rank 0 trains from ({address.root}): it holds "
                          "other entries or datasets; copy rank 0's cache again")
     return reader
+
+
+def existing_lora(name: str) -> ExistingLora | None:
+    """Rank 0's side: the ``existing_lora`` of that name and its training state, read to send (``None``: none)."""
+    if name == NONE:
+        return None
+    data = Path(lora_path(name)).read_bytes()
+    state = state_store().find(lora_digest(safetensors.torch.load(data)))
+    if state is None:
+        return ExistingLora(name, data)
+    return ExistingLora(name, data, state.name, state.read_bytes())
+
+
+@contextlib.contextmanager
+def existing_placed(existing: ExistingLora | None) -> Iterator[None]:
+    """On another machine, while the run trains: rank 0's ``existing_lora`` under its name in a ``loras`` folder of
+    the run's own (first in the list) or its output folder's ``loras/``, and its training state in that output
+    folder, where the trainer looks for them. This machine's own folders are left as they are (the run's output
+    folder is its own: a rank on another machine saves nothing); all of it is deleted afterwards.
+
+    Raises:
+        ValueError: a name that would leave the folder (never sent by rank 0's own lists).
+    """
+    if existing is None:
+        yield
+        return
+    place = Path(tempfile.mkdtemp(prefix="streamcache-join-"))
+    saved_output = folder_paths.get_output_directory()
+    loras = folder_paths.folder_names_and_paths.get("loras")
+    try:
+        output, own_loras = place / "output", place / "loras"
+        output.mkdir()
+        own_loras.mkdir()
+        relative = existing.name.removesuffix(OUTPUT_SUFFIX) if existing.name.endswith(OUTPUT_SUFFIX) else None
+        target = output / _inside(relative) if relative is not None else own_loras / _inside(existing.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(existing.lora)
+        if existing.state is not None and existing.state_name is not None:
+            (output / STATE_FOLDER).mkdir()
+            (output / STATE_FOLDER / _inside(existing.state_name)).write_bytes(existing.state)
+        folder_paths.set_output_directory(str(output))
+        paths, extensions = loras if loras is not None else ([], set(folder_paths.supported_pt_extensions))
+        folder_paths.folder_names_and_paths["loras"] = ([str(own_loras), *paths], extensions)
+        yield
+    finally:
+        folder_paths.set_output_directory(saved_output)
+        if loras is not None:
+            folder_paths.folder_names_and_paths["loras"] = loras
+        shutil.rmtree(place, ignore_errors=True)
+
+
+def _inside(name: str) -> str:
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    if not parts or any(p in ("", ".", "..") for p in parts) or PurePosixPath(name).is_absolute():
+        raise ValueError(f"existing_lora: rank 0 sent the name {name!r:.200}, which leaves its folder")
+    return "/".join(parts)

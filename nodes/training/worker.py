@@ -25,7 +25,7 @@ from ...dataset_cache.reopen import reopen
 from ...dataset_cache.workers import WorkerLink
 from ..paths import remote_options
 from .distributed import WorkerJob, cpu_threads
-from .machines import Elsewhere, local_model_paths, open_named, replace_paths
+from .machines import Elsewhere, existing_placed, local_model_paths, open_named, replace_paths
 from .model_spec import rebuild
 from .run import train_lora
 
@@ -63,7 +63,9 @@ def main(link: WorkerLink, payload: bytes, host: str = "127.0.0.1") -> int:
         else:
             model = rebuild(job.model, lambda args: replace_paths(args, paths, away.folders))
         reader = readers[0] if len(readers) == 1 else MultiCacheReader(readers)
-        train_lora(model, reader, job.samples, job.settings, reg=job.reg, reg_name=job.reg_name, world=collective)
+        with existing_placed(away.existing if away is not None else None):
+            train_lora(model, reader, job.samples, job.settings, reg=job.reg, reg_name=job.reg_name,
+                       world=collective)
         code = 0
         link.send("done")
     except RunStopped:

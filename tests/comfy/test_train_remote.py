@@ -87,7 +87,9 @@ def joiners(comfy_install: ComfyInstall, tmp_path: Path) -> Iterator[Any]:
     def join(base: Path, port: int, key: str = KEY, wait_s: int = 240,
              repeat: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
         log = tmp_path / f"join-{len(started)}.log"
-        env = {**os.environ, "STREAMCACHE_JOIN_KEY": key}
+        temp = base.parent / "join-tmp"  # the join command's temporary folder, to see it left nothing
+        temp.mkdir(exist_ok=True)
+        env = {**os.environ, "STREAMCACHE_JOIN_KEY": key, "TMPDIR": str(temp)}
         env.pop("STREAMCACHE_JOIN_ADDRESS", None)
         with log.open("wb") as out:
             command = [sys.executable, str(JOIN), "--main", f"127.0.0.1:{port}", "--comfyui", str(comfy_install.path),
@@ -101,6 +103,22 @@ def joiners(comfy_install: ComfyInstall, tmp_path: Path) -> Iterator[Any]:
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
+
+
+@pytest.fixture
+def loras(tmp_path: Path) -> Iterator[Path]:
+    """A private ``loras`` folder of rank 0's (the other machine has none)."""
+    import folder_paths
+
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    saved = folder_paths.folder_names_and_paths.get("loras")
+    folder_paths.folder_names_and_paths["loras"] = ([str(folder)], set(folder_paths.supported_pt_extensions))
+    yield folder
+    if saved is None:
+        del folder_paths.folder_names_and_paths["loras"]
+    else:
+        folder_paths.folder_names_and_paths["loras"] = saved
 
 
 def _train(pack: ModuleType, model: Any, cache: Path, **options: Any) -> Any:
@@ -132,6 +150,31 @@ def test_a_rank_on_another_machine_trains_what_a_local_worker_trains(pack: Modul
     assert code == 130, output
     assert output.count("joined the run at 127.0.0.1") == 2
     assert "that run ended (exit code 0); joining the next one" in output
+
+
+def test_a_rank_on_another_machine_continues_rank_0s_existing_lora_without_a_copy(
+        pack: ModuleType, models: tuple, cache: Path, other: Path, listening: int, joiners: Any, loras: Path) -> None:
+    """The other machine has neither the LoRA nor its training state: both travel with the job, so the remote rank
+    restores what rank 0 restores (the ranks compare it before the first step) and the run continues exactly as
+    with a local worker."""
+    from safetensors.torch import save_file
+
+    first = _train(pack, models[0], cache, devices="cpu:2").result  # its training state saved by rank 0
+    save_file(first[0], str(loras / "first_3_steps_00001_.safetensors"))
+    options = {"devices": "cpu:1 + 1 remote", "existing_lora": "first_3_steps_00001_.safetensors"}
+    proc, log = joiners(other, listening)
+    out = _train(pack, models[0], cache, **options)
+    code, output = _ended(proc, log)
+    assert code == 0, output
+    (summary,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
+    assert "continued 'first_3_steps_00001_.safetensors' from its training state" in summary, summary
+    local = _train(pack, models[0], cache, **{**options, "devices": "cpu:2"}).result
+    assert out.result[2] == local[2] == 6
+    assert all(torch.equal(out.result[0][k], local[0][k]) for k in local[0])
+    assert out.result[1]["loss"] == local[1]["loss"]
+    # placed in a folder of the run's own, deleted after it: nothing in that machine's folders, nothing left
+    assert not (other / "output").exists() and not list((other / "models").rglob("first_3_steps*"))
+    assert not list((other.parent / "join-tmp").iterdir())
 
 
 def test_a_machine_without_the_model_file_is_named(pack: ModuleType, models: tuple, cache: Path, other: Path,

@@ -195,3 +195,21 @@ def test_a_pool_listening_on_every_interface_serves_local_and_remote_ranks_and_c
     assert time.monotonic() - started < 15
     remote.communicate(timeout=60)
     assert remote.returncode == 3
+
+
+def test_a_job_rank_0_cannot_make_fails_the_wait_naming_it(scripts):
+    pool = WorkerPool(scripts[1], [], lambda rank: {}, remote=[1], address=("127.0.0.1", 0), key=KEY)
+
+    def payloads(rank: int) -> list[bytes]:
+        raise TypeError("cannot pickle 'generator' object")
+
+    try:
+        pool.start(payloads)
+        remote = joiner(scripts, pool, "box-b", "done")
+        with pytest.raises(WorkerFailedError, match="rank 1: rank 0 could not make its job \\(TypeError: cannot "
+                           "pickle 'generator' object\\)"):
+            _wait_ready(pool)
+    finally:
+        pool.close()
+    _, err = remote.communicate(timeout=60)
+    assert remote.returncode == 8 and "turned away" in err  # its connection closed before any payload
