@@ -31,6 +31,7 @@ import xxhash
 
 import folder_paths
 
+from ...dataset_cache import __version__
 from ...dataset_cache.format.reader import CacheReader
 from ...dataset_cache.optimizer_state import lora_digest
 from ...dataset_cache.reopen import CacheAddress, reopen
@@ -38,8 +39,8 @@ from ..paths import cache_roots, resolve_cache
 from .lora_files import NONE, OUTPUT_SUFFIX, lora_path
 from .resume import STATE_FOLDER, state_store
 
-__all__ = ["Elsewhere", "ExistingLora", "ModelFile", "NamedCache", "cache_fingerprint", "elsewhere", "existing_lora",
-           "existing_placed",
+__all__ = ["Elsewhere", "ExistingLora", "ModelFile", "NamedCache", "cache_fingerprint", "check_same_code", "elsewhere",
+           "existing_lora", "existing_placed", "pack_code",
            "local_model_paths", "open_named", "replace_paths"]
 
 _EDGE_BYTES = 1 << 20
@@ -87,6 +88,8 @@ class Elsewhere:
     """Rank 0's folder list of each kind a loader argument equals (``embedding_directory``), mapped to this
     machine's."""
     existing: ExistingLora | None = None
+    code: str = ""
+    """Rank 0's :func:`pack_code` (another machine must run the same code: it trains the same steps)."""
 
 
 def _edges(path: Path, size: int) -> str:
@@ -131,7 +134,7 @@ def elsewhere(recipe_args: Iterable[Any], addresses: Iterable[CacheAddress]) -> 
                 if list(paths) == arg:
                     folders[kind] = list(arg)
                     break
-    return Elsewhere(tuple(files), tuple(_named(a) for a in addresses), folders)
+    return Elsewhere(tuple(files), tuple(_named(a) for a in addresses), folders, code=pack_code())
 
 
 def _named(address: CacheAddress) -> NamedCache:
@@ -272,3 +275,31 @@ def _inside(name: str) -> str:
     if not parts or any(p in ("", ".", "..") for p in parts) or PurePosixPath(name).is_absolute():
         raise ValueError(f"existing_lora: rank 0 sent the name {name!r:.200}, which leaves its folder")
     return "/".join(parts)
+
+
+_PACK_ROOT = Path(__file__).resolve().parents[2]
+_CODE: list[str] = []
+
+
+def pack_code() -> str:
+    """This pack's version and a hash of its Python code (``0.1.0/1f2e...``): two machines training one run must run
+    the same code, which a version number alone does not tell between releases or in a git checkout."""
+    if not _CODE:
+        h = xxhash.xxh3_64()
+        for path in sorted(p for part in ("dataset_cache", "nodes") for p in (_PACK_ROOT / part).rglob("*.py")):
+            text = path.read_bytes().replace(b"\r\n", b"\n")  # a Windows checkout's line ends are the same code
+            h.update(path.relative_to(_PACK_ROOT).as_posix().encode() + b"\0" + text)
+        _CODE.append(f"{__version__}/{h.hexdigest()}")
+    return _CODE[0]
+
+
+def check_same_code(theirs: str) -> None:
+    """Refuse to train with code other than rank 0's (``theirs``).
+
+    Raises:
+        RuntimeError: naming both versions and what to do.
+    """
+    mine = pack_code()
+    if theirs and theirs != mine:
+        raise RuntimeError(f"this machine's ComfyUI-StreamCache ({mine}) is not rank 0's ({theirs}): install the same "
+                           "version on every machine (the code is compared, not only the version number)")

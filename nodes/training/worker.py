@@ -25,7 +25,7 @@ from ...dataset_cache.reopen import reopen
 from ...dataset_cache.workers import WorkerLink
 from ..paths import remote_options
 from .distributed import WorkerJob, cpu_threads
-from .machines import Elsewhere, existing_placed, local_model_paths, open_named, replace_paths
+from .machines import Elsewhere, check_same_code, existing_placed, local_model_paths, open_named, replace_paths
 from .model_spec import rebuild
 from .run import train_lora
 
@@ -51,6 +51,8 @@ def main(link: WorkerLink, payload: bytes, host: str = "127.0.0.1") -> int:
             raise RuntimeError(f"rank 0 trains on CUDA GPUs (NCCL) and this rank's device is {device}: join from "
                                "a machine with a CUDA GPU (and without --cpu)")
         away = job.elsewhere
+        if away is not None:
+            check_same_code(away.code)
         paths = local_model_paths(away.files) if away is not None else {}  # before meeting: a missing file fails fast
         if away is not None:
             readers.extend(_open_here(away))

@@ -213,6 +213,20 @@ def test_a_machine_with_another_model_file_or_cache_of_that_name_is_named(
     assert wait_gone(os.getpid(), timeout=30) == [] and not torch.distributed.is_initialized()
 
 
+def test_a_machine_with_other_code_of_the_pack_is_refused(pack: ModuleType, models: tuple, cache: Path, other: Path,
+                                                          listening: int, joiners: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    machines = _module(pack, "nodes.training.machines")
+    mine = machines.pack_code()
+    assert mine.startswith(_module(pack, "dataset_cache").__version__ + "/")
+    monkeypatch.setattr(machines, "_CODE", ["0.0.9/0123456789abcdef"])  # rank 0 runs another release
+    proc, log = joiners(other, listening)
+    with pytest.raises(Exception, match=f"failed on rank 1: RuntimeError: this machine's ComfyUI-StreamCache "
+                       f"\\({mine}\\) is not rank 0's \\(0.0.9/0123456789abcdef\\): install the same version"):
+        _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
+    assert _ended(proc, log)[0] != 0
+
+
 def test_a_joiner_with_another_key_is_refused_and_the_run_names_who_did_not_join(
         pack: ModuleType, models: tuple, cache: Path, other: Path, listening: int, joiners: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
