@@ -2,10 +2,11 @@
 
 A local worker shares rank 0's disk: it loads the model from the same path and opens the caches by their folders.
 Another machine has its own ComfyUI, with its own folders. So rank 0 names each model file by its ComfyUI folder
-kind and name (``diffusion_models``, ``flux1-dev.safetensors``) with its size and a hash of its first and last MiB,
-and each local cache by its name in the ``streamcache`` folders with a fingerprint of what it holds; the other
-machine looks both up in its own folders and refuses, by name, a file or cache it lacks or holds in another
-version (training on different weights or rows would not fail: it would average gradients of different runs).
+kind and name (``diffusion_models``, ``flux1-dev.safetensors``) with its size and the hash of its ends, and each
+local cache by its name in the ``streamcache`` folders with a fingerprint of what it trains
+(:mod:`dataset_cache.identity`); the other machine looks both up in its own folders and refuses, by name, a file or
+cache it lacks or holds in another version (training on different weights or rows would not fail: it would average
+gradients of different runs).
 A cache in a bucket is opened there by its URL, at rank 0's version, with that machine's own fetch folder. An
 ``existing_lora`` and its training state travel with the job: that machine trains from rank 0's, placed in a
 folder of the run's own, without a copy by hand.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import tempfile
@@ -33,23 +33,23 @@ import folder_paths
 
 from ...dataset_cache import __version__
 from ...dataset_cache.format.reader import CacheReader
+from ...dataset_cache.identity import cache_fingerprint, file_edges
 from ...dataset_cache.optimizer_state import lora_digest
 from ...dataset_cache.reopen import CacheAddress, reopen
 from ..paths import cache_roots, resolve_cache
 from .lora_files import NONE, OUTPUT_SUFFIX, lora_path
 from .resume import STATE_FOLDER, state_store
 
-__all__ = ["Elsewhere", "ExistingLora", "ModelFile", "NamedCache", "cache_fingerprint", "check_same_code", "elsewhere",
-           "existing_lora", "existing_placed", "pack_code",
-           "local_model_paths", "open_named", "replace_paths"]
+__all__ = ["Elsewhere", "ExistingLora", "ModelFile", "NamedCache", "check_same_code", "elsewhere", "existing_lora",
+           "existing_placed", "local_model_paths", "open_named", "pack_code", "replace_paths"]
 
-_EDGE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
 class ModelFile:
     """A model file of rank 0's, as another machine finds it: by ComfyUI folder kind and name, checked by size
-    and the hash of its first and last MiB (a whole hash of a 20 GB file would take minutes on every start)."""
+    and the hash of its ends (:func:`~dataset_cache.identity.file_edges`: a whole hash would read the whole file at
+    every start)."""
 
     path: str
     kind: str
@@ -92,16 +92,6 @@ class Elsewhere:
     """Rank 0's :func:`pack_code` (another machine must run the same code: it trains the same steps)."""
 
 
-def _edges(path: Path, size: int) -> str:
-    h = xxhash.xxh3_128()
-    with path.open("rb") as f:
-        h.update(f.read(_EDGE_BYTES))
-        if size > _EDGE_BYTES:
-            f.seek(max(_EDGE_BYTES, size - _EDGE_BYTES))
-            h.update(f.read(_EDGE_BYTES))
-    return h.hexdigest()
-
-
 def _kind_of(path: str) -> tuple[str, str] | None:
     """The folder kind and name rank 0's ComfyUI lists ``path`` under (the first kind that does)."""
     real = os.path.realpath(path)
@@ -128,7 +118,7 @@ def elsewhere(recipe_args: Iterable[Any], addresses: Iterable[CacheAddress]) -> 
                 raise ValueError(f"the model file {arg} is in none of ComfyUI's model folders, so a rank on another "
                                  "machine cannot find it by name; move it into one (e.g. models/diffusion_models)")
             size = os.path.getsize(arg)
-            files.append(ModelFile(arg, found[0], found[1], size, _edges(Path(arg), size)))
+            files.append(ModelFile(arg, found[0], found[1], size, file_edges(Path(arg), size)))
         elif isinstance(arg, list) and arg and all(isinstance(a, str) for a in arg):
             for kind, (paths, _) in folder_paths.folder_names_and_paths.items():
                 if list(paths) == arg:
@@ -151,23 +141,6 @@ def _named(address: CacheAddress) -> NamedCache:
                      "lists as streamcache)")
 
 
-def cache_fingerprint(reader: CacheReader) -> str:
-    """What a cache trains, as a hash: each dataset's samples (entry keys, repeats, mirrors, masks, empty captions)
-    and each shard's entries with their rows' stored checksums. Two copies of a cache fingerprint alike; a cache
-    whose samples or stored tensors differ does not (keys alone would not tell: a cache written by other tools
-    need not derive its keys from the content)."""
-    h = xxhash.xxh3_128()
-    for name in sorted(reader.datasets()):
-        rows = [[s.latent, list(s.captions), s.repeats, s.mirror, s.mask, s.empty_caption]
-                for s in reader.dataset(name)]
-        h.update(json.dumps([name, rows]).encode())
-    for shard in sorted(reader.shards, key=lambda s: s.keys):
-        h.update(json.dumps([shard.keys, shard.skeletons]).encode())
-        for column in shard.columns:
-            h.update(column.checksums.encode())
-    return h.hexdigest()
-
-
 def local_model_paths(files: Iterable[ModelFile]) -> dict[str, str]:
     """This machine's path of each of rank 0's model files (rank 0's path → here).
 
@@ -182,7 +155,7 @@ def local_model_paths(files: Iterable[ModelFile]) -> dict[str, str]:
             raise FileNotFoundError(f"this machine has no {file.kind} model named {file.name!r} (rank 0 trains "
                                     f"{file.path}): copy it into this ComfyUI's models/{file.kind} folder")
         size = os.path.getsize(here)
-        if size != file.size or _edges(Path(here), size) != file.edges:
+        if size != file.size or file_edges(Path(here), size) != file.edges:
             raise ValueError(f"this machine's {file.kind} model {here} is not rank 0's {file.path} (another size or "
                              f"content: {size} bytes, rank 0's {file.size}): copy rank 0's file here")
         out[file.path] = here
