@@ -4,8 +4,8 @@ another machine finds both by name there and must train the same rows on the sam
 :func:`cache_fingerprint` hashes what a cache trains: its datasets' samples and every shard's entries with their
 rows' stored checksums (keys alone would not do: a cache written by other tools need not derive its keys from the
 content). It reads no tensor: the checksums are in the headers a reader already holds. :func:`file_edges` hashes a
-file's first and last MiB: a whole hash of a 24 GB model file would read all of it at every start, half a minute
-from an ordinary disk (docs/BENCHMARKS.md, "Joining a run from another machine"), and a copy that differs only in
+file's first and last MiB: a whole hash of a 24 GB model file would read all of it at every start, over 20 s from
+an ordinary disk (docs/BENCHMARKS.md, "Joining a run from another machine"), and a copy that differs only in
 between is not what a wrong download or another version of a model looks like (their headers or sizes differ).
 """
 
