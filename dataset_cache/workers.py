@@ -161,6 +161,12 @@ class WorkerPool:
         return {r: w.proc.pid for r, w in self._workers.items() if w.proc is not None}
 
     @property
+    def machines(self) -> dict[int, str]:
+        """Rank → the machine of every rank that joined from another (``"gpu-box-2 at 10.0.0.7"``)."""
+        with self._cond:
+            return {r: w.where for r, w in sorted(self._workers.items()) if w.proc is None and w.where}
+
+    @property
     def address(self) -> tuple[str, int]:
         """Where the listener listens (the port the system picked, once started)."""
         listener = self._listener

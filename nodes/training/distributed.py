@@ -195,6 +195,8 @@ class Team:
         self.joining = joining
         self.away = away
         """What ranks on other machines need to find the model files and caches there."""
+        self.joined: dict[int, str] = {}
+        """Rank → machine of each rank that joined from another machine (for the summary)."""
         self.notes = list(notes)
         """What the run had to change (``auto`` on one device), for the node's summary."""
         self.pool: WorkerPool | None = None
@@ -246,6 +248,7 @@ class Team:
         try:
             pool.start(lambda rank: (bootstrap, job(rank)))
             pool.wait_ready(interrupted, _interrupted, *([joining.timeout_s] if joining else []))
+            self.joined = pool.machines
             collective.start(store, timeout_s)
             self.collective = collective
             try:
@@ -273,6 +276,15 @@ class Team:
         if differed:
             log.warning("Train LoRA rank %d: %d initial adapter tensors differed from rank 0's (other random "
                         "numbers on this device); rank 0's are used", self.rank, differed)
+
+    def describe(self, batch_size: int) -> str | None:
+        """Where the run trained, for the summary (``None``: one device, as always)."""
+        if self.plan is None or self.plan.size == 1:
+            return None
+        where = f"{self.plan.size} ranks: {self.plan.describe()}"
+        if self.joined:
+            where += f" ({', '.join(f'rank {r} on {m}' for r, m in self.joined.items())})"
+        return f"trained on {where}; global batch {batch_size * self.plan.size} ({batch_size} per rank)"
 
     @property
     def is_main(self) -> bool:

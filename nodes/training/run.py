@@ -130,7 +130,7 @@ def train_lora(
         saved_at_end = parts.saves is not None and parts.saves.holds_the_end(parts.start.steps + settings.steps)
         state = capture_state(run, parts.sampler, parts.start) if team.is_main and not saved_at_end else None
         lora = finish(run)  # releases the optimizer (after the state is captured)
-    return train_result(run, data, parts, outcome, lora, state, startup)
+    return train_result(run, data, parts, outcome, lora, state, startup, team.describe(settings.batch_size))
 
 
 class RunParts(NamedTuple):
@@ -174,9 +174,10 @@ def start_steps(run: LoadedRun, data: DataPlan, reader: DatasetReader, samples: 
 
 def train_result(run: LoadedRun, data: DataPlan, parts: RunParts,
                  outcome: tuple[list[float], float, int, float, RowCounts], lora: dict[str, torch.Tensor],
-                 state: TrainState | None, startup: Startup) -> TrainResult:
+                 state: TrainState | None, startup: Startup, where: str | None = None) -> TrainResult:
     """The run's result once its steps are done: the training state written beside the LoRA (``state``, rank 0's
-    when no save of the last step holds it), and the notes and info lines that say what the run did."""
+    when no save of the last step holds it), and the notes and info lines that say what the run did (``where``:
+    the ranks of a run on several devices, first)."""
     settings, start, saves, loop = run.settings, parts.start, parts.saves, parts.loop
     losses, seconds, rows, waited, counts = outcome
     notes, info = save_state(state, lora) if state is not None else ([], [])
@@ -198,6 +199,8 @@ def train_result(run: LoadedRun, data: DataPlan, parts: RunParts,
     info.extend(run.closing_info)
     if loop.validation is not None:
         info.insert(0, loop.validation.describe())
+    if where is not None:
+        info.insert(0, where)
     if loop.sampling is not None:
         info.append(loop.sampling.describe())
     return TrainResult(lora, losses, settings.steps + start.steps, seconds, rows / seconds if seconds else 0.0,

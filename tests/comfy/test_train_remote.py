@@ -128,6 +128,11 @@ def _train(pack: ModuleType, model: Any, cache: Path, **options: Any) -> Any:
         return train.execute(model, dataset, **{**OPTIONS, **options})
 
 
+def _summary(out: Any) -> str:
+    (text,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
+    return str(text)
+
+
 def _ended(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, str]:
     code = proc.wait(timeout=120)
     return code, log.read_text(errors="replace")
@@ -137,10 +142,15 @@ def test_a_rank_on_another_machine_trains_what_a_local_worker_trains(pack: Modul
                                                                       other: Path, listening: int,
                                                                       joiners: Any) -> None:
     """Twice, through one ``--repeat`` join command (a fresh process for each run), which Ctrl+C ends."""
-    local = _train(pack, models[0], cache, devices="cpu:2").result
+    out = _train(pack, models[0], cache, devices="cpu:2")
+    local = out.result
+    assert "trained on 2 ranks: 2 CPU processes; global batch 2 (1 per rank)" in _summary(out)
     proc, log = joiners(other, listening, repeat=True)
     for _ in range(2):
-        joined = _train(pack, models[0], cache, devices="cpu:1 + 1 remote").result
+        out = _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
+        joined = out.result
+        assert (f"trained on 2 ranks: cpu:0 and 1 rank on other machines (rank 1 on {socket.gethostname()} at "
+                "127.0.0.1); global batch 2 (1 per rank)") in _summary(out)
         assert joined[0].keys() == local[0].keys()
         assert all(torch.equal(joined[0][k], local[0][k]) for k in local[0])
         assert joined[1]["loss"] == local[1]["loss"] and joined[2] == 3
@@ -166,7 +176,7 @@ def test_a_rank_on_another_machine_continues_rank_0s_existing_lora_without_a_cop
     out = _train(pack, models[0], cache, **options)
     code, output = _ended(proc, log)
     assert code == 0, output
-    (summary,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
+    summary = _summary(out)
     assert "continued 'first_3_steps_00001_.safetensors' from its training state" in summary, summary
     local = _train(pack, models[0], cache, **{**options, "devices": "cpu:2"}).result
     assert out.result[2] == local[2] == 6

@@ -108,6 +108,7 @@ def test_a_joiner_takes_the_remote_rank_beside_a_local_worker(scripts, pool_of):
     assert set(pool.pids) == {1}  # the remote rank is not started here
     remote = joiner(scripts, pool, "box-b", "done")
     _wait_ready(pool)
+    assert pool.machines == {2: "box-b at 127.0.0.1"}  # as it said, and where it connected from
     pool.finish(timeout_s=60)
     out, _ = remote.communicate(timeout=60)
     assert out.split() == ["rank", "2"] and remote.returncode == 0
