@@ -70,7 +70,8 @@ def _split(argv: list[str]) -> tuple[list[str], str, list[str]]:
 def _comfyui_folder(given: str | None) -> str:
     folder = given or os.path.dirname(os.path.dirname(_PACK_ROOT))  # <ComfyUI>/custom_nodes/<pack>
     if not os.path.isfile(os.path.join(folder, "folder_paths.py")):
-        raise SystemExit(f"join-training: {folder} is not a ComfyUI folder (no folder_paths.py): give --comfyui")
+        print(f"join-training: {folder} is not a ComfyUI folder (no folder_paths.py): give --comfyui", file=sys.stderr)
+        raise SystemExit(2)
     return os.path.abspath(folder)
 
 
@@ -146,10 +147,12 @@ def _repeat(argv: list[str]) -> int:
     try:
         while True:
             code = subprocess.call(once)
-            if code == 2:  # the arguments or the key: the next try would fail alike
+            if code == 2:  # the arguments, the folder or the key: the next try would fail alike
                 return code
             print(f"join-training: that run ended (exit code {code}); joining the next one", file=sys.stderr,
                   flush=True)
+            if code:
+                time.sleep(RETRY_S)  # a failure that repeats at once is not tried again in a tight loop
     except KeyboardInterrupt:
         return 130
 
@@ -160,9 +163,10 @@ def main(argv: list[str]) -> int:
     if not key:
         print(f"join-training: set {KEY_ENV} to the key of rank 0's ComfyUI", file=sys.stderr)
         return 2
+    comfy_root = _comfyui_folder(options.comfyui)
     if options.repeat:
         return _repeat(argv)
-    args = _own_comfyui(_comfyui_folder(options.comfyui), options.comfy_args)
+    args = _own_comfyui(comfy_root, options.comfy_args)
     workers = _standalone_workers()
     link = _connect(workers, options.host, options.port, key.encode(), options.wait)
     try:

@@ -174,7 +174,7 @@ def test_a_port_in_use_is_named(pool_of):
 @pytest.mark.parametrize("args,env,code,message", [
     (["--main", "10.0.0.5"], {"STREAMCACHE_JOIN_KEY": "k" * 16}, 2, "--main '10.0.0.5': write HOST:PORT"),
     (["--main", "10.0.0.5:29440"], {}, 2, "set STREAMCACHE_JOIN_KEY to the key of rank 0's ComfyUI"),
-    (["--main", "10.0.0.5:29440", "--comfyui", str(ROOT)], {"STREAMCACHE_JOIN_KEY": "k" * 16}, 1,
+    (["--main", "10.0.0.5:29440", "--comfyui", str(ROOT), "--repeat"], {"STREAMCACHE_JOIN_KEY": "k" * 16}, 2,
      f"{re.escape(str(ROOT))} is not a ComfyUI folder \\(no folder_paths.py\\): give --comfyui"),
 ])
 def test_the_join_command_names_what_is_missing_before_it_connects(args, env, code, message):
