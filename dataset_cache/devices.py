@@ -4,7 +4,7 @@ Rank 0 is always the calling process's own device (in ComfyUI, the one its model
 made there, and ComfyUI's progress and Cancel live in that process. The other ranks are worker processes, one per
 further device. ``cpu:N`` runs N ranks on the CPU: it exists so the same multi-process code path can be tested on a
 machine without GPUs (gloo, 2 processes); it is not a way to train faster. ``+ N remote`` after the local devices
-adds N ranks that join from other machines (``nodes/training/join.py``), one per device there.
+adds N ranks that join from other machines (``scripts/join-training``), one per device there.
 """
 
 from __future__ import annotations

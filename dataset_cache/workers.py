@@ -14,7 +14,7 @@ exit (a signal by name), which the collectives raise in rank 0 at once (:class:`
 own watch thread exit it at once (a worker never outlives rank 0, even one blocked inside a collective), then
 ``terminate`` and ``kill`` for a worker that is still there after a grace period; every process is waited for.
 
-Ranks on other machines (``remote``) are not started here: a join process there (``nodes/training/join.py``)
+Ranks on other machines (``remote``) are not started here: a join process there (``scripts/join-training``)
 connects to the same listener, bound then to an address other machines reach, with the key the user gave both
 sides (the handshake authenticates both ends before anything is unpickled: a peer without the key is refused and
 the listener goes on waiting). Each is given the next free remote rank. Such a rank ends with its connection: rank 0

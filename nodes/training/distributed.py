@@ -11,8 +11,8 @@ first weights taken from rank 0, and rank 0's LoRA returned. docs/ARCHITECTURE.m
 has the reasons.
 
 ``+ N remote`` ranks are not started here: rank 0 listens at ``$STREAMCACHE_JOIN_ADDRESS`` for N join processes
-started on other machines (``join.py``) that know ``$STREAMCACHE_JOIN_KEY``, and sends each the job with what it
-needs to find the model files and caches in its own folders (``machines.py``).
+started on other machines (``join_entry.py``) that know ``$STREAMCACHE_JOIN_KEY``, and sends each the job with what
+it needs to find the model files and caches in its own folders (``machines.py``).
 """
 
 from __future__ import annotations

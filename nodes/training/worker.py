@@ -1,7 +1,7 @@
 """A worker process's share of a run: join the ranks, rebuild the model, open the caches, train, report.
 
 Runs in the process ``worker_entry.py`` prepared (ComfyUI's options and folders already those of rank 0's
-ComfyUI), or ``join.py`` on another machine (its own folders, where it first finds the model files and caches
+ComfyUI), or ``join_entry.py`` on another machine (its own folders, where it first finds the model files and caches
 rank 0 named, ``machines.py``). The training is :func:`~.run.train_lora` itself, with this rank's collective: the
 same code path as rank 0's, batches of this rank's rows. Whatever happens is reported to rank 0 over the control
 link (``done``, ``stopped``, or ``error`` with the traceback) before the process ends.
