@@ -101,7 +101,10 @@ def join_settings(environ: Mapping[str, str] = os.environ) -> JoinSettings:
             raise ValueError
     except ValueError:
         raise ValueError(f"{JOIN_TIMEOUT_ENV}={raw_timeout!r}: write a positive number of seconds") from None
-    return JoinSettings(host.strip("[]") or "0.0.0.0", port, key.encode(), timeout_s)
+    if ":" in host:  # multiprocessing's listener is IPv4 only
+        raise ValueError(f"{JOIN_ADDRESS_ENV}={raw!r}: IPv6 addresses are not supported; give an IPv4 address or a "
+                         "host name")
+    return JoinSettings(host or "0.0.0.0", port, key.encode(), timeout_s)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,9 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     host, _, port = args.main.rpartition(":")
     if not host or not port.isdigit():
         parser.error(f"--main {args.main!r}: write HOST:PORT, e.g. 10.0.0.5:29440")
-    args.host, args.port = host.strip("[]"), int(port)
+    if ":" in host:
+        parser.error(f"--main {args.main!r}: IPv6 addresses are not supported; give an IPv4 address or a host name")
+    args.host, args.port = host, int(port)
     return args
 
 

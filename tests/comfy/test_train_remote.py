@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -269,3 +270,24 @@ def test_a_join_command_waits_for_a_run_and_then_says_none_came(other: Path, lis
     assert code == 1, output
     assert f"waiting for a run at 127.0.0.1:{listening}" in output
     assert f"no run listened at 127.0.0.1:{listening} within 3 s" in output
+
+
+def test_the_join_settings_are_read_and_bad_ones_named(pack: ModuleType) -> None:
+    read = _module(pack, "nodes.training.distributed").join_settings
+    settings = read({"STREAMCACHE_JOIN_KEY": KEY})
+    assert (settings.host, settings.port, settings.key, settings.timeout_s) == ("0.0.0.0", 29440, KEY.encode(), 600)
+    settings = read({"STREAMCACHE_JOIN_KEY": KEY, "STREAMCACHE_JOIN_ADDRESS": "10.0.0.5:7000",
+                     "STREAMCACHE_JOIN_TIMEOUT_S": "30"})
+    assert (settings.host, settings.port, settings.timeout_s) == ("10.0.0.5", 7000, 30.0)
+    settings = read({"STREAMCACHE_JOIN_KEY": KEY, "STREAMCACHE_JOIN_ADDRESS": "7001"})
+    assert (settings.host, settings.port) == ("0.0.0.0", 7001)
+    for environ, message in [
+        ({}, "set STREAMCACHE_JOIN_KEY to the same secret of at least 16 characters"),
+        ({"STREAMCACHE_JOIN_KEY": KEY, "STREAMCACHE_JOIN_ADDRESS": "h:p"}, "STREAMCACHE_JOIN_ADDRESS='h:p'"),
+        ({"STREAMCACHE_JOIN_KEY": KEY, "STREAMCACHE_JOIN_ADDRESS": "h:70000"}, "write host:port or a port"),
+        ({"STREAMCACHE_JOIN_KEY": KEY, "STREAMCACHE_JOIN_ADDRESS": "[::1]:7002"}, "IPv6 addresses are not supported"),
+        ({"STREAMCACHE_JOIN_KEY": KEY, "STREAMCACHE_JOIN_TIMEOUT_S": "-1"}, "STREAMCACHE_JOIN_TIMEOUT_S='-1': write a "
+         "positive number of seconds"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            read(environ)
