@@ -251,6 +251,7 @@ class Team:
         try:
             pool.start(lambda rank: (bootstrap, job(rank)))
             pool.wait_ready(interrupted, _interrupted, *([joining.timeout_s] if joining else []))
+            away = None  # every job is sent: an existing LoRA's bytes are not held through the run
             self.joined = pool.machines
             collective.start(store, timeout_s)
             self.collective = collective

@@ -40,6 +40,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.comfy_folders import only_folder
 from support.encoded import key as _key
 from support.encoded import write_comfy_encoded
 from support.processes import PROC_READABLE, wait_gone, workers_of
@@ -85,16 +86,8 @@ def dataset(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, handles: M
 @pytest.fixture(scope="module")
 def loras(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A private ``loras`` folder for the module (a worker finds ``existing_lora`` through rank 0's folders)."""
-    import folder_paths
-
-    folder = tmp_path_factory.mktemp("loras")
-    saved = folder_paths.folder_names_and_paths.get("loras")
-    folder_paths.folder_names_and_paths["loras"] = ([str(folder)], set(folder_paths.supported_pt_extensions))
-    yield folder
-    if saved is None:
-        del folder_paths.folder_names_and_paths["loras"]
-    else:
-        folder_paths.folder_names_and_paths["loras"] = saved
+    with only_folder("loras", tmp_path_factory.mktemp("loras")) as folder:
+        yield folder
 
 
 def _train(node: type, model: Any, dataset: Any, **options: Any) -> Any:

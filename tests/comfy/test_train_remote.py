@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from support.comfy_env import ComfyInstall
+from support.comfy_folders import only_folder
 from support.encoded import write_comfy_encoded
 from support.processes import PROC_READABLE, wait_gone
 from support.tiny_models import TinyModels
@@ -109,17 +110,9 @@ def joiners(comfy_install: ComfyInstall, tmp_path: Path) -> Iterator[Any]:
 @pytest.fixture
 def loras(tmp_path: Path) -> Iterator[Path]:
     """A private ``loras`` folder of rank 0's (the other machine has none)."""
-    import folder_paths
-
-    folder = tmp_path / "loras"
-    folder.mkdir()
-    saved = folder_paths.folder_names_and_paths.get("loras")
-    folder_paths.folder_names_and_paths["loras"] = ([str(folder)], set(folder_paths.supported_pt_extensions))
-    yield folder
-    if saved is None:
-        del folder_paths.folder_names_and_paths["loras"]
-    else:
-        folder_paths.folder_names_and_paths["loras"] = saved
+    (tmp_path / "loras").mkdir()
+    with only_folder("loras", tmp_path / "loras") as folder:
+        yield folder
 
 
 def _train(pack: ModuleType, model: Any, cache: Path, **options: Any) -> Any:
@@ -188,15 +181,22 @@ def test_a_rank_on_another_machine_continues_rank_0s_existing_lora_without_a_cop
     assert not list((other.parent / "join-tmp").iterdir())
 
 
+def _refused(pack: ModuleType, model: Any, cache: Path, other: Path, listening: int, joiners: Any,
+             reason: str) -> None:
+    """A run with a rank joining from ``other`` fails with ``reason`` (a regex) under that rank's number; the join
+    command ends with an error and nothing of the run is left."""
+    proc, log = joiners(other, listening)
+    with pytest.raises(Exception, match=f"failed on rank 1: {reason}"):
+        _train(pack, model, cache, devices="cpu:1 + 1 remote")
+    assert _ended(proc, log)[0] != 0
+    assert wait_gone(os.getpid(), timeout=30) == [] and not torch.distributed.is_initialized()
+
+
 def test_a_machine_without_the_model_file_is_named(pack: ModuleType, models: tuple, cache: Path, other: Path,
                                                    listening: int, joiners: Any, tiny_models: TinyModels) -> None:
     (other / "models" / "diffusion_models" / tiny_models.name("unet")).unlink()
-    proc, log = joiners(other, listening)
-    with pytest.raises(Exception, match=f"failed on rank 1: FileNotFoundError: this machine has no diffusion_models "
-                       f"model named '{tiny_models.name('unet')}'"):
-        _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
-    assert _ended(proc, log)[0] != 0
-    assert wait_gone(os.getpid(), timeout=30) == [] and not torch.distributed.is_initialized()
+    _refused(pack, models[0], cache, other, listening, joiners, "FileNotFoundError: this machine has no "
+             f"diffusion_models model named '{tiny_models.name('unet')}'")
 
 
 def test_a_machine_with_another_model_file_or_cache_of_that_name_is_named(
@@ -206,22 +206,15 @@ def test_a_machine_with_another_model_file_or_cache_of_that_name_is_named(
     data = bytearray(copy.read_bytes())
     data[-1] ^= 0xFF  # the same name and size, another last weight
     copy.write_bytes(bytes(data))
-    proc, log = joiners(other, listening)
-    with pytest.raises(Exception, match="failed on rank 1: ValueError: this machine's diffusion_models model .* is "
-                       "not rank 0's"):
-        _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
-    _ended(proc, log)
+    _refused(pack, models[0], cache, other, listening, joiners,
+             "ValueError: this machine's diffusion_models model .* is not rank 0's")
 
     shutil.copy(tiny_models.unet, copy)
     there = other / "models" / "streamcache" / NAME
     shutil.rmtree(there)
     write_comfy_encoded(pack, comfy_nodes, models[1], models[2], there, SIZES, seed=2)  # other images
-    proc, log = joiners(other, listening)
-    with pytest.raises(Exception, match="failed on rank 1: ValueError: this machine's cache .* is not what rank 0 "
-                       "trains from"):
-        _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
-    _ended(proc, log)
-    assert wait_gone(os.getpid(), timeout=30) == [] and not torch.distributed.is_initialized()
+    _refused(pack, models[0], cache, other, listening, joiners,
+             "ValueError: this machine's cache .* is not what rank 0 trains from")
 
 
 def test_a_machine_with_other_code_of_the_pack_is_refused(pack: ModuleType, models: tuple, cache: Path, other: Path,
@@ -231,11 +224,8 @@ def test_a_machine_with_other_code_of_the_pack_is_refused(pack: ModuleType, mode
     mine = machines.pack_code()
     assert mine.startswith(_module(pack, "dataset_cache").__version__ + "/")
     monkeypatch.setattr(machines, "_CODE", ["0.0.9/0123456789abcdef"])  # rank 0 runs another release
-    proc, log = joiners(other, listening)
-    with pytest.raises(Exception, match=f"failed on rank 1: RuntimeError: this machine's ComfyUI-StreamCache "
-                       f"\\({mine}\\) is not rank 0's \\(0.0.9/0123456789abcdef\\): install the same version"):
-        _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
-    assert _ended(proc, log)[0] != 0
+    _refused(pack, models[0], cache, other, listening, joiners, f"RuntimeError: this machine's ComfyUI-StreamCache "
+             f"\\({mine}\\) is not rank 0's \\(0.0.9/0123456789abcdef\\): install the same version")
 
 
 def test_a_joiner_with_another_key_is_refused_and_the_run_names_who_did_not_join(
