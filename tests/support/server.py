@@ -49,10 +49,13 @@ class ComfyServer:
     """One ComfyUI server process; use as a context manager or call :meth:`start` / :meth:`stop`."""
 
     def __init__(self, install: ComfyInstall, workdir: Path, *, models_dir: Path | None = None,
-                 extra_args: tuple[str, ...] = (), address_space_limit_bytes: int | None = None) -> None:
+                 extra_args: tuple[str, ...] = (), address_space_limit_bytes: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
         """``address_space_limit_bytes`` caps the server's virtual memory (``RLIMIT_AS``, POSIX): a prompt that
-        tries to allocate without bound then fails inside the server under test, not the machine running it."""
+        tries to allocate without bound then fails inside the server under test, not the machine running it.
+        ``env``: variables added to the server's environment."""
         self.install = install
+        self.env = dict(env or {})
         self.address_space_limit_bytes = address_space_limit_bytes
         self.workdir = Path(workdir).resolve()
         self.models_dir = Path(models_dir).resolve() if models_dir else None
@@ -128,7 +131,7 @@ class ComfyServer:
         """Start the server and wait for ``/object_info``; raise :class:`ServerStartError` with the log tail."""
         t0 = time.monotonic()
         log = open(self.log_path, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self._proc = subprocess.Popen(self.command(), cwd=self.install.path, stdout=log, stderr=subprocess.STDOUT,
                                       env=env, start_new_session=True, preexec_fn=self._limit_memory())
         log.close()
