@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -186,3 +187,36 @@ def test_a_dead_store_fails_the_node_naming_the_url(pack: ModuleType, remote: st
         assert f"{url}/manifest.json" in str(err.value)
     finally:
         config.write_text(before)
+
+
+@pytest.mark.skipif(not PROC_READABLE, reason="the no-orphan check reads /proc (Linux)")
+def test_a_rank_on_another_machine_reads_the_bucket_into_its_own_fetch_cache(
+        pack: ModuleType, models: tuple, remote: str, local_cache: Path, s3: S3Server, tiny_models: Any,
+        comfy_install: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """That machine has the model file and no copy of the cache: it opens the bucket at rank 0's version into its
+    own fetch folder (``models/streamcache/.fetched`` of its own ComfyUI), and trains what a local worker trains."""
+    from support.joining import KEY, free_port, other_machine, start_joiner
+
+    train = _module(pack, "nodes.train_lora").TrainLoRA
+    handles = _module(pack, "nodes.handles")
+    bucket = handles.StreamDatasetHandle(remote, "train")
+    port = free_port()
+    monkeypatch.setenv("STREAMCACHE_JOIN_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.setenv("STREAMCACHE_JOIN_KEY", KEY)
+    monkeypatch.delenv("STREAMCACHE_FETCH_CACHE", raising=False)
+    options = {**TRAIN, "batch_size": 1}
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        local = train.execute(models[0], bucket, **options, devices="cpu:2").result
+    other = other_machine(tmp_path / "other", tiny_models.unet)
+    joiner = start_joiner(comfy_install.path, other, port)
+    try:
+        with torch.inference_mode():
+            joined = train.execute(models[0], bucket, **options, devices="cpu:1 + 1 remote").result
+        code, output = joiner.ended()
+        assert code == 0, output
+    finally:
+        joiner.stop()
+    assert any((other / "models" / "streamcache" / ".fetched").rglob("*.blk"))  # its own fetch cache
+    assert all(torch.equal(joined[0][k], local[0][k]) for k in local[0]) and joined[0].keys() == local[0].keys()
+    assert joined[1]["loss"] == local[1]["loss"]
+    assert wait_gone(os.getpid(), timeout=30) == []

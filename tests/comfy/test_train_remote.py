@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -27,12 +26,10 @@ import torch
 from support.comfy_env import ComfyInstall
 from support.comfy_folders import only_folder
 from support.encoded import write_comfy_encoded
+from support.joining import KEY, Joiner, free_port, other_machine, start_joiner
 from support.processes import PROC_READABLE, wait_gone
 from support.tiny_models import TinyModels
 
-ROOT = Path(__file__).resolve().parents[2]
-JOIN = ROOT / "scripts" / "join-training"
-KEY = "a key of at least sixteen characters"
 OPTIONS = {
     "batch_size": 1, "grad_accumulation_steps": 1, "steps": 3, "learning_rate": 0.05, "rank": 4,
     "optimizer": "SGD", "loss_function": "MSE", "seed": 11, "training_dtype": "fp32", "lora_dtype": "fp32",
@@ -61,20 +58,13 @@ def cache(pack: ModuleType, comfy_nodes: ModuleType, models: tuple, cache_root: 
 @pytest.fixture
 def other(tmp_path: Path, tiny_models: TinyModels, cache: Path) -> Path:
     """The other machine's ComfyUI base folder, with copies of the model file and of the cache."""
-    base = tmp_path / "other"
-    unet = base / "models" / "diffusion_models"
-    unet.mkdir(parents=True)
-    shutil.copy(tiny_models.unet, unet / tiny_models.name("unet"))
-    shutil.copytree(cache, base / "models" / "streamcache" / NAME)
-    return base
+    return other_machine(tmp_path / "other", tiny_models.unet, {NAME: cache})
 
 
 @pytest.fixture
 def listening(monkeypatch: pytest.MonkeyPatch) -> int:
     """Rank 0's join settings: the loopback at a free port, the key, a wait that fails a test quickly."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     monkeypatch.setenv("STREAMCACHE_JOIN_ADDRESS", f"127.0.0.1:{port}")
     monkeypatch.setenv("STREAMCACHE_JOIN_KEY", KEY)
     monkeypatch.setenv("STREAMCACHE_JOIN_TIMEOUT_S", "240")
@@ -82,29 +72,20 @@ def listening(monkeypatch: pytest.MonkeyPatch) -> int:
 
 
 @pytest.fixture
-def joiners(comfy_install: ComfyInstall, tmp_path: Path) -> Iterator[Any]:
-    """Start ``scripts/join-training`` as the other machine would (its output in a file); every one is ended."""
-    started: list[subprocess.Popen[bytes]] = []
+def joiners(comfy_install: ComfyInstall) -> Iterator[Any]:
+    """Start ``scripts/join-training`` as the other machine would (:func:`support.joining.start_joiner`);
+    returns its process and log; every one is ended after the test."""
+    started: list[Joiner] = []
 
     def join(base: Path, port: int, key: str = KEY, wait_s: int = 240,
              repeat: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
-        log = tmp_path / f"join-{len(started)}.log"
-        temp = base.parent / "join-tmp"  # the join command's temporary folder, to see it left nothing
-        temp.mkdir(exist_ok=True)
-        env = {**os.environ, "STREAMCACHE_JOIN_KEY": key, "TMPDIR": str(temp)}
-        env.pop("STREAMCACHE_JOIN_ADDRESS", None)
-        with log.open("wb") as out:
-            command = [sys.executable, str(JOIN), "--main", f"127.0.0.1:{port}", "--comfyui", str(comfy_install.path),
-                       "--wait", str(wait_s), *(["--repeat"] if repeat else []), "--", "--base-directory", str(base)]
-            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=base)
-        started.append(proc)
-        return proc, log
+        joiner = start_joiner(comfy_install.path, base, port, key=key, wait_s=wait_s, repeat=repeat)
+        started.append(joiner)
+        return joiner.proc, joiner.log
 
     yield join
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
+    for joiner in started:
+        joiner.stop()
 
 
 @pytest.fixture

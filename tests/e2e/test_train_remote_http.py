@@ -8,11 +8,7 @@ and its summary names the machine that joined; afterwards no process of the run 
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +17,11 @@ import pytest
 from support.comfy_env import ComfyInstall
 from support.datasets import Subset, make_kohya_folder
 from support.examples import encode_prompt, train_inputs
+from support.joining import KEY, free_port, other_machine, start_joiner
 from support.processes import PROC_READABLE, wait_gone
 from support.server import ComfyServer
 from support.tiny_models import TinyModels
 
-ROOT = Path(__file__).resolve().parents[2]
-KEY = "an e2e key of at least sixteen characters"
 CACHE = "e2e_remote"
 
 pytestmark = pytest.mark.skipif(not PROC_READABLE, reason="the no-orphan checks read /proc (Linux)")
@@ -35,9 +30,7 @@ pytestmark = pytest.mark.skipif(not PROC_READABLE, reason="the no-orphan checks 
 @pytest.fixture(scope="module")
 def server(comfy_install: ComfyInstall, tiny_models: TinyModels,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ComfyServer, int]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {"STREAMCACHE_JOIN_KEY": KEY, "STREAMCACHE_JOIN_ADDRESS": f"127.0.0.1:{port}",
            "STREAMCACHE_JOIN_TIMEOUT_S": "240"}
     with ComfyServer(comfy_install, tmp_path_factory.mktemp("remote_server"), models_dir=tiny_models.root,
@@ -63,23 +56,15 @@ def test_a_rank_on_another_machine_trains_through_the_http_api(server: tuple[Com
     make_kohya_folder(comfy.input_dir / CACHE, (Subset(1, "x", ((64, 64),) * 4, "png"),))
     local = client.run(_prompt(comfy, tiny_models, "cpu:2"))  # encodes the cache, then trains on 2 local ranks
 
-    other = tmp_path / "other"  # the other machine's ComfyUI folders: copies of the model file and of the cache
-    (other / "models" / "diffusion_models").mkdir(parents=True)
-    shutil.copy(tiny_models.unet, other / "models" / "diffusion_models" / tiny_models.name("unet"))
-    shutil.copytree(comfy.streamcache_dir / CACHE, other / "models" / "streamcache" / CACHE)
-    log = tmp_path / "join.log"
-    with log.open("wb") as out:
-        joiner = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "join-training"), "--main",
-                                   f"127.0.0.1:{port}", "--comfyui", str(comfy_install.path), "--wait", "240", "--",
-                                   "--base-directory", str(other)],
-                                  stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "STREAMCACHE_JOIN_KEY": KEY})
+    # the other machine's ComfyUI folders: copies of the model file and of the cache the server encoded
+    other = other_machine(tmp_path / "other", tiny_models.unet, {CACHE: comfy.streamcache_dir / CACHE})
+    joiner = start_joiner(comfy_install.path, other, port)
     try:
         joined = client.run(_prompt(comfy, tiny_models, "cpu:1 + 1 remote"))
-        assert joiner.wait(timeout=120) == 0, log.read_text(errors="replace")
+        code, output = joiner.ended()
+        assert code == 0, output
     finally:
-        if joiner.poll() is None:
-            joiner.kill()
-            joiner.wait(timeout=30)
+        joiner.stop()
     assert joined.outputs["5"]["loss"] == local.outputs["5"]["loss"] and len(joined.outputs["5"]["loss"]) == 3
     (summary,) = joined.outputs["5"]["text"]
     assert f"trained on 2 ranks: cpu:0 and 1 rank on other machines (rank 1 on {socket.gethostname()} at " \
