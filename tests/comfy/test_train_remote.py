@@ -29,13 +29,9 @@ from support.encoded import write_comfy_encoded
 from support.joining import KEY, Joiner, free_port, other_machine, start_joiner
 from support.processes import PROC_READABLE, wait_gone
 from support.tiny_models import TinyModels
+from support.train_options import SHORT_RUN, summary
 
-OPTIONS = {
-    "batch_size": 1, "grad_accumulation_steps": 1, "steps": 3, "learning_rate": 0.05, "rank": 4,
-    "optimizer": "SGD", "loss_function": "MSE", "seed": 11, "training_dtype": "fp32", "lora_dtype": "fp32",
-    "algorithm": "LoRA", "gradient_checkpointing": False, "checkpoint_depth": 1, "offloading": False,
-    "existing_lora": "[None]", "prefetch_batches": 2, "loader_threads": 0,
-}
+OPTIONS = {**SHORT_RUN, "batch_size": 1, "learning_rate": 0.05, "optimizer": "SGD", "seed": 11}
 SIZES = [(64, 64)] * 4 + [(64, 96)] * 2
 NAME = "remote_ranks/people"
 
@@ -103,11 +99,6 @@ def _train(pack: ModuleType, model: Any, cache: Path, **options: Any) -> Any:
         return train.execute(model, dataset, **{**OPTIONS, **options})
 
 
-def _summary(out: Any) -> str:
-    (text,) = out.ui["text"] if isinstance(out.ui, dict) else out.ui.as_dict()["text"]
-    return str(text)
-
-
 def _ended(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, str]:
     code = proc.wait(timeout=120)
     return code, log.read_text(errors="replace")
@@ -119,13 +110,13 @@ def test_a_rank_on_another_machine_trains_what_a_local_worker_trains(pack: Modul
     """Twice, through one ``--repeat`` join command (a fresh process for each run), which Ctrl+C ends."""
     out = _train(pack, models[0], cache, devices="cpu:2")
     local = out.result
-    assert "trained on 2 ranks: 2 CPU processes; global batch 2 (1 per rank)" in _summary(out)
+    assert "trained on 2 ranks: 2 CPU processes; global batch 2 (1 per rank)" in summary(out)
     proc, log = joiners(other, listening, repeat=True)
     for _ in range(2):
         out = _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
         joined = out.result
         assert (f"trained on 2 ranks: cpu:0 and 1 rank on other machines (rank 1 on {socket.gethostname()} at "
-                "127.0.0.1); global batch 2 (1 per rank)") in _summary(out)
+                "127.0.0.1); global batch 2 (1 per rank)") in summary(out)
         assert joined[0].keys() == local[0].keys()
         assert all(torch.equal(joined[0][k], local[0][k]) for k in local[0])
         assert joined[1]["loss"] == local[1]["loss"] and joined[2] == 3
@@ -151,8 +142,8 @@ def test_a_rank_on_another_machine_continues_rank_0s_existing_lora_without_a_cop
     out = _train(pack, models[0], cache, **options)
     code, output = _ended(proc, log)
     assert code == 0, output
-    summary = _summary(out)
-    assert "continued 'first_3_steps_00001_.safetensors' from its training state" in summary, summary
+    text = summary(out)
+    assert "continued 'first_3_steps_00001_.safetensors' from its training state" in text, text
     local = _train(pack, models[0], cache, **{**options, "devices": "cpu:2"}).result
     assert out.result[2] == local[2] == 6
     assert all(torch.equal(out.result[0][k], local[0][k]) for k in local[0])
