@@ -90,6 +90,8 @@ class _Worker:
         """The local process (``None``: a rank joining from another machine)."""
         self.where = ""
         """A remote rank's machine, as it said and as it connected (``"gpu-box-2 at 10.0.0.7"``)."""
+        self.about: dict[str, str] = {}
+        """What the worker said of itself with ``ready`` (e.g. its software versions)."""
         self.conn: Connection | None = None
         self.state = "starting"  # starting → connected → ready → done | stopped | error | lost
         self.thread: threading.Thread | None = None
@@ -165,6 +167,12 @@ class WorkerPool:
         """Rank → the machine of every rank that joined from another (``"gpu-box-2 at 10.0.0.7"``)."""
         with self._cond:
             return {r: w.where for r, w in sorted(self._workers.items()) if w.proc is None and w.where}
+
+    @property
+    def about(self) -> dict[int, dict[str, str]]:
+        """Rank → what each worker said of itself when it reported ``ready``."""
+        with self._cond:
+            return {r: dict(w.about) for r, w in sorted(self._workers.items()) if w.about}
 
     @property
     def address(self) -> tuple[str, int]:
@@ -256,6 +264,8 @@ class WorkerPool:
             with self._cond:
                 if kind == "ready":
                     worker.state = "ready"
+                    if len(message) > 1 and isinstance(message[1], dict):
+                        worker.about = {str(k): str(v)[:200] for k, v in list(message[1].items())[:20]}
                 elif kind in ("done", "stopped"):
                     worker.state = kind
                 elif kind == "error":
@@ -429,7 +439,7 @@ class WorkerLink:
         return self.conn.recv_bytes()
 
     def send(self, *message: Any) -> None:
-        """Report to rank 0 (``("ready",)``, ``("done",)``, ``("stopped",)``, ``("error", message, traceback)``);
+        """Report to rank 0 (``("ready", about)``, ``("done",)``, ``("stopped",)``, ``("error", message, traceback)``);
         a report rank 0 can no longer take is dropped."""
         with self._lock:
             try:

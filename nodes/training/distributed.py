@@ -37,7 +37,7 @@ from ...dataset_cache.collective import Collective, backend_for, collective_time
 from ...dataset_cache.devices import AUTO, DevicePlan, parse_devices
 from ...dataset_cache.reopen import CacheAddress, addresses_of
 from ...dataset_cache.workers import GRACE_S, START_TIMEOUT_S, WorkerPool
-from .machines import Elsewhere, elsewhere, existing_lora
+from .machines import Elsewhere, elsewhere, existing_lora, software, software_notes
 from .model_spec import build_spec, recipe_args
 from .report import RowCounts
 from .settings import TrainSettings
@@ -200,6 +200,8 @@ class Team:
         """What ranks on other machines need to find the model files and caches there."""
         self.joined: dict[int, str] = {}
         """Rank → machine of each rank that joined from another machine (for the summary)."""
+        self.joined_notes: list[str] = []
+        """What the user must know of the ranks that joined (their software is not rank 0's), for the summary."""
         self.notes = list(notes)
         """What the run had to change (``auto`` on one device), for the node's summary."""
         self.pool: WorkerPool | None = None
@@ -253,6 +255,9 @@ class Team:
             pool.wait_ready(interrupted, _interrupted, *([joining.timeout_s] if joining else []))
             away = None  # every job is sent: an existing LoRA's bytes are not held through the run
             self.joined = pool.machines
+            self.joined_notes = software_notes(software(), pool.about, self.joined)
+            for note in self.joined_notes:
+                log.warning("Train LoRA: %s", note)
             collective.start(store, timeout_s)
             self.collective = collective
             try:

@@ -27,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import safetensors.torch
+import torch
 import xxhash
 
 import folder_paths
@@ -41,7 +42,8 @@ from .lora_files import NONE, OUTPUT_SUFFIX, lora_path
 from .resume import STATE_FOLDER, state_store
 
 __all__ = ["Elsewhere", "ExistingLora", "ModelFile", "NamedCache", "check_same_code", "elsewhere", "existing_lora",
-           "existing_placed", "local_model_paths", "open_named", "pack_code", "replace_paths"]
+           "existing_placed", "local_model_paths", "open_named", "pack_code", "replace_paths", "software",
+           "software_notes"]
 
 
 
@@ -276,3 +278,27 @@ def check_same_code(theirs: str) -> None:
     if theirs and theirs != mine:
         raise RuntimeError(f"this machine's ComfyUI-StreamCache ({mine}) is not rank 0's ({theirs}): install the same "
                            "version on every machine (the code is compared, not only the version number)")
+
+
+def software() -> dict[str, str]:
+    """The versions of what computes a step here (ComfyUI's and PyTorch's), which a rank reports with ``ready``."""
+    try:
+        from comfyui_version import __version__ as comfyui
+    except ImportError:  # a ComfyUI checkout without the generated file
+        comfyui = "unknown"
+    return {"ComfyUI": str(comfyui), "torch": str(torch.__version__)}
+
+
+def software_notes(mine: Mapping[str, str], theirs: Mapping[int, Mapping[str, str]],
+                   machines: Mapping[int, str]) -> list[str]:
+    """A note for each rank on another machine whose ComfyUI or PyTorch is not rank 0's (``mine``): it trains, but
+    its steps may compute otherwise (other kernels, other model code), which averaged gradients would hide."""
+    notes = []
+    for rank, machine in machines.items():
+        other = theirs.get(rank, {})
+        differ = [f"{name} {other[name]} (rank 0: {mine[name]})" for name in sorted(mine)
+                  if name in other and other[name] != mine[name]]
+        if differ:
+            notes.append(f"rank {rank} on {machine} runs {', '.join(differ)}: its steps may compute otherwise than "
+                         "rank 0's; install the same versions on every machine")
+    return notes

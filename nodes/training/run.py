@@ -120,6 +120,7 @@ def train_lora(
         settings = data.settings
         run = load(model, train, data, existing)
         team.same_adapters(run.lora_sd)
+        data.notes.extend(team.joined_notes)
         startup.mark("model")
         run.memory = plan_run_memory(run, reader, data.rows, data.shapes, on_plan)
         startup.mark("memory plan")

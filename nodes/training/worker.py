@@ -25,7 +25,8 @@ from ...dataset_cache.reopen import reopen
 from ...dataset_cache.workers import WorkerLink
 from ..paths import remote_options
 from .distributed import WorkerJob, cpu_threads
-from .machines import Elsewhere, check_same_code, existing_placed, local_model_paths, open_named, replace_paths
+from .machines import (Elsewhere, check_same_code, existing_placed, local_model_paths, open_named, replace_paths,
+                       software)
 from .model_spec import rebuild
 from .run import train_lora
 
@@ -56,7 +57,7 @@ def main(link: WorkerLink, payload: bytes, host: str = "127.0.0.1") -> int:
         paths = local_model_paths(away.files) if away is not None else {}  # before meeting: a missing file fails fast
         if away is not None:
             readers.extend(_open_here(away))
-        link.send("ready")
+        link.send("ready", software())
         collective.start(join_store(job.port, job.size, host=host), job.timeout_s)
         log.info("joined %d ranks on %s (pid %d)", job.size, device, os.getpid())
         if away is None:

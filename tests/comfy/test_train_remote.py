@@ -117,6 +117,7 @@ def test_a_rank_on_another_machine_trains_what_a_local_worker_trains(pack: Modul
         joined = out.result
         assert (f"trained on 2 ranks: cpu:0 and 1 rank on other machines (rank 1 on {socket.gethostname()} at "
                 "127.0.0.1); global batch 2 (1 per rank)") in summary(out)
+        assert "may compute otherwise" not in summary(out)  # the same ComfyUI and PyTorch: nothing to note
         assert joined[0].keys() == local[0].keys()
         assert all(torch.equal(joined[0][k], local[0][k]) for k in local[0])
         assert joined[1]["loss"] == local[1]["loss"] and joined[2] == 3
@@ -126,6 +127,19 @@ def test_a_rank_on_another_machine_trains_what_a_local_worker_trains(pack: Modul
     assert code == 130, output
     assert output.count("joined the run at 127.0.0.1") == 2
     assert "that run ended (exit code 0); joining the next one" in output
+
+
+def test_a_rank_whose_comfyui_or_torch_differs_is_noted_in_the_summary(pack: ModuleType, models: tuple, cache: Path,
+                                                                        other: Path, listening: int, joiners: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    distributed = _module(pack, "nodes.training.distributed")
+    real = _module(pack, "nodes.training.machines").software()  # what the joining rank reports
+    monkeypatch.setattr(distributed, "software", lambda: {**real, "ComfyUI": "0.0.1"})  # rank 0 runs another
+    proc, log = joiners(other, listening)
+    out = _train(pack, models[0], cache, devices="cpu:1 + 1 remote")
+    assert _ended(proc, log)[0] == 0
+    assert (f"rank 1 on {socket.gethostname()} at 127.0.0.1 runs ComfyUI {real['ComfyUI']} (rank 0: 0.0.1): its "
+            "steps may compute otherwise than rank 0's; install the same versions on every machine") in summary(out)
 
 
 def test_a_rank_on_another_machine_continues_rank_0s_existing_lora_without_a_copy(

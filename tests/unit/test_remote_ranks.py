@@ -44,7 +44,7 @@ JOINER = textwrap.dedent(f"""
         sys.exit(8)
     print("rank", job["rank"], flush=True)
     link.watch_parent(exit_code=3)
-    link.send("ready")
+    link.send("ready", {{"torch": "9.9", "machine": sys.argv[3]}})
     scenario = sys.argv[4]
     if scenario == "done":
         link.send("done")
@@ -109,6 +109,7 @@ def test_a_joiner_takes_the_remote_rank_beside_a_local_worker(scripts, pool_of):
     remote = joiner(scripts, pool, "box-b", "done")
     _wait_ready(pool)
     assert pool.machines == {2: "box-b at 127.0.0.1"}  # as it said, and where it connected from
+    assert pool.about == {2: {"torch": "9.9", "machine": "box-b"}}  # what it reported with ready
     pool.finish(timeout_s=60)
     out, _ = remote.communicate(timeout=60)
     assert out.split() == ["rank", "2"] and remote.returncode == 0
