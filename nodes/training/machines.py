@@ -95,14 +95,19 @@ class Elsewhere:
 
 
 def _kind_of(path: str) -> tuple[str, str] | None:
-    """The folder kind and name rank 0's ComfyUI lists ``path`` under (the first kind that does)."""
+    """The folder kind and name rank 0's ComfyUI lists ``path`` under: of the folders holding it, the innermost
+    (``models/diffusion_models`` rather than a ``models`` folder some configuration lists for another kind)."""
     real = os.path.realpath(path)
-    for kind, (folders, _) in folder_paths.folder_names_and_paths.items():
+    found: list[tuple[int, int, str, str]] = []
+    for order, (kind, (folders, _)) in enumerate(folder_paths.folder_names_and_paths.items()):
         for folder in folders:
             root = os.path.realpath(folder)
             if real.startswith(root.rstrip(os.sep) + os.sep):
-                return kind, os.path.relpath(real, root).replace(os.sep, "/")
-    return None
+                found.append((-len(root), order, kind, os.path.relpath(real, root).replace(os.sep, "/")))
+    if not found:
+        return None
+    _, _, kind, name = min(found)  # the longest root; for one root in two kinds, the first in ComfyUI's table
+    return kind, name
 
 
 def elsewhere(recipe_args: Iterable[Any], addresses: Iterable[CacheAddress]) -> Elsewhere:

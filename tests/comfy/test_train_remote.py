@@ -267,3 +267,17 @@ def test_the_join_settings_are_read_and_bad_ones_named(pack: ModuleType) -> None
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             read(environ)
+
+
+def test_a_model_file_is_named_by_the_innermost_folder_that_holds_it(pack: ModuleType, tiny_models: TinyModels,
+                                                                    tmp_path: Path) -> None:
+    """A configuration listing a parent folder for another kind (here ``checkpoints`` at the tiny models' root, which
+    holds ``diffusion_models/``) does not rename the file: the other machine looks it up as rank 0's loader did."""
+    machines = _module(pack, "nodes.training.machines")
+    with only_folder("checkpoints", tiny_models.root):
+        (found,) = machines.elsewhere((str(tiny_models.unet), "default"), ()).files
+    assert (found.kind, found.name, found.size) == ("diffusion_models", tiny_models.name("unet"),
+                                                    tiny_models.unet.stat().st_size)
+    with only_folder("checkpoints", tiny_models.root), only_folder("diffusion_models", tmp_path):
+        (found,) = machines.elsewhere((str(tiny_models.unet),), ()).files  # the parent alone holds it
+    assert (found.kind, found.name) == ("checkpoints", f"diffusion_models/{tiny_models.name('unet')}")
