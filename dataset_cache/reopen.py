@@ -18,7 +18,7 @@ from .remote.client import RemoteOptions
 from .remote.remote_files import ManifestVersion
 from .remote.remote_reader import RemoteCacheReader, open_remote_cache
 
-__all__ = ["CacheAddress", "addresses_of", "reopen"]
+__all__ = ["CacheAddress", "addresses_of", "parts_of", "reopen"]
 
 
 @dataclass(frozen=True)
@@ -36,15 +36,20 @@ class CacheAddress:
     version: ManifestVersion | None = None
 
 
+def parts_of(reader: Any) -> tuple[Any, ...]:
+    """The reader of each cache ``reader`` reads: itself, or each of a :class:`MultiCacheReader`'s, in its order (the
+    order of :func:`addresses_of`)."""
+    return tuple(reader.readers) if isinstance(reader, MultiCacheReader) else (reader,)
+
+
 def addresses_of(reader: Any) -> tuple[CacheAddress, ...]:
     """The address of each cache ``reader`` reads (one, or each of a :class:`MultiCacheReader`'s, in its order).
 
     Raises:
         ValueError: a reader of another kind, which another process could not open again.
     """
-    readers = reader.readers if isinstance(reader, MultiCacheReader) else (reader,)
     out = []
-    for r in readers:
+    for r in parts_of(reader):
         if isinstance(r, RemoteCacheReader):
             out.append(CacheAddress(str(r.root), r.options, r.version))
         elif isinstance(r, CacheReader):

@@ -35,7 +35,7 @@ import folder_paths
 
 from ...dataset_cache.collective import Collective, backend_for, collective_timeout, host_store
 from ...dataset_cache.devices import AUTO, DevicePlan, parse_devices
-from ...dataset_cache.reopen import CacheAddress, addresses_of
+from ...dataset_cache.reopen import CacheAddress, addresses_of, parts_of
 from ...dataset_cache.workers import GRACE_S, START_TIMEOUT_S, WorkerPool
 from .machines import Elsewhere, elsewhere, existing_lora, software, software_notes
 from .model_spec import build_spec, recipe_args
@@ -175,7 +175,7 @@ def plan_team(devices: str | Sequence[int] | None, model: Any, reader: Any = Non
         return Team(plan, spec=spec, caches=caches)
     joining = join_settings()
     try:
-        away = elsewhere(recipe_args(model), caches)
+        away = elsewhere(recipe_args(model), zip(caches, parts_of(reader)))
     except ValueError as exc:
         raise ValueError(f"training with ranks on other machines: {exc}") from None
     return Team(plan, spec=spec, caches=caches, joining=joining, away=away)

@@ -110,8 +110,9 @@ def _kind_of(path: str) -> tuple[str, str] | None:
     return kind, name
 
 
-def elsewhere(recipe_args: Iterable[Any], addresses: Iterable[CacheAddress]) -> Elsewhere:
-    """Rank 0's side: the model files among a loader recipe's arguments and the caches, named for another machine.
+def elsewhere(recipe_args: Iterable[Any], caches: Iterable[tuple[CacheAddress, Any]]) -> Elsewhere:
+    """Rank 0's side: the model files among a loader recipe's arguments and the caches (each address with rank 0's
+    open reader of it, which is fingerprinted: nothing is opened again), named for another machine.
 
     Raises:
         ValueError: a model file or a cache folder outside ComfyUI's folders (another machine could not find it
@@ -131,18 +132,17 @@ def elsewhere(recipe_args: Iterable[Any], addresses: Iterable[CacheAddress]) -> 
                 if list(paths) == arg:
                     folders[kind] = list(arg)
                     break
-    return Elsewhere(tuple(files), tuple(_named(a) for a in addresses), folders, code=pack_code())
+    return Elsewhere(tuple(files), tuple(_named(a, r) for a, r in caches), folders, code=pack_code())
 
 
-def _named(address: CacheAddress) -> NamedCache:
+def _named(address: CacheAddress, reader: Any) -> NamedCache:
     if address.version is not None:
         return NamedCache(address, None, "")
     root = Path(address.root).resolve()
     for base in cache_roots():
         if root.is_relative_to(base.resolve()):
             name = root.relative_to(base.resolve()).as_posix()
-            with reopen(address) as reader:
-                return NamedCache(address, name, cache_fingerprint(reader))
+            return NamedCache(address, name, cache_fingerprint(reader))
     raise ValueError(f"the cache {address.root} is in none of the streamcache folders, so a rank on another machine "
                      "cannot find it by name; keep it in models/streamcache (or a folder extra_model_paths.yaml "
                      "lists as streamcache)")

@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,19 +53,13 @@ def main(link: WorkerLink, payload: bytes, host: str = "127.0.0.1") -> int:
             raise RuntimeError(f"rank 0 trains on CUDA GPUs (NCCL) and this rank's device is {device}: join from "
                                "a machine with a CUDA GPU (and without --cpu)")
         away = job.elsewhere
-        if away is not None:
-            check_same_code(away.code)
-        paths = local_model_paths(away.files) if away is not None else {}  # before meeting: a missing file fails fast
-        if away is not None:
-            readers.extend(_open_here(away))
+        locate = _found_here(away, readers) if away is not None else None  # before meeting: what lacks fails fast
         link.send("ready", software())
         collective.start(join_store(job.port, job.size, host=host), job.timeout_s)
         log.info("joined %d ranks on %s (pid %d)", job.size, device, os.getpid())
+        model = rebuild(job.model, locate)
         if away is None:
-            model = rebuild(job.model)
             readers.extend(reopen(address) for address in job.caches)
-        else:
-            model = rebuild(job.model, lambda args: replace_paths(args, paths, away.folders))
         reader = readers[0] if len(readers) == 1 else MultiCacheReader(readers)
         with existing_placed(away.existing if away is not None else None):
             train_lora(model, reader, job.samples, job.settings, reg=job.reg, reg_name=job.reg_name,
@@ -83,15 +78,13 @@ def main(link: WorkerLink, payload: bytes, host: str = "127.0.0.1") -> int:
     return code
 
 
-def _open_here(away: Elsewhere) -> list[Any]:
-    """On another machine: rank 0's caches found in this one's folders (or buckets, into its own fetch folder)."""
+def _found_here(away: Elsewhere, readers: list[Any]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """On another machine: the same code as rank 0's, its model files and caches found in this one's folders (or
+    buckets, into its own fetch folder), each opened cache appended to ``readers`` (the caller closes them);
+    returns how the loader's arguments read here."""
+    check_same_code(away.code)
+    paths = local_model_paths(away.files)
     fetch_dir = remote_options().fetch_dir
-    readers: list[Any] = []
-    try:
-        for cache in away.caches:
-            readers.append(open_named(cache, fetch_dir))
-    except BaseException:
-        for reader in readers:
-            reader.close()
-        raise
-    return readers
+    for cache in away.caches:
+        readers.append(open_named(cache, fetch_dir))
+    return lambda args: replace_paths(args, paths, away.folders)
