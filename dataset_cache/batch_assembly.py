@@ -1,9 +1,10 @@
 """What a batch is made of, from the values of its one read: the :class:`Batch`, and its assembly on the CPU.
 
-The loader reads every entry of a batch (latents, conditionings, loss masks) in ONE read, into one reusable buffer;
-this module turns those values into a :class:`Batch`. The checks and the byte-level steps here are shared by both
-targets: the CPU batch is made here (views of the read buffer wherever the reader laid the rows out so), the CUDA
-batch by :mod:`.cuda_delivery` from the same rows, mask bytes and lookup table, so both widen masks the same way.
+The loader reads every entry of a batch (latents, conditionings, loss masks, reference images) in ONE read, into
+one reusable buffer; this module turns those values into a :class:`Batch`. The checks and the byte-level steps here
+are shared by both targets: the CPU batch is made here (views of the read buffer wherever the reader laid the rows
+out so), the CUDA batch by :mod:`.cuda_delivery` from the same rows, mask bytes and lookup table, so both widen
+masks the same way.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 
 from .sampler import BatchPlan
 
-__all__ = ["Batch", "MASK_LUT", "PerBatch", "assemble_cpu", "latent_rows", "as_one_block", "stack_rows",
-           "mask_rows", "mask_bytes", "widen_masks", "check_extras", "entry_keys", "map_tensors", "host_bytes"]
+__all__ = ["Batch", "MASK_LUT", "PerBatch", "REFERENCE_LATENTS", "assemble_cpu", "latent_rows", "as_one_block",
+           "stack_rows", "mask_rows", "mask_bytes", "widen_masks", "check_extras", "entry_keys", "map_tensors",
+           "host_bytes", "reference_rows", "with_references"]
 
 PerBatch = Callable[[int, BatchPlan, torch.Size], dict[str, torch.Tensor]]
 """A loader's per-batch hook: called on a worker thread after the batch's read with the batch's number in the
@@ -41,7 +43,7 @@ class Batch:
         plan: which samples and entries it holds.
         latents: the stacked ``"samples"`` of every row, ``[B, C, H, W]`` (``[B, C, T, H, W]`` for video latents).
         conditioning: per row, its conditioning structure with real tensors (rows sharing a caption entry share the
-            same objects; do not modify them in place).
+            same objects; do not modify them in place), a row's reference image in its ``reference_latents``.
         latent_extras: per row, the latent dict's other keys (e.g. ``"noise_mask"``), or ``None`` if no row has any.
         copy_events: CUDA only: timing events recorded on the loader's side stream before and after this batch's
             host-to-device copies (for profiling: ``start.elapsed_time(end)``); ``None`` on CPU.
@@ -60,10 +62,57 @@ class Batch:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+REFERENCE_LATENTS = "reference_latents"
+"""The conditioning option that holds an edit model's reference images as latents (a list of ``[1, C, h, w]``
+tensors, as ComfyUI's ReferenceLatent node appends them; Flux Kontext and Qwen-Image-Edit read it)."""
+
+
 def entry_keys(plan: BatchPlan) -> list[str]:
-    """Every entry one batch reads, each once: latents, conditionings and loss masks in ONE read."""
+    """Every entry one batch reads, each once: latents, conditionings, loss masks and reference images in ONE
+    read."""
     masks = tuple(k for k in plan.mask_keys if k is not None)
-    return list(dict.fromkeys(plan.latent_keys + plan.caption_keys + masks))
+    refs = tuple(k for k in plan.reference_keys if k is not None)
+    return list(dict.fromkeys(plan.latent_keys + plan.caption_keys + masks + refs))
+
+
+def reference_rows(plan: BatchPlan, values: dict[str, Any]) -> list[torch.Tensor | None] | None:
+    """Each row's reference latent (its entry's ``"samples"``, checked to be a floating-point latent), ``None`` for
+    a row without one; ``None`` when no row has one."""
+    if not any(k is not None for k in plan.reference_keys):
+        return None
+    out: list[torch.Tensor | None] = []
+    for key, latent in zip(plan.reference_keys, plan.latent_keys):
+        if key is None:
+            out.append(None)
+            continue
+        value = values[key]
+        ref = value.get("samples") if isinstance(value, dict) else None
+        if not isinstance(ref, torch.Tensor) or ref.dim() < 4 or ref.shape[0] != 1 \
+                or not ref.dtype.is_floating_point:
+            raise ValueError(f"reference entry {key} (of latent {latent}) is not a latent dict with a floating "
+                             "point [1, C, ...] 'samples' tensor; re-encode the dataset's reference images")
+        out.append(ref)
+    return out
+
+
+def with_references(conditionings: list[Any], refs: list[torch.Tensor | None] | None) -> list[Any]:
+    """Each row's conditioning with its reference latent appended to :data:`REFERENCE_LATENTS` of each of its
+    entries, as ComfyUI's ReferenceLatent node does; new lists and dicts (rows that share a caption share its
+    objects), a row without a reference as it was."""
+    if refs is None:
+        return conditionings
+    out = []
+    for cond, ref in zip(conditionings, refs):
+        if ref is None:
+            out.append(cond)
+            continue
+        rows = []
+        for entry in cond:
+            options = dict(entry[1])
+            options[REFERENCE_LATENTS] = [*options.get(REFERENCE_LATENTS, ()), ref]
+            rows.append([entry[0], options, *entry[2:]])
+        out.append(rows)
+    return out
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -215,6 +264,7 @@ def assemble_cpu(plan: BatchPlan, values: dict[str, Any], rows: list[torch.Tenso
     the reader did not lay them back to back, masks widened through :data:`MASK_LUT`."""
     latents = stack_rows(rows)
     conds = [values[k] for k in plan.caption_keys]
+    conds = with_references(conds, reference_rows(plan, values))
     latent_extras = [{k: v for k, v in values[key].items() if k != "samples"} for key in plan.latent_keys]
     masks = None
     if any(k is not None for k in plan.mask_keys):

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .batch_assembly import (MASK_LUT, Batch, as_one_block, copy_bytes, map_tensors, mask_bytes, mask_rows,
-                             widen_masks)
+                             reference_rows, widen_masks, with_references)
 from .sampler import BatchPlan
 
 __all__ = ["CudaDelivery", "Delivered", "hand_over"]
@@ -288,6 +288,10 @@ class _Parts:
             for mask_key, m in zip(plan.mask_keys, self.masks):
                 if m is not None and mask_key is not None:
                     transfer.add([m], mask_key)
+        self.references = reference_rows(plan, values)
+        for ref_key, ref in zip(plan.reference_keys, self.references or ()):
+            if ref is not None and ref_key is not None:
+                transfer.add([ref], ref_key)
         transfer.add(list(extras.values()))
 
     def _add(self, value: Any, entry: str) -> None:
@@ -312,5 +316,7 @@ class _Parts:
             masks = widen_masks(gathered, lut)
             transfer.allocations.append(masks)
         latent_extras = [map_tensors(e, view) for e in self.latent_extras] if any(self.latent_extras) else None
-        return Batch(plan, latents, [conds[k] for k in plan.caption_keys], latent_extras, masks=masks,
+        refs = None if self.references is None else [None if r is None else view(r) for r in self.references]
+        return Batch(plan, latents, with_references([conds[k] for k in plan.caption_keys], refs), latent_extras,
+                     masks=masks,
                      extras={k: view(t) for k, t in self.extras.items()})

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Sample", "DatasetInfo", "MAX_REPEATS", "MAX_EPOCH_OCCURRENCES", "check_epoch_size"]
+__all__ = ["Sample", "DatasetInfo", "MAX_REPEATS", "MAX_EPOCH_OCCURRENCES", "check_epoch_size", "reference_problem"]
 
 
 MAX_REPEATS = 10_000
@@ -35,6 +35,16 @@ def check_epoch_size(samples: Sequence[Sample], where: str) -> None:
                          f"the limit of {MAX_EPOCH_OCCURRENCES}; lower the repeat counts")
 
 
+def reference_problem(sample: Sample) -> str | None:
+    """Why ``sample``'s reference columns do not fit its mirror (``None``: they do): a mirrored row trains with the
+    mirrored reference, so a sample with a mirror and a reference needs both, and a reference mirror needs both."""
+    if sample.reference_mirror is not None and (sample.reference is None or sample.mirror is None):
+        return "reference_mirror needs a reference and a mirror"
+    if sample.reference is not None and sample.mirror is not None and sample.reference_mirror is None:
+        return "a sample with a mirror and a reference needs the reference's mirror (reference_mirror)"
+    return None
+
+
 @dataclass(frozen=True)
 class Sample:
     """One training sample.
@@ -52,6 +62,10 @@ class Sample:
             the mirror's mask is its mirror image). ``None``: every element weighs the same.
         empty_caption: key of the empty caption's conditioning (same text encoder as ``captions``), which caption
             dropout trains with. ``None``: not encoded, so the sample cannot be dropped.
+        reference: key of the latent of the sample's reference image (the image an edit model such as Flux Kontext
+            edits, encoded at the latent's size), which training puts in the row's conditioning as ComfyUI's
+            ReferenceLatent node does. ``None``: the sample has none.
+        reference_mirror: key of the mirrored reference's latent, trained with ``mirror``. ``None``: no mirror.
     """
 
     latent: str
@@ -61,6 +75,8 @@ class Sample:
     mirror: str | None = None
     mask: str | None = None
     empty_caption: str | None = None
+    reference: str | None = None
+    reference_mirror: str | None = None
 
     def __post_init__(self) -> None:
         if not self.captions:
@@ -68,15 +84,19 @@ class Sample:
         if type(self.repeats) is not int or not 1 <= self.repeats <= MAX_REPEATS:
             raise ValueError(f"sample {self.source or self.latent}: repeats must be an int from 1 to {MAX_REPEATS}, "
                              f"got {self.repeats!r:.40}")
-        for name in ("mirror", "mask", "empty_caption"):
+        for name in ("mirror", "mask", "empty_caption", "reference", "reference_mirror"):
             value = getattr(self, name)
             if value is not None and (type(value) is not str or not value):
                 raise ValueError(f"sample {self.source or self.latent}: {name} must be an entry key or None, "
                                  f"got {value!r:.40}")
+        problem = reference_problem(self)
+        if problem:
+            raise ValueError(f"sample {self.source or self.latent}: {problem}")
 
     @classmethod
     def checked_elsewhere(cls, latent: str, captions: tuple[str, ...], repeats: int, source: str | None,
-                          mirror: str | None, mask: str | None, empty_caption: str | None) -> Sample:
+                          mirror: str | None, mask: str | None, empty_caption: str | None,
+                          reference: str | None = None, reference_mirror: str | None = None) -> Sample:
         """A sample whose fields the caller has already checked as :meth:`__post_init__` would.
 
         A dataset file's columns are checked whole at C speed (:func:`~.format.dataset_file.parse_dataset`);
@@ -90,10 +110,13 @@ class Sample:
         set_(sample, "mirror", mirror)
         set_(sample, "mask", mask)
         set_(sample, "empty_caption", empty_caption)
+        set_(sample, "reference", reference)
+        set_(sample, "reference_mirror", reference_mirror)
         return sample
 
     def keys(self) -> tuple[str, ...]:
-        """Every entry key the sample references (latent, mirror, mask, captions, empty caption), each once.
+        """Every entry key the sample references (latent, mirror, mask, captions, empty caption, references), each
+        once.
 
         What a dataset keeps alive: ``clean`` keeps these, ``verify`` checks them, a copy copies them.
         """
@@ -105,6 +128,10 @@ class Sample:
         keys.extend(self.captions)
         if self.empty_caption is not None:
             keys.append(self.empty_caption)
+        if self.reference is not None:
+            keys.append(self.reference)
+        if self.reference_mirror is not None:
+            keys.append(self.reference_mirror)
         return tuple(dict.fromkeys(keys))
 
 

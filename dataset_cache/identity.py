@@ -36,6 +36,7 @@ def cache_fingerprint(reader: Any) -> str:
     with gc_paused():  # a list per sample, no cycles: the collector would walk the process for nothing
         for name in sorted(reader.datasets()):
             rows = [[s.latent, list(s.captions), s.repeats, s.mirror, s.mask, s.empty_caption]
+                    + ([s.reference, s.reference_mirror] if s.reference is not None else [])
                     for s in reader.dataset(name)]
             h.update(json.dumps([name, rows]).encode())
         for shard in sorted(reader.shards, key=lambda s: s.keys):

@@ -88,5 +88,5 @@ def choose_sample_rows(samples: Sequence[Sample], buckets: Sequence[tuple[int, .
     shape = min(by_bucket, key=preference)
     names = sorted(by_bucket[shape], key=source_rank)[:count]
     chosen = tuple(dataclasses.replace(by_bucket[shape][name], captions=by_bucket[shape][name].captions[:1],
-                                       repeats=1, mirror=None, mask=None) for name in names)
+                                       repeats=1, mirror=None, mask=None, reference_mirror=None) for name in names)
     return chosen, shape

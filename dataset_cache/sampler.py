@@ -63,6 +63,8 @@ class BatchPlan:
         mask_keys: per row, the key of the sample's loss-mask entry or ``None`` (empty: no row has a mask). The
             mask belongs to the unmirrored latent; a mirrored row's mask is flipped when the batch is assembled.
         weights: per row, the loss weight of the dataset the row comes from (empty: every row weighs 1.0).
+        reference_keys: per row, the latent key of the sample's reference image (its mirror's for a mirrored row)
+            or ``None`` (empty: no row has one).
     """
 
     epoch: int
@@ -75,6 +77,7 @@ class BatchPlan:
     dropped: tuple[bool, ...] = ()
     mask_keys: tuple[str | None, ...] = ()
     weights: tuple[float, ...] = ()
+    reference_keys: tuple[str | None, ...] = ()
 
 
 def _check_fraction(value: float, what: str) -> float:
@@ -160,6 +163,7 @@ class BucketSampler:
             self._add_reg(reg, reg_samples)
         self._check_dropout()
         self._any_mask = any(s.mask is not None for s in self.samples)
+        self._any_reference = any(s.reference is not None for s in self.samples)
         self._layout = self._lay_out()
         self._per_rank = self._layout.per_rank
         self._warn_unused()
@@ -264,6 +268,8 @@ class BucketSampler:
                           self._buckets.reg_quota, [m.tolist() for m in self._buckets.reg_members]))
         if any(s.mirror or s.mask or s.empty_caption for s in self.samples):
             extra.append([(s.mirror, s.mask, s.empty_caption) for s in self.samples])
+        if self._any_reference:  # else as before references: a saved state still fits
+            extra.append([(s.reference, s.reference_mirror) for s in self.samples])
         if extra:
             h.update(repr(extra).encode())
         return h.hexdigest()
@@ -304,6 +310,8 @@ class BucketSampler:
             dropped=dropped,
             mask_keys=tuple(samples[i].mask for i in idx) if self._any_mask else (),
             weights=tuple(1.0 if i < self._n_main else weight for i in idx) if self.reg is not None else (),
+            reference_keys=tuple(samples[i].reference_mirror if flips is not None and flips[i]
+                                 else samples[i].reference for i in idx) if self._any_reference else (),
         )
 
     def epoch_plans(self, epoch: int) -> list[BatchPlan]:

@@ -18,7 +18,8 @@ A global batch shorter than ``batch_size × world_size`` (a bucket's last batch 
 evenly as its rows allow, and each row's loss weight is scaled by ``share × world_size / rows`` so that the ranks'
 mean gradient is still the global batch's mean; a rank left without a row (fewer rows than ranks) trains a stand-in
 row of weight 0 — the global batch's first — so that it takes the step with the others and adds nothing. A stand-in
-row has no ``sample_indices`` (it is counted nowhere) and no mask, mirror or dropout flags.
+row has no ``sample_indices`` (it is counted nowhere) and no mask, mirror or dropout flags (it keeps its reference
+image: a row is the model call it makes).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def rows_of(plan: BatchPlan, start: int, stop: int) -> BatchPlan:
     return dataclasses.replace(
         plan, sample_indices=plan.sample_indices[start:stop], latent_keys=plan.latent_keys[start:stop],
         caption_keys=plan.caption_keys[start:stop], mirrored=cut(plan.mirrored), dropped=cut(plan.dropped),
-        mask_keys=cut(plan.mask_keys), weights=cut(plan.weights))
+        mask_keys=cut(plan.mask_keys), weights=cut(plan.weights), reference_keys=cut(plan.reference_keys))
 
 
 class RowShardSampler(BucketSampler):

@@ -59,7 +59,7 @@ def check_trainable(reader: EntryHeaders, samples: Sequence[Sample]) -> None:
     """
     seen: set[str] = set()
     for i, s in enumerate(samples):
-        for latent in (s.latent,) if s.mirror is None else (s.latent, s.mirror):
+        for latent in (k for k in (s.latent, s.mirror, s.reference, s.reference_mirror) if k is not None):
             if latent in seen:
                 continue
             seen.add(latent)

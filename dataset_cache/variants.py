@@ -1,9 +1,10 @@
 """What a dataset's variants are and what they cost: counts and tensor bytes per role, from headers alone.
 
-A sample names its latent, possibly a mirrored latent and a loss mask, its caption variants (lines and their
-shuffled-tag variants) and the empty caption of caption dropout. Every one is an ordinary content-keyed entry, so
-"what do my flips cost" is a question about which keys play which role; this module answers it for reports
-(Encode Dataset, Cache Info, ``python -m dataset_cache info``) without reading any tensor.
+A sample names its latent, possibly a mirrored latent, a loss mask and a reference image's latents, its
+caption variants (lines and their shuffled-tag variants) and the empty caption of caption dropout. Every one is
+an ordinary content-keyed entry, so "what do my flips cost" is a question about which keys play which role; this
+module answers it for reports (Encode Dataset, Cache Info, ``python -m dataset_cache info``) without reading any
+tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ROLES", "RoleSummary", "VariantSummary", "role_keys", "summarize_datasets", "summarize_variants"]
 
-ROLES = ("latents", "mirrors", "masks", "captions", "empty_caption")
+ROLES = ("latents", "mirrors", "masks", "captions", "empty_caption", "references")
 """The roles an entry plays in a dataset. Each role counts its own distinct keys: a key in two roles (a caption
 line that is itself empty, and the dropout's empty caption) counts in both."""
 
@@ -60,8 +61,9 @@ class VariantSummary:
 
     @property
     def has_variants(self) -> bool:
-        """Whether any sample names a mirror, a mask or the empty caption, or has several caption variants."""
-        return any(self.roles[r].entries for r in ("mirrors", "masks", "empty_caption")) or (
+        """Whether any sample names a mirror, a mask, the empty caption or a reference image, or has several caption
+        variants."""
+        return any(self.roles[r].entries for r in ("mirrors", "masks", "empty_caption", "references")) or (
             self.roles["captions"].entries > self.samples)
 
     def describe(self) -> dict[str, Any]:
@@ -95,6 +97,7 @@ def role_keys(samples: Sequence[Sample]) -> dict[str, set[str]]:
         "masks": {s.mask for s in samples if s.mask is not None},
         "captions": {k for s in samples for k in s.captions},
         "empty_caption": {s.empty_caption for s in samples if s.empty_caption is not None},
+        "references": {k for s in samples for k in (s.reference, s.reference_mirror) if k is not None},
     }
 
 

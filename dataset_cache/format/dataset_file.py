@@ -24,6 +24,7 @@ from .safetensors_io import load_json_object, read_regular
 __all__ = [
     "DATASET_VERSION_PLAIN",
     "DATASET_VERSION",
+    "DATASET_VERSION_REFERENCES",
     "DATASET_VERSIONS",
     "MAX_DATASET_NAME",
     "check_dataset_name",
@@ -38,7 +39,12 @@ DATASET_VERSION_PLAIN = 1
 DATASET_VERSION = 2
 """Version of a dataset file with variants: optional ``mirror`` and ``mask`` columns and an ``empty_caption``."""
 
-DATASET_VERSIONS = (DATASET_VERSION_PLAIN, DATASET_VERSION)
+DATASET_VERSION_REFERENCES = 3
+"""Version of a dataset file with reference images: version 2 plus the ``reference`` and optional
+``reference_mirror`` columns (a release that reads version 2 only refuses it rather than train an edit model
+without the images it edits)."""
+
+DATASET_VERSIONS = (DATASET_VERSION_PLAIN, DATASET_VERSION, DATASET_VERSION_REFERENCES)
 """Dataset file versions this library reads."""
 
 MAX_DATASET_NAME = 200
@@ -68,7 +74,8 @@ def write_dataset(root: Path, name: str, samples: Sequence[Sample], info: Mappin
 
     A dataset without variants (no mirror, mask or empty caption) is written as version 1, byte for byte what
     earlier releases wrote, so they still open it; one with variants is version 2, which they refuse rather than
-    train without its masks. The file is immutable; publishing it is the caller's job (a journal line naming it).
+    train without its masks; one with reference images version 3. The file is immutable; publishing it is the
+    caller's job (a journal line naming it).
 
     Raises:
         ValueError: the name, samples or info cannot be stored (e.g. samples with different empty captions).
@@ -97,6 +104,11 @@ def write_dataset(root: Path, name: str, samples: Sequence[Sample], info: Mappin
         doc["empty_caption"] = empty
     if "mirror" in doc or "mask" in doc or "empty_caption" in doc:
         doc["version"] = DATASET_VERSION
+    if any(s.reference is not None for s in samples):
+        doc["version"] = DATASET_VERSION_REFERENCES
+        doc["reference"] = [s.reference for s in samples]
+        if any(s.reference_mirror is not None for s in samples):
+            doc["reference_mirror"] = [s.reference_mirror for s in samples]
     try:
         raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
         json.dumps(info, allow_nan=False)
@@ -148,12 +160,18 @@ def parse_dataset(p: str, raw: bytes, info: DatasetInfo) -> list[Sample]:
             raise CacheCorruptError(p, f"mirror and mask must be lists of {info.samples} items")
         if empty is not None and type(empty) is not str:
             raise CacheCorruptError(p, "empty_caption must be an entry key or null")
+    refs, ref_mirrors = none_column, none_column
+    if version >= 3:
+        refs, ref_mirrors = (d.get(k, none_column) for k in ("reference", "reference_mirror"))
+        if type(refs) is not list or type(ref_mirrors) is not list or len(refs) != info.samples \
+                or len(ref_mirrors) != info.samples:
+            raise CacheCorruptError(p, f"reference and reference_mirror must be lists of {info.samples} items")
     samples = (lat, caps, reps, srcs, mirrors, masks)
-    if _well_formed(*samples, empty):
+    if _well_formed(*samples, empty) and _references_well_formed(mirrors, refs, ref_mirrors):
         out = list(map(Sample.checked_elsewhere, lat, map(tuple, caps), reps, srcs, mirrors, masks,
-                       repeat(empty, info.samples)))
+                       repeat(empty, info.samples), refs, ref_mirrors))
     else:
-        out = _checked_samples(p, *samples, empty)
+        out = _checked_samples(p, *samples, empty, refs, ref_mirrors)
     try:
         check_epoch_size(out, f"dataset {info.name!r}")
     except ValueError as exc:
@@ -172,24 +190,35 @@ def _well_formed(lat: list, caps: list, reps: list, srcs: list, mirrors: list, m
             and "" not in mirrors and "" not in masks and empty != "")
 
 
+def _references_well_formed(mirrors: list, refs: list, ref_mirrors: list) -> bool:
+    """Whether the reference columns pass ``Sample``'s checks: keys or nulls, a reference mirror exactly where a
+    sample has a mirror and a reference."""
+    optional_key: set[type] = {str, type(None)}
+    if not (_only(refs, optional_key) and _only(ref_mirrors, optional_key) and "" not in refs
+            and "" not in ref_mirrors):
+        return False
+    return all((rm is not None) == (r is not None and m is not None) for m, r, rm in zip(mirrors, refs, ref_mirrors))
+
+
 def _only(items: Iterable, types: set[type]) -> bool:
     return set(map(type, items)) <= types
 
 
 def _checked_samples(p: str, lat: list, caps: list, reps: list, srcs: list, mirrors: list, masks: list,
-                     empty: str | None) -> list[Sample]:
+                     empty: str | None, refs: list, ref_mirrors: list) -> list[Sample]:
     """The samples, each checked on its own: raises ``CacheCorruptError`` naming the first malformed one."""
     out: list[Sample] = []
-    for i, (la, ca, re_, so, mi, ma) in enumerate(zip(lat, caps, reps, srcs, mirrors, masks)):
+    for i, (la, ca, re_, so, mi, ma, rf, rm) in enumerate(zip(lat, caps, reps, srcs, mirrors, masks, refs,
+                                                              ref_mirrors)):
         if (type(la) is not str or type(ca) is not list or not ca or any(type(c) is not str for c in ca)
                 or type(re_) is not int or re_ < 1 or (so is not None and type(so) is not str)
-                or (mi is not None and type(mi) is not str) or (ma is not None and type(ma) is not str)):
+                or any(k is not None and type(k) is not str for k in (mi, ma, rf, rm))):
             raise CacheCorruptError(p, f"sample {i} is malformed")
         if re_ > MAX_REPEATS:  # before the sampler allocates per occurrence
             raise CacheCorruptError(p, f"sample {i} ({so or la}) repeats {re_} times, above the limit of "
                                        f"{MAX_REPEATS}; re-encode or re-save the dataset with sensible repeats")
         try:
-            out.append(Sample(la, tuple(ca), re_, so, mi, ma, empty))
+            out.append(Sample(la, tuple(ca), re_, so, mi, ma, empty, rf, rm))
         except ValueError as exc:
             raise CacheCorruptError(p, f"sample {i} is malformed ({exc})") from None
     return out

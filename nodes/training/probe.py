@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import comfy.model_management
 
+from ...dataset_cache.batch_assembly import with_references
 from ...dataset_cache.memory_plan import BlockCost, MemoryNeeds
 from ...dataset_cache.refs import materialize
 from ...dataset_cache.weight_stream import block_tensors, streamable
@@ -119,10 +120,15 @@ def _never_unpacked(_packed: None) -> torch.Tensor:
 
 def probe_inputs(reader: Any, samples: Sequence[Any], buckets: Sequence[tuple[int, ...]], batch_size: int
                  ) -> tuple[tuple[int, ...], Any]:
-    """The run's largest latent shape as a batch, and one conditioning of a sample of that shape."""
+    """The run's largest latent shape as a batch, and one conditioning of a sample of that shape (with its
+    reference image, which an edit model reads as more tokens)."""
     index = max(range(len(buckets)), key=lambda i: (torch.Size(buckets[i]).numel(), -i))
     sample = samples[index]
-    return (batch_size, *buckets[index]), materialize(reader.get(sample.captions[0]))
+    conditioning = materialize(reader.get(sample.captions[0]))
+    if sample.reference is not None:
+        reference = materialize(reader.get(sample.reference))["samples"]
+        (conditioning,) = with_references([conditioning], [reference])
+    return (batch_size, *buckets[index]), conditioning
 
 
 def _prepare(mp: Any, shape: tuple[int, ...], conditioning: Any, device: torch.device

@@ -71,3 +71,15 @@ def test_a_kohya_folder_with_a_huge_repeat_count_is_skipped_and_named(tmp_path: 
     assert [img.repeats for img in listing.images] == [3]
     (failure,) = listing.failures
     assert failure.relpath == f"{10**12}_typo" and f"above the limit of {MAX_REPEATS}" in failure.reason
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"reference_mirror": "rm"}, "reference_mirror needs a reference and a mirror"),
+    ({"reference": "r", "reference_mirror": "rm"}, "reference_mirror needs a reference and a mirror"),
+    ({"mirror": "m", "reference": "r"}, "needs the reference's mirror"),
+    ({"reference": ""}, "reference must be an entry key"),
+])
+def test_reference_columns_must_fit_the_mirror(fields: dict, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        Sample("l", ("c",), **fields)
+    assert Sample("l", ("c",), mirror="m", reference="r", reference_mirror="rm").keys() == ("l", "m", "c", "r", "rm")

@@ -49,11 +49,24 @@ def test_summary_counts_each_role_once_with_its_bytes(tmp_path):
     d = s.describe()
     assert {role: (d[role]["entries"], d[role]["bytes"]) for role in s.roles} == {
         "latents": (3, 3 * 1024), "mirrors": (2, 2 * 1024), "masks": (2, 2 * 64),
-        "captions": (5, 5 * 192), "empty_caption": (1, 192)}
+        "captions": (5, 5 * 192), "empty_caption": (1, 192), "references": (0, 0)}
+    assert not any(line.startswith("references") for line in s.lines())  # a role without entries is not listed
     assert s.settings == {"flip": "random", "shuffle_variants": 2}  # variant settings only
     assert s.has_variants
     assert "mirrors: 2 entries, 2.0 KiB" in s.lines()
     assert s.lines()[0] == "variant settings: shuffle_variants 2, flip random"
+
+
+def test_reference_images_count_as_their_own_role(tmp_path):
+    """An edit pair's reference latents (and their mirrors) are a role of their own, even when a reference is
+    another sample's image."""
+    samples = [Sample("lat0", ("cap0",), mirror="mir0", reference="lat1", reference_mirror="mir1"),
+               Sample("lat1", ("cap1",), reference="lat2"), Sample("lat2", ("cap2",))]
+    _build(tmp_path, {"d": samples})
+    with open_cache(tmp_path) as r:
+        s = summarize_variants(r, r.dataset("d"), r.datasets()["d"].info)
+    assert (s.roles["references"].entries, s.roles["references"].bytes) == (3, 3 * 1024)
+    assert s.has_variants and "references: 3 entries, 3.0 KiB" in s.lines()
 
 
 def test_summary_counts_missing_entries_without_failing():

@@ -103,7 +103,10 @@ def test_one_empty_caption_per_dataset(tmp_path):
 
 
 @pytest.mark.parametrize("edit, error", [
-    (lambda d: d.update(version=3), CacheFormatError),
+    (lambda d: d.update(version=4), CacheFormatError),
+    (lambda d: d.update(version=3, reference=["x"]), CacheCorruptError),
+    (lambda d: d.update(version=3, reference=["", None]), CacheCorruptError),
+    (lambda d: d.update(version=3, reference_mirror=["x", None]), CacheCorruptError),
     (lambda d: d.update(mirror=["x"]), CacheCorruptError),
     (lambda d: d.update(mask=[5, None]), CacheCorruptError),
     (lambda d: d.update(empty_caption=7), CacheCorruptError),
