@@ -246,6 +246,14 @@ class BucketConfig:
         return dataclasses.replace(self, resolution=resolution, min_side=scaled(self.min_side),
                                    max_side=None if self.max_side is None else scaled(self.max_side))
 
+    def fit_plan(self, plan: CropPlan, width: int, height: int, *, token: str = "") -> CropPlan:
+        """The crop plan of a companion image of ``(width, height)`` (an edit pair's reference) into ``plan``'s
+        bucket: resized to cover it and cropped as this config crops (a random crop drawn with ``token``, the
+        training image's), mirrored as ``plan`` is. For an image of ``plan``'s source size this is ``plan`` itself,
+        so the pair's pixels stay aligned."""
+        fitted = dataclasses.replace(self, fixed=plan.bucket, upscale=True).plan(width, height, token=token)
+        return dataclasses.replace(fitted, flip=plan.flip)
+
     def mirror_plan(self, plan: CropPlan) -> CropPlan:
         """Return ``plan`` mirrored: the plan of the image's mirror for ``flip="random"`` (its key fields are
         those of ``flip="always"``, so a switch between the modes re-encodes nothing already cached)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .encode_plan import SOURCES_DIR, sources_record_path
+from .encode_plan import SOURCES_DIR, reference_record_path, sources_record_path
 from .errors import CacheCorruptError, CacheError, CacheUnreadableError
 from .format.layout import DATASET_FILE_RE, MANIFEST, SHARD_FILE_RE, TEMP_FILE_RE
 from .format.manifest import JOURNAL_RE
@@ -234,7 +234,8 @@ def _shard_fills(reader: CacheReader, live: set[str]) -> tuple[list[ShardFill], 
 def _orphans(root: Path, reader: CacheReader) -> list[Path]:
     state = reader.state
     named = {r.file for r in state.shards} | {d.file for d in state.datasets.values()} | {state.journal}
-    records = {f"{SOURCES_DIR}/{sources_record_path(root, name).name}" for name in state.datasets}
+    records = {f"{SOURCES_DIR}/{path(root, name).name}" for name in state.datasets
+               for path in (sources_record_path, reference_record_path)}
     out: list[Path] = []
     for p in _files(root):
         rel = p.relative_to(root).as_posix()

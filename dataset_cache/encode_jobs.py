@@ -58,6 +58,8 @@ class LatentJob:
             edited after planning can never be stored under the old content's key.
         plan: how the image becomes the bucket's pixels (each frame's, for a clip).
         clip: for a clip, its frames (``None`` for an image).
+        mirror: the latent is a mirror of ``flip="random"`` (counted in the report).
+        reference: the image is a reference image (:mod:`.reference_plan`), not a training image.
     """
 
     key: str
@@ -67,6 +69,7 @@ class LatentJob:
     plan: CropPlan
     clip: ClipJob | None = None
     mirror: bool = False
+    reference: bool = False
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -137,6 +140,8 @@ class EncodePlan:
             dataset's info for the metadata of the LoRAs trained from it.
         tags_current: the stored dataset's info already holds ``tag_frequency`` (else the dataset is stored again
             even when its samples are unchanged, so a cache encoded before the counts existed gains them).
+        reference_validation: the reference folder's validation (``settings.reference_folder``), whose record
+            is settled with the dataset's; ``None`` without one.
     """
 
     cache_root: str
@@ -168,6 +173,7 @@ class EncodePlan:
     caption_example: CaptionExample | None = None
     tag_frequency: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     tags_current: bool = True
+    reference_validation: Validation | None = None
 
     @property
     def needs_vae(self) -> bool:
@@ -238,15 +244,18 @@ def caption_example(samples: Sequence[Sample], texts: Mapping[str, str], setting
 
 
 def variant_counts(samples: Sequence[Sample], settings: EncodeSettings | None = None) -> dict[str, int | float]:
-    """Distinct caption conditionings, mirrors and masks the samples name, and whether they name an empty
-    caption (0/1); with ``settings``, the shuffle count too (``shuffle_variants``, and ``tag_dropout`` and
-    ``wildcards`` (1) when set) and, with ``flip="always"``, how many samples are stored mirrored (``flipped``: all of
-    them)."""
+    """Distinct caption conditionings, mirrors and masks the samples name (and how many have a mask), whether they
+    name an empty caption (0/1), with reference images their distinct latents and how many samples have one; with
+    ``settings``, the shuffle count too (``shuffle_variants``, and ``tag_dropout`` and ``wildcards`` (1) when set)
+    and, with ``flip="always"``, how many samples are stored mirrored (``flipped``: all of them)."""
     keys = role_keys(samples)
     out: dict[str, int | float] = {
         "captions": len(keys["captions"]), "mirrors": len(keys["mirrors"]), "masks": len(keys["masks"]),
         "masked_samples": sum(1 for s in samples if s.mask is not None),
         "empty_caption": int(bool(keys["empty_caption"]))}
+    if keys["references"]:  # only then: a dataset without references reports what it did before them
+        out["references"] = len(keys["references"])
+        out["referenced_samples"] = sum(1 for s in samples if s.reference is not None)
     if settings is not None:
         out["shuffle_variants"] = settings.shuffle_variants
         if settings.tag_dropout:
@@ -274,3 +283,5 @@ class Planned:
     no_mask: list[str] = field(default_factory=list)  # images without a mask file (masklabel) or alpha (alpha)
     fewer_clips: list[str] = field(default_factory=list)  # videos whose clips_per_video windows overlap
     empty: str | None = None  # the empty caption's key, when caption dropout is planned
+    no_reference: list[str] = field(default_factory=list)  # images without a reference image (reference_folder)
+    used_references: set[str] = field(default_factory=set)  # the reference folder's images some sample uses

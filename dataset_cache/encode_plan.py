@@ -67,6 +67,7 @@ from .gcpause import gc_paused
 from .keys import PlanKeys
 from .listing import CAPTION_EXTENSION, FolderListing
 from .mask_plan import mask_job, mask_notes, unused_masks
+from .reference_plan import References, reference_keys, reference_notes, reference_of, scan_references
 from .scan import ScanResult, SourceImage, scan_folder
 from .sources import Validation, validate_sources
 from .sources_record import SourcesRecord, SourcesRecordError, load_record, save_record
@@ -75,6 +76,7 @@ from .tag_frequency import count_tags, folder_name, source_folder
 __all__ = [
     "SOURCES_DIR",
     "plan_encode",
+    "reference_record_path",
     "sources_record_path",
     "settle_sources",
     "samples_digest",
@@ -84,6 +86,8 @@ log = logging.getLogger("dataset_cache.encode")
 
 SOURCES_DIR = "sources"
 """Folder of the cache that holds one sources record per dataset name."""
+REFERENCES_RECORD = "\0references"
+"""Added to a dataset's name to name its reference folder's sources record (no dataset name holds a NUL)."""
 
 def sources_record_path(cache_root: str | os.PathLike[str], dataset: str) -> Path:
     """Return ``<cache>/sources/<slug>-<hash>.json``, the sources record of dataset ``dataset``.
@@ -98,16 +102,25 @@ def sources_record_path(cache_root: str | os.PathLike[str], dataset: str) -> Pat
     return Path(cache_root) / SOURCES_DIR / f"{slug}-{xxhash.xxh3_64_hexdigest(dataset.encode('utf-8'))}.json"
 
 
+def reference_record_path(cache_root: str | os.PathLike[str], dataset: str) -> Path:
+    """Return the sources record of dataset ``dataset``'s reference folder (:mod:`.reference_plan`), beside its
+    folder's record."""
+    return sources_record_path(cache_root, dataset + REFERENCES_RECORD)
+
+
 def settle_sources(plan: EncodePlan) -> None:
     """Record that the dataset is now stored from the sources ``plan`` saw: the next plan counts new, changed and
     removed files against them. Left as it is when another plan has saved a different record meanwhile (the
     next plan then counts against the older sources: more files "new" than strictly are, never fewer)."""
-    if plan.sourceless or plan.validation is None or not plan.validation.record.pending:
+    if plan.sourceless:
         return
-    path = sources_record_path(plan.cache_root, plan.dataset)
-    current = _load_record(path)
-    if current.same_sources(plan.validation.record):
-        save_record(current.settled(), path)
+    for validation, path in ((plan.validation, sources_record_path(plan.cache_root, plan.dataset)),
+                             (plan.reference_validation, reference_record_path(plan.cache_root, plan.dataset))):
+        if validation is None or not validation.record.pending:
+            continue
+        current = _load_record(path)
+        if current.same_sources(validation.record):
+            save_record(current.settled(), path)
 
 
 def _check_cache_location(root: str) -> None:
@@ -156,6 +169,8 @@ def samples_digest(samples: Sequence[Sample]) -> str:
         line = f"{s.latent}|{','.join(s.captions)}|{s.repeats}|{s.source or ''}"
         if s.mirror is not None or s.mask is not None or s.empty_caption is not None:  # else as before variants
             line += f"|{s.mirror or ''}|{s.mask or ''}|{s.empty_caption or ''}"
+        if s.reference is not None:  # else as before references
+            line += f"|{s.reference}|{s.reference_mirror or ''}"
         h.update(f"{line}\n".encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
@@ -180,6 +195,7 @@ def _output_settings(described: Mapping[str, Any]) -> dict[str, Any]:
     out["extra_resolutions"] = described.get("extra_resolutions", [])
     out["caption_extension"] = described.get("caption_extension", CAPTION_EXTENSION)
     out["secondary_separator"] = described.get("secondary_separator", "")
+    out["references"] = bool(described.get("reference_folder"))  # where the folder is does not change entries
     return out
 
 
@@ -267,11 +283,14 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         save_record(record.with_image_sizes([*scan.images, *frames]), record_path)  # before any encode: never re-hash
     scan, filled = fill_missing_captions(scan, settings.missing_caption)
 
+    refs = None if not settings.reference_folder else scan_references(
+        settings.reference_folder, src, reference_record_path(root, dataset),
+        caption_extension=settings.caption_extension, threads=threads)
     acc = Planned(PlanKeys(vae_fingerprint, text_fingerprint))
     if settings.empty_caption:  # the text "" itself: no prefix or suffix (dropout trains with no caption)
         acc.empty = acc.keys.conditioning("")
         acc.texts[acc.empty] = ""
-    _plan_images(scan.images, record, validation.listing, settings, acc)
+    _plan_images(scan.images, record, validation.listing, settings, acc, refs)
     samples, latents, masks, texts, empty = acc.samples, acc.latents, acc.masks, acc.texts, acc.empty
     unplannable, cut, many, no_mask = acc.unplannable, acc.cut, acc.many, acc.no_mask
 
@@ -285,7 +304,8 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     digest = samples_digest(samples)
     missing = _Missing.of(latents, texts, masks, clips, have)
     unused = unused_masks(settings, validation.listing)
-    unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures, *unplannable)}
+    unique = {(f.relpath, f.reason): f for f in (*validation.failures, *scan.failures, *unplannable,
+                                                  *(refs.failures if refs is not None else ()))}
     lines = [*(i.captions for i in scan.images), *(c.captions for c in scan.clips)]
     counts = validation.counts()
     current = info is not None and info.get("samples_digest") == digest
@@ -303,18 +323,20 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         notes=(filled + caption_notes(cut, many) + clip_notes(settings, short, acc.fewer_clips)
                + mask_notes(settings, no_mask, unused, validation.listing, bool(scan.clips))
                + shuffle_notes(settings, lines) + separator_notes(settings, lines)
-               + wildcard_notes(settings.wildcards, lines)),
+               + wildcard_notes(settings.wildcards, lines)
+               + reference_notes(refs, acc.no_reference, acc.used_references, bool(scan.clips))),
         missing_clips=missing.clips, missing_masks=missing.masks, empty_caption=empty,
         images_without_mask=len(no_mask), unused_masks=len(unused), short_clips=tuple(short),
         caption_example=caption_example(samples, texts, settings), tag_frequency=tags,
         tags_current=info is not None and info.get("tag_frequency", {}) == tags,
+        reference_validation=None if refs is None else refs.validation,
     )
 
 
 def _plan_images(images: Sequence[SourceImage], record: SourcesRecord, listing: FolderListing,
-                 settings: EncodeSettings, acc: Planned) -> None:
-    """Key each image's crop plans (one per resolution, the same plan once), mirrors, masks and captions into
-    ``acc``, a sample per crop plan; one that cannot be planned is named among ``acc.unplannable``."""
+                 settings: EncodeSettings, acc: Planned, refs: References | None) -> None:
+    """Key each image's crop plans (one per resolution, the same plan once), mirrors, masks, reference images and
+    captions into ``acc``, a sample per crop plan; one that cannot be planned is named among ``acc.unplannable``."""
     configs = settings.bucket_configs()
     center: dict[tuple[int, int, int], CropPlan] = {}  # a center crop depends on the resolution and size alone
     mirrors: dict[CropPlan, CropPlan] = {}
@@ -341,6 +363,10 @@ def _plan_images(images: Sequence[SourceImage], record: SourcesRecord, listing: 
             masks = [f for f in found if not isinstance(f, SourceFailure)]
             if masks[0] is None:
                 acc.no_mask.append(img.relpath)
+        ref = _reference(img, refs, acc)
+        if isinstance(ref, SourceFailure):
+            acc.unplannable.append(ref)
+            continue
         ckeys = caption_keys(img.captions, img.relpath, settings, acc.keys, acc.texts, acc.cut, acc.many)
         for plan, mask in zip(plans, masks):
             if mask is not None:
@@ -349,8 +375,23 @@ def _plan_images(images: Sequence[SourceImage], record: SourcesRecord, listing: 
             if lkey not in acc.latents:
                 acc.latents[lkey] = LatentJob(lkey, img.path, img.relpath, entry.hash, plan)
             mirror = _mirror(img, entry.hash, plan, settings.bucket, mirrors, acc)
+            pair: tuple[str | None, str | None] = (None, None)
+            if ref is not None and refs is not None:
+                pair = reference_keys(refs, ref, plan, mirror is not None, settings.bucket, entry.hash, acc)
             acc.samples.append(Sample(lkey, ckeys, img.repeats, img.relpath, mirror=mirror,
-                                      mask=None if mask is None else mask.key, empty_caption=acc.empty))
+                                      mask=None if mask is None else mask.key, empty_caption=acc.empty,
+                                      reference=pair[0], reference_mirror=pair[1]))
+
+
+def _reference(img: SourceImage, refs: References | None, acc: Planned) -> SourceImage | SourceFailure | None:
+    """The image's reference image (``None``: no reference folder, or none of its name, noted in ``acc``), or why
+    the image is left out."""
+    if refs is None:
+        return None
+    ref = reference_of(refs, img.relpath, img.path)
+    if ref is None:
+        acc.no_reference.append(img.relpath)
+    return ref
 
 
 def _mirror(img: SourceImage, token: str, plan: CropPlan, bucket: BucketConfig, mirrors: dict[CropPlan, CropPlan],

@@ -52,6 +52,7 @@ class EncodeReport:
         notes: settings this run had to change, for the user (fewer images per VAE call for large buckets).
         encoded_masks: loss masks this run made and committed.
         encoded_mirrors: mirrored latents among ``encoded_latents``.
+        encoded_references: reference images' latents among ``encoded_latents`` (mirrored ones included).
         encoded_empty_caption: this run encoded the empty caption.
         variants: what the stored dataset holds (:func:`.encode_jobs.variant_counts`): distinct ``captions``,
             ``mirrors``, ``masks``, ``masked_samples``, ``empty_caption`` (0/1), ``shuffle_variants`` (with
@@ -84,6 +85,7 @@ class EncodeReport:
     notes: list[str] = field(default_factory=list)
     encoded_masks: int = 0
     encoded_mirrors: int = 0
+    encoded_references: int = 0
     encoded_empty_caption: bool = False
     variants: dict[str, int | float] = field(default_factory=dict)
     short_clips: tuple[str, ...] = ()
@@ -95,7 +97,8 @@ class EncodeReport:
         return self.encoded_latents + self.encoded_conditionings + self.encoded_masks
 
     def variants_line(self) -> str | None:
-        """One line on the variants (shuffles, mirrors, masks, empty caption): made this run / in the dataset;
+        """One line on the variants (shuffles, mirrors, masks, reference images, empty caption): made this run / in
+        the dataset;
         ``None`` when the dataset has none."""
         v = self.variants
         parts = []
@@ -113,6 +116,9 @@ class EncodeReport:
         if v.get("masks") or self.encoded_masks:
             parts.append(f"masks: {self.encoded_masks} made, {v.get('masks', 0)} in the dataset "
                          f"({v.get('masked_samples', 0)} of {self.samples} samples masked)")
+        if v.get("references") or self.encoded_references:
+            parts.append(f"reference images: {self.encoded_references} encoded, {v.get('references', 0)} in the "
+                         f"dataset ({v.get('referenced_samples', 0)} of {self.samples} samples with one)")
         if v.get("empty_caption") or self.encoded_empty_caption:
             parts.append("empty caption: " + ("encoded" if self.encoded_empty_caption else "cached"))
         return "variants: " + "; ".join(parts) if parts else None

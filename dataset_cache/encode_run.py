@@ -127,7 +127,8 @@ def compact_if_unread(writer: CacheWriter, root: str | os.PathLike[str], *,
 
 def _finish(plan: EncodePlan, report: EncodeReport, failed_keys: set[str]) -> tuple[Sample, ...]:
     """Return the dataset's samples after encode-time failures, checking failures against the policy."""
-    samples = tuple(s for s in plan.samples if failed_keys.isdisjoint((s.latent, s.mirror, s.mask)))
+    samples = tuple(s for s in plan.samples
+                    if failed_keys.isdisjoint((s.latent, s.mirror, s.mask, s.reference, s.reference_mirror)))
     report.skipped += len(plan.samples) - len(samples)
     if not samples:
         first = report.failures[0] if report.failures else None
@@ -386,8 +387,9 @@ def _commit_and_count(plan: EncodePlan, writer: CacheWriter, report: EncodeRepor
     report.timings["commit"] += time.perf_counter() - t_commit
     report.log_syncs = writer.log_syncs
     # jobs were planned for keys the writer lacked: one it has now was encoded by this run
-    report.encoded_mirrors = sum(1 for j in (*(j for b in work.batches for j in b), *work.clips)
-                                 if j.mirror and writer.has(j.key))
+    jobs = (*(j for b in work.batches for j in b), *work.clips)
+    report.encoded_mirrors = sum(1 for j in jobs if j.mirror and writer.has(j.key))
+    report.encoded_references = sum(1 for j in jobs if j.reference and writer.has(j.key))
     report.encoded_empty_caption = plan.empty_caption is not None and any(
         k == plan.empty_caption for k, _ in work.texts) and writer.has(plan.empty_caption)
     written = _shard_sizes(plan.cache_root)

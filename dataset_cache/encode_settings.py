@@ -5,6 +5,7 @@ defaults are part of the format.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,8 @@ class EncodeSettings:
         caption_extension: the caption files' extension, lowercased with its dot (kohya's ``caption_extension``:
             ``".txt"``, or ``".caption"`` for datasets captioned so; see
             :func:`.listing.check_caption_extension`).
+        reference_folder: the folder of the images the dataset's images were edited from (an edit model's
+            reference images, see :mod:`.reference_plan`), absolute; ``""``: none.
         mask_factor: the VAE's spatial compression (8 for SD/SDXL/Flux), which sets a mask's latent resolution;
             a property of the VAE, not a user setting (not described). ``None``: unknown (the VAE was not
             loaded): mask keys are then unresolved, so the VAE is asked for, and such a plan cannot be encoded.
@@ -99,6 +102,7 @@ class EncodeSettings:
     keep_tokens_separator: str = ""
     caption_extension: str = CAPTION_EXTENSION
     secondary_separator: str = ""
+    reference_folder: str = ""
 
     def __post_init__(self) -> None:
         if type(self.shuffle_variants) is not int or not 0 <= self.shuffle_variants <= MAX_SHUFFLE_VARIANTS:
@@ -119,6 +123,10 @@ class EncodeSettings:
             raise ValueError(f"EncodeSettings.missing_caption must be one of {MISSING_CAPTIONS}, "
                              f"got {self.missing_caption!r:.40}")
         self._check_extra_resolutions()
+        if not isinstance(self.reference_folder, str) or (self.reference_folder
+                                                          and not os.path.isabs(self.reference_folder)):
+            raise ValueError(f"EncodeSettings.reference_folder must be an absolute path or '', got "
+                             f"{self.reference_folder!r:.80}")
         if self.mask_factor is not None and (type(self.mask_factor) is not int or not 1 <= self.mask_factor <= 64):
             raise ValueError(f"EncodeSettings.mask_factor must be None or an int from 1 to 64, "
                              f"got {self.mask_factor!r}")
@@ -249,4 +257,6 @@ class EncodeSettings:
             out["caption_extension"] = self.caption_extension
         if self.secondary_separator:
             out["secondary_separator"] = self.secondary_separator
+        if self.reference_folder:
+            out["reference_folder"] = self.reference_folder
         return out

@@ -55,6 +55,8 @@ __all__ = ["ALLOW_ABSOLUTE_ENV", "EVENT", "EncodeDataset", "report_fields", "res
 
 log = logging.getLogger("streamcache.encode_dataset")
 
+NO_REFERENCES = "none"
+"""``reference_folder``'s value for a dataset without reference images."""
 ALLOW_ABSOLUTE_ENV = "STREAMCACHE_ALLOW_ABSOLUTE_FOLDERS"
 """Set to ``1`` to allow absolute dataset folders outside ComfyUI's input directory."""
 EVENT = "streamcache.encode"
@@ -99,7 +101,8 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
               empty_caption: bool = False, masks: str = "none", mask_factor: int | None = None,
               missing_caption: str = "empty", extra_resolutions: str = "", tag_dropout: float = 0.0,
               wildcards: bool = False, clips_per_video: int = 1, keep_tokens_separator: str = "",
-              caption_extension: str = CAPTION_EXTENSION, secondary_separator: str = "") -> EncodeSettings:
+              caption_extension: str = CAPTION_EXTENSION, secondary_separator: str = "",
+              reference_folder: str = NO_REFERENCES) -> EncodeSettings:
     problem = _bucket_problem(resolution, bucket_step) or _frame_problem(frame_count, frame_step, fps)
     if problem:
         raise ValueError(problem)
@@ -117,7 +120,20 @@ def _settings(resolution: int, bucket_step: int, crop: str, caption_prefix: str,
                           tag_dropout=round(float(tag_dropout), 4), wildcards=bool(wildcards),
                           keep_tokens_separator="" if keep_tokens_separator is None else keep_tokens_separator,
                           caption_extension=check_caption_extension(caption_extension),
-                          secondary_separator="" if secondary_separator is None else secondary_separator)
+                          secondary_separator="" if secondary_separator is None else secondary_separator,
+                          reference_folder=str(_reference_folder(reference_folder) or ""))
+
+
+def _reference_folder(value: Any) -> Path | None:
+    """``reference_folder`` resolved as ``folder`` is (inside ComfyUI's input directory); ``None`` for none."""
+    if value is None or (isinstance(value, str) and value.strip() in ("", NO_REFERENCES)):
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"reference_folder must be a folder name, got {type(value).__name__}")
+    try:
+        return resolve_folder(value)
+    except ValueError as exc:
+        raise ValueError(f"reference_folder: {exc}") from None
 
 
 def _extra_resolutions(text: Any, resolution: int, bucket_step: int) -> tuple[int, ...]:
@@ -195,6 +211,13 @@ def _source_state(src: Path, caption_extension: str = CAPTION_EXTENSION) -> str:
     return f"{src}\0{folder_digest(src, caption_extension) if src.exists() else 'missing'}"
 
 
+def _folders_state(src: Path, caption_extension: str, refs: Path | None) -> str:
+    """:func:`_source_state` of the dataset folder, and of the reference folder ``refs`` when one is given (an
+    edited reference makes the node run again)."""
+    state = _source_state(src, caption_extension)
+    return state if refs is None else f"{state}\0{_source_state(refs, caption_extension)}"
+
+
 def _run(plan: EncodePlan, vae: Any, clip: Any, node_id: str | None = None) -> EncodeReport:
     """Run the encode with ComfyUI's progress bar, the live ``streamcache.encode`` event and Cancel; release the
     encoders; record an interrupt. The source counts are the plan's (the library's report and log use the same)."""
@@ -238,6 +261,7 @@ def report_fields(report: EncodeReport, enc: Encoders | None = None) -> dict[str
         "sourceless": report.sourceless,
         "failures": [f"{f.relpath}: {f.reason}" for f in report.failures[:5]],
         "encoded_masks": report.encoded_masks, "encoded_mirrors": report.encoded_mirrors,
+        "encoded_references": report.encoded_references,
         "encoded_empty_caption": report.encoded_empty_caption, "variants": dict(report.variants),
         "short_clips": list(report.short_clips),
     }
@@ -250,6 +274,22 @@ def report_fields(report: EncodeReport, enc: Encoders | None = None) -> dict[str
 def _key(root: Path, dataset: str) -> tuple[str, str]:
     return str(root), dataset
 
+
+
+def _reference_input() -> Any:
+    """``reference_folder``: like ``folder``, a dropdown of the input directory's folders (a text field while
+    absolute folders are allowed), led by ``none``."""
+    about = ("Edit models (Flux Kontext, Qwen-Image-Edit): the folder of the images the dataset's images were made "
+             "from, each named as its image (a.png edits a.png or a.jpg there; kohya subfolders mirrored, or all "
+             "at the top). Each is encoded with the same VAE at its image's bucket and crop, and Train LoRA gives "
+             "it to the model as ComfyUI's ReferenceLatent node does; an image without one trains without. "
+             "none: no reference images.")
+    if env_flag(ALLOW_ABSOLUTE_ENV, False):
+        return io.String.Input("reference_folder", default="", optional=True, placeholder=NO_REFERENCES,
+                               tooltip=f"{about} A folder inside ComfyUI's input directory, or an absolute path.")
+    return io.Combo.Input("reference_folder", options=[NO_REFERENCES, *input_folders()], default=NO_REFERENCES,
+                          optional=True, tooltip=f"{about} The folders of ComfyUI's input directory (press R after "
+                          "adding one).")
 
 
 def _check_folder(folder: str) -> None:
@@ -416,6 +456,7 @@ class EncodeDataset(io.ComfyNode):
                                 tooltip="kohya's secondary_separator, e.g. ';;;': tags joined by it ('hatsune "
                                 "miku;;;vocaloid') stay together when tags are shuffled or dropped, and it is "
                                 "encoded as a comma. Empty: none."),
+                _reference_input(),
             ],
             outputs=[
                 StreamDataset.Output(display_name="dataset", tooltip="The encoded dataset, for training nodes."),
@@ -441,10 +482,11 @@ class EncodeDataset(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, folder: str, cache: str, dataset_name: str,
-                           caption_extension: str = CAPTION_EXTENSION, **_: Any) -> str:
+                           caption_extension: str = CAPTION_EXTENSION, reference_folder: str = NO_REFERENCES,
+                           **_: Any) -> str:
         root, src = resolve_cache(cache), resolve_folder(folder)
-        return _OWN_WRITES.fingerprint(_key(root, dataset_name), _source_state(src, caption_extension),
-                                       cache_identity(root, dataset_name))
+        state = _folders_state(src, caption_extension, _reference_folder(reference_folder))
+        return _OWN_WRITES.fingerprint(_key(root, dataset_name), state, cache_identity(root, dataset_name))
 
     @classmethod
     def _plan(cls, folder: str, cache: str, dataset_name: str, vae: Any, clip: Any,
@@ -487,8 +529,9 @@ class EncodeDataset(io.ComfyNode):
             report = _run(plan, vae, clip, _hidden(cls, "unique_id"))
         if not report.sourceless:
             store_record(root, dataset, enc)
-        _OWN_WRITES.remember(_key(root, dataset), _source_state(Path(plan.folder), plan.settings.caption_extension),
-                             cache_identity(root, dataset))
+        refs = Path(plan.settings.reference_folder) if plan.settings.reference_folder else None
+        _OWN_WRITES.remember(_key(root, dataset), _folders_state(Path(plan.folder), plan.settings.caption_extension,
+                                                                 refs), cache_identity(root, dataset))
         text = _format(report, enc)
         return io.NodeOutput(StreamDatasetHandle(str(root), dataset), text,
                              ui=TextWithData(text, streamcache_report=report_fields(report, enc)))

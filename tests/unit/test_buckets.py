@@ -168,3 +168,20 @@ def test_without_upscale_no_image_is_ever_enlarged(w: int, h: int, res: int) -> 
     assert plan.resize[0] <= w and plan.resize[1] <= h
     assert plan.bucket[0] % 16 == 0 and plan.bucket[1] % 16 == 0
     assert plan.bucket[0] * plan.bucket[1] <= max(res * res, 16 * 16)
+
+
+@pytest.mark.parametrize("crop", ["center", "random"])
+@pytest.mark.parametrize("flip", ["none", "always"])
+def test_fit_plan_fits_a_companion_image_into_the_plans_bucket(crop: str, flip: str) -> None:
+    config = BucketConfig(resolution=256, step=32, min_side=64, crop=crop, seed=3, flip=flip)
+    plan = config.plan(300, 200, token="img")
+    assert config.fit_plan(plan, 300, 200, token="img") == plan  # the same size: the very same pixels
+    other = config.fit_plan(plan, 1000, 500, token="img")
+    rw, rh = other.resize
+    left, top, right, bottom = other.crop
+    assert other.bucket == plan.bucket and (right - left, bottom - top) == plan.bucket
+    assert rw >= plan.bucket[0] and rh >= plan.bucket[1] and right <= rw and bottom <= rh
+    assert other.flip == plan.flip and other.method == plan.method
+    small = BucketConfig(resolution=256, step=32, min_side=64, upscale=False)
+    tiny = small.plan(100, 70)
+    assert tiny.bucket == (96, 64) and small.fit_plan(tiny, 50, 40).bucket == (96, 64)  # a smaller one is upscaled
