@@ -54,40 +54,52 @@ def test_encode_dataset_gives_the_familys_latents(
     cell.note(f"Encode Dataset with a tiny {VAE_NAMES[fam.vae]}")
     mod = importlib.import_module(f"{pack.__name__}.nodes.encode_dataset")
     folder = Path(folder_paths.get_input_directory()) / f"family_encode_{name}"
+    refs = folder.with_name(folder.name + "_references")  # an edit model's: the images the dataset's edit
+    edit = "reference_latents" in str(fam.conditioning(torch.Generator(), 4)[0][1])
     folder.mkdir()
     try:
         gen = torch.Generator().manual_seed(4)
-        pixels = {}
+        pixels, ref_pixels = {}, {}
         for i in range(2):
             arr = (torch.rand(64, 64, 3, generator=gen) * 255).to(torch.uint8)
             Image.fromarray(arr.numpy()).save(folder / f"img_{i}.png")
             (folder / f"img_{i}.txt").write_text(f"a photo number {i}", encoding="utf-8")
             pixels[f"img_{i}.png"] = arr.float()[None] / 255
+            if edit:
+                refs.mkdir(exist_ok=True)
+                arr = (torch.rand(64, 64, 3, generator=gen) * 255).to(torch.uint8)
+                Image.fromarray(arr.numpy()).save(refs / f"img_{i}.png")
+                ref_pixels[f"img_{i}.png"] = arr.float()[None] / 255
         (clip,) = comfy_nodes.CLIPLoader().load_clip(tiny_models.name("clip"), "stable_diffusion")
-        run = Run(mod, _prompt(folder.name, f"family_encode_{name}", vae_name, tiny_models.name("clip")))
+        options = {"reference_folder": refs.name} if edit else {}
+        run = Run(mod, _prompt(folder.name, f"family_encode_{name}", vae_name, tiny_models.name("clip"), **options))
         handle, report, _ = run.queue(vae, clip)
-        assert _encoded(report) == (2, 2), report
+        assert _encoded(report) == (2 + len(ref_pixels), 2), report
         reader, samples = handle.open()
         try:
             assert len(samples) == 2
             for s in samples:
-                latent = reader.read([s.latent])[0]["samples"]
-                assert tuple(latent.shape) == fam.latent, (latent.shape, fam.latent)
-                with torch.inference_mode():
-                    alone = vae.encode(pixels[s.source])
-                torch.testing.assert_close(latent, alone.to(latent.dtype), rtol=1e-3, atol=1e-4)
+                wanted = [(s.latent, pixels[s.source])]
+                if edit:
+                    wanted.append((s.reference, ref_pixels[s.source]))
+                for key, image in wanted:
+                    latent = reader.read([key])[0]["samples"]
+                    assert tuple(latent.shape) == fam.latent, (latent.shape, fam.latent)
+                    with torch.inference_mode():
+                        alone = vae.encode(image)
+                    torch.testing.assert_close(latent, alone.to(latent.dtype), rtol=1e-3, atol=1e-4)
                 (cond,) = reader.read([s.captions[0]])
                 assert cond[0][0].shape == (1, 77, 768) and torch.isfinite(cond[0][0]).all()
         finally:
             reader.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(refs, ignore_errors=True)
     shape = list(fam.latent)
     if fam.text_encoders == "CLIP-L":
         cell.passed(f"images and captions (tiny {VAE_NAMES[fam.vae]} + CLIP-L): latents {shape} = the VAE's own "
                     "encode, conditionings [1, 77, 768]")
     else:
-        extra = "; no input for reference images" if "reference_latents" in str(
-            fam.conditioning(torch.Generator(), 4)[0][1]) else ""
+        extra = f"; reference images (reference_folder): latents {shape} = the VAE's own encode" if edit else ""
         cell.passed(f"VAE only (tiny {VAE_NAMES[fam.vae]}): latents {shape} = the VAE's own encode; text not run "
                     f"({fam.text_encoders}){extra}")
