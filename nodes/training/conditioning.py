@@ -12,7 +12,23 @@ import torch
 import comfy.sampler_helpers
 import comfy.samplers
 
-__all__ = ["Conditioner", "ModelCall"]
+__all__ = ["Conditioner", "ModelCall", "unread_references"]
+
+def unread_references(model: Any, samples: Sequence[Any]) -> list[str]:
+    """A note when samples have reference images (an edit model's) and ``model`` does not read them: none of its
+    classes' ``extra_conds`` names ``reference_latents`` (Flux Kontext's, Qwen-Image's and other edit models' do).
+    A note, not a refusal: the references are passed, and a model that does not read them trains as without."""
+    with_reference = sum(1 for s in samples if getattr(s, "reference", None) is not None)
+    if not with_reference:
+        return []
+    for cls in type(model).__mro__:
+        code = getattr(cls.__dict__.get("extra_conds"), "__code__", None)
+        if code is not None and "reference_latents" in code.co_consts:
+            return []
+    return [f"{with_reference} sample(s) have a reference image (Encode Dataset's reference_folder), and "
+            f"{type(model).__name__} reads no reference latents: they are ignored. Edit models such as Flux "
+            "Kontext or Qwen-Image-Edit read them; for another model, encode without reference_folder"]
+
 
 class Conditioner:
     """Turns each batch row's own conditioning into the keyword arguments of ``BaseModel.apply_model``.

@@ -34,7 +34,7 @@ from .comfy_parts import (
     bypass_setup, check_latent_channels, draw_new_adapters_on_cpu, load_existing_lora, nodes_train_module, release,
     resume_exactly, set_alpha, training_dtypes,
 )
-from .conditioning import Conditioner, ModelCall
+from .conditioning import Conditioner, ModelCall, unread_references
 from .dropout import AdapterDropout
 from .distributed import plan_team
 from .layers import LayerChoice, choose_layers
@@ -416,6 +416,7 @@ def load(model: Any, train: ModuleType, data: DataPlan, existing: dict[str, torc
     mp = model.clone(force_deepcopy=True)
     dtype, adapter_dtype, use_scaler = training_dtypes(mp, settings.training_dtype, settings.lora_dtype)
     check_latent_channels(mp, data.shapes)
+    data.notes.extend(unread_references(mp.model, data.rows))
     mp.model.requires_grad_(False).train()
     layers = choose_layers(mp.model, LayerFilter.parse(settings.train_layers), existing, settings.existing_lora)
     data.notes.extend(layers.notes())

@@ -154,6 +154,7 @@ def test_a_cached_reference_trains_as_comfyuis_reference_latent_node(
         finally:
             reader.close()
     node, cache = results
+    assert not any("reference" in n for n in cache.notes)  # Flux Kontext reads them
     assert node.losses == cache.losses and len(cache.losses) == 2
     assert list(node.lora) == list(cache.lora)
     for key in node.lora:
@@ -166,3 +167,23 @@ def test_a_cached_reference_trains_as_comfyuis_reference_latent_node(
     finally:
         reader.close()
     assert without.losses[0] != cache.losses[0]
+
+
+def test_a_model_that_reads_no_reference_says_so(pack: ModuleType, models: tuple[Any, Any, Any],
+                                                 tmp_path: Path) -> None:
+    """SD1.5 has no reference input: the references are passed and ignored, and the summary's notes say so."""
+    model = models[0]
+    training = importlib.import_module(f"{pack.__name__}.nodes.training")
+    gen = torch.Generator().manual_seed(6)
+    latents = [torch.randn(1, 4, 8, 8, generator=gen) for _ in range(2)]
+    conds = [[[torch.randn(1, 77, 768, generator=gen), {}]] for _ in range(2)]
+    reader, samples = _cache(pack, tmp_path / "sd15", latents, conds, [torch.randn(1, 4, 8, 8) for _ in range(2)])
+    settings = training.TrainSettings(**{**{k: v for k, v in TRAIN.items()
+                                            if k in training.TrainSettings.__dataclass_fields__}, "steps": 1})
+    try:
+        with torch.inference_mode():
+            result = training.train_lora(model, reader, samples, settings)
+    finally:
+        reader.close()
+    (note,) = [n for n in result.notes if "reference" in n]
+    assert note.startswith("2 sample(s) have a reference image") and "reads no reference latents" in note
