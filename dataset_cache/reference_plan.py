@@ -85,7 +85,13 @@ def scan_references(folder: str, dataset_folder: str, record_path: Path, *, capt
         DatasetFolderError: the folder is missing, not a folder, or nested with the dataset folder.
     """
     _check_folders(folder, dataset_folder)
-    validation = validate_sources(folder, _load(record_path), threads=threads, caption_extension=caption_extension)
+    try:
+        validation = validate_sources(folder, _load(record_path), threads=threads,
+                                      caption_extension=caption_extension)
+    except DatasetFolderError:  # checked above that it is a folder: it holds no image
+        raise DatasetFolderError(folder, "reference_folder holds no image; put the images the dataset's images "
+                                         "were made from in it, each named as its image (a.png for a.png), or "
+                                         "leave reference_folder empty") from None
     record = validation.record
     scan = scan_folder(validation.listing, known_sizes=record.image_sizes(), known_captions=record.caption_lines(),
                        threads=threads)

@@ -67,8 +67,9 @@ def check_sampling(count: object, every: object, steps: object, cfg: object) -> 
 def choose_sample_rows(samples: Sequence[Sample], buckets: Sequence[tuple[int, ...]],
                        count: int) -> tuple[tuple[Sample, ...], tuple[int, ...]]:
     """Up to ``count`` samples of one bucket, one per source, and that bucket's latent shape (see the module
-    docstring). Each keeps its first caption (a caption file's first line, as written) and its empty caption; its
-    mirror and mask are dropped (a sample image is generated, not read).
+    docstring). Each keeps its first caption (a caption file's first line, as written), its empty caption and its
+    reference image (an edit model's sample edits it); its mirror and mask are dropped (a sample image is
+    generated, not read).
 
     Raises:
         ValueError: ``samples`` is empty, or ``buckets`` does not give one shape per sample.

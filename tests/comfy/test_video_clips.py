@@ -127,7 +127,7 @@ def test_old_prompts_without_the_frame_inputs_run_as_before(mod: ModuleType, tin
     assert ids[start + len(CLIPS):] == ["flip", "shuffle_variants", "keep_tokens", "empty_caption", "masks",
                                         "missing_caption", "extra_resolutions", "tag_dropout", "wildcards",
                                         "clips_per_video", "keep_tokens_separator", "caption_extension",
-                                        "secondary_separator"]
+                                        "secondary_separator", "reference_folder"]
     settings = mod._settings(resolution=64, bucket_step=32, crop="center", caption_prefix="", caption_suffix="",
                              batch_size=2, on_failure="skip")
     assert settings.video.frames == 17 and settings.video.sampling == "first" and settings.video.stride is None

@@ -105,7 +105,7 @@ def _prompt(tiny_models: TinyModels, folder: str, cache: str, damaged: str) -> d
             "empty_caption": False, "masks": "none", "missing_caption": "empty",
             "extra_resolutions": "", "tag_dropout": 0.0, "wildcards": False,
             "clips_per_video": 1, "keep_tokens_separator": "", "caption_extension": ".txt",
-            "secondary_separator": ""}},
+            "secondary_separator": "", "reference_folder": "none"}},
         str(TRAIN): {"class_type": "StreamCache_TrainLoRA", "inputs": {
             "model": [str(UNET), 0], "dataset": [str(ENCODE), 0], "batch_size": 1, "grad_accumulation_steps": 1,
             "steps": STEPS, "learning_rate": 0.0005, "rank": 4, "optimizer": "AdamW", "loss_function": "MSE",

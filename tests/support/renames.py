@@ -33,7 +33,8 @@ ADDED = {
     "StreamCache_EncodeDataset": ("frame_count", "frame_sampling", "frame_step", "fps", "flip", "shuffle_variants",
                                   "keep_tokens", "empty_caption", "masks", "missing_caption",
                                   "extra_resolutions", "tag_dropout", "wildcards", "clips_per_video",
-                                  "keep_tokens_separator", "caption_extension", "secondary_separator"),
+                                  "keep_tokens_separator", "caption_extension", "secondary_separator",
+                                  "reference_folder"),
     "StreamCache_SaveCache": ("publish_to",),
 }
 """Optional inputs added since; a prompt without them runs with their defaults (off, or images only; ``memory``
@@ -56,7 +57,7 @@ off: no debiasing weight; ``sample_sampler`` 'euler' and
 ``missing_caption`` 'empty': a source without a caption file trains with the empty prompt; ``extra_resolutions``
 empty: one resolution; ``tag_dropout`` 0: every tag in; ``wildcards`` off: braces encoded as written;
 ``clips_per_video`` 1: one clip per video; ``keep_tokens_separator`` empty: none; ``caption_extension`` '.txt': the
-captions read before; ``secondary_separator`` empty: none))."""
+captions read before; ``secondary_separator`` empty: none; ``reference_folder`` 'none': no reference images))."""
 
 
 def as_current(prompt: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:

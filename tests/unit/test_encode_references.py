@@ -198,6 +198,15 @@ def test_unused_references_are_noted(folders: tuple[Path, Path], tmp_path: Path)
     assert any("1 reference image(s) are the reference of no image" in n and "refs/zzz.png" in n for n in plan.notes)
 
 
+def test_a_reference_folder_without_images_is_refused_by_name(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    data, _refs = folders
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not an image", encoding="utf-8")
+    with pytest.raises(DatasetFolderError, match="reference_folder holds no image"):
+        _plan(data, tmp_path / "cache", _settings(empty))
+
+
 @pytest.mark.parametrize("where", ["missing", "same", "inside", "outside"])
 def test_a_reference_folder_nested_with_the_dataset_or_missing_is_refused(folders: tuple[Path, Path],
                                                                          tmp_path: Path, where: str) -> None:

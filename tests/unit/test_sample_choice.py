@@ -77,3 +77,15 @@ def test_sampling_settings_accept_their_ranges(values: tuple) -> None:
 def test_sampling_settings_refuse_other_values_naming_the_field(values: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         check_sampling(*values)
+
+
+def test_a_chosen_sample_keeps_its_reference_and_drops_the_mirrors() -> None:
+    """An edit model's sample image edits the sample's reference: kept; the mirrored reference goes with the
+    mirror (a sample image is generated unmirrored)."""
+    samples = [Sample("lat-a", ("cap-a",), source="a.png", mirror="mir-a", reference="ref-a",
+                      reference_mirror="refmir-a"), Sample("lat-b", ("cap-b",), source="b.png")]
+    chosen, _shape = choose_sample_rows(samples, [SQUARE, SQUARE], 2)
+    by_source = {s.source: s for s in chosen}
+    assert (by_source["a.png"].reference, by_source["a.png"].mirror, by_source["a.png"].reference_mirror) == (
+        "ref-a", None, None)
+    assert by_source["b.png"].reference is None
