@@ -3,8 +3,6 @@ ones for rows without a mask, ``None`` when no row has one, and a mask of the wr
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -12,23 +10,7 @@ from dataset_cache.dataset import Sample
 from dataset_cache.latent_buckets import buckets_from_reader
 from dataset_cache.loader import LoaderWorkerError, PrefetchLoader
 from dataset_cache.sampler import BucketSampler
-
-
-class Reader:
-    """Entries in memory; records the keys of every read."""
-
-    def __init__(self, entries: dict) -> None:
-        self.entries = entries
-        self.reads: list[tuple[str, ...]] = []
-        self.lock = threading.Lock()
-
-    def get(self, key):
-        return self.entries[key]
-
-    def read(self, keys, *, pin_memory=False, out=None):
-        with self.lock:
-            self.reads.append(tuple(keys))
-        return [self.entries[k] for k in keys]
+from support.memory_reader import MemoryReader
 
 
 def dataset(n: int = 8, h: int = 4, w: int = 6, with_masks: bool = True):
@@ -50,7 +32,7 @@ def dataset(n: int = 8, h: int = 4, w: int = 6, with_masks: bool = True):
 @pytest.mark.parametrize("prefetch,threads", [(0, None), (2, 1), (3, 3)])
 def test_masks_are_read_with_the_batch_flipped_with_mirrored_rows_and_ones_without(prefetch, threads):
     samples, entries = dataset()
-    reader = Reader(entries)
+    reader = MemoryReader(entries)
     sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 4, seed=2, tail="wrap")
     flipped = unflipped = ones = 0
     with PrefetchLoader(reader, sampler, prefetch_batches=prefetch, threads=threads, epochs=3) as loader:
@@ -75,7 +57,7 @@ def test_masks_are_read_with_the_batch_flipped_with_mirrored_rows_and_ones_witho
 
 def test_each_batch_is_one_read_holding_its_masks():
     samples, entries = dataset()
-    reader = Reader(entries)
+    reader = MemoryReader(entries)
     sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 4, seed=2, tail="wrap")
     plans = sampler.epoch_plans(0)
     reader.reads.clear()
@@ -91,7 +73,7 @@ def test_each_batch_is_one_read_holding_its_masks():
 def test_batches_whose_rows_have_no_mask_get_no_masks_tensor(with_masks):
     samples, entries = dataset(with_masks=with_masks)
     samples = [s for s in samples if s.mask is None]  # with masks in the dataset: only the rows without one
-    reader = Reader(entries)
+    reader = MemoryReader(entries)
     sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 2, seed=1)
     with PrefetchLoader(reader, sampler, prefetch_batches=1) as loader:
         assert all(b.masks is None for b in loader)
@@ -100,7 +82,7 @@ def test_batches_whose_rows_have_no_mask_get_no_masks_tensor(with_masks):
 def test_a_mask_of_the_wrong_size_names_its_entry_and_latent():
     samples, entries = dataset()
     entries["k2"] = {"mask": torch.zeros(1, 1, 4, 5, dtype=torch.uint8)}
-    reader = Reader(entries)
+    reader = MemoryReader(entries)
     sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 8, seed=1, shuffle=False)
     with PrefetchLoader(reader, sampler, prefetch_batches=1) as loader:
         with pytest.raises(LoaderWorkerError, match=r"mask entry k2 is \[4, 5\] but its latent (l|m)2 is \[4, 6\]"):
@@ -112,7 +94,7 @@ def test_a_mask_of_the_wrong_size_names_its_entry_and_latent():
 def test_an_entry_that_is_not_a_mask_is_named(bad):
     samples, entries = dataset()
     entries["k0"] = bad
-    reader = Reader(entries)
+    reader = MemoryReader(entries)
     sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 8, seed=1, shuffle=False)
     with PrefetchLoader(reader, sampler, prefetch_batches=0) as loader:
         with pytest.raises(LoaderWorkerError, match="mask entry k0 is not a mask dict"):

@@ -5,8 +5,6 @@ named."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -16,23 +14,7 @@ from dataset_cache.latent_buckets import buckets_from_reader
 from dataset_cache.loader import LoaderWorkerError, PrefetchLoader
 from dataset_cache.sampler import BucketSampler
 from dataset_cache.sharding import RowShardSampler
-
-
-class Reader:
-    """Entries in memory; records the keys of every read."""
-
-    def __init__(self, entries: dict) -> None:
-        self.entries = entries
-        self.reads: list[tuple[str, ...]] = []
-        self.lock = threading.Lock()
-
-    def get(self, key):
-        return self.entries[key]
-
-    def read(self, keys, *, pin_memory=False, out=None):
-        with self.lock:
-            self.reads.append(tuple(keys))
-        return [self.entries[k] for k in keys]
+from support.memory_reader import MemoryReader
 
 
 def dataset(n: int = 8):
@@ -62,7 +44,7 @@ def _originals(entries: dict) -> dict:
 def test_each_row_gets_its_reference_its_mirror_for_a_mirrored_row(prefetch, threads):
     samples, entries = dataset()
     before = _originals(entries)
-    reader = Reader(entries)
+    reader = MemoryReader(entries)
     sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 4, seed=3, tail="wrap")
     mirrored = plain = without = 0
     with PrefetchLoader(reader, sampler, prefetch_batches=prefetch, threads=threads, epochs=3) as loader:
@@ -95,7 +77,7 @@ def test_each_row_gets_its_reference_its_mirror_for_a_mirrored_row(prefetch, thr
 
 def test_each_batch_is_one_read_holding_its_references():
     samples, entries = dataset()
-    reader = Reader(entries)
+    reader = MemoryReader(entries)
     sampler = BucketSampler(samples, buckets_from_reader(reader, samples), 4, seed=3, tail="wrap")
     plans = sampler.epoch_plans(0)
     with PrefetchLoader(reader, sampler, prefetch_batches=0, epochs=1) as loader:
@@ -108,13 +90,13 @@ def test_each_batch_is_one_read_holding_its_references():
 def test_a_dataset_without_references_plans_none():
     samples, entries = dataset()
     plain = [Sample(s.latent, s.captions, mirror=s.mirror) for s in samples]
-    sampler = BucketSampler(plain, buckets_from_reader(Reader(entries), plain), 4, seed=3)
+    sampler = BucketSampler(plain, buckets_from_reader(MemoryReader(entries), plain), 4, seed=3)
     assert all(p.reference_keys == () for p in sampler.epoch_plans(0))
 
 
 def test_row_shares_keep_their_rows_references():
     samples, entries = dataset()
-    buckets = buckets_from_reader(Reader(entries), samples)
+    buckets = buckets_from_reader(MemoryReader(entries), samples)
     whole = BucketSampler(samples, buckets, 4, seed=3).epoch_plans(0)
     halves = [RowShardSampler(samples, buckets, 2, seed=3, rank=r, world_size=2).epoch_plans(0) for r in (0, 1)]
     for plan, first, second in zip(whole, *halves):
@@ -124,7 +106,7 @@ def test_row_shares_keep_their_rows_references():
 def test_a_reference_that_is_not_a_latent_is_named():
     samples, entries = dataset()
     entries["r0"] = [[torch.zeros(1, 2, 8), {}]]  # a conditioning where a latent belongs
-    reader = Reader(entries)
+    reader = MemoryReader(entries)
     sampler = BucketSampler(samples[:1], buckets_from_reader(reader, samples[:1]), 1, seed=0)
     with PrefetchLoader(reader, sampler, prefetch_batches=0, epochs=1) as loader:
         with pytest.raises((LoaderWorkerError, ValueError), match="reference entry r0"):

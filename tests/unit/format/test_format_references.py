@@ -7,7 +7,6 @@ are live (kept by clean, required by a writer).
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -16,8 +15,9 @@ import pytest
 import torch
 
 from dataset_cache.dataset import Sample
-from dataset_cache.format import CacheWriter, open_cache
+from dataset_cache.format import CacheWriter
 from dataset_cache.format.dataset_file import DATASET_VERSION_REFERENCES
+from support.goldens import assert_golden_reads, assert_writer_reproduces, dataset_doc
 
 GOLDEN = Path(__file__).parent / "data" / "v1-references"
 
@@ -50,26 +50,13 @@ def build(root: Path) -> None:
         w.set_dataset("edits", reference_samples(), info={"note": "references golden"})
 
 
-def _dataset_doc(root: Path) -> dict:
-    (file,) = (root / "datasets").iterdir()
-    return json.loads(file.read_bytes())
-
-
 def test_golden_references_cache_is_readable(same):
-    r = open_cache(GOLDEN)
-    assert r.verify() == []
-    want = reference_entries()
-    for k, got in zip(want, r.read(list(want))):
-        same(want[k], got, k)
-    assert r.dataset("edits") == reference_samples()
-    assert _dataset_doc(GOLDEN)["version"] == DATASET_VERSION_REFERENCES
+    assert_golden_reads(GOLDEN, reference_entries(), "edits", reference_samples(), same)
+    assert dataset_doc(GOLDEN)["version"] == DATASET_VERSION_REFERENCES
 
 
 def test_writer_still_produces_the_golden_reference_files(tmp_path):
-    build(tmp_path)
-    assert _dataset_doc(tmp_path) == _dataset_doc(GOLDEN)
-    ours, gold = sorted((tmp_path / "shards").iterdir()), sorted((GOLDEN / "shards").iterdir())
-    assert [p.read_bytes() for p in ours] == [p.read_bytes() for p in gold]
+    assert_writer_reproduces(build, tmp_path, GOLDEN)
 
 
 def test_reference_keys_are_live(tmp_path):
@@ -87,7 +74,7 @@ def test_a_dataset_without_references_keeps_its_version(tmp_path):
         for k, v in reference_entries().items():
             w.add(k, v, kind="conditioning" if k.startswith("cond") else "latent")
         w.set_dataset("plain", [Sample("latent-0", ("cond-0",), mirror="latent-0-mirror")])
-    doc = _dataset_doc(tmp_path)
+    doc = dataset_doc(tmp_path)
     assert doc["version"] == 2 and "reference" not in doc and "reference_mirror" not in doc
 
 

@@ -18,6 +18,7 @@ import torch
 from dataset_cache.dataset import Sample
 from dataset_cache.errors import CacheCorruptError, CacheFormatError
 from dataset_cache.format import CacheWriter, open_cache
+from support.goldens import assert_golden_reads, assert_writer_reproduces, dataset_doc
 
 GOLDEN = Path(__file__).parent / "data" / "v1-variants"
 
@@ -51,25 +52,12 @@ def build(root: Path) -> None:
         w.set_dataset("variants", variant_samples(), info={"note": "variants golden"})
 
 
-def _dataset_doc(root: Path) -> dict:
-    (file,) = (root / "datasets").iterdir()
-    return json.loads(file.read_bytes())
-
-
 def test_golden_variants_cache_is_readable(same):
-    r = open_cache(GOLDEN)
-    assert r.verify() == []
-    want = variant_entries()
-    for k, got in zip(want, r.read(list(want))):
-        same(want[k], got, k)
-    assert r.dataset("variants") == variant_samples()
+    assert_golden_reads(GOLDEN, variant_entries(), "variants", variant_samples(), same)
 
 
 def test_writer_still_produces_the_golden_variant_files(tmp_path):
-    build(tmp_path)
-    assert _dataset_doc(tmp_path) == _dataset_doc(GOLDEN)
-    ours, gold = sorted((tmp_path / "shards").iterdir()), sorted((GOLDEN / "shards").iterdir())
-    assert [p.read_bytes() for p in ours] == [p.read_bytes() for p in gold]
+    assert_writer_reproduces(build, tmp_path, GOLDEN)
 
 
 def test_dataset_without_variants_stays_version_1(tmp_path):
@@ -77,7 +65,7 @@ def test_dataset_without_variants_stays_version_1(tmp_path):
         w.add("l", {"samples": torch.zeros(1, 4, 2, 2)}, kind="latent")
         w.add("c", [[torch.zeros(1, 3, 4), {}]], kind="conditioning")
         w.set_dataset("plain", [Sample("l", ("c",), 3, "a.png")])
-    doc = _dataset_doc(tmp_path)
+    doc = dataset_doc(tmp_path)
     assert doc["version"] == 1
     assert sorted(doc) == ["captions", "format", "latent", "name", "repeats", "source", "version"]
 
