@@ -4,13 +4,14 @@ and reads as its generator wrote it, and today's writer makes the same files aga
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from dataset_cache.format import open_cache
 
-__all__ = ["assert_golden_reads", "assert_writer_reproduces", "dataset_doc"]
+__all__ = ["assert_golden_reads", "assert_writer_reproduces", "dataset_doc", "regenerate"]
 
 
 def dataset_doc(root: Path) -> dict[str, Any]:
@@ -35,3 +36,12 @@ def assert_writer_reproduces(build: Callable[[Path], None], tmp: Path, golden: P
     assert dataset_doc(tmp) == dataset_doc(golden)
     ours, gold = sorted((tmp / "shards").iterdir()), sorted((golden / "shards").iterdir())
     assert [p.read_bytes() for p in ours] == [p.read_bytes() for p in gold]
+
+
+def regenerate(golden: Path, build: Callable[[Path], None], argv: Sequence[str]) -> None:
+    """Write a golden that does not exist yet (``--force`` in ``argv``: anew); an existing one is never rewritten."""
+    if golden.exists() and "--force" not in argv:
+        raise SystemExit(f"{golden} exists; goldens are never rewritten")
+    shutil.rmtree(golden, ignore_errors=True)
+    build(golden)
+    print("wrote", golden)

@@ -7,7 +7,6 @@ are live (kept by clean, required by a writer).
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 from dataset_cache.dataset import Sample
 from dataset_cache.format import CacheWriter
 from dataset_cache.format.dataset_file import DATASET_VERSION_REFERENCES
-from support.goldens import assert_golden_reads, assert_writer_reproduces, dataset_doc
+from support.goldens import assert_golden_reads, assert_writer_reproduces, dataset_doc, regenerate
 
 GOLDEN = Path(__file__).parent / "data" / "v1-references"
 
@@ -79,8 +78,4 @@ def test_a_dataset_without_references_keeps_its_version(tmp_path):
 
 
 if __name__ == "__main__":  # regenerate: never for an existing golden
-    if GOLDEN.exists() and "--force" not in sys.argv:
-        sys.exit(f"{GOLDEN} exists; goldens are never rewritten")
-    shutil.rmtree(GOLDEN, ignore_errors=True)
-    build(GOLDEN)
-    print("wrote", GOLDEN)
+    regenerate(GOLDEN, build, sys.argv)

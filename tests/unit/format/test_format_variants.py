@@ -18,7 +18,7 @@ import torch
 from dataset_cache.dataset import Sample
 from dataset_cache.errors import CacheCorruptError, CacheFormatError
 from dataset_cache.format import CacheWriter, open_cache
-from support.goldens import assert_golden_reads, assert_writer_reproduces, dataset_doc
+from support.goldens import assert_golden_reads, assert_writer_reproduces, dataset_doc, regenerate
 
 GOLDEN = Path(__file__).parent / "data" / "v1-variants"
 
@@ -111,8 +111,4 @@ def test_malformed_variant_columns_are_refused_by_name(tmp_path, edit, error):
 
 
 if __name__ == "__main__":  # regenerate: never for an existing golden
-    if GOLDEN.exists() and "--force" not in sys.argv:
-        sys.exit(f"{GOLDEN} exists; goldens are never rewritten")
-    shutil.rmtree(GOLDEN, ignore_errors=True)
-    build(GOLDEN)
-    print("wrote", GOLDEN)
+    regenerate(GOLDEN, build, sys.argv)
