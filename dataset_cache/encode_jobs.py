@@ -58,7 +58,7 @@ class LatentJob:
             edited after planning can never be stored under the old content's key.
         plan: how the image becomes the bucket's pixels (each frame's, for a clip).
         clip: for a clip, its frames (``None`` for an image).
-        mirror: the latent is a mirror of ``flip="random"`` (counted in the report).
+        mirror: the latent is a training image's mirror of ``flip="random"`` (counted in the report).
         reference: the image is a reference image (:mod:`.reference_plan`), not a training image.
     """
 

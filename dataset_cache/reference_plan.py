@@ -142,17 +142,18 @@ def reference_keys(refs: References, ref: SourceImage, plan: CropPlan, mirrored:
     content = entry.hash
     acc.used_references.add(ref.relpath)
     fitted = config.fit_plan(plan, ref.width, ref.height, token=token)
-    key = _planned(refs, ref, content, fitted, acc, mirror=False)
+    key = _planned(refs, ref, content, fitted, acc)
     if not mirrored:
         return key, None
-    return key, _planned(refs, ref, content, config.mirror_plan(fitted), acc, mirror=True)
+    return key, _planned(refs, ref, content, config.mirror_plan(fitted), acc)
 
 
-def _planned(refs: References, ref: SourceImage, content: str, plan: CropPlan, acc: Planned, *,
-             mirror: bool) -> str:
+def _planned(refs: References, ref: SourceImage, content: str, plan: CropPlan, acc: Planned) -> str:
+    """The key of the reference's latent at ``plan``, its job planned into ``acc`` (counted as a reference, its
+    mirror too: the report's mirrors are the training images')."""
     key = acc.keys.latent(content, plan)
     if key not in acc.latents:
-        acc.latents[key] = LatentJob(key, ref.path, refs.name(ref), content, plan, mirror=mirror, reference=True)
+        acc.latents[key] = LatentJob(key, ref.path, refs.name(ref), content, plan, reference=True)
     return key
 
 

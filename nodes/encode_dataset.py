@@ -280,10 +280,10 @@ def _reference_input() -> Any:
     """``reference_folder``: like ``folder``, a dropdown of the input directory's folders (a text field while
     absolute folders are allowed), led by ``none``."""
     about = ("Edit models (Flux Kontext, Qwen-Image-Edit): the folder of the images the dataset's images were made "
-             "from, each named as its image (a.png edits a.png or a.jpg there; kohya subfolders mirrored, or all "
-             "at the top). Each is encoded with the same VAE at its image's bucket and crop, and Train LoRA gives "
-             "it to the model as ComfyUI's ReferenceLatent node does; an image without one trains without. "
-             "none: no reference images.")
+             "from, each named as its image (a.png's is a.png, a.jpg... there; for a kohya subfolder's image, in the "
+             "same subfolder or at the top). Each is encoded with the same VAE at its image's bucket and crop, and "
+             "Train LoRA gives it to the model as ComfyUI's ReferenceLatent node does; an image without one trains "
+             "without. none: no reference images.")
     if env_flag(ALLOW_ABSOLUTE_ENV, False):
         return io.String.Input("reference_folder", default="", optional=True, placeholder=NO_REFERENCES,
                                tooltip=f"{about} A folder inside ComfyUI's input directory, or an absolute path.")

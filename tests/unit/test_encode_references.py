@@ -135,7 +135,9 @@ def test_mirrors_pair_with_mirrored_references(folders: tuple[Path, Path], tmp_p
     cache = tmp_path / "cache"
     settings = _settings(refs, replace(BASE, bucket=replace(BASE.bucket, flip="random")))
     report, enc = _build(data, cache, settings)
-    assert enc.images == 3 * 2 + 2 * 2 and report.encoded_references == 4 and report.encoded_mirrors == 3 + 2
+    assert enc.images == 3 * 2 + 2 * 2 and report.encoded_references == 4 and report.encoded_mirrors == 3
+    assert "mirrors: 3 encoded, 3 in the dataset" in report.summary()
+    assert "reference images: 4 encoded, 4 in the dataset (2 of 3 samples with one)" in report.summary()
     stored = _stored(cache)
     assert stored["c.png"].reference_mirror is None
     with open_cache(cache) as reader:
