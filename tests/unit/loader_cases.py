@@ -127,6 +127,26 @@ def conditioning_extras(tmp: Path) -> Case:
                 {"prefetch_batches": 3, "threads": 2, "epochs": 2}, close=reader.close)
 
 
+def references(tmp: Path) -> Case:
+    """The real ``CacheReader``: samples with reference images (an edit model's), mirrored with their reference's
+    mirror, some without one; one reference is another sample's latent (one entry in two roles of a batch)."""
+    g = torch.Generator().manual_seed(9)
+    entries: dict[str, Any] = {"c": [[torch.randn(1, 5, 32, generator=g).half(), {"guidance": 2.5}]]}
+    samples = []
+    for i in range(10):
+        entries[f"l{i}"] = {"samples": torch.randn(1, 16, 6, 4, generator=g).bfloat16()}
+        entries[f"m{i}"] = {"samples": torch.randn(1, 16, 6, 4, generator=g).bfloat16()}
+        if i % 3:
+            entries[f"r{i}"] = {"samples": torch.randn(1, 16, 6, 4, generator=g).bfloat16()}
+            entries[f"rm{i}"] = {"samples": torch.randn(1, 16, 6, 4, generator=g).bfloat16()}
+        ref = None if i % 3 == 0 else ("l0" if i == 1 else f"r{i}")
+        samples.append(Sample(f"l{i}", ("c",), mirror=f"m{i}", reference=ref,
+                              reference_mirror=None if ref is None else f"rm{i}"))
+    reader = _write(tmp / "references", entries)
+    return Case(reader, lambda: BucketSampler(samples, buckets_from_reader(reader, samples), 3, 4, tail="wrap"),
+                {"prefetch_batches": 2, "threads": 2, "epochs": 2}, close=reader.close)
+
+
 def masks_and_mirrors(tmp: Path) -> Case:
     """Loss masks (``uint8``, widened on the target), mirrored rows (their masks flipped), rows without a mask."""
     samples, entries = masks.dataset(12)
@@ -190,7 +210,8 @@ def detached(tmp: Path) -> Case:
 
 CASES: dict[str, Callable[[Path], Case]] = {
     "image": image, "video": video, "conditioning extras (real reader)": conditioning_extras,
-    "masks and mirrors": masks_and_mirrors, "two caches, regularization rows": two_caches,
+    "masks and mirrors": masks_and_mirrors, "reference images (real reader)": references,
+    "two caches, regularization rows": two_caches,
     "per_batch extras": per_batch, "a value outside the read buffer": detached,
 }
 
