@@ -233,6 +233,23 @@ def test_an_unreadable_reference_leaves_its_image_out_by_name(folders: tuple[Pat
     assert "its reference refs/b.jpg cannot be read" in left_out.reason
 
 
+def test_a_reference_corrupt_after_its_header_is_a_named_encode_failure(folders: tuple[Path, Path],
+                                                                        tmp_path: Path) -> None:
+    """The reference decodes only when encoded: a cut file fails there, named; its image is left out of the
+    dataset (never trained without the image it edits), the others are stored and the cache verifies."""
+    data, refs = folders
+    raw = (refs / "a.png").read_bytes()
+    (refs / "a.png").write_bytes(raw[: len(raw) // 2])  # header intact, pixels cut
+    age(refs)
+    cache = tmp_path / "cache"
+    report, _enc = _build(data, cache, _settings(refs))
+    (failure,) = report.failures
+    assert failure.relpath == "refs/a.png" and failure.path == str(refs / "a.png")
+    assert sorted(_stored(cache)) == ["b.png", "c.png"] and report.skipped == 1
+    with open_cache(cache) as reader:
+        assert reader.verify() == []
+
+
 def test_references_survive_the_folder_going_away_and_clean(folders: tuple[Path, Path], tmp_path: Path) -> None:
     data, refs = folders
     cache = tmp_path / "cache"
