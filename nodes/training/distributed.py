@@ -325,7 +325,7 @@ class Team:
         """The run's row counts over every rank (each rank counted its own rows)."""
         if self.collective is None:
             return counts
-        names = ("trained", "dropped", "mirrored", "masked", "regularization")
+        names = ("trained", "dropped", "mirrored", "masked", "regularization", "referenced")
         summed = self.collective.sum_ints([getattr(counts, n) for n in names])
         return dataclasses.replace(counts, **dict(zip(names, summed)))
 

@@ -59,7 +59,8 @@ class StepReport:
 @dataclass
 class RowCounts:
     """What the trained batch rows were: how many, and how many took each variant (caption dropout, a mirror, a
-    loss mask, a regularization image), so the summary shows that a setting did what it says.
+    loss mask, a regularization image, an edit model's reference image), so the summary shows that a setting did
+    what it says.
 
     ``masks_ignored``: why the loss ignores masks in this run (``"masked_loss off"``, ``"unmasked_weight 1"``), or
     ``""`` when a row's mask weighs its loss; the summary then counts the rows with a mask as not masked.
@@ -71,6 +72,7 @@ class RowCounts:
     masked: int = 0
     regularization: int = 0
     masks_ignored: str = ""
+    referenced: int = 0
 
     def add(self, plan: Any, main_samples: int) -> None:
         """Count the rows of one batch plan (rows of samples from ``main_samples`` on are regularization rows)."""
@@ -79,12 +81,13 @@ class RowCounts:
         self.mirrored += sum(plan.mirrored)
         self.masked += sum(k is not None for k in plan.mask_keys)
         self.regularization += sum(i >= main_samples for i in plan.sample_indices)
+        self.referenced += sum(k is not None for k in plan.reference_keys[:len(plan.sample_indices)])
 
     def describe(self) -> str:
         """``"rows: 48 trained, 5 with the empty caption, ..."``, or ``""`` when no row took a variant."""
         masked = "with a mask" if not self.masks_ignored else f"with a mask not applied ({self.masks_ignored})"
         parts = [(self.dropped, "with the empty caption"), (self.mirrored, "mirrored"), (self.masked, masked),
-                 (self.regularization, "regularization")]
+                 (self.regularization, "regularization"), (self.referenced, "with a reference image")]
         if not any(n for n, _ in parts):
             return ""
         return f"rows: {self.trained} trained, " + ", ".join(f"{n} {what}" for n, what in parts if n)

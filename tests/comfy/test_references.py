@@ -187,3 +187,4 @@ def test_a_model_that_reads_no_reference_says_so(pack: ModuleType, models: tuple
         reader.close()
     (note,) = [n for n in result.notes if "reference" in n]
     assert note.startswith("2 sample(s) have a reference image") and "reads no reference latents" in note
+    assert result.rows.describe() == "rows: 1 trained, 1 with a reference image"  # batch 1, 1 step
