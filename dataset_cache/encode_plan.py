@@ -284,8 +284,7 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     scan, filled = fill_missing_captions(scan, settings.missing_caption)
 
     refs = None if not settings.reference_folder else scan_references(
-        settings.reference_folder, src, reference_record_path(root, dataset),
-        caption_extension=settings.caption_extension, threads=threads)
+        settings.reference_folder, src, reference_record_path(root, dataset), threads=threads)
     acc = Planned(PlanKeys(vae_fingerprint, text_fingerprint))
     if settings.empty_caption:  # the text "" itself: no prefix or suffix (dropout trains with no caption)
         acc.empty = acc.keys.conditioning("")

@@ -28,7 +28,7 @@ from .scan import SourceImage, scan_folder
 from .sources import Validation, validate_sources
 from .sources_record import SourcesRecordError, SourcesRecord, load_record, save_record
 
-__all__ = ["References", "reference_notes", "reference_of", "reference_keys", "scan_references"]
+__all__ = ["NO_CAPTIONS", "References", "reference_notes", "reference_of", "reference_keys", "scan_references"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _check_folders(folder: str, dataset_folder: str) -> None:
     if not os.path.isdir(folder):
         what = "does not exist" if not os.path.exists(folder) else "is not a folder"
         raise DatasetFolderError(folder, f"reference_folder {what}; give the folder of the images the dataset's "
-                                         "images were edited from, or leave it empty")
+                                         "images were made from, or leave it empty")
     real, data = os.path.realpath(folder), os.path.realpath(dataset_folder)
     if real == data or real.startswith(data + os.sep) or data.startswith(real + os.sep):
         raise DatasetFolderError(folder, f"reference_folder and the dataset folder {dataset_folder} are the same or "
@@ -76,8 +76,12 @@ def _load(path: Path) -> SourcesRecord:
         return SourcesRecord()
 
 
-def scan_references(folder: str, dataset_folder: str, record_path: Path, *, caption_extension: str,
-                    threads: int | None) -> References:
+NO_CAPTIONS = ".no-captions"
+"""The caption extension a reference folder is listed with: one no file has, so its text files are neither paired,
+hashed nor read (a reference has no caption; a bad ``.txt`` there must not cost its image)."""
+
+
+def scan_references(folder: str, dataset_folder: str, record_path: Path, *, threads: int | None) -> References:
     """Validate and scan the reference folder, saving its sources record when it changed (before any encode, as
     the dataset folder's, so a crash never costs a re-hash).
 
@@ -86,8 +90,7 @@ def scan_references(folder: str, dataset_folder: str, record_path: Path, *, capt
     """
     _check_folders(folder, dataset_folder)
     try:
-        validation = validate_sources(folder, _load(record_path), threads=threads,
-                                      caption_extension=caption_extension)
+        validation = validate_sources(folder, _load(record_path), threads=threads, caption_extension=NO_CAPTIONS)
     except DatasetFolderError:  # checked above that it is a folder: it holds no image
         raise DatasetFolderError(folder, "reference_folder holds no image; put the images the dataset's images "
                                          "were made from in it, each named as its image (a.png for a.png), or "

@@ -38,6 +38,7 @@ from ..dataset_cache.encode_plan import plan_encode
 from ..dataset_cache.imaging import MASK_MODES
 from ..dataset_cache.listing import CAPTION_EXTENSION, check_caption_extension
 from ..dataset_cache.missing_captions import MISSING_CAPTIONS
+from ..dataset_cache.reference_plan import NO_CAPTIONS
 from ..dataset_cache import check_dataset_name
 from ..dataset_cache.encode_report import EncodeReport
 from ..dataset_cache.encode_run import run_encode
@@ -215,7 +216,7 @@ def _folders_state(src: Path, caption_extension: str, refs: Path | None) -> str:
     """:func:`_source_state` of the dataset folder, and of the reference folder ``refs`` when one is given (an
     edited reference makes the node run again)."""
     state = _source_state(src, caption_extension)
-    return state if refs is None else f"{state}\0{_source_state(refs, caption_extension)}"
+    return state if refs is None else f"{state}\0{_source_state(refs, NO_CAPTIONS)}"
 
 
 def _run(plan: EncodePlan, vae: Any, clip: Any, node_id: str | None = None) -> EncodeReport:

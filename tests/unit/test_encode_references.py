@@ -193,6 +193,15 @@ def test_two_references_of_one_name_leave_the_image_out_by_name(folders: tuple[P
     assert "2 reference images have its name" in failure.reason and "refs/a.jpg" in failure.reason
 
 
+def test_a_bad_caption_file_in_the_reference_folder_is_not_a_reference(folders: tuple[Path, Path],
+                                                                        tmp_path: Path) -> None:
+    data, refs = folders
+    (refs / "a.txt").write_bytes(b"\xff\xfe not utf-8 \xc3")  # the reference folder's captions are not read
+    plan = _plan(data, tmp_path / "cache", _settings(refs))
+    assert {s.source for s in plan.samples} == {"a.png", "b.png", "c.png"} and plan.failures == ()
+    assert next(s for s in plan.samples if s.source == "a.png").reference is not None
+
+
 def test_unused_references_are_noted(folders: tuple[Path, Path], tmp_path: Path) -> None:
     data, refs = folders
     _image(refs / "zzz.png", (64, 64), 14)
