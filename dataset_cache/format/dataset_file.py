@@ -162,10 +162,11 @@ def parse_dataset(p: str, raw: bytes, info: DatasetInfo) -> list[Sample]:
             raise CacheCorruptError(p, "empty_caption must be an entry key or null")
     refs, ref_mirrors = none_column, none_column
     if version >= 3:
-        refs, ref_mirrors = (d.get(k, none_column) for k in ("reference", "reference_mirror"))
-        if type(refs) is not list or type(ref_mirrors) is not list or len(refs) != info.samples \
-                or len(ref_mirrors) != info.samples:
+        got_refs, got_mirrors = d.get("reference"), d.get("reference_mirror", none_column)
+        if type(got_refs) is not list or type(got_mirrors) is not list or len(got_refs) != info.samples \
+                or len(got_mirrors) != info.samples:
             raise CacheCorruptError(p, f"reference and reference_mirror must be lists of {info.samples} items")
+        refs, ref_mirrors = got_refs, got_mirrors
     samples = (lat, caps, reps, srcs, mirrors, masks)
     if _well_formed(*samples, empty) and _references_well_formed(mirrors, refs, ref_mirrors):
         out = list(map(Sample.checked_elsewhere, lat, map(tuple, caps), reps, srcs, mirrors, masks,

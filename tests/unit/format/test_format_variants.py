@@ -92,6 +92,7 @@ def test_one_empty_caption_per_dataset(tmp_path):
 
 @pytest.mark.parametrize("edit, error", [
     (lambda d: d.update(version=4), CacheFormatError),
+    (lambda d: d.update(version=3), CacheCorruptError),  # version 3 without its reference column
     (lambda d: d.update(version=3, reference=["x"]), CacheCorruptError),
     (lambda d: d.update(version=3, reference=["", None]), CacheCorruptError),
     (lambda d: d.update(version=3, reference_mirror=["x", None]), CacheCorruptError),
