@@ -318,5 +318,4 @@ class _Parts:
         latent_extras = [map_tensors(e, view) for e in self.latent_extras] if any(self.latent_extras) else None
         refs = None if self.references is None else [None if r is None else view(r) for r in self.references]
         return Batch(plan, latents, with_references([conds[k] for k in plan.caption_keys], refs), latent_extras,
-                     masks=masks,
-                     extras={k: view(t) for k, t in self.extras.items()})
+                     masks=masks, extras={k: view(t) for k, t in self.extras.items()})
