@@ -273,16 +273,8 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
     if not os.path.exists(src):
         return _sourceless_plan(root, dataset, src, settings, vae_fingerprint, text_fingerprint, record_path)
 
-    validation = validate_sources(src, _load_record(record_path), threads=threads,
-                                  caption_extension=settings.caption_extension)
+    validation, scan, filled = _read_folder(src, record_path, settings, threads)
     record = validation.record
-    scan = scan_folder(validation.listing, known_sizes=record.image_sizes(), known_captions=record.caption_lines(),
-                       threads=threads)
-    if validation.record_changed:  # else the record is current
-        frames = [f for clip in scan.clips for f in clip.frames]
-        save_record(record.with_image_sizes([*scan.images, *frames]), record_path)  # before any encode: never re-hash
-    scan, filled = fill_missing_captions(scan, settings.missing_caption)
-
     refs = None if not settings.reference_folder else scan_references(
         settings.reference_folder, src, reference_record_path(root, dataset), threads=threads)
     acc = Planned(PlanKeys(vae_fingerprint, text_fingerprint))
@@ -330,6 +322,22 @@ def _plan_encode(folder: str | os.PathLike[str], cache_root: str | os.PathLike[s
         tags_current=info is not None and info.get("tag_frequency", {}) == tags,
         reference_validation=None if refs is None else refs.validation,
     )
+
+
+def _read_folder(src: str, record_path: Path, settings: EncodeSettings, threads: int | None
+                 ) -> tuple[Validation, ScanResult, tuple[str, ...]]:
+    """Validate the folder against its sources record and scan it, saving the record when it changed (before any
+    encode: a crash never costs a re-hash); then fill in missing captions (the notes on that come back)."""
+    validation = validate_sources(src, _load_record(record_path), threads=threads,
+                                  caption_extension=settings.caption_extension)
+    record = validation.record
+    scan = scan_folder(validation.listing, known_sizes=record.image_sizes(), known_captions=record.caption_lines(),
+                       threads=threads)
+    if validation.record_changed:  # else the record is current
+        frames = [f for clip in scan.clips for f in clip.frames]
+        save_record(record.with_image_sizes([*scan.images, *frames]), record_path)
+    scan, filled = fill_missing_captions(scan, settings.missing_caption)
+    return validation, scan, filled
 
 
 def _plan_images(images: Sequence[SourceImage], record: SourcesRecord, listing: FolderListing,
