@@ -188,3 +188,38 @@ def test_a_model_that_reads_no_reference_says_so(pack: ModuleType, models: tuple
     (note,) = [n for n in result.notes if "reference" in n]
     assert note.startswith("2 sample(s) have a reference image") and "reads no reference latents" in note
     assert result.rows.describe() == "rows: 1 trained, 1 with a reference image"  # batch 1, 1 step
+
+
+def test_the_reference_input_lists_input_folders_and_refuses_a_path_out_of_them(
+        pack: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A dropdown led by ``none`` (the input directory's folders, like ``folder``); a text field while absolute
+    folders are allowed; a value leaving the input directory refused naming the input, before any plan."""
+    import folder_paths
+    from comfy_api.latest import io
+
+    mod = importlib.import_module(f"{pack.__name__}.nodes.encode_dataset")
+    base = tmp_path / "input"
+    (base / "before").mkdir(parents=True)
+    (base / "after").mkdir()
+    monkeypatch.setattr(folder_paths, "get_input_directory", lambda: str(base))
+    monkeypatch.delenv(mod.ALLOW_ABSOLUTE_ENV, raising=False)
+
+    def reference_input() -> Any:
+        (found,) = [i for i in mod.EncodeDataset.define_schema().inputs if i.id == "reference_folder"]
+        return found
+
+    found = reference_input()
+    assert isinstance(found, io.Combo.Input) and found.options == ["none", "after", "before"]
+    assert found.default == "none" and found.optional
+    settings = dict(resolution=64, bucket_step=32, crop="center", caption_prefix="", caption_suffix="", batch_size=2,
+                    on_failure="skip")
+    assert mod._settings(**settings).reference_folder == ""  # an old prompt: no references
+    assert mod._settings(**settings, reference_folder="none").reference_folder == ""
+    assert mod._settings(**settings, reference_folder="before").reference_folder == str(base / "before")
+    for bad in ("../elsewhere", str(tmp_path)):
+        with pytest.raises(ValueError, match="reference_folder: "):
+            mod._settings(**settings, reference_folder=bad)
+    monkeypatch.setenv(mod.ALLOW_ABSOLUTE_ENV, "1")
+    found = reference_input()
+    assert isinstance(found, io.String.Input) and found.default == ""
+    assert mod._settings(**settings, reference_folder=str(tmp_path)).reference_folder == str(tmp_path)
