@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Sample", "DatasetInfo", "MAX_REPEATS", "MAX_EPOCH_OCCURRENCES", "check_epoch_size", "reference_problem"]
+__all__ = ["Sample", "DatasetInfo", "MAX_REPEATS", "MAX_EPOCH_OCCURRENCES", "check_epoch_size"]
 
 
 MAX_REPEATS = 10_000
@@ -35,7 +35,7 @@ def check_epoch_size(samples: Sequence[Sample], where: str) -> None:
                          f"the limit of {MAX_EPOCH_OCCURRENCES}; lower the repeat counts")
 
 
-def reference_problem(sample: Sample) -> str | None:
+def _reference_problem(sample: Sample) -> str | None:
     """Why ``sample``'s reference columns do not fit its mirror (``None``: they do): a mirrored row trains with the
     mirrored reference, so a sample with a mirror and a reference needs both, and a reference mirror needs both."""
     if sample.reference_mirror is not None and (sample.reference is None or sample.mirror is None):
@@ -89,7 +89,7 @@ class Sample:
             if value is not None and (type(value) is not str or not value):
                 raise ValueError(f"sample {self.source or self.latent}: {name} must be an entry key or None, "
                                  f"got {value!r:.40}")
-        problem = reference_problem(self)
+        problem = _reference_problem(self)
         if problem:
             raise ValueError(f"sample {self.source or self.latent}: {problem}")
 

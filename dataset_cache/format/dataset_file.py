@@ -160,19 +160,19 @@ def parse_dataset(p: str, raw: bytes, info: DatasetInfo) -> list[Sample]:
             raise CacheCorruptError(p, f"mirror and mask must be lists of {info.samples} items")
         if empty is not None and type(empty) is not str:
             raise CacheCorruptError(p, "empty_caption must be an entry key or null")
-    refs, ref_mirrors = none_column, none_column
+    references: tuple[list[Any], ...] = ()  # the reference columns (version 3); before it, nothing to check
     if version >= 3:
-        got_refs, got_mirrors = d.get("reference"), d.get("reference_mirror", none_column)
-        if type(got_refs) is not list or type(got_mirrors) is not list or len(got_refs) != info.samples \
-                or len(got_mirrors) != info.samples:
+        refs, ref_mirrors = d.get("reference"), d.get("reference_mirror", none_column)
+        if type(refs) is not list or type(ref_mirrors) is not list or len(refs) != info.samples \
+                or len(ref_mirrors) != info.samples:
             raise CacheCorruptError(p, f"reference and reference_mirror must be lists of {info.samples} items")
-        refs, ref_mirrors = got_refs, got_mirrors
+        references = (refs, ref_mirrors)
     samples = (lat, caps, reps, srcs, mirrors, masks)
-    if _well_formed(*samples, empty) and _references_well_formed(mirrors, refs, ref_mirrors):
+    if _well_formed(*samples, empty) and (not references or _references_well_formed(mirrors, *references)):
         out = list(map(Sample.checked_elsewhere, lat, map(tuple, caps), reps, srcs, mirrors, masks,
-                       repeat(empty, info.samples), refs, ref_mirrors))
+                       repeat(empty, info.samples), *references))
     else:
-        out = _checked_samples(p, *samples, empty, refs, ref_mirrors)
+        out = _checked_samples(p, *samples, empty, *(references or (none_column, none_column)))
     try:
         check_epoch_size(out, f"dataset {info.name!r}")
     except ValueError as exc:

@@ -12,7 +12,10 @@ import torch
 import comfy.sampler_helpers
 import comfy.samplers
 
+from ...dataset_cache.batch_assembly import REFERENCE_LATENTS
+
 __all__ = ["Conditioner", "ModelCall", "unread_references"]
+
 
 def unread_references(model: Any, samples: Sequence[Any]) -> list[str]:
     """A note when samples have reference images (an edit model's) and ``model`` does not read them: none of its
@@ -23,7 +26,7 @@ def unread_references(model: Any, samples: Sequence[Any]) -> list[str]:
         return []
     for cls in type(model).__mro__:
         code = getattr(cls.__dict__.get("extra_conds"), "__code__", None)
-        if code is not None and "reference_latents" in code.co_consts:
+        if code is not None and REFERENCE_LATENTS in code.co_consts:
             return []
     return [f"{with_reference} sample(s) have a reference image (Encode Dataset's reference_folder), and "
             f"{type(model).__name__} reads no reference latents: they are ignored. Edit models such as Flux "
