@@ -110,8 +110,10 @@ class Sample:
         set_(sample, "mirror", mirror)
         set_(sample, "mask", mask)
         set_(sample, "empty_caption", empty_caption)
-        set_(sample, "reference", reference)
-        set_(sample, "reference_mirror", reference_mirror)
+        if reference is not None:  # else the class's None: a dataset without references keeps 7 keys a sample
+            set_(sample, "reference", reference)
+        if reference_mirror is not None:
+            set_(sample, "reference_mirror", reference_mirror)
         return sample
 
     def keys(self) -> tuple[str, ...]:
