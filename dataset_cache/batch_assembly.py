@@ -71,7 +71,7 @@ def entry_keys(plan: BatchPlan) -> list[str]:
     """Every entry one batch reads, each once: latents, conditionings, loss masks and reference images in ONE
     read."""
     masks = tuple(k for k in plan.mask_keys if k is not None)
-    refs = tuple(k for k in plan.reference_keys if k is not None)
+    refs = tuple(k for k in plan.reference_keys if k is not None) if plan.reference_keys else ()
     return list(dict.fromkeys(plan.latent_keys + plan.caption_keys + masks + refs))
 
 
@@ -264,7 +264,8 @@ def assemble_cpu(plan: BatchPlan, values: dict[str, Any], rows: list[torch.Tenso
     the reader did not lay them back to back, masks widened through :data:`MASK_LUT`."""
     latents = stack_rows(rows)
     conds = [values[k] for k in plan.caption_keys]
-    conds = with_references(conds, reference_rows(plan, values))
+    if plan.reference_keys:  # () when no sample of the dataset has one: no Python per batch for them
+        conds = with_references(conds, reference_rows(plan, values))
     latent_extras = [{k: v for k, v in values[key].items() if k != "samples"} for key in plan.latent_keys]
     masks = None
     if any(k is not None for k in plan.mask_keys):

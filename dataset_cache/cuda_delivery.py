@@ -288,7 +288,7 @@ class _Parts:
             for mask_key, m in zip(plan.mask_keys, self.masks):
                 if m is not None and mask_key is not None:
                     transfer.add([m], mask_key)
-        self.references = reference_rows(plan, values)
+        self.references = reference_rows(plan, values) if plan.reference_keys else None
         for ref_key, ref in zip(plan.reference_keys, self.references or ()):
             if ref is not None and ref_key is not None:
                 transfer.add([ref], ref_key)
@@ -316,6 +316,8 @@ class _Parts:
             masks = widen_masks(gathered, lut)
             transfer.allocations.append(masks)
         latent_extras = [map_tensors(e, view) for e in self.latent_extras] if any(self.latent_extras) else None
-        refs = None if self.references is None else [None if r is None else view(r) for r in self.references]
-        return Batch(plan, latents, with_references([conds[k] for k in plan.caption_keys], refs), latent_extras,
-                     masks=masks, extras={k: view(t) for k, t in self.extras.items()})
+        conditioning = [conds[k] for k in plan.caption_keys]
+        if self.references is not None:
+            conditioning = with_references(conditioning, [None if r is None else view(r) for r in self.references])
+        return Batch(plan, latents, conditioning, latent_extras, masks=masks,
+                     extras={k: view(t) for k, t in self.extras.items()})
