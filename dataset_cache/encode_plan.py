@@ -70,7 +70,7 @@ from .mask_plan import mask_job, mask_notes, unused_masks
 from .reference_plan import References, reference_keys, reference_notes, reference_of, scan_references
 from .scan import ScanResult, SourceImage, scan_folder
 from .sources import Validation, validate_sources
-from .sources_record import SourcesRecord, SourcesRecordError, load_record, save_record
+from .sources_record import SourcesRecord, load_record_or_empty, save_record
 from .tag_frequency import count_tags, folder_name, source_folder
 
 __all__ = [
@@ -118,7 +118,7 @@ def settle_sources(plan: EncodePlan) -> None:
                              (plan.reference_validation, reference_record_path(plan.cache_root, plan.dataset))):
         if validation is None or not validation.record.pending:
             continue
-        current = _load_record(path)
+        current = load_record_or_empty(path)
         if current.same_sources(validation.record):
             save_record(current.settled(), path)
 
@@ -128,14 +128,6 @@ def _check_cache_location(root: str) -> None:
     if not is_regular_file(os.path.join(root, MANIFEST)):
         check_new_cache_location(root)
     check_no_links(root)
-
-
-def _load_record(path: Path) -> SourcesRecord:
-    try:
-        return load_record(path, missing_ok=True)
-    except SourcesRecordError as exc:  # costs one re-hash of every file, never a re-encode
-        log.warning("%s; validating against an empty record instead", exc)
-        return SourcesRecord()
 
 
 def _cache_view(cache_root: str | os.PathLike[str], dataset: str, *, load: bool
@@ -214,7 +206,7 @@ def _sourceless_plan(cache_root: str, dataset: str, folder: str, settings: Encod
         raise DatasetFolderError(folder, f"dataset folder does not exist, and dataset {dataset!r} in the cache was "
                                          f"encoded with other {', '.join(differ)} than requested, so it cannot be "
                                          "re-encoded; restore the folder or use the settings it was built with")
-    record = _load_record(record_path)
+    record = load_record_or_empty(record_path)
     log.info("%s: source folder is gone; dataset %r (%d samples) is served from the cache", folder, dataset,
              len(stored))
     return EncodePlan(
@@ -328,7 +320,7 @@ def _read_folder(src: str, record_path: Path, settings: EncodeSettings, threads:
                  ) -> tuple[Validation, ScanResult, tuple[str, ...]]:
     """Validate the folder against its sources record and scan it, saving the record when it changed (before any
     encode: a crash never costs a re-hash); then fill in missing captions (the notes on that come back)."""
-    validation = validate_sources(src, _load_record(record_path), threads=threads,
+    validation = validate_sources(src, load_record_or_empty(record_path), threads=threads,
                                   caption_extension=settings.caption_extension)
     record = validation.record
     scan = scan_folder(validation.listing, known_sizes=record.image_sizes(), known_captions=record.caption_lines(),

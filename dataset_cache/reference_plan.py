@@ -26,7 +26,7 @@ from .encode_jobs import LatentJob, Planned
 from .errors import DatasetFolderError, SourceFailure
 from .scan import SourceImage, scan_folder
 from .sources import Validation, validate_sources
-from .sources_record import SourcesRecordError, SourcesRecord, load_record, save_record
+from .sources_record import load_record_or_empty, save_record
 
 __all__ = ["NO_CAPTIONS", "References", "reference_notes", "reference_of", "reference_keys", "scan_references"]
 
@@ -69,13 +69,6 @@ def _check_folders(folder: str, dataset_folder: str) -> None:
                                          "beside the dataset folder")
 
 
-def _load(path: Path) -> SourcesRecord:
-    try:
-        return load_record(path, missing_ok=True)
-    except SourcesRecordError:  # costs one re-hash of the reference folder, never a re-encode
-        return SourcesRecord()
-
-
 NO_CAPTIONS = ".no-captions"
 """The caption extension a reference folder is listed with: one no file has, so its text files are neither paired,
 hashed nor read (a reference has no caption; a bad ``.txt`` there must not cost its image)."""
@@ -90,7 +83,8 @@ def scan_references(folder: str, dataset_folder: str, record_path: Path, *, thre
     """
     _check_folders(folder, dataset_folder)
     try:
-        validation = validate_sources(folder, _load(record_path), threads=threads, caption_extension=NO_CAPTIONS)
+        validation = validate_sources(folder, load_record_or_empty(record_path), threads=threads,
+                                      caption_extension=NO_CAPTIONS)
     except DatasetFolderError:  # checked above that it is a folder: it holds no image
         raise DatasetFolderError(folder, "reference_folder holds no image; put the images the dataset's images "
                                          "were made from in it, each named as its image (a.png for a.png), or "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -46,7 +47,10 @@ __all__ = [
     "SourcesRecord",
     "save_record",
     "load_record",
+    "load_record_or_empty",
 ]
+
+log = logging.getLogger("dataset_cache.encode")
 
 RECORD_FORMAT = "streamcache-sources"
 """Value of the ``format`` field of every record file."""
@@ -270,3 +274,13 @@ def load_record(path: str | os.PathLike[str], *, missing_ok: bool = False) -> So
     make = functools.partial(tuple.__new__, SourceEntry)  # SourceEntry._make without its per-row length check
     entries = dict(zip(cols[0], map(make, zip(*cols[1:]))))
     return SourcesRecord(entries, doc["scanned_ns"], doc["root"], dict(doc.get(_PENDING, {})))
+
+
+def load_record_or_empty(path: str | os.PathLike[str]) -> SourcesRecord:
+    """:func:`load_record`, an empty record for one that is missing or unreadable (logged): a lost record costs one
+    re-hash of every file of its folder, never a re-encode."""
+    try:
+        return load_record(path, missing_ok=True)
+    except SourcesRecordError as exc:
+        log.warning("%s; validating against an empty record instead", exc)
+        return SourcesRecord()
